@@ -1,0 +1,128 @@
+//! Cuts a byte stream (ASAP or ENRP over TCP) into messages.
+//!
+//! Messages travel back to back, each delimited by its header's length. A sender pads each
+//! message to a multiple of 4; the framer skips that padding when it is there and does not wait
+//! for it when it is not (type 0 is reserved, so a zero byte can never start a message).
+
+use crate::error::{DecodeError, DecodeErrorKind};
+use bytes::{Buf, Bytes, BytesMut};
+
+/// The largest message the header can describe.
+pub const MAX_MESSAGE_SIZE: usize = u16::MAX as usize;
+
+/// Reassembles messages from stream reads.
+#[derive(Debug)]
+pub struct Framer {
+    buf: BytesMut,
+    max: usize,
+    /// Padding bytes still owed by the previous message.
+    pending_pad: usize,
+}
+
+impl Framer {
+    /// A framer that refuses messages longer than `max_message_size` bytes.
+    pub fn new(max_message_size: usize) -> Self {
+        Self {
+            buf: BytesMut::with_capacity(4096),
+            max: max_message_size.clamp(4, MAX_MESSAGE_SIZE),
+            pending_pad: 0,
+        }
+    }
+
+    /// Appends bytes read from the stream.
+    pub fn extend(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+    }
+
+    /// The buffer to read into directly (e.g. with `read_buf`).
+    pub fn buffer_mut(&mut self) -> &mut BytesMut {
+        &mut self.buf
+    }
+
+    /// Bytes received but not yet returned as a message.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next complete message, `Ok(None)` if more bytes are needed, or an error when framing
+    /// is lost (length below 4 or above the limit): the connection should then be closed.
+    pub fn next_message(&mut self) -> Result<Option<Bytes>, DecodeError> {
+        while self.pending_pad > 0 && self.buf.first() == Some(&0) {
+            self.buf.advance(1);
+            self.pending_pad -= 1;
+        }
+        if !self.buf.is_empty() {
+            self.pending_pad = 0;
+        }
+        let Some((_, _, length)) = crate::peek_header(&self.buf) else {
+            return Ok(None);
+        };
+        let len = usize::from(length);
+        if len < 4 {
+            return Err(DecodeError::silent(DecodeErrorKind::BadMessageLength(length)));
+        }
+        if len > self.max {
+            return Err(DecodeError::silent(DecodeErrorKind::TooLarge {
+                length: len,
+                limit: self.max,
+            }));
+        }
+        if self.buf.len() < len {
+            self.buf.reserve(len - self.buf.len());
+            return Ok(None);
+        }
+        let msg = self.buf.split_to(len).freeze();
+        self.pending_pad = len.next_multiple_of(4) - len;
+        Ok(Some(msg))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_back_to_back_and_partial_messages() {
+        let hr: &[u8] = b"\x05\x00\x00\x10\x00\x09\x00\x0cEchoPool";
+        // A 9-byte message (pool handle "P") followed by 3 zero bytes of padding.
+        let short: &[u8] = b"\x05\x00\x00\x09\x00\x09\x00\x05P\x00\x00\x00";
+        let mut stream = Vec::new();
+        stream.extend_from_slice(hr);
+        stream.extend_from_slice(short);
+        stream.extend_from_slice(hr);
+        let mut f = Framer::new(1024);
+        let mut got = Vec::new();
+        for chunk in stream.chunks(3) {
+            f.extend(chunk);
+            while let Some(m) = f.next_message().unwrap() {
+                got.push(m);
+            }
+        }
+        assert_eq!(got.len(), 3);
+        assert_eq!(&got[0][..], hr);
+        assert_eq!(&got[1][..], &short[..9]);
+        assert_eq!(&got[2][..], hr);
+        assert_eq!(f.buffered(), 0);
+    }
+
+    #[test]
+    fn unpadded_sender_is_accepted() {
+        let mut f = Framer::new(1024);
+        f.extend(b"\x05\x00\x00\x09\x00\x09\x00\x05P\x05\x00\x00\x09\x00\x09\x00\x05Q");
+        assert_eq!(f.next_message().unwrap().unwrap().len(), 9);
+        assert_eq!(f.next_message().unwrap().unwrap()[8], b'Q');
+    }
+
+    #[test]
+    fn refuses_bad_lengths() {
+        let mut f = Framer::new(64);
+        f.extend(b"\x05\x00\x00\x02");
+        assert!(f.next_message().unwrap_err().loses_framing());
+        let mut f = Framer::new(64);
+        f.extend(b"\x05\x00\x01\x00");
+        assert!(matches!(
+            f.next_message().unwrap_err().kind,
+            DecodeErrorKind::TooLarge { .. }
+        ));
+    }
+}

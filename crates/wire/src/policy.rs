@@ -1,0 +1,306 @@
+//! Pool Member Selection Policy parameter (RFC 5356 §3, plus rsplib's private policies that
+//! Wireshark decodes). Every field after the policy type is a 32-bit unsigned integer.
+//!
+//! A policy type the codec does not know is kept as [`Policy::Other`] with its raw data, so a
+//! registrar can still refuse it with a precise error and private-range policies of our own can be
+//! added later without touching the decoder.
+
+use crate::error::{DecodeError, DecodeErrorKind};
+use crate::param::ptype;
+use crate::tlv::{Encoder, RawTlv};
+use bytes::Bytes;
+
+/// Policy type codes.
+pub mod policy_type {
+    pub const ROUND_ROBIN: u32 = 0x0000_0001;
+    pub const WEIGHTED_ROUND_ROBIN: u32 = 0x0000_0002;
+    pub const RANDOM: u32 = 0x0000_0003;
+    pub const WEIGHTED_RANDOM: u32 = 0x0000_0004;
+    pub const PRIORITY: u32 = 0x0000_0005;
+    pub const LEAST_USED: u32 = 0x4000_0001;
+    pub const LEAST_USED_DEGRADATION: u32 = 0x4000_0002;
+    pub const PRIORITY_LEAST_USED: u32 = 0x4000_0003;
+    pub const RANDOMIZED_LEAST_USED: u32 = 0x4000_0004;
+    // rsplib's private policies (draft-dreibholz-rserpool-policies, Wireshark's names).
+    pub const RANDOMIZED_PRIORITY_LEAST_USED: u32 = 0xb000_1001;
+    pub const RANDOMIZED_LEAST_USED_DEGRADATION: u32 = 0xb000_1002;
+    pub const PRIORITY_LEAST_USED_DEGRADATION: u32 = 0xb000_1003;
+    pub const RANDOMIZED_PRIORITY_LEAST_USED_DEGRADATION: u32 = 0xb000_1004;
+    pub const WEIGHTED_RANDOM_DPF: u32 = 0xb000_2001;
+    pub const LEAST_USED_DPF: u32 = 0xb000_2002;
+    pub const LEAST_USED_DEGRADATION_DPF: u32 = 0xb000_2003;
+
+    /// The adaptive bit: the policy uses load information reported by the PEs.
+    pub const ADAPTIVE: u32 = 0x4000_0000;
+    /// The private bit: not an IETF-defined policy.
+    pub const PRIVATE: u32 = 0x8000_0000;
+}
+
+use policy_type as pt;
+
+/// A pool member selection policy with its per-PE parameters.
+///
+/// Load and load degradation use the RFC's scale: 0 = 0%, `u32::MAX` = 100%.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Policy {
+    RoundRobin,
+    WeightedRoundRobin {
+        weight: u32,
+    },
+    Random,
+    WeightedRandom {
+        weight: u32,
+    },
+    Priority {
+        priority: u32,
+    },
+    LeastUsed {
+        load: u32,
+    },
+    LeastUsedDegradation {
+        load: u32,
+        degradation: u32,
+    },
+    PriorityLeastUsed {
+        load: u32,
+        degradation: u32,
+    },
+    RandomizedLeastUsed {
+        load: u32,
+    },
+    RandomizedPriorityLeastUsed {
+        load: u32,
+        degradation: u32,
+    },
+    RandomizedLeastUsedDegradation {
+        load: u32,
+        degradation: u32,
+    },
+    PriorityLeastUsedDegradation {
+        load: u32,
+        degradation: u32,
+    },
+    RandomizedPriorityLeastUsedDegradation {
+        load: u32,
+        degradation: u32,
+    },
+    WeightedRandomDpf {
+        weight: u32,
+        weight_dpf: u32,
+        distance: u32,
+    },
+    LeastUsedDpf {
+        load: u32,
+        load_dpf: u32,
+        distance: u32,
+    },
+    LeastUsedDegradationDpf {
+        load: u32,
+        degradation: u32,
+        load_dpf: u32,
+        distance: u32,
+    },
+    /// A policy type this codec does not know, with its raw data.
+    Other {
+        policy_type: u32,
+        data: Bytes,
+    },
+}
+
+impl Policy {
+    pub fn policy_type(&self) -> u32 {
+        match self {
+            Self::RoundRobin => pt::ROUND_ROBIN,
+            Self::WeightedRoundRobin { .. } => pt::WEIGHTED_ROUND_ROBIN,
+            Self::Random => pt::RANDOM,
+            Self::WeightedRandom { .. } => pt::WEIGHTED_RANDOM,
+            Self::Priority { .. } => pt::PRIORITY,
+            Self::LeastUsed { .. } => pt::LEAST_USED,
+            Self::LeastUsedDegradation { .. } => pt::LEAST_USED_DEGRADATION,
+            Self::PriorityLeastUsed { .. } => pt::PRIORITY_LEAST_USED,
+            Self::RandomizedLeastUsed { .. } => pt::RANDOMIZED_LEAST_USED,
+            Self::RandomizedPriorityLeastUsed { .. } => pt::RANDOMIZED_PRIORITY_LEAST_USED,
+            Self::RandomizedLeastUsedDegradation { .. } => pt::RANDOMIZED_LEAST_USED_DEGRADATION,
+            Self::PriorityLeastUsedDegradation { .. } => pt::PRIORITY_LEAST_USED_DEGRADATION,
+            Self::RandomizedPriorityLeastUsedDegradation { .. } => {
+                pt::RANDOMIZED_PRIORITY_LEAST_USED_DEGRADATION
+            }
+            Self::WeightedRandomDpf { .. } => pt::WEIGHTED_RANDOM_DPF,
+            Self::LeastUsedDpf { .. } => pt::LEAST_USED_DPF,
+            Self::LeastUsedDegradationDpf { .. } => pt::LEAST_USED_DEGRADATION_DPF,
+            Self::Other { policy_type, .. } => *policy_type,
+        }
+    }
+
+    /// The policy's per-PE fields in wire order (empty for [`Policy::Other`]).
+    fn fields(&self) -> ([u32; 4], usize) {
+        match *self {
+            Self::RoundRobin | Self::Random | Self::Other { .. } => ([0; 4], 0),
+            Self::WeightedRoundRobin { weight } | Self::WeightedRandom { weight } => {
+                ([weight, 0, 0, 0], 1)
+            }
+            Self::Priority { priority } => ([priority, 0, 0, 0], 1),
+            Self::LeastUsed { load } | Self::RandomizedLeastUsed { load } => ([load, 0, 0, 0], 1),
+            Self::LeastUsedDegradation { load, degradation }
+            | Self::PriorityLeastUsed { load, degradation }
+            | Self::RandomizedPriorityLeastUsed { load, degradation }
+            | Self::RandomizedLeastUsedDegradation { load, degradation }
+            | Self::PriorityLeastUsedDegradation { load, degradation }
+            | Self::RandomizedPriorityLeastUsedDegradation { load, degradation } => {
+                ([load, degradation, 0, 0], 2)
+            }
+            Self::WeightedRandomDpf {
+                weight,
+                weight_dpf,
+                distance,
+            } => ([weight, weight_dpf, distance, 0], 3),
+            Self::LeastUsedDpf {
+                load,
+                load_dpf,
+                distance,
+            } => ([load, load_dpf, distance, 0], 3),
+            Self::LeastUsedDegradationDpf {
+                load,
+                degradation,
+                load_dpf,
+                distance,
+            } => ([load, degradation, load_dpf, distance], 4),
+        }
+    }
+
+    /// True for policies whose selection depends on reported load (the A bit).
+    pub fn is_adaptive(&self) -> bool {
+        self.policy_type() & pt::ADAPTIVE != 0
+    }
+
+    /// The load carried by an adaptive policy, if any.
+    pub fn load(&self) -> Option<u32> {
+        match *self {
+            Self::LeastUsed { load }
+            | Self::RandomizedLeastUsed { load }
+            | Self::LeastUsedDegradation { load, .. }
+            | Self::PriorityLeastUsed { load, .. }
+            | Self::RandomizedPriorityLeastUsed { load, .. }
+            | Self::RandomizedLeastUsedDegradation { load, .. }
+            | Self::PriorityLeastUsedDegradation { load, .. }
+            | Self::RandomizedPriorityLeastUsedDegradation { load, .. }
+            | Self::LeastUsedDpf { load, .. }
+            | Self::LeastUsedDegradationDpf { load, .. } => Some(load),
+            _ => None,
+        }
+    }
+
+    /// Short name as used on the command line and in logs.
+    pub fn short_name(&self) -> &'static str {
+        match self {
+            Self::RoundRobin => "rr",
+            Self::WeightedRoundRobin { .. } => "wrr",
+            Self::Random => "rand",
+            Self::WeightedRandom { .. } => "wrand",
+            Self::Priority { .. } => "prio",
+            Self::LeastUsed { .. } => "lu",
+            Self::LeastUsedDegradation { .. } => "lud",
+            Self::PriorityLeastUsed { .. } => "plu",
+            Self::RandomizedLeastUsed { .. } => "rlu",
+            Self::RandomizedPriorityLeastUsed { .. } => "rplu",
+            Self::RandomizedLeastUsedDegradation { .. } => "rlud",
+            Self::PriorityLeastUsedDegradation { .. } => "plud",
+            Self::RandomizedPriorityLeastUsedDegradation { .. } => "rplud",
+            Self::WeightedRandomDpf { .. } => "wrand-dpf",
+            Self::LeastUsedDpf { .. } => "lu-dpf",
+            Self::LeastUsedDegradationDpf { .. } => "lud-dpf",
+            Self::Other { .. } => "other",
+        }
+    }
+
+    pub(crate) fn encode(&self, e: &mut Encoder<'_>) {
+        let s = e.begin(ptype::POLICY);
+        e.u32(self.policy_type());
+        if let Self::Other { data, .. } = self {
+            e.raw(data);
+        } else {
+            let (f, n) = self.fields();
+            f[..n].iter().for_each(|&v| e.u32(v));
+        }
+        e.end(s);
+    }
+
+    pub(crate) fn decode(tlv: &RawTlv<'_>) -> Result<Self, DecodeError> {
+        let invalid = || DecodeError::invalid(DecodeErrorKind::InvalidValue("policy"), tlv.whole);
+        let v = tlv.value;
+        let word = |i: usize| -> Result<u32, DecodeError> {
+            v.get(i * 4..i * 4 + 4)
+                .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                .ok_or_else(invalid)
+        };
+        let ty = word(0)?;
+        // Fields beyond what a policy defines are ignored (liberal in what we accept).
+        Ok(match ty {
+            pt::ROUND_ROBIN => Self::RoundRobin,
+            pt::WEIGHTED_ROUND_ROBIN => Self::WeightedRoundRobin { weight: word(1)? },
+            pt::RANDOM => Self::Random,
+            pt::WEIGHTED_RANDOM => Self::WeightedRandom { weight: word(1)? },
+            pt::PRIORITY => Self::Priority { priority: word(1)? },
+            pt::LEAST_USED => Self::LeastUsed { load: word(1)? },
+            pt::LEAST_USED_DEGRADATION => Self::LeastUsedDegradation {
+                load: word(1)?,
+                degradation: word(2)?,
+            },
+            // rsplib sends Priority-LU without the degradation field (length 0xC).
+            pt::PRIORITY_LEAST_USED => Self::PriorityLeastUsed {
+                load: word(1)?,
+                degradation: word(2).unwrap_or(0),
+            },
+            pt::RANDOMIZED_LEAST_USED => Self::RandomizedLeastUsed { load: word(1)? },
+            pt::RANDOMIZED_PRIORITY_LEAST_USED => Self::RandomizedPriorityLeastUsed {
+                load: word(1)?,
+                degradation: word(2)?,
+            },
+            pt::RANDOMIZED_LEAST_USED_DEGRADATION => Self::RandomizedLeastUsedDegradation {
+                load: word(1)?,
+                degradation: word(2)?,
+            },
+            pt::PRIORITY_LEAST_USED_DEGRADATION => Self::PriorityLeastUsedDegradation {
+                load: word(1)?,
+                degradation: word(2)?,
+            },
+            pt::RANDOMIZED_PRIORITY_LEAST_USED_DEGRADATION => {
+                Self::RandomizedPriorityLeastUsedDegradation {
+                    load: word(1)?,
+                    degradation: word(2)?,
+                }
+            }
+            pt::WEIGHTED_RANDOM_DPF => Self::WeightedRandomDpf {
+                weight: word(1)?,
+                weight_dpf: word(2)?,
+                distance: word(3)?,
+            },
+            pt::LEAST_USED_DPF => Self::LeastUsedDpf {
+                load: word(1)?,
+                load_dpf: word(2)?,
+                distance: word(3)?,
+            },
+            pt::LEAST_USED_DEGRADATION_DPF => Self::LeastUsedDegradationDpf {
+                load: word(1)?,
+                degradation: word(2)?,
+                load_dpf: word(3)?,
+                distance: word(4)?,
+            },
+            0 | pt::ADAPTIVE => return Err(invalid()),
+            other => Self::Other {
+                policy_type: other,
+                data: Bytes::copy_from_slice(&v[4..]),
+            },
+        })
+    }
+}
+
+/// Converts a utilisation fraction (0.0..=1.0) to the RFC's load scale.
+pub fn load_from_fraction(f: f64) -> u32 {
+    (f.clamp(0.0, 1.0) * f64::from(u32::MAX)).round() as u32
+}
+
+/// Converts the RFC's load scale to a fraction 0.0..=1.0.
+pub fn load_to_fraction(load: u32) -> f64 {
+    f64::from(load) / f64::from(u32::MAX)
+}
