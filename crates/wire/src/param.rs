@@ -418,3 +418,21 @@ fn parse_operation_error(tlv: &RawTlv<'_>) -> Result<OperationError, DecodeError
     }
     Ok(OperationError { causes })
 }
+
+impl UserTransport {
+    /// This transport as a standalone TLV (e.g. for an Inconsistent Transport Type cause).
+    pub fn to_tlv(&self) -> Vec<u8> {
+        let mut v = Vec::new();
+        put_user_transport(&mut Encoder::new(&mut v), self);
+        v
+    }
+}
+
+impl Policy {
+    /// This policy as a standalone TLV (e.g. for an Inconsistent Pooling Policy cause).
+    pub fn to_tlv(&self) -> Vec<u8> {
+        let mut v = Vec::new();
+        self.encode(&mut Encoder::new(&mut v));
+        v
+    }
+}
