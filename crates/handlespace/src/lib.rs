@@ -123,9 +123,7 @@ impl RegistrationError {
             Self::InconsistentTransport(t) => {
                 ErrorCause::with_info(CauseCode::INCONSISTENT_TRANSPORT_TYPE, t.to_tlv())
             }
-            Self::InconsistentDataControl => {
-                ErrorCause::new(CauseCode::INCONSISTENT_DATA_CONTROL)
-            }
+            Self::InconsistentDataControl => ErrorCause::new(CauseCode::INCONSISTENT_DATA_CONTROL),
             Self::UnsupportedPolicy(p) => {
                 ErrorCause::with_info(CauseCode::INVALID_VALUES, p.to_tlv())
             }
@@ -139,8 +137,6 @@ impl RegistrationError {
 #[derive(Debug, Clone)]
 pub struct PeEntry {
     pub element: PoolElement,
-    /// Time (ms) of the last registration or re-registration.
-    pub last_update: u64,
     /// Time (ms) of the last sign of life (keep-alive ACK or re-registration).
     pub last_heard: u64,
     /// ENDPOINT_UNREACHABLE reports since the last sign of life.
@@ -148,14 +144,15 @@ pub struct PeEntry {
     pool: u32,
     pool_pos: u32,
     owner_pos: u32,
-    /// Heap position, or ring predecessor.
+}
+
+/// Selection links of a PE, kept apart from the (large, mostly cold) entries so that heap
+/// sifts and ring walks touch one dense array: heap position or ring predecessor, and ring
+/// successor.
+#[derive(Debug, Clone, Copy)]
+struct SelLink {
     sel: u32,
-    /// Ring successor.
-    sel2: u32,
-    /// Tie-break sequence number: the newest goes last among equals.
-    seq: u64,
-    /// LUD: degradation accumulated since the last registration. WRR: virtual pass.
-    counter: u64,
+    next: u32,
 }
 
 /// How a pool selects, chosen by its policy type.
@@ -214,6 +211,7 @@ const WRR_RENORMALISE: u64 = 1 << 62;
 pub struct Handlespace {
     config: Config,
     pes: Vec<PeEntry>,
+    links: Vec<SelLink>,
     free: Vec<u32>,
     pools: Vec<Option<Pool>>,
     free_pools: Vec<u32>,
@@ -270,19 +268,27 @@ fn wrr_stride(policy: &Policy) -> u64 {
     }
 }
 
-/// The primary heap value of an ordered policy (smaller is selected first).
-fn primary(e: &PeEntry) -> u64 {
-    match e.element.policy {
+/// The primary heap value of an ordered policy at (re-)registration; smaller is selected
+/// first. The heap key holds the live value: LUD adds its degradation counter there (reset to
+/// zero by a re-registration), WRR keeps its virtual pass there (`pass` is the value to keep).
+fn primary(policy: &Policy, pass: u64) -> u64 {
+    match *policy {
         Policy::WeightedRoundRobin { weight: 0 } => u64::MAX,
-        Policy::WeightedRoundRobin { .. } => e.counter,
+        Policy::WeightedRoundRobin { .. } => pass,
         Policy::Priority { priority } => u64::from(u32::MAX - priority),
-        Policy::LeastUsed { load } => u64::from(load),
-        Policy::LeastUsedDegradation { load, .. } => u64::from(load).saturating_add(e.counter),
-        Policy::PriorityLeastUsed { load, degradation } => {
-            u64::from(load) + u64::from(degradation)
-        }
+        Policy::LeastUsed { load } | Policy::LeastUsedDegradation { load, .. } => u64::from(load),
+        Policy::PriorityLeastUsed { load, degradation } => u64::from(load) + u64::from(degradation),
         _ => 0,
     }
+}
+
+/// The current WRR virtual time: the smallest pass of a PE that can serve.
+fn wrr_now(heap: &Heap) -> u64 {
+    heap.items()
+        .first()
+        .map(|top| top.key.0)
+        .filter(|&v| v != u64::MAX)
+        .unwrap_or(0)
 }
 
 /// Selection weight of a weighted random policy.
@@ -317,6 +323,7 @@ impl Handlespace {
             rng: Xoshiro256PlusPlus::seed_from_u64(config.seed),
             config,
             pes: Vec::new(),
+            links: Vec::new(),
             free: Vec::new(),
             pools: Vec::new(),
             free_pools: Vec::new(),
@@ -399,9 +406,7 @@ impl Handlespace {
     }
 
     fn pool_by_handle(&self, handle: &[u8]) -> Option<&Pool> {
-        self.pool_index
-            .get(handle)
-            .map(|&i| self.pool_ref(i))
+        self.pool_index.get(handle).map(|&i| self.pool_ref(i))
     }
 
     fn pool_ref(&self, i: u32) -> &Pool {
@@ -443,7 +448,10 @@ impl Handlespace {
                 }
                 if pool.transport_ptype != tp {
                     let m = pool.members.first().copied().unwrap_or(NIL);
-                    let t = self.pes.get(m as usize).map(|e| e.element.user_transport.clone());
+                    let t = self
+                        .pes
+                        .get(m as usize)
+                        .map(|e| e.element.user_transport.clone());
                     return Err(RegistrationError::InconsistentTransport(
                         t.unwrap_or(element.user_transport),
                     ));
@@ -522,29 +530,32 @@ impl Handlespace {
         let owner = element.home_registrar;
         let entry = PeEntry {
             element,
-            last_update: now,
             last_heard: now,
             unreachable_reports: 0,
             pool: pool_idx,
             pool_pos: 0,
             owner_pos: 0,
+        };
+        let link = SelLink {
             sel: NIL,
-            sel2: NIL,
-            seq,
-            counter: 0,
+            next: NIL,
         };
         let i = match self.free.pop() {
             Some(i) => {
                 self.pes[i as usize] = entry;
+                self.links[i as usize] = link;
                 i
             }
             None => {
                 self.pes.push(entry);
+                self.links.push(link);
                 (self.pes.len() - 1) as u32
             }
         };
         self.len += 1;
-        let Self { pes, pools, .. } = self;
+        let Self {
+            pes, pools, links, ..
+        } = self;
         let Some(pool) = pools[pool_idx as usize].as_mut() else {
             unreachable!("insert into a free pool slot")
         };
@@ -555,31 +566,23 @@ impl Handlespace {
         match &mut pool.sel {
             Selection::Ring { head } => {
                 if *head == NIL {
-                    pes[i as usize].sel = i;
-                    pes[i as usize].sel2 = i;
+                    links[i as usize] = SelLink { sel: i, next: i };
                     *head = i;
                 } else {
                     // New PEs join at the end of the current round (before the head).
                     let h = *head;
-                    let tail = pes[h as usize].sel;
-                    pes[i as usize].sel = tail;
-                    pes[i as usize].sel2 = h;
-                    pes[tail as usize].sel2 = i;
-                    pes[h as usize].sel = i;
+                    let tail = links[h as usize].sel;
+                    links[i as usize] = SelLink { sel: tail, next: h };
+                    links[tail as usize].next = i;
+                    links[h as usize].sel = i;
                 }
             }
             Selection::Heap(heap) => {
-                if matches!(pes[i as usize].element.policy, Policy::WeightedRoundRobin { .. }) {
-                    // Join at the current virtual time, so a newcomer gets no burst.
-                    pes[i as usize].counter = heap
-                        .items()
-                        .first()
-                        .map(|top| top.key.0)
-                        .filter(|&v| v != u64::MAX)
-                        .unwrap_or(0);
-                }
-                let key = (primary(&pes[i as usize]), seq);
-                heap.push(HeapItem { key, pe: i }, &mut |pe, p| pes[pe as usize].sel = p);
+                // A WRR newcomer joins at the current virtual time, so it gets no burst.
+                let key = (primary(&pes[i as usize].element.policy, wrr_now(heap)), seq);
+                heap.push(HeapItem { key, pe: i }, &mut |pe, p| {
+                    links[pe as usize].sel = p
+                });
             }
             Selection::Uniform => {}
             Selection::Weighted(f) => f.push(weight(&pes[i as usize].element.policy)),
@@ -594,10 +597,11 @@ impl Handlespace {
         if old_owner != new_owner {
             self.owner_remove(i, old_owner);
         }
-        let Self { pes, pools, .. } = self;
+        let Self {
+            pes, pools, links, ..
+        } = self;
         let e = &mut pes[i as usize];
         e.element = element;
-        e.last_update = now;
         e.last_heard = now;
         e.unreachable_reports = 0;
         let pool_idx = e.pool;
@@ -607,13 +611,13 @@ impl Handlespace {
         match &mut pool.sel {
             Selection::Ring { .. } | Selection::Uniform => {}
             Selection::Heap(heap) => {
-                let e = &mut pes[i as usize];
-                if matches!(e.element.policy, Policy::LeastUsedDegradation { .. }) {
-                    e.counter = 0; // RFC 5356: reset on (re-)registration
-                }
-                let at = e.sel as usize;
-                let key = (primary(e), e.seq);
-                heap.set_key(at, key, &mut |pe, p| pes[pe as usize].sel = p);
+                // Keeps the tie-break position and a WRR pass; resets LUD's degradation
+                // (RFC 5356: on every (re-)registration).
+                let at = links[i as usize].sel as usize;
+                let (old, seq) = heap.items()[at].key;
+                let pass = if old == u64::MAX { wrr_now(heap) } else { old };
+                let key = (primary(&pes[i as usize].element.policy, pass), seq);
+                heap.set_key(at, key, &mut |pe, p| links[pe as usize].sel = p);
             }
             Selection::Weighted(f) => {
                 let e = &pes[i as usize];
@@ -627,10 +631,17 @@ impl Handlespace {
 
     /// Updates only the policy information of a PE (e.g. its load), the cheap re-registration.
     /// The policy type must stay the same.
-    pub fn update_policy(&mut self, r: PeRef, policy: Policy, now: u64) -> Result<(), RegistrationError> {
+    pub fn update_policy(
+        &mut self,
+        r: PeRef,
+        policy: Policy,
+        now: u64,
+    ) -> Result<(), RegistrationError> {
         let e = &self.pes[r.0 as usize];
         if e.element.policy.policy_type() != policy.policy_type() {
-            return Err(RegistrationError::InconsistentPolicy(e.element.policy.clone()));
+            return Err(RegistrationError::InconsistentPolicy(
+                e.element.policy.clone(),
+            ));
         }
         let mut element = e.element.clone();
         element.policy = policy;
@@ -660,7 +671,9 @@ impl Handlespace {
         self.timers.cancel(i);
         let owner = self.pes[i as usize].element.home_registrar;
         self.owner_remove(i, owner);
-        let Self { pes, pools, .. } = self;
+        let Self {
+            pes, pools, links, ..
+        } = self;
         let (pool_idx, pool_pos, id) = {
             let e = &pes[i as usize];
             (e.pool, e.pool_pos, e.element.id)
@@ -671,20 +684,20 @@ impl Handlespace {
         pool.by_id.remove(&id);
         match &mut pool.sel {
             Selection::Ring { head } => {
-                let (prev, next) = (pes[i as usize].sel, pes[i as usize].sel2);
+                let SelLink { sel: prev, next } = links[i as usize];
                 if next == i {
                     *head = NIL;
                 } else {
-                    pes[prev as usize].sel2 = next;
-                    pes[next as usize].sel = prev;
+                    links[prev as usize].next = next;
+                    links[next as usize].sel = prev;
                     if *head == i {
                         *head = next;
                     }
                 }
             }
             Selection::Heap(heap) => {
-                let at = pes[i as usize].sel as usize;
-                heap.remove(at, &mut |pe, p| pes[pe as usize].sel = p);
+                let at = links[i as usize].sel as usize;
+                heap.remove(at, &mut |pe, p| links[pe as usize].sel = p);
             }
             Selection::Uniform => {}
             Selection::Weighted(f) => {
@@ -738,6 +751,7 @@ impl Handlespace {
         };
         let Self {
             pes,
+            links,
             pools,
             rng,
             seq,
@@ -756,10 +770,10 @@ impl Handlespace {
                 let mut cur = *head;
                 for _ in 0..k {
                     out.push(PeRef(cur));
-                    cur = pes[cur as usize].sel2;
+                    cur = links[cur as usize].next;
                 }
                 for _ in 0..inc.min(k) {
-                    *head = pes[*head as usize].sel2;
+                    *head = links[*head as usize].next;
                 }
             }
             Selection::Heap(heap) => {
@@ -774,27 +788,29 @@ impl Handlespace {
                 }
                 let chosen = out.len() - start;
                 for j in 0..inc.min(chosen) {
-                    let pe = out[start + j].0;
-                    let e = &mut pes[pe as usize];
-                    *seq += 1;
-                    e.seq = *seq;
-                    match e.element.policy {
+                    let pe = out[start + j].0 as usize;
+                    let e = &pes[pe];
+                    let at = links[pe].sel as usize;
+                    let value = heap.items()[at].key.0;
+                    let value = match e.element.policy {
                         Policy::LeastUsedDegradation { degradation, .. } => {
-                            e.counter = e.counter.saturating_add(u64::from(degradation));
+                            value.saturating_add(u64::from(degradation))
                         }
                         Policy::WeightedRoundRobin { .. } => {
-                            e.counter = e.counter.saturating_add(wrr_stride(&e.element.policy));
+                            value.saturating_add(wrr_stride(&e.element.policy))
                         }
-                        _ => {}
-                    }
-                    let key: Key = (primary(e), e.seq);
-                    let at = e.sel as usize;
-                    heap.set_key(at, key, &mut |pe, p| pes[pe as usize].sel = p);
+                        _ => value,
+                    };
+                    *seq += 1;
+                    let key: Key = (value, *seq);
+                    heap.set_key(at, key, &mut |pe, p| links[pe as usize].sel = p);
                 }
-                if heap.items().first().is_some_and(|t| {
-                    t.key.0 >= WRR_RENORMALISE && t.key.0 != u64::MAX
-                }) {
-                    renormalise_wrr(heap, pes);
+                if heap
+                    .items()
+                    .first()
+                    .is_some_and(|t| t.key.0 >= WRR_RENORMALISE && t.key.0 != u64::MAX)
+                {
+                    renormalise_wrr(heap);
                 }
             }
             Selection::Uniform => {
@@ -1028,7 +1044,14 @@ impl Handlespace {
     }
 
     /// Keeps open traversals exact across a swap-remove at `pos` of `owner`'s member array.
-    fn fix_cursors(&mut self, owner: u32, removed: u32, pos: usize, last: usize, moved: Option<u32>) {
+    fn fix_cursors(
+        &mut self,
+        owner: u32,
+        removed: u32,
+        pos: usize,
+        last: usize,
+        moved: Option<u32>,
+    ) {
         for c in self.cursors.iter_mut().filter(|c| c.active) {
             if let Some(k) = c.pending.iter().position(|&p| p == removed) {
                 c.pending.swap_remove(k);
@@ -1052,18 +1075,7 @@ impl Handlespace {
 }
 
 /// Subtracts the smallest WRR pass from all, keeping order; runs once per ~2^30 selections.
-fn renormalise_wrr(heap: &mut Heap, pes: &mut [PeEntry]) {
+fn renormalise_wrr(heap: &mut Heap) {
     let base = heap.items().first().map_or(0, |t| t.key.0);
-    let mut touched: Vec<(usize, Key)> = Vec::with_capacity(heap.len());
-    for (at, item) in heap.items().iter().enumerate() {
-        let e = &mut pes[item.pe as usize];
-        if item.key.0 != u64::MAX {
-            e.counter -= base;
-            touched.push((at, (item.key.0 - base, item.key.1)));
-        }
-    }
-    for (at, key) in touched {
-        // Order is unchanged, so no entry moves.
-        heap.set_key(at, key, &mut |_, _| {});
-    }
+    heap.rebase(base);
 }

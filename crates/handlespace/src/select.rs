@@ -23,12 +23,18 @@ pub struct Heap {
 const D: usize = 4;
 
 impl Heap {
-    pub fn len(&self) -> usize {
-        self.items.len()
-    }
-
     pub fn items(&self) -> &[HeapItem] {
         &self.items
+    }
+
+    /// Subtracts `base` from every primary value except `u64::MAX`; all values must be at least
+    /// `base`. Order is preserved, so nothing moves.
+    pub fn rebase(&mut self, base: u64) {
+        for item in &mut self.items {
+            if item.key.0 != u64::MAX {
+                item.key.0 -= base;
+            }
+        }
     }
 
     pub fn push(&mut self, item: HeapItem, pos: &mut impl FnMut(u32, u32)) {
@@ -184,7 +190,11 @@ impl Fenwick {
     pub fn find(&self, mut r: u64) -> usize {
         let n = self.tree.len();
         let mut pos = 0usize;
-        let mut step = if n == 0 { 0 } else { 1usize << (usize::BITS - 1 - n.leading_zeros()) };
+        let mut step = if n == 0 {
+            0
+        } else {
+            1usize << (usize::BITS - 1 - n.leading_zeros())
+        };
         while step > 0 {
             let next = pos + step;
             if next <= n && self.tree[next - 1] <= r {

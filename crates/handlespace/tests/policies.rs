@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use rserpool_handlespace::{Config, Handlespace, PeRef, RegistrationError, TimerKind};
 use rserpool_wire::checksum::{PeChecksum, pe_block_sum};
 use rserpool_wire::policy::load_from_fraction;
-use rserpool_wire::{PoolElement, PoolHandle, Policy, Protocol, TransportAddress, UserTransport};
+use rserpool_wire::{Policy, PoolElement, PoolHandle, Protocol, TransportAddress, UserTransport};
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -176,7 +176,10 @@ fn priority_highest_first_round_robin_on_ties() {
     assert!(v[..2].contains(&2) && v[..2].contains(&3));
     let seq: Vec<u32> = (0..6).map(|_| resolve(&mut h, 1)[0]).collect();
     assert!(seq.iter().all(|&x| x == 2 || x == 3));
-    assert!(seq.windows(2).all(|w| w[0] != w[1]), "ties alternate: {seq:?}");
+    assert!(
+        seq.windows(2).all(|w| w[0] != w[1]),
+        "ties alternate: {seq:?}"
+    );
 }
 
 #[test]
@@ -244,7 +247,10 @@ fn randomized_least_used_prefers_free_capacity() {
     let s2 = c[&2] as f64 / n as f64;
     assert!((s1 - 2.0 / 3.0).abs() < 0.015, "{s1}");
     assert!((s2 - 1.0 / 3.0).abs() < 0.015, "{s2}");
-    assert!(c.get(&3).copied().unwrap_or(0) < 5, "a full PE is (almost) never chosen");
+    assert!(
+        c.get(&3).copied().unwrap_or(0) < 5,
+        "a full PE is (almost) never chosen"
+    );
     // ... but a pool of full PEs still answers.
     let mut h = setup(&[rlu(1.0), rlu(1.0)]);
     assert_eq!(resolve(&mut h, 2).len(), 2);
@@ -254,8 +260,14 @@ fn randomized_least_used_prefers_free_capacity() {
 fn registration_rules() {
     let mut h = setup(&[Policy::LeastUsed { load: 0 }]);
     let e = h.register(&ph(), pe(2, Policy::RoundRobin), 0).unwrap_err();
-    assert!(matches!(e, RegistrationError::InconsistentPolicy(Policy::LeastUsed { .. })));
-    assert_eq!(e.cause().code, rserpool_wire::CauseCode::INCONSISTENT_POOLING_POLICY);
+    assert!(matches!(
+        e,
+        RegistrationError::InconsistentPolicy(Policy::LeastUsed { .. })
+    ));
+    assert_eq!(
+        e.cause().code,
+        rserpool_wire::CauseCode::INCONSISTENT_POOLING_POLICY
+    );
     let mut udp = pe(2, Policy::LeastUsed { load: 0 });
     udp.user_transport = UserTransport::Address(TransportAddress {
         protocol: Protocol::Udp { reserved: 0 },
@@ -263,7 +275,10 @@ fn registration_rules() {
         addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
     });
     let e = h.register(&ph(), udp, 0).unwrap_err();
-    assert_eq!(e.cause().code, rserpool_wire::CauseCode::INCONSISTENT_TRANSPORT_TYPE);
+    assert_eq!(
+        e.cause().code,
+        rserpool_wire::CauseCode::INCONSISTENT_TRANSPORT_TYPE
+    );
     // SCTP pools also fix the data/control configuration.
     let sctp = |id, u| {
         let mut p = pe(id, Policy::RoundRobin);
@@ -284,11 +299,14 @@ fn registration_rules() {
     let e = h
         .register(
             &PoolHandle::from("x"),
-            pe(1, Policy::LeastUsedDpf {
-                load: 0,
-                load_dpf: 0,
-                distance: 0,
-            }),
+            pe(
+                1,
+                Policy::LeastUsedDpf {
+                    load: 0,
+                    load_dpf: 0,
+                    distance: 0,
+                },
+            ),
             0,
         )
         .unwrap_err();

@@ -1,11 +1,11 @@
 //! ASAP messages (RFC 5352 §2.2): registration, handle resolution, keep-alive, announce, session
 //! layer. Flags are per message; undefined flag bits are sent as 0 and ignored on receipt.
 
-use crate::error::{CauseCode, DecodeError, DecodeErrorKind, ErrorCause};
+use crate::error::{CauseCode, DecodeError, DecodeErrorKind, EncodeError, ErrorCause};
 use crate::param::{
     OperationError, Param, PoolElement, PoolHandle, TransportAddress, UserTransport, missing,
-    parse_params, put_operation_error, put_pe_id, put_pool_element, put_pool_handle,
-    put_transport, ptype,
+    parse_params, ptype, put_operation_error, put_pe_id, put_pool_element, put_pool_handle,
+    put_transport,
 };
 use crate::policy::Policy;
 use crate::tlv::Encoder;
@@ -157,8 +157,9 @@ impl AsapMessage {
         }
     }
 
-    /// Appends the encoded message (padded to a multiple of 4) to `out`.
-    pub fn encode(&self, out: &mut Vec<u8>) {
+    /// Appends the encoded message (padded to a multiple of 4) to `out`. A message whose
+    /// length would not fit 16 bits is refused and `out` is left as it was.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         let mut e = Encoder::new(out);
         let s = e.begin(u16::from_be_bytes([self.msg_type(), self.flags()]));
         match self {
@@ -256,12 +257,13 @@ impl AsapMessage {
             Self::Error { error } => put_operation_error(&mut e, error),
         }
         e.end(s);
+        e.finish()
     }
 
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub fn to_bytes(&self) -> Result<Vec<u8>, EncodeError> {
         let mut v = Vec::new();
-        self.encode(&mut v);
-        v
+        self.encode(&mut v)?;
+        Ok(v)
     }
 
     /// Decodes one ASAP message from `buf` (exactly one message, padding allowed).
@@ -271,7 +273,10 @@ impl AsapMessage {
 
     /// Like [`decode`](Self::decode), and collects the error causes the sender should be told
     /// about even though the message was accepted (unknown parameters of type `11xx…`).
-    pub fn decode_with_report(buf: &[u8], report: &mut Vec<ErrorCause>) -> Result<Self, DecodeError> {
+    pub fn decode_with_report(
+        buf: &[u8],
+        report: &mut Vec<ErrorCause>,
+    ) -> Result<Self, DecodeError> {
         let (ty, flags, body) = crate::split_message(buf)?;
         let f0 = flags & 0x01 != 0;
         let parse = |report: &mut Vec<ErrorCause>, b: &[u8]| parse_params(b, report);
@@ -288,7 +293,9 @@ impl AsapMessage {
                 let (pool_handle, pe_id) = (p.pool_handle()?, p.pe_id()?);
                 match ty {
                     mt::DEREGISTRATION => Self::Deregistration { pool_handle, pe_id },
-                    mt::ENDPOINT_KEEP_ALIVE_ACK => Self::EndpointKeepAliveAck { pool_handle, pe_id },
+                    mt::ENDPOINT_KEEP_ALIVE_ACK => {
+                        Self::EndpointKeepAliveAck { pool_handle, pe_id }
+                    }
                     _ => Self::EndpointUnreachable { pool_handle, pe_id },
                 }
             }
@@ -390,7 +397,10 @@ impl AsapMessage {
 }
 
 /// Reads the fixed 32-bit field (a server ID) that some messages carry before their TLVs.
-pub(crate) fn fixed_u32<'a>(body: &'a [u8], what: &'static str) -> Result<(u32, &'a [u8]), DecodeError> {
+pub(crate) fn fixed_u32<'a>(
+    body: &'a [u8],
+    what: &'static str,
+) -> Result<(u32, &'a [u8]), DecodeError> {
     match body {
         [a, b, c, d, rest @ ..] => Ok((u32::from_be_bytes([*a, *b, *c, *d]), rest)),
         _ => Err(DecodeError {

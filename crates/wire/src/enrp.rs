@@ -2,10 +2,10 @@
 //! message carries the sending and receiving server IDs after the header.
 
 use crate::asap::{Params, fixed_u32};
-use crate::error::{DecodeError, DecodeErrorKind, ErrorCause};
+use crate::error::{DecodeError, DecodeErrorKind, EncodeError, ErrorCause};
 use crate::param::{
     OperationError, Param, PoolElement, PoolHandle, ServerInformation, missing, parse_params,
-    put_operation_error, put_pool_element, put_pool_handle, put_server_information, ptype,
+    ptype, put_operation_error, put_pool_element, put_pool_handle, put_server_information,
 };
 use crate::tlv::Encoder;
 
@@ -127,7 +127,9 @@ impl EnrpBody {
         match *self {
             Self::Presence { reply_required, .. } => u8::from(reply_required),
             Self::HandleTableRequest { own_children_only } => u8::from(own_children_only),
-            Self::HandleTableResponse { reject, more, .. } => u8::from(reject) | u8::from(more) << 1,
+            Self::HandleTableResponse { reject, more, .. } => {
+                u8::from(reject) | u8::from(more) << 1
+            }
             Self::HandleUpdate {
                 takeover_suggested, ..
             } => u8::from(takeover_suggested),
@@ -138,10 +140,14 @@ impl EnrpBody {
 }
 
 impl EnrpMessage {
-    /// Appends the encoded message (padded to a multiple of 4) to `out`.
-    pub fn encode(&self, out: &mut Vec<u8>) {
+    /// Appends the encoded message (padded to a multiple of 4) to `out`. A message whose
+    /// length would not fit 16 bits is refused and `out` is left as it was.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         let mut e = Encoder::new(out);
-        let s = e.begin(u16::from_be_bytes([self.body.msg_type(), self.body.flags()]));
+        let s = e.begin(u16::from_be_bytes([
+            self.body.msg_type(),
+            self.body.flags(),
+        ]));
         e.u32(self.sender);
         e.u32(self.receiver);
         match &self.body {
@@ -192,12 +198,13 @@ impl EnrpMessage {
             EnrpBody::Error { error } => put_operation_error(&mut e, error),
         }
         e.end(s);
+        e.finish()
     }
 
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub fn to_bytes(&self) -> Result<Vec<u8>, EncodeError> {
         let mut v = Vec::new();
-        self.encode(&mut v);
-        v
+        self.encode(&mut v)?;
+        Ok(v)
     }
 
     /// Decodes one ENRP message from `buf` (exactly one message, padding allowed).
@@ -206,7 +213,10 @@ impl EnrpMessage {
     }
 
     /// Like [`decode`](Self::decode), collecting causes to report for skipped parameters.
-    pub fn decode_with_report(buf: &[u8], report: &mut Vec<ErrorCause>) -> Result<Self, DecodeError> {
+    pub fn decode_with_report(
+        buf: &[u8],
+        report: &mut Vec<ErrorCause>,
+    ) -> Result<Self, DecodeError> {
         let (ty, flags, body) = crate::split_message(buf)?;
         if !(mt::PRESENCE..=mt::ERROR).contains(&ty) {
             return Err(crate::unknown_message(ty, buf));

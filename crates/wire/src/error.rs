@@ -133,3 +133,10 @@ impl DecodeError {
         )
     }
 }
+
+/// An encoding failure: the message does not fit the 16-bit length field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    #[error("message too large to encode: {length} bytes (at most 65535)")]
+    TooLarge { length: usize },
+}

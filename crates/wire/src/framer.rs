@@ -59,7 +59,9 @@ impl Framer {
         };
         let len = usize::from(length);
         if len < 4 {
-            return Err(DecodeError::silent(DecodeErrorKind::BadMessageLength(length)));
+            return Err(DecodeError::silent(DecodeErrorKind::BadMessageLength(
+                length,
+            )));
         }
         if len > self.max {
             return Err(DecodeError::silent(DecodeErrorKind::TooLarge {

@@ -22,7 +22,7 @@ mod tlv;
 pub use asap::AsapMessage;
 pub use checksum::PeChecksum;
 pub use enrp::{EnrpBody, EnrpMessage, PoolEntry, UpdateAction};
-pub use error::{CauseCode, DecodeError, DecodeErrorKind, ErrorCause};
+pub use error::{CauseCode, DecodeError, DecodeErrorKind, EncodeError, ErrorCause};
 pub use framer::Framer;
 pub use param::{
     OperationError, PoolElement, PoolHandle, Protocol, ServerInformation, TransportAddress,
@@ -51,13 +51,20 @@ pub(crate) fn split_message(buf: &[u8]) -> Result<(u8, u8, &[u8]), DecodeError> 
     let length = u16::from_be_bytes([l0, l1]);
     let len = usize::from(length);
     if len < 4 {
-        return Err(DecodeError::silent(DecodeErrorKind::BadMessageLength(length)));
+        return Err(DecodeError::silent(DecodeErrorKind::BadMessageLength(
+            length,
+        )));
     }
     if len > buf.len() {
         return Err(DecodeError::silent(DecodeErrorKind::Truncated {
             needed: len,
             available: buf.len(),
         }));
+    }
+    // After the message only its padding may follow (at most 3 zero bytes).
+    let tail = &buf[len..];
+    if tail.len() > 3 || tail.iter().any(|&b| b != 0) {
+        return Err(DecodeError::invalid(DecodeErrorKind::TrailingGarbage, tail));
     }
     Ok((ty, flags, &buf[4..len]))
 }
@@ -66,7 +73,9 @@ pub(crate) fn split_message(buf: &[u8]) -> Result<(u8, u8, &[u8]), DecodeError> 
 pub(crate) fn unknown_message(ty: u8, buf: &[u8]) -> DecodeError {
     let kind = DecodeErrorKind::UnknownMessage(ty);
     if ty >> 6 == 0b01 {
-        let len = buf.len().min(usize::from(u16::from_be_bytes([buf[2], buf[3]])));
+        let len = buf
+            .len()
+            .min(usize::from(u16::from_be_bytes([buf[2], buf[3]])));
         DecodeError {
             kind,
             cause: Some(ErrorCause::with_info(

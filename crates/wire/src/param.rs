@@ -63,12 +63,23 @@ impl std::fmt::Display for PoolHandle {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Protocol {
     /// SCTP, with its Transport Use field (0 = data only, 1 = data plus control).
-    Sctp { transport_use: u16 },
+    Sctp {
+        transport_use: u16,
+    },
     /// TCP; the reserved field is kept as received (rsplib reads it as Transport Use).
-    Tcp { reserved: u16 },
-    Udp { reserved: u16 },
-    UdpLite { reserved: u16 },
-    Dccp { reserved: u16, service_code: u32 },
+    Tcp {
+        reserved: u16,
+    },
+    Udp {
+        reserved: u16,
+    },
+    UdpLite {
+        reserved: u16,
+    },
+    Dccp {
+        reserved: u16,
+        service_code: u32,
+    },
 }
 
 impl Protocol {

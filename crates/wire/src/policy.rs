@@ -8,7 +8,6 @@
 use crate::error::{DecodeError, DecodeErrorKind};
 use crate::param::ptype;
 use crate::tlv::{Encoder, RawTlv};
-use bytes::Bytes;
 
 /// Policy type codes.
 pub mod policy_type {
@@ -100,10 +99,11 @@ pub enum Policy {
         load_dpf: u32,
         distance: u32,
     },
-    /// A policy type this codec does not know, with its raw data.
+    /// A policy type this codec does not know, with its raw data (boxed: it is rare, and
+    /// every PE entry in a handlespace pays for the largest variant).
     Other {
         policy_type: u32,
-        data: Bytes,
+        data: Box<[u8]>,
     },
 }
 
@@ -289,7 +289,7 @@ impl Policy {
             0 | pt::ADAPTIVE => return Err(invalid()),
             other => Self::Other {
                 policy_type: other,
-                data: Bytes::copy_from_slice(&v[4..]),
+                data: v[4..].into(),
             },
         })
     }

@@ -75,8 +75,10 @@ pub(crate) fn unknown_parameter(
     tlv: &RawTlv<'_>,
     report: &mut Vec<ErrorCause>,
 ) -> Result<(), DecodeError> {
-    let cause =
-        ErrorCause::with_info(CauseCode::UNRECOGNIZED_PARAMETER, Bytes::copy_from_slice(tlv.whole));
+    let cause = ErrorCause::with_info(
+        CauseCode::UNRECOGNIZED_PARAMETER,
+        Bytes::copy_from_slice(tlv.whole),
+    );
     let kind = DecodeErrorKind::UnrecognizedParameter(tlv.ptype);
     match tlv.ptype >> 14 {
         0b00 => Err(DecodeError::silent(kind)),
@@ -152,15 +154,33 @@ impl<'a> Reader<'a> {
 /// padding, and an enclosing length excludes the padding of its last nested TLV.
 pub struct Encoder<'a> {
     buf: &'a mut Vec<u8>,
+    /// Where this encoding started: alignment is relative to it, not to the buffer.
+    base: usize,
     /// Pad bytes at the end of `buf` that belong to the last TLV written.
     trailing_pad: usize,
+    /// Set when some length did not fit 16 bits.
+    too_large: Option<usize>,
 }
 
 impl<'a> Encoder<'a> {
     pub fn new(buf: &'a mut Vec<u8>) -> Self {
+        let base = buf.len();
         Self {
             buf,
+            base,
             trailing_pad: 0,
+            too_large: None,
+        }
+    }
+
+    /// Ends the encoding: on a length overflow the buffer is restored and the error returned.
+    pub fn finish(self) -> Result<(), crate::error::EncodeError> {
+        match self.too_large {
+            None => Ok(()),
+            Some(length) => {
+                self.buf.truncate(self.base);
+                Err(crate::error::EncodeError::TooLarge { length })
+            }
         }
     }
 
@@ -191,10 +211,12 @@ impl<'a> Encoder<'a> {
     pub fn end(&mut self, start: usize) {
         let unpadded_end = self.buf.len() - self.trailing_pad;
         let len = unpadded_end - start;
-        // A message or TLV never exceeds 64 KiB: callers bound what they put in one.
-        let len16 = u16::try_from(len).unwrap_or(u16::MAX);
+        let len16 = u16::try_from(len).unwrap_or_else(|_| {
+            self.too_large = Some(self.too_large.unwrap_or(0).max(len));
+            u16::MAX
+        });
         self.buf[start + 2..start + 4].copy_from_slice(&len16.to_be_bytes());
-        let padded = unpadded_end.next_multiple_of(4);
+        let padded = self.base + (unpadded_end - self.base).next_multiple_of(4);
         self.buf.resize(padded.max(self.buf.len()), 0);
         self.trailing_pad = padded - unpadded_end;
     }

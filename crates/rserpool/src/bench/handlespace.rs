@@ -1,0 +1,315 @@
+//! `rserpool bench handlespace`: the seed paper's Figures 5–6 (handlespace operation throughput
+//! by pool size) measured on this machine, single-threaded.
+//!
+//! Every operation goes through the handlespace's public API exactly as a registrar calls it,
+//! with a freshly built Pool Element per registration (as a decoded message would supply).
+
+use anyhow::{Context, Result};
+use rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use rserpool_handlespace::{Config, Handlespace, PeRef, TimerKind};
+use rserpool_wire::{Policy, PoolElement, PoolHandle, Protocol, TransportAddress, UserTransport};
+use serde::Serialize;
+use std::hint::black_box;
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
+
+const OWN: u32 = 0x5250_0001;
+const KEEP_ALIVE_MS: u64 = 5_000;
+/// MaxElementsPerHTRequest (rsplib's default): the block size of a sync step.
+const SYNC_BLOCK: usize = 128;
+
+#[derive(Debug, Serialize)]
+pub struct SizeResult {
+    pub pes: usize,
+    pub reg_dereg: f64,
+    pub rereg_rr: f64,
+    pub rereg_lu: f64,
+    pub rereg_timer_lu: f64,
+    pub timer: f64,
+    pub hr_rr_1: f64,
+    pub hr_rr_3: f64,
+    pub hr_rand_1: f64,
+    pub hr_rand_3: f64,
+    pub sync_entries: f64,
+    pub bytes_per_pe: f64,
+}
+
+fn transport(id: u32) -> UserTransport {
+    UserTransport::Address(TransportAddress {
+        protocol: Protocol::TCP,
+        port: (id & 0xffff) as u16,
+        addresses: vec![IpAddr::V4(Ipv4Addr::from(0x0a00_0000 | (id & 0x00ff_ffff)))],
+    })
+}
+
+fn element(id: u32, policy: Policy) -> PoolElement {
+    PoolElement {
+        id,
+        home_registrar: OWN,
+        registration_life: 30_000,
+        user_transport: transport(id),
+        policy,
+        // What the registrar fills in from the PE's connection.
+        asap_transport: Some(TransportAddress {
+            protocol: Protocol::TCP,
+            port: 40_000,
+            addresses: vec![IpAddr::V4(Ipv4Addr::from(0x0a00_0000 | (id & 0x00ff_ffff)))],
+        }),
+    }
+}
+
+fn lu(rng: &mut Xoshiro256PlusPlus) -> Policy {
+    Policy::LeastUsed {
+        load: rng.next_u32(),
+    }
+}
+
+/// A pool of `n` PEs with a keep-alive timer each, as a home registrar holds them.
+fn build(
+    n: usize,
+    policy: impl Fn(&mut Xoshiro256PlusPlus) -> Policy,
+    seed: u64,
+) -> (Handlespace, Vec<u32>) {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut hs = Handlespace::new(Config {
+        seed,
+        ..Config::default()
+    });
+    let handle = pool_handle();
+    let mut ids = Vec::with_capacity(n);
+    while ids.len() < n {
+        let id = rng.next_u32();
+        if let Ok(r) = hs.register(&handle, element(id, policy(&mut rng)), 0)
+            && r.new
+        {
+            let jitter = rng.next_u64() % KEEP_ALIVE_MS;
+            hs.schedule_timer(
+                r.pe,
+                TimerKind::KeepAliveTransmission,
+                KEEP_ALIVE_MS / 2 + jitter,
+            );
+            ids.push(id);
+        }
+    }
+    (hs, ids)
+}
+
+fn pool_handle() -> PoolHandle {
+    PoolHandle::from("BenchPool")
+}
+
+/// Runs `op` in batches until `budget` has passed, three times; the median rate in ops/s.
+fn measure(budget: Duration, mut op: impl FnMut(usize)) -> f64 {
+    const BATCH: usize = 1024;
+    let mut rates: Vec<f64> = (0..3)
+        .map(|_| {
+            let start = Instant::now();
+            let mut ops = 0usize;
+            while start.elapsed() < budget {
+                for i in 0..BATCH {
+                    op(ops + i);
+                }
+                ops += BATCH;
+            }
+            ops as f64 / start.elapsed().as_secs_f64()
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates[1]
+}
+
+/// Resident set size of this process in bytes (from /proc/self/statm).
+fn rss_bytes() -> Result<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").context("reading /proc/self/statm")?;
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .context("statm has no RSS field")?
+        .parse()
+        .context("statm RSS is not a number")?;
+    Ok(pages * 4096)
+}
+
+/// Measured in a fresh process so that memory freed by earlier runs cannot be reused.
+pub fn memory_probe(n: usize) -> Result<f64> {
+    let before = rss_bytes()?;
+    let (hs, _) = build(n, lu, 1);
+    let after = rss_bytes()?;
+    black_box(&hs);
+    Ok((after.saturating_sub(before)) as f64 / n as f64)
+}
+
+fn memory_in_child(n: usize) -> Result<f64> {
+    let exe = std::env::current_exe().context("finding own executable")?;
+    let out = std::process::Command::new(exe)
+        .args(["bench", "handlespace", "--memory-probe", &n.to_string()])
+        .output()
+        .context("running memory probe")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.trim()
+        .parse()
+        .with_context(|| format!("memory probe printed {text:?}"))
+}
+
+pub fn run_size(n: usize, budget: Duration) -> Result<SizeResult> {
+    let handle = pool_handle();
+    let h = handle.as_bytes();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(42);
+
+    // Registration/deregistration (paper §4.1): deregister a random PE when the pool is full,
+    // otherwise register a new one.
+    let (mut rr, mut ids) = build(n, |_| Policy::RoundRobin, 2);
+    let reg_dereg = measure(budget, |_| {
+        if ids.len() >= n {
+            let k = (rng.next_u64() % ids.len() as u64) as usize;
+            let id = ids.swap_remove(k);
+            black_box(rr.deregister(h, id));
+        } else {
+            let id = rng.next_u32();
+            if let Ok(r) = rr.register(&handle, element(id, Policy::RoundRobin), 0)
+                && r.new
+            {
+                ids.push(id);
+            }
+        }
+    });
+    let rereg_rr = measure(budget, |_| {
+        let id = ids[(rng.next_u64() % ids.len() as u64) as usize];
+        black_box(
+            rr.register(&handle, element(id, Policy::RoundRobin), 0)
+                .ok(),
+        );
+    });
+    let mut out: Vec<PeRef> = Vec::with_capacity(8);
+    let mut hr = |hs: &mut Handlespace, items: usize| {
+        measure(budget, |_| {
+            out.clear();
+            hs.resolve(h, items, &mut out);
+            black_box(&out);
+        })
+    };
+    let hr_rr_1 = hr(&mut rr, 1);
+    let hr_rr_3 = hr(&mut rr, 3);
+    let (mut rand, _) = build(n, |_| Policy::Random, 3);
+    let hr_rand_1 = hr(&mut rand, 1);
+    let hr_rand_3 = hr(&mut rand, 3);
+    drop(rand);
+
+    // Traversal of the owner's PEs in blocks, reading each entry as a sync step would.
+    let mut block = Vec::with_capacity(SYNC_BLOCK);
+    let mut entries = 0usize;
+    let start = Instant::now();
+    while start.elapsed() < budget * 3 {
+        let c = rr.sync_begin(Some(OWN));
+        loop {
+            block.clear();
+            let more = rr.sync_next(c, SYNC_BLOCK, &mut block);
+            let sum: u32 = block
+                .iter()
+                .map(|&r| rr.pe(r).element.id)
+                .fold(0, u32::wrapping_add);
+            black_box(sum);
+            entries += block.len();
+            if !more {
+                break;
+            }
+        }
+    }
+    let sync_entries = entries as f64 / start.elapsed().as_secs_f64();
+    drop(rr);
+
+    let (mut luhs, ids) = build(n, lu, 4);
+    let rereg_lu = measure(budget, |_| {
+        let id = ids[(rng.next_u64() % ids.len() as u64) as usize];
+        black_box(luhs.register(&handle, element(id, lu(&mut rng)), 0).ok());
+    });
+    let mut now = 0u64;
+    let rereg_timer_lu = measure(budget, |i| {
+        let id = ids[(rng.next_u64() % ids.len() as u64) as usize];
+        if i % 4096 == 0 {
+            now += 1;
+        }
+        if let Ok(r) = luhs.register(&handle, element(id, lu(&mut rng)), now) {
+            let jitter = rng.next_u64() % KEEP_ALIVE_MS;
+            luhs.schedule_timer(
+                r.pe,
+                TimerKind::KeepAliveTransmission,
+                now + KEEP_ALIVE_MS / 2 + jitter,
+            );
+        }
+    });
+    let refs: Vec<PeRef> = ids.iter().filter_map(|&id| luhs.find(h, id)).collect();
+    let timer = measure(budget, |i| {
+        let r = refs[(rng.next_u64() % refs.len() as u64) as usize];
+        if i % 4096 == 0 {
+            now += 1;
+        }
+        let jitter = rng.next_u64() % KEEP_ALIVE_MS;
+        luhs.schedule_timer(
+            r,
+            TimerKind::KeepAliveTransmission,
+            now + KEEP_ALIVE_MS / 2 + jitter,
+        );
+        black_box(luhs.next_timer());
+    });
+    drop(luhs);
+
+    Ok(SizeResult {
+        pes: n,
+        reg_dereg,
+        rereg_rr,
+        rereg_lu,
+        rereg_timer_lu,
+        timer,
+        hr_rr_1,
+        hr_rr_3,
+        hr_rand_1,
+        hr_rand_3,
+        sync_entries,
+        bytes_per_pe: memory_in_child(n)?,
+    })
+}
+
+pub fn print_table(r: &SizeResult) {
+    let n = r.pes as f64;
+    println!("pool of {} PEs", r.pes);
+    println!(
+        "  {:<34} {:>14} {:>16}",
+        "operation", "ops/s", "ops per PE·s"
+    );
+    let rows = [
+        ("registration + deregistration", r.reg_dereg),
+        ("re-registration (RR)", r.rereg_rr),
+        ("re-registration (LU, new load)", r.rereg_lu),
+        ("re-registration + timer (LU)", r.rereg_timer_lu),
+        ("timer restart + next timer", r.timer),
+        ("handle resolution RR, 1 item", r.hr_rr_1),
+        ("handle resolution RR, 3 items", r.hr_rr_3),
+        ("handle resolution RAND, 1 item", r.hr_rand_1),
+        ("handle resolution RAND, 3 items", r.hr_rand_3),
+        ("traversal (entries/s)", r.sync_entries),
+    ];
+    for (name, v) in rows {
+        println!("  {name:<34} {v:>14.0} {:>16.1}", v / n);
+    }
+    println!("  {:<34} {:>14.0}", "resident bytes per PE", r.bytes_per_pe);
+}
+
+/// Describes this machine for the results file.
+pub fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    format!("{cpu}, {cores} cores, Linux {kernel}")
+}
