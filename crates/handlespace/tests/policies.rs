@@ -15,7 +15,7 @@ fn tcp(port: u16) -> UserTransport {
     UserTransport::Address(TransportAddress {
         protocol: Protocol::TCP,
         port,
-        addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+        addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)].into(),
     })
 }
 
@@ -272,7 +272,7 @@ fn registration_rules() {
     udp.user_transport = UserTransport::Address(TransportAddress {
         protocol: Protocol::Udp { reserved: 0 },
         port: 1,
-        addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+        addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)].into(),
     });
     let e = h.register(&ph(), udp, 0).unwrap_err();
     assert_eq!(
@@ -285,7 +285,7 @@ fn registration_rules() {
         p.user_transport = UserTransport::Address(TransportAddress {
             protocol: Protocol::Sctp { transport_use: u },
             port: 1,
-            addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+            addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)].into(),
         });
         p
     };

@@ -110,7 +110,7 @@ fn up() -> Result<()> {
             user_transport: UserTransport::Address(TransportAddress {
                 protocol: Protocol::TCP,
                 port: 7000 + i as u16,
-                addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+                addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)].into(),
             }),
             policy: Policy::LeastUsed {
                 load: load_from_fraction(load),

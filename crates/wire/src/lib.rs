@@ -25,10 +25,12 @@ pub use enrp::{EnrpBody, EnrpMessage, PoolEntry, UpdateAction};
 pub use error::{CauseCode, DecodeError, DecodeErrorKind, EncodeError, ErrorCause};
 pub use framer::Framer;
 pub use param::{
-    OperationError, PoolElement, PoolHandle, Protocol, ServerInformation, TransportAddress,
-    UserTransport,
+    Addresses, OperationError, PoolElement, PoolHandle, Protocol, ServerInformation,
+    TransportAddress, UserTransport,
 };
 pub use policy::Policy;
+
+pub use smallvec;
 
 use bytes::Bytes;
 

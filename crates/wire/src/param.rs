@@ -106,12 +106,16 @@ impl Protocol {
     }
 }
 
+/// The addresses of a transport parameter; one address (the common case) is stored inline, so
+/// a registered PE costs no extra allocation for it.
+pub type Addresses = smallvec::SmallVec<[IpAddr; 1]>;
+
 /// A transport parameter: protocol, port and one or more addresses.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TransportAddress {
     pub protocol: Protocol,
     pub port: u16,
-    pub addresses: Vec<IpAddr>,
+    pub addresses: Addresses,
 }
 
 impl TransportAddress {
@@ -119,7 +123,7 @@ impl TransportAddress {
         Self {
             protocol: Protocol::TCP,
             port: addr.port(),
-            addresses: vec![addr.ip()],
+            addresses: smallvec::smallvec![addr.ip()],
         }
     }
 }
@@ -368,7 +372,7 @@ fn parse_user_transport(
             service_code: r.u32()?,
         },
     };
-    let mut addresses = Vec::new();
+    let mut addresses = Addresses::new();
     for inner in TlvIter::new(r.rest()) {
         let inner = inner?;
         match inner.ptype {

@@ -22,7 +22,7 @@ fn tcp_lo(port: u16) -> TransportAddress {
     TransportAddress {
         protocol: Protocol::TCP,
         port,
-        addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+        addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)].into(),
     }
 }
 
@@ -219,7 +219,7 @@ fn enrp_every_message_type() {
         transport: TransportAddress {
             protocol: Protocol::SCTP_DATA_CONTROL,
             port: 9901,
-            addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+            addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)].into(),
         },
     };
     const SI: &str = "000b 0018 11111111 0004 0010 26ad 0001 0001 0008 7f000001";

@@ -62,7 +62,7 @@ fn transport_address() -> impl Strategy<Value = TransportAddress> {
         (any::<u16>(), vec(ip(), n)).prop_map(move |(port, addresses)| TransportAddress {
             protocol,
             port,
-            addresses,
+            addresses: addresses.into(),
         })
     })
 }
@@ -72,7 +72,7 @@ fn sctp_transport() -> impl Strategy<Value = TransportAddress> {
         TransportAddress {
             protocol: Protocol::Sctp { transport_use },
             port,
-            addresses,
+            addresses: addresses.into(),
         }
     })
 }

@@ -327,7 +327,7 @@ fn sctp(port: u16, transport_use: u16, addrs: &[IpAddr]) -> TransportAddress {
     TransportAddress {
         protocol: Protocol::Sctp { transport_use },
         port,
-        addresses: addrs.to_vec(),
+        addresses: addrs.iter().copied().collect(),
     }
 }
 
@@ -335,7 +335,7 @@ fn single(protocol: Protocol, port: u16, a: IpAddr) -> TransportAddress {
     TransportAddress {
         protocol,
         port,
-        addresses: vec![a],
+        addresses: vec![a].into(),
     }
 }
 
@@ -735,7 +735,7 @@ fn asap_packets() -> Vec<Packet> {
             service_code: 0x0102_0304,
         },
         port: 5001,
-        addresses: vec![IpAddr::V6(V6A)],
+        addresses: vec![IpAddr::V6(V6A)].into(),
     };
     add(
         "REGISTRATION (DCCP, service code 0x01020304, Priority)",

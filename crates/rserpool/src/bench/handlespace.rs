@@ -39,7 +39,9 @@ fn transport(id: u32) -> UserTransport {
     UserTransport::Address(TransportAddress {
         protocol: Protocol::TCP,
         port: (id & 0xffff) as u16,
-        addresses: vec![IpAddr::V4(Ipv4Addr::from(0x0a00_0000 | (id & 0x00ff_ffff)))],
+        addresses: rserpool_wire::smallvec::smallvec![IpAddr::V4(Ipv4Addr::from(
+            0x0a00_0000 | (id & 0x00ff_ffff)
+        ))],
     })
 }
 
@@ -54,7 +56,9 @@ fn element(id: u32, policy: Policy) -> PoolElement {
         asap_transport: Some(TransportAddress {
             protocol: Protocol::TCP,
             port: 40_000,
-            addresses: vec![IpAddr::V4(Ipv4Addr::from(0x0a00_0000 | (id & 0x00ff_ffff)))],
+            addresses: rserpool_wire::smallvec::smallvec![IpAddr::V4(Ipv4Addr::from(
+                0x0a00_0000 | (id & 0x00ff_ffff)
+            ))],
         }),
     }
 }
