@@ -1,5 +1,6 @@
 //! Each RFC 5356 policy's selection order and distribution through the handlespace, plus the
 //! registration rules, the ownership checksum, the sync traversal and the timer schedule.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
 use proptest::prelude::*;
 use rserpool_handlespace::{Config, Handlespace, PeRef, RegistrationError, TimerKind};

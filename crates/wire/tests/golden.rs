@@ -1,5 +1,6 @@
 //! Golden byte vectors for every ASAP and ENRP message type, written by hand from the layouts in
 //! RFC 5352–5354/5356 (not produced by our encoder), plus the error paths of the decoder.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers outside #[test] functions
 
 use rserpool_wire::enrp::UpdateAction;
 use rserpool_wire::*;

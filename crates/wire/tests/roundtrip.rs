@@ -2,6 +2,7 @@
 //! the RFC's length convention and rsplib's; the decoders are total (no panic on any input,
 //! including mutated valid encodings); and the [`Framer`] reassembles back-to-back messages from
 //! any chunking of the stream.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers outside #[test] functions
 
 use bytes::Bytes;
 use proptest::collection::vec;

@@ -7,6 +7,7 @@
 //! meant to send (pool handles, IDs, checksums, policy types and loads, ...).
 //!
 //! Without tshark/text2pcap on PATH the tests print a SKIPPED line and pass, unless `CI` is set.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers outside #[test] functions
 
 use rserpool_wire::enrp::UpdateAction;
 use rserpool_wire::policy::policy_type as pt;
