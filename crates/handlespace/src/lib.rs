@@ -142,17 +142,20 @@ pub struct PeEntry {
     /// ENDPOINT_UNREACHABLE reports since the last sign of life.
     pub unreachable_reports: u32,
     pool: u32,
-    pool_pos: u32,
-    owner_pos: u32,
 }
 
-/// Selection links of a PE, kept apart from the (large, mostly cold) entries so that heap
-/// sifts and ring walks touch one dense array: heap position or ring predecessor, and ring
-/// successor.
+/// The positions of a PE in the handlespace's structures, kept apart from the (large, mostly
+/// cold) entries so that heap sifts, ring walks and swap-removes touch one dense array.
 #[derive(Debug, Clone, Copy)]
 struct SelLink {
+    /// Heap position, or ring predecessor.
     sel: u32,
+    /// Ring successor.
     next: u32,
+    /// Index in the pool's member array.
+    pool_pos: u32,
+    /// Index in the owner's member array.
+    owner_pos: u32,
 }
 
 /// How a pool selects, chosen by its policy type.
@@ -533,12 +536,12 @@ impl Handlespace {
             last_heard: now,
             unreachable_reports: 0,
             pool: pool_idx,
-            pool_pos: 0,
-            owner_pos: 0,
         };
         let link = SelLink {
             sel: NIL,
             next: NIL,
+            pool_pos: 0,
+            owner_pos: 0,
         };
         let i = match self.free.pop() {
             Some(i) => {
@@ -561,18 +564,20 @@ impl Handlespace {
         };
         let id = pes[i as usize].element.id;
         pool.by_id.insert(id, i);
-        pes[i as usize].pool_pos = pool.members.len() as u32;
+        links[i as usize].pool_pos = pool.members.len() as u32;
         pool.members.push(i);
         match &mut pool.sel {
             Selection::Ring { head } => {
                 if *head == NIL {
-                    links[i as usize] = SelLink { sel: i, next: i };
+                    links[i as usize].sel = i;
+                    links[i as usize].next = i;
                     *head = i;
                 } else {
                     // New PEs join at the end of the current round (before the head).
                     let h = *head;
                     let tail = links[h as usize].sel;
-                    links[i as usize] = SelLink { sel: tail, next: h };
+                    links[i as usize].sel = tail;
+                    links[i as usize].next = h;
                     links[tail as usize].next = i;
                     links[h as usize].sel = i;
                 }
@@ -620,8 +625,8 @@ impl Handlespace {
                 heap.set_key(at, key, &mut |pe, p| links[pe as usize].sel = p);
             }
             Selection::Weighted(f) => {
-                let e = &pes[i as usize];
-                f.set(e.pool_pos as usize, weight(&e.element.policy));
+                let w = weight(&pes[i as usize].element.policy);
+                f.set(links[i as usize].pool_pos as usize, w);
             }
         }
         if old_owner != new_owner {
@@ -676,7 +681,7 @@ impl Handlespace {
         } = self;
         let (pool_idx, pool_pos, id) = {
             let e = &pes[i as usize];
-            (e.pool, e.pool_pos, e.element.id)
+            (e.pool, links[i as usize].pool_pos, e.element.id)
         };
         let Some(pool) = pools[pool_idx as usize].as_mut() else {
             unreachable!("PE in a free pool slot")
@@ -684,7 +689,9 @@ impl Handlespace {
         pool.by_id.remove(&id);
         match &mut pool.sel {
             Selection::Ring { head } => {
-                let SelLink { sel: prev, next } = links[i as usize];
+                let SelLink {
+                    sel: prev, next, ..
+                } = links[i as usize];
                 if next == i {
                     *head = NIL;
                 } else {
@@ -710,7 +717,7 @@ impl Handlespace {
         }
         pool.members.swap_remove(pool_pos as usize);
         if let Some(&moved) = pool.members.get(pool_pos as usize) {
-            pes[moved as usize].pool_pos = pool_pos;
+            links[moved as usize].pool_pos = pool_pos;
         }
         let empty = pool.members.is_empty();
         if empty {
@@ -898,14 +905,14 @@ impl Handlespace {
     fn owner_insert(&mut self, i: u32, owner: u32) {
         let block = self.block_sum(i);
         let o = self.owners.entry(owner).or_default();
-        self.pes[i as usize].owner_pos = o.members.len() as u32;
+        self.links[i as usize].owner_pos = o.members.len() as u32;
         o.members.push(i);
         o.checksum.add(block);
     }
 
     fn owner_remove(&mut self, i: u32, owner: u32) {
         let block = self.block_sum(i);
-        let pos = self.pes[i as usize].owner_pos as usize;
+        let pos = self.links[i as usize].owner_pos as usize;
         let Some(o) = self.owners.get_mut(&owner) else {
             return;
         };
@@ -914,7 +921,7 @@ impl Handlespace {
         o.members.swap_remove(pos);
         let moved = o.members.get(pos).copied();
         if let Some(m) = moved {
-            self.pes[m as usize].owner_pos = pos as u32;
+            self.links[m as usize].owner_pos = pos as u32;
         }
         if o.members.is_empty() {
             self.owners.remove(&owner);

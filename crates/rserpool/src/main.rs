@@ -48,6 +48,10 @@ enum BenchCommand {
         /// Time budget per measurement round in milliseconds (three rounds, median).
         #[arg(long, default_value_t = 200)]
         round_ms: u64,
+        /// Also write the results as a Markdown section into this file (e.g. docs/BENCHMARKS.md),
+        /// between generated-section markers.
+        #[arg(long, value_name = "FILE")]
+        markdown: Option<std::path::PathBuf>,
         /// Internal: measure resident memory for N PEs in this process and print bytes per PE.
         #[arg(long, hide = true)]
         memory_probe: Option<usize>,
@@ -64,6 +68,7 @@ fn main() -> Result<()> {
                     pes,
                     json,
                     round_ms,
+                    markdown,
                     memory_probe,
                 },
         } => {
@@ -82,6 +87,7 @@ fn main() -> Result<()> {
             if !json {
                 println!("machine: {}", bench::handlespace::machine());
             }
+            let mut results = Vec::new();
             for n in sizes {
                 let r = bench::handlespace::run_size(n, Duration::from_millis(round_ms.max(10)))?;
                 if json {
@@ -89,6 +95,13 @@ fn main() -> Result<()> {
                 } else {
                     bench::handlespace::print_table(&r);
                 }
+                results.push(r);
+            }
+            if let Some(path) = markdown {
+                let command = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
+                let section =
+                    bench::handlespace::markdown(&results, &format!("rserpool {command}"));
+                bench::handlespace::write_markdown(&path, &section)?;
             }
             Ok(())
         }

@@ -317,3 +317,128 @@ pub fn machine() -> String {
         .unwrap_or_default();
     format!("{cpu}, {cores} cores, Linux {kernel}")
 }
+
+/// The issue's targets at 10,000 PEs (five times rsplib's C handlespace on this machine class).
+const TARGETS: [(&str, f64, &str); 6] = [
+    ("reg_dereg", 6.0e6, "1.2M reg, 1.7-2.4M dereg"),
+    ("rereg_timer_lu", 5.0e6, "1.0M"),
+    ("timer", 15.0e6, "3.1M"),
+    ("hr_rr_1", 25.0e6, "5.0M"),
+    ("hr_rand_3", 10.0e6, "10.4M (LU, 3 items)"),
+    ("sync_entries", 500.0e6, "113M"),
+];
+
+fn fields(r: &SizeResult) -> [(&'static str, &'static str, f64); 10] {
+    [
+        ("reg_dereg", "registration + deregistration", r.reg_dereg),
+        ("rereg_rr", "re-registration (RR)", r.rereg_rr),
+        ("rereg_lu", "re-registration (LU, new load)", r.rereg_lu),
+        (
+            "rereg_timer_lu",
+            "re-registration + timer (LU)",
+            r.rereg_timer_lu,
+        ),
+        ("timer", "timer restart + next timer", r.timer),
+        ("hr_rr_1", "handle resolution RR, 1 item", r.hr_rr_1),
+        ("hr_rr_3", "handle resolution RR, 3 items", r.hr_rr_3),
+        ("hr_rand_1", "handle resolution RAND, 1 item", r.hr_rand_1),
+        ("hr_rand_3", "handle resolution RAND, 3 items", r.hr_rand_3),
+        ("sync_entries", "traversal (entries/s)", r.sync_entries),
+    ]
+}
+
+fn mega(v: f64) -> String {
+    format!("{:.2}M", v / 1e6)
+}
+
+/// The results as a Markdown section: command, machine, one column per pool size, and the
+/// targets at 10,000 PEs where the issue sets them.
+pub fn markdown(results: &[SizeResult], command: &str) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "Command: `{command}`  ");
+    let _ = writeln!(s, "Machine: {}  ", machine());
+    let _ = writeln!(s, "Date: {} (UTC)\n", today());
+    let _ = write!(s, "| operation (ops/s) |");
+    for r in results {
+        let _ = write!(s, " {} PEs |", r.pes);
+    }
+    let _ = writeln!(
+        s,
+        " per PE·s at largest | target at 10,000 | rsplib at 10,000 (issue) |"
+    );
+    let _ = writeln!(s, "|---|{}---|---|---|", "---|".repeat(results.len()));
+    let Some(last) = results.last() else {
+        return s;
+    };
+    let ten_k = results.iter().find(|r| r.pes == 10_000);
+    for (i, (key, name, _)) in fields(last).iter().enumerate() {
+        let _ = write!(s, "| {name} |");
+        for r in results {
+            let _ = write!(s, " {} |", mega(fields(r)[i].2));
+        }
+        let per_pe = fields(last)[i].2 / last.pes as f64;
+        let target = TARGETS.iter().find(|t| t.0 == *key);
+        let verdict = match (target, ten_k) {
+            (Some(t), Some(r)) => {
+                let v = fields(r)[i].2;
+                format!(
+                    "≥ {} ({})",
+                    mega(t.1),
+                    if v >= t.1 { "met" } else { "missed" }
+                )
+            }
+            (Some(t), None) => format!("≥ {}", mega(t.1)),
+            _ => String::new(),
+        };
+        let rsplib = target.map_or("", |t| t.2);
+        let _ = writeln!(s, " {per_pe:.1} | {verdict} | {rsplib} |");
+    }
+    let _ = write!(s, "| resident bytes per PE (all) |");
+    for r in results {
+        let _ = write!(s, " {:.0} |", r.bytes_per_pe);
+    }
+    let _ = writeln!(s, " | ≤ 250 beyond addresses | |");
+    if let (Some(a), Some(b)) = (ten_k, results.iter().find(|r| r.pes == 100_000)) {
+        let _ = writeln!(
+            s,
+            "\nAt 100,000 PEs relative to 10,000 (target: no figure below 0.5):\n"
+        );
+        let _ = writeln!(s, "| operation | 100,000 / 10,000 |\n|---|---|");
+        for (i, (_, name, _)) in fields(a).iter().enumerate() {
+            let _ = writeln!(s, "| {name} | {:.2} |", fields(b)[i].2 / fields(a)[i].2);
+        }
+    }
+    s
+}
+
+/// Replaces the text between the handlespace markers in `path` (appending them if absent).
+pub fn write_markdown(path: &std::path::Path, section: &str) -> Result<()> {
+    const BEGIN: &str = "<!-- bench handlespace: begin (generated) -->";
+    const END: &str = "<!-- bench handlespace: end -->";
+    let old = std::fs::read_to_string(path).unwrap_or_default();
+    let block = format!("{BEGIN}\n{section}{END}");
+    let new = match (old.find(BEGIN), old.find(END)) {
+        (Some(b), Some(e)) if e > b => format!("{}{block}{}", &old[..b], &old[e + END.len()..]),
+        _ => format!("{old}\n{block}\n"),
+    };
+    std::fs::write(path, new).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Today's date from the system clock, as YYYY-MM-DD.
+fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
