@@ -289,23 +289,10 @@ pub fn print_table(r: &SizeResult) {
         "  {:<34} {:>14} {:>16}",
         "operation", "ops/s", "ops per PE·s"
     );
-    let rows = [
-        ("registration + deregistration", r.reg_dereg),
-        ("re-registration (RR)", r.rereg_rr),
-        ("re-registration (LU, new load)", r.rereg_lu),
-        ("re-registration + timer (LU)", r.rereg_timer_lu),
-        ("timer restart + next timer", r.timer),
-        ("handle resolution RR, 1 item", r.hr_rr_1),
-        ("handle resolution RR, 3 items", r.hr_rr_3),
-        ("handle resolution RAND, 1 item", r.hr_rand_1),
-        ("handle resolution RAND, 3 items", r.hr_rand_3),
-        ("traversal (entries/s)", r.sync_entries),
-        ("traversal + read PE ID (entries/s)", r.sync_entries_read),
-    ];
-    for (name, v) in rows {
-        println!("  {name:<34} {v:>14.0} {:>16.1}", v / n);
+    for (_, name, v) in fields(r) {
+        println!("  {name:<36} {v:>14.0} {:>16.1}", v / n);
     }
-    println!("  {:<34} {:>14.0}", "resident bytes per PE", r.bytes_per_pe);
+    println!("  {:<36} {:>14.0}", "resident bytes per PE", r.bytes_per_pe);
 }
 
 /// Describes this machine for the results file.
