@@ -227,6 +227,7 @@ pub struct Handlespace {
     cursor_clock: u64,
     scratch: Vec<usize>,
     scratch2: Vec<usize>,
+    weights: Vec<u64>,
     fired: Vec<(u32, u8)>,
     len: usize,
 }
@@ -338,6 +339,7 @@ impl Handlespace {
             cursor_clock: 0,
             scratch: Vec::new(),
             scratch2: Vec::new(),
+            weights: Vec::new(),
             fired: Vec::new(),
             len: 0,
         }
@@ -395,7 +397,7 @@ impl Handlespace {
             .flat_map(|p| p.members.iter().map(|&i| PeRef(i)))
     }
 
-    /// All pools: handle and policy type, in no particular order.
+    /// All pools: handle, policy type and number of PEs, in no particular order.
     pub fn pools(&self) -> impl Iterator<Item = (&PoolHandle, u32, usize)> + '_ {
         self.pools
             .iter()
@@ -764,6 +766,7 @@ impl Handlespace {
             seq,
             scratch,
             scratch2,
+            weights,
             ..
         } = self;
         let Some(pool) = pools[pool_idx as usize].as_mut() else {
@@ -842,6 +845,7 @@ impl Handlespace {
             Selection::Weighted(f) => {
                 // Without replacement: zero each chosen weight, restore afterwards.
                 scratch.clear();
+                weights.clear();
                 for _ in 0..k {
                     let total = f.total();
                     if total == 0 {
@@ -849,14 +853,13 @@ impl Handlespace {
                     }
                     let p = f.find(below(rng, total));
                     scratch.push(p);
-                    scratch2.push(f.weight(p) as usize);
+                    weights.push(f.weight(p));
                     f.set(p, 0);
                     out.push(PeRef(pool.members[p]));
                 }
-                for (j, &p) in scratch.iter().enumerate() {
-                    f.set(p, scratch2[j] as u64);
+                for (&p, &w) in scratch.iter().zip(weights.iter()) {
+                    f.set(p, w);
                 }
-                scratch2.clear();
             }
         }
         true
