@@ -139,7 +139,7 @@ pub struct PeEntry {
     pub element: PoolElement,
     /// Time (ms) of the last sign of life (keep-alive ACK or re-registration).
     pub last_heard: u64,
-    /// ENDPOINT_UNREACHABLE reports since the last sign of life.
+    /// ENDPOINT_UNREACHABLE reports since registration (or the last [`Handlespace::touch`]).
     pub unreachable_reports: u32,
     pool: u32,
 }
@@ -371,6 +371,12 @@ impl Handlespace {
         let e = &mut self.pes[r.0 as usize];
         e.last_heard = now;
         e.unreachable_reports = 0;
+    }
+
+    /// Records a keep-alive ACK: the PE's registrar association is alive, but that says nothing
+    /// about its reachability from pool users, so the unreachable reports stay.
+    pub fn heard(&mut self, r: PeRef, now: u64) {
+        self.pes[r.0 as usize].last_heard = now;
     }
 
     /// Counts an ENDPOINT_UNREACHABLE report; returns the count since the last sign of life.
@@ -609,8 +615,9 @@ impl Handlespace {
         } = self;
         let e = &mut pes[i as usize];
         e.element = element;
+        // Reports survive re-registration (as in rsplib): a PE that updates its load often must
+        // still be removable by MAX-BAD-PE-REPORT reports.
         e.last_heard = now;
-        e.unreachable_reports = 0;
         let pool_idx = e.pool;
         let Some(pool) = pools[pool_idx as usize].as_mut() else {
             unreachable!("PE in a free pool slot")

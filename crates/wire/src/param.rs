@@ -128,6 +128,42 @@ impl TransportAddress {
     }
 }
 
+impl TransportAddress {
+    /// The socket addresses this transport names (one per address).
+    pub fn socket_addrs(&self) -> impl Iterator<Item = std::net::SocketAddr> + '_ {
+        self.addresses
+            .iter()
+            .map(|&ip| std::net::SocketAddr::new(ip, self.port))
+    }
+}
+
+impl std::fmt::Display for TransportAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let proto = match self.protocol {
+            Protocol::Sctp { .. } => "sctp",
+            Protocol::Tcp { .. } => "tcp",
+            Protocol::Udp { .. } => "udp",
+            Protocol::UdpLite { .. } => "udplite",
+            Protocol::Dccp { .. } => "dccp",
+        };
+        f.write_str(proto)?;
+        for (i, a) in self.socket_addrs().enumerate() {
+            f.write_str(if i == 0 { " " } else { "," })?;
+            write!(f, "{a}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for UserTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Address(t) => t.fmt(f),
+            Self::Opaque(b) => write!(f, "opaque ({} bytes)", b.len()),
+        }
+    }
+}
+
 /// The user transport of a pool element: an address transport or an opaque one (0x10).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum UserTransport {

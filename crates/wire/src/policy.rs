@@ -190,6 +190,48 @@ impl Policy {
         }
     }
 
+    /// The policy named by its [`short_name`](Self::short_name) (RFC 5356 policies only), with
+    /// `value` as its weight or priority and zero load.
+    pub fn from_name(name: &str, value: u32) -> Option<Self> {
+        Some(match name {
+            "rr" => Self::RoundRobin,
+            "wrr" => Self::WeightedRoundRobin { weight: value },
+            "rand" => Self::Random,
+            "wrand" => Self::WeightedRandom { weight: value },
+            "prio" => Self::Priority { priority: value },
+            "lu" => Self::LeastUsed { load: 0 },
+            "lud" => Self::LeastUsedDegradation {
+                load: 0,
+                degradation: 0,
+            },
+            "plu" => Self::PriorityLeastUsed {
+                load: 0,
+                degradation: 0,
+            },
+            "rlu" => Self::RandomizedLeastUsed { load: 0 },
+            _ => return None,
+        })
+    }
+
+    /// The same policy carrying another load (no change for non-adaptive policies).
+    pub fn with_load(&self, new_load: u32) -> Self {
+        let mut p = self.clone();
+        match &mut p {
+            Self::LeastUsed { load }
+            | Self::RandomizedLeastUsed { load }
+            | Self::LeastUsedDegradation { load, .. }
+            | Self::PriorityLeastUsed { load, .. }
+            | Self::RandomizedPriorityLeastUsed { load, .. }
+            | Self::RandomizedLeastUsedDegradation { load, .. }
+            | Self::PriorityLeastUsedDegradation { load, .. }
+            | Self::RandomizedPriorityLeastUsedDegradation { load, .. }
+            | Self::LeastUsedDpf { load, .. }
+            | Self::LeastUsedDegradationDpf { load, .. } => *load = new_load,
+            _ => {}
+        }
+        p
+    }
+
     /// Short name as used on the command line and in logs.
     pub fn short_name(&self) -> &'static str {
         match self {
@@ -303,4 +345,33 @@ pub fn load_from_fraction(f: f64) -> u32 {
 /// Converts the RFC's load scale to a fraction 0.0..=1.0.
 pub fn load_to_fraction(load: u32) -> f64 {
     f64::from(load) / f64::from(u32::MAX)
+}
+
+/// `name` plus the policy's fields, loads as percentages: `lu load=25.0%`, `wrr weight=3`.
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.short_name())?;
+        let pct = |v: u32| load_to_fraction(v) * 100.0;
+        match *self {
+            Self::RoundRobin | Self::Random => Ok(()),
+            Self::WeightedRoundRobin { weight } | Self::WeightedRandom { weight } => {
+                write!(f, " weight={weight}")
+            }
+            Self::Priority { priority } => write!(f, " priority={priority}"),
+            Self::Other { policy_type, .. } => write!(f, " type={policy_type:#010x}"),
+            _ => {
+                write!(f, " load={:.1}%", pct(self.load().unwrap_or(0)))?;
+                let (fields, n) = self.fields();
+                if n >= 2
+                    && !matches!(
+                        self,
+                        Self::WeightedRandomDpf { .. } | Self::LeastUsedDpf { .. }
+                    )
+                {
+                    write!(f, " degradation={:.1}%", pct(fields[1]))?;
+                }
+                Ok(())
+            }
+        }
+    }
 }

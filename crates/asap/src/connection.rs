@@ -1,0 +1,60 @@
+//! One ASAP association with a registrar: a TCP stream with message framing.
+
+use crate::Error;
+use rserpool_wire::{AsapMessage, Framer};
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest message accepted from a registrar (a full handle resolution response fits).
+const MAX_MESSAGE: usize = 65535;
+
+pub struct AsapConnection {
+    stream: TcpStream,
+    framer: Framer,
+    wbuf: Vec<u8>,
+    peer: SocketAddr,
+}
+
+impl AsapConnection {
+    /// Connects to a registrar's ASAP port.
+    pub async fn connect(addr: SocketAddr, timeout: Duration) -> Result<Self, Error> {
+        let stream = match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+            Ok(r) => r?,
+            Err(_) => return Err(Error::Timeout),
+        };
+        stream.set_nodelay(true).ok();
+        Ok(Self {
+            stream,
+            framer: Framer::new(MAX_MESSAGE),
+            wbuf: Vec::with_capacity(256),
+            peer: addr,
+        })
+    }
+
+    pub fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    pub async fn send(&mut self, msg: &AsapMessage) -> Result<(), Error> {
+        self.wbuf.clear();
+        msg.encode(&mut self.wbuf)
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        self.stream.write_all(&self.wbuf).await?;
+        Ok(())
+    }
+
+    /// The next message. Cancel-safe: bytes read stay buffered for the next call.
+    pub async fn recv(&mut self) -> Result<AsapMessage, Error> {
+        loop {
+            if let Some(m) = self.framer.next_message()? {
+                return Ok(AsapMessage::decode(&m)?);
+            }
+            let n = self.stream.read_buf(self.framer.buffer_mut()).await?;
+            if n == 0 {
+                return Err(Error::Closed);
+            }
+        }
+    }
+}

@@ -1,0 +1,441 @@
+//! A pool element: registers a service under a pool handle and keeps it registered.
+//!
+//! A background task owns the registrar association. It registers, answers
+//! ENDPOINT_KEEP_ALIVEs (adopting a new home registrar on the H bit), re-registers every
+//! reregistration interval and whenever the policy changes (e.g. a new load), and when the
+//! association fails it moves to the next registrar with exponential back-off and jitter.
+//! Dropping the [`PoolElement`] or calling [`PoolElement::stop`] deregisters.
+
+use crate::connection::AsapConnection;
+use crate::registrars::RegistrarSet;
+use crate::{Error, jitter, random_u32};
+use rserpool_wire::{AsapMessage, Policy, PoolHandle, TransportAddress, UserTransport};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+#[derive(Debug, Clone)]
+pub struct PoolElementConfig {
+    pub pool_handle: PoolHandle,
+    /// Where pool users reach the service (TCP).
+    pub transport: SocketAddr,
+    pub policy: Policy,
+    /// PE identifier; random when `None`.
+    pub id: Option<u32>,
+    pub registrars: Vec<SocketAddr>,
+    /// Listen for SERVER_ANNOUNCE here (UDP; multicast groups are joined).
+    pub announce_listen: Option<SocketAddr>,
+    /// Re-registration interval (rsplib: 30 s). The registration life sent is three times it.
+    pub reregistration_interval: Duration,
+    pub connect_timeout: Duration,
+    /// Time the registrar has to answer a (de)registration.
+    pub response_timeout: Duration,
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+}
+
+impl PoolElementConfig {
+    pub fn new(pool_handle: impl Into<PoolHandle>, transport: SocketAddr, policy: Policy) -> Self {
+        Self {
+            pool_handle: pool_handle.into(),
+            transport,
+            policy,
+            id: None,
+            registrars: vec![SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT))],
+            announce_listen: None,
+            reregistration_interval: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(2),
+            response_timeout: Duration::from_secs(3),
+            backoff_min: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(10),
+        }
+    }
+
+    /// Registration life in seconds (RFC 5354 unit): three reregistration intervals.
+    fn registration_life(&self) -> i32 {
+        let ms = self.reregistration_interval.as_millis().saturating_mul(3);
+        i32::try_from(ms.div_ceil(1000)).unwrap_or(i32::MAX).max(1)
+    }
+}
+
+/// What the PE is doing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeState {
+    /// Not registered on purpose ([`PoolElement::set_active`]`(false)`).
+    Inactive,
+    /// Looking for a registrar or waiting for its answer.
+    Registering,
+    /// Registered; `home` is the home registrar's ID.
+    Registered {
+        registrar: SocketAddr,
+        home: u32,
+    },
+    /// The last registration was refused; retrying after back-off.
+    Rejected(String),
+    Stopped,
+}
+
+#[derive(Debug, Clone)]
+struct Desired {
+    active: bool,
+    policy: Policy,
+    stop: bool,
+}
+
+/// A registered pool element; see the module docs.
+pub struct PoolElement {
+    id: u32,
+    desired: watch::Sender<Desired>,
+    state: watch::Receiver<PeState>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    announce: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl PoolElement {
+    /// Starts registering in the background (needs a tokio runtime).
+    pub fn start(cfg: PoolElementConfig) -> std::io::Result<Self> {
+        let id = cfg.id.unwrap_or_else(random_u32);
+        let registrars = RegistrarSet::new(cfg.registrars.clone());
+        let announce = match cfg.announce_listen {
+            Some(a) => Some(registrars.listen(a)?),
+            None => None,
+        };
+        let (desired_tx, desired_rx) = watch::channel(Desired {
+            active: true,
+            policy: cfg.policy.clone(),
+            stop: false,
+        });
+        let (state_tx, state_rx) = watch::channel(PeState::Registering);
+        let task = tokio::spawn(run(cfg, id, registrars, desired_rx, state_tx));
+        Ok(Self {
+            id,
+            desired: desired_tx,
+            state: state_rx,
+            task: Some(task),
+            announce,
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn state(&self) -> PeState {
+        self.state.borrow().clone()
+    }
+
+    /// A receiver that sees every state change.
+    pub fn watch_state(&self) -> watch::Receiver<PeState> {
+        self.state.clone()
+    }
+
+    /// Waits until registered; returns the registrar's address.
+    pub async fn wait_registered(&self, timeout: Duration) -> Result<SocketAddr, Error> {
+        let mut rx = self.state.clone();
+        let wait = rx.wait_for(|s| matches!(s, PeState::Registered { .. }));
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(Ok(s)) => match &*s {
+                PeState::Registered { registrar, .. } => Ok(*registrar),
+                _ => Err(Error::Closed),
+            },
+            Ok(Err(_)) => Err(Error::Closed),
+            Err(_) => Err(Error::Timeout),
+        }
+    }
+
+    /// Changes the policy information (e.g. a new load); sent as a re-registration at once.
+    /// Updates made faster than the registrar round trip are coalesced.
+    pub fn update_policy(&self, policy: Policy) {
+        self.desired.send_if_modified(|d| {
+            let changed = d.policy != policy;
+            d.policy = policy;
+            changed
+        });
+    }
+
+    /// For adaptive policies: reports a load (0.0 idle ..= 1.0 full).
+    pub fn update_load(&self, fraction: f64) {
+        let load = rserpool_wire::policy::load_from_fraction(fraction);
+        let p = self.desired.borrow().policy.with_load(load);
+        self.update_policy(p);
+    }
+
+    /// Deregisters (false) or registers again (true), keeping the PE identifier.
+    pub fn set_active(&self, active: bool) {
+        self.desired.send_if_modified(|d| {
+            let changed = d.active != active;
+            d.active = active;
+            changed
+        });
+    }
+
+    /// Deregisters and ends the background task.
+    pub async fn stop(mut self) {
+        self.desired.send_modify(|d| d.stop = true);
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for PoolElement {
+    fn drop(&mut self) {
+        // The task sees the stop (or the dropped sender) and deregisters on its own.
+        self.desired.send_modify(|d| d.stop = true);
+        if let Some(a) = self.announce.take() {
+            a.abort();
+        }
+    }
+}
+
+enum SessionEnd {
+    Stopped,
+    Inactive,
+    Failed { registered: bool, rejected: bool },
+}
+
+async fn run(
+    cfg: PoolElementConfig,
+    id: u32,
+    registrars: Arc<RegistrarSet>,
+    mut desired: watch::Receiver<Desired>,
+    state: watch::Sender<PeState>,
+) {
+    let mut backoff = cfg.backoff_min;
+    let mut next = 0usize;
+    loop {
+        // Wait until we should be registered.
+        loop {
+            let d = desired.borrow_and_update().clone();
+            if d.stop {
+                state.send_replace(PeState::Stopped);
+                return;
+            }
+            if d.active {
+                break;
+            }
+            state.send_replace(PeState::Inactive);
+            if desired.changed().await.is_err() {
+                state.send_replace(PeState::Stopped);
+                return;
+            }
+        }
+        if !matches!(*state.borrow(), PeState::Rejected(_)) {
+            state.send_replace(PeState::Registering);
+        }
+        let candidates = registrars.candidates();
+        let end = if candidates.is_empty() {
+            debug!("PE {id:#010x}: no registrar known yet");
+            SessionEnd::Failed {
+                registered: false,
+                rejected: false,
+            }
+        } else {
+            let addr = candidates[next % candidates.len()];
+            next = next.wrapping_add(1);
+            session(&cfg, id, addr, &mut desired, &state).await
+        };
+        match end {
+            SessionEnd::Stopped => {
+                state.send_replace(PeState::Stopped);
+                return;
+            }
+            SessionEnd::Inactive => backoff = cfg.backoff_min,
+            SessionEnd::Failed {
+                registered,
+                rejected,
+            } => {
+                if registered {
+                    // The home registrar failed: try the next one soon.
+                    backoff = cfg.backoff_min;
+                } else if rejected {
+                    backoff = cfg.backoff_max;
+                }
+                let wait = jitter(backoff);
+                backoff = (backoff * 2).min(cfg.backoff_max);
+                let stop = async {
+                    loop {
+                        if desired.changed().await.is_err() {
+                            return;
+                        }
+                        let d = desired.borrow();
+                        if d.stop || !d.active {
+                            return;
+                        }
+                    }
+                };
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    () = stop => {}
+                }
+            }
+        }
+    }
+}
+
+fn registration(cfg: &PoolElementConfig, id: u32, policy: &Policy) -> AsapMessage {
+    AsapMessage::Registration {
+        pool_handle: cfg.pool_handle.clone(),
+        pool_element: rserpool_wire::PoolElement {
+            id,
+            home_registrar: 0,
+            registration_life: cfg.registration_life(),
+            user_transport: UserTransport::Address(TransportAddress::tcp(cfg.transport)),
+            policy: policy.clone(),
+            asap_transport: None,
+        },
+    }
+}
+
+/// One association with one registrar, from connect to failure or stop.
+async fn session(
+    cfg: &PoolElementConfig,
+    id: u32,
+    addr: SocketAddr,
+    desired: &mut watch::Receiver<Desired>,
+    state: &watch::Sender<PeState>,
+) -> SessionEnd {
+    let failed = |registered, rejected| SessionEnd::Failed {
+        registered,
+        rejected,
+    };
+    let mut conn = match AsapConnection::connect(addr, cfg.connect_timeout).await {
+        Ok(c) => c,
+        Err(e) => {
+            debug!("PE {id:#010x}: registrar {addr}: {e}");
+            return failed(false, false);
+        }
+    };
+    let mut policy = desired.borrow().policy.clone();
+    if conn.send(&registration(cfg, id, &policy)).await.is_err() {
+        return failed(false, false);
+    }
+    let mut registered = false;
+    let mut home = 0u32;
+    // Deadline for the answer to the registration in flight, if any.
+    let mut pending = Some(Instant::now() + cfg.response_timeout);
+    let mut rereg = tokio::time::interval_at(
+        Instant::now() + cfg.reregistration_interval,
+        cfg.reregistration_interval,
+    );
+    rereg.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let deadline = pending.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
+        tokio::select! {
+            m = conn.recv() => match m {
+                Ok(AsapMessage::EndpointKeepAlive { home: h, server_id, .. }) => {
+                    if server_id != home {
+                        if h {
+                            info!("PE {id:#010x}: registrar {server_id:#010x} took over as home");
+                        }
+                        home = server_id;
+                        if registered {
+                            state.send_replace(PeState::Registered { registrar: addr, home });
+                        }
+                    }
+                    let ack = AsapMessage::EndpointKeepAliveAck {
+                        pool_handle: cfg.pool_handle.clone(),
+                        pe_id: id,
+                    };
+                    if conn.send(&ack).await.is_err() {
+                        return failed(registered, false);
+                    }
+                }
+                Ok(AsapMessage::RegistrationResponse { reject, pe_id, error, .. }) if pe_id == id => {
+                    pending = None;
+                    if reject {
+                        let why = error
+                            .and_then(|e| e.causes.first().map(|c| c.code.to_string()))
+                            .unwrap_or_else(|| "no reason given".into());
+                        warn!("PE {id:#010x}: registration in pool {} refused by {addr}: {why}", cfg.pool_handle);
+                        state.send_replace(PeState::Rejected(why));
+                        return failed(registered, true);
+                    }
+                    if !registered {
+                        registered = true;
+                        info!("PE {id:#010x}: registered in pool {} at {addr}", cfg.pool_handle);
+                    }
+                    let s = PeState::Registered { registrar: addr, home };
+                    state.send_if_modified(|old| if *old != s { *old = s; true } else { false });
+                }
+                Ok(AsapMessage::DeregistrationResponse { pe_id, .. }) if pe_id == id => {
+                    // The registration life ran out at the registrar: register again.
+                    pending = Some(Instant::now() + cfg.response_timeout);
+                    if conn.send(&registration(cfg, id, &policy)).await.is_err() {
+                        return failed(registered, false);
+                    }
+                }
+                Ok(AsapMessage::Error { error }) => {
+                    let causes: Vec<String> = error.causes.iter().map(|c| c.code.to_string()).collect();
+                    warn!("PE {id:#010x}: registrar {addr} reports: {}", causes.join(", "));
+                }
+                Ok(other) => debug!("PE {id:#010x}: ignored {} from {addr}", other.name()),
+                Err(e) => {
+                    if registered {
+                        warn!("PE {id:#010x}: lost registrar {addr}: {e}");
+                    }
+                    return failed(registered, false);
+                }
+            },
+            _ = rereg.tick() => {
+                if pending.is_none() {
+                    pending = Some(Instant::now() + cfg.response_timeout);
+                }
+                if conn.send(&registration(cfg, id, &policy)).await.is_err() {
+                    return failed(registered, false);
+                }
+            }
+            r = desired.changed() => {
+                let d = match r {
+                    Ok(()) => desired.borrow_and_update().clone(),
+                    Err(_) => Desired { active: false, policy: policy.clone(), stop: true },
+                };
+                if d.stop || !d.active {
+                    deregister(cfg, id, &mut conn).await;
+                    return if d.stop { SessionEnd::Stopped } else { SessionEnd::Inactive };
+                }
+                if d.policy != policy {
+                    policy = d.policy;
+                    if pending.is_none() {
+                        pending = Some(Instant::now() + cfg.response_timeout);
+                    }
+                    if conn.send(&registration(cfg, id, &policy)).await.is_err() {
+                        return failed(registered, false);
+                    }
+                }
+            }
+            () = tokio::time::sleep_until(deadline), if pending.is_some() => {
+                warn!("PE {id:#010x}: registrar {addr} did not answer within {:?}", cfg.response_timeout);
+                return failed(registered, false);
+            }
+        }
+    }
+}
+
+async fn deregister(cfg: &PoolElementConfig, id: u32, conn: &mut AsapConnection) {
+    let msg = AsapMessage::Deregistration {
+        pool_handle: cfg.pool_handle.clone(),
+        pe_id: id,
+    };
+    if conn.send(&msg).await.is_err() {
+        return;
+    }
+    let wait = async {
+        loop {
+            match conn.recv().await {
+                Ok(AsapMessage::DeregistrationResponse { pe_id, .. }) if pe_id == id => return,
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    };
+    if tokio::time::timeout(cfg.response_timeout, wait)
+        .await
+        .is_ok()
+    {
+        info!("PE {id:#010x}: deregistered from pool {}", cfg.pool_handle);
+    }
+}

@@ -1,0 +1,90 @@
+//! Registrar settings: one list, read from a TOML file (`--config`) and overridden by flags.
+//!
+//! The [`settings!`] macro writes the list once and derives both the TOML struct ([`Config`])
+//! and the command-line overrides ([`ConfigFlags`]), so the two can never drift apart. Keys are
+//! the flag names: `keep-alive-interval-ms = 5000` in the file, `--keep-alive-interval-ms 5000`
+//! on the command line.
+
+use std::net::SocketAddr;
+
+macro_rules! settings {
+    ($( $(#[doc = $doc:literal])* $name:ident : $ty:ty = $default:expr; )*) => {
+        /// Registrar settings. Defaults follow rsplib's registrar where it has one.
+        #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+        #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+        pub struct Config {
+            $( $(#[doc = $doc])* pub $name: $ty, )*
+        }
+
+        impl Default for Config {
+            fn default() -> Self {
+                Self { $( $name: $default, )* }
+            }
+        }
+
+        /// Command-line overrides of [`Config`]; every field is optional.
+        #[derive(Debug, Clone, Default, clap::Args)]
+        pub struct ConfigFlags {
+            $( $(#[doc = $doc])* #[arg(long)] pub $name: Option<$ty>, )*
+        }
+
+        impl ConfigFlags {
+            /// Writes every flag that was given over `config`.
+            pub fn apply(&self, config: &mut Config) {
+                $( if let Some(v) = &self.$name { config.$name = v.clone(); } )*
+            }
+        }
+    };
+}
+
+settings! {
+    /// ASAP listening address (TCP).
+    asap: SocketAddr = SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT));
+    /// Registrar ID (Server Identifier); 0 picks a random one at start.
+    server_id: u32 = 0;
+    /// PEs per HANDLE_RESOLUTION_RESPONSE when the pool user does not say (MaxHResItems).
+    max_hres_items: u32 = 3;
+    /// Upper bound for a pool user's Handle Resolution Option (also bounded by the message size).
+    max_hres_items_requested: u32 = 1024;
+    /// PEs a selection may pass over before advancing (rsplib's MaxIncrement; 0 = policy default).
+    max_increment: u32 = 0;
+    /// Interval between ENDPOINT_KEEP_ALIVEs to a PE this registrar is home for.
+    keep_alive_interval_ms: u64 = 5000;
+    /// Time for a PE to answer an ENDPOINT_KEEP_ALIVE before it is removed.
+    keep_alive_timeout_ms: u64 = 5000;
+    /// ENDPOINT_UNREACHABLE reports that remove a PE (MAX-BAD-PE-REPORT).
+    max_bad_pe_reports: u32 = 3;
+    /// SERVER_ANNOUNCE interval (T6).
+    announce_interval_ms: u64 = 1000;
+    /// Unicast addresses to send SERVER_ANNOUNCE to (UDP).
+    announce: Vec<SocketAddr> = Vec::new();
+    /// Also send SERVER_ANNOUNCE to the multicast group.
+    announce_multicast: bool = false;
+    /// Multicast group and port for SERVER_ANNOUNCE.
+    multicast_group: SocketAddr = SocketAddr::from(([239, 0, 0, 1], rserpool_wire::ASAP_PORT));
+    /// Handle resolutions per second and pool user connection (0 = unlimited).
+    max_hr_rate: u32 = 1000;
+    /// ENDPOINT_UNREACHABLE reports per second and pool user connection (0 = unlimited).
+    max_eu_rate: u32 = 100;
+    /// Simultaneous ASAP connections.
+    max_connections: usize = 100_000;
+    /// Pools in the handlespace.
+    max_pools: usize = 100_000;
+    /// PEs in one pool.
+    max_pes_per_pool: usize = 100_000;
+    /// PEs registered over one connection.
+    max_pes_per_connection: usize = 1000;
+    /// Longest pool handle, in bytes.
+    max_pool_handle_len: usize = 256;
+    /// Largest ASAP message accepted; a longer one loses the connection.
+    max_message_size: usize = 16384;
+    /// Bytes queued for a connection that does not read before it is closed.
+    max_pending_bytes: usize = 1 << 20;
+}
+
+impl Config {
+    /// Reads a TOML file; missing keys keep their defaults, unknown keys are an error.
+    pub fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
+        toml::from_str(text)
+    }
+}

@@ -1,0 +1,413 @@
+//! The tokio driver: sockets and the clock around the sans-IO [`Registrar`].
+//!
+//! One thread runs everything (a `LocalSet`): the core sits in a `RefCell`, each connection task
+//! feeds its reads to the core and writes what the core queued for it, and one timer task runs
+//! keep-alives and announces. A registrar is single-threaded by nature (one handlespace), and
+//! this keeps the cost per message to a read, a core call and a write.
+//!
+//! The ASAP port also answers an HTTP `GET /status` with the handlespace as JSON (first bytes
+//! `GET `, which no ASAP message can start with): that is what `rserpool status` reads.
+
+use crate::config::Config;
+use crate::core::{ConnId, Registrar};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+use tokio::sync::Notify;
+use tracing::{info, warn};
+
+/// A peer that does not take our bytes within this time is disconnected.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time allowed for a status request to arrive in full.
+const STATUS_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A bound registrar, ready to [`run`](Server::run).
+pub struct Server {
+    listener: TcpListener,
+    cfg: Config,
+    id: u32,
+    local: SocketAddr,
+}
+
+fn random_server_id() -> u32 {
+    use rand_core::{OsRng, TryRngCore};
+    loop {
+        let id = OsRng.try_next_u32().unwrap_or_else(|_| {
+            // No OS randomness: fall back to the clock; IDs only need to differ between peers.
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.subsec_nanos() ^ (d.as_secs() as u32))
+                .unwrap_or(1)
+        });
+        if id != 0 {
+            return id;
+        }
+    }
+}
+
+impl Server {
+    /// Binds the ASAP listener.
+    pub async fn bind(cfg: Config) -> io::Result<Self> {
+        let listener = TcpListener::bind(cfg.asap).await.map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot listen for ASAP on {}: {e}", cfg.asap),
+            )
+        })?;
+        let local = listener.local_addr()?;
+        let id = if cfg.server_id != 0 {
+            cfg.server_id
+        } else {
+            random_server_id()
+        };
+        Ok(Self {
+            listener,
+            cfg,
+            id,
+            local,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    pub fn server_id(&self) -> u32 {
+        self.id
+    }
+
+    /// Serves until `shutdown` completes, then closes every connection.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
+        tokio::task::LocalSet::new()
+            .run_until(self.serve(shutdown))
+            .await
+    }
+
+    async fn serve(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
+        let epoch = Instant::now();
+        let mut core = Registrar::new(self.cfg.clone(), self.id, 0);
+        let mut targets = self.cfg.announce.clone();
+        if self.cfg.announce_multicast {
+            targets.push(self.cfg.multicast_group);
+        }
+        let udp = if targets.is_empty() {
+            None
+        } else {
+            let bind: SocketAddr = if self.local.is_ipv6() {
+                "[::]:0".parse().map_err(io::Error::other)?
+            } else {
+                "0.0.0.0:0".parse().map_err(io::Error::other)?
+            };
+            let sock = UdpSocket::bind(bind).await?;
+            if self.cfg.announce_multicast {
+                sock.set_multicast_loop_v4(true).ok();
+                sock.set_multicast_ttl_v4(8).ok();
+            }
+            core.enable_announce(self.local, 0);
+            Some(sock)
+        };
+        let shared = Rc::new(Shared {
+            core: RefCell::new(core),
+            epoch,
+            writers: RefCell::new(HashMap::new()),
+            timer_wake: Notify::new(),
+            timer_deadline: Cell::new(0),
+            dirty: RefCell::new(Vec::new()),
+        });
+        info!(
+            "registrar {:#010x} listening for ASAP on {} (status: GET http://{}/status)",
+            self.id, self.local, self.local
+        );
+        if !targets.is_empty() {
+            info!(
+                "announcing every {} ms to {:?}",
+                self.cfg.announce_interval_ms, targets
+            );
+        }
+        let timer = tokio::task::spawn_local(timer_task(shared.clone(), udp, targets));
+        tokio::pin!(shutdown);
+        let mut accept_log_at: Option<Instant> = None;
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                r = self.listener.accept() => match r {
+                    Ok((stream, peer)) => {
+                        let now = shared.now();
+                        let id = shared.core.borrow_mut().accept(peer, now);
+                        if let Some(id) = id {
+                            stream.set_nodelay(true).ok();
+                            tokio::task::spawn_local(conn_task(shared.clone(), id, stream));
+                        }
+                    }
+                    Err(e) => {
+                        // E.g. out of file descriptors: log once a second, retry shortly.
+                        if accept_log_at.is_none_or(|t| t.elapsed() > Duration::from_secs(1)) {
+                            warn!("accept failed: {e}");
+                            accept_log_at = Some(Instant::now());
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        }
+        info!("registrar {:#010x} shutting down", self.id);
+        timer.abort();
+        Ok(())
+    }
+}
+
+struct Shared {
+    core: RefCell<Registrar>,
+    epoch: Instant,
+    writers: RefCell<HashMap<ConnId, Rc<Notify>>>,
+    timer_wake: Notify,
+    timer_deadline: Cell<u64>,
+    dirty: RefCell<Vec<ConnId>>,
+}
+
+impl Shared {
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// After a core call: wake the writers of connections that got output (except `me`, which
+    /// writes its own), and the timer task if the next deadline moved earlier.
+    fn after_core(&self, me: Option<ConnId>) {
+        let mut dirty = self.dirty.borrow_mut();
+        let next = {
+            let mut core = self.core.borrow_mut();
+            core.take_dirty(&mut dirty);
+            core.poll_timeout()
+        };
+        if !dirty.is_empty() {
+            let writers = self.writers.borrow();
+            for id in dirty.drain(..) {
+                if Some(id) != me
+                    && let Some(n) = writers.get(&id)
+                {
+                    n.notify_one();
+                }
+            }
+        }
+        if let Some(t) = next
+            && t < self.timer_deadline.get()
+        {
+            self.timer_wake.notify_one();
+        }
+    }
+}
+
+async fn timer_task(shared: Rc<Shared>, udp: Option<UdpSocket>, targets: Vec<SocketAddr>) {
+    let mut send_log_at: Option<Instant> = None;
+    loop {
+        let now = shared.now();
+        let next = shared.core.borrow().poll_timeout();
+        let deadline = next.unwrap_or(now + 3_600_000).max(now);
+        shared.timer_deadline.set(deadline);
+        if deadline > now {
+            let at = tokio::time::Instant::from_std(shared.epoch + Duration::from_millis(deadline));
+            tokio::select! {
+                () = tokio::time::sleep_until(at) => {}
+                () = shared.timer_wake.notified() => continue,
+            }
+        }
+        let now = shared.now();
+        shared.core.borrow_mut().handle_timeout(now);
+        shared.after_core(None);
+        let announce = shared.core.borrow_mut().poll_announce();
+        if let (Some(data), Some(sock)) = (announce, &udp) {
+            for t in &targets {
+                if let Err(e) = sock.send_to(&data, t).await
+                    && send_log_at.is_none_or(|t| t.elapsed() > Duration::from_secs(60))
+                {
+                    warn!("SERVER_ANNOUNCE to {t} failed: {e}");
+                    send_log_at = Some(Instant::now());
+                }
+            }
+        }
+    }
+}
+
+async fn conn_task(shared: Rc<Shared>, id: ConnId, stream: TcpStream) {
+    let notify = Rc::new(Notify::new());
+    shared.writers.borrow_mut().insert(id, notify.clone());
+    let (mut rd, mut wr) = stream.into_split();
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut first = true;
+    'conn: loop {
+        tokio::select! {
+            r = rd.read(&mut buf) => {
+                let n = match r {
+                    Ok(0) | Err(_) => break 'conn,
+                    Ok(n) => n,
+                };
+                if first {
+                    first = false;
+                    if buf[..n].starts_with(b"GET ") || (n < 4 && b"GET ".starts_with(&buf[..n])) {
+                        serve_status(&shared, &mut rd, &mut wr, buf[..n].to_vec()).await;
+                        break 'conn;
+                    }
+                }
+                let now = shared.now();
+                shared.core.borrow_mut().handle_data(id, &buf[..n], now);
+                shared.after_core(Some(id));
+            }
+            () = notify.notified() => {}
+        }
+        loop {
+            let out = shared.core.borrow_mut().take_output(id);
+            let Some(data) = out else { break };
+            match tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(&data)).await {
+                Ok(Ok(())) => {}
+                _ => break 'conn,
+            }
+        }
+        if shared.core.borrow().wants_close(id) {
+            break;
+        }
+    }
+    shared.writers.borrow_mut().remove(&id);
+    let now = shared.now();
+    shared.core.borrow_mut().handle_close(id, now);
+    shared.after_core(None);
+}
+
+async fn serve_status(
+    shared: &Shared,
+    rd: &mut tokio::net::tcp::OwnedReadHalf,
+    wr: &mut tokio::net::tcp::OwnedWriteHalf,
+    mut req: Vec<u8>,
+) {
+    let read_head = async {
+        let mut buf = [0u8; 1024];
+        while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
+            match rd.read(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => req.extend_from_slice(&buf[..n]),
+            }
+        }
+        true
+    };
+    if !matches!(
+        tokio::time::timeout(STATUS_READ_TIMEOUT, read_head).await,
+        Ok(true)
+    ) {
+        return;
+    }
+    let path = req
+        .split(|&b| b == b' ')
+        .nth(1)
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .unwrap_or_default();
+    let (code, body) = if path == "/status" || path == "/" {
+        let status = {
+            let now = shared.now();
+            shared.core.borrow().status(now)
+        };
+        match serde_json::to_vec_pretty(&status) {
+            Ok(b) => ("200 OK", b),
+            Err(e) => ("500 Internal Server Error", e.to_string().into_bytes()),
+        }
+    } else {
+        ("404 Not Found", b"try GET /status\n".to_vec())
+    };
+    let head = format!(
+        "HTTP/1.0 {code}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let write = async {
+        wr.write_all(head.as_bytes()).await?;
+        wr.write_all(&body).await?;
+        wr.shutdown().await
+    };
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, write).await;
+}
+
+/// A registrar running on its own thread (for `rserpool up`, tests and embedding).
+pub struct RegistrarThread {
+    addr: SocketAddr,
+    id: u32,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RegistrarThread {
+    /// Binds and starts a registrar on a new thread; returns once it listens.
+    pub fn start(cfg: Config) -> io::Result<Self> {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("registrar".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let server = match Server::bind(cfg).await {
+                        Ok(s) => s,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok((server.local_addr(), server.server_id())));
+                    let stop = async {
+                        let _ = stop_rx.await;
+                    };
+                    if let Err(e) = server.run(stop).await {
+                        warn!("registrar stopped: {e}");
+                    }
+                });
+            })?;
+        let (addr, id) = ready_rx
+            .recv()
+            .map_err(|_| io::Error::other("registrar thread ended before it listened"))??;
+        Ok(Self {
+            addr,
+            id,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn asap_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn server_id(&self) -> u32 {
+        self.id
+    }
+
+    /// Stops the registrar and waits for its thread; its connections close.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for RegistrarThread {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

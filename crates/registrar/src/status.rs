@@ -1,0 +1,58 @@
+//! What `rserpool status` shows: the handlespace as one registrar sees it, plus counters.
+//! Served as JSON by the registrar (an HTTP GET on its ASAP port) and read back by the CLI.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Status {
+    pub server_id: u32,
+    pub uptime_ms: u64,
+    pub connections: usize,
+    pub pool_elements: usize,
+    pub pools: Vec<PoolStatus>,
+    pub counters: Counters,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PoolStatus {
+    pub handle: String,
+    pub policy: String,
+    pub pes: Vec<PeStatus>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PeStatus {
+    pub id: u32,
+    pub transport: String,
+    pub policy: String,
+    pub home_registrar: u32,
+    pub registration_life: i32,
+    /// Time since the last registration or keep-alive ACK.
+    pub ms_since_heard: u64,
+    pub unreachable_reports: u32,
+    pub asap_transport: Option<String>,
+}
+
+/// Event counters since start.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Counters {
+    pub registrations: u64,
+    pub reregistrations: u64,
+    pub registrations_rejected: u64,
+    pub deregistrations: u64,
+    pub deregistrations_rejected: u64,
+    pub resolutions: u64,
+    pub resolutions_unknown_pool: u64,
+    pub resolutions_rate_limited: u64,
+    pub keep_alives_sent: u64,
+    pub keep_alive_acks: u64,
+    pub unreachable_reports: u64,
+    pub unreachable_rate_limited: u64,
+    pub removed_keep_alive_timeout: u64,
+    pub removed_connection_closed: u64,
+    pub removed_unreachable: u64,
+    pub removed_lifetime_expired: u64,
+    pub protocol_errors: u64,
+    pub connections_refused: u64,
+    pub slow_connections_closed: u64,
+}
