@@ -11,7 +11,7 @@ pub mod pool_user;
 pub mod registrars;
 
 pub use connection::AsapConnection;
-pub use pool_element::{PeState, PoolElement, PoolElementConfig};
+pub use pool_element::{PeState, PeUpdater, PoolElement, PoolElementConfig};
 pub use pool_user::{PoolUser, PoolUserConfig, Resolution};
 pub use registrars::RegistrarSet;
 

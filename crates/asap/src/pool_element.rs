@@ -35,6 +35,8 @@ pub struct PoolElementConfig {
     pub response_timeout: Duration,
     pub backoff_min: Duration,
     pub backoff_max: Duration,
+    /// Register at start (false: wait for [`PeUpdater::set_active`]).
+    pub initially_active: bool,
 }
 
 impl PoolElementConfig {
@@ -51,6 +53,7 @@ impl PoolElementConfig {
             response_timeout: Duration::from_secs(3),
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(10),
+            initially_active: true,
         }
     }
 
@@ -88,64 +91,19 @@ struct Desired {
 /// A registered pool element; see the module docs.
 pub struct PoolElement {
     id: u32,
-    desired: watch::Sender<Desired>,
+    updater: PeUpdater,
     state: watch::Receiver<PeState>,
     task: Option<tokio::task::JoinHandle<()>>,
     announce: Option<tokio::task::JoinHandle<()>>,
 }
 
-impl PoolElement {
-    /// Starts registering in the background (needs a tokio runtime).
-    pub fn start(cfg: PoolElementConfig) -> std::io::Result<Self> {
-        let id = cfg.id.unwrap_or_else(random_u32);
-        let registrars = RegistrarSet::new(cfg.registrars.clone());
-        let announce = match cfg.announce_listen {
-            Some(a) => Some(registrars.listen(a)?),
-            None => None,
-        };
-        let (desired_tx, desired_rx) = watch::channel(Desired {
-            active: true,
-            policy: cfg.policy.clone(),
-            stop: false,
-        });
-        let (state_tx, state_rx) = watch::channel(PeState::Registering);
-        let task = tokio::spawn(run(cfg, id, registrars, desired_rx, state_tx));
-        Ok(Self {
-            id,
-            desired: desired_tx,
-            state: state_rx,
-            task: Some(task),
-            announce,
-        })
-    }
+/// A cloneable handle that changes a PE's policy information or activity from other tasks.
+#[derive(Clone)]
+pub struct PeUpdater {
+    desired: Arc<watch::Sender<Desired>>,
+}
 
-    pub fn id(&self) -> u32 {
-        self.id
-    }
-
-    pub fn state(&self) -> PeState {
-        self.state.borrow().clone()
-    }
-
-    /// A receiver that sees every state change.
-    pub fn watch_state(&self) -> watch::Receiver<PeState> {
-        self.state.clone()
-    }
-
-    /// Waits until registered; returns the registrar's address.
-    pub async fn wait_registered(&self, timeout: Duration) -> Result<SocketAddr, Error> {
-        let mut rx = self.state.clone();
-        let wait = rx.wait_for(|s| matches!(s, PeState::Registered { .. }));
-        match tokio::time::timeout(timeout, wait).await {
-            Ok(Ok(s)) => match &*s {
-                PeState::Registered { registrar, .. } => Ok(*registrar),
-                _ => Err(Error::Closed),
-            },
-            Ok(Err(_)) => Err(Error::Closed),
-            Err(_) => Err(Error::Timeout),
-        }
-    }
-
+impl PeUpdater {
     /// Changes the policy information (e.g. a new load); sent as a re-registration at once.
     /// Updates made faster than the registrar round trip are coalesced.
     pub fn update_policy(&self, policy: Policy) {
@@ -172,9 +130,89 @@ impl PoolElement {
         });
     }
 
+    /// The policy currently asked for.
+    pub fn policy(&self) -> Policy {
+        self.desired.borrow().policy.clone()
+    }
+}
+
+impl PoolElement {
+    /// Starts registering in the background (needs a tokio runtime).
+    pub fn start(cfg: PoolElementConfig) -> std::io::Result<Self> {
+        let id = cfg.id.unwrap_or_else(random_u32);
+        let registrars = RegistrarSet::new(cfg.registrars.clone());
+        let announce = match cfg.announce_listen {
+            Some(a) => Some(registrars.listen(a)?),
+            None => None,
+        };
+        let (desired_tx, desired_rx) = watch::channel(Desired {
+            active: cfg.initially_active,
+            policy: cfg.policy.clone(),
+            stop: false,
+        });
+        let (state_tx, state_rx) = watch::channel(PeState::Registering);
+        let task = tokio::spawn(run(cfg, id, registrars, desired_rx, state_tx));
+        Ok(Self {
+            id,
+            updater: PeUpdater {
+                desired: Arc::new(desired_tx),
+            },
+            state: state_rx,
+            task: Some(task),
+            announce,
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn state(&self) -> PeState {
+        self.state.borrow().clone()
+    }
+
+    /// A receiver that sees every state change.
+    pub fn watch_state(&self) -> watch::Receiver<PeState> {
+        self.state.clone()
+    }
+
+    /// A handle for changing the policy information from elsewhere.
+    pub fn updater(&self) -> PeUpdater {
+        self.updater.clone()
+    }
+
+    /// Waits until registered; returns the registrar's address.
+    pub async fn wait_registered(&self, timeout: Duration) -> Result<SocketAddr, Error> {
+        let mut rx = self.state.clone();
+        let wait = rx.wait_for(|s| matches!(s, PeState::Registered { .. }));
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(Ok(s)) => match &*s {
+                PeState::Registered { registrar, .. } => Ok(*registrar),
+                _ => Err(Error::Closed),
+            },
+            Ok(Err(_)) => Err(Error::Closed),
+            Err(_) => Err(Error::Timeout),
+        }
+    }
+
+    /// See [`PeUpdater::update_policy`].
+    pub fn update_policy(&self, policy: Policy) {
+        self.updater.update_policy(policy);
+    }
+
+    /// See [`PeUpdater::update_load`].
+    pub fn update_load(&self, fraction: f64) {
+        self.updater.update_load(fraction);
+    }
+
+    /// See [`PeUpdater::set_active`].
+    pub fn set_active(&self, active: bool) {
+        self.updater.set_active(active);
+    }
+
     /// Deregisters and ends the background task.
     pub async fn stop(mut self) {
-        self.desired.send_modify(|d| d.stop = true);
+        self.updater.desired.send_modify(|d| d.stop = true);
         if let Some(t) = self.task.take() {
             let _ = t.await;
         }
@@ -183,8 +221,8 @@ impl PoolElement {
 
 impl Drop for PoolElement {
     fn drop(&mut self) {
-        // The task sees the stop (or the dropped sender) and deregisters on its own.
-        self.desired.send_modify(|d| d.stop = true);
+        // The task sees the stop and deregisters on its own.
+        self.updater.desired.send_modify(|d| d.stop = true);
         if let Some(a) = self.announce.take() {
             a.abort();
         }

@@ -1,1 +1,79 @@
+//! `rserpool bench …`: benchmarks that write their results, with command and machine, into docs/.
+
 pub mod handlespace;
+
+use anyhow::{Result, bail};
+use clap::Subcommand;
+use std::time::Duration;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Handlespace operation throughput (the seed paper's Figures 5-6).
+    Handlespace {
+        /// Pool sizes to measure (repeatable); default 1000, 10000, 100000.
+        #[arg(long = "pes")]
+        pes: Vec<usize>,
+        /// One JSON object per pool size on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Time budget per measurement round in milliseconds (three rounds, median).
+        #[arg(long, default_value_t = 200)]
+        round_ms: u64,
+        /// Also write the results as a Markdown section into this file (e.g. docs/BENCHMARKS.md),
+        /// between generated-section markers.
+        #[arg(long, value_name = "FILE")]
+        markdown: Option<std::path::PathBuf>,
+        /// Internal: measure resident memory for N PEs in this process and print bytes per PE.
+        #[arg(long, hide = true)]
+        memory_probe: Option<usize>,
+    },
+}
+
+pub fn run(what: BenchCommand) -> Result<()> {
+    match what {
+        BenchCommand::Handlespace {
+            pes,
+            json,
+            round_ms,
+            markdown,
+            memory_probe,
+        } => {
+            if let Some(n) = memory_probe {
+                println!("{}", handlespace::memory_probe(n.max(1))?);
+                return Ok(());
+            }
+            let sizes = if pes.is_empty() {
+                vec![1_000, 10_000, 100_000]
+            } else {
+                pes
+            };
+            if sizes.contains(&0) {
+                bail!("--pes must be at least 1");
+            }
+            if !json {
+                println!("machine: {}", handlespace::machine());
+            }
+            let mut results = Vec::new();
+            for n in sizes {
+                let r = handlespace::run_size(n, Duration::from_millis(round_ms.max(10)))?;
+                if json {
+                    println!("{}", serde_json::to_string(&r)?);
+                } else {
+                    handlespace::print_table(&r);
+                }
+                results.push(r);
+            }
+            if let Some(path) = markdown {
+                let section = handlespace::markdown(&results, &command_line());
+                handlespace::write_markdown(&path, &section)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The command as the user typed it, for the results file.
+pub fn command_line() -> String {
+    let args = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
+    format!("rserpool {args}")
+}

@@ -1,0 +1,217 @@
+//! Pool user commands: `resolve`, `connect`, and `status` (the registrar's handlespace).
+
+use crate::RegistrarOpts;
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use rserpool_asap::PoolUser;
+use rserpool_registrar::Status;
+use rserpool_wire::PoolHandle;
+use serde::Serialize;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[derive(Args, Debug)]
+pub struct ResolveArgs {
+    /// Pool handle.
+    pub pool: String,
+    /// Number of PEs to ask for (Handle Resolution Option); default: the registrar's choice.
+    #[arg(long)]
+    pub items: Option<u32>,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub registrars: RegistrarOpts,
+}
+
+#[derive(Serialize)]
+struct ResolvedPe {
+    id: u32,
+    transport: String,
+    policy: String,
+    home_registrar: u32,
+}
+
+#[derive(Serialize)]
+struct Resolved {
+    pool: String,
+    policy: Option<String>,
+    registrar: Option<String>,
+    pool_elements: Vec<ResolvedPe>,
+}
+
+pub fn resolve(args: ResolveArgs) -> Result<()> {
+    let mut cfg = super::pu_config(&args.registrars);
+    cfg.items = args.items;
+    let handle = PoolHandle::from(args.pool.as_str());
+    let res = super::runtime()?.block_on(async move {
+        let mut pu = PoolUser::new(cfg)?;
+        pu.resolve(&handle).await
+    })?;
+    let out = Resolved {
+        pool: res.pool_handle.to_string(),
+        policy: res.policy.as_ref().map(|p| p.short_name().to_string()),
+        registrar: res.registrar.map(|r| r.to_string()),
+        pool_elements: res
+            .pool_elements
+            .iter()
+            .map(|pe| ResolvedPe {
+                id: pe.id,
+                transport: pe.user_transport.to_string(),
+                policy: pe.policy.to_string(),
+                home_registrar: pe.home_registrar,
+            })
+            .collect(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&out)?);
+        return Ok(());
+    }
+    println!(
+        "pool {} ({}), answered by registrar {}",
+        out.pool,
+        out.policy.as_deref().unwrap_or("?"),
+        out.registrar.as_deref().unwrap_or("cache")
+    );
+    println!("{:<12} {:<28} {:<26} home", "PE", "transport", "policy");
+    for pe in &out.pool_elements {
+        println!(
+            "{:<12} {:<28} {:<26} {:#010x}",
+            format!("{:#010x}", pe.id),
+            pe.transport,
+            pe.policy,
+            pe.home_registrar
+        );
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct ConnectArgs {
+    /// Pool handle.
+    pub pool: String,
+    #[command(flatten)]
+    pub registrars: RegistrarOpts,
+}
+
+pub fn connect(args: ConnectArgs) -> Result<()> {
+    super::init_logging();
+    let cfg = super::pu_config(&args.registrars);
+    let handle = PoolHandle::from(args.pool.as_str());
+    super::runtime()?.block_on(async move {
+        let mut pu = PoolUser::new(cfg)?;
+        let (stream, pe) = pu.connect(&handle).await?;
+        tracing::info!("connected to PE {:#010x} at {}", pe.id, stream.peer_addr()?);
+        let (mut rd, mut wr) = stream.into_split();
+        let upload = async {
+            let mut stdin = tokio::io::stdin();
+            let mut buf = vec![0u8; 16 * 1024];
+            loop {
+                let n = stdin.read(&mut buf).await?;
+                if n == 0 {
+                    break;
+                }
+                wr.write_all(&buf[..n]).await?;
+            }
+            wr.shutdown().await?;
+            Ok::<_, std::io::Error>(())
+        };
+        let download = async {
+            let mut stdout = tokio::io::stdout();
+            tokio::io::copy(&mut rd, &mut stdout).await?;
+            stdout.flush().await?;
+            Ok::<_, std::io::Error>(())
+        };
+        let (u, d) = tokio::join!(upload, download);
+        d?;
+        u.or_else(|e| {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        })?;
+        Ok(())
+    })
+}
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub registrars: RegistrarOpts,
+}
+
+/// Fetches `GET /status` from the first registrar that answers.
+pub async fn fetch_status(opts: &RegistrarOpts) -> Result<Status> {
+    let mut errors = Vec::new();
+    for addr in &opts.registrars {
+        match fetch_one(*addr).await {
+            Ok(s) => return Ok(s),
+            Err(e) => errors.push(format!("{addr}: {e:#}")),
+        }
+    }
+    bail!("no registrar answered ({})", errors.join("; "))
+}
+
+async fn fetch_one(addr: std::net::SocketAddr) -> Result<Status> {
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(b"GET /status HTTP/1.0\r\n\r\n").await?;
+        let mut body = Vec::new();
+        s.read_to_end(&mut body).await?;
+        Ok::<_, std::io::Error>(body)
+    };
+    let reply = tokio::time::timeout(Duration::from_secs(5), exchange)
+        .await
+        .map_err(|_| anyhow!("timed out"))??;
+    let split = reply
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| anyhow!("not an HTTP answer"))?;
+    if !reply.starts_with(b"HTTP/1.0 200") && !reply.starts_with(b"HTTP/1.1 200") {
+        bail!("status request refused");
+    }
+    serde_json::from_slice(&reply[split + 4..]).context("bad status JSON")
+}
+
+pub fn status(args: StatusArgs) -> Result<()> {
+    let st = super::runtime()?.block_on(fetch_status(&args.registrars))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&st)?);
+        return Ok(());
+    }
+    println!(
+        "registrar {:#010x}: up {:.1} s, {} connections, {} pools, {} pool elements",
+        st.server_id,
+        st.uptime_ms as f64 / 1000.0,
+        st.connections,
+        st.pools.len(),
+        st.pool_elements
+    );
+    for pool in &st.pools {
+        println!(
+            "\npool {} ({}), {} PEs",
+            pool.handle,
+            pool.policy,
+            pool.pes.len()
+        );
+        println!(
+            "  {:<12} {:<24} {:<26} {:<12} {:>10} {:>8}  asap",
+            "PE", "transport", "policy", "home", "heard", "reports"
+        );
+        for pe in &pool.pes {
+            println!(
+                "  {:<12} {:<24} {:<26} {:<12} {:>9.1}s {:>8}  {}",
+                format!("{:#010x}", pe.id),
+                pe.transport,
+                pe.policy,
+                format!("{:#010x}", pe.home_registrar),
+                pe.ms_since_heard as f64 / 1000.0,
+                pe.unreachable_reports,
+                pe.asap_transport.as_deref().unwrap_or("-")
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,87 @@
+//! The subcommands, one module each, and what they share.
+
+pub mod client;
+pub mod example;
+pub mod registrar;
+pub mod serve;
+pub mod up;
+
+use crate::{PeOpts, RegistrarOpts};
+use anyhow::{Context, Result, anyhow};
+use rserpool_asap::{PoolElementConfig, PoolUserConfig};
+use rserpool_wire::Policy;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Logs to stderr; `RUST_LOG` overrides the level (default info).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// A single-threaded tokio runtime: every command here is I/O bound and small.
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")
+}
+
+/// Completes on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}
+
+/// Accepts decimal or 0x-prefixed hexadecimal.
+pub fn parse_u32(s: &str) -> Result<u32, String> {
+    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(h) => u32::from_str_radix(h, 16),
+        None => s.parse(),
+    };
+    r.map_err(|e| format!("{s}: {e}"))
+}
+
+pub fn policy(name: &str, weight: u32) -> Result<Policy> {
+    Policy::from_name(name, weight).ok_or_else(|| {
+        anyhow!("unknown policy {name:?}; use rr, wrr, rand, wrand, prio, lu, lud, plu or rlu")
+    })
+}
+
+pub fn pe_config(opts: &PeOpts, transport: SocketAddr) -> Result<PoolElementConfig> {
+    if opts.pool.is_empty() {
+        return Err(anyhow!("--pool must not be empty"));
+    }
+    let mut cfg = PoolElementConfig::new(
+        opts.pool.as_str(),
+        transport,
+        policy(&opts.policy, opts.weight)?,
+    );
+    cfg.id = opts.id;
+    cfg.registrars = opts.registrars.registrars.clone();
+    cfg.announce_listen = opts.registrars.announce_listen;
+    cfg.reregistration_interval = Duration::from_millis(opts.reregistration_interval_ms.max(100));
+    Ok(cfg)
+}
+
+pub fn pu_config(opts: &RegistrarOpts) -> PoolUserConfig {
+    PoolUserConfig {
+        registrars: opts.registrars.clone(),
+        announce_listen: opts.announce_listen,
+        ..PoolUserConfig::default()
+    }
+}

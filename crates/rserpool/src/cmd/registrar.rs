@@ -1,0 +1,45 @@
+//! `rserpool registrar`: settings from `--config FILE` (TOML), then flags on top.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use rserpool_registrar::{Config, ConfigFlags, Server};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct RegistrarArgs {
+    /// TOML file with settings (keys as the flags, e.g. `keep-alive-interval-ms = 5000`).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Print the effective settings as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    #[command(flatten)]
+    pub flags: ConfigFlags,
+}
+
+pub fn load_config(args: &RegistrarArgs) -> Result<Config> {
+    let mut cfg = match &args.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read {}", p.display()))?;
+            Config::from_toml(&text).with_context(|| format!("bad settings in {}", p.display()))?
+        }
+        None => Config::default(),
+    };
+    args.flags.apply(&mut cfg);
+    Ok(cfg)
+}
+
+pub fn run(args: RegistrarArgs) -> Result<()> {
+    let cfg = load_config(&args)?;
+    if args.print_config {
+        print!("{}", toml::to_string(&cfg)?);
+        return Ok(());
+    }
+    super::init_logging();
+    super::runtime()?.block_on(async move {
+        let server = Server::bind(cfg).await?;
+        server.run(super::shutdown_signal()).await?;
+        Ok(())
+    })
+}
