@@ -1,0 +1,738 @@
+//! A working pool over real sockets on loopback: a real registrar (in-process thread or the
+//! `rserpool` binary), pool elements through the library and as separate processes, pool users.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
+use rserpool_registrar::{Config, RegistrarThread};
+use rserpool_wire::policy::load_from_fraction;
+use rserpool_wire::{AsapMessage, CauseCode, Framer, Policy, PoolHandle};
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
+
+fn fast_config() -> Config {
+    Config {
+        asap: "127.0.0.1:0".parse().unwrap(),
+        keep_alive_interval_ms: 300,
+        keep_alive_timeout_ms: 300,
+        ..Config::default()
+    }
+}
+
+fn registrar(cfg: Config) -> RegistrarThread {
+    RegistrarThread::start(cfg).expect("registrar starts")
+}
+
+fn pe_config(reg: SocketAddr, pool: &str, port: u16, policy: Policy) -> PoolElementConfig {
+    let mut cfg = PoolElementConfig::new(pool, SocketAddr::from(([127, 0, 0, 1], port)), policy);
+    cfg.registrars = vec![reg];
+    cfg.backoff_min = Duration::from_millis(50);
+    cfg.backoff_max = Duration::from_millis(500);
+    cfg
+}
+
+fn pe(reg: SocketAddr, pool: &str, port: u16, policy: Policy) -> PoolElement {
+    PoolElement::start(pe_config(reg, pool, port, policy)).unwrap()
+}
+
+fn pool_user(reg: SocketAddr, items: Option<u32>) -> PoolUser {
+    PoolUser::new(PoolUserConfig {
+        registrars: vec![reg],
+        items,
+        ..PoolUserConfig::default()
+    })
+    .unwrap()
+}
+
+/// Polls `cond` until it holds or `limit` passes; returns the time it took.
+async fn wait_for<F, Fut>(limit: Duration, what: &str, mut cond: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    loop {
+        if cond().await {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The PE IDs a fresh resolution returns (empty if the pool is unknown).
+async fn resolve_ids(reg: SocketAddr, pool: &str, items: u32) -> Vec<u32> {
+    let mut pu = pool_user(reg, Some(items));
+    match pu.resolve(&PoolHandle::from(pool)).await {
+        Ok(r) => r.pool_elements.iter().map(|p| p.id).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[&str]) -> KillOnDrop {
+    KillOnDrop(
+        Command::new(BIN)
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn rserpool"),
+    )
+}
+
+fn signal(child: &Child, sig: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{sig}"), &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{sig}");
+}
+
+#[tokio::test]
+async fn register_then_resolve_and_deregister() {
+    let r = registrar(fast_config());
+    let a = pe(r.asap_addr(), "P", 7001, Policy::RoundRobin);
+    a.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let mut pu = pool_user(r.asap_addr(), None);
+    let res = pu.resolve(&PoolHandle::from("P")).await.unwrap();
+    assert_eq!(res.pool_elements.len(), 1);
+    let e = &res.pool_elements[0];
+    assert_eq!(e.id, a.id());
+    assert_eq!(e.home_registrar, r.server_id());
+    assert_eq!(e.user_transport.to_string(), "tcp 127.0.0.1:7001");
+    assert!(matches!(res.policy, Some(Policy::RoundRobin)));
+    // Unknown pool: cause 9.
+    let err = pu.resolve(&PoolHandle::from("nope")).await.unwrap_err();
+    assert!(matches!(err, rserpool_asap::Error::UnknownPool(_)), "{err}");
+    a.stop().await;
+    wait_for(Duration::from_secs(2), "deregistration", || async {
+        resolve_ids(r.asap_addr(), "P", 3).await.is_empty()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn every_policy_through_the_registrar() {
+    let r = registrar(fast_config());
+    let reg = r.asap_addr();
+    let load = |f: f64| load_from_fraction(f);
+    // Deterministic policies: the order of one resolution of all PEs.
+    let cases: Vec<(&str, Vec<Policy>, Vec<usize>)> = vec![
+        (
+            "lu",
+            vec![
+                Policy::LeastUsed { load: load(0.5) },
+                Policy::LeastUsed { load: load(0.1) },
+                Policy::LeastUsed { load: load(0.3) },
+            ],
+            vec![1, 2, 0],
+        ),
+        (
+            "plu",
+            vec![
+                Policy::PriorityLeastUsed {
+                    load: load(0.2),
+                    degradation: load(0.5),
+                },
+                Policy::PriorityLeastUsed {
+                    load: load(0.4),
+                    degradation: 0,
+                },
+                Policy::PriorityLeastUsed {
+                    load: load(0.1),
+                    degradation: 0,
+                },
+            ],
+            vec![2, 1, 0],
+        ),
+        (
+            "lud",
+            vec![
+                Policy::LeastUsedDegradation {
+                    load: load(0.9),
+                    degradation: load(0.01),
+                },
+                Policy::LeastUsedDegradation {
+                    load: load(0.2),
+                    degradation: load(0.01),
+                },
+                Policy::LeastUsedDegradation {
+                    load: load(0.6),
+                    degradation: load(0.01),
+                },
+            ],
+            vec![1, 2, 0],
+        ),
+        (
+            "prio",
+            vec![
+                Policy::Priority { priority: 1 },
+                Policy::Priority { priority: 9 },
+                Policy::Priority { priority: 5 },
+            ],
+            vec![1, 2, 0],
+        ),
+    ];
+    for (name, policies, order) in cases {
+        let pes: Vec<PoolElement> = policies
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| pe(reg, name, 7100 + i as u16, p))
+            .collect();
+        for p in &pes {
+            p.wait_registered(Duration::from_secs(5)).await.unwrap();
+        }
+        let want: Vec<u32> = order.iter().map(|&i| pes[i].id()).collect();
+        assert_eq!(resolve_ids(reg, name, 3).await, want, "policy {name}");
+    }
+
+    // Round robin: three single-PE resolutions visit every PE once, in a fixed cycle.
+    let rr: Vec<PoolElement> = (0..3)
+        .map(|i| pe(reg, "rr", 7200 + i, Policy::RoundRobin))
+        .collect();
+    for p in &rr {
+        p.wait_registered(Duration::from_secs(5)).await.unwrap();
+    }
+    let mut pu = pool_user(reg, Some(1));
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        let res = pu.resolve(&PoolHandle::from("rr")).await.unwrap();
+        seen.push(res.pool_elements[0].id);
+    }
+    let mut first: Vec<u32> = seen[..3].to_vec();
+    first.sort();
+    let mut ids: Vec<u32> = rr.iter().map(PoolElement::id).collect();
+    ids.sort();
+    assert_eq!(first, ids, "rr visits each PE once per round");
+    assert_eq!(seen[..3], seen[3..], "rr repeats its cycle");
+
+    // Weighted and random policies: the distribution of many single-PE resolutions.
+    let dist = |name: &'static str, policies: Vec<Policy>| async move {
+        let pes: Vec<PoolElement> = policies
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| pe(reg, name, 7300 + i as u16, p))
+            .collect();
+        for p in &pes {
+            p.wait_registered(Duration::from_secs(5)).await.unwrap();
+        }
+        let mut pu = pool_user(reg, Some(1));
+        let mut counts: HashMap<u32, u32> = HashMap::new();
+        for _ in 0..600 {
+            let res = pu.resolve(&PoolHandle::from(name)).await.unwrap();
+            *counts.entry(res.pool_elements[0].id).or_default() += 1;
+        }
+        let out: Vec<u32> = pes
+            .iter()
+            .map(|p| counts.get(&p.id()).copied().unwrap_or(0))
+            .collect();
+        drop(pes);
+        out
+    };
+    let wrr = dist(
+        "wrr",
+        vec![
+            Policy::WeightedRoundRobin { weight: 1 },
+            Policy::WeightedRoundRobin { weight: 2 },
+            Policy::WeightedRoundRobin { weight: 3 },
+        ],
+    )
+    .await;
+    assert_eq!(wrr, vec![100, 200, 300], "wrr is exact over whole rounds");
+    let rand = dist("rand", vec![Policy::Random, Policy::Random, Policy::Random]).await;
+    assert!(
+        rand.iter().all(|&c| (140..=260).contains(&c)),
+        "rand roughly uniform: {rand:?}"
+    );
+    let wrand = dist(
+        "wrand",
+        vec![
+            Policy::WeightedRandom { weight: 1 },
+            Policy::WeightedRandom { weight: 5 },
+        ],
+    )
+    .await;
+    assert!(
+        (50..=150).contains(&wrand[0]),
+        "wrand 1:5 → about 100 of 600: {wrand:?}"
+    );
+    let rlu = dist(
+        "rlu",
+        vec![
+            Policy::RandomizedLeastUsed { load: load(0.8) },
+            Policy::RandomizedLeastUsed { load: load(0.2) },
+        ],
+    )
+    .await;
+    // Weights 0.2 : 0.8 of free capacity → about 120 : 480.
+    assert!(
+        (60..=190).contains(&rlu[0]),
+        "rlu favours the less loaded PE: {rlu:?}"
+    );
+}
+
+#[tokio::test]
+async fn inconsistent_policy_is_rejected_with_its_cause() {
+    let r = registrar(fast_config());
+    let a = pe(r.asap_addr(), "mixed", 7400, Policy::RoundRobin);
+    a.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let b = pe(r.asap_addr(), "mixed", 7401, Policy::LeastUsed { load: 0 });
+    let mut st = b.watch_state();
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        st.wait_for(|s| matches!(s, rserpool_asap::PeState::Rejected(_))),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .clone();
+    assert!(
+        format!("{s:?}").contains("Inconsistent Pooling Policy"),
+        "{s:?}"
+    );
+}
+
+#[tokio::test]
+async fn killed_pe_process_disappears() {
+    let r = registrar(fast_config());
+    let reg = r.asap_addr().to_string();
+    let mut ids = Vec::new();
+    let mut children = Vec::new();
+    for (i, id) in ["0x1001", "0x1002"].iter().enumerate() {
+        children.push(spawn(&[
+            "example",
+            "echo",
+            "--pool",
+            "K",
+            "--policy",
+            "lu",
+            "--id",
+            id,
+            "--registrar",
+            &reg,
+        ]));
+        ids.push(0x1001 + i as u32);
+    }
+    wait_for(
+        Duration::from_secs(10),
+        "both PE processes registered",
+        || async { resolve_ids(r.asap_addr(), "K", 3).await.len() == 2 },
+    )
+    .await;
+    // SIGKILL: the kernel closes its association, the registrar removes it at once.
+    signal(&children[0].0, "KILL");
+    let t = wait_for(Duration::from_secs(2), "killed PE gone", || async {
+        !resolve_ids(r.asap_addr(), "K", 3).await.contains(&ids[0])
+    })
+    .await;
+    eprintln!("SIGKILLed PE gone after {t:?}");
+    // SIGSTOP: the association stays open but keep-alives go unanswered.
+    signal(&children[1].0, "STOP");
+    let t = wait_for(
+        Duration::from_millis(300 + 300 + 400),
+        "stopped PE gone (keep-alive timeout)",
+        || async { resolve_ids(r.asap_addr(), "K", 3).await.is_empty() },
+    )
+    .await;
+    eprintln!("SIGSTOPped PE gone after {t:?} (interval 300 ms + timeout 300 ms)");
+    signal(&children[1].0, "KILL");
+}
+
+#[tokio::test]
+async fn serve_follows_its_target() {
+    let r = registrar(fast_config());
+    let target = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let taddr = target.local_addr().unwrap();
+    let reg = r.asap_addr().to_string();
+    let _serve = spawn(&[
+        "serve",
+        "--pool",
+        "S",
+        "--target",
+        &taddr.to_string(),
+        "--registrar",
+        &reg,
+        "--check-interval-ms",
+        "100",
+        "--fall",
+        "1",
+        "--id",
+        "0x5e",
+        "--policy",
+        "lu",
+    ]);
+    wait_for(Duration::from_secs(10), "serve registers", || async {
+        resolve_ids(r.asap_addr(), "S", 3).await == vec![0x5e]
+    })
+    .await;
+    drop(target);
+    wait_for(
+        Duration::from_secs(5),
+        "serve deregisters when the target stops",
+        || async { resolve_ids(r.asap_addr(), "S", 3).await.is_empty() },
+    )
+    .await;
+    let _target = tokio::net::TcpListener::bind(taddr).await.unwrap();
+    wait_for(
+        Duration::from_secs(5),
+        "serve re-registers when the target is back",
+        || async { resolve_ids(r.asap_addr(), "S", 3).await == vec![0x5e] },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn unreachable_reports_remove_a_pe_at_the_threshold() {
+    let r = registrar(Config {
+        max_bad_pe_reports: 3,
+        ..fast_config()
+    });
+    let a = pe(r.asap_addr(), "U", 7500, Policy::RoundRobin);
+    let b = pe(r.asap_addr(), "U", 7501, Policy::RoundRobin);
+    a.wait_registered(Duration::from_secs(5)).await.unwrap();
+    b.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let mut pu = pool_user(r.asap_addr(), None);
+    let h = PoolHandle::from("U");
+    for _ in 0..2 {
+        pu.report_unreachable(&h, a.id()).await.unwrap();
+    }
+    // Two reports: probed, answered, still there.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut ids = resolve_ids(r.asap_addr(), "U", 3).await;
+    ids.sort();
+    let mut both = vec![a.id(), b.id()];
+    both.sort();
+    assert_eq!(ids, both);
+    pu.report_unreachable(&h, a.id()).await.unwrap();
+    wait_for(
+        Duration::from_secs(2),
+        "third report removes the PE",
+        || async { resolve_ids(r.asap_addr(), "U", 3).await == vec![b.id()] },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn pool_user_connect_fails_over_and_reports() {
+    let r = registrar(Config {
+        max_bad_pe_reports: 1,
+        ..fast_config()
+    });
+    // One PE whose service is down (nothing listens), one that accepts.
+    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let dead = pe(
+        r.asap_addr(),
+        "C",
+        dead_port,
+        Policy::Priority { priority: 9 },
+    );
+    let good = pe(
+        r.asap_addr(),
+        "C",
+        up.local_addr().unwrap().port(),
+        Policy::Priority { priority: 1 },
+    );
+    dead.wait_registered(Duration::from_secs(5)).await.unwrap();
+    good.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let mut pu = pool_user(r.asap_addr(), None);
+    let (_s, reached) = pu.connect(&PoolHandle::from("C")).await.unwrap();
+    assert_eq!(reached.id, good.id());
+    wait_for(
+        Duration::from_secs(2),
+        "the dead PE reported and removed",
+        || async { resolve_ids(r.asap_addr(), "C", 3).await == vec![good.id()] },
+    )
+    .await;
+}
+
+async fn read_message(s: &mut TcpStream, framer: &mut Framer) -> Option<AsapMessage> {
+    let read = async {
+        loop {
+            if let Ok(Some(m)) = framer.next_message() {
+                return AsapMessage::decode(&m).ok();
+            }
+            let mut buf = [0u8; 4096];
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => framer.extend(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(2), read)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// An ERROR message carrying `code`, or the connection closed.
+async fn expect_error_or_close(s: &mut TcpStream, code: Option<CauseCode>) {
+    let mut f = Framer::new(65535);
+    match read_message(s, &mut f).await {
+        None => {}
+        Some(AsapMessage::Error { error }) => {
+            if let Some(code) = code {
+                assert_eq!(error.causes[0].code, code);
+            }
+        }
+        Some(other) => panic!("expected ERROR or close, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn bad_input_gets_an_error_and_others_keep_being_served() {
+    let r = registrar(fast_config());
+    let reg = r.asap_addr();
+    let a = pe(reg, "G", 7600, Policy::RoundRobin);
+    a.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let mut pu = pool_user(reg, None);
+    let h = PoolHandle::from("G");
+    pu.resolve(&h).await.unwrap();
+
+    // Garbage: an unknown message type with a plausible length.
+    let mut s = TcpStream::connect(reg).await.unwrap();
+    s.write_all(&[0x7f, 0, 0, 8, 1, 2, 3, 4]).await.unwrap();
+    expect_error_or_close(&mut s, Some(CauseCode::UNRECOGNIZED_MESSAGE)).await;
+
+    // A HANDLE_RESOLUTION whose pool handle parameter overruns the message.
+    let mut s = TcpStream::connect(reg).await.unwrap();
+    s.write_all(&[0x05, 0, 0, 12, 0, 9, 0, 40, b'G', 0, 0, 0])
+        .await
+        .unwrap();
+    expect_error_or_close(&mut s, None).await;
+    // The same connection (if open) still answers a valid resolution.
+    let ok = AsapMessage::HandleResolution {
+        subscribe: false,
+        pool_handle: h.clone(),
+        items: None,
+    };
+    if s.write_all(&ok.to_bytes().unwrap()).await.is_ok() {
+        let mut f = Framer::new(65535);
+        if let Some(m) = read_message(&mut s, &mut f).await {
+            assert!(
+                matches!(m, AsapMessage::HandleResolutionResponse { .. }),
+                "{m:?}"
+            );
+        }
+    }
+
+    // Oversized: a length beyond the limit loses framing: ERROR, then close.
+    let mut s = TcpStream::connect(reg).await.unwrap();
+    s.write_all(&[0x01, 0, 0xff, 0xff, 0, 0, 0, 0])
+        .await
+        .unwrap();
+    expect_error_or_close(&mut s, Some(CauseCode::INVALID_VALUES)).await;
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "connection closed after framing was lost");
+
+    // Truncated: half a message, then the writer goes away.
+    let mut s = TcpStream::connect(reg).await.unwrap();
+    let full = ok.to_bytes().unwrap();
+    s.write_all(&full[..full.len() / 2]).await.unwrap();
+    drop(s);
+
+    // Random bytes on many connections at once.
+    for seed in 0..20u32 {
+        let mut s = TcpStream::connect(reg).await.unwrap();
+        let junk: Vec<u8> = (0..64u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) >> 13) as u8)
+            .collect();
+        let _ = s.write_all(&junk).await;
+    }
+
+    // Everyone else is still served: the PE is registered, the PU resolves, a new PE registers.
+    let res = pu.resolve(&h).await.unwrap();
+    assert_eq!(res.pool_elements[0].id, a.id());
+    let b = pe(reg, "G", 7601, Policy::RoundRobin);
+    b.wait_registered(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(resolve_ids(reg, "G", 3).await.len(), 2);
+}
+
+#[tokio::test]
+async fn pe_binding_defends_against_other_associations() {
+    let r = registrar(fast_config());
+    let reg = r.asap_addr();
+    let a = pe(reg, "B", 7700, Policy::RoundRobin);
+    a.wait_registered(Duration::from_secs(5)).await.unwrap();
+    // Another association tries to deregister and to re-register the same PE ID.
+    let mut s = rserpool_asap::AsapConnection::connect(reg, Duration::from_secs(1))
+        .await
+        .unwrap();
+    s.send(&AsapMessage::Deregistration {
+        pool_handle: PoolHandle::from("B"),
+        pe_id: a.id(),
+    })
+    .await
+    .unwrap();
+    match s.recv().await.unwrap() {
+        AsapMessage::DeregistrationResponse { error: Some(e), .. } => {
+            assert_eq!(e.causes[0].code, CauseCode::REJECTED_SECURITY)
+        }
+        m => panic!("{m:?}"),
+    }
+    let mut cfg = pe_config(reg, "B", 7799, Policy::RoundRobin);
+    cfg.id = Some(a.id());
+    let thief = PoolElement::start(cfg).unwrap();
+    let mut st = thief.watch_state();
+    let s2 = tokio::time::timeout(
+        Duration::from_secs(5),
+        st.wait_for(|s| matches!(s, rserpool_asap::PeState::Rejected(_))),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .clone();
+    assert!(
+        format!("{s2:?}").contains("Non-unique PE Identifier"),
+        "{s2:?}"
+    );
+    let mut pu = pool_user(reg, None);
+    let res = pu.resolve(&PoolHandle::from("B")).await.unwrap();
+    assert_eq!(
+        res.pool_elements[0].user_transport.to_string(),
+        "tcp 127.0.0.1:7700"
+    );
+}
+
+#[tokio::test]
+async fn resolution_rate_limit_per_pool_user() {
+    let r = registrar(Config {
+        max_hr_rate: 5,
+        ..fast_config()
+    });
+    let a = pe(r.asap_addr(), "R", 7800, Policy::RoundRobin);
+    a.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let mut pu = pool_user(r.asap_addr(), None);
+    let h = PoolHandle::from("R");
+    let mut refused = 0;
+    for _ in 0..20 {
+        if let Err(rserpool_asap::Error::Refused(c)) = pu.resolve(&h).await {
+            assert_eq!(c, CauseCode::REJECTED_SECURITY);
+            refused += 1;
+        }
+    }
+    assert!(refused >= 10, "burst of 20 at 5/s: {refused} refused");
+    // Another pool user is not affected.
+    assert_eq!(resolve_ids(r.asap_addr(), "R", 3).await, vec![a.id()]);
+}
+
+#[tokio::test]
+async fn registrar_restart_makes_pes_reregister() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let r = registrar(Config {
+        asap: addr,
+        ..fast_config()
+    });
+    let pes: Vec<PoolElement> = (0..3)
+        .map(|i| pe(addr, "RS", 7900 + i, Policy::RoundRobin))
+        .collect();
+    for p in &pes {
+        p.wait_registered(Duration::from_secs(5)).await.unwrap();
+    }
+    let old_id = r.server_id();
+    r.stop();
+    // A PE's reconnect attempt may briefly hold the port as its ephemeral source: retry.
+    let start = Instant::now();
+    let r2 = loop {
+        match RegistrarThread::start(Config {
+            asap: addr,
+            ..fast_config()
+        }) {
+            Ok(r) => break r,
+            Err(e) if start.elapsed() < Duration::from_secs(3) => {
+                eprintln!("restart: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("registrar restart: {e}"),
+        }
+    };
+    assert_ne!(r2.server_id(), old_id);
+    let t = wait_for(Duration::from_secs(5), "all PEs re-registered", || async {
+        resolve_ids(addr, "RS", 3).await.len() == 3
+    })
+    .await;
+    eprintln!("3 PEs re-registered {t:?} after the registrar restart");
+}
+
+#[tokio::test]
+async fn pes_find_the_registrar_by_server_announce() {
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let listen = udp.local_addr().unwrap();
+    drop(udp);
+    let r = registrar(Config {
+        announce: vec![listen],
+        announce_interval_ms: 100,
+        ..fast_config()
+    });
+    let mut cfg = pe_config(r.asap_addr(), "A", 8000, Policy::RoundRobin);
+    cfg.registrars.clear();
+    cfg.announce_listen = Some(listen);
+    let a = PoolElement::start(cfg).unwrap();
+    let at = a.wait_registered(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(at, r.asap_addr());
+}
+
+#[tokio::test]
+async fn status_shows_the_handlespace() {
+    let r = registrar(fast_config());
+    let a = pe(
+        r.asap_addr(),
+        "St",
+        8100,
+        Policy::LeastUsed {
+            load: load_from_fraction(0.25),
+        },
+    );
+    a.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "status",
+            "--json",
+            "--registrar",
+            &r.asap_addr().to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let st: rserpool_registrar::Status = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(st.server_id, r.server_id());
+    assert_eq!(st.pools.len(), 1);
+    let p = &st.pools[0].pes[0];
+    assert_eq!(p.id, a.id());
+    assert_eq!(p.policy, "lu load=25.0%");
+    assert_eq!(p.transport, "tcp 127.0.0.1:8100");
+    assert_eq!(p.home_registrar, r.server_id());
+}
