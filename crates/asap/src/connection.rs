@@ -24,6 +24,14 @@ impl AsapConnection {
             Ok(r) => r?,
             Err(_) => return Err(Error::Timeout),
         };
+        // With nothing listening on a port in the ephemeral range, Linux may connect a socket
+        // to itself (simultaneous open) and hold the port the registrar wants to restart on.
+        if stream.local_addr().ok() == stream.peer_addr().ok() {
+            return Err(Error::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                "connected to itself: nothing listens there",
+            )));
+        }
         stream.set_nodelay(true).ok();
         Ok(Self {
             stream,

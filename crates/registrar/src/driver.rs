@@ -54,12 +54,26 @@ fn random_server_id() -> u32 {
 impl Server {
     /// Binds the ASAP listener.
     pub async fn bind(cfg: Config) -> io::Result<Self> {
-        let listener = TcpListener::bind(cfg.asap).await.map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("cannot listen for ASAP on {}: {e}", cfg.asap),
-            )
-        })?;
+        // Right after a restart the old connections may still hold the port for a moment
+        // (FIN-WAIT): retry briefly before calling the address taken.
+        let start = Instant::now();
+        let listener = loop {
+            match TcpListener::bind(cfg.asap).await {
+                Ok(l) => break l,
+                Err(e)
+                    if e.kind() == io::ErrorKind::AddrInUse
+                        && start.elapsed() < Duration::from_secs(1) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("cannot listen for ASAP on {}: {e}", cfg.asap),
+                    ));
+                }
+            }
+        };
         let local = listener.local_addr()?;
         let id = if cfg.server_id != 0 {
             cfg.server_id

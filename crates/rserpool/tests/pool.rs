@@ -642,16 +642,8 @@ async fn resolution_rate_limit_per_pool_user() {
 
 #[tokio::test]
 async fn registrar_restart_makes_pes_reregister() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    let r = registrar(Config {
-        asap: addr,
-        ..fast_config()
-    });
+    let r = registrar(fast_config());
+    let addr = r.asap_addr();
     let pes: Vec<PoolElement> = (0..3)
         .map(|i| pe(addr, "RS", 7900 + i, Policy::RoundRobin))
         .collect();
@@ -660,21 +652,10 @@ async fn registrar_restart_makes_pes_reregister() {
     }
     let old_id = r.server_id();
     r.stop();
-    // A PE's reconnect attempt may briefly hold the port as its ephemeral source: retry.
-    let start = Instant::now();
-    let r2 = loop {
-        match RegistrarThread::start(Config {
-            asap: addr,
-            ..fast_config()
-        }) {
-            Ok(r) => break r,
-            Err(e) if start.elapsed() < Duration::from_secs(3) => {
-                eprintln!("restart: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("registrar restart: {e}"),
-        }
-    };
+    let r2 = registrar(Config {
+        asap: addr,
+        ..fast_config()
+    });
     assert_ne!(r2.server_id(), old_id);
     let t = wait_for(Duration::from_secs(5), "all PEs re-registered", || async {
         resolve_ids(addr, "RS", 3).await.len() == 3
