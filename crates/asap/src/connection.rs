@@ -41,6 +41,17 @@ impl AsapConnection {
         })
     }
 
+    /// Wraps an already connected stream (e.g. one bound to a chosen source address).
+    pub fn from_stream(stream: TcpStream, peer: SocketAddr) -> Self {
+        stream.set_nodelay(true).ok();
+        Self {
+            stream,
+            framer: Framer::new(MAX_MESSAGE),
+            wbuf: Vec::with_capacity(256),
+            peer,
+        }
+    }
+
     pub fn peer(&self) -> SocketAddr {
         self.peer
     }

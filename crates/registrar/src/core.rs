@@ -290,7 +290,10 @@ impl Registrar {
             }
             match c.framer.next_message() {
                 Ok(Some(msg)) => self.handle_message(id, &msg, now),
-                Ok(None) => return,
+                Ok(None) => {
+                    c.framer.release_if_empty();
+                    return;
+                }
                 Err(e) => {
                     // Framing is lost: tell the peer why, then close.
                     let header = c.framer.buffer_mut().get(..4).map(Bytes::copy_from_slice);

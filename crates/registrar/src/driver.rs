@@ -17,7 +17,6 @@ use std::io;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::Notify;
 use tracing::{info, warn};
@@ -26,6 +25,8 @@ use tracing::{info, warn};
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time allowed for a status request to arrive in full.
 const STATUS_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// The read buffer shared by all connections.
+const READ_BUF: usize = 64 * 1024;
 
 /// A bound registrar, ready to [`run`](Server::run).
 pub struct Server {
@@ -133,6 +134,7 @@ impl Server {
             timer_wake: Notify::new(),
             timer_deadline: Cell::new(0),
             dirty: RefCell::new(Vec::new()),
+            read_buf: RefCell::new(vec![0; READ_BUF]),
         });
         info!(
             "registrar {:#010x} listening for ASAP on {} (status: GET http://{}/status)",
@@ -183,6 +185,7 @@ struct Shared {
     timer_wake: Notify,
     timer_deadline: Cell<u64>,
     dirty: RefCell<Vec<ConnId>>,
+    read_buf: RefCell<Vec<u8>>,
 }
 
 impl Shared {
@@ -248,39 +251,52 @@ async fn timer_task(shared: Rc<Shared>, udp: Option<UdpSocket>, targets: Vec<Soc
     }
 }
 
+/// Reads and writes with `try_read`/`try_write` on readiness, through one read buffer shared
+/// by all connections: an idle connection costs no buffer memory.
 async fn conn_task(shared: Rc<Shared>, id: ConnId, stream: TcpStream) {
     let notify = Rc::new(Notify::new());
     shared.writers.borrow_mut().insert(id, notify.clone());
-    let (mut rd, mut wr) = stream.into_split();
-    let mut buf = vec![0u8; 16 * 1024];
     let mut first = true;
     'conn: loop {
         tokio::select! {
-            r = rd.read(&mut buf) => {
-                let n = match r {
-                    Ok(0) | Err(_) => break 'conn,
-                    Ok(n) => n,
-                };
-                if first {
-                    first = false;
-                    if buf[..n].starts_with(b"GET ") || (n < 4 && b"GET ".starts_with(&buf[..n])) {
-                        serve_status(&shared, &mut rd, &mut wr, buf[..n].to_vec()).await;
-                        break 'conn;
+            r = stream.readable() => {
+                if r.is_err() {
+                    break 'conn;
+                }
+                loop {
+                    let mut buf = shared.read_buf.borrow_mut();
+                    let n = match stream.try_read(&mut buf[..]) {
+                        Ok(0) => break 'conn,
+                        Ok(n) => n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(_) => break 'conn,
+                    };
+                    if first {
+                        first = false;
+                        let head = &buf[..n];
+                        if head.starts_with(b"GET ") || (n < 4 && b"GET ".starts_with(head)) {
+                            let req = head.to_vec();
+                            drop(buf);
+                            Box::pin(serve_status(&shared, &stream, req)).await;
+                            break 'conn;
+                        }
+                    }
+                    let now = shared.now();
+                    shared.core.borrow_mut().handle_data(id, &buf[..n], now);
+                    drop(buf);
+                    shared.after_core(Some(id));
+                    if n < READ_BUF {
+                        break;
                     }
                 }
-                let now = shared.now();
-                shared.core.borrow_mut().handle_data(id, &buf[..n], now);
-                shared.after_core(Some(id));
             }
             () = notify.notified() => {}
         }
-        loop {
-            let out = shared.core.borrow_mut().take_output(id);
-            let Some(data) = out else { break };
-            match tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(&data)).await {
-                Ok(Ok(())) => {}
-                _ => break 'conn,
-            }
+        let out = shared.core.borrow_mut().take_output(id);
+        if let Some(data) = out
+            && !write_all(&stream, &data).await
+        {
+            break;
         }
         if shared.core.borrow().wants_close(id) {
             break;
@@ -292,18 +308,35 @@ async fn conn_task(shared: Rc<Shared>, id: ConnId, stream: TcpStream) {
     shared.after_core(None);
 }
 
-async fn serve_status(
-    shared: &Shared,
-    rd: &mut tokio::net::tcp::OwnedReadHalf,
-    wr: &mut tokio::net::tcp::OwnedWriteHalf,
-    mut req: Vec<u8>,
-) {
+/// Writes everything, waiting for the peer at most [`WRITE_TIMEOUT`] at a time.
+async fn write_all(stream: &TcpStream, mut data: &[u8]) -> bool {
+    while !data.is_empty() {
+        match stream.try_write(data) {
+            Ok(n) => data = &data[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                match tokio::time::timeout(WRITE_TIMEOUT, stream.writable()).await {
+                    Ok(Ok(())) => {}
+                    _ => return false,
+                }
+            }
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
+async fn serve_status(shared: &Shared, stream: &TcpStream, mut req: Vec<u8>) {
     let read_head = async {
         let mut buf = [0u8; 1024];
         while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
-            match rd.read(&mut buf).await {
-                Ok(0) | Err(_) => return false,
+            if stream.readable().await.is_err() {
+                return false;
+            }
+            match stream.try_read(&mut buf) {
+                Ok(0) => return false,
                 Ok(n) => req.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(_) => return false,
             }
         }
         true
@@ -331,16 +364,13 @@ async fn serve_status(
     } else {
         ("404 Not Found", b"try GET /status\n".to_vec())
     };
-    let head = format!(
+    let mut reply = format!(
         "HTTP/1.0 {code}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
-    );
-    let write = async {
-        wr.write_all(head.as_bytes()).await?;
-        wr.write_all(&body).await?;
-        wr.shutdown().await
-    };
-    let _ = tokio::time::timeout(WRITE_TIMEOUT, write).await;
+    )
+    .into_bytes();
+    reply.extend_from_slice(&body);
+    write_all(stream, &reply).await;
 }
 
 /// A registrar running on its own thread (for `rserpool up`, tests and embedding).

@@ -4,6 +4,7 @@
 
 mod bench;
 mod cmd;
+mod util;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};

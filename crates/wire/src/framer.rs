@@ -23,7 +23,7 @@ impl Framer {
     /// A framer that refuses messages longer than `max_message_size` bytes.
     pub fn new(max_message_size: usize) -> Self {
         Self {
-            buf: BytesMut::with_capacity(4096),
+            buf: BytesMut::new(),
             max: max_message_size.clamp(4, MAX_MESSAGE_SIZE),
             pending_pad: 0,
         }
@@ -37,6 +37,14 @@ impl Framer {
     /// The buffer to read into directly (e.g. with `read_buf`).
     pub fn buffer_mut(&mut self) -> &mut BytesMut {
         &mut self.buf
+    }
+
+    /// Frees the buffer when it holds nothing: a server with many idle connections then keeps
+    /// no buffer memory for them.
+    pub fn release_if_empty(&mut self) {
+        if self.buf.is_empty() && self.buf.capacity() > 0 {
+            self.buf = BytesMut::new();
+        }
     }
 
     /// Bytes received but not yet returned as a message.

@@ -412,33 +412,13 @@ pub fn markdown(results: &[SizeResult], command: &str) -> String {
     s
 }
 
-/// Replaces the text between the handlespace markers in `path` (appending them if absent).
+/// Replaces the handlespace section of `path` (see [`super::write_section`]).
 pub fn write_markdown(path: &std::path::Path, section: &str) -> Result<()> {
-    const BEGIN: &str = "<!-- bench handlespace: begin (generated) -->";
-    const END: &str = "<!-- bench handlespace: end -->";
-    let old = std::fs::read_to_string(path).unwrap_or_default();
-    let block = format!("{BEGIN}\n{section}{END}");
-    let new = match (old.find(BEGIN), old.find(END)) {
-        (Some(b), Some(e)) if e > b => format!("{}{block}{}", &old[..b], &old[e + END.len()..]),
-        _ => format!("{old}\n{block}\n"),
-    };
-    std::fs::write(path, new).with_context(|| format!("writing {}", path.display()))
+    super::write_section(path, "handlespace", section)
 }
 
 /// Today's date from the system clock, as YYYY-MM-DD.
-fn today() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = (secs / 86_400) as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
+pub fn today() -> String {
+    let (y, m, d, _) = crate::util::utc_now();
     format!("{y:04}-{m:02}-{d:02}")
 }

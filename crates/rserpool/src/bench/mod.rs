@@ -1,6 +1,8 @@
 //! `rserpool bench …`: benchmarks that write their results, with command and machine, into docs/.
 
 pub mod handlespace;
+pub mod plot;
+pub mod registrar;
 
 use anyhow::{Result, bail};
 use clap::Subcommand;
@@ -27,10 +29,17 @@ pub enum BenchCommand {
         #[arg(long, hide = true)]
         memory_probe: Option<usize>,
     },
+    /// Registrar CPU, memory and latency under N PEs and M PUs (the seed's Figures 7-8).
+    Registrar(registrar::RegistrarBenchArgs),
+    /// Internal: the simulated PEs and PUs of `bench registrar`.
+    #[command(hide = true)]
+    LoadGen(registrar::LoadGenArgs),
 }
 
 pub fn run(what: BenchCommand) -> Result<()> {
     match what {
+        BenchCommand::Registrar(a) => registrar::run(a),
+        BenchCommand::LoadGen(a) => registrar::load_gen(a),
         BenchCommand::Handlespace {
             pes,
             json,
@@ -76,4 +85,19 @@ pub fn run(what: BenchCommand) -> Result<()> {
 pub fn command_line() -> String {
     let args = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
     format!("rserpool {args}")
+}
+
+/// Replaces the generated section `name` of a Markdown file (between its markers), appending
+/// the section if the file does not have it yet.
+pub fn write_section(path: &std::path::Path, name: &str, section: &str) -> Result<()> {
+    use anyhow::Context;
+    let begin = format!("<!-- bench {name}: begin (generated) -->");
+    let end = format!("<!-- bench {name}: end -->");
+    let old = std::fs::read_to_string(path).unwrap_or_default();
+    let block = format!("{begin}\n{section}{end}");
+    let new = match (old.find(&begin), old.find(&end)) {
+        (Some(b), Some(e)) if e > b => format!("{}{block}{}", &old[..b], &old[e + end.len()..]),
+        _ => format!("{old}\n{block}\n"),
+    };
+    std::fs::write(path, new).with_context(|| format!("writing {}", path.display()))
 }

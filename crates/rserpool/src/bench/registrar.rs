@@ -1,0 +1,685 @@
+//! `rserpool bench registrar`: the seed paper's Figures 7 (left) and 8 (left), and beyond.
+//!
+//! Each point starts a fresh registrar process and, in a second process (`bench load-gen`), N
+//! simulated PEs, each on its own TCP connection, re-registering every `a` ms with a new load
+//! (least used), and M simulated PUs resolving every `b` ms. After the connections are up and a
+//! warm-up, the registrar's CPU time (sum of /proc/PID/task/*/schedstat) and resident memory
+//! (VmRSS) are read around a measurement window; the load generator measures response latency
+//! from send to the complete answer, so it includes its own scheduling delay.
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use rserpool_asap::AsapConnection;
+use rserpool_wire::{AsapMessage, Policy, PoolHandle, TransportAddress, UserTransport};
+use serde::{Deserialize, Serialize};
+use std::io::{BufRead, BufReader};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::TcpSocket;
+
+/// PEs per pool in the simulated handlespace.
+const POOL_SIZE: usize = 100;
+/// Connections per loopback source address (the ephemeral port range holds ~28,000).
+const CONNS_PER_SOURCE: usize = 20_000;
+
+#[derive(Args, Debug, Clone)]
+pub struct RegistrarBenchArgs {
+    /// Which series to run (repeatable): 7 (Figure 7 left), 8 (Figure 8 left), further
+    /// (10,000 and 50,000 PEs). Default: all. Ignored when --pes is given.
+    #[arg(long = "figure")]
+    pub figures: Vec<String>,
+    /// Ad-hoc points instead: PE counts (cross product with the other lists).
+    #[arg(long = "pes")]
+    pub pes: Vec<usize>,
+    #[arg(long = "rereg-ms", default_value = "1000")]
+    pub rereg_ms: Vec<u64>,
+    #[arg(long = "pus", default_value = "0")]
+    pub pus: Vec<usize>,
+    #[arg(long = "resolve-ms", default_value = "1000")]
+    pub resolve_ms: Vec<u64>,
+    /// Measurement window per point.
+    #[arg(long, default_value_t = 5000)]
+    pub duration_ms: u64,
+    /// Warm-up after all connections are up.
+    #[arg(long, default_value_t = 2000)]
+    pub warmup_ms: u64,
+    /// One JSON object per point on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the table into this Markdown file (between generated-section markers).
+    #[arg(long, value_name = "FILE")]
+    pub markdown: Option<std::path::PathBuf>,
+    /// Write PNG plots with this path prefix (e.g. docs/bench-registrar → -pes.png, -pus.png).
+    #[arg(long, value_name = "PREFIX")]
+    pub plot: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct Point {
+    pub pes: usize,
+    pub pus: usize,
+    pub rereg_ms: u64,
+    pub resolve_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Sample {
+    pub pes: usize,
+    pub pus: usize,
+    pub rereg_ms: u64,
+    pub resolve_ms: u64,
+    /// Registrar CPU time / wall time, 1.0 = one core.
+    pub registrar_cpu: f64,
+    pub rss_bytes: u64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    /// Requests per second offered by the schedule and answered in the window.
+    pub offered_per_s: f64,
+    pub answered_per_s: f64,
+    pub errors: u64,
+    /// The load generator's own CPU (same 2 cores): near 1.0 means latencies include its
+    /// queueing, not only the registrar's.
+    pub loadgen_cpu: f64,
+}
+
+fn figure_points(fig: &str) -> Result<Vec<Point>> {
+    let pt = |pes, pus, rereg_ms, resolve_ms| Point {
+        pes,
+        pus,
+        rereg_ms,
+        resolve_ms,
+    };
+    Ok(match fig {
+        "7" => {
+            let mut v = Vec::new();
+            for a in [250, 500, 1000] {
+                for n in [500, 1000, 1500, 2000, 2500, 3000] {
+                    v.push(pt(n, 0, a, 1000));
+                }
+            }
+            v
+        }
+        "8" => {
+            // PEs mostly idle (re-registering every 10 s, keep-alives every 5 s).
+            let mut v = Vec::new();
+            for b in [100, 250, 500] {
+                for m in [250, 500, 1000, 1500, 2000] {
+                    v.push(pt(1000, m, 10_000, b));
+                }
+            }
+            v
+        }
+        // 50,000 PEs need 50,000 descriptors per process; this machine's hard limit is 20,000
+        // (no CAP_SYS_RESOURCE), so the largest point here is 18,000. On a machine with a
+        // higher limit add `--pes 50000`.
+        "further" => vec![
+            pt(10_000, 0, 250, 1000),
+            pt(10_000, 1000, 1000, 100),
+            pt(18_000, 0, 1000, 1000),
+        ],
+        other => bail!("unknown --figure {other}; use 7, 8 or further"),
+    })
+}
+
+pub fn run(args: RegistrarBenchArgs) -> Result<()> {
+    let points = if args.pes.is_empty() {
+        let figs = if args.figures.is_empty() {
+            vec!["7".to_string(), "8".into(), "further".into()]
+        } else {
+            args.figures.clone()
+        };
+        let mut v = Vec::new();
+        for f in &figs {
+            v.extend(figure_points(f)?);
+        }
+        v
+    } else {
+        let mut v = Vec::new();
+        for &pes in &args.pes {
+            for &rereg_ms in &args.rereg_ms {
+                for &pus in &args.pus {
+                    for &resolve_ms in &args.resolve_ms {
+                        v.push(Point {
+                            pes,
+                            pus,
+                            rereg_ms,
+                            resolve_ms,
+                        });
+                    }
+                }
+            }
+        }
+        v
+    };
+    let limit = crate::util::raise_nofile_limit(200_000);
+    let machine = super::handlespace::machine();
+    if !args.json {
+        println!("machine: {machine}; open-file limit {limit}");
+        println!(
+            "{:>7} {:>6} {:>6} {:>6} {:>8} {:>9} {:>9} {:>9} {:>10} {:>6} {:>8}",
+            "PEs",
+            "PUs",
+            "a ms",
+            "b ms",
+            "CPU",
+            "RSS MB",
+            "p50 µs",
+            "p99 µs",
+            "answered/s",
+            "errors",
+            "gen CPU"
+        );
+    }
+    let mut samples = Vec::new();
+    for p in points {
+        let s = run_point(p, &args).with_context(|| format!("point {p:?}"))?;
+        if args.json {
+            println!("{}", serde_json::to_string(&s)?);
+        } else {
+            println!(
+                "{:>7} {:>6} {:>6} {:>6} {:>7.1}% {:>9.1} {:>9} {:>9} {:>10.0} {:>6} {:>7.0}%",
+                s.pes,
+                s.pus,
+                s.rereg_ms,
+                s.resolve_ms,
+                s.registrar_cpu * 100.0,
+                s.rss_bytes as f64 / 1e6,
+                s.p50_us,
+                s.p99_us,
+                s.answered_per_s,
+                s.errors,
+                s.loadgen_cpu * 100.0
+            );
+        }
+        samples.push(s);
+    }
+    if let Some(path) = &args.markdown {
+        super::write_section(path, "registrar", &markdown(&samples, &machine))?;
+    }
+    if let Some(prefix) = &args.plot {
+        plot(&samples, prefix)?;
+    }
+    Ok(())
+}
+
+struct Reaper(Vec<Child>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
+    let exe = std::env::current_exe()?;
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+    let registrar = Command::new(&exe)
+        .args([
+            "registrar",
+            "--asap",
+            &addr.to_string(),
+            "--max-hr-rate",
+            "0",
+        ])
+        .args([
+            "--max-connections",
+            "200000",
+            "--max-pes-per-pool",
+            "200000",
+        ])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting the registrar")?;
+    let pid = registrar.id();
+    let mut reaper = Reaper(vec![registrar]);
+    let start = Instant::now();
+    while std::net::TcpStream::connect(addr).is_err() {
+        if start.elapsed() > Duration::from_secs(5) {
+            bail!("registrar did not start listening on {addr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut generator = Command::new(&exe)
+        .args(["bench", "load-gen", "--registrar", &addr.to_string()])
+        .args([
+            "--pes",
+            &p.pes.to_string(),
+            "--rereg-ms",
+            &p.rereg_ms.to_string(),
+        ])
+        .args([
+            "--pus",
+            &p.pus.to_string(),
+            "--resolve-ms",
+            &p.resolve_ms.to_string(),
+        ])
+        .args(["--warmup-ms", &args.warmup_ms.to_string()])
+        .args(["--duration-ms", &args.duration_ms.to_string()])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting the load generator")?;
+    let gen_pid = generator.id();
+    let out = generator
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow!("no load generator stdout"))?;
+    reaper.0.push(generator);
+    let mut lines = BufReader::new(out).lines();
+    let mut cpu0 = None;
+    let mut cpu = None;
+    let mut rss = 0;
+    let mut result: Option<GenResult> = None;
+    while let Some(line) = lines.next().transpose()? {
+        match line.as_str() {
+            "start" => cpu0 = Some((Instant::now(), cpu_ns(pid)?, cpu_ns(gen_pid)?)),
+            "stop" => {
+                let (t0, c0, g0) = cpu0.ok_or_else(|| anyhow!("stop before start"))?;
+                let (c1, g1) = (cpu_ns(pid)?, cpu_ns(gen_pid)?);
+                let wall = t0.elapsed().as_nanos() as f64;
+                cpu = Some(((c1 - c0) as f64 / wall, (g1 - g0) as f64 / wall));
+                rss = rss_bytes(pid)?;
+            }
+            l if l.starts_with('{') => {
+                result = Some(serde_json::from_str(l)?);
+                break;
+            }
+            _ => {}
+        }
+    }
+    let r = result.ok_or_else(|| anyhow!("load generator ended without a result"))?;
+    let (cpu, loadgen_cpu) = cpu.ok_or_else(|| anyhow!("no CPU measurement"))?;
+    Ok(Sample {
+        pes: p.pes,
+        pus: p.pus,
+        rereg_ms: p.rereg_ms,
+        resolve_ms: p.resolve_ms,
+        registrar_cpu: cpu,
+        rss_bytes: rss,
+        p50_us: r.p50_us,
+        p99_us: r.p99_us,
+        offered_per_s: p.pes as f64 * 1000.0 / p.rereg_ms as f64
+            + p.pus as f64 * 1000.0 / p.resolve_ms as f64,
+        answered_per_s: r.answered as f64 / r.seconds,
+        errors: r.errors,
+        loadgen_cpu,
+    })
+}
+
+/// CPU time of all threads of a process, ns.
+fn cpu_ns(pid: u32) -> Result<u64> {
+    let mut total = 0;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let text = std::fs::read_to_string(t?.path().join("schedstat"))?;
+        total += text
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| anyhow!("bad schedstat"))?;
+    }
+    Ok(total)
+}
+
+fn rss_bytes(pid: u32) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb = text
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| anyhow!("no VmRSS"))?;
+    Ok(kb * 1024)
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LoadGenArgs {
+    #[arg(long)]
+    pub registrar: SocketAddr,
+    #[arg(long)]
+    pub pes: usize,
+    #[arg(long)]
+    pub rereg_ms: u64,
+    #[arg(long)]
+    pub pus: usize,
+    #[arg(long)]
+    pub resolve_ms: u64,
+    #[arg(long)]
+    pub warmup_ms: u64,
+    #[arg(long)]
+    pub duration_ms: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct GenResult {
+    p50_us: u64,
+    p99_us: u64,
+    answered: u64,
+    seconds: f64,
+    errors: u64,
+}
+
+struct Shared {
+    measuring: AtomicBool,
+    latencies: Mutex<Vec<u32>>,
+    answered: AtomicU64,
+    errors: AtomicU64,
+}
+
+impl Shared {
+    fn record(&self, t0: Instant) {
+        if self.measuring.load(Ordering::Relaxed) {
+            let us = t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
+            if let Ok(mut l) = self.latencies.lock() {
+                l.push(us);
+            }
+            self.answered.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The simulated PEs and PUs (a separate process, so its CPU is not the registrar's).
+pub fn load_gen(args: LoadGenArgs) -> Result<()> {
+    crate::util::raise_nofile_limit(200_000);
+    let rt = crate::cmd::runtime()?;
+    rt.block_on(async move {
+        let shared = Arc::new(Shared {
+            measuring: AtomicBool::new(false),
+            latencies: Mutex::new(Vec::new()),
+            answered: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+        });
+        // Connect and register everyone first, a bounded number at a time.
+        let gate = Arc::new(tokio::sync::Semaphore::new(256));
+        let mut setup = tokio::task::JoinSet::new();
+        for i in 0..args.pes + args.pus {
+            let gate = gate.clone();
+            let reg = args.registrar;
+            setup.spawn(async move {
+                let _permit = gate.acquire().await;
+                let conn = connect(reg, i).await?;
+                let mut conn = conn;
+                if i < args.pes {
+                    conn.send(&registration(i, 0)).await?;
+                    loop {
+                        if let AsapMessage::RegistrationResponse { reject, .. } =
+                            conn.recv().await?
+                        {
+                            if reject {
+                                bail!("registration {i} rejected");
+                            }
+                            break;
+                        }
+                    }
+                }
+                Ok::<_, anyhow::Error>((i, conn))
+            });
+        }
+        let mut conns = Vec::with_capacity(args.pes + args.pus);
+        while let Some(r) = setup.join_next().await {
+            conns.push(r??);
+        }
+        let pools = args.pes.div_ceil(POOL_SIZE).max(1);
+        for (i, conn) in conns {
+            let shared = shared.clone();
+            if i < args.pes {
+                tokio::spawn(pe_task(i, conn, args.rereg_ms, shared));
+            } else {
+                tokio::spawn(pu_task(i, conn, args.resolve_ms, pools, shared));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(args.warmup_ms)).await;
+        println!("start");
+        shared.measuring.store(true, Ordering::Relaxed);
+        let t0 = Instant::now();
+        tokio::time::sleep(Duration::from_millis(args.duration_ms)).await;
+        shared.measuring.store(false, Ordering::Relaxed);
+        let seconds = t0.elapsed().as_secs_f64();
+        println!("stop");
+        let mut l = shared
+            .latencies
+            .lock()
+            .map(|l| l.clone())
+            .unwrap_or_default();
+        l.sort_unstable();
+        let pct = |q: f64| {
+            l.get(((l.len() as f64 * q) as usize).min(l.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(0)
+        };
+        let r = GenResult {
+            p50_us: u64::from(pct(0.50)),
+            p99_us: u64::from(pct(0.99)),
+            answered: shared.answered.load(Ordering::Relaxed),
+            seconds,
+            errors: shared.errors.load(Ordering::Relaxed),
+        };
+        println!("{}", serde_json::to_string(&r)?);
+        Ok::<_, anyhow::Error>(())
+    })?;
+    // Skip tearing down tens of thousands of connections one by one.
+    std::process::exit(0)
+}
+
+async fn connect(reg: SocketAddr, i: usize) -> Result<AsapConnection> {
+    let source = Ipv4Addr::new(127, 0, 0, 1 + (i / CONNS_PER_SOURCE) as u8);
+    let sock = TcpSocket::new_v4()?;
+    sock.bind(SocketAddr::from((source, 0)))?;
+    let stream = sock.connect(reg).await?;
+    Ok(AsapConnection::from_stream(stream, reg))
+}
+
+fn registration(i: usize, round: u64) -> AsapMessage {
+    // A new load each time, so every re-registration moves the PE in its pool's LU order.
+    let load = ((i as u64)
+        .wrapping_mul(2_654_435_761)
+        .wrapping_add(round * 40_503)
+        % 1000) as f64
+        / 1000.0;
+    AsapMessage::Registration {
+        pool_handle: PoolHandle::from(format!("pool-{}", i / POOL_SIZE).as_str()),
+        pool_element: rserpool_wire::PoolElement {
+            id: i as u32 + 1,
+            home_registrar: 0,
+            registration_life: 60,
+            user_transport: UserTransport::Address(TransportAddress::tcp(SocketAddr::from((
+                Ipv4Addr::new(10, (i >> 16) as u8, (i >> 8) as u8, i as u8),
+                8000,
+            )))),
+            policy: Policy::LeastUsed {
+                load: rserpool_wire::policy::load_from_fraction(load),
+            },
+            asap_transport: None,
+        },
+    }
+}
+
+/// Spreads the first request of each simulated endpoint over one period.
+fn phase(i: usize, period_ms: u64) -> Duration {
+    Duration::from_millis((i as u64).wrapping_mul(7919) % period_ms.max(1))
+}
+
+async fn pe_task(i: usize, mut conn: AsapConnection, period_ms: u64, shared: Arc<Shared>) {
+    let period = Duration::from_millis(period_ms.max(1));
+    let mut tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + phase(i, period_ms), period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut round = 0;
+    loop {
+        tick.tick().await;
+        round += 1;
+        let t0 = Instant::now();
+        if conn.send(&registration(i, round)).await.is_err() {
+            shared.errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        loop {
+            match conn.recv().await {
+                Ok(AsapMessage::RegistrationResponse { reject, .. }) => {
+                    if reject {
+                        shared.errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                    shared.record(t0);
+                    break;
+                }
+                Ok(AsapMessage::EndpointKeepAlive { pool_handle, .. }) => {
+                    let ack = AsapMessage::EndpointKeepAliveAck {
+                        pool_handle,
+                        pe_id: i as u32 + 1,
+                    };
+                    let _ = conn.send(&ack).await;
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    shared.errors.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+async fn pu_task(
+    i: usize,
+    mut conn: AsapConnection,
+    period_ms: u64,
+    pools: usize,
+    shared: Arc<Shared>,
+) {
+    let period = Duration::from_millis(period_ms.max(1));
+    let mut tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + phase(i, period_ms), period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut round = 0usize;
+    loop {
+        tick.tick().await;
+        round += 1;
+        let pool = (i + round) % pools;
+        let msg = AsapMessage::HandleResolution {
+            subscribe: false,
+            pool_handle: PoolHandle::from(format!("pool-{pool}").as_str()),
+            items: None,
+        };
+        let t0 = Instant::now();
+        if conn.send(&msg).await.is_err() {
+            shared.errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        match conn.recv().await {
+            Ok(AsapMessage::HandleResolutionResponse { error, .. }) => {
+                if error.is_some() {
+                    shared.errors.fetch_add(1, Ordering::Relaxed);
+                }
+                shared.record(t0);
+            }
+            _ => {
+                shared.errors.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+    }
+}
+
+fn markdown(samples: &[Sample], machine: &str) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "### Registrar (`rserpool bench registrar`)\n");
+    let _ = writeln!(s, "Command: `{}`  ", super::command_line());
+    let _ = writeln!(s, "Machine: {machine}  ");
+    let _ = writeln!(s, "Date: {} (UTC)\n", super::handlespace::today());
+    let _ = writeln!(
+        s,
+        "| PEs | PUs | re-reg every (ms) | resolve every (ms) | registrar CPU (1 core = 100%) | RSS (MB) | p50 (µs) | p99 (µs) | offered/s | answered/s | errors | load generator CPU |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for x in samples {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {:.1}% | {:.1} | {} | {} | {:.0} | {:.0} | {} | {:.0}% |",
+            x.pes,
+            x.pus,
+            if x.pes > 0 {
+                x.rereg_ms.to_string()
+            } else {
+                "-".into()
+            },
+            if x.pus > 0 {
+                x.resolve_ms.to_string()
+            } else {
+                "-".into()
+            },
+            x.registrar_cpu * 100.0,
+            x.rss_bytes as f64 / 1e6,
+            x.p50_us,
+            x.p99_us,
+            x.offered_per_s,
+            x.answered_per_s,
+            x.errors,
+            x.loadgen_cpu * 100.0
+        );
+    }
+    s.push('\n');
+    s
+}
+
+/// Figure 7 style (CPU against PEs, one line per re-registration interval) and Figure 8 style
+/// (CPU against PUs, one line per resolution interval).
+fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
+    let mut by_a: std::collections::BTreeMap<u64, Vec<(f64, f64)>> = Default::default();
+    let mut by_b: std::collections::BTreeMap<u64, Vec<(f64, f64)>> = Default::default();
+    for s in samples {
+        if s.pus == 0 {
+            by_a.entry(s.rereg_ms)
+                .or_default()
+                .push((s.pes as f64, s.registrar_cpu * 100.0));
+        } else if s.pes == 1000 {
+            by_b.entry(s.resolve_ms)
+                .or_default()
+                .push((s.pus as f64, s.registrar_cpu * 100.0));
+        }
+    }
+    let series = |m: std::collections::BTreeMap<u64, Vec<(f64, f64)>>, what: &str| {
+        m.into_iter()
+            .map(|(k, mut v)| {
+                v.sort_by(|a, b| a.0.total_cmp(&b.0));
+                (format!("{what} = {k} ms"), v)
+            })
+            .collect::<Vec<_>>()
+    };
+    let a = series(by_a, "re-registration a");
+    if !a.is_empty() {
+        super::plot::lines(
+            &format!("{prefix}-pes.png"),
+            "Registrar CPU against pool elements (seed Fig. 7 left)",
+            "pool elements (log scale)",
+            "registrar CPU, % of one core",
+            &a,
+            true,
+        )?;
+    }
+    let b = series(by_b, "resolution b");
+    if !b.is_empty() {
+        super::plot::lines(
+            &format!("{prefix}-pus.png"),
+            "Registrar CPU against pool users, 1,000 PEs (seed Fig. 8 left)",
+            "pool users",
+            "registrar CPU, % of one core",
+            &b,
+            false,
+        )?;
+    }
+    Ok(())
+}
