@@ -264,26 +264,29 @@ async fn conn_task(shared: Rc<Shared>, id: ConnId, stream: TcpStream) {
                     break 'conn;
                 }
                 loop {
-                    let mut buf = shared.read_buf.borrow_mut();
-                    let n = match stream.try_read(&mut buf[..]) {
-                        Ok(0) => break 'conn,
-                        Ok(n) => n,
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                        Err(_) => break 'conn,
-                    };
-                    if first {
-                        first = false;
+                    let (n, status_request) = {
+                        let mut buf = shared.read_buf.borrow_mut();
+                        let n = match stream.try_read(&mut buf[..]) {
+                            Ok(0) => break 'conn,
+                            Ok(n) => n,
+                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                            Err(_) => break 'conn,
+                        };
                         let head = &buf[..n];
-                        if head.starts_with(b"GET ") || (n < 4 && b"GET ".starts_with(head)) {
-                            let req = head.to_vec();
-                            drop(buf);
-                            Box::pin(serve_status(&shared, &stream, req)).await;
-                            break 'conn;
+                        let status = std::mem::take(&mut first)
+                            && (head.starts_with(b"GET ") || (n < 4 && b"GET ".starts_with(head)));
+                        if status {
+                            (n, Some(head.to_vec()))
+                        } else {
+                            let now = shared.now();
+                            shared.core.borrow_mut().handle_data(id, head, now);
+                            (n, None)
                         }
+                    };
+                    if let Some(req) = status_request {
+                        Box::pin(serve_status(&shared, &stream, req)).await;
+                        break 'conn;
                     }
-                    let now = shared.now();
-                    shared.core.borrow_mut().handle_data(id, &buf[..n], now);
-                    drop(buf);
                     shared.after_core(Some(id));
                     if n < READ_BUF {
                         break;

@@ -41,10 +41,10 @@ pub struct RegistrarBenchArgs {
     #[arg(long = "resolve-ms", default_value = "1000")]
     pub resolve_ms: Vec<u64>,
     /// Measurement window per point.
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 3000)]
     pub duration_ms: u64,
     /// Warm-up after all connections are up.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 1000)]
     pub warmup_ms: u64,
     /// One JSON object per point on stdout.
     #[arg(long)]
@@ -103,11 +103,11 @@ fn figure_points(fig: &str) -> Result<Vec<Point>> {
             v
         }
         "8" => {
-            // PEs mostly idle (re-registering every 10 s, keep-alives every 5 s).
+            // As in the paper: 1,000 PEs re-registering every 1000 ms.
             let mut v = Vec::new();
             for b in [100, 250, 500] {
                 for m in [250, 500, 1000, 1500, 2000] {
-                    v.push(pt(1000, m, 10_000, b));
+                    v.push(pt(1000, m, 1000, b));
                 }
             }
             v

@@ -1,0 +1,216 @@
+//! The registrar state machine without sockets: bytes and simulated time in, bytes out.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use rserpool_registrar::{Config, ConnId, Registrar};
+use rserpool_wire::{
+    AsapMessage, CauseCode, Framer, Policy, PoolElement, PoolHandle, TransportAddress,
+    UserTransport,
+};
+use std::net::SocketAddr;
+
+const ID: u32 = 0x0101_0101;
+
+fn cfg() -> Config {
+    Config {
+        keep_alive_interval_ms: 5000,
+        keep_alive_timeout_ms: 5000,
+        ..Config::default()
+    }
+}
+
+fn peer(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+fn registration(id: u32, life: i32) -> Vec<u8> {
+    AsapMessage::Registration {
+        pool_handle: PoolHandle::from("P"),
+        pool_element: PoolElement {
+            id,
+            home_registrar: 0,
+            registration_life: life,
+            user_transport: UserTransport::Address(TransportAddress::tcp(peer(9000))),
+            policy: Policy::RoundRobin,
+            asap_transport: None,
+        },
+    }
+    .to_bytes()
+    .unwrap()
+}
+
+fn output(r: &mut Registrar, c: ConnId) -> Vec<AsapMessage> {
+    let mut f = Framer::new(65535);
+    if let Some(b) = r.take_output(c) {
+        f.extend(&b);
+    }
+    let mut v = Vec::new();
+    while let Ok(Some(m)) = f.next_message() {
+        v.push(AsapMessage::decode(&m).unwrap());
+    }
+    v
+}
+
+/// Runs the timers from `from` to `to` in 100 ms steps.
+fn run_until(r: &mut Registrar, from: u64, to: u64) {
+    let mut t = from;
+    while t <= to {
+        r.handle_timeout(t);
+        t += 100;
+    }
+}
+
+#[test]
+fn keep_alive_without_ack_removes_the_pe() {
+    let mut r = Registrar::new(cfg(), ID, 0);
+    let c = r.accept(peer(1), 0).unwrap();
+    r.handle_data(c, &registration(7, -1), 0);
+    let out = output(&mut r, c);
+    assert!(matches!(
+        out[..],
+        [AsapMessage::RegistrationResponse {
+            reject: false,
+            pe_id: 7,
+            ..
+        }]
+    ));
+    assert_eq!(r.handlespace().len(), 1);
+    run_until(&mut r, 0, 4900);
+    assert!(
+        output(&mut r, c).is_empty(),
+        "no keep-alive before the interval"
+    );
+    run_until(&mut r, 5000, 5100);
+    let out = output(&mut r, c);
+    assert!(
+        matches!(
+            &out[..],
+            [AsapMessage::EndpointKeepAlive {
+                home: false,
+                server_id: ID,
+                pe_id: Some(7),
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
+    run_until(&mut r, 5200, 9900);
+    assert_eq!(r.handlespace().len(), 1, "still within the timeout");
+    run_until(&mut r, 10_000, 10_200);
+    assert_eq!(r.handlespace().len(), 0, "removed after interval + timeout");
+    assert_eq!(r.status(10_200).counters.removed_keep_alive_timeout, 1);
+}
+
+#[test]
+fn keep_alive_ack_keeps_the_pe() {
+    let mut r = Registrar::new(cfg(), ID, 0);
+    let c = r.accept(peer(1), 0).unwrap();
+    r.handle_data(c, &registration(7, -1), 0);
+    output(&mut r, c);
+    for round in 1..=4u64 {
+        let t = round * 5000 + (round - 1) * 300;
+        run_until(&mut r, t - 100, t + 200);
+        assert_eq!(output(&mut r, c).len(), 1, "keep-alive {round}");
+        let ack = AsapMessage::EndpointKeepAliveAck {
+            pool_handle: PoolHandle::from("P"),
+            pe_id: 7,
+        };
+        r.handle_data(c, &ack.to_bytes().unwrap(), t + 300);
+    }
+    assert_eq!(r.handlespace().len(), 1);
+}
+
+#[test]
+fn registration_life_expires() {
+    let mut r = Registrar::new(cfg(), ID, 0);
+    let c = r.accept(peer(1), 0).unwrap();
+    r.handle_data(c, &registration(7, 2), 0);
+    output(&mut r, c);
+    run_until(&mut r, 0, 1900);
+    assert_eq!(r.handlespace().len(), 1);
+    run_until(&mut r, 2000, 2100);
+    assert_eq!(r.handlespace().len(), 0);
+    assert!(matches!(
+        output(&mut r, c)[..],
+        [AsapMessage::DeregistrationResponse { pe_id: 7, .. }]
+    ));
+    // A re-registration before expiry extends the life.
+    r.handle_data(c, &registration(8, 2), 3000);
+    r.handle_data(c, &registration(8, 2), 4500);
+    run_until(&mut r, 4600, 6400);
+    assert_eq!(r.handlespace().len(), 1);
+}
+
+#[test]
+fn closing_the_association_removes_its_pes_only() {
+    let mut r = Registrar::new(cfg(), ID, 0);
+    let a = r.accept(peer(1), 0).unwrap();
+    let b = r.accept(peer(2), 0).unwrap();
+    r.handle_data(a, &[registration(1, -1), registration(2, -1)].concat(), 0);
+    r.handle_data(b, &registration(3, -1), 0);
+    assert_eq!(r.handlespace().len(), 3);
+    r.handle_close(a, 10);
+    assert_eq!(r.handlespace().len(), 1);
+    assert!(r.handlespace().find(b"P", 3).is_some());
+}
+
+#[test]
+fn limits_answer_lack_of_resources_or_refuse() {
+    let mut r = Registrar::new(
+        Config {
+            max_connections: 1,
+            max_pes_per_connection: 1,
+            ..cfg()
+        },
+        ID,
+        0,
+    );
+    let a = r.accept(peer(1), 0).unwrap();
+    assert!(r.accept(peer(2), 0).is_none(), "connection limit");
+    r.handle_data(a, &[registration(1, -1), registration(2, -1)].concat(), 0);
+    let out = output(&mut r, a);
+    match &out[1] {
+        AsapMessage::RegistrationResponse {
+            reject: true,
+            error: Some(e),
+            ..
+        } => {
+            assert_eq!(e.causes[0].code, CauseCode::LACK_OF_RESOURCES)
+        }
+        m => panic!("{m:?}"),
+    }
+}
+
+#[test]
+fn lost_framing_gets_an_error_then_close() {
+    let mut r = Registrar::new(cfg(), ID, 0);
+    let c = r.accept(peer(1), 0).unwrap();
+    r.handle_data(c, &[0x05, 0, 0xff, 0xff, 1, 2, 3, 4], 0);
+    let out = output(&mut r, c);
+    assert!(matches!(&out[..], [AsapMessage::Error { .. }]), "{out:?}");
+    assert!(r.wants_close(c));
+}
+
+#[test]
+fn a_peer_that_does_not_read_is_dropped() {
+    let mut r = Registrar::new(
+        Config {
+            max_pending_bytes: 1000,
+            ..cfg()
+        },
+        ID,
+        0,
+    );
+    let c = r.accept(peer(1), 0).unwrap();
+    let hr = AsapMessage::HandleResolution {
+        subscribe: false,
+        pool_handle: PoolHandle::from("none"),
+        items: None,
+    }
+    .to_bytes()
+    .unwrap();
+    for _ in 0..100 {
+        r.handle_data(c, &hr, 0);
+    }
+    assert!(r.wants_close(c));
+    assert_eq!(r.status(0).counters.slow_connections_closed, 1);
+}
