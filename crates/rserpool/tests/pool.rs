@@ -292,25 +292,29 @@ async fn every_policy_through_the_registrar() {
     );
 }
 
+/// Waits until the PE's registration is refused; returns the reason.
+async fn rejection(pe: &PoolElement) -> String {
+    let mut st = pe.watch_state();
+    let wait = st.wait_for(|s| matches!(s, rserpool_asap::PeState::Rejected(_)));
+    let s = tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("refused within 5 s")
+        .unwrap()
+        .clone();
+    match s {
+        rserpool_asap::PeState::Rejected(why) => why,
+        other => panic!("{other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn inconsistent_policy_is_rejected_with_its_cause() {
     let r = registrar(fast_config());
     let a = pe(r.asap_addr(), "mixed", 7400, Policy::RoundRobin);
     a.wait_registered(Duration::from_secs(5)).await.unwrap();
     let b = pe(r.asap_addr(), "mixed", 7401, Policy::LeastUsed { load: 0 });
-    let mut st = b.watch_state();
-    let s = tokio::time::timeout(
-        Duration::from_secs(5),
-        st.wait_for(|s| matches!(s, rserpool_asap::PeState::Rejected(_))),
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .clone();
-    assert!(
-        format!("{s:?}").contains("Inconsistent Pooling Policy"),
-        "{s:?}"
-    );
+    let why = rejection(&b).await;
+    assert!(why.contains("Inconsistent Pooling Policy"), "{why}");
 }
 
 #[tokio::test]
@@ -598,19 +602,8 @@ async fn pe_binding_defends_against_other_associations() {
     let mut cfg = pe_config(reg, "B", 7799, Policy::RoundRobin);
     cfg.id = Some(a.id());
     let thief = PoolElement::start(cfg).unwrap();
-    let mut st = thief.watch_state();
-    let s2 = tokio::time::timeout(
-        Duration::from_secs(5),
-        st.wait_for(|s| matches!(s, rserpool_asap::PeState::Rejected(_))),
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .clone();
-    assert!(
-        format!("{s2:?}").contains("Non-unique PE Identifier"),
-        "{s2:?}"
-    );
+    let why = rejection(&thief).await;
+    assert!(why.contains("Non-unique PE Identifier"), "{why}");
     let mut pu = pool_user(reg, None);
     let res = pu.resolve(&PoolHandle::from("B")).await.unwrap();
     assert_eq!(

@@ -107,6 +107,22 @@ pub enum Policy {
     },
 }
 
+/// The pattern of every policy that carries a load, binding it to `$load`: the one list of them.
+macro_rules! with_load_field {
+    ($load:ident) => {
+        Policy::LeastUsed { load: $load }
+            | Policy::RandomizedLeastUsed { load: $load }
+            | Policy::LeastUsedDegradation { load: $load, .. }
+            | Policy::PriorityLeastUsed { load: $load, .. }
+            | Policy::RandomizedPriorityLeastUsed { load: $load, .. }
+            | Policy::RandomizedLeastUsedDegradation { load: $load, .. }
+            | Policy::PriorityLeastUsedDegradation { load: $load, .. }
+            | Policy::RandomizedPriorityLeastUsedDegradation { load: $load, .. }
+            | Policy::LeastUsedDpf { load: $load, .. }
+            | Policy::LeastUsedDegradationDpf { load: $load, .. }
+    };
+}
+
 impl Policy {
     pub fn policy_type(&self) -> u32 {
         match self {
@@ -176,16 +192,7 @@ impl Policy {
     /// The load carried by an adaptive policy, if any.
     pub fn load(&self) -> Option<u32> {
         match *self {
-            Self::LeastUsed { load }
-            | Self::RandomizedLeastUsed { load }
-            | Self::LeastUsedDegradation { load, .. }
-            | Self::PriorityLeastUsed { load, .. }
-            | Self::RandomizedPriorityLeastUsed { load, .. }
-            | Self::RandomizedLeastUsedDegradation { load, .. }
-            | Self::PriorityLeastUsedDegradation { load, .. }
-            | Self::RandomizedPriorityLeastUsedDegradation { load, .. }
-            | Self::LeastUsedDpf { load, .. }
-            | Self::LeastUsedDegradationDpf { load, .. } => Some(load),
+            with_load_field!(load) => Some(load),
             _ => None,
         }
     }
@@ -217,16 +224,7 @@ impl Policy {
     pub fn with_load(&self, new_load: u32) -> Self {
         let mut p = self.clone();
         match &mut p {
-            Self::LeastUsed { load }
-            | Self::RandomizedLeastUsed { load }
-            | Self::LeastUsedDegradation { load, .. }
-            | Self::PriorityLeastUsed { load, .. }
-            | Self::RandomizedPriorityLeastUsed { load, .. }
-            | Self::RandomizedLeastUsedDegradation { load, .. }
-            | Self::PriorityLeastUsedDegradation { load, .. }
-            | Self::RandomizedPriorityLeastUsedDegradation { load, .. }
-            | Self::LeastUsedDpf { load, .. }
-            | Self::LeastUsedDegradationDpf { load, .. } => *load = new_load,
+            with_load_field!(load) => *load = new_load,
             _ => {}
         }
         p
