@@ -449,27 +449,8 @@ impl Handlespace {
         let (tp, tuse) = transport_kind(&element.user_transport);
         let pool_idx = match self.pool_index.get(handle.as_bytes()) {
             Some(&pi) => {
+                self.check_consistent(pi, &element)?;
                 let pool = self.pool_ref(pi);
-                if pool.policy_type != ptype_ {
-                    let m = pool.members.first().copied().unwrap_or(NIL);
-                    let p = self.pes.get(m as usize).map(|e| e.element.policy.clone());
-                    return Err(RegistrationError::InconsistentPolicy(
-                        p.unwrap_or(element.policy),
-                    ));
-                }
-                if pool.transport_ptype != tp {
-                    let m = pool.members.first().copied().unwrap_or(NIL);
-                    let t = self
-                        .pes
-                        .get(m as usize)
-                        .map(|e| e.element.user_transport.clone());
-                    return Err(RegistrationError::InconsistentTransport(
-                        t.unwrap_or(element.user_transport),
-                    ));
-                }
-                if pool.transport_use != tuse {
-                    return Err(RegistrationError::InconsistentDataControl);
-                }
                 if let Some(&i) = pool.by_id.get(&element.id) {
                     self.update(i, element, now);
                     return Ok(Registered {
@@ -641,6 +622,42 @@ impl Handlespace {
         if old_owner != new_owner {
             self.owner_insert(i, new_owner);
         }
+    }
+
+    /// Re-registers a PE found with [`find`](Self::find): the same checks as
+    /// [`register`](Self::register) without looking the PE up again.
+    pub fn reregister(
+        &mut self,
+        r: PeRef,
+        element: PoolElement,
+        now: u64,
+    ) -> Result<(), RegistrationError> {
+        debug_assert_eq!(element.id, self.pes[r.0 as usize].element.id);
+        self.check_consistent(self.pes[r.0 as usize].pool, &element)?;
+        self.update(r.0, element, now);
+        Ok(())
+    }
+
+    /// A PE may join or stay in a pool only with the pool's policy type and transport.
+    fn check_consistent(&self, pi: u32, element: &PoolElement) -> Result<(), RegistrationError> {
+        let pool = self.pool_ref(pi);
+        let first = || {
+            let m = pool.members.first().copied().unwrap_or(NIL);
+            self.pes.get(m as usize).map(|e| &e.element)
+        };
+        if pool.policy_type != element.policy.policy_type() {
+            let p = first().map_or(&element.policy, |e| &e.policy);
+            return Err(RegistrationError::InconsistentPolicy(p.clone()));
+        }
+        let (tp, tuse) = transport_kind(&element.user_transport);
+        if pool.transport_ptype != tp {
+            let t = first().map_or(&element.user_transport, |e| &e.user_transport);
+            return Err(RegistrationError::InconsistentTransport(t.clone()));
+        }
+        if pool.transport_use != tuse {
+            return Err(RegistrationError::InconsistentDataControl);
+        }
+        Ok(())
     }
 
     /// Updates only the policy information of a PE (e.g. its load), the cheap re-registration.

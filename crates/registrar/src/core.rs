@@ -11,7 +11,7 @@
 use crate::config::Config;
 use crate::status::{Counters, PeStatus, PoolStatus, Status};
 use bytes::Bytes;
-use rserpool_handlespace::{Handlespace, PeRef, TimerKind};
+use rserpool_handlespace::{Handlespace, PeRef, Registered, TimerKind};
 use rserpool_wire::{
     AsapMessage, CauseCode, DecodeError, EncodeError, ErrorCause, Framer, OperationError,
     PoolElement, PoolHandle, TransportAddress,
@@ -282,13 +282,13 @@ impl Registrar {
         if c.closing {
             return;
         }
-        c.framer.extend(data);
+        let mut input = data;
         loop {
             let Some(c) = self.conn_mut(id) else { return };
             if c.closing {
                 return;
             }
-            match c.framer.next_message() {
+            match c.framer.next_from(&mut input) {
                 Ok(Some(msg)) => self.handle_message(id, &msg, now),
                 Ok(None) => {
                     c.framer.release_if_empty();
@@ -328,14 +328,23 @@ impl Registrar {
         self.conn(id).is_none_or(|c| c.closing)
     }
 
-    /// The bytes to write to a connection, if any.
-    pub fn take_output(&mut self, id: ConnId) -> Option<Bytes> {
-        let c = self.conn_mut(id)?;
-        c.dirty = false;
-        if c.out.is_empty() {
-            return None;
+    /// The bytes queued for a connection (empty if none). The driver writes them from here and
+    /// then calls [`consume_output`](Self::consume_output) with what the socket took, so output
+    /// is never copied and a peer that does not read is still counted against the pending limit.
+    pub fn output(&self, id: ConnId) -> &[u8] {
+        self.conn(id).map_or(&[], |c| &c.out)
+    }
+
+    /// `n` bytes of [`output`](Self::output) were written.
+    pub fn consume_output(&mut self, id: ConnId, n: usize) {
+        let Some(c) = self.conn_mut(id) else { return };
+        if n >= c.out.len() {
+            // Free the buffer: most connections are idle between messages.
+            c.out = Vec::new();
+            c.dirty = false;
+        } else {
+            c.out.drain(..n);
         }
-        Some(Bytes::from(std::mem::take(&mut c.out)))
     }
 
     /// Connections that got output since the last call (for the driver to wake their writers).
@@ -544,7 +553,8 @@ impl Registrar {
         let Some(c) = self.conn(id) else { return };
         let peer = c.peer;
         let pe_id = pe.id;
-        if let Some(r) = self.hs.find(pool_handle.as_bytes(), pe_id) {
+        let existing = self.hs.find(pool_handle.as_bytes(), pe_id);
+        if let Some(r) = existing {
             let owner = self.meta_of(r).conn;
             if owner != Some(id) {
                 // RFC 5355: only the registering association may change a PE. If that
@@ -573,7 +583,14 @@ impl Registrar {
             Ok(s) if s > 0 => now.saturating_add(s.saturating_mul(1000)),
             _ => u64::MAX,
         };
-        match self.hs.register(&pool_handle, pe, now) {
+        let result = match existing {
+            Some(r) => self
+                .hs
+                .reregister(r, pe, now)
+                .map(|()| Registered { pe: r, new: false }),
+            None => self.hs.register(&pool_handle, pe, now),
+        };
+        match result {
             Ok(reg) => {
                 let r = reg.pe;
                 self.set_meta(

@@ -11,12 +11,12 @@
 use crate::config::Config;
 use crate::core::{ConnId, Registrar};
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
+use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::Notify;
 use tracing::{info, warn};
@@ -130,7 +130,7 @@ impl Server {
         let shared = Rc::new(Shared {
             core: RefCell::new(core),
             epoch,
-            writers: RefCell::new(HashMap::new()),
+            peers: RefCell::new(Vec::new()),
             timer_wake: Notify::new(),
             timer_deadline: Cell::new(0),
             dirty: RefCell::new(Vec::new()),
@@ -158,7 +158,14 @@ impl Server {
                         let id = shared.core.borrow_mut().accept(peer, now);
                         if let Some(id) = id {
                             stream.set_nodelay(true).ok();
-                            tokio::task::spawn_local(conn_task(shared.clone(), id, stream));
+                            let peer = Rc::new(Peer { io: stream, writing: Cell::new(false) });
+                            let mut peers = shared.peers.borrow_mut();
+                            if peers.len() <= id.index() {
+                                peers.resize(id.index() + 1, None);
+                            }
+                            peers[id.index()] = Some(peer.clone());
+                            drop(peers);
+                            tokio::task::spawn_local(conn_task(shared.clone(), id, peer));
                         }
                     }
                     Err(e) => {
@@ -181,11 +188,28 @@ impl Server {
 struct Shared {
     core: RefCell<Registrar>,
     epoch: Instant,
-    writers: RefCell<HashMap<ConnId, Rc<Notify>>>,
+    /// The open connections, indexed by [`ConnId::index`].
+    peers: RefCell<Vec<Option<Rc<Peer>>>>,
     timer_wake: Notify,
     timer_deadline: Cell<u64>,
     dirty: RefCell<Vec<ConnId>>,
     read_buf: RefCell<Vec<u8>>,
+}
+
+/// One connection's socket. Output is written by whoever produced it (the connection's own
+/// reads, the timer, another connection's message): no task wake-up per message. Only when the
+/// socket will not take everything does a writer task wait for it.
+struct Peer {
+    io: TcpStream,
+    /// A writer task is waiting for the socket to drain; it writes what the core queues.
+    writing: Cell<bool>,
+}
+
+impl Peer {
+    /// Stops both directions: the connection task then reads end-of-stream and cleans up.
+    fn shut(&self) {
+        let _ = socket2::SockRef::from(&self.io).shutdown(std::net::Shutdown::Both);
+    }
 }
 
 impl Shared {
@@ -193,29 +217,64 @@ impl Shared {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// After a core call: wake the writers of connections that got output (except `me`, which
-    /// writes its own), and the timer task if the next deadline moved earlier.
-    fn after_core(&self, me: Option<ConnId>) {
-        let mut dirty = self.dirty.borrow_mut();
+    fn peer(&self, id: ConnId) -> Option<Rc<Peer>> {
+        self.peers.borrow().get(id.index()).cloned().flatten()
+    }
+
+    /// After a core call: write out what it queued, and wake the timer task if the next
+    /// deadline moved earlier.
+    fn after_core(self: &Rc<Self>) {
+        let mut dirty = std::mem::take(&mut *self.dirty.borrow_mut());
         let next = {
             let mut core = self.core.borrow_mut();
             core.take_dirty(&mut dirty);
             core.poll_timeout()
         };
-        if !dirty.is_empty() {
-            let writers = self.writers.borrow();
-            for id in dirty.drain(..) {
-                if Some(id) != me
-                    && let Some(n) = writers.get(&id)
-                {
-                    n.notify_one();
-                }
-            }
+        for id in dirty.drain(..) {
+            self.flush(id);
         }
+        *self.dirty.borrow_mut() = dirty;
         if let Some(t) = next
             && t < self.timer_deadline.get()
         {
             self.timer_wake.notify_one();
+        }
+    }
+
+    /// Writes a connection's queued output now, as far as the socket takes it.
+    fn flush(self: &Rc<Self>, id: ConnId) {
+        let Some(peer) = self.peer(id) else { return };
+        if peer.writing.get() {
+            return;
+        }
+        match self.write_some(id, &peer) {
+            Ok(true) => {
+                if self.core.borrow().wants_close(id) {
+                    peer.shut();
+                }
+            }
+            Ok(false) => {
+                peer.writing.set(true);
+                tokio::task::spawn_local(writer_task(self.clone(), id, peer));
+            }
+            Err(_) => peer.shut(),
+        }
+    }
+
+    /// Writes the core's output for `id` until it is empty (`true`) or the socket is full.
+    fn write_some(&self, id: ConnId, peer: &Peer) -> io::Result<bool> {
+        let mut core = self.core.borrow_mut();
+        loop {
+            let data = core.output(id);
+            if data.is_empty() {
+                return Ok(true);
+            }
+            match peer.io.try_write(data) {
+                Ok(n) => core.consume_output(id, n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(e),
+            }
         }
     }
 }
@@ -236,7 +295,7 @@ async fn timer_task(shared: Rc<Shared>, udp: Option<UdpSocket>, targets: Vec<Soc
         }
         let now = shared.now();
         shared.core.borrow_mut().handle_timeout(now);
-        shared.after_core(None);
+        shared.after_core();
         let announce = shared.core.borrow_mut().poll_announce();
         if let (Some(data), Some(sock)) = (announce, &udp) {
             for t in &targets {
@@ -251,94 +310,129 @@ async fn timer_task(shared: Rc<Shared>, udp: Option<UdpSocket>, targets: Vec<Soc
     }
 }
 
-/// Reads and writes with `try_read`/`try_write` on readiness, through one read buffer shared
-/// by all connections: an idle connection costs no buffer memory.
-async fn conn_task(shared: Rc<Shared>, id: ConnId, stream: TcpStream) {
-    let notify = Rc::new(Notify::new());
-    shared.writers.borrow_mut().insert(id, notify.clone());
+/// Reads on readiness through one buffer shared by all connections (an idle connection costs
+/// no buffer memory) and feeds the core; the core's answers are written by [`Shared::flush`].
+async fn conn_task(shared: Rc<Shared>, id: ConnId, peer: Rc<Peer>) {
     let mut first = true;
     'conn: loop {
-        tokio::select! {
-            r = stream.readable() => {
-                if r.is_err() {
-                    break 'conn;
-                }
-                loop {
-                    let (n, status_request) = {
-                        let mut buf = shared.read_buf.borrow_mut();
-                        let n = match stream.try_read(&mut buf[..]) {
-                            Ok(0) => break 'conn,
-                            Ok(n) => n,
-                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                            Err(_) => break 'conn,
-                        };
-                        let head = &buf[..n];
-                        let status = std::mem::take(&mut first)
-                            && (head.starts_with(b"GET ") || (n < 4 && b"GET ".starts_with(head)));
-                        if status {
-                            (n, Some(head.to_vec()))
-                        } else {
-                            let now = shared.now();
-                            shared.core.borrow_mut().handle_data(id, head, now);
-                            (n, None)
-                        }
-                    };
-                    if let Some(req) = status_request {
-                        Box::pin(serve_status(&shared, &stream, req)).await;
-                        break 'conn;
-                    }
-                    shared.after_core(Some(id));
-                    if n < READ_BUF {
-                        break;
-                    }
-                }
+        if peer.io.readable().await.is_err() {
+            break;
+        }
+        loop {
+            let mut buf = shared.read_buf.borrow_mut();
+            let (n, drained) = match read_some(&peer.io, &mut buf[..]) {
+                Ok(Some((0, _))) => break 'conn,
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(_) => break 'conn,
+            };
+            let head = &buf[..n];
+            if std::mem::take(&mut first)
+                && (head.starts_with(b"GET ") || (n < 4 && b"GET ".starts_with(head)))
+            {
+                let req = head.to_vec();
+                drop(buf);
+                Box::pin(serve_status(&shared, &peer.io, req)).await;
+                break 'conn;
             }
-            () = notify.notified() => {}
-        }
-        let out = shared.core.borrow_mut().take_output(id);
-        if let Some(data) = out
-            && !write_all(&stream, &data).await
-        {
-            break;
-        }
-        if shared.core.borrow().wants_close(id) {
-            break;
+            shared.core.borrow_mut().handle_data(id, head, shared.now());
+            drop(buf);
+            shared.after_core();
+            if drained {
+                break;
+            }
         }
     }
-    shared.writers.borrow_mut().remove(&id);
-    let now = shared.now();
-    shared.core.borrow_mut().handle_close(id, now);
-    shared.after_core(None);
+    if let Some(slot) = shared.peers.borrow_mut().get_mut(id.index()) {
+        *slot = None;
+    }
+    shared.core.borrow_mut().handle_close(id, shared.now());
+    shared.after_core();
+}
+
+/// Waits for a full socket to drain and writes what the core has queued meanwhile. A peer that
+/// takes nothing for [`WRITE_TIMEOUT`] is disconnected; one that lets more than the pending
+/// limit pile up is closed by the core.
+async fn writer_task(shared: Rc<Shared>, id: ConnId, peer: Rc<Peer>) {
+    loop {
+        if !matches!(
+            tokio::time::timeout(WRITE_TIMEOUT, peer.io.writable()).await,
+            Ok(Ok(()))
+        ) {
+            peer.shut();
+            return;
+        }
+        match shared.write_some(id, &peer) {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(_) => {
+                peer.shut();
+                return;
+            }
+        }
+    }
+    peer.writing.set(false);
+    if shared.core.borrow().wants_close(id) {
+        peer.shut();
+    }
 }
 
 /// Writes everything, waiting for the peer at most [`WRITE_TIMEOUT`] at a time.
-async fn write_all(stream: &TcpStream, mut data: &[u8]) -> bool {
+async fn write_all(io: &TcpStream, mut data: &[u8]) -> bool {
     while !data.is_empty() {
-        match stream.try_write(data) {
+        match io.try_write(data) {
             Ok(n) => data = &data[n..],
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                match tokio::time::timeout(WRITE_TIMEOUT, stream.writable()).await {
+                match tokio::time::timeout(WRITE_TIMEOUT, io.writable()).await {
                     Ok(Ok(())) => {}
                     _ => return false,
                 }
             }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => return false,
         }
     }
     true
 }
 
-async fn serve_status(shared: &Shared, stream: &TcpStream, mut req: Vec<u8>) {
+/// One read: `Ok(None)` when there is nothing to read, else the byte count and whether the
+/// read emptied the socket. A short read does, so readiness is cleared then: the task waits for
+/// the next edge instead of paying a second read that only says "would block".
+fn read_some(io: &TcpStream, buf: &mut [u8]) -> io::Result<Option<(usize, bool)>> {
+    let mut got = 0;
+    let r = io.try_io(Interest::READABLE, || {
+        let n = io.try_read(buf)?;
+        got = n;
+        if n > 0 && n < buf.len() {
+            // Not an error: tells tokio to clear readiness (safely against a newer event).
+            Err(io::ErrorKind::WouldBlock.into())
+        } else {
+            Ok(n)
+        }
+    });
+    match r {
+        Ok(n) => Ok(Some((n, false))),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok((got > 0).then_some((got, true))),
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+async fn serve_status(shared: &Shared, io: &TcpStream, mut req: Vec<u8>) {
     let read_head = async {
         let mut buf = [0u8; 1024];
         while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
-            if stream.readable().await.is_err() {
+            if io.readable().await.is_err() {
                 return false;
             }
-            match stream.try_read(&mut buf) {
+            match io.try_read(&mut buf) {
                 Ok(0) => return false,
                 Ok(n) => req.extend_from_slice(&buf[..n]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
                 Err(_) => return false,
             }
         }
@@ -373,7 +467,7 @@ async fn serve_status(shared: &Shared, stream: &TcpStream, mut req: Vec<u8>) {
     )
     .into_bytes();
     reply.extend_from_slice(&body);
-    write_all(stream, &reply).await;
+    write_all(io, &reply).await;
 }
 
 /// A registrar running on its own thread (for `rserpool up`, tests and embedding).

@@ -40,9 +40,9 @@ fn registration(id: u32, life: i32) -> Vec<u8> {
 
 fn output(r: &mut Registrar, c: ConnId) -> Vec<AsapMessage> {
     let mut f = Framer::new(65535);
-    if let Some(b) = r.take_output(c) {
-        f.extend(&b);
-    }
+    f.extend(r.output(c));
+    let n = r.output(c).len();
+    r.consume_output(c, n);
     let mut v = Vec::new();
     while let Ok(Some(m)) = f.next_message() {
         v.push(AsapMessage::decode(&m).unwrap());

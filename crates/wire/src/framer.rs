@@ -10,6 +10,23 @@ use bytes::{Buf, Bytes, BytesMut};
 /// The largest message the header can describe.
 pub const MAX_MESSAGE_SIZE: usize = u16::MAX as usize;
 
+/// A message cut from the stream: borrowed from the caller's read when it arrived whole.
+#[derive(Debug)]
+pub enum Frame<'a> {
+    Borrowed(&'a [u8]),
+    Owned(Bytes),
+}
+
+impl std::ops::Deref for Frame<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Frame::Borrowed(b) => b,
+            Frame::Owned(b) => b,
+        }
+    }
+}
+
 /// Reassembles messages from stream reads.
 #[derive(Debug)]
 pub struct Framer {
@@ -50,6 +67,36 @@ impl Framer {
     /// Bytes received but not yet returned as a message.
     pub fn buffered(&self) -> usize {
         self.buf.len()
+    }
+
+    /// Like [`next_message`](Self::next_message), but takes its bytes from `input` (a fresh
+    /// read), advancing it. While nothing is buffered (a read holding whole messages, the common
+    /// case) the message is borrowed from `input` without a copy; anything else goes through the
+    /// buffer.
+    pub fn next_from<'a>(
+        &mut self,
+        input: &mut &'a [u8],
+    ) -> Result<Option<Frame<'a>>, DecodeError> {
+        if self.buf.is_empty() {
+            while self.pending_pad > 0 && input.first() == Some(&0) {
+                *input = &input[1..];
+                self.pending_pad -= 1;
+            }
+            if let Some((_, _, length)) = crate::peek_header(input) {
+                let len = usize::from(length);
+                if (4..=self.max).contains(&len) && input.len() >= len {
+                    let (msg, rest) = input.split_at(len);
+                    *input = rest;
+                    self.pending_pad = len.next_multiple_of(4) - len;
+                    return Ok(Some(Frame::Borrowed(msg)));
+                }
+            }
+        }
+        if !input.is_empty() {
+            self.buf.extend_from_slice(input);
+            *input = &[];
+        }
+        Ok(self.next_message()?.map(Frame::Owned))
     }
 
     /// The next complete message, `Ok(None)` if more bytes are needed, or an error when framing
@@ -113,6 +160,41 @@ mod tests {
         assert_eq!(&got[1][..], &short[..9]);
         assert_eq!(&got[2][..], hr);
         assert_eq!(f.buffered(), 0);
+    }
+
+    #[test]
+    fn next_from_borrows_whole_messages_and_buffers_the_rest() {
+        let hr: &[u8] = b"\x05\x00\x00\x10\x00\x09\x00\x0cEchoPool";
+        let short: &[u8] = b"\x05\x00\x00\x09\x00\x09\x00\x05P\x00\x00\x00";
+        let mut stream = Vec::new();
+        for _ in 0..3 {
+            stream.extend_from_slice(hr);
+            stream.extend_from_slice(short);
+        }
+        for chunk_len in [1, 3, 7, 12, 16, 28, stream.len()] {
+            let mut f = Framer::new(1024);
+            let (mut got, mut borrowed) = (Vec::new(), 0);
+            for chunk in stream.chunks(chunk_len) {
+                let mut input = chunk;
+                while let Some(m) = f.next_from(&mut input).unwrap() {
+                    borrowed += usize::from(matches!(m, Frame::Borrowed(_)));
+                    got.push(m.to_vec());
+                }
+                assert!(input.is_empty());
+            }
+            assert_eq!(got.len(), 6, "chunks of {chunk_len}");
+            for pair in got.chunks(2) {
+                assert_eq!(&pair[0][..], hr);
+                assert_eq!(&pair[1][..], &short[..9]);
+            }
+            if chunk_len == stream.len() {
+                assert_eq!(borrowed, 6, "a whole read is never copied");
+            }
+            assert_eq!(f.buffered(), 0);
+        }
+        let mut f = Framer::new(64);
+        let mut input: &[u8] = b"\x05\x00\x00\x02";
+        assert!(f.next_from(&mut input).unwrap_err().loses_framing());
     }
 
     #[test]

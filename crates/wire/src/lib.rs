@@ -23,7 +23,7 @@ pub use asap::AsapMessage;
 pub use checksum::PeChecksum;
 pub use enrp::{EnrpBody, EnrpMessage, PoolEntry, UpdateAction};
 pub use error::{CauseCode, DecodeError, DecodeErrorKind, EncodeError, ErrorCause};
-pub use framer::Framer;
+pub use framer::{Frame, Framer};
 pub use param::{
     Addresses, OperationError, PoolElement, PoolHandle, Protocol, ServerInformation,
     TransportAddress, UserTransport,

@@ -478,6 +478,8 @@ pub fn load_gen(args: LoadGenArgs) -> Result<()> {
 async fn connect(reg: SocketAddr, i: usize) -> Result<AsapConnection> {
     let source = Ipv4Addr::new(127, 0, 0, 1 + (i / CONNS_PER_SOURCE) as u8);
     let sock = TcpSocket::new_v4()?;
+    // Reset instead of FIN at exit: no TIME_WAIT holding ports the next point needs.
+    sock.set_zero_linger()?;
     sock.bind(SocketAddr::from((source, 0)))?;
     let stream = sock.connect(reg).await?;
     Ok(AsapConnection::from_stream(stream, reg))
