@@ -2,7 +2,7 @@
 //!
 //! Bytes, connection events and the time (ms, any monotonic origin) go in; bytes per connection,
 //! close requests, announces and the next timer deadline come out. No sockets and no clock in
-//! here, so the same logic runs under the tokio driver and under a simulated network.
+//! here, so the same logic runs under the socket driver and under a simulated network.
 //!
 //! A connection is an ASAP association. Every PE is bound to the connection it registered over
 //! (RFC 5355 §3: only that association may update or deregister it) and is removed when that
@@ -26,6 +26,11 @@ pub struct ConnId(u32);
 impl ConnId {
     pub fn index(self) -> usize {
         self.0 as usize
+    }
+
+    /// The connection at `index` (drivers use the index as an event token).
+    pub fn from_index(index: usize) -> Self {
+        Self(index as u32)
     }
 }
 

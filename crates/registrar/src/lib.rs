@@ -1,7 +1,7 @@
 //! The RSerPool registrar (RFC 5351/5352, one registrar; ENRP comes later).
 //!
 //! [`core::Registrar`] is the protocol logic, sans-IO: events and time in, bytes and timers out.
-//! [`driver`] runs it over tokio sockets. [`config::Config`] holds every setting with rsplib's
+//! [`driver`] runs it over sockets (one mio event loop). [`config::Config`] holds every setting with rsplib's
 //! defaults; [`status::Status`] is what `rserpool status` shows.
 
 pub mod config;
@@ -11,5 +11,5 @@ pub mod status;
 
 pub use config::{Config, ConfigFlags};
 pub use core::{ConnId, Registrar};
-pub use driver::{RegistrarThread, Server};
+pub use driver::{RegistrarThread, Server, StopHandle};
 pub use status::Status;

@@ -711,3 +711,54 @@ async fn status_shows_the_handlespace() {
     assert_eq!(p.transport, "tcp 127.0.0.1:8100");
     assert_eq!(p.home_registrar, r.server_id());
 }
+
+#[tokio::test]
+async fn a_pool_user_that_does_not_read_is_disconnected() {
+    let r = registrar(Config {
+        max_pending_bytes: 64 * 1024,
+        max_hr_rate: 0,
+        ..fast_config()
+    });
+    let reg = r.asap_addr();
+    // 30 PEs: every answer carries all of them, about 2 KB.
+    let pes: Vec<PoolElement> = (0..30)
+        .map(|i| pe(reg, "Slow", 8200 + i, Policy::RoundRobin))
+        .collect();
+    for p in &pes {
+        p.wait_registered(Duration::from_secs(5)).await.unwrap();
+    }
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut s = sock.connect(reg).await.unwrap();
+    let req = AsapMessage::HandleResolution {
+        subscribe: false,
+        pool_handle: PoolHandle::from("Slow"),
+        items: Some(30),
+    }
+    .to_bytes()
+    .unwrap();
+    // Ask and never read: the answers pile up until the registrar gives up on this peer.
+    let flood = async {
+        for _ in 0..20_000 {
+            if s.write_all(&req).await.is_err() {
+                return true;
+            }
+            tokio::task::yield_now().await;
+        }
+        false
+    };
+    let refused = tokio::time::timeout(Duration::from_secs(10), flood).await;
+    assert!(
+        matches!(refused, Ok(true)),
+        "the registrar closed the connection"
+    );
+    // Everyone else is still served.
+    assert_eq!(resolve_ids(reg, "Slow", 30).await.len(), 30);
+    let out = Command::new(BIN)
+        .args(["status", "--json", "--registrar", &reg.to_string()])
+        .output()
+        .unwrap();
+    let st: rserpool_registrar::Status = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(st.counters.slow_connections_closed, 1);
+    assert_eq!(st.pools[0].pes.len(), 30);
+}

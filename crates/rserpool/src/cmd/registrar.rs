@@ -37,9 +37,16 @@ pub fn run(args: RegistrarArgs) -> Result<()> {
         return Ok(());
     }
     super::init_logging();
-    super::runtime()?.block_on(async move {
-        let server = Server::bind(cfg).await?;
-        server.run(super::shutdown_signal()).await?;
-        Ok(())
-    })
+    let server = Server::bind(cfg)?;
+    let stop = server.stop_handle();
+    let rt = super::runtime()?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            rt.block_on(super::shutdown_signal());
+            stop.stop();
+        })
+        .context("cannot start the signal thread")?;
+    server.run()?;
+    Ok(())
 }
