@@ -46,6 +46,9 @@ pub struct RegistrarBenchArgs {
     /// Warm-up after all connections are up.
     #[arg(long, default_value_t = 1000)]
     pub warmup_ms: u64,
+    /// Runs per point; each figure is the median over the runs (this machine is noisy).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeat: u32,
     /// One JSON object per point on stdout.
     #[arg(long)]
     pub json: bool,
@@ -83,6 +86,37 @@ pub struct Sample {
     /// The load generator's own CPU (same 2 cores): near 1.0 means latencies include its
     /// queueing, not only the registrar's.
     pub loadgen_cpu: f64,
+    /// Runs behind this point (each figure is their median) and the spread of CPU and p99.
+    pub runs: u32,
+    pub registrar_cpu_min: f64,
+    pub registrar_cpu_max: f64,
+    pub p99_us_max: u64,
+}
+
+/// Each figure's median over repeated runs of one point.
+fn median(runs: &[Sample]) -> Option<Sample> {
+    fn mid<T: Copy + PartialOrd>(mut v: Vec<T>) -> T {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        v[v.len() / 2]
+    }
+    let first = runs.first()?;
+    let f = |g: fn(&Sample) -> f64| mid(runs.iter().map(g).collect());
+    let u = |g: fn(&Sample) -> u64| mid(runs.iter().map(g).collect());
+    let cpu = runs.iter().map(|s| s.registrar_cpu);
+    Some(Sample {
+        registrar_cpu: f(|s| s.registrar_cpu),
+        rss_bytes: u(|s| s.rss_bytes),
+        p50_us: u(|s| s.p50_us),
+        p99_us: u(|s| s.p99_us),
+        answered_per_s: f(|s| s.answered_per_s),
+        errors: runs.iter().map(|s| s.errors).sum(),
+        loadgen_cpu: f(|s| s.loadgen_cpu),
+        runs: runs.len() as u32,
+        registrar_cpu_min: cpu.clone().fold(f64::INFINITY, f64::min),
+        registrar_cpu_max: cpu.fold(0.0, f64::max),
+        p99_us_max: runs.iter().map(|s| s.p99_us).max().unwrap_or(0),
+        ..first.clone()
+    })
 }
 
 fn figure_points(fig: &str) -> Result<Vec<Point>> {
@@ -175,7 +209,11 @@ pub fn run(args: RegistrarBenchArgs) -> Result<()> {
     }
     let mut samples = Vec::new();
     for p in points {
-        let s = run_point(p, &args).with_context(|| format!("point {p:?}"))?;
+        let mut runs = Vec::new();
+        for _ in 0..args.repeat {
+            runs.push(run_point(p, &args).with_context(|| format!("point {p:?}"))?);
+        }
+        let Some(s) = median(&runs) else { continue };
         if args.json {
             println!("{}", serde_json::to_string(&s)?);
         } else {
@@ -318,6 +356,10 @@ fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
         answered_per_s: r.answered as f64 / r.seconds,
         errors: r.errors,
         loadgen_cpu,
+        runs: 1,
+        registrar_cpu_min: cpu,
+        registrar_cpu_max: cpu,
+        p99_us_max: r.p99_us,
     })
 }
 
@@ -596,6 +638,15 @@ async fn pu_task(
     }
 }
 
+/// `value`, followed by `(range)` when there were several runs.
+fn spread(value: String, several: bool, range: String) -> String {
+    if several {
+        format!("{value} ({range})")
+    } else {
+        value
+    }
+}
+
 fn markdown(samples: &[Sample], machine: &str) -> String {
     use std::fmt::Write;
     let mut s = String::new();
@@ -603,6 +654,13 @@ fn markdown(samples: &[Sample], machine: &str) -> String {
     let _ = writeln!(s, "Command: `{}`  ", super::command_line());
     let _ = writeln!(s, "Machine: {machine}  ");
     let _ = writeln!(s, "Date: {} (UTC)\n", super::handlespace::today());
+    let runs = samples.first().map_or(1, |x| x.runs);
+    if runs > 1 {
+        let _ = writeln!(
+            s,
+            "Each row is the median of {runs} runs; CPU shows the range over the runs in brackets, p99 the highest run.\n"
+        );
+    }
     let _ = writeln!(
         s,
         "| PEs | PUs | re-reg every (ms) | resolve every (ms) | registrar CPU (1 core = 100%) | RSS (MB) | p50 (µs) | p99 (µs) | offered/s | answered/s | errors | load generator CPU |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -610,7 +668,7 @@ fn markdown(samples: &[Sample], machine: &str) -> String {
     for x in samples {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {:.1}% | {:.1} | {} | {} | {:.0} | {:.0} | {} | {:.0}% |",
+            "| {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.0} | {:.0} | {} | {:.0}% |",
             x.pes,
             x.pus,
             if x.pes > 0 {
@@ -623,10 +681,18 @@ fn markdown(samples: &[Sample], machine: &str) -> String {
             } else {
                 "-".into()
             },
-            x.registrar_cpu * 100.0,
+            spread(
+                format!("{:.1}%", x.registrar_cpu * 100.0),
+                x.runs > 1,
+                format!(
+                    "{:.1}–{:.1}",
+                    x.registrar_cpu_min * 100.0,
+                    x.registrar_cpu_max * 100.0
+                )
+            ),
             x.rss_bytes as f64 / 1e6,
             x.p50_us,
-            x.p99_us,
+            spread(x.p99_us.to_string(), x.runs > 1, x.p99_us_max.to_string()),
             x.offered_per_s,
             x.answered_per_s,
             x.errors,
