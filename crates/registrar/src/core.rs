@@ -415,6 +415,8 @@ impl Registrar {
         if c.closing {
             return;
         }
+        // Most answers are small: one allocation instead of a chain of doublings.
+        c.out.reserve(64);
         if let Err(e) = msg.encode(&mut c.out) {
             warn!("cannot encode {}: {e}", msg.name());
             return;
@@ -700,22 +702,10 @@ impl Registrar {
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
         let found = self.hs.resolve(pool_handle.as_bytes(), n, &mut scratch);
-        let msg = if found && !scratch.is_empty() {
-            let pool_elements: Vec<PoolElement> = scratch
-                .iter()
-                .map(|&r| self.hs.pe(r).element.clone())
-                .collect();
-            let policy = pool_elements.first().map(|e| e.policy.clone());
-            AsapMessage::HandleResolutionResponse {
-                accept: false,
-                pool_handle,
-                policy,
-                pool_elements,
-                error: None,
-            }
-        } else {
+        if !found || scratch.is_empty() {
+            self.scratch = scratch;
             self.counters.resolutions_unknown_pool += 1;
-            AsapMessage::HandleResolutionResponse {
+            let msg = AsapMessage::HandleResolutionResponse {
                 accept: false,
                 pool_handle,
                 policy: None,
@@ -723,29 +713,43 @@ impl Registrar {
                 error: Some(OperationError::single(ErrorCause::new(
                     CauseCode::UNKNOWN_POOL_HANDLE,
                 ))),
-            }
+            };
+            self.send(id, &msg, now);
+            return;
+        }
+        // Encoded straight from the handlespace. A large pool may not fit one message: halve
+        // the list until it does.
+        let Some(Some(c)) = self
+            .conns
+            .get_mut(id.index())
+            .filter(|c| c.as_ref().is_some_and(|c| !c.closing))
+        else {
+            self.scratch = scratch;
+            return;
         };
-        self.scratch = scratch;
-        // A large pool may not fit one message: halve the list until it does.
-        let mut msg = msg;
+        let hs = &self.hs;
+        let policy = &hs.pe(scratch[0]).element.policy;
+        let mark = c.out.len();
+        c.out.reserve(64 + 96 * n.min(scratch.len()));
         loop {
-            let Some(c) = self.conn_mut(id) else { return };
-            let mark = c.out.len();
-            match msg.encode(&mut c.out) {
+            let pes = scratch[..n.min(scratch.len())]
+                .iter()
+                .map(|&r| &hs.pe(r).element);
+            match AsapMessage::encode_resolution(&mut c.out, &pool_handle, Some(policy), pes) {
                 Ok(()) => break,
-                Err(EncodeError::TooLarge { .. }) => {
+                Err(EncodeError::TooLarge { .. }) if n > 1 => {
                     c.out.truncate(mark);
-                    if let AsapMessage::HandleResolutionResponse { pool_elements, .. } = &mut msg {
-                        n = pool_elements.len() / 2;
-                        pool_elements.truncate(n);
-                        if n > 0 {
-                            continue;
-                        }
-                    }
+                    n = n.min(scratch.len()) / 2;
+                }
+                Err(e) => {
+                    c.out.truncate(mark);
+                    warn!("cannot encode HANDLE_RESOLUTION_RESPONSE: {e}");
+                    self.scratch = scratch;
                     return;
                 }
             }
         }
+        self.scratch = scratch;
         self.mark_written(id, now);
     }
 

@@ -214,3 +214,48 @@ fn a_peer_that_does_not_read_is_dropped() {
     assert!(r.wants_close(c));
     assert_eq!(r.status(0).counters.slow_connections_closed, 1);
 }
+
+#[test]
+fn a_resolution_larger_than_a_message_is_halved_until_it_fits() {
+    let config = Config {
+        max_hres_items_requested: 2000,
+        ..cfg()
+    };
+    let mut r = Registrar::new(config, ID, 0);
+    // 1,500 PEs over two connections (1,000 per connection at most).
+    for (port, ids) in [(1, 1..=750u32), (2, 751..=1500)] {
+        let c = r.accept(peer(port), 0).unwrap();
+        for id in ids {
+            r.handle_data(c, &registration(id, -1), 0);
+        }
+        output(&mut r, c);
+    }
+    assert_eq!(r.handlespace().len(), 1500);
+    let pu = r.accept(peer(3), 0).unwrap();
+    let ask = |items| AsapMessage::HandleResolution {
+        subscribe: false,
+        pool_handle: PoolHandle::from("P"),
+        items: Some(items),
+    };
+    for (items, expect) in [(10, 10..=10), (1500, 375..=1499)] {
+        r.handle_data(pu, &ask(items).to_bytes().unwrap(), 1);
+        let bytes = r.output(pu).len();
+        let out = output(&mut r, pu);
+        assert!(bytes <= 65_536, "{bytes} bytes");
+        match &out[..] {
+            [
+                AsapMessage::HandleResolutionResponse {
+                    pool_elements,
+                    policy: Some(Policy::RoundRobin),
+                    error: None,
+                    ..
+                },
+            ] => assert!(
+                expect.contains(&pool_elements.len()),
+                "{items} asked, {} answered",
+                pool_elements.len()
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+}

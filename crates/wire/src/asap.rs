@@ -157,6 +157,22 @@ impl AsapMessage {
         }
     }
 
+    /// Appends an accepted HANDLE_RESOLUTION_RESPONSE, the same bytes as encoding
+    /// [`AsapMessage::HandleResolutionResponse`] without an error, but from borrowed pool
+    /// elements (e.g. straight out of a handlespace, without copying them into a message).
+    pub fn encode_resolution<'a>(
+        out: &mut Vec<u8>,
+        pool_handle: &PoolHandle,
+        policy: Option<&Policy>,
+        pool_elements: impl IntoIterator<Item = &'a PoolElement>,
+    ) -> Result<(), EncodeError> {
+        let mut e = Encoder::new(out);
+        let s = e.begin(u16::from_be_bytes([mt::HANDLE_RESOLUTION_RESPONSE, 0]));
+        put_pool_list(&mut e, pool_handle, policy, pool_elements);
+        e.end(s);
+        e.finish()
+    }
+
     /// Appends the encoded message (padded to a multiple of 4) to `out`. A message whose
     /// length would not fit 16 bits is refused and `out` is left as it was.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
@@ -208,13 +224,7 @@ impl AsapMessage {
                 error,
                 ..
             } => {
-                put_pool_handle(&mut e, pool_handle);
-                if let Some(p) = policy {
-                    p.encode(&mut e);
-                }
-                pool_elements
-                    .iter()
-                    .for_each(|pe| put_pool_element(&mut e, pe));
+                put_pool_list(&mut e, pool_handle, policy.as_ref(), pool_elements);
                 if let Some(err) = error {
                     put_operation_error(&mut e, err);
                 }
@@ -245,15 +255,7 @@ impl AsapMessage {
                 pool_handle,
                 policy,
                 pool_elements,
-            } => {
-                put_pool_handle(&mut e, pool_handle);
-                if let Some(p) = policy {
-                    p.encode(&mut e);
-                }
-                pool_elements
-                    .iter()
-                    .for_each(|pe| put_pool_element(&mut e, pe));
-            }
+            } => put_pool_list(&mut e, pool_handle, policy.as_ref(), pool_elements),
             Self::Error { error } => put_operation_error(&mut e, error),
         }
         e.end(s);
@@ -467,4 +469,21 @@ impl Params {
             _ => None,
         })
     }
+}
+
+/// A pool handle, the pool's policy and its elements: the body of a resolution response and of
+/// a business card.
+fn put_pool_list<'a>(
+    e: &mut Encoder<'_>,
+    pool_handle: &PoolHandle,
+    policy: Option<&Policy>,
+    pool_elements: impl IntoIterator<Item = &'a PoolElement>,
+) {
+    put_pool_handle(e, pool_handle);
+    if let Some(p) = policy {
+        p.encode(e);
+    }
+    pool_elements
+        .into_iter()
+        .for_each(|pe| put_pool_element(e, pe));
 }

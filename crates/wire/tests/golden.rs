@@ -133,13 +133,29 @@ fn asap_every_message_type() {
             accept: false,
             pool_handle: ph(),
             policy: Some(Policy::LeastUsed { load: 0x8000_0000 }),
-            pool_elements: vec![pe_with_asap],
+            pool_elements: vec![pe_with_asap.clone()],
             error: None,
         },
         &format!(
             "06 00 0058 {PH} {LU50} 000a 003c 01020304 0a0b0c0d ffffffff {TCP7} {LU50} \
              0005 0010 9c40 0000 0001 0008 7f000001"
         ),
+    );
+    // The borrowed encoder a registrar answers with gives the same bytes.
+    let mut borrowed = Vec::new();
+    AsapMessage::encode_resolution(
+        &mut borrowed,
+        &ph(),
+        Some(&Policy::LeastUsed { load: 0x8000_0000 }),
+        [&pe_with_asap],
+    )
+    .unwrap();
+    assert_eq!(
+        borrowed,
+        hex(&format!(
+            "06 00 0058 {PH} {LU50} 000a 003c 01020304 0a0b0c0d ffffffff {TCP7} {LU50} \
+             0005 0010 9c40 0000 0001 0008 7f000001"
+        ))
     );
     asap_golden(
         AsapMessage::HandleResolutionResponse {
