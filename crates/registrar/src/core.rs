@@ -664,6 +664,23 @@ impl Registrar {
         self.send(id, &msg, now);
     }
 
+    fn refuse_resolution(
+        &mut self,
+        id: ConnId,
+        pool_handle: PoolHandle,
+        code: CauseCode,
+        now: u64,
+    ) {
+        let msg = AsapMessage::HandleResolutionResponse {
+            accept: false,
+            pool_handle,
+            policy: None,
+            pool_elements: Vec::new(),
+            error: Some(OperationError::single(ErrorCause::new(code))),
+        };
+        self.send(id, &msg, now);
+    }
+
     fn on_handle_resolution(
         &mut self,
         id: ConnId,
@@ -685,16 +702,7 @@ impl Registrar {
                     "{peer}: handle resolution refused, more than {max_hr_rate}/s from this pool user"
                 );
             }
-            let msg = AsapMessage::HandleResolutionResponse {
-                accept: false,
-                pool_handle,
-                policy: None,
-                pool_elements: Vec::new(),
-                error: Some(OperationError::single(ErrorCause::new(
-                    CauseCode::REJECTED_SECURITY,
-                ))),
-            };
-            self.send(id, &msg, now);
+            self.refuse_resolution(id, pool_handle, CauseCode::REJECTED_SECURITY, now);
             return;
         }
         self.counters.resolutions += 1;
@@ -705,16 +713,7 @@ impl Registrar {
         if !found || scratch.is_empty() {
             self.scratch = scratch;
             self.counters.resolutions_unknown_pool += 1;
-            let msg = AsapMessage::HandleResolutionResponse {
-                accept: false,
-                pool_handle,
-                policy: None,
-                pool_elements: Vec::new(),
-                error: Some(OperationError::single(ErrorCause::new(
-                    CauseCode::UNKNOWN_POOL_HANDLE,
-                ))),
-            };
-            self.send(id, &msg, now);
+            self.refuse_resolution(id, pool_handle, CauseCode::UNKNOWN_POOL_HANDLE, now);
             return;
         }
         // Encoded straight from the handlespace. A large pool may not fit one message: halve

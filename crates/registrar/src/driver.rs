@@ -185,6 +185,7 @@ impl Server {
             accept_retry_at: None,
             accept_log_at: None,
             send_log_at: None,
+            stall_log_at: None,
         };
         let result = ev.run(&self.stop.flag);
         info!("registrar {:#010x} shutting down", self.id);
@@ -228,6 +229,7 @@ struct EventLoop {
     accept_retry_at: Option<u64>,
     accept_log_at: Option<u64>,
     send_log_at: Option<u64>,
+    stall_log_at: Option<u64>,
 }
 
 enum Flush {
@@ -453,10 +455,14 @@ impl EventLoop {
         for id in watched {
             match self.sock(id.index()).and_then(|s| s.deadline) {
                 Some(t) if t <= now => {
-                    if let Some(peer) = self.core.peer(id) {
+                    // One line a second at most, however many peers stall together.
+                    if let Some(peer) = self.core.peer(id)
+                        && self.stall_log_at.is_none_or(|at| now >= at + 1000)
+                    {
                         warn!(
                             "{peer}: closing, no progress for a while (slow reader or idle status request)"
                         );
+                        self.stall_log_at = Some(now);
                     }
                     self.close(id);
                 }
