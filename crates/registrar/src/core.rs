@@ -718,10 +718,11 @@ impl Registrar {
         }
         // Encoded straight from the handlespace. A large pool may not fit one message: halve
         // the list until it does.
-        let Some(Some(c)) = self
+        let Some(c) = self
             .conns
             .get_mut(id.index())
-            .filter(|c| c.as_ref().is_some_and(|c| !c.closing))
+            .and_then(Option::as_mut)
+            .filter(|c| !c.closing)
         else {
             self.scratch = scratch;
             return;

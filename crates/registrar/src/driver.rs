@@ -439,13 +439,11 @@ impl EventLoop {
     }
 
     fn watch(&mut self, id: ConnId, deadline: u64) {
-        if let Some(sock) = self.sock(id.index()) {
-            if sock.deadline.is_none() {
-                self.watched.push(id);
-            }
-            if let Some(sock) = self.sock(id.index()) {
-                sock.deadline = Some(deadline);
-            }
+        let Some(sock) = self.socks.get_mut(id.index()).and_then(Option::as_mut) else {
+            return;
+        };
+        if sock.deadline.replace(deadline).is_none() {
+            self.watched.push(id);
         }
     }
 
