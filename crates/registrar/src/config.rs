@@ -80,6 +80,26 @@ settings! {
     max_message_size: usize = 16384;
     /// Bytes queued for a connection that does not read before it is closed.
     max_pending_bytes: usize = 1 << 20;
+    /// ENRP listening address (TCP; PRESENCE also on UDP at the same address).
+    enrp: SocketAddr = SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ENRP_PORT));
+    /// Peer registrars' ENRP addresses (repeatable); others are found by their PRESENCE.
+    peer: Vec<SocketAddr> = Vec::new();
+    /// Also send PRESENCE to the multicast group.
+    enrp_multicast: bool = false;
+    /// Multicast group and port for PRESENCE.
+    enrp_multicast_group: SocketAddr = SocketAddr::from(([239, 0, 0, 1], rserpool_wire::ENRP_PORT));
+    /// PRESENCE to every peer this often (PEER-HEARTBEAT-CYCLE).
+    peer_heartbeat_ms: u64 = 2444;
+    /// Silence after which a peer is asked for a PRESENCE with the R bit (MAX-TIME-LAST-HEARD).
+    max_time_last_heard_ms: u64 = 5000;
+    /// Time for that answer before the peer is taken over (MAX-TIME-NO-RESPONSE).
+    max_time_no_response_ms: u64 = 5000;
+    /// Time to look for a mentor at start before serving alone.
+    mentor_discovery_ms: u64 = 5000;
+    /// Time for every peer's INIT_TAKEOVER_ACK before a takeover is given up.
+    takeover_expiry_ms: u64 = 5000;
+    /// PEs per HANDLE_TABLE_RESPONSE (MaxElementsPerHTRequest).
+    max_elements_per_ht_request: usize = 128;
 }
 
 impl Config {
