@@ -14,10 +14,12 @@ use bytes::Bytes;
 use rserpool_handlespace::{Handlespace, PeRef, Registered, TimerKind};
 use rserpool_wire::{
     AsapMessage, CauseCode, DecodeError, EncodeError, ErrorCause, Framer, OperationError,
-    PoolElement, PoolHandle, TransportAddress,
+    PoolElement, PoolHandle, TransportAddress, UpdateAction,
 };
 use std::net::SocketAddr;
 use tracing::{debug, info, warn};
+
+mod enrp;
 
 /// A connection (association) of the registrar, named by the core.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -128,6 +130,8 @@ impl LogLimiter {
 
 struct Conn {
     peer: SocketAddr,
+    /// An ENRP connection (to or from another registrar), not ASAP.
+    enrp: bool,
     framer: Framer,
     out: Vec<u8>,
     /// PEs registered over this connection.
@@ -170,6 +174,7 @@ pub struct Registrar {
     scratch: Vec<PeRef>,
     expired: Vec<(PeRef, TimerKind)>,
     report: Vec<ErrorCause>,
+    enrp: enrp::EnrpState,
 }
 
 impl Registrar {
@@ -198,6 +203,7 @@ impl Registrar {
             peer_log: LogLimiter::default(),
             event_log: LogLimiter::default(),
             scratch: Vec::new(),
+            enrp: enrp::EnrpState::default(),
             expired: Vec::new(),
             report: Vec::new(),
         }
@@ -234,6 +240,10 @@ impl Registrar {
 
     /// A new connection from `peer`; `None` when the connection limit is reached (close it).
     pub fn accept(&mut self, peer: SocketAddr, now: u64) -> Option<ConnId> {
+        self.open_conn(peer, false, now)
+    }
+
+    fn open_conn(&mut self, peer: SocketAddr, enrp: bool, now: u64) -> Option<ConnId> {
         if self.conn_count >= self.cfg.max_connections {
             self.counters.connections_refused += 1;
             if self.peer_log.allow(now) {
@@ -246,6 +256,7 @@ impl Registrar {
         }
         let conn = Conn {
             peer,
+            enrp,
             framer: Framer::new(self.cfg.max_message_size),
             out: Vec::new(),
             pes: Vec::new(),
@@ -293,7 +304,9 @@ impl Registrar {
             if c.closing {
                 return;
             }
+            let enrp = c.enrp;
             match c.framer.next_from(&mut input) {
+                Ok(Some(msg)) if enrp => self.handle_enrp(id, &msg, now),
                 Ok(Some(msg)) => self.handle_message(id, &msg, now),
                 Ok(None) => {
                     c.framer.release_if_empty();
@@ -321,6 +334,9 @@ impl Registrar {
         };
         self.conn_count -= 1;
         self.free_conns.push(id.0);
+        if c.enrp {
+            self.enrp_closed(id);
+        }
         for r in c.pes {
             // Unbind first so remove_pe does not look for the connection.
             self.meta[r.index() as usize].conn = None;
@@ -360,16 +376,19 @@ impl Registrar {
     /// The earliest time (ms) at which [`handle_timeout`](Self::handle_timeout) has work; it may
     /// be early, never late.
     pub fn poll_timeout(&self) -> Option<u64> {
-        let hs = self.hs.next_timer();
-        let ann = self.announce.as_ref().map(|a| a.0);
-        match (hs, ann) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [
+            self.hs.next_timer(),
+            self.announce.as_ref().map(|a| a.0),
+            self.enrp_next_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Runs the timers due at `now`: keep-alives, their timeouts, lifetime expiry, announces.
     pub fn handle_timeout(&mut self, now: u64) {
+        self.enrp_timeout(now);
         let mut expired = std::mem::take(&mut self.expired);
         self.hs.expire_timers(now, &mut expired);
         for (r, kind) in expired.drain(..) {
@@ -620,6 +639,8 @@ impl Registrar {
                     debug!("PE {pe_id:#010x} of pool {pool_handle} re-registered");
                 }
                 self.schedule_supervision(r, now);
+                let element = self.hs.pe(r).element.clone();
+                self.enrp_update(UpdateAction::AddPe, &pool_handle, &element, now);
                 let msg = AsapMessage::RegistrationResponse {
                     reject: false,
                     pool_handle,
@@ -875,6 +896,9 @@ impl Registrar {
         self.set_meta(r, NO_META);
         let handle = self.hs.pool_handle_of(r).clone();
         let pe = self.hs.remove(r);
+        if pe.home_registrar == self.id {
+            self.enrp_update(UpdateAction::DelPe, &handle, &pe, now);
+        }
         match why {
             Removal::Deregistered => {}
             Removal::KeepAliveTimeout => self.counters.removed_keep_alive_timeout += 1,

@@ -64,7 +64,7 @@ enum Command {
     /// Run everything on loopback: a registrar and the EchoPool (three echo PEs, least used).
     Up(cmd::up::UpArgs),
     /// Run a registrar (ASAP over TCP).
-    Registrar(cmd::registrar::RegistrarArgs),
+    Registrar(Box<cmd::registrar::RegistrarArgs>),
     /// Register an existing TCP service as a pool element and keep it registered while healthy.
     Serve(cmd::serve::ServeArgs),
     /// Run a small example service (echo, discard, daytime, chargen) as a pool element.
@@ -86,7 +86,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Up(a) => cmd::up::run(a),
-        Command::Registrar(a) => cmd::registrar::run(a),
+        Command::Registrar(a) => cmd::registrar::run(*a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Example(a) => cmd::example::run(a),
         Command::Resolve(a) => cmd::client::resolve(a),
