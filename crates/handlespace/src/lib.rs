@@ -977,8 +977,9 @@ impl Handlespace {
     }
 
     /// The PEs owned by `owner`, in no particular order.
-    pub fn owned(&self, owner: u32) -> &[u32] {
-        self.owners.get(&owner).map_or(&[], |o| &o.members)
+    pub fn owned(&self, owner: u32) -> impl Iterator<Item = PeRef> + '_ {
+        let members: &[u32] = self.owners.get(&owner).map_or(&[], |o| &o.members);
+        members.iter().map(|&i| PeRef(i))
     }
 
     /// The home registrars that own at least one PE.

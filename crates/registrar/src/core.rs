@@ -335,7 +335,7 @@ impl Registrar {
         self.conn_count -= 1;
         self.free_conns.push(id.0);
         if c.enrp {
-            self.enrp_closed(id);
+            self.enrp_closed(id, now);
         }
         for r in c.pes {
             // Unbind first so remove_pe does not look for the connection.
@@ -393,7 +393,7 @@ impl Registrar {
         self.hs.expire_timers(now, &mut expired);
         for (r, kind) in expired.drain(..) {
             match kind {
-                TimerKind::KeepAliveTransmission => self.send_keep_alive(r, now),
+                TimerKind::KeepAliveTransmission => self.send_keep_alive(r, false, now),
                 TimerKind::KeepAliveTimeout => self.remove_pe(r, Removal::KeepAliveTimeout, now),
                 TimerKind::LifetimeExpiry => {
                     let m = self.meta[r.index() as usize];
@@ -413,6 +413,7 @@ impl Registrar {
         self.expired = expired;
         if let Some((next, data)) = &mut self.announce
             && *next <= now
+            && self.enrp.starting.is_none()
         {
             self.announce_out = Some(data.clone());
             *next = now + self.cfg.announce_interval_ms.max(1);
@@ -580,20 +581,23 @@ impl Registrar {
         let peer = c.peer;
         let pe_id = pe.id;
         let existing = self.hs.find(pool_handle.as_bytes(), pe_id);
-        if let Some(r) = existing {
-            let owner = self.meta_of(r).conn;
-            if owner != Some(id) {
+        // Bound to this association already (a re-registration over it).
+        let mut bound = false;
+        if let Some(r) = existing
+            && let Some(owner) = self.meta_of(r).conn
+        {
+            bound = owner == id;
+            if !bound {
                 // RFC 5355: only the registering association may change a PE. If that
                 // association is dead, the probe removes the old entry and a retry succeeds.
-                if owner.is_some() {
-                    self.probe(r, now);
-                }
+                self.probe(r, now);
                 let cause = ErrorCause::new(CauseCode::NON_UNIQUE_PE_IDENTIFIER);
                 let why = "the PE identifier is registered over another association";
                 self.reject_registration(id, pool_handle, pe_id, cause, &why, now);
                 return;
             }
-        } else if c.pes.len() >= self.cfg.max_pes_per_connection {
+        }
+        if !bound && c.pes.len() >= self.cfg.max_pes_per_connection {
             let cause = ErrorCause::new(CauseCode::LACK_OF_RESOURCES);
             let why = format!(
                 "limit of {} PEs per connection reached",
@@ -603,12 +607,12 @@ impl Registrar {
             return;
         }
         pe.home_registrar = self.id;
-        pe.asap_transport = Some(TransportAddress::tcp(peer));
+        pe.asap_transport = Some(TransportAddress::tcp(asap_transport(
+            pe.asap_transport.as_ref(),
+            peer,
+        )));
         // RFC 5354: seconds; -1 (or any value below 1) means infinite.
-        let expiry = match u64::try_from(pe.registration_life) {
-            Ok(s) if s > 0 => now.saturating_add(s.saturating_mul(1000)),
-            _ => u64::MAX,
-        };
+        let expiry = enrp::lifetime_expiry(pe.registration_life, now);
         let result = match existing {
             Some(r) => self
                 .hs
@@ -626,11 +630,12 @@ impl Registrar {
                         expiry,
                     },
                 );
+                if !bound && let Some(c) = self.conn_mut(id) {
+                    // New here, or known from a peer and now registered with us.
+                    c.pes.push(r);
+                }
                 if reg.new {
                     self.counters.registrations += 1;
-                    if let Some(c) = self.conn_mut(id) {
-                        c.pes.push(r);
-                    }
                     if self.event_log.allow(now) {
                         info!("PE {pe_id:#010x} registered in pool {pool_handle} from {peer}");
                     }
@@ -856,11 +861,12 @@ impl Registrar {
     /// Sends an ENDPOINT_KEEP_ALIVE now unless one is already outstanding.
     fn probe(&mut self, r: PeRef, now: u64) {
         if !matches!(self.hs.timer(r), Some((TimerKind::KeepAliveTimeout, _))) {
-            self.send_keep_alive(r, now);
+            self.send_keep_alive(r, false, now);
         }
     }
 
-    fn send_keep_alive(&mut self, r: PeRef, now: u64) {
+    /// `home`: the H bit, telling the PE that this registrar is its home now (takeover).
+    fn send_keep_alive(&mut self, r: PeRef, home: bool, now: u64) {
         let m = self.meta_of(r);
         let Some(conn) = m.conn else {
             self.hs
@@ -868,7 +874,7 @@ impl Registrar {
             return;
         };
         let msg = AsapMessage::EndpointKeepAlive {
-            home: false,
+            home,
             server_id: self.id,
             pool_handle: self.hs.pool_handle_of(r).clone(),
             pe_id: Some(self.hs.pe(r).element.id),
@@ -963,6 +969,19 @@ impl Registrar {
             pool_elements: self.hs.len(),
             pools,
             counters: self.counters.clone(),
+            peers: self.peer_status(now),
+            enrp: self.enrp.counters.clone(),
         }
+    }
+}
+
+/// Where a new home reaches a PE after a takeover: the ASAP transport the PE announced (its
+/// takeover listener; a wildcard address means the one it connects from), else the address of
+/// its association, which only serves while that association lives.
+fn asap_transport(announced: Option<&TransportAddress>, peer: SocketAddr) -> SocketAddr {
+    match announced.and_then(|t| t.socket_addrs().next()) {
+        Some(a) if a.port() != 0 && a.ip().is_unspecified() => SocketAddr::new(peer.ip(), a.port()),
+        Some(a) if a.port() != 0 => a,
+        _ => peer,
     }
 }

@@ -11,6 +11,11 @@ pub struct Status {
     pub pool_elements: usize,
     pub pools: Vec<PoolStatus>,
     pub counters: Counters,
+    /// ENRP peers (empty without ENRP).
+    #[serde(default)]
+    pub peers: Vec<PeerStatus>,
+    #[serde(default)]
+    pub enrp: EnrpCounters,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -55,4 +60,32 @@ pub struct Counters {
     pub protocol_errors: u64,
     pub connections_refused: u64,
     pub slow_connections_closed: u64,
+}
+
+/// ENRP event counters (part of `rserpool status`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct EnrpCounters {
+    pub updates_sent: u64,
+    pub updates_received: u64,
+    pub audits: u64,
+    pub takeovers: u64,
+    pub pes_taken_over: u64,
+    pub takeovers_aborted: u64,
+    pub handle_table_blocks_sent: u64,
+    pub handle_table_entries_received: u64,
+}
+
+/// One peer as `rserpool status` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PeerStatus {
+    pub id: u32,
+    pub address: String,
+    pub ms_since_heard: u64,
+    pub state: String,
+    pub connected: bool,
+    /// The checksum the peer announced for its own PEs.
+    pub checksum: Option<u16>,
+    /// Whether that matches this registrar's view of the peer's PEs.
+    pub checksum_agrees: Option<bool>,
+    pub pes_owned: usize,
 }
