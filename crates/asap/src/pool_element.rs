@@ -4,6 +4,12 @@
 //! ENDPOINT_KEEP_ALIVEs (adopting a new home registrar on the H bit), re-registers every
 //! reregistration interval and whenever the policy changes (e.g. a new load), and when the
 //! association fails it moves to the next registrar with exponential back-off and jitter.
+//!
+//! Takeover (RFC 5353 §3.5): the PE listens on a TCP port of its own and announces it as its
+//! ASAP transport. When its home registrar dies, the registrar that takes over connects there
+//! and sends ENDPOINT_KEEP_ALIVE with the H bit; the PE answers and carries on over that
+//! connection, without registering again. A PE that loses its home waits `takeover_wait` for
+//! this (when it knows more than one registrar) before it registers elsewhere.
 //! Dropping the [`PoolElement`] or calling [`PoolElement::stop`] deregisters.
 
 use crate::connection::AsapConnection;
@@ -37,6 +43,12 @@ pub struct PoolElementConfig {
     pub backoff_max: Duration,
     /// Register at start (false: wait for [`PeUpdater::set_active`]).
     pub initially_active: bool,
+    /// Where registrars taking over reach this PE (TCP; port 0 picks one; a wildcard address
+    /// means the address the PE connects to registrars from). `None`: no takeover.
+    pub takeover_listen: Option<SocketAddr>,
+    /// After losing its home registrar, time to wait for a takeover before registering with
+    /// another one (only when more than one registrar is known).
+    pub takeover_wait: Duration,
 }
 
 impl PoolElementConfig {
@@ -54,6 +66,8 @@ impl PoolElementConfig {
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(10),
             initially_active: true,
+            takeover_listen: Some(SocketAddr::from(([0, 0, 0, 0], 0))),
+            takeover_wait: Duration::from_secs(5),
         }
     }
 
@@ -233,6 +247,72 @@ enum SessionEnd {
     Stopped,
     Inactive,
     Failed { registered: bool, rejected: bool },
+    /// Another registrar took over as home over this new connection.
+    TakenOver(Takeover),
+}
+
+/// A connection from a registrar that took over as home (its ENDPOINT_KEEP_ALIVE with the H bit
+/// already answered).
+struct Takeover {
+    conn: AsapConnection,
+    home: u32,
+}
+
+/// Aborts a task when dropped.
+struct TaskGuard(tokio::task::JoinHandle<()>);
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Accepts registrars taking over: the first message must be an ENDPOINT_KEEP_ALIVE with the
+/// H bit for this PE, within a few seconds; anything else closes the connection.
+async fn listen_for_takeovers(
+    listener: tokio::net::TcpListener,
+    pool_handle: PoolHandle,
+    id: u32,
+    tx: tokio::sync::mpsc::Sender<Takeover>,
+) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                debug!("PE {id:#010x}: takeover listener: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let handle = pool_handle.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let mut conn = AsapConnection::from_stream(stream, peer);
+            let first = tokio::time::timeout(Duration::from_secs(5), conn.recv()).await;
+            match first {
+                Ok(Ok(AsapMessage::EndpointKeepAlive {
+                    home: true,
+                    server_id,
+                    pool_handle,
+                    pe_id,
+                })) if pool_handle == handle && pe_id.is_none_or(|p| p == id) => {
+                    let ack = AsapMessage::EndpointKeepAliveAck {
+                        pool_handle: handle,
+                        pe_id: id,
+                    };
+                    if conn.send(&ack).await.is_ok() {
+                        let _ = tx
+                            .send(Takeover {
+                                conn,
+                                home: server_id,
+                            })
+                            .await;
+                    }
+                }
+                _ => debug!("PE {id:#010x}: {peer} is not a takeover; closed"),
+            }
+        });
+    }
 }
 
 async fn run(
@@ -244,6 +324,20 @@ async fn run(
 ) {
     let mut backoff = cfg.backoff_min;
     let mut next = 0usize;
+    let (takeover_tx, mut takeovers) = tokio::sync::mpsc::channel(4);
+    let mut asap_transport = None;
+    let mut _listener = None;
+    if let Some(addr) = cfg.takeover_listen {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => {
+                asap_transport = l.local_addr().ok();
+                let task = listen_for_takeovers(l, cfg.pool_handle.clone(), id, takeover_tx);
+                _listener = Some(TaskGuard(tokio::spawn(task)));
+            }
+            Err(e) => warn!("PE {id:#010x}: no takeover listener on {addr}: {e}"),
+        }
+    }
+    let mut adopted: Option<Takeover> = None;
     loop {
         // Wait until we should be registered.
         loop {
@@ -265,7 +359,17 @@ async fn run(
             state.send_replace(PeState::Registering);
         }
         let candidates = registrars.candidates();
-        let end = if candidates.is_empty() {
+        let mut ctx = SessionCtx {
+            cfg: &cfg,
+            id,
+            asap_transport,
+            desired: &mut desired,
+            state: &state,
+            takeovers: &mut takeovers,
+        };
+        let end = if let Some(t) = adopted.take() {
+            adopted_session(&mut ctx, t).await
+        } else if candidates.is_empty() {
             debug!("PE {id:#010x}: no registrar known yet");
             SessionEnd::Failed {
                 registered: false,
@@ -274,7 +378,16 @@ async fn run(
         } else {
             let addr = candidates[next % candidates.len()];
             next = next.wrapping_add(1);
-            session(&cfg, id, addr, &mut desired, &state).await
+            match AsapConnection::connect(addr, cfg.connect_timeout).await {
+                Ok(conn) => session(&mut ctx, conn, None).await,
+                Err(e) => {
+                    debug!("PE {id:#010x}: registrar {addr}: {e}");
+                    SessionEnd::Failed {
+                        registered: false,
+                        rejected: false,
+                    }
+                }
+            }
         };
         match end {
             SessionEnd::Stopped => {
@@ -282,12 +395,29 @@ async fn run(
                 return;
             }
             SessionEnd::Inactive => backoff = cfg.backoff_min,
+            SessionEnd::TakenOver(t) => adopted = Some(t),
             SessionEnd::Failed {
                 registered,
                 rejected,
             } => {
                 if registered {
-                    // The home registrar failed: try the next one soon.
+                    // The home registrar failed: another may take over; if none does, try the
+                    // next registrar soon.
+                    if candidates.len() > 1 && !cfg.takeover_wait.is_zero() && _listener.is_some()
+                    {
+                        let wait = tokio::time::sleep(cfg.takeover_wait);
+                        tokio::select! {
+                            t = takeovers.recv() => {
+                                if let Some(t) = t {
+                                    adopted = Some(t);
+                                    continue;
+                                }
+                            }
+                            () = wait => {
+                                info!("PE {id:#010x}: no registrar took over within {:?}: registering again", cfg.takeover_wait);
+                            }
+                        }
+                    }
                     backoff = cfg.backoff_min;
                 } else if rejected {
                     backoff = cfg.backoff_max;
@@ -314,7 +444,12 @@ async fn run(
     }
 }
 
-fn registration(cfg: &PoolElementConfig, id: u32, policy: &Policy) -> AsapMessage {
+fn registration(
+    cfg: &PoolElementConfig,
+    id: u32,
+    policy: &Policy,
+    asap_transport: Option<SocketAddr>,
+) -> AsapMessage {
     AsapMessage::Registration {
         pool_handle: cfg.pool_handle.clone(),
         pool_element: rserpool_wire::PoolElement {
@@ -323,38 +458,63 @@ fn registration(cfg: &PoolElementConfig, id: u32, policy: &Policy) -> AsapMessag
             registration_life: cfg.registration_life(),
             user_transport: UserTransport::Address(TransportAddress::tcp(cfg.transport)),
             policy: policy.clone(),
-            asap_transport: None,
+            asap_transport: asap_transport.map(TransportAddress::tcp),
         },
     }
 }
 
-/// One association with one registrar, from connect to failure or stop.
-async fn session(
-    cfg: &PoolElementConfig,
+/// What a session needs from the PE's task.
+struct SessionCtx<'a> {
+    cfg: &'a PoolElementConfig,
     id: u32,
-    addr: SocketAddr,
-    desired: &mut watch::Receiver<Desired>,
-    state: &watch::Sender<PeState>,
+    asap_transport: Option<SocketAddr>,
+    desired: &'a mut watch::Receiver<Desired>,
+    state: &'a watch::Sender<PeState>,
+    takeovers: &'a mut tokio::sync::mpsc::Receiver<Takeover>,
+}
+
+/// Carries on over a connection from a registrar that took over as home.
+async fn adopted_session(ctx: &mut SessionCtx<'_>, t: Takeover) -> SessionEnd {
+    info!(
+        "PE {:#010x}: registrar {:#010x} took over as home",
+        ctx.id, t.home
+    );
+    session(ctx, t.conn, Some(t.home)).await
+}
+
+/// One association with one registrar, from registration (or takeover, when `adopted` names
+/// the new home) to failure or stop.
+async fn session(
+    ctx: &mut SessionCtx<'_>,
+    mut conn: AsapConnection,
+    adopted: Option<u32>,
 ) -> SessionEnd {
+    let (cfg, id, state) = (ctx.cfg, ctx.id, ctx.state);
+    let desired = &mut *ctx.desired;
+    let takeovers = &mut *ctx.takeovers;
+    let addr = conn.peer();
     let failed = |registered, rejected| SessionEnd::Failed {
         registered,
         rejected,
     };
-    let mut conn = match AsapConnection::connect(addr, cfg.connect_timeout).await {
-        Ok(c) => c,
-        Err(e) => {
-            debug!("PE {id:#010x}: registrar {addr}: {e}");
+    let mut policy = desired.borrow().policy.clone();
+    let registration = |policy: &Policy| registration(cfg, id, policy, ctx.asap_transport);
+    let mut registered = adopted.is_some();
+    let mut home = adopted.unwrap_or(0);
+    // Deadline for the answer to the registration in flight, if any.
+    let mut pending = None;
+    if let Some(home) = adopted {
+        state.send_replace(PeState::Registered {
+            registrar: addr,
+            home,
+        });
+        // The new home has the PE as last replicated; the next re-registration refreshes it.
+    } else {
+        if conn.send(&registration(&policy)).await.is_err() {
             return failed(false, false);
         }
-    };
-    let mut policy = desired.borrow().policy.clone();
-    if conn.send(&registration(cfg, id, &policy)).await.is_err() {
-        return failed(false, false);
+        pending = Some(Instant::now() + cfg.response_timeout);
     }
-    let mut registered = false;
-    let mut home = 0u32;
-    // Deadline for the answer to the registration in flight, if any.
-    let mut pending = Some(Instant::now() + cfg.response_timeout);
     let mut rereg = tokio::time::interval_at(
         Instant::now() + cfg.reregistration_interval,
         cfg.reregistration_interval,
@@ -402,7 +562,7 @@ async fn session(
                 Ok(AsapMessage::DeregistrationResponse { pe_id, .. }) if pe_id == id => {
                     // The registration life ran out at the registrar: register again.
                     pending = Some(Instant::now() + cfg.response_timeout);
-                    if conn.send(&registration(cfg, id, &policy)).await.is_err() {
+                    if conn.send(&registration(&policy)).await.is_err() {
                         return failed(registered, false);
                     }
                 }
@@ -418,11 +578,17 @@ async fn session(
                     return failed(registered, false);
                 }
             },
+            t = takeovers.recv() => {
+                if let Some(t) = t {
+                    // Our home was declared dead; the new one reached us first.
+                    return SessionEnd::TakenOver(t);
+                }
+            }
             _ = rereg.tick() => {
                 if pending.is_none() {
                     pending = Some(Instant::now() + cfg.response_timeout);
                 }
-                if conn.send(&registration(cfg, id, &policy)).await.is_err() {
+                if conn.send(&registration(&policy)).await.is_err() {
                     return failed(registered, false);
                 }
             }
@@ -440,7 +606,7 @@ async fn session(
                     if pending.is_none() {
                         pending = Some(Instant::now() + cfg.response_timeout);
                     }
-                    if conn.send(&registration(cfg, id, &policy)).await.is_err() {
+                    if conn.send(&registration(&policy)).await.is_err() {
                         return failed(registered, false);
                     }
                 }

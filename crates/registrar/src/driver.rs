@@ -34,13 +34,20 @@ const STATUS_HEAD_MAX: usize = 8192;
 /// The loop wakes at least this often (for write and status deadlines).
 const MAX_WAIT_MS: u64 = 1_000;
 
+/// Time for an outgoing connection (to a peer registrar or a PE taken over) to be set up.
+const CONNECT_TIMEOUT_MS: u64 = 5_000;
+
 const LISTENER: Token = Token(usize::MAX - 1);
 const WAKER: Token = Token(usize::MAX - 2);
+const ENRP_LISTENER: Token = Token(usize::MAX - 3);
+const ENRP_UDP: Token = Token(usize::MAX - 4);
+const ENRP_MULTICAST: Token = Token(usize::MAX - 5);
 
 /// A bound registrar, ready to [`run`](Server::run).
 pub struct Server {
     poll: Poll,
     listener: TcpListener,
+    enrp: Option<Enrp>,
     cfg: Config,
     id: u32,
     local: SocketAddr,
@@ -107,6 +114,7 @@ impl Server {
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let enrp = Enrp::bind(&cfg, &poll)?;
         let id = if cfg.server_id != 0 {
             cfg.server_id
         } else {
@@ -115,6 +123,7 @@ impl Server {
         Ok(Self {
             poll,
             listener,
+            enrp,
             cfg,
             id,
             local,
@@ -127,6 +136,11 @@ impl Server {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    /// The ENRP address, if ENRP runs.
+    pub fn enrp_addr(&self) -> Option<SocketAddr> {
+        self.enrp.as_ref().map(|e| e.local)
     }
 
     pub fn server_id(&self) -> u32 {
@@ -171,9 +185,23 @@ impl Server {
             "registrar {:#010x} listening for ASAP on {} (status: GET http://{}/status)",
             self.id, self.local, self.local
         );
+        if let Some(e) = &self.enrp {
+            core.enable_enrp(e.local, 0);
+            info!(
+                "ENRP on {} (TCP and UDP), peers: {:?}{}",
+                e.local,
+                self.cfg.peer,
+                if e.multicast.is_some() {
+                    format!(", PRESENCE to {}", self.cfg.enrp_multicast_group)
+                } else {
+                    String::new()
+                }
+            );
+        }
         let mut ev = EventLoop {
             poll: self.poll,
             listener: self.listener,
+            enrp: self.enrp,
             core,
             epoch,
             socks: Vec::new(),
@@ -187,6 +215,7 @@ impl Server {
             send_log_at: None,
             stall_log_at: None,
         };
+        ev.after_core();
         let result = ev.run(&self.stop.flag);
         info!("registrar {:#010x} shutting down", self.id);
         ev.close_all();
@@ -203,6 +232,78 @@ struct Sock {
     deadline: Option<u64>,
     /// Set once the connection turned out to be a status request.
     status: Option<Box<StatusRequest>>,
+    /// An outgoing connection still being set up.
+    connecting: bool,
+}
+
+/// ENRP's sockets: the TCP listener for peer registrars, and UDP for PRESENCE datagrams.
+struct Enrp {
+    local: SocketAddr,
+    listener: TcpListener,
+    udp: mio::net::UdpSocket,
+    multicast: Option<mio::net::UdpSocket>,
+}
+
+impl Enrp {
+    /// Binds ENRP's sockets. With no peer and no multicast configured, a taken address is
+    /// not an error: the registrar then runs alone (several on one host, as in tests).
+    fn bind(cfg: &Config, poll: &Poll) -> io::Result<Option<Self>> {
+        let configured = !cfg.peer.is_empty() || cfg.enrp_multicast;
+        let mut listener = match TcpListener::bind(cfg.enrp) {
+            Ok(l) => l,
+            Err(e) if !configured && e.kind() == io::ErrorKind::AddrInUse => {
+                info!("ENRP address {} in use: running without ENRP", cfg.enrp);
+                return Ok(None);
+            }
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("cannot listen for ENRP on {}: {e}", cfg.enrp),
+                ));
+            }
+        };
+        let local = listener.local_addr()?;
+        let mut udp = mio::net::UdpSocket::bind(local).map_err(|e| {
+            io::Error::new(e.kind(), format!("cannot bind ENRP UDP on {local}: {e}"))
+        })?;
+        let mut multicast = if cfg.enrp_multicast {
+            Some(multicast_socket(cfg.enrp_multicast_group)?)
+        } else {
+            None
+        };
+        let r = poll.registry();
+        r.register(&mut listener, ENRP_LISTENER, Interest::READABLE)?;
+        r.register(&mut udp, ENRP_UDP, Interest::READABLE)?;
+        if let Some(m) = multicast.as_mut() {
+            r.register(m, ENRP_MULTICAST, Interest::READABLE)?;
+        }
+        Ok(Some(Self {
+            local,
+            listener,
+            udp,
+            multicast,
+        }))
+    }
+}
+
+/// A UDP socket that receives the multicast group's datagrams (shared with other registrars
+/// on the host).
+fn multicast_socket(group: SocketAddr) -> io::Result<mio::net::UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let SocketAddr::V4(g) = group else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("ENRP multicast group {group}: only IPv4 groups are supported"),
+        ));
+    };
+    let sock = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP))?;
+    sock.set_reuse_address(true)?;
+    sock.bind(&SocketAddr::from(([0, 0, 0, 0], g.port())).into())?;
+    sock.join_multicast_v4(g.ip(), &std::net::Ipv4Addr::UNSPECIFIED)
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot join {group}: {e}")))?;
+    sock.set_multicast_loop_v4(true)?;
+    sock.set_nonblocking(true)?;
+    Ok(mio::net::UdpSocket::from_std(sock.into()))
 }
 
 #[derive(Default)]
@@ -215,6 +316,7 @@ struct StatusRequest {
 struct EventLoop {
     poll: Poll,
     listener: TcpListener,
+    enrp: Option<Enrp>,
     core: Registrar,
     epoch: Instant,
     /// The open connections, indexed by [`ConnId::index`] (also their epoll token).
@@ -263,6 +365,8 @@ impl EventLoop {
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept(),
+                    ENRP_LISTENER => self.accept_enrp(),
+                    ENRP_UDP | ENRP_MULTICAST => self.receive_datagrams(event.token()),
                     WAKER => {}
                     Token(i) => {
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
@@ -283,6 +387,7 @@ impl EventLoop {
                 self.core.handle_timeout(now);
                 self.after_core();
                 self.announce(now);
+                self.send_datagram(now);
             }
             if !self.watched.is_empty() {
                 self.check_deadlines(now);
@@ -292,8 +397,21 @@ impl EventLoop {
     }
 
     fn accept(&mut self) {
+        self.accept_from(false);
+    }
+
+    fn accept_enrp(&mut self) {
+        self.accept_from(true);
+    }
+
+    fn accept_from(&mut self, enrp: bool) {
         loop {
-            let (mut stream, peer) = match self.listener.accept() {
+            let accepted = match (&self.enrp, enrp) {
+                (Some(e), true) => e.listener.accept(),
+                (None, true) => return,
+                (_, false) => self.listener.accept(),
+            };
+            let (stream, peer) = match accepted {
                 Ok(s) => s,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -310,29 +428,94 @@ impl EventLoop {
                 }
             };
             let now = self.now();
-            let Some(id) = self.core.accept(peer, now) else {
+            let id = if enrp {
+                self.core.accept_enrp(peer, now)
+            } else {
+                self.core.accept(peer, now)
+            };
+            let Some(id) = id else {
                 continue; // Over the connection limit; the core logged it. Dropping closes.
             };
-            stream.set_nodelay(true).ok();
-            let registered = self.poll.registry().register(
-                &mut stream,
-                Token(id.index()),
-                Interest::READABLE | Interest::WRITABLE,
-            );
-            if let Err(e) = registered {
-                warn!("{peer}: cannot watch the connection: {e}");
-                self.core.handle_close(id, now);
-                continue;
+            self.add_sock(id, stream, !enrp, false);
+        }
+    }
+
+    /// Watches a connection the core knows as `id`.
+    fn add_sock(&mut self, id: ConnId, mut stream: TcpStream, fresh: bool, connecting: bool) {
+        stream.set_nodelay(true).ok();
+        let registered = self.poll.registry().register(
+            &mut stream,
+            Token(id.index()),
+            Interest::READABLE | Interest::WRITABLE,
+        );
+        if let Err(e) = registered {
+            warn!("cannot watch a connection: {e}");
+            let now = self.now();
+            self.core.handle_close(id, now);
+            return;
+        }
+        if self.socks.len() <= id.index() {
+            self.socks.resize_with(id.index() + 1, || None);
+        }
+        self.socks[id.index()] = Some(Sock {
+            stream,
+            fresh,
+            deadline: None,
+            status: None,
+            connecting,
+        });
+        if connecting {
+            let deadline = self.now() + CONNECT_TIMEOUT_MS;
+            self.watch(id, deadline);
+        }
+    }
+
+    /// Opens the outgoing connections the core asked for (peer registrars, PEs taken over).
+    fn open_connections(&mut self) {
+        while let Some((id, addr)) = self.core.poll_connect() {
+            match TcpStream::connect(addr) {
+                Ok(stream) => self.add_sock(id, stream, false, true),
+                Err(e) => {
+                    tracing::debug!("connect to {addr}: {e}");
+                    let now = self.now();
+                    self.core.handle_close(id, now);
+                }
             }
-            if self.socks.len() <= id.index() {
-                self.socks.resize_with(id.index() + 1, || None);
+        }
+    }
+
+    fn receive_datagrams(&mut self, token: Token) {
+        let Some(e) = &self.enrp else { return };
+        let sock = match token {
+            ENRP_MULTICAST => e.multicast.as_ref(),
+            _ => Some(&e.udp),
+        };
+        let Some(sock) = sock else { return };
+        loop {
+            match sock.recv_from(&mut self.read_buf) {
+                Ok((n, _)) => {
+                    let now = self.epoch.elapsed().as_millis() as u64;
+                    self.core.handle_datagram(&self.read_buf[..n], now);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
             }
-            self.socks[id.index()] = Some(Sock {
-                stream,
-                fresh: true,
-                deadline: None,
-                status: None,
-            });
+        }
+        self.after_core();
+    }
+
+    fn send_datagram(&mut self, now: u64) {
+        let Some(data) = self.core.poll_datagram() else {
+            return;
+        };
+        let (Some(e), group) = (&self.enrp, self.core.config().enrp_multicast_group) else {
+            return;
+        };
+        if let Err(err) = e.udp.send_to(&data, group)
+            && self.send_log_at.is_none_or(|at| now >= at + 60_000)
+        {
+            warn!("PRESENCE to {group} failed: {err}");
+            self.send_log_at = Some(now);
         }
     }
 
@@ -380,6 +563,17 @@ impl EventLoop {
     fn on_writable(&mut self, i: usize) {
         let id = ConnId::from_index(i);
         let Some(sock) = self.sock(i) else { return };
+        if sock.connecting {
+            // Connected, or failed: an error, or no peer address, says which.
+            if matches!(sock.stream.take_error(), Ok(Some(_)) | Err(_))
+                || sock.stream.peer_addr().is_err()
+            {
+                return self.close(id);
+            }
+            sock.connecting = false;
+            sock.deadline = None;
+            return self.flush(id);
+        }
         if sock.status.is_some() {
             return self.status_write(id);
         }
@@ -390,6 +584,7 @@ impl EventLoop {
 
     /// Writes what the core queued for the connections it touched, and closes those it gave up.
     fn after_core(&mut self) {
+        self.open_connections();
         let mut dirty = std::mem::take(&mut self.dirty);
         self.core.take_dirty(&mut dirty);
         for id in dirty.drain(..) {
@@ -403,6 +598,9 @@ impl EventLoop {
         let Some(sock) = self.socks.get_mut(id.index()).and_then(Option::as_mut) else {
             return;
         };
+        if sock.connecting {
+            return; // Written once connected.
+        }
         let mut progress = false;
         let outcome = loop {
             let data = self.core.output(id);

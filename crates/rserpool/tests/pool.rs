@@ -19,6 +19,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
 fn fast_config() -> Config {
     Config {
         asap: "127.0.0.1:0".parse().unwrap(),
+        enrp: "127.0.0.1:0".parse().unwrap(),
         keep_alive_interval_ms: 300,
         keep_alive_timeout_ms: 300,
         ..Config::default()

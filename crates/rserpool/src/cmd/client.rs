@@ -189,6 +189,35 @@ pub fn status(args: StatusArgs) -> Result<()> {
         st.pools.len(),
         st.pool_elements
     );
+    if !st.peers.is_empty() {
+        println!(
+            "\nENRP peers ({} updates sent, {} received, {} audits, {} takeovers of {} PEs)",
+            st.enrp.updates_sent,
+            st.enrp.updates_received,
+            st.enrp.audits,
+            st.enrp.takeovers,
+            st.enrp.pes_taken_over
+        );
+        println!(
+            "  {:<12} {:<22} {:>10} {:<12} {:>5}  checksum",
+            "ID", "address", "heard", "state", "PEs"
+        );
+        for p in &st.peers {
+            let checksum = match (p.checksum, p.checksum_agrees) {
+                (Some(c), Some(true)) => format!("{c:#06x} agrees"),
+                (Some(c), _) => format!("{c:#06x} differs (audit)"),
+                (None, _) => "-".to_string(),
+            };
+            println!(
+                "  {:<12} {:<22} {:>9.1}s {:<12} {:>5}  {checksum}",
+                format!("{:#010x}", p.id),
+                p.address,
+                p.ms_since_heard as f64 / 1000.0,
+                p.state,
+                p.pes_owned
+            );
+        }
+    }
     for pool in &st.pools {
         println!(
             "\npool {} ({}), {} PEs",
