@@ -246,7 +246,10 @@ impl Drop for PoolElement {
 enum SessionEnd {
     Stopped,
     Inactive,
-    Failed { registered: bool, rejected: bool },
+    Failed {
+        registered: bool,
+        rejected: bool,
+    },
     /// Another registrar took over as home over this new connection.
     TakenOver(Takeover),
 }
@@ -403,8 +406,7 @@ async fn run(
                 if registered {
                     // The home registrar failed: another may take over; if none does, try the
                     // next registrar soon.
-                    if candidates.len() > 1 && !cfg.takeover_wait.is_zero() && _listener.is_some()
-                    {
+                    if candidates.len() > 1 && !cfg.takeover_wait.is_zero() && _listener.is_some() {
                         let wait = tokio::time::sleep(cfg.takeover_wait);
                         tokio::select! {
                             t = takeovers.recv() => {

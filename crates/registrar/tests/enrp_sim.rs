@@ -369,13 +369,7 @@ impl Sim {
         self.now += ms;
         let now = self.now;
         for n in 0..self.regs.len() {
-            loop {
-                let Some(r) = self.regs[n].as_mut() else {
-                    break;
-                };
-                let Some((c, to)) = r.poll_connect() else {
-                    break;
-                };
+            while let Some((c, to)) = self.regs[n].as_mut().and_then(Registrar::poll_connect) {
                 self.connect(n, c, to);
             }
             if let Some(r) = self.regs[n].as_mut()
@@ -431,13 +425,9 @@ impl Sim {
                 }
                 continue;
             }
-            loop {
-                let Some(pipe) = self.pipes.get_mut(&(n, c)) else {
-                    break;
-                };
-                if pipe.queue.front().is_none_or(|f| f.0 > now) {
-                    break;
-                }
+            while let Some(pipe) = self.pipes.get_mut(&(n, c))
+                && pipe.queue.front().is_some_and(|f| f.0 <= now)
+            {
                 let (_, data) = pipe.queue.pop_front().unwrap();
                 match to {
                     End::Reg(j, cj) => {
