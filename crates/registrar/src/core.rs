@@ -287,6 +287,11 @@ impl Registrar {
         self.conns.get(id.index()).and_then(Option::as_ref)
     }
 
+    /// True for a connection to or from a peer registrar.
+    pub fn is_enrp(&self, id: ConnId) -> bool {
+        self.conn(id).is_some_and(|c| c.enrp)
+    }
+
     /// The connection's peer address.
     pub fn peer(&self, id: ConnId) -> Option<SocketAddr> {
         self.conn(id).map(|c| c.peer)

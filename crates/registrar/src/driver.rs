@@ -207,6 +207,8 @@ impl Server {
             socks: Vec::new(),
             read_buf: vec![0; READ_BUF].into_boxed_slice(),
             dirty: Vec::new(),
+            deferred: Vec::new(),
+            deferred_at: None,
             watched: Vec::new(),
             udp,
             targets,
@@ -323,6 +325,11 @@ struct EventLoop {
     socks: Vec<Option<Sock>>,
     read_buf: Box<[u8]>,
     dirty: Vec<ConnId>,
+    /// Peer registrar connections with output, written once per loop iteration: the updates
+    /// of every message handled in one wake-up go out in one write per peer.
+    deferred: Vec<ConnId>,
+    /// When the deferred connections are written (`enrp_batch_ms` after the first was queued).
+    deferred_at: Option<u64>,
     /// Connections with a deadline set.
     watched: Vec<ConnId>,
     udp: Option<UdpSocket>,
@@ -354,6 +361,9 @@ impl EventLoop {
                 next = next.min(t);
             }
             if let Some(t) = self.accept_retry_at {
+                next = next.min(t);
+            }
+            if let Some(t) = self.deferred_at {
                 next = next.min(t);
             }
             let wait = Duration::from_millis(next.saturating_sub(now));
@@ -391,6 +401,9 @@ impl EventLoop {
             }
             if !self.watched.is_empty() {
                 self.check_deadlines(now);
+            }
+            if self.deferred_at.is_some_and(|t| t <= self.now()) {
+                self.flush_deferred();
             }
         }
         Ok(())
@@ -588,9 +601,28 @@ impl EventLoop {
         let mut dirty = std::mem::take(&mut self.dirty);
         self.core.take_dirty(&mut dirty);
         for id in dirty.drain(..) {
-            self.flush(id);
+            if self.core.is_enrp(id) && !self.core.wants_close(id) {
+                self.deferred.push(id);
+                if self.deferred_at.is_none() {
+                    self.deferred_at = Some(self.now() + self.core.config().enrp_batch_ms);
+                }
+            } else {
+                self.flush(id);
+            }
         }
         self.dirty = dirty;
+    }
+
+    fn flush_deferred(&mut self) {
+        self.deferred_at = None;
+        while !self.deferred.is_empty() {
+            let mut ids = std::mem::take(&mut self.deferred);
+            ids.sort_unstable();
+            ids.dedup();
+            for id in ids {
+                self.flush(id);
+            }
+        }
     }
 
     /// Writes a connection's queued output as far as the socket takes it.

@@ -6,6 +6,11 @@
 //! warm-up, the registrar's CPU time (sum of /proc/PID/task/*/schedstat) and resident memory
 //! (VmRSS) are read around a measurement window; the load generator measures response latency
 //! from send to the complete answer, so it includes its own scheduling delay.
+//!
+//! With `--registrars K` (or `--figure 7r`, the paper's Figure 7 right) K registrar processes
+//! form an ENRP cluster first; the PEs register at the first one, which sends every change to
+//! the K - 1 others. Both the CPU of that home registrar and of one that only synchronises
+//! (`sync_cpu`) are measured.
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
@@ -28,7 +33,8 @@ const CONNS_PER_SOURCE: usize = 20_000;
 #[derive(Args, Debug, Clone)]
 pub struct RegistrarBenchArgs {
     /// Which series to run (repeatable): 7 (Figure 7 left), 8 (Figure 8 left), further
-    /// (10,000 and 50,000 PEs). Default: all. Ignored when --pes is given.
+    /// (10,000 and 50,000 PEs), 7r (Figure 7 right: 1,000 PEs, 1 to 6 registrars). Default:
+    /// 7, 8 and further. Ignored when --pes is given.
     #[arg(long = "figure")]
     pub figures: Vec<String>,
     /// Ad-hoc points instead: PE counts (cross product with the other lists).
@@ -40,6 +46,9 @@ pub struct RegistrarBenchArgs {
     pub pus: Vec<usize>,
     #[arg(long = "resolve-ms", default_value = "1000")]
     pub resolve_ms: Vec<u64>,
+    /// Registrars in the ENRP cluster (the PEs register at the first).
+    #[arg(long = "registrars", default_value = "1", value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub registrars: Vec<u32>,
     /// Measurement window per point.
     #[arg(long, default_value_t = 3000)]
     pub duration_ms: u64,
@@ -66,6 +75,7 @@ pub struct Point {
     pub pus: usize,
     pub rereg_ms: u64,
     pub resolve_ms: u64,
+    pub registrars: u32,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -74,8 +84,12 @@ pub struct Sample {
     pub pus: usize,
     pub rereg_ms: u64,
     pub resolve_ms: u64,
-    /// Registrar CPU time / wall time, 1.0 = one core.
+    /// Registrars in the ENRP cluster.
+    pub registrars: u32,
+    /// Registrar CPU time / wall time, 1.0 = one core (the PEs' home registrar).
     pub registrar_cpu: f64,
+    /// CPU of a registrar that only synchronises (with more than one registrar).
+    pub sync_cpu: Option<f64>,
     pub rss_bytes: u64,
     pub p50_us: u64,
     pub p99_us: u64,
@@ -105,6 +119,9 @@ fn median(runs: &[Sample]) -> Option<Sample> {
     let cpu = runs.iter().map(|s| s.registrar_cpu);
     Some(Sample {
         registrar_cpu: f(|s| s.registrar_cpu),
+        sync_cpu: first
+            .sync_cpu
+            .map(|_| f(|s| s.sync_cpu.unwrap_or(0.0))),
         rss_bytes: u(|s| s.rss_bytes),
         p50_us: u(|s| s.p50_us),
         p99_us: u(|s| s.p99_us),
@@ -125,6 +142,7 @@ fn figure_points(fig: &str) -> Result<Vec<Point>> {
         pus,
         rereg_ms,
         resolve_ms,
+        registrars: 1,
     };
     Ok(match fig {
         "7" => {
@@ -154,7 +172,19 @@ fn figure_points(fig: &str) -> Result<Vec<Point>> {
             pt(10_000, 1000, 1000, 100),
             pt(18_000, 0, 1000, 1000),
         ],
-        other => bail!("unknown --figure {other}; use 7, 8 or further"),
+        "7r" => {
+            let mut v = Vec::new();
+            for a in [250, 500, 1000] {
+                for k in 1..=6 {
+                    v.push(Point {
+                        registrars: k,
+                        ..pt(1000, 0, a, 1000)
+                    });
+                }
+            }
+            v
+        }
+        other => bail!("unknown --figure {other}; use 7, 8, further or 7r"),
     })
 }
 
@@ -176,12 +206,15 @@ pub fn run(args: RegistrarBenchArgs) -> Result<()> {
             for &rereg_ms in &args.rereg_ms {
                 for &pus in &args.pus {
                     for &resolve_ms in &args.resolve_ms {
-                        v.push(Point {
-                            pes,
-                            pus,
-                            rereg_ms,
-                            resolve_ms,
-                        });
+                        for &registrars in &args.registrars {
+                            v.push(Point {
+                                pes,
+                                pus,
+                                rereg_ms,
+                                resolve_ms,
+                                registrars,
+                            });
+                        }
                     }
                 }
             }
@@ -193,12 +226,14 @@ pub fn run(args: RegistrarBenchArgs) -> Result<()> {
     if !args.json {
         println!("machine: {machine}; open-file limit {limit}");
         println!(
-            "{:>7} {:>6} {:>6} {:>6} {:>8} {:>9} {:>9} {:>9} {:>10} {:>6} {:>8}",
+            "{:>3} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>9} {:>9} {:>9} {:>10} {:>6} {:>8}",
+            "K",
             "PEs",
             "PUs",
             "a ms",
             "b ms",
             "CPU",
+            "sync CPU",
             "RSS MB",
             "p50 µs",
             "p99 µs",
@@ -218,12 +253,15 @@ pub fn run(args: RegistrarBenchArgs) -> Result<()> {
             println!("{}", serde_json::to_string(&s)?);
         } else {
             println!(
-                "{:>7} {:>6} {:>6} {:>6} {:>7.1}% {:>9.1} {:>9} {:>9} {:>10.0} {:>6} {:>7.0}%",
+                "{:>3} {:>7} {:>6} {:>6} {:>6} {:>7.1}% {:>8} {:>9.1} {:>9} {:>9} {:>10.0} {:>6} {:>7.0}%",
+                s.registrars,
                 s.pes,
                 s.pus,
                 s.rereg_ms,
                 s.resolve_ms,
                 s.registrar_cpu * 100.0,
+                s.sync_cpu
+                    .map_or("-".to_string(), |c| format!("{:.1}%", c * 100.0)),
                 s.rss_bytes as f64 / 1e6,
                 s.p50_us,
                 s.p99_us,
@@ -234,11 +272,21 @@ pub fn run(args: RegistrarBenchArgs) -> Result<()> {
         }
         samples.push(s);
     }
+    // A cluster run (Figure 7 right) has its own table and plot, K = 1 included.
+    let cluster = args.figures.iter().any(|f| f == "7r") || args.registrars.iter().any(|&k| k > 1);
     if let Some(path) = &args.markdown {
-        super::write_section(path, "registrar", &markdown(&samples, &machine))?;
+        if cluster {
+            super::write_section(path, "registrar-cluster", &cluster_markdown(&samples, &machine))?;
+        } else {
+            super::write_section(path, "registrar", &markdown(&samples, &machine))?;
+        }
     }
     if let Some(prefix) = &args.plot {
-        plot(&samples, prefix)?;
+        if cluster {
+            cluster_plot(&samples, prefix)?;
+        } else {
+            plot(&samples, prefix)?;
+        }
     }
     Ok(())
 }
@@ -262,34 +310,52 @@ fn free_port() -> Result<u16> {
 
 fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
     let exe = std::env::current_exe()?;
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-    let registrar = Command::new(&exe)
-        .args([
-            "registrar",
-            "--asap",
-            &addr.to_string(),
-            "--max-hr-rate",
-            "0",
-        ])
-        .args([
-            "--max-connections",
-            "200000",
-            "--max-pes-per-pool",
-            "200000",
-        ])
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("starting the registrar")?;
-    let pid = registrar.id();
-    let mut reaper = Reaper(vec![registrar]);
-    let start = Instant::now();
-    while std::net::TcpStream::connect(addr).is_err() {
-        if start.elapsed() > Duration::from_secs(5) {
-            bail!("registrar did not start listening on {addr}");
+    let k = p.registrars.max(1) as usize;
+    let mut asap = Vec::new();
+    let mut enrp = Vec::new();
+    for _ in 0..k {
+        asap.push(SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?)));
+        enrp.push(SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?)));
+    }
+    let addr = asap[0];
+    let mut reaper = Reaper(Vec::new());
+    let mut pids = Vec::new();
+    for i in 0..k {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["registrar", "--asap", &asap[i].to_string(), "--max-hr-rate", "0"])
+            .args(["--max-connections", "200000", "--max-pes-per-pool", "200000"])
+            .args(["--enrp", &enrp[i].to_string()]);
+        for (j, e) in enrp.iter().enumerate() {
+            if j != i {
+                cmd.args(["--peer", &e.to_string()]);
+            }
         }
-        std::thread::sleep(Duration::from_millis(20));
+        let child = cmd
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting a registrar")?;
+        pids.push(child.id());
+        reaper.0.push(child);
+    }
+    let pid = pids[0];
+    let sync_pid = pids.get(1).copied();
+    let start = Instant::now();
+    for a in &asap {
+        while std::net::TcpStream::connect(a).is_err() {
+            if start.elapsed() > Duration::from_secs(5) {
+                bail!("registrar did not start listening on {a}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    // The cluster is formed once every registrar knows every other one.
+    while k > 1 && !cluster_formed(&asap) {
+        if start.elapsed() > Duration::from_secs(20) {
+            bail!("the {k} registrars did not find each other");
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
     let mut generator = Command::new(&exe)
         .args(["bench", "load-gen", "--registrar", &addr.to_string()])
@@ -321,16 +387,26 @@ fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
     let mut lines = BufReader::new(out).lines();
     let mut cpu0 = None;
     let mut cpu = None;
+    let mut sync0 = 0;
+    let mut sync_cpu = None;
     let mut rss = 0;
     let mut result: Option<GenResult> = None;
     while let Some(line) = lines.next().transpose()? {
         match line.as_str() {
-            "start" => cpu0 = Some((Instant::now(), cpu_ns(pid)?, cpu_ns(gen_pid)?)),
+            "start" => {
+                if let Some(s) = sync_pid {
+                    sync0 = cpu_ns(s)?;
+                }
+                cpu0 = Some((Instant::now(), cpu_ns(pid)?, cpu_ns(gen_pid)?));
+            }
             "stop" => {
                 let (t0, c0, g0) = cpu0.ok_or_else(|| anyhow!("stop before start"))?;
                 let (c1, g1) = (cpu_ns(pid)?, cpu_ns(gen_pid)?);
                 let wall = t0.elapsed().as_nanos() as f64;
                 cpu = Some(((c1 - c0) as f64 / wall, (g1 - g0) as f64 / wall));
+                if let Some(s) = sync_pid {
+                    sync_cpu = Some((cpu_ns(s)? - sync0) as f64 / wall);
+                }
                 rss = rss_bytes(pid)?;
             }
             l if l.starts_with('{') => {
@@ -347,7 +423,9 @@ fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
         pus: p.pus,
         rereg_ms: p.rereg_ms,
         resolve_ms: p.resolve_ms,
+        registrars: p.registrars,
         registrar_cpu: cpu,
+        sync_cpu,
         rss_bytes: rss,
         p50_us: r.p50_us,
         p99_us: r.p99_us,
@@ -361,6 +439,29 @@ fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
         registrar_cpu_max: cpu,
         p99_us_max: r.p99_us,
     })
+}
+
+/// True when each registrar's status lists all the others as alive peers.
+fn cluster_formed(asap: &[SocketAddr]) -> bool {
+    asap.iter().all(|a| {
+        let Ok(st) = status_of(*a) else { return false };
+        st.peers.iter().filter(|p| p.state == "alive").count() + 1 == asap.len()
+    })
+}
+
+/// A registrar's status, read synchronously (HTTP GET on its ASAP port).
+fn status_of(addr: SocketAddr) -> Result<rserpool_registrar::Status> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.write_all(b"GET /status HTTP/1.0\r\n\r\n")?;
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply)?;
+    let at = reply
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| anyhow!("not an HTTP answer"))?;
+    Ok(serde_json::from_slice(&reply[at + 4..])?)
 }
 
 /// CPU time of all threads of a process, ns.
@@ -750,4 +851,81 @@ fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// Figure 7 right: the home registrar's and a synchronising registrar's CPU against K.
+fn cluster_markdown(samples: &[Sample], machine: &str) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "### Registrar cluster (`rserpool bench registrar --figure 7r`)\n");
+    let _ = writeln!(s, "Command: `{}`  ", super::command_line());
+    let _ = writeln!(s, "Machine: {machine}  ");
+    let _ = writeln!(s, "Date: {} (UTC)\n", super::handlespace::today());
+    let runs = samples.first().map_or(1, |x| x.runs);
+    if runs > 1 {
+        let _ = writeln!(s, "Each row is the median of {runs} runs (CPU range in brackets).\n");
+    }
+    let _ = writeln!(
+        s,
+        "K registrars in one ENRP cluster on this host, all PEs registered at the first (home), which sends every change to the K - 1 others. All K registrars and the load generator share the 2 cores.\n"
+    );
+    let _ = writeln!(
+        s,
+        "| K | PEs | re-reg every (ms) | home registrar CPU | home CPU / K = 1 | synchronising registrar CPU | p99 (µs) | answered/s | errors |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for x in samples {
+        let base = samples
+            .iter()
+            .find(|b| b.registrars == 1 && b.rereg_ms == x.rereg_ms && b.pes == x.pes)
+            .map(|b| b.registrar_cpu);
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {:.0} | {} |",
+            x.registrars,
+            x.pes,
+            x.rereg_ms,
+            spread(
+                format!("{:.1}%", x.registrar_cpu * 100.0),
+                x.runs > 1,
+                format!("{:.1}–{:.1}", x.registrar_cpu_min * 100.0, x.registrar_cpu_max * 100.0)
+            ),
+            base.map_or("-".into(), |b| format!("{:.2}×", x.registrar_cpu / b)),
+            x.sync_cpu.map_or("-".into(), |c| format!("{:.1}%", c * 100.0)),
+            x.p99_us,
+            x.answered_per_s,
+            x.errors
+        );
+    }
+    s.push('\n');
+    s
+}
+
+fn cluster_plot(samples: &[Sample], prefix: &str) -> Result<()> {
+    let mut series: std::collections::BTreeMap<(u64, u8), Vec<(f64, f64)>> = Default::default();
+    for s in samples {
+        let k = f64::from(s.registrars);
+        series
+            .entry((s.rereg_ms, 0))
+            .or_default()
+            .push((k, s.registrar_cpu * 100.0));
+        if let Some(c) = s.sync_cpu {
+            series.entry((s.rereg_ms, 1)).or_default().push((k, c * 100.0));
+        }
+    }
+    let lines: Vec<(String, Vec<(f64, f64)>)> = series
+        .into_iter()
+        .map(|((a, kind), mut v)| {
+            v.sort_by(|x, y| x.0.total_cmp(&y.0));
+            let who = if kind == 0 { "home" } else { "synchronising" };
+            (format!("{who}, a = {a} ms"), v)
+        })
+        .collect();
+    super::plot::lines(
+        &format!("{prefix}-cluster.png"),
+        "Registrar CPU against registrars in the cluster, 1,000 PEs (seed Fig. 7 right)",
+        "registrars K",
+        "registrar CPU, % of one core",
+        &lines,
+        false,
+    )
 }
