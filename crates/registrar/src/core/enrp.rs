@@ -69,6 +69,23 @@ pub(crate) struct Peer {
     marked: Option<BTreeSet<(PoolHandle, u32)>>,
 }
 
+impl Peer {
+    fn new(id: u32, addr: SocketAddr, now: u64) -> Self {
+        Self {
+            id,
+            addr,
+            conn: None,
+            last_heard: now,
+            checksum: None,
+            state: Liveness::Alive,
+            acks_pending: Vec::new(),
+            request: None,
+            serving: None,
+            marked: None,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct EnrpState {
     /// Our ENRP address, announced in Server Information.
@@ -171,18 +188,7 @@ impl Registrar {
     }
 
     fn add_peer(&mut self, id: u32, addr: SocketAddr, now: u64) -> usize {
-        self.enrp.peers.push(Peer {
-            id,
-            addr,
-            conn: None,
-            last_heard: now,
-            checksum: None,
-            state: Liveness::Alive,
-            acks_pending: Vec::new(),
-            request: None,
-            serving: None,
-            marked: None,
-        });
+        self.enrp.peers.push(Peer::new(id, addr, now));
         let i = self.enrp.peers.len() - 1;
         self.connect_peer(i, now);
         i
@@ -970,18 +976,7 @@ impl Registrar {
             self.enrp.mentor = None;
         }
         if self.cfg.peer.contains(&p.addr) && !self.enrp.peers.iter().any(|q| q.addr == p.addr) {
-            self.enrp.peers.push(Peer {
-                id: 0,
-                conn: None,
-                last_heard: now,
-                checksum: None,
-                state: Liveness::Alive,
-                acks_pending: Vec::new(),
-                request: None,
-                serving: None,
-                marked: None,
-                addr: p.addr,
-            });
+            self.enrp.peers.push(Peer::new(0, p.addr, now));
         }
     }
 }

@@ -119,9 +119,7 @@ fn median(runs: &[Sample]) -> Option<Sample> {
     let cpu = runs.iter().map(|s| s.registrar_cpu);
     Some(Sample {
         registrar_cpu: f(|s| s.registrar_cpu),
-        sync_cpu: first
-            .sync_cpu
-            .map(|_| f(|s| s.sync_cpu.unwrap_or(0.0))),
+        sync_cpu: first.sync_cpu.map(|_| f(|s| s.sync_cpu.unwrap_or(0.0))),
         rss_bytes: u(|s| s.rss_bytes),
         p50_us: u(|s| s.p50_us),
         p99_us: u(|s| s.p99_us),
@@ -276,7 +274,11 @@ pub fn run(args: RegistrarBenchArgs) -> Result<()> {
     let cluster = args.figures.iter().any(|f| f == "7r") || args.registrars.iter().any(|&k| k > 1);
     if let Some(path) = &args.markdown {
         if cluster {
-            super::write_section(path, "registrar-cluster", &cluster_markdown(&samples, &machine))?;
+            super::write_section(
+                path,
+                "registrar-cluster",
+                &cluster_markdown(&samples, &machine),
+            )?;
         } else {
             super::write_section(path, "registrar", &markdown(&samples, &machine))?;
         }
@@ -322,9 +324,20 @@ fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
     let mut pids = Vec::new();
     for i in 0..k {
         let mut cmd = Command::new(&exe);
-        cmd.args(["registrar", "--asap", &asap[i].to_string(), "--max-hr-rate", "0"])
-            .args(["--max-connections", "200000", "--max-pes-per-pool", "200000"])
-            .args(["--enrp", &enrp[i].to_string()]);
+        cmd.args([
+            "registrar",
+            "--asap",
+            &asap[i].to_string(),
+            "--max-hr-rate",
+            "0",
+        ])
+        .args([
+            "--max-connections",
+            "200000",
+            "--max-pes-per-pool",
+            "200000",
+        ])
+        .args(["--enrp", &enrp[i].to_string()]);
         for (j, e) in enrp.iter().enumerate() {
             if j != i {
                 cmd.args(["--peer", &e.to_string()]);
@@ -857,13 +870,19 @@ fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
 fn cluster_markdown(samples: &[Sample], machine: &str) -> String {
     use std::fmt::Write;
     let mut s = String::new();
-    let _ = writeln!(s, "### Registrar cluster (`rserpool bench registrar --figure 7r`)\n");
+    let _ = writeln!(
+        s,
+        "### Registrar cluster (`rserpool bench registrar --figure 7r`)\n"
+    );
     let _ = writeln!(s, "Command: `{}`  ", super::command_line());
     let _ = writeln!(s, "Machine: {machine}  ");
     let _ = writeln!(s, "Date: {} (UTC)\n", super::handlespace::today());
     let runs = samples.first().map_or(1, |x| x.runs);
     if runs > 1 {
-        let _ = writeln!(s, "Each row is the median of {runs} runs (CPU range in brackets).\n");
+        let _ = writeln!(
+            s,
+            "Each row is the median of {runs} runs (CPU range in brackets).\n"
+        );
     }
     let _ = writeln!(
         s,
@@ -887,10 +906,15 @@ fn cluster_markdown(samples: &[Sample], machine: &str) -> String {
             spread(
                 format!("{:.1}%", x.registrar_cpu * 100.0),
                 x.runs > 1,
-                format!("{:.1}–{:.1}", x.registrar_cpu_min * 100.0, x.registrar_cpu_max * 100.0)
+                format!(
+                    "{:.1}–{:.1}",
+                    x.registrar_cpu_min * 100.0,
+                    x.registrar_cpu_max * 100.0
+                )
             ),
             base.map_or("-".into(), |b| format!("{:.2}×", x.registrar_cpu / b)),
-            x.sync_cpu.map_or("-".into(), |c| format!("{:.1}%", c * 100.0)),
+            x.sync_cpu
+                .map_or("-".into(), |c| format!("{:.1}%", c * 100.0)),
             x.p99_us,
             x.answered_per_s,
             x.errors
@@ -909,7 +933,10 @@ fn cluster_plot(samples: &[Sample], prefix: &str) -> Result<()> {
             .or_default()
             .push((k, s.registrar_cpu * 100.0));
         if let Some(c) = s.sync_cpu {
-            series.entry((s.rereg_ms, 1)).or_default().push((k, c * 100.0));
+            series
+                .entry((s.rereg_ms, 1))
+                .or_default()
+                .push((k, c * 100.0));
         }
     }
     let lines: Vec<(String, Vec<(f64, f64)>)> = series
