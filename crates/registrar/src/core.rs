@@ -449,6 +449,9 @@ impl Registrar {
         self.mark_written(id, now);
     }
 
+    /// Counts, logs (rate-limited) and answers a malformed message with the RFC cause: an ASAP
+    /// ERROR, or on a connection between registrars an ENRP ERROR (an ASAP message there would
+    /// itself be malformed, and the two registrars would answer each other forever).
     fn protocol_error(
         &mut self,
         id: ConnId,
@@ -457,17 +460,29 @@ impl Registrar {
         now: u64,
     ) {
         self.counters.protocol_errors += 1;
+        let enrp = self.is_enrp(id);
         let peer = self.peer(id);
         if self.peer_log.allow(now)
             && let Some(peer) = peer
         {
-            warn!("{peer}: bad ASAP message: {err}");
+            let what = if enrp { "ENRP" } else { "ASAP" };
+            warn!("{peer}: bad {what} message: {err}");
         }
-        if let Some(cause) = cause {
-            let msg = AsapMessage::Error {
-                error: OperationError::single(cause),
-            };
-            self.send(id, &msg, now);
+        let Some(cause) = cause else { return };
+        let error = OperationError::single(cause);
+        if enrp {
+            self.send_enrp_error(id, error, now);
+        } else {
+            self.send(id, &AsapMessage::Error { error }, now);
+        }
+    }
+
+    /// A message that could not be decoded: answered, and the connection closed if the
+    /// framing is lost.
+    fn reject_malformed(&mut self, id: ConnId, err: &DecodeError, now: u64) {
+        self.protocol_error(id, err, err.cause.clone(), now);
+        if err.loses_framing() {
+            self.close(id);
         }
     }
 
@@ -486,14 +501,7 @@ impl Registrar {
         self.report = report;
         let msg = match decoded {
             Ok(m) => m,
-            Err(e) => {
-                let cause = e.cause.clone();
-                self.protocol_error(id, &e, cause, now);
-                if e.loses_framing() {
-                    self.close(id);
-                }
-                return;
-            }
+            Err(e) => return self.reject_malformed(id, &e, now),
         };
         match msg {
             AsapMessage::Registration {

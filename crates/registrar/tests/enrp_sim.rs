@@ -675,3 +675,21 @@ fn a_crashed_registrars_pes_are_taken_over_without_reregistration() {
     sim.check().unwrap();
     assert_eq!(sim.regs[2].as_ref().unwrap().handlespace().len(), 30);
 }
+
+/// A malformed message from a peer registrar is answered with an ENRP ERROR (not ASAP, which
+/// the peer would find malformed in turn), and the registrar goes on serving that peer.
+#[test]
+fn a_malformed_enrp_message_gets_an_enrp_error() {
+    let mut r = Registrar::new(config(1), 0x1000_0001, 0);
+    r.enable_enrp(enrp_addr(0), 0);
+    let c = r.accept_enrp(enrp_addr(1), 0).unwrap();
+    // ENRP message type 0x77 does not exist.
+    r.handle_data(c, &[0x77, 0, 0, 12, 0, 0, 0, 2, 0, 0, 0, 0], 10);
+    let out = r.output(c).to_vec();
+    let msg = rserpool_wire::EnrpMessage::decode(&out).expect("an ENRP message");
+    assert!(
+        matches!(msg.body, rserpool_wire::EnrpBody::Error { .. }),
+        "{msg:?}"
+    );
+    assert!(!r.wants_close(c), "the framing held: the connection stays");
+}

@@ -19,8 +19,8 @@ use super::{ConnId, NO_META, PeMeta, Registrar};
 use crate::status::{EnrpCounters, PeerStatus};
 use rserpool_handlespace::{PeRef, SyncCursor, TimerKind};
 use rserpool_wire::{
-    EnrpBody, EnrpMessage, PoolElement, PoolEntry, PoolHandle, ServerInformation, TransportAddress,
-    UpdateAction,
+    EnrpBody, EnrpMessage, OperationError, PoolElement, PoolEntry, PoolHandle, ServerInformation,
+    TransportAddress, UpdateAction,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -237,6 +237,17 @@ impl Registrar {
         self.mark_written(conn, now);
     }
 
+    /// An ENRP ERROR on `conn`. The connection may be one we only read from; the peer reads
+    /// every ENRP connection, so it still arrives.
+    pub(super) fn send_enrp_error(&mut self, conn: ConnId, error: OperationError, now: u64) {
+        let msg = EnrpMessage {
+            sender: self.id,
+            receiver: 0,
+            body: EnrpBody::Error { error },
+        };
+        self.send_enrp(conn, &msg, now);
+    }
+
     /// Sends to the peer with ID `id` over our connection to it, if there is one.
     fn send_to_peer(&mut self, id: u32, body: EnrpBody, now: u64) {
         let Some(conn) = self.peer_index(id).and_then(|i| self.enrp.peers[i].conn) else {
@@ -427,14 +438,7 @@ impl Registrar {
     pub(super) fn handle_enrp(&mut self, id: ConnId, buf: &[u8], now: u64) {
         let msg = match EnrpMessage::decode(buf) {
             Ok(m) => m,
-            Err(e) => {
-                let cause = e.cause.clone();
-                self.protocol_error(id, &e, cause, now);
-                if e.loses_framing() {
-                    self.close(id);
-                }
-                return;
-            }
+            Err(e) => return self.reject_malformed(id, &e, now),
         };
         if msg.sender == self.id || msg.sender == 0 {
             return;
