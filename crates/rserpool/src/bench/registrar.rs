@@ -761,10 +761,11 @@ fn spread(value: String, several: bool, range: String) -> String {
     }
 }
 
-fn markdown(samples: &[Sample], machine: &str) -> String {
+/// A results section's title, command, machine, date and, with repeated runs, how to read them.
+fn section_head(title: &str, samples: &[Sample], machine: &str) -> String {
     use std::fmt::Write;
     let mut s = String::new();
-    let _ = writeln!(s, "### Registrar (`rserpool bench registrar`)\n");
+    let _ = writeln!(s, "### {title}\n");
     let _ = writeln!(s, "Command: `{}`  ", super::command_line());
     let _ = writeln!(s, "Machine: {machine}  ");
     let _ = writeln!(s, "Date: {} (UTC)\n", super::handlespace::today());
@@ -775,6 +776,12 @@ fn markdown(samples: &[Sample], machine: &str) -> String {
             "Each row is the median of {runs} runs; CPU shows the range over the runs in brackets, p99 the highest run.\n"
         );
     }
+    s
+}
+
+fn markdown(samples: &[Sample], machine: &str) -> String {
+    use std::fmt::Write;
+    let mut s = section_head("Registrar (`rserpool bench registrar`)", samples, machine);
     let _ = writeln!(
         s,
         "| PEs | PUs | re-reg every (ms) | resolve every (ms) | registrar CPU (1 core = 100%) | RSS (MB) | p50 (µs) | p99 (µs) | offered/s | answered/s | errors | load generator CPU |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -869,21 +876,11 @@ fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
 /// Figure 7 right: the home registrar's and a synchronising registrar's CPU against K.
 fn cluster_markdown(samples: &[Sample], machine: &str) -> String {
     use std::fmt::Write;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "### Registrar cluster (`rserpool bench registrar --figure 7r`)\n"
+    let mut s = section_head(
+        "Registrar cluster (`rserpool bench registrar --figure 7r`)",
+        samples,
+        machine,
     );
-    let _ = writeln!(s, "Command: `{}`  ", super::command_line());
-    let _ = writeln!(s, "Machine: {machine}  ");
-    let _ = writeln!(s, "Date: {} (UTC)\n", super::handlespace::today());
-    let runs = samples.first().map_or(1, |x| x.runs);
-    if runs > 1 {
-        let _ = writeln!(
-            s,
-            "Each row is the median of {runs} runs (CPU range in brackets).\n"
-        );
-    }
     let _ = writeln!(
         s,
         "K registrars in one ENRP cluster on this host, all PEs registered at the first (home), which sends every change to the K - 1 others. All K registrars and the load generator share the 2 cores.\n"
