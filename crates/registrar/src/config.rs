@@ -98,9 +98,10 @@ settings! {
     mentor_discovery_ms: u64 = 5000;
     /// Time for every peer's INIT_TAKEOVER_ACK before a takeover is given up.
     takeover_expiry_ms: u64 = 5000;
-    /// Longest delay of ENRP messages to peers, so that updates under load go out in batches
-    /// (one write per peer instead of one per update); 0 = once per event-loop wake-up.
-    enrp_batch_ms: u64 = 5;
+    /// At most one write per peer per this interval: an update after a quiet spell goes out
+    /// at once, under load the updates of an interval go out together; 0 = a write per
+    /// event-loop wake-up.
+    enrp_batch_ms: u64 = 50;
     /// PEs per HANDLE_TABLE_RESPONSE (MaxElementsPerHTRequest).
     max_elements_per_ht_request: usize = 128;
 }

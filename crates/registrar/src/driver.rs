@@ -208,7 +208,7 @@ impl Server {
             read_buf: vec![0; READ_BUF].into_boxed_slice(),
             dirty: Vec::new(),
             deferred: Vec::new(),
-            deferred_at: None,
+            last_flush: 0,
             watched: Vec::new(),
             udp,
             targets,
@@ -328,8 +328,11 @@ struct EventLoop {
     /// Peer registrar connections with output, written once per loop iteration: the updates
     /// of every message handled in one wake-up go out in one write per peer.
     deferred: Vec<ConnId>,
-    /// When the deferred connections are written (`enrp_batch_ms` after the first was queued).
-    deferred_at: Option<u64>,
+    /// When the deferred connections were last written. Peers get at most one write per
+    /// `enrp_batch_ms`: an update after a quiet spell goes out at once, under load the updates
+    /// of a whole interval share one write per peer (on loopback a write also costs the
+    /// receiver's TCP input and a wake-up, so the number of writes is what a peer costs).
+    last_flush: u64,
     /// Connections with a deadline set.
     watched: Vec<ConnId>,
     udp: Option<UdpSocket>,
@@ -363,8 +366,8 @@ impl EventLoop {
             if let Some(t) = self.accept_retry_at {
                 next = next.min(t);
             }
-            if let Some(t) = self.deferred_at {
-                next = next.min(t);
+            if !self.deferred.is_empty() {
+                next = next.min(self.last_flush + self.core.config().enrp_batch_ms);
             }
             let wait = Duration::from_millis(next.saturating_sub(now));
             match self.poll.poll(&mut events, Some(wait)) {
@@ -402,7 +405,9 @@ impl EventLoop {
             if !self.watched.is_empty() {
                 self.check_deadlines(now);
             }
-            if self.deferred_at.is_some_and(|t| t <= self.now()) {
+            let now = self.now();
+            if !self.deferred.is_empty() && self.last_flush + self.core.config().enrp_batch_ms <= now {
+                self.last_flush = now;
                 self.flush_deferred();
             }
         }
@@ -603,9 +608,6 @@ impl EventLoop {
         for id in dirty.drain(..) {
             if self.core.is_enrp(id) && !self.core.wants_close(id) {
                 self.deferred.push(id);
-                if self.deferred_at.is_none() {
-                    self.deferred_at = Some(self.now() + self.core.config().enrp_batch_ms);
-                }
             } else {
                 self.flush(id);
             }
@@ -614,7 +616,6 @@ impl EventLoop {
     }
 
     fn flush_deferred(&mut self) {
-        self.deferred_at = None;
         while !self.deferred.is_empty() {
             let mut ids = std::mem::take(&mut self.deferred);
             ids.sort_unstable();

@@ -244,7 +244,18 @@ pub fn run(args: RegistrarBenchArgs) -> Result<()> {
     for p in points {
         let mut runs = Vec::new();
         for _ in 0..args.repeat {
-            runs.push(run_point(p, &args).with_context(|| format!("point {p:?}"))?);
+            // Ports are picked free beforehand, so a registrar's port can be taken by someone
+            // else's outgoing connection before it binds: try such a point again.
+            let mut attempt = 0;
+            let sample = loop {
+                attempt += 1;
+                match run_point(p, &args) {
+                    Ok(s) => break s,
+                    Err(e) if attempt < 3 => eprintln!("point {p:?}: {e:#}; again"),
+                    Err(e) => return Err(e.context(format!("point {p:?}"))),
+                }
+            };
+            runs.push(sample);
         }
         let Some(s) = median(&runs) else { continue };
         if args.json {
