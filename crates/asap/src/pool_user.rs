@@ -124,33 +124,16 @@ impl PoolUser {
 
     async fn fetch(&mut self, handle: &PoolHandle) -> Result<Resolution, Error> {
         let caching = !self.cfg.stale_cache.is_zero();
-        let req = AsapMessage::HandleResolution {
-            subscribe: false,
-            pool_handle: handle.clone(),
-            items: if caching {
-                Some(u32::MAX)
-            } else {
-                self.cfg.items
-            },
+        let items = if caching {
+            Some(u32::MAX)
+        } else {
+            self.cfg.items
         };
-        let (resp, registrar) = self.request(&req, handle).await?;
-        let AsapMessage::HandleResolutionResponse {
-            policy,
-            pool_elements,
-            error,
-            ..
-        } = resp
-        else {
-            return Err(Error::Protocol("unexpected answer".into()));
-        };
-        if let Some(cause) = error.and_then(|e| e.causes.first().cloned()) {
+        let answer = self.ask(handle, items).await;
+        if matches!(answer, Err(Error::UnknownPool(_) | Error::Refused(_))) {
             self.forget_pool(handle);
-            return Err(if cause.code == CauseCode::UNKNOWN_POOL_HANDLE {
-                Error::UnknownPool(handle.to_string())
-            } else {
-                Error::Refused(cause.code)
-            });
         }
+        let (policy, pool_elements, registrar) = answer?;
         if !caching {
             return Ok(Resolution {
                 pool_handle: handle.clone(),
@@ -172,6 +155,47 @@ impl PoolUser {
             .ok_or_else(|| Error::UnknownPool(handle.to_string()))?;
         r.registrar = Some(registrar);
         Ok(r)
+    }
+
+    /// Asks a registrar for every PE of the pool, bypassing the cache: for pool users that
+    /// keep their own copy of a pool (the proxy) and select locally.
+    pub async fn pool_elements(
+        &mut self,
+        handle: &PoolHandle,
+    ) -> Result<(Option<Policy>, Vec<PoolElement>), Error> {
+        let (policy, pes, _) = self.ask(handle, Some(u32::MAX)).await?;
+        Ok((policy, pes))
+    }
+
+    /// One handle resolution at a registrar: the pool's policy, its PEs and who answered.
+    async fn ask(
+        &mut self,
+        handle: &PoolHandle,
+        items: Option<u32>,
+    ) -> Result<(Option<Policy>, Vec<PoolElement>, SocketAddr), Error> {
+        let req = AsapMessage::HandleResolution {
+            subscribe: false,
+            pool_handle: handle.clone(),
+            items,
+        };
+        let (resp, registrar) = self.request(&req, handle).await?;
+        let AsapMessage::HandleResolutionResponse {
+            policy,
+            pool_elements,
+            error,
+            ..
+        } = resp
+        else {
+            return Err(Error::Protocol("unexpected answer".into()));
+        };
+        if let Some(cause) = error.and_then(|e| e.causes.first().cloned()) {
+            return Err(if cause.code == CauseCode::UNKNOWN_POOL_HANDLE {
+                Error::UnknownPool(handle.to_string())
+            } else {
+                Error::Refused(cause.code)
+            });
+        }
+        Ok((policy, pool_elements, registrar))
     }
 
     fn forget_pool(&mut self, handle: &PoolHandle) {

@@ -406,7 +406,9 @@ impl EventLoop {
                 self.check_deadlines(now);
             }
             let now = self.now();
-            if !self.deferred.is_empty() && self.last_flush + self.core.config().enrp_batch_ms <= now {
+            if !self.deferred.is_empty()
+                && self.last_flush + self.core.config().enrp_batch_ms <= now
+            {
                 self.last_flush = now;
                 self.flush_deferred();
             }

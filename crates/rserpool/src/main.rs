@@ -73,6 +73,8 @@ enum Command {
     Resolve(cmd::client::ResolveArgs),
     /// Connect to a pool element of a pool and relay stdin/stdout (fails over to the next PE).
     Connect(cmd::client::ConnectArgs),
+    /// Front-end proxy: TCP or HTTP load balancing onto pools, with failover.
+    Proxy(Box<cmd::proxy::ProxyArgs>),
     /// Show a registrar's handlespace.
     Status(cmd::client::StatusArgs),
     /// Benchmarks; results are written into docs/.
@@ -92,6 +94,7 @@ fn main() -> Result<()> {
         Command::Resolve(a) => cmd::client::resolve(a),
         Command::Connect(a) => cmd::client::connect(a),
         Command::Status(a) => cmd::client::status(a),
+        Command::Proxy(a) => cmd::proxy::run(*a),
         Command::Bench { what } => bench::run(what),
     }
 }

@@ -23,6 +23,10 @@ pub enum Service {
     Daytime,
     /// RFC 864: an endless rotating character pattern.
     Chargen,
+    /// A small HTTP/1.1 server for trying the proxy: `GET /bytes/N` sends N bytes, a PUT or
+    /// POST is answered with the body's length and FNV-1a hash, anything else with the PE's
+    /// identifier. Every response carries `X-Pe-Id`.
+    Http,
 }
 
 #[derive(Args, Debug)]
@@ -81,6 +85,7 @@ pub async fn start(
         capacity: capacity.max(1),
     };
     let reporter = pe_reporter(&pe, adaptive);
+    let id = pe.id();
     let task = tokio::spawn(async move {
         loop {
             let Ok((stream, peer)) = listener.accept().await else {
@@ -91,7 +96,7 @@ pub async fn start(
             let reporter = reporter.clone();
             tokio::spawn(async move {
                 load.change(1, &reporter);
-                let _ = serve(service, stream).await;
+                let _ = serve(service, stream, id).await;
                 load.change(-1, &reporter);
             });
         }
@@ -140,8 +145,9 @@ impl Load {
     }
 }
 
-async fn serve(service: Service, mut stream: TcpStream) -> std::io::Result<()> {
+async fn serve(service: Service, mut stream: TcpStream, id: u32) -> std::io::Result<()> {
     match service {
+        Service::Http => serve_http(stream, id).await?,
         Service::Echo => {
             let (mut r, mut w) = stream.split();
             tokio::io::copy(&mut r, &mut w).await?;
@@ -171,6 +177,113 @@ async fn serve(service: Service, mut stream: TcpStream) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+async fn serve_http(mut stream: TcpStream, id: u32) -> std::io::Result<()> {
+    use bytes::{Buf, BytesMut};
+    use rserpool_proxy::message::{BodyState, Head, framing};
+    let mut buf = BytesMut::with_capacity(16 * 1024);
+    loop {
+        let head = loop {
+            match Head::request(&mut buf, 64 * 1024) {
+                Ok(Some(h)) => break h,
+                Ok(None) => {}
+                Err(_) => return bad_request(&mut stream).await,
+            }
+            if stream.read_buf(&mut buf).await? == 0 {
+                return Ok(());
+            }
+        };
+        let Ok(f) = framing(&head, true) else {
+            return bad_request(&mut stream).await;
+        };
+        if head
+            .get("expect")
+            .is_some_and(|v| v.eq_ignore_ascii_case(b"100-continue"))
+        {
+            stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
+        }
+        let mut body = BodyState::new(f);
+        let (mut len, mut hash) = (0u64, Fnv::new());
+        loop {
+            if !buf.is_empty() && !body.is_done() {
+                let Ok(k) = body.take(&buf) else {
+                    return bad_request(&mut stream).await;
+                };
+                hash.update(&buf[..k]);
+                len += k as u64;
+                buf.advance(k);
+            }
+            if body.is_done() {
+                break;
+            }
+            if stream.read_buf(&mut buf).await? == 0 {
+                return Ok(());
+            }
+        }
+        let keep = head.minor == 1 && !head.has_token("connection", "close");
+        let method = String::from_utf8_lossy(head.method()).into_owned();
+        let target = String::from_utf8_lossy(head.target()).into_owned();
+        let download = target
+            .strip_prefix("/bytes/")
+            .and_then(|n| n.parse::<u64>().ok());
+        let text = match (&*method, download) {
+            (_, Some(_)) => String::new(),
+            ("PUT" | "POST", _) => format!("received {len} bytes, fnv1a {:016x}\n", hash.0),
+            _ => format!(
+                "PE {id:#010x} {method} {target} for {}\n",
+                String::from_utf8_lossy(head.get("x-forwarded-for").unwrap_or(b"-"))
+            ),
+        };
+        let length = download.unwrap_or(text.len() as u64);
+        let mut out = format!(
+            "HTTP/1.1 200 OK\r\nX-Pe-Id: {id:#010x}\r\nContent-Type: text/plain\r\nContent-Length: {length}\r\n{}\r\n",
+            if keep { "" } else { "Connection: close\r\n" }
+        )
+        .into_bytes();
+        if method != "HEAD" {
+            out.extend_from_slice(text.as_bytes());
+        }
+        stream.write_all(&out).await?;
+        if let (Some(n), false) = (download, method == "HEAD") {
+            // A whole number of pattern periods, so every block starts the pattern afresh.
+            let block: Vec<u8> = (0..251 * 261).map(pattern_byte).collect();
+            let mut sent = 0u64;
+            while sent < n {
+                let k = (n - sent).min(block.len() as u64) as usize;
+                stream.write_all(&block[..k]).await?;
+                sent += k as u64;
+            }
+        }
+        if !keep {
+            return Ok(());
+        }
+    }
+}
+
+/// Byte `i` of a `GET /bytes/N` download.
+pub fn pattern_byte(i: u64) -> u8 {
+    (i % 251) as u8
+}
+
+async fn bad_request(stream: &mut TcpStream) -> std::io::Result<()> {
+    stream
+        .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        .await
+}
+
+/// FNV-1a, 64 bit: a checksum the tests can compute too.
+pub struct Fnv(pub u64);
+
+impl Fnv {
+    pub fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+    pub fn update(&mut self, data: &[u8]) {
+        for &b in data {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
 }
 
 /// "2026-11-21 14:03:07 UTC\r\n" from the system clock.

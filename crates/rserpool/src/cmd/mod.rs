@@ -2,6 +2,7 @@
 
 pub mod client;
 pub mod example;
+pub mod proxy;
 pub mod registrar;
 pub mod serve;
 pub mod up;

@@ -1,10 +1,13 @@
-//! `rserpool up`: the built-in default. A registrar on loopback and the EchoPool (three echo
-//! PEs, least used) in one process; prints where everything listens and how to try it.
+//! `rserpool up`: the built-in default. A registrar on loopback, the EchoPool (three echo PEs,
+//! least used), the WebPool (three small HTTP PEs, least used) and a proxy in front of both
+//! (HTTP onto the WebPool, TCP onto the EchoPool), in one process; prints where everything
+//! listens and how to try it.
 
 use super::example::{self, Service};
 use crate::{PeOpts, RegistrarOpts};
 use anyhow::{Context, Result};
 use clap::Args;
+use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
 use rserpool_registrar::{Config, RegistrarThread};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -17,10 +20,18 @@ pub struct UpArgs {
     /// Pool handle of the example pool.
     #[arg(long, default_value = "EchoPool")]
     pub pool: String,
-    /// Number of echo pool elements.
+    /// Number of echo pool elements (and of HTTP ones).
     #[arg(long, default_value_t = 3)]
     pub pes: usize,
+    /// Where the proxy takes HTTP requests for the WebPool.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub proxy_http: SocketAddr,
+    /// Where the proxy takes TCP connections for the EchoPool.
+    #[arg(long, default_value = "127.0.0.1:7000")]
+    pub proxy_tcp: SocketAddr,
 }
+
+const WEB_POOL: &str = "WebPool";
 
 pub fn run(args: UpArgs) -> Result<()> {
     super::init_logging();
@@ -49,13 +60,42 @@ pub fn run(args: UpArgs) -> Result<()> {
             },
         };
         let mut pes = Vec::new();
+        let web_opts = PeOpts {
+            pool: WEB_POOL.into(),
+            ..opts.clone()
+        };
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
         for _ in 0..args.pes.max(1) {
-            let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
             pes.push(example::start(Service::Echo, loopback, 100, &opts).await?);
+        }
+        let echo_count = pes.len();
+        for _ in 0..args.pes.max(1) {
+            pes.push(example::start(Service::Http, loopback, 100, &web_opts).await?);
         }
         for ex in &pes {
             ex.pe.wait_registered(Duration::from_secs(5)).await?;
         }
+        let proxy = Proxy::start(ProxyConfig {
+            registrars: vec![asap],
+            listeners: vec![
+                ListenerConfig {
+                    listen: args.proxy_http,
+                    mode: Mode::Http,
+                    pool: Some(WEB_POOL.into()),
+                    routes: Vec::new(),
+                },
+                ListenerConfig {
+                    listen: args.proxy_tcp,
+                    mode: Mode::Tcp,
+                    pool: Some(args.pool.clone()),
+                    routes: Vec::new(),
+                },
+            ],
+            ..ProxyConfig::default()
+        })
+        .await
+        .context("cannot start the proxy (choose other ports with --proxy-http / --proxy-tcp)")?;
+        let proxied = proxy.local_addrs();
         let flag = if asap.port() == rserpool_wire::ASAP_PORT {
             String::new()
         } else {
@@ -68,13 +108,23 @@ pub fn run(args: UpArgs) -> Result<()> {
             registrar.server_id()
         );
         println!(
-            "Pool {} (least used) has {} echo pool elements:",
-            args.pool,
-            pes.len()
+            "Pool {} (least used) has {echo_count} echo pool elements:",
+            args.pool
         );
-        for ex in &pes {
+        for ex in &pes[..echo_count] {
             println!("  PE {:#010x} at {}", ex.pe.id(), ex.addr);
         }
+        println!(
+            "Pool {WEB_POOL} (least used) has {} HTTP pool elements:",
+            pes.len() - echo_count
+        );
+        for ex in &pes[echo_count..] {
+            println!("  PE {:#010x} at {}", ex.pe.id(), ex.addr);
+        }
+        println!(
+            "The proxy takes HTTP for {WEB_POOL} on {} and TCP for {} on {}.",
+            proxied[0], args.pool, proxied[1]
+        );
         println!();
         println!("Try, in another terminal:");
         println!("  cargo run --release -- resolve {}{flag}", args.pool);
@@ -83,11 +133,21 @@ pub fn run(args: UpArgs) -> Result<()> {
             "  echo hello | cargo run --release -- connect {}{flag}",
             args.pool
         );
+        println!(
+            "  curl http://{}/hello          (run it twice: another PE answers)",
+            proxied[0]
+        );
+        println!(
+            "  echo hello | nc -q1 {} {}",
+            proxied[1].ip(),
+            proxied[1].port()
+        );
         println!("  curl http://{asap}/status");
         println!();
         println!("Ctrl-C stops everything.");
         super::shutdown_signal().await;
-        println!("stopping: deregistering the pool elements");
+        println!("stopping: draining the proxy, deregistering the pool elements");
+        proxy.drain(Duration::from_secs(5)).await;
         for ex in pes {
             ex.task.abort();
             ex.pe.stop().await;

@@ -1,0 +1,767 @@
+//! HTTP/1.1 mode: each request is routed (Host, path prefix) to a pool and sent to a PE chosen
+//! there, over a kept-alive connection from the PE's idle set when there is one.
+//!
+//! Heads are parsed, bodies only delimited and streamed; a request body up to `retry-buffer`
+//! is held so that the request can be sent again. A connect failure moves the request to the
+//! next PE; a PE that closes or resets before any response byte gets the request once more on
+//! another PE if the method is idempotent and the body was held. A stale kept-alive
+//! connection that closes before answering costs no failure: the request goes out again on a
+//! new connection.
+
+use crate::Ctx;
+use crate::message::{BodyState, Framing, Head, HeadError, framing, is_hop_by_hop};
+use crate::pools::Backend;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tracing::debug;
+
+const READ_CHUNK: usize = 64 * 1024;
+/// Responses up to this size (head and body) go to the client in one write.
+const COALESCE: usize = 64 * 1024;
+
+/// A connection to a PE with the bytes read from it but not used yet.
+#[derive(Debug)]
+pub struct BackendConn {
+    stream: TcpStream,
+    buf: BytesMut,
+}
+
+impl BackendConn {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            buf: BytesMut::with_capacity(16 * 1024),
+        }
+    }
+}
+
+struct Client {
+    stream: TcpStream,
+    buf: BytesMut,
+    peer: SocketAddr,
+}
+
+/// What became of one request.
+enum Next {
+    KeepAlive,
+    Close,
+}
+
+/// Serves one client connection until it closes, errs, times out or the proxy drains.
+pub(crate) async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Ctx) {
+    let mut c = Client {
+        stream,
+        buf: BytesMut::with_capacity(16 * 1024),
+        peer,
+    };
+    let mut first = true;
+    let mut draining = ctx.draining.clone();
+    loop {
+        let wait = if first {
+            ctx.request_timeout()
+        } else {
+            ctx.idle_timeout()
+        };
+        let idle = c.buf.is_empty();
+        let head = tokio::select! {
+            r = tokio::time::timeout(wait, read_head(&mut c, ctx.cfg.max_head)) => r,
+            () = crate::until_set(&mut draining), if idle => return,
+        };
+        let head = match head {
+            Ok(Ok(Some(h))) => h,
+            Ok(Ok(None)) => return,
+            Ok(Err(ReadHeadError::Io)) => return,
+            Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
+                let _ = reply(&mut c, 431, "request head too large").await;
+                return;
+            }
+            Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
+                debug!("client {peer}: malformed request");
+                let _ = reply(&mut c, 400, "malformed request").await;
+                return;
+            }
+            Err(_) => {
+                if !c.buf.is_empty() || first {
+                    let _ = reply(&mut c, 408, "request timeout").await;
+                }
+                return;
+            }
+        };
+        first = false;
+        match request(&mut c, head, &ctx).await {
+            Next::KeepAlive if !*ctx.draining.borrow() => {}
+            _ => return,
+        }
+    }
+}
+
+enum ReadHeadError {
+    Io,
+    Head(HeadError),
+}
+
+async fn read_head(c: &mut Client, max: usize) -> Result<Option<Head>, ReadHeadError> {
+    loop {
+        if !c.buf.is_empty() {
+            if let Some(h) = Head::request(&mut c.buf, max).map_err(ReadHeadError::Head)? {
+                return Ok(Some(h));
+            }
+        }
+        c.buf.reserve(16 * 1024);
+        let n = c
+            .stream
+            .read_buf(&mut c.buf)
+            .await
+            .map_err(|_| ReadHeadError::Io)?;
+        if n == 0 {
+            return if c.buf.is_empty() {
+                Ok(None)
+            } else {
+                Err(ReadHeadError::Head(HeadError::Malformed))
+            };
+        }
+    }
+}
+
+/// A short error answer; the connection is closed after it.
+async fn reply(c: &mut Client, code: u16, text: &str) -> io::Result<()> {
+    c.stream.write_all(&error_response(code, text)).await
+}
+
+pub(crate) fn error_response(code: u16, text: &str) -> Vec<u8> {
+    let reason = match code {
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        431 => "Request Header Fields Too Large",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "Error",
+    };
+    format!(
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}\n",
+        text.len() + 1
+    )
+    .into_bytes()
+}
+
+fn idempotent(method: &[u8]) -> bool {
+    matches!(
+        method,
+        b"GET" | b"HEAD" | b"PUT" | b"DELETE" | b"OPTIONS" | b"TRACE"
+    )
+}
+
+/// What the request says about itself.
+struct Request {
+    head: Head,
+    framing: Framing,
+    host: Vec<u8>,
+    path_end: usize,
+    keep_alive: bool,
+    expect_continue: bool,
+    upgrade: bool,
+    idempotent: bool,
+}
+
+fn analyse(head: Head) -> Result<Request, &'static str> {
+    let framing = framing(&head, true).map_err(|_| "bad body framing")?;
+    let host = {
+        let mut hosts = head.values("host");
+        match (hosts.next(), hosts.next()) {
+            (Some(h), None) => h.to_vec(),
+            (None, None) if head.minor == 0 => Vec::new(),
+            _ => return Err("one Host header is required"),
+        }
+    };
+    let target = head.target();
+    if target.first() != Some(&b'/') && target != b"*" {
+        return Err("only origin-form request targets are served");
+    }
+    let path_end = target
+        .iter()
+        .position(|&b| b == b'?')
+        .unwrap_or(target.len());
+    let close = head.has_token("connection", "close");
+    let keep_alive = if head.minor == 1 {
+        !close
+    } else {
+        head.has_token("connection", "keep-alive") && !close
+    };
+    let expect_continue = head
+        .get("expect")
+        .is_some_and(|v| v.eq_ignore_ascii_case(b"100-continue"));
+    let upgrade =
+        head.minor == 1 && head.has_token("connection", "upgrade") && head.get("upgrade").is_some();
+    let idempotent = idempotent(head.method());
+    Ok(Request {
+        head,
+        framing,
+        host,
+        path_end,
+        keep_alive,
+        expect_continue,
+        upgrade,
+        idempotent,
+    })
+}
+
+/// The request head as sent to a PE: hop-by-hop headers dropped, forwarding headers added.
+fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
+    let h = &r.head;
+    let mut out = BytesMut::with_capacity(h.raw.len() + 128);
+    out.put_slice(h.method());
+    out.put_u8(b' ');
+    out.put_slice(h.target());
+    out.put_slice(if h.minor == 1 {
+        b" HTTP/1.1\r\n"
+    } else {
+        b" HTTP/1.0\r\n"
+    });
+    let named: Vec<&[u8]> = h.tokens("connection").collect();
+    let mut xff: Option<&[u8]> = None;
+    let mut fwd: Option<&[u8]> = None;
+    for (n, v) in h.iter() {
+        if is_hop_by_hop(n) || named.iter().any(|t| t.eq_ignore_ascii_case(n)) {
+            continue;
+        }
+        if n.eq_ignore_ascii_case(b"x-forwarded-for") {
+            xff = Some(v);
+            continue;
+        }
+        if n.eq_ignore_ascii_case(b"forwarded") {
+            fwd = Some(v);
+            continue;
+        }
+        out.put_slice(n);
+        out.put_slice(b": ");
+        out.put_slice(v);
+        out.put_slice(b"\r\n");
+    }
+    let ip = peer.ip().to_canonical();
+    out.put_slice(b"X-Forwarded-For: ");
+    if let Some(v) = xff {
+        out.put_slice(v);
+        out.put_slice(b", ");
+    }
+    out.put_slice(ip.to_string().as_bytes());
+    out.put_slice(b"\r\nForwarded: ");
+    if let Some(v) = fwd {
+        out.put_slice(v);
+        out.put_slice(b", ");
+    }
+    let node = if ip.is_ipv6() {
+        format!("for=\"[{ip}]\"")
+    } else {
+        format!("for={ip}")
+    };
+    out.put_slice(node.as_bytes());
+    if !r.host.is_empty() && r.host.iter().all(|&b| b.is_ascii_graphic() && b != b'"') {
+        out.put_slice(b";host=\"");
+        out.put_slice(&r.host);
+        out.put_u8(b'"');
+    }
+    out.put_slice(b";proto=http\r\n");
+    if r.upgrade {
+        out.put_slice(b"Connection: upgrade\r\nUpgrade: ");
+        out.put_slice(h.get("upgrade").unwrap_or_default());
+        out.put_slice(b"\r\n");
+    } else if h.minor == 0 {
+        out.put_slice(b"Connection: close\r\n");
+    }
+    out.put_slice(b"\r\n");
+    out
+}
+
+/// How far an exchange with a PE got before it failed.
+enum Failure {
+    /// Nothing of the response arrived; `body_sent` tells whether a streamed body was used.
+    NoResponse { body_sent: bool, error: io::Error },
+    /// The PE did not answer in time.
+    Timeout,
+    /// The PE answered garbage or broke off mid-response; the client connection is spoilt
+    /// if anything was relayed.
+    Broken { relayed: bool },
+    /// The client went away.
+    Client,
+    /// The client's body broke the chunked coding.
+    BadBody,
+}
+
+async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
+    let started = Instant::now();
+    let mut r = match analyse(head) {
+        Ok(r) => r,
+        Err(why) => {
+            debug!("client {}: {why}", c.peer);
+            let _ = reply(c, 400, why).await;
+            return Next::Close;
+        }
+    };
+    if r.head.method() == b"CONNECT" {
+        let _ = reply(c, 405, "CONNECT is not served").await;
+        return Next::Close;
+    }
+    let path = &r.head.target()[..r.path_end];
+    let Some(pool) = ctx.routes.route(&r.host, path) else {
+        let _ = reply(c, 404, "no route").await;
+        return Next::Close;
+    };
+    let out_head = outgoing_head(&r, c.peer);
+    // A small body is held, so that the request can go to another PE.
+    let held: Option<Bytes> = match r.framing {
+        Framing::None => Some(Bytes::new()),
+        Framing::Length(n) if !r.expect_continue && n <= ctx.cfg.retry_buffer as u64 => {
+            match read_exact_body(c, n as usize, ctx.idle_timeout()).await {
+                Ok(b) => Some(b),
+                Err(_) => return Next::Close,
+            }
+        }
+        _ => None,
+    };
+    if held.is_some() {
+        r.framing = Framing::None;
+    }
+    let mut tried: Vec<u32> = Vec::new();
+    let mut resent = false;
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let Some(b) = pool.pick(&tried) else {
+            let (code, why) = if tried.is_empty() {
+                (503, "no pool element available")
+            } else {
+                (502, "no pool element answered")
+            };
+            let _ = reply(c, code, why).await;
+            ctx.log(c, &r, code, None, 0, started);
+            return Next::Close;
+        };
+        let fresh_only = !r.idempotent;
+        let (conn, reused) = match take_conn(&b, ctx, fresh_only).await {
+            Ok(v) => v,
+            Err(e) => {
+                debug!("pool {} PE {:#010x}: connect: {e}", b.pool, b.id);
+                ctx.pools.unreachable(&b);
+                tried.push(b.id);
+                continue;
+            }
+        };
+        b.stats.requests.fetch_add(1, Ordering::Relaxed);
+        b.stats.active.fetch_add(1, Ordering::Relaxed);
+        let result = exchange(c, conn, &r, &out_head, held.as_ref(), &b, ctx).await;
+        b.stats.active.fetch_sub(1, Ordering::Relaxed);
+        match result {
+            Ok((code, keep, bytes)) => {
+                b.succeeded();
+                if code >= 500 {
+                    b.stats.responses_5xx.fetch_add(1, Ordering::Relaxed);
+                }
+                ctx.log(c, &r, code, Some(&b), bytes, started);
+                return if keep && r.keep_alive {
+                    Next::KeepAlive
+                } else {
+                    Next::Close
+                };
+            }
+            Err(Failure::NoResponse { body_sent, error }) => {
+                let replayable = held.is_some() && !body_sent;
+                if reused && replayable && attempts < 8 {
+                    // A kept-alive connection the PE had closed: not the PE's fault, but its
+                    // other idle connections may be as stale.
+                    b.clear_idle();
+                    continue;
+                }
+                debug!("pool {} PE {:#010x}: no response: {error}", b.pool, b.id);
+                ctx.pools.unreachable(&b);
+                tried.push(b.id);
+                if replayable && r.idempotent && !resent {
+                    resent = true;
+                    continue;
+                }
+                let _ = reply(c, 502, "the pool element closed the connection").await;
+                ctx.log(c, &r, 502, Some(&b), 0, started);
+                return Next::Close;
+            }
+            Err(Failure::Timeout) => {
+                b.failed(&ctx.pools.settings);
+                let _ = reply(c, 504, "the pool element did not answer in time").await;
+                ctx.log(c, &r, 504, Some(&b), 0, started);
+                return Next::Close;
+            }
+            Err(Failure::Broken { relayed }) => {
+                b.failed(&ctx.pools.settings);
+                if !relayed {
+                    let _ = reply(c, 502, "bad response from the pool element").await;
+                }
+                ctx.log(c, &r, 502, Some(&b), 0, started);
+                return Next::Close;
+            }
+            Err(Failure::BadBody) => {
+                let _ = reply(c, 400, "malformed chunked body").await;
+                ctx.log(c, &r, 400, Some(&b), 0, started);
+                return Next::Close;
+            }
+            Err(Failure::Client) => {
+                ctx.log(c, &r, 499, Some(&b), 0, started);
+                return Next::Close;
+            }
+        }
+    }
+}
+
+/// An idle kept-alive connection to the PE, or a new one. Non-idempotent requests only reuse
+/// connections idle for less than a second: the PE is unlikely to have closed those, and
+/// such a request cannot be sent again if it did.
+async fn take_conn(
+    b: &Arc<Backend>,
+    ctx: &Ctx,
+    fresh_only: bool,
+) -> io::Result<(BackendConn, bool)> {
+    let max_age = if fresh_only {
+        Duration::from_secs(1)
+    } else {
+        ctx.pools.settings.idle_timeout
+    };
+    if let Some(conn) = b.take_idle(max_age) {
+        return Ok((conn, true));
+    }
+    let s = b.connect(ctx.connect_timeout()).await?;
+    Ok((BackendConn::new(s), false))
+}
+
+async fn read_exact_body(c: &mut Client, n: usize, idle: Duration) -> io::Result<Bytes> {
+    while c.buf.len() < n {
+        c.buf.reserve(n - c.buf.len());
+        let read = tokio::time::timeout(idle, c.stream.read_buf(&mut c.buf))
+            .await
+            .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))??;
+        if read == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(c.buf.split_to(n).freeze())
+}
+
+/// One request/response exchange with a PE. On success returns the status code, whether the
+/// client connection can carry another request and the response bytes relayed.
+async fn exchange(
+    c: &mut Client,
+    mut bc: BackendConn,
+    r: &Request,
+    out_head: &[u8],
+    held: Option<&Bytes>,
+    b: &Arc<Backend>,
+    ctx: &Ctx,
+) -> Result<(u16, bool, u64), Failure> {
+    let settings = &ctx.pools.settings;
+    // Head and held body in one write.
+    let send = match held {
+        Some(body) if !body.is_empty() && out_head.len() + body.len() <= COALESCE => {
+            let mut v = BytesMut::with_capacity(out_head.len() + body.len());
+            v.put_slice(out_head);
+            v.put_slice(body);
+            bc.stream.write_all(&v).await
+        }
+        Some(body) if !body.is_empty() => {
+            let r = bc.stream.write_all(out_head).await;
+            match r {
+                Ok(()) => bc.stream.write_all(body).await,
+                e => e,
+            }
+        }
+        _ => bc.stream.write_all(out_head).await,
+    };
+    if let Err(error) = send {
+        return Err(Failure::NoResponse {
+            body_sent: false,
+            error,
+        });
+    }
+    if let Some(body) = held {
+        b.stats
+            .bytes_in
+            .fetch_add(body.len() as u64, Ordering::Relaxed);
+    }
+    let mut body_sent = false;
+    let mut client_body_left = !matches!(r.framing, Framing::None);
+    if client_body_left && !r.expect_continue {
+        body_sent = true;
+        match relay(
+            &mut c.stream,
+            &mut c.buf,
+            &mut bc.stream,
+            r.framing,
+            BytesMut::new(),
+            ctx.idle_timeout(),
+        )
+        .await
+        {
+            Ok(n) => {
+                b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
+                client_body_left = false;
+            }
+            Err(RelayError::Src) => return Err(Failure::Client),
+            Err(RelayError::Malformed) => return Err(Failure::BadBody),
+            // The PE stopped reading: it may have answered early; read on.
+            Err(RelayError::Dst | RelayError::Timeout) => {}
+        }
+    }
+    let mut relayed = false;
+    let mut bytes = 0u64;
+    let resp = loop {
+        let head = match read_response_head(&mut bc, ctx).await {
+            Ok(h) => h,
+            Err(f) => {
+                return Err(match f {
+                    Failure::NoResponse { error, .. } => Failure::NoResponse { body_sent, error },
+                    other => other,
+                });
+            }
+        };
+        match head.code {
+            101 if r.upgrade => {
+                c.stream
+                    .write_all(&head.raw)
+                    .await
+                    .map_err(|_| Failure::Client)?;
+                tunnel(c, bc, b, ctx).await;
+                return Ok((101, false, head.raw.len() as u64));
+            }
+            100..=199 if head.code != 101 => {
+                // Interim responses go to HTTP/1.1 clients; 100 releases a waiting body.
+                if r.head.minor == 1 {
+                    c.stream
+                        .write_all(&head.raw)
+                        .await
+                        .map_err(|_| Failure::Client)?;
+                    relayed = true;
+                }
+                if head.code == 100 && client_body_left {
+                    body_sent = true;
+                    match relay(
+                        &mut c.stream,
+                        &mut c.buf,
+                        &mut bc.stream,
+                        r.framing,
+                        BytesMut::new(),
+                        ctx.idle_timeout(),
+                    )
+                    .await
+                    {
+                        Ok(n) => {
+                            b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
+                            client_body_left = false;
+                        }
+                        Err(RelayError::Src) => return Err(Failure::Client),
+                        Err(RelayError::Malformed) => return Err(Failure::BadBody),
+                        Err(_) => {}
+                    }
+                }
+                continue;
+            }
+            _ => break head,
+        }
+    };
+    let code = resp.code;
+    let framing = if r.head.method() == b"HEAD" || code == 204 || code == 304 {
+        Framing::None
+    } else {
+        match framing(&resp, false) {
+            Ok(f) => f,
+            Err(_) => return Err(Failure::Broken { relayed }),
+        }
+    };
+    let backend_keep =
+        resp.minor == 1 && !resp.has_token("connection", "close") && framing != Framing::Close;
+    let client_keep =
+        r.keep_alive && framing != Framing::Close && !client_body_left && !*ctx.draining.borrow();
+    let mut out = BytesMut::with_capacity(resp.raw.len() + 64);
+    response_head(&resp, &mut out, client_keep, r.head.minor);
+    bytes += out.len() as u64;
+    match relay(
+        &mut bc.stream,
+        &mut bc.buf,
+        &mut c.stream,
+        framing,
+        out,
+        ctx.idle_timeout(),
+    )
+    .await
+    {
+        Ok(n) => bytes += n,
+        Err(RelayError::Dst) => return Err(Failure::Client),
+        Err(_) => return Err(Failure::Broken { relayed: true }),
+    }
+    b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
+    if backend_keep && bc.buf.is_empty() && !client_body_left {
+        b.put_idle(bc, settings.max_idle_per_pe);
+    }
+    Ok((code, client_keep, bytes))
+}
+
+async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Failure> {
+    let deadline = tokio::time::Instant::now() + ctx.request_timeout();
+    loop {
+        if !bc.buf.is_empty() {
+            match Head::response(&mut bc.buf, ctx.cfg.max_head) {
+                Ok(Some(h)) => return Ok(h),
+                Ok(None) => {}
+                Err(_) => return Err(Failure::Broken { relayed: false }),
+            }
+        }
+        bc.buf.reserve(16 * 1024);
+        let had = bc.buf.len();
+        match tokio::time::timeout_at(deadline, bc.stream.read_buf(&mut bc.buf)).await {
+            Err(_) => return Err(Failure::Timeout),
+            Ok(Ok(0)) if had == 0 => {
+                return Err(Failure::NoResponse {
+                    body_sent: false,
+                    error: io::ErrorKind::UnexpectedEof.into(),
+                });
+            }
+            Ok(Ok(0)) => return Err(Failure::Broken { relayed: false }),
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) if had == 0 => {
+                return Err(Failure::NoResponse {
+                    body_sent: false,
+                    error,
+                });
+            }
+            Ok(Err(_)) => return Err(Failure::Broken { relayed: false }),
+        }
+    }
+}
+
+/// The response head for the client: the status line and end-to-end headers as they came,
+/// the connection's own headers replaced by ours.
+fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
+    let line_end = h
+        .raw
+        .windows(2)
+        .position(|w| w == b"\r\n")
+        .unwrap_or(h.raw.len());
+    out.put_slice(&h.raw[..line_end]);
+    out.put_slice(b"\r\n");
+    let named: Vec<&[u8]> = h.tokens("connection").collect();
+    for (n, v) in h.iter() {
+        if is_hop_by_hop(n) || named.iter().any(|t| t.eq_ignore_ascii_case(n)) {
+            continue;
+        }
+        out.put_slice(n);
+        out.put_slice(b": ");
+        out.put_slice(v);
+        out.put_slice(b"\r\n");
+    }
+    if !keep {
+        out.put_slice(b"Connection: close\r\n");
+    } else if client_minor == 0 {
+        out.put_slice(b"Connection: keep-alive\r\n");
+    }
+    out.put_slice(b"\r\n");
+}
+
+enum RelayError {
+    Src,
+    Dst,
+    Timeout,
+    Malformed,
+}
+
+/// Streams a body of `framing` from `src` (the bytes already in `buf` first) to `dst`, after
+/// `prefix` (a head). The prefix and the first body bytes go out in one write where they fit,
+/// so a small response costs one write. Bytes after the body stay in `buf`.
+async fn relay(
+    src: &mut TcpStream,
+    buf: &mut BytesMut,
+    dst: &mut TcpStream,
+    framing: Framing,
+    mut prefix: BytesMut,
+    idle: Duration,
+) -> Result<u64, RelayError> {
+    let mut state = BodyState::new(framing);
+    let mut total = 0u64;
+    loop {
+        if !buf.is_empty() && !state.is_done() {
+            let n = state.take(buf).map_err(|_| RelayError::Malformed)?;
+            if !prefix.is_empty() && prefix.len() + n <= COALESCE {
+                prefix.put_slice(&buf[..n]);
+            } else {
+                if !prefix.is_empty() {
+                    dst.write_all(&prefix).await.map_err(|_| RelayError::Dst)?;
+                    prefix.clear();
+                }
+                dst.write_all(&buf[..n])
+                    .await
+                    .map_err(|_| RelayError::Dst)?;
+            }
+            buf.advance(n);
+            total += n as u64;
+        }
+        if !prefix.is_empty() {
+            dst.write_all(&prefix).await.map_err(|_| RelayError::Dst)?;
+            prefix.clear();
+        }
+        if state.is_done() {
+            return Ok(total);
+        }
+        buf.reserve(READ_CHUNK);
+        match tokio::time::timeout(idle, src.read_buf(buf)).await {
+            Err(_) => return Err(RelayError::Timeout),
+            Ok(Ok(0)) if matches!(state, BodyState::Close) => return Ok(total),
+            Ok(Ok(0)) | Ok(Err(_)) => return Err(RelayError::Src),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// After 101 Switching Protocols: bytes both ways until either side ends.
+async fn tunnel(c: &mut Client, mut bc: BackendConn, b: &Arc<Backend>, ctx: &Ctx) {
+    if !bc.buf.is_empty() && c.stream.write_all(&bc.buf).await.is_err() {
+        return;
+    }
+    if !c.buf.is_empty() && bc.stream.write_all(&c.buf).await.is_err() {
+        return;
+    }
+    c.buf.clear();
+    if let Ok(m) =
+        crate::splice::forward(&c.stream, &bc.stream, ctx.idle_timeout(), ctx.cfg.splice).await
+    {
+        b.stats.bytes_in.fetch_add(m.a_to_b, Ordering::Relaxed);
+        b.stats.bytes_out.fetch_add(m.b_to_a, Ordering::Relaxed);
+    }
+}
+
+impl Ctx {
+    fn log(
+        &self,
+        c: &Client,
+        r: &Request,
+        code: u16,
+        b: Option<&Arc<Backend>>,
+        bytes: u64,
+        started: Instant,
+    ) {
+        if let Some(log) = &self.log {
+            log.write(format!(
+                "{} {} {} {} {} {} {} {}",
+                c.peer,
+                String::from_utf8_lossy(r.head.method()),
+                String::from_utf8_lossy(r.head.target()),
+                code,
+                b.map_or("-".into(), |b| b.pool.to_string()),
+                b.map_or("-".into(), |b| format!("{:#010x}", b.id)),
+                bytes,
+                started.elapsed().as_micros()
+            ));
+        }
+    }
+}

@@ -1,0 +1,548 @@
+//! The RSerPool front-end proxy: unmodified clients reach a pool through it.
+//!
+//! It is a pool user (RFC 5351) that serves others: it keeps a copy of each pool it serves
+//! ([`pools`]), selects a PE locally by the pool's policy for every TCP connection ([`tcp`]) or
+//! HTTP request ([`http`]), fails over when a PE cannot be reached and tells the registrar.
+//!
+//! Operations: a connection limit (further clients wait in the listen backlog), timeouts,
+//! [`Proxy::drain`] (stop accepting, finish what is in flight), [`Proxy::reload`] (listeners and
+//! routes change, open connections keep going), an optional access log and a JSON stats
+//! endpoint with per-PE counters.
+
+pub mod config;
+pub mod http;
+pub mod message;
+pub mod pools;
+pub mod splice;
+pub mod tcp;
+
+pub use config::{ListenerConfig, Mode, ProxyConfig, Route};
+pub use pools::{Pool, PoolSettings, Pools};
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tracing::{info, warn};
+
+/// A listener's routing table.
+pub(crate) struct Routes {
+    /// The pool for TCP connections and for requests no route matches.
+    default: Option<Arc<Pool>>,
+    /// Longest prefix first.
+    routes: Vec<RouteEntry>,
+}
+
+/// (host, path prefix, pool).
+type RouteEntry = (Option<Vec<u8>>, Vec<u8>, Arc<Pool>);
+
+impl Routes {
+    fn new(l: &ListenerConfig, pools: &Pools) -> Self {
+        let mut routes: Vec<_> = l
+            .routes
+            .iter()
+            .map(|r| {
+                (
+                    r.host.as_ref().map(|h| h.to_ascii_lowercase().into_bytes()),
+                    r.prefix.as_bytes().to_vec(),
+                    pools.pool(&r.pool),
+                )
+            })
+            .collect();
+        routes.sort_by(|a, b| {
+            b.1.len()
+                .cmp(&a.1.len())
+                .then(b.0.is_some().cmp(&a.0.is_some()))
+        });
+        Self {
+            default: l.pool.as_ref().map(|p| pools.pool(p)),
+            routes,
+        }
+    }
+
+    /// The pool for a request to `host` (a Host header value, port allowed) and `path`.
+    pub(crate) fn route(&self, host: &[u8], path: &[u8]) -> Option<&Arc<Pool>> {
+        let host = strip_port(host);
+        self.routes
+            .iter()
+            .find(|(h, prefix, _)| {
+                path.starts_with(prefix) && h.as_ref().is_none_or(|h| host.eq_ignore_ascii_case(h))
+            })
+            .map(|(_, _, p)| p)
+            .or(self.default.as_ref())
+    }
+}
+
+fn strip_port(host: &[u8]) -> &[u8] {
+    if host.first() == Some(&b'[') {
+        return host
+            .iter()
+            .position(|&b| b == b']')
+            .map_or(host, |i| &host[..=i]);
+    }
+    match host.iter().rposition(|&b| b == b':') {
+        Some(i) => &host[..i],
+        None => host,
+    }
+}
+
+/// The access log: lines go through a channel to a writer thread.
+#[derive(Clone)]
+pub(crate) struct AccessLog {
+    tx: std::sync::mpsc::Sender<String>,
+}
+
+impl AccessLog {
+    fn open(path: &std::path::Path) -> std::io::Result<Self> {
+        let out: Box<dyn Write + Send> = if path.as_os_str() == "-" {
+            Box::new(std::io::stdout())
+        } else {
+            Box::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)?,
+            )
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        std::thread::Builder::new()
+            .name("access-log".into())
+            .spawn(move || {
+                let mut w = std::io::BufWriter::new(out);
+                while let Ok(line) = rx.recv() {
+                    let _ = writeln!(w, "{line}");
+                    while let Ok(line) = rx.try_recv() {
+                        let _ = writeln!(w, "{line}");
+                    }
+                    let _ = w.flush();
+                }
+            })?;
+        Ok(Self { tx })
+    }
+
+    pub(crate) fn write(&self, line: String) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let _ = self.tx.send(format!(
+            "{}.{:03} {line}",
+            now.as_secs(),
+            now.subsec_millis()
+        ));
+    }
+}
+
+/// What a connection needs; taken when it is accepted, so a reload does not touch it.
+#[derive(Clone)]
+pub(crate) struct Ctx {
+    pub(crate) cfg: Arc<ProxyConfig>,
+    pub(crate) pools: Arc<Pools>,
+    pub(crate) routes: Arc<Routes>,
+    pub(crate) log: Option<AccessLog>,
+    pub(crate) draining: watch::Receiver<bool>,
+}
+
+impl Ctx {
+    pub(crate) fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.connect_timeout_ms)
+    }
+    pub(crate) fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.idle_timeout_ms)
+    }
+    pub(crate) fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.request_timeout_ms)
+    }
+    pub(crate) fn log_line(&self, line: String) {
+        if let Some(l) = &self.log {
+            l.write(line);
+        }
+    }
+}
+
+struct Listener {
+    local: SocketAddr,
+    mode: Mode,
+    config: ListenerConfig,
+    ctx: Arc<RwLock<Ctx>>,
+    stop: watch::Sender<bool>,
+}
+
+struct Inner {
+    pools: Arc<Pools>,
+    cfg: RwLock<Arc<ProxyConfig>>,
+    listeners: Mutex<HashMap<SocketAddr, Listener>>,
+    conns: Arc<Semaphore>,
+    max_conns: usize,
+    draining: watch::Sender<bool>,
+    log: RwLock<Option<AccessLog>>,
+}
+
+/// A running proxy. Its tasks run on the tokio runtime it was started on.
+#[derive(Clone)]
+pub struct Proxy {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {0}: {1}")]
+    Bind(SocketAddr, std::io::Error),
+    #[error("cannot open the access log {0}: {1}")]
+    Log(String, std::io::Error),
+    #[error("{0}")]
+    Config(#[from] config::ConfigError),
+}
+
+impl Proxy {
+    /// Binds every listener (and the stats endpoint) and starts serving.
+    pub async fn start(cfg: ProxyConfig) -> Result<Proxy, StartError> {
+        cfg.validate()?;
+        let pools = Pools::start(PoolSettings {
+            registrars: cfg.registrars.clone(),
+            refresh: Duration::from_millis(cfg.refresh_ms),
+            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
+            max_fails: cfg.max_fails,
+            eject: Duration::from_millis(cfg.eject_ms),
+            eject_max: Duration::from_millis(cfg.eject_max_ms),
+            max_idle_per_pe: cfg.max_idle_per_pe,
+            idle_timeout: Duration::from_millis(cfg.idle_timeout_ms.min(30_000)),
+        });
+        let log = open_log(&cfg)?;
+        let (draining, _) = watch::channel(false);
+        let proxy = Proxy {
+            inner: Arc::new(Inner {
+                pools,
+                max_conns: cfg.max_connections,
+                conns: Arc::new(Semaphore::new(cfg.max_connections)),
+                cfg: RwLock::new(Arc::new(cfg.clone())),
+                listeners: Mutex::new(HashMap::new()),
+                draining,
+                log: RwLock::new(log),
+            }),
+        };
+        for l in &cfg.listeners {
+            proxy.add_listener(l.clone()).await?;
+        }
+        if let Some(addr) = cfg.stats {
+            let sock = TcpListener::bind(addr)
+                .await
+                .map_err(|e| StartError::Bind(addr, e))?;
+            info!(
+                "proxy: stats on http://{}/stats",
+                sock.local_addr().unwrap_or(addr)
+            );
+            tokio::spawn(stats_server(sock, Arc::downgrade(&proxy.inner)));
+        }
+        Ok(proxy)
+    }
+
+    fn ctx(&self, l: &ListenerConfig) -> Ctx {
+        let i = &self.inner;
+        Ctx {
+            cfg: i.cfg.read().unwrap_or_else(|p| p.into_inner()).clone(),
+            pools: i.pools.clone(),
+            routes: Arc::new(Routes::new(l, &i.pools)),
+            log: i.log.read().unwrap_or_else(|p| p.into_inner()).clone(),
+            draining: i.draining.subscribe(),
+        }
+    }
+
+    async fn add_listener(&self, l: ListenerConfig) -> Result<(), StartError> {
+        let sock = bind(l.listen).map_err(|e| StartError::Bind(l.listen, e))?;
+        let local = sock
+            .local_addr()
+            .map_err(|e| StartError::Bind(l.listen, e))?;
+        let ctx = Arc::new(RwLock::new(self.ctx(&l)));
+        let (stop, stopped) = watch::channel(false);
+        info!("proxy: {:?} listener on {local}", l.mode);
+        tokio::spawn(accept_loop(
+            sock,
+            l.mode,
+            ctx.clone(),
+            self.inner.conns.clone(),
+            stopped,
+        ));
+        self.listeners().insert(
+            l.listen,
+            Listener {
+                local,
+                mode: l.mode,
+                config: l,
+                ctx,
+                stop,
+            },
+        );
+        Ok(())
+    }
+
+    fn listeners(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Listener>> {
+        self.inner
+            .listeners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The addresses the listeners are bound to, in configuration order.
+    pub fn local_addrs(&self) -> Vec<SocketAddr> {
+        let cfg = self.config();
+        let ls = self.listeners();
+        cfg.listeners
+            .iter()
+            .filter_map(|l| ls.get(&l.listen).map(|x| x.local))
+            .collect()
+    }
+
+    pub fn config(&self) -> Arc<ProxyConfig> {
+        self.inner
+            .cfg
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn pools(&self) -> &Arc<Pools> {
+        &self.inner.pools
+    }
+
+    /// Client connections being served.
+    pub fn active_connections(&self) -> usize {
+        self.inner.max_conns - self.inner.conns.available_permits()
+    }
+
+    /// Applies a new configuration: listeners are added and removed, routes and timeouts
+    /// change for new connections; open connections keep what they started with. Settings
+    /// that need a restart (registrars, refresh, limits, threads, stats) are reported.
+    pub async fn reload(&self, new: ProxyConfig) -> Result<Vec<String>, StartError> {
+        new.validate()?;
+        let old = self.config();
+        let mut ignored = Vec::new();
+        for (name, changed) in [
+            ("registrars", old.registrars != new.registrars),
+            ("refresh-ms", old.refresh_ms != new.refresh_ms),
+            (
+                "max-connections",
+                old.max_connections != new.max_connections,
+            ),
+            ("threads", old.threads != new.threads),
+            ("stats", old.stats != new.stats),
+            (
+                "max-fails / eject-ms",
+                old.max_fails != new.max_fails
+                    || old.eject_ms != new.eject_ms
+                    || old.eject_max_ms != new.eject_max_ms,
+            ),
+        ] {
+            if changed {
+                ignored.push(format!("{name} changes only with a restart"));
+            }
+        }
+        if old.access_log != new.access_log {
+            *self.inner.log.write().unwrap_or_else(|p| p.into_inner()) = open_log(&new)?;
+        }
+        *self.inner.cfg.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new.clone());
+        // Removed listeners stop accepting.
+        let gone: Vec<SocketAddr> = self
+            .listeners()
+            .keys()
+            .filter(|a| !new.listeners.iter().any(|l| l.listen == **a))
+            .copied()
+            .collect();
+        for a in gone {
+            if let Some(l) = self.listeners().remove(&a) {
+                let _ = l.stop.send(true);
+                info!("proxy: listener on {} closed", l.local);
+            }
+        }
+        for l in &new.listeners {
+            let existing = self
+                .listeners()
+                .get(&l.listen)
+                .map(|x| (x.mode, x.ctx.clone()));
+            match existing {
+                Some((mode, ctx)) if mode == l.mode => {
+                    *ctx.write().unwrap_or_else(|p| p.into_inner()) = self.ctx(l);
+                    if let Some(x) = self.listeners().get_mut(&l.listen) {
+                        x.config = l.clone();
+                    }
+                }
+                Some(_) => {
+                    if let Some(x) = self.listeners().remove(&l.listen) {
+                        let _ = x.stop.send(true);
+                    }
+                    self.add_listener(l.clone()).await?;
+                }
+                None => self.add_listener(l.clone()).await?,
+            }
+        }
+        self.inner.pools.retain(&new.pools());
+        Ok(ignored)
+    }
+
+    /// Stops accepting, lets in-flight requests and connections finish (idle keep-alive
+    /// connections are closed) and returns when none is left or `timeout` has passed; returns
+    /// the connections still open.
+    pub async fn drain(&self, timeout: Duration) -> usize {
+        for (_, l) in self.listeners().drain() {
+            let _ = l.stop.send(true);
+        }
+        let _ = self.inner.draining.send(true);
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.active_connections() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.active_connections()
+    }
+
+    /// Counters for the stats endpoint.
+    pub fn stats_json(&self) -> serde_json::Value {
+        stats_of(&self.inner)
+    }
+}
+
+fn open_log(cfg: &ProxyConfig) -> Result<Option<AccessLog>, StartError> {
+    cfg.access_log
+        .as_ref()
+        .map(|p| AccessLog::open(p).map_err(|e| StartError::Log(p.display().to_string(), e)))
+        .transpose()
+}
+
+fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.set_reuse_address(true)?;
+    sock.set_nonblocking(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(4096)?;
+    TcpListener::from_std(sock.into())
+}
+
+async fn accept_loop(
+    sock: TcpListener,
+    mode: Mode,
+    ctx: Arc<RwLock<Ctx>>,
+    conns: Arc<Semaphore>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut warned = false;
+    loop {
+        let permit = tokio::select! {
+            p = conns.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+            () = until_set(&mut stop) => return,
+        };
+        let (stream, peer) = tokio::select! {
+            r = sock.accept() => match r {
+                Ok(v) => v,
+                Err(e) => {
+                    // Out of descriptors and the like: wait a moment, say it once.
+                    if !warned {
+                        warn!("proxy: accept failed: {e}");
+                        warned = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = until_set(&mut stop) => return,
+        };
+        warned = false;
+        let _ = stream.set_nodelay(true);
+        let ctx = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();
+        tokio::spawn(async move {
+            match mode {
+                Mode::Tcp => tcp::serve(stream, peer, ctx).await,
+                Mode::Http => http::serve(stream, peer, ctx).await,
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Returns once the flag is set (or its sender is gone).
+pub(crate) async fn until_set(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+fn stats_of(inner: &Inner) -> serde_json::Value {
+    let listeners: Vec<_> = inner
+        .listeners
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .map(|l| serde_json::json!({"listen": l.local.to_string(), "mode": l.mode, "pool": l.config.pool}))
+        .collect();
+    serde_json::json!({
+        "registrar_reachable": inner.pools.registrar_reachable(),
+        "active_connections": inner.max_conns - inner.conns.available_permits(),
+        "listeners": listeners,
+        "pools": inner.pools.snapshot(),
+    })
+}
+
+async fn stats_server(sock: TcpListener, inner: std::sync::Weak<Inner>) {
+    loop {
+        let Ok((s, _)) = sock.accept().await else {
+            continue;
+        };
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(5), stats_answer(s, inner)).await;
+        });
+    }
+}
+
+async fn stats_answer(mut s: TcpStream, inner: std::sync::Weak<Inner>) -> std::io::Result<()> {
+    let mut buf = bytes::BytesMut::with_capacity(4096);
+    let head = loop {
+        if s.read_buf(&mut buf).await? == 0 {
+            return Ok(());
+        }
+        match message::Head::request(&mut buf, 8192) {
+            Ok(Some(h)) => break h,
+            Ok(None) => {}
+            Err(_) => {
+                return s
+                    .write_all(&http::error_response(400, "malformed request"))
+                    .await;
+            }
+        }
+    };
+    let Some(inner) = inner.upgrade() else {
+        return Ok(());
+    };
+    let path = head
+        .target()
+        .split(|&b| b == b'?')
+        .next()
+        .unwrap_or_default();
+    if path != b"/stats" && path != b"/" {
+        return s.write_all(&http::error_response(404, "try /stats")).await;
+    }
+    let body = serde_json::to_vec_pretty(&stats_of(&inner)).unwrap_or_default();
+    let mut out = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len() + 1
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out.push(b'\n');
+    s.write_all(&out).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_are_stripped_from_hosts() {
+        assert_eq!(strip_port(b"example.com:8080"), b"example.com");
+        assert_eq!(strip_port(b"example.com"), b"example.com");
+        assert_eq!(strip_port(b"[::1]:80"), b"[::1]");
+    }
+}

@@ -1,0 +1,465 @@
+//! HTTP/1.1 message heads and body framing, as far as a proxy needs them.
+//!
+//! A proxy forwards most of a message untouched, so a head is kept as the bytes it arrived in
+//! plus the positions of its parts (parsed by `httparse`); only hop-by-hop headers are dropped
+//! and the forwarding headers added on the way out. Bodies are never parsed, only delimited:
+//! by Content-Length, by the chunked coding (scanned, passed through as it is), or by the
+//! connection's end (RFC 9112 §6).
+
+use bytes::{Bytes, BytesMut};
+use std::ops::Range;
+
+pub const MAX_HEADERS: usize = 128;
+
+/// A parsed head: the raw bytes and where its parts are.
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub raw: Bytes,
+    /// Request: method and target; response: status code and reason.
+    pub first: Range<usize>,
+    pub second: Range<usize>,
+    pub code: u16,
+    /// 0 for HTTP/1.0, 1 for HTTP/1.1.
+    pub minor: u8,
+    pub headers: Vec<(Range<usize>, Range<usize>)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadError {
+    Malformed,
+    TooLarge,
+}
+
+fn span(base: &[u8], part: &[u8]) -> Range<usize> {
+    let start = (part.as_ptr() as usize).saturating_sub(base.as_ptr() as usize);
+    start..start + part.len()
+}
+
+impl Head {
+    /// Parses a request head at the start of `buf`; on success the head is split off `buf`.
+    pub fn request(buf: &mut BytesMut, max: usize) -> Result<Option<Head>, HeadError> {
+        let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut hs);
+        let len = match req.parse(buf) {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) if buf.len() >= max => return Err(HeadError::TooLarge),
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+            Err(_) => return Err(HeadError::Malformed),
+        };
+        if len > max {
+            return Err(HeadError::TooLarge);
+        }
+        let base: &[u8] = buf;
+        let (Some(m), Some(p), Some(v)) = (req.method, req.path, req.version) else {
+            return Err(HeadError::Malformed);
+        };
+        let head = Head {
+            first: span(base, m.as_bytes()),
+            second: span(base, p.as_bytes()),
+            code: 0,
+            minor: v,
+            headers: req
+                .headers
+                .iter()
+                .map(|h| (span(base, h.name.as_bytes()), span(base, h.value)))
+                .collect(),
+            raw: Bytes::new(),
+        };
+        Ok(Some(Head {
+            raw: buf.split_to(len).freeze(),
+            ..head
+        }))
+    }
+
+    /// Parses a response head at the start of `buf`; on success the head is split off `buf`.
+    pub fn response(buf: &mut BytesMut, max: usize) -> Result<Option<Head>, HeadError> {
+        let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut hs);
+        let len = match resp.parse(buf) {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) if buf.len() >= max => return Err(HeadError::TooLarge),
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+            Err(_) => return Err(HeadError::Malformed),
+        };
+        let base: &[u8] = buf;
+        let (Some(code), Some(v)) = (resp.code, resp.version) else {
+            return Err(HeadError::Malformed);
+        };
+        let reason = resp.reason.unwrap_or("");
+        // The status code's digits sit right after "HTTP/1.x ".
+        let head = Head {
+            first: 9..12,
+            second: if reason.is_empty() {
+                12..12
+            } else {
+                span(base, reason.as_bytes())
+            },
+            code,
+            minor: v,
+            headers: resp
+                .headers
+                .iter()
+                .map(|h| (span(base, h.name.as_bytes()), span(base, h.value)))
+                .collect(),
+            raw: Bytes::new(),
+        };
+        Ok(Some(Head {
+            raw: buf.split_to(len).freeze(),
+            ..head
+        }))
+    }
+
+    pub fn method(&self) -> &[u8] {
+        &self.raw[self.first.clone()]
+    }
+
+    pub fn target(&self) -> &[u8] {
+        &self.raw[self.second.clone()]
+    }
+
+    pub fn reason(&self) -> &[u8] {
+        &self.raw[self.second.clone()]
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.headers
+            .iter()
+            .map(|(n, v)| (&self.raw[n.clone()], &self.raw[v.clone()]))
+    }
+
+    pub fn values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.iter()
+            .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(_, v)| v)
+    }
+
+    pub fn get<'a>(&'a self, name: &'a str) -> Option<&'a [u8]> {
+        self.values(name).next()
+    }
+
+    /// The comma-separated tokens of every `name` header, trimmed.
+    pub fn tokens<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.values(name)
+            .flat_map(|v| v.split(|&b| b == b','))
+            .map(|t| t.trim_ascii())
+            .filter(|t| !t.is_empty())
+    }
+
+    pub fn has_token(&self, name: &str, token: &str) -> bool {
+        self.tokens(name)
+            .any(|t| t.eq_ignore_ascii_case(token.as_bytes()))
+    }
+}
+
+/// How a body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    None,
+    Length(u64),
+    Chunked,
+    /// Until the connection closes (responses only).
+    Close,
+}
+
+/// Body framing from Transfer-Encoding and Content-Length. A message with both, with a
+/// transfer coding that does not end in chunked (requests) or with conflicting lengths is
+/// refused: those are the request-smuggling shapes.
+pub fn framing(head: &Head, request: bool) -> Result<Framing, HeadError> {
+    let te: Vec<&[u8]> = head.tokens("transfer-encoding").collect();
+    let has_cl = head.get("content-length").is_some();
+    if !te.is_empty() {
+        if has_cl || head.minor == 0 {
+            return Err(HeadError::Malformed);
+        }
+        let chunked_last = te
+            .last()
+            .is_some_and(|t| t.eq_ignore_ascii_case(b"chunked"));
+        if te[..te.len() - 1]
+            .iter()
+            .any(|t| t.eq_ignore_ascii_case(b"chunked"))
+        {
+            return Err(HeadError::Malformed);
+        }
+        return match (chunked_last, request) {
+            (true, _) => Ok(Framing::Chunked),
+            (false, true) => Err(HeadError::Malformed),
+            (false, false) => Ok(Framing::Close),
+        };
+    }
+    let mut len: Option<u64> = None;
+    for v in head.tokens("content-length") {
+        let n = parse_decimal(v).ok_or(HeadError::Malformed)?;
+        if len.is_some_and(|l| l != n) {
+            return Err(HeadError::Malformed);
+        }
+        len = Some(n);
+    }
+    Ok(match len {
+        Some(0) => Framing::None,
+        Some(n) => Framing::Length(n),
+        None if request => Framing::None,
+        None => Framing::Close,
+    })
+}
+
+fn parse_decimal(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(v.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0')))
+}
+
+/// Finds the end of a chunked body in the bytes as they pass (RFC 9112 §7.1), accepting bare
+/// LF line ends as many servers send them.
+#[derive(Debug, Clone, Default)]
+pub struct ChunkScanner {
+    state: Chunk,
+    size: u64,
+    digits: u8,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Chunk {
+    #[default]
+    Size,
+    Ext,
+    SizeLf,
+    Data,
+    DataCr,
+    DataLf,
+    /// In the trailer section; `true` at the start of a line.
+    Trailer(bool),
+    TrailerLf,
+    Done,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkError;
+
+impl ChunkScanner {
+    pub fn is_done(&self) -> bool {
+        self.state == Chunk::Done
+    }
+
+    /// Consumes bytes of the body; returns how many belong to it (all of `buf` unless the body
+    /// ends inside it).
+    pub fn scan(&mut self, buf: &[u8]) -> Result<usize, ChunkError> {
+        let mut i = 0;
+        while i < buf.len() {
+            let b = buf[i];
+            match self.state {
+                Chunk::Data => {
+                    let take =
+                        (buf.len() - i).min(usize::try_from(self.size).unwrap_or(usize::MAX));
+                    self.size -= take as u64;
+                    i += take;
+                    if self.size == 0 {
+                        self.state = Chunk::DataCr;
+                    }
+                    continue;
+                }
+                Chunk::Size => match b {
+                    b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
+                        if self.digits >= 15 {
+                            return Err(ChunkError);
+                        }
+                        let d = (b as char).to_digit(16).unwrap_or(0);
+                        self.size = self.size * 16 + u64::from(d);
+                        self.digits += 1;
+                    }
+                    b';' | b' ' | b'\t' if self.digits > 0 => self.state = Chunk::Ext,
+                    b'\r' if self.digits > 0 => self.state = Chunk::SizeLf,
+                    b'\n' if self.digits > 0 => self.end_size_line(),
+                    _ => return Err(ChunkError),
+                },
+                Chunk::Ext => {
+                    if b == b'\n' {
+                        self.end_size_line();
+                    }
+                }
+                Chunk::SizeLf => {
+                    if b != b'\n' {
+                        return Err(ChunkError);
+                    }
+                    self.end_size_line();
+                }
+                Chunk::DataCr => match b {
+                    b'\r' => self.state = Chunk::DataLf,
+                    b'\n' => self.state = Chunk::Size,
+                    _ => return Err(ChunkError),
+                },
+                Chunk::DataLf => {
+                    if b != b'\n' {
+                        return Err(ChunkError);
+                    }
+                    self.state = Chunk::Size;
+                }
+                Chunk::Trailer(start) => {
+                    self.state = match (start, b) {
+                        (true, b'\r') => Chunk::TrailerLf,
+                        (true, b'\n') => Chunk::Done,
+                        (_, b'\n') => Chunk::Trailer(true),
+                        _ => Chunk::Trailer(false),
+                    }
+                }
+                Chunk::TrailerLf => {
+                    if b != b'\n' {
+                        return Err(ChunkError);
+                    }
+                    self.state = Chunk::Done;
+                }
+                Chunk::Done => return Ok(i),
+            }
+            i += 1;
+            if self.state == Chunk::Done {
+                return Ok(i);
+            }
+        }
+        Ok(i)
+    }
+
+    fn end_size_line(&mut self) {
+        self.state = if self.size == 0 {
+            Chunk::Trailer(true)
+        } else {
+            Chunk::Data
+        };
+        self.digits = 0;
+    }
+}
+
+/// Tracks where a body ends as its bytes pass.
+#[derive(Debug, Clone)]
+pub enum BodyState {
+    Length(u64),
+    Chunked(ChunkScanner),
+    Close,
+    Done,
+}
+
+impl BodyState {
+    pub fn new(f: Framing) -> Self {
+        match f {
+            Framing::None | Framing::Length(0) => BodyState::Done,
+            Framing::Length(n) => BodyState::Length(n),
+            Framing::Chunked => BodyState::Chunked(ChunkScanner::default()),
+            Framing::Close => BodyState::Close,
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        matches!(self, BodyState::Done)
+    }
+
+    /// How many of `buf`'s bytes belong to the body.
+    pub fn take(&mut self, buf: &[u8]) -> Result<usize, ChunkError> {
+        let n = match self {
+            BodyState::Length(left) => {
+                let n = buf.len().min(usize::try_from(*left).unwrap_or(usize::MAX));
+                *left -= n as u64;
+                if *left == 0 {
+                    *self = BodyState::Done;
+                }
+                n
+            }
+            BodyState::Chunked(s) => {
+                let n = s.scan(buf)?;
+                if s.is_done() {
+                    *self = BodyState::Done;
+                }
+                n
+            }
+            BodyState::Close => buf.len(),
+            BodyState::Done => 0,
+        };
+        Ok(n)
+    }
+}
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1); never forwarded.
+pub fn is_hop_by_hop(name: &[u8]) -> bool {
+    const HOP: [&[u8]; 8] = [
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"trailer",
+    ];
+    HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(s: &str) -> Result<Option<Head>, HeadError> {
+        Head::request(&mut BytesMut::from(s), 65536)
+    }
+
+    #[test]
+    fn request_heads_are_split_off_with_their_parts() {
+        let mut b = BytesMut::from(
+            "GET /a?b HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, Foo\r\n\r\nrest",
+        );
+        let h = Head::request(&mut b, 1024).unwrap().unwrap();
+        assert_eq!(h.method(), b"GET");
+        assert_eq!(h.target(), b"/a?b");
+        assert_eq!(h.get("HOST"), Some(&b"x"[..]));
+        assert!(h.has_token("connection", "foo"));
+        assert_eq!(&b[..], b"rest");
+        assert!(req("GET / HTTP/1.1\r\nHost: x\r\n").unwrap().is_none());
+        assert_eq!(
+            req("GET / HTTP/1.1\r\nHo st: x\r\n\r\n").unwrap_err(),
+            HeadError::Malformed
+        );
+        assert_eq!(req("GARBAGE\r\n\r\n").unwrap_err(), HeadError::Malformed);
+    }
+
+    #[test]
+    fn framing_refuses_the_smuggling_shapes() {
+        let f = |s: &str| framing(&req(s).unwrap().unwrap(), true);
+        assert_eq!(
+            f("POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\n"),
+            Ok(Framing::Length(5))
+        );
+        assert_eq!(
+            f("POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"),
+            Ok(Framing::Chunked)
+        );
+        assert!(
+            f("POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n")
+                .is_err()
+        );
+        assert!(f("POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n").is_err());
+        assert!(f("POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n").is_err());
+        assert!(f("POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n").is_err());
+        assert_eq!(f("GET / HTTP/1.1\r\n\r\n"), Ok(Framing::None));
+    }
+
+    #[test]
+    fn the_chunk_scanner_finds_the_end_wherever_the_bytes_split() {
+        let body =
+            b"5\r\nhello\r\n1a;ext=1\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nTrailer: x\r\n\r\nNEXT";
+        let end = body.len() - 4;
+        for split in 0..body.len() {
+            let mut s = ChunkScanner::default();
+            let a = s.scan(&body[..split]).unwrap();
+            let b = s.scan(&body[split..]).unwrap();
+            assert_eq!(a + b, end, "split at {split}");
+            assert!(s.is_done());
+        }
+        let mut s = ChunkScanner::default();
+        assert_eq!(s.scan(b"0\n\nX"), Ok(3));
+        assert!(ChunkScanner::default().scan(b"zz\r\n").is_err());
+        assert!(
+            ChunkScanner::default()
+                .scan(b"ffffffffffffffff\r\n")
+                .is_err()
+        );
+    }
+}

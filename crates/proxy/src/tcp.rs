@@ -1,0 +1,65 @@
+//! TCP mode: each client connection is forwarded to one PE of the pool, chosen by the pool's
+//! policy; a PE that refuses the connection is reported and ejected, and the next is tried.
+//! Bytes then move with splice(2) (see [`crate::splice`]).
+
+use crate::Ctx;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+use tokio::net::TcpStream;
+use tracing::debug;
+
+/// Tries at most this many PEs for one connection.
+const MAX_TRIES: usize = 8;
+
+pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
+    let started = Instant::now();
+    let Some(pool) = ctx.routes.default.clone() else {
+        return;
+    };
+    let mut tried = Vec::new();
+    let (b, backend) = loop {
+        let Some(b) = pool.pick(&tried) else {
+            debug!("client {peer}: no PE of pool {} reachable", pool.handle);
+            ctx.log_line(format!(
+                "{peer} tcp - {} - 0 {}",
+                pool.handle,
+                started.elapsed().as_micros()
+            ));
+            return;
+        };
+        match b.connect(ctx.connect_timeout()).await {
+            Ok(s) => {
+                b.succeeded();
+                break (b, s);
+            }
+            Err(e) => {
+                debug!("pool {} PE {:#010x}: connect: {e}", b.pool, b.id);
+                ctx.pools.unreachable(&b);
+                tried.push(b.id);
+                if tried.len() >= MAX_TRIES {
+                    return;
+                }
+            }
+        }
+    };
+    b.stats.requests.fetch_add(1, Ordering::Relaxed);
+    b.stats.active.fetch_add(1, Ordering::Relaxed);
+    let moved = crate::splice::forward(&client, &backend, ctx.idle_timeout(), ctx.cfg.splice).await;
+    b.stats.active.fetch_sub(1, Ordering::Relaxed);
+    let (up, down) = match &moved {
+        Ok(m) => (m.a_to_b, m.b_to_a),
+        Err(e) => {
+            debug!("client {peer}: {e}");
+            (0, 0)
+        }
+    };
+    b.stats.bytes_in.fetch_add(up, Ordering::Relaxed);
+    b.stats.bytes_out.fetch_add(down, Ordering::Relaxed);
+    ctx.log_line(format!(
+        "{peer} tcp {up} {} {:#010x} {down} {}",
+        b.pool,
+        b.id,
+        started.elapsed().as_micros()
+    ));
+}

@@ -1,0 +1,166 @@
+//! `rserpool proxy`: the front-end proxy, from a TOML file (`--config`) or, for one listener,
+//! from flags. SIGTERM or Ctrl-C drains it; SIGHUP reads the file again.
+
+use anyhow::{Context, Result, anyhow};
+use clap::Args;
+use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+use tracing::{info, warn};
+
+#[derive(Args, Debug)]
+pub struct ProxyArgs {
+    /// TOML file with settings and listeners (see `--print-config`); SIGHUP re-reads it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// One listener: the address clients connect to.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// One listener: the pool its connections or requests go to.
+    #[arg(long)]
+    pub pool: Option<String>,
+    /// One listener: tcp or http.
+    #[arg(long, default_value = "http", value_parser = ["tcp", "http"])]
+    pub mode: String,
+    /// Registrar ASAP address (repeatable, tried in order); overrides the file's.
+    #[arg(long = "registrar", value_name = "ADDR")]
+    pub registrars: Vec<SocketAddr>,
+    /// Serve per-PE counters as JSON on http://ADDR/stats.
+    #[arg(long, value_name = "ADDR")]
+    pub stats: Option<SocketAddr>,
+    /// Append a line per request or connection to FILE (`-` for stdout).
+    #[arg(long, value_name = "FILE")]
+    pub access_log: Option<PathBuf>,
+    /// Worker threads (0 = one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// How often the pools are fetched from a registrar.
+    #[arg(long)]
+    pub refresh_ms: Option<u64>,
+    /// Print the effective settings as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
+    let mut cfg = match &args.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read {}", p.display()))?;
+            ProxyConfig::from_toml(&text)
+                .with_context(|| format!("bad settings in {}", p.display()))?
+        }
+        None => ProxyConfig::default(),
+    };
+    if let Some(listen) = args.listen {
+        let pool = args
+            .pool
+            .clone()
+            .ok_or_else(|| anyhow!("--listen needs --pool"))?;
+        let mode = if args.mode == "tcp" {
+            Mode::Tcp
+        } else {
+            Mode::Http
+        };
+        cfg.listeners.retain(|l| l.listen != listen);
+        cfg.listeners.push(ListenerConfig {
+            listen,
+            mode,
+            pool: Some(pool),
+            routes: Vec::new(),
+        });
+    } else if args.pool.is_some() {
+        return Err(anyhow!("--pool needs --listen"));
+    }
+    if !args.registrars.is_empty() {
+        cfg.registrars = args.registrars.clone();
+    }
+    if args.stats.is_some() {
+        cfg.stats = args.stats;
+    }
+    if args.access_log.is_some() {
+        cfg.access_log = args.access_log.clone();
+    }
+    if let Some(t) = args.threads {
+        cfg.threads = t;
+    }
+    if let Some(r) = args.refresh_ms {
+        cfg.refresh_ms = r;
+    }
+    if cfg.listeners.is_empty() {
+        return Err(anyhow!(
+            "no listener: give --listen ADDR --pool NAME [--mode tcp|http] or --config FILE"
+        ));
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// A multi-threaded runtime with `threads` workers (0 = one per core).
+pub fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if threads > 0 {
+        b.worker_threads(threads);
+    }
+    b.enable_all()
+        .build()
+        .context("cannot start the tokio runtime")
+}
+
+pub fn run(args: ProxyArgs) -> Result<()> {
+    let cfg = load(&args)?;
+    if args.print_config {
+        print!("{}", toml::to_string(&cfg)?);
+        return Ok(());
+    }
+    super::init_logging();
+    runtime(cfg.threads)?.block_on(async move {
+        let drain = Duration::from_millis(cfg.drain_timeout_ms);
+        let proxy = Proxy::start(cfg).await?;
+        for (l, a) in proxy.config().listeners.iter().zip(proxy.local_addrs()) {
+            info!(
+                "proxy: {} {:?} → pool {}",
+                a,
+                l.mode,
+                l.pool.as_deref().unwrap_or("(routes)")
+            );
+        }
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("cannot watch SIGHUP")?;
+        loop {
+            tokio::select! {
+                () = super::shutdown_signal() => break,
+                _ = hup.recv() => reload(&proxy, &args).await,
+            }
+        }
+        info!(
+            "proxy: draining ({} connections open)",
+            proxy.active_connections()
+        );
+        let left = proxy.drain(drain).await;
+        if left > 0 {
+            warn!("proxy: exiting with {left} connections still open");
+        }
+        Ok(())
+    })
+}
+
+async fn reload(proxy: &Proxy, args: &ProxyArgs) {
+    let cfg = match load(args) {
+        Ok(c) => c,
+        Err(e) => {
+            warn!("proxy: reload refused, keeping the running settings: {e:#}");
+            return;
+        }
+    };
+    match proxy.reload(cfg).await {
+        Ok(notes) => {
+            for n in notes {
+                warn!("proxy: reload: {n}");
+            }
+            info!("proxy: settings reloaded");
+        }
+        Err(e) => warn!("proxy: reload failed part-way: {e}"),
+    }
+}

@@ -1,0 +1,595 @@
+//! The proxy over real sockets on loopback: a real registrar, HTTP pool elements as separate
+//! `rserpool example http` processes (so one can be killed with SIGKILL), pool elements
+//! registered through the library with chosen policies and loads, and the proxy itself.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use bytes::BytesMut;
+use rserpool_asap::{PoolElement, PoolElementConfig};
+use rserpool_proxy::message::{BodyState, Head, framing};
+use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
+use rserpool_registrar::{Config, RegistrarThread};
+use rserpool_wire::Policy;
+use rserpool_wire::policy::load_from_fraction;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
+
+fn registrar() -> RegistrarThread {
+    RegistrarThread::start(Config {
+        asap: "127.0.0.1:0".parse().unwrap(),
+        enrp: "127.0.0.1:0".parse().unwrap(),
+        keep_alive_interval_ms: 300,
+        keep_alive_timeout_ms: 300,
+        ..Config::default()
+    })
+    .expect("registrar starts")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `rserpool example http` processes, PE IDs 1..=n, in pool `Backends` (round robin).
+struct Backends {
+    children: Vec<Child>,
+    addrs: Vec<SocketAddr>,
+}
+
+impl Drop for Backends {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+async fn backends(reg: SocketAddr, n: u32) -> Backends {
+    let mut b = Backends {
+        children: Vec::new(),
+        addrs: Vec::new(),
+    };
+    for id in 1..=n {
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let child = Command::new(BIN)
+            .args(["example", "http", "--pool", "Backends", "--policy", "rr"])
+            .args(["--id", &id.to_string(), "--listen", &addr.to_string()])
+            .args(["--registrar", &reg.to_string()])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        b.children.push(child);
+        b.addrs.push(addr);
+    }
+    for a in &b.addrs {
+        wait_until(Duration::from_secs(10), "backend listening", || {
+            std::net::TcpStream::connect(a).is_ok()
+        })
+        .await;
+    }
+    b
+}
+
+async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out after {limit:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    start.elapsed()
+}
+
+/// A library PE in `pool` pointing at `target`, with the given policy.
+fn pe(reg: SocketAddr, pool: &str, id: u32, target: SocketAddr, policy: Policy) -> PoolElement {
+    let mut cfg = PoolElementConfig::new(pool, target, policy);
+    cfg.registrars = vec![reg];
+    cfg.id = Some(id);
+    PoolElement::start(cfg).unwrap()
+}
+
+fn proxy_config(reg: SocketAddr, listeners: Vec<(Mode, &str)>) -> ProxyConfig {
+    ProxyConfig {
+        registrars: vec![reg],
+        refresh_ms: 200,
+        listeners: listeners
+            .into_iter()
+            .map(|(mode, pool)| ListenerConfig {
+                listen: SocketAddr::from(([127, 0, 0, 1], free_port())),
+                mode,
+                pool: Some(pool.into()),
+                routes: Vec::new(),
+            })
+            .collect(),
+        ..ProxyConfig::default()
+    }
+}
+
+async fn start_proxy(cfg: ProxyConfig, expect_pes: usize) -> Proxy {
+    let p = Proxy::start(cfg).await.unwrap();
+    let pools = p.pools().clone();
+    wait_until(Duration::from_secs(10), "proxy has the pools", || {
+        pools.all().iter().all(|x| x.len() >= expect_pes)
+    })
+    .await;
+    p
+}
+
+/// A minimal HTTP/1.1 client on one kept-alive connection.
+struct Client {
+    s: TcpStream,
+    buf: BytesMut,
+}
+
+struct Response {
+    code: u16,
+    pe: Option<String>,
+    body: Vec<u8>,
+    close: bool,
+}
+
+impl Client {
+    async fn connect(addr: SocketAddr) -> std::io::Result<Client> {
+        Ok(Client {
+            s: TcpStream::connect(addr).await?,
+            buf: BytesMut::new(),
+        })
+    }
+
+    async fn send(&mut self, req: &[u8]) -> std::io::Result<Response> {
+        self.s.write_all(req).await?;
+        self.read_response(false).await
+    }
+
+    async fn get(&mut self, path: &str) -> std::io::Result<Response> {
+        self.send(format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").as_bytes())
+            .await
+    }
+
+    async fn read_response(&mut self, head_only: bool) -> std::io::Result<Response> {
+        let head = loop {
+            if let Some(h) = Head::response(&mut self.buf, 1 << 16)
+                .map_err(|e| std::io::Error::other(format!("{e:?}")))?
+            {
+                break h;
+            }
+            if self.s.read_buf(&mut self.buf).await? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+        };
+        let mut body = Vec::new();
+        if !head_only {
+            let mut st = BodyState::new(framing(&head, false).unwrap());
+            loop {
+                if !self.buf.is_empty() && !st.is_done() {
+                    let k = st.take(&self.buf).unwrap();
+                    body.extend_from_slice(&self.buf.split_to(k));
+                }
+                if st.is_done() {
+                    break;
+                }
+                if self.s.read_buf(&mut self.buf).await? == 0 {
+                    if matches!(st, BodyState::Close) {
+                        break;
+                    }
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+            }
+        }
+        Ok(Response {
+            code: head.code,
+            pe: head
+                .get("x-pe-id")
+                .map(|v| String::from_utf8_lossy(v).into_owned()),
+            close: head.has_token("connection", "close"),
+            body,
+        })
+    }
+}
+
+fn id(n: u32) -> String {
+    format!("{n:#010x}")
+}
+
+fn fnv(data: &[u8]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for &b in data {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_and_tcp_reach_every_pool_element() {
+    let reg = registrar();
+    let b = backends(reg.asap_addr(), 3).await;
+    let proxy = start_proxy(
+        proxy_config(
+            reg.asap_addr(),
+            vec![(Mode::Http, "Backends"), (Mode::Tcp, "Backends")],
+        ),
+        3,
+    )
+    .await;
+    let addrs = proxy.local_addrs();
+    // HTTP, one kept-alive connection: round robin gives each PE every third request.
+    let mut c = Client::connect(addrs[0]).await.unwrap();
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for _ in 0..30 {
+        let r = c.get("/hello").await.unwrap();
+        assert_eq!(r.code, 200);
+        let text = String::from_utf8_lossy(&r.body).into_owned();
+        assert!(text.contains("GET /hello for 127.0.0.1"), "{text}");
+        *counts.entry(r.pe.unwrap()).or_default() += 1;
+    }
+    assert_eq!(counts.len(), 3, "{counts:?}");
+    assert!(counts.values().all(|&n| n == 10), "{counts:?}");
+    // TCP: each connection goes to one PE, the next connection to the next.
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let mut c = Client::connect(addrs[1]).await.unwrap();
+        let r = c
+            .send(b"GET /tcp HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(r.code, 200);
+        assert!(r.close);
+        seen.push(r.pe.unwrap());
+    }
+    seen.sort();
+    assert_eq!(seen, [id(1), id(2), id(3)]);
+    drop(b);
+}
+
+/// Counts which PE answered `n` requests, over a few connections.
+async fn distribution(addr: SocketAddr, n: usize) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    let mut c = Client::connect(addr).await.unwrap();
+    for _ in 0..n {
+        let r = c.get("/").await.unwrap();
+        assert_eq!(r.code, 200);
+        *counts.entry(r.pe.unwrap()).or_default() += 1;
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_policy_distributes_as_defined() {
+    let reg = registrar();
+    let r = reg.asap_addr();
+    let b = backends(r, 3).await;
+    let t = &b.addrs;
+    let lu = |l: f64| Policy::LeastUsed {
+        load: load_from_fraction(l),
+    };
+    let rlu = |l: f64| Policy::RandomizedLeastUsed {
+        load: load_from_fraction(l),
+    };
+    let wr = |w: u32| Policy::WeightedRandom { weight: w };
+    let _pes = [
+        pe(r, "WRAND", 11, t[0], wr(1)),
+        pe(r, "WRAND", 12, t[1], wr(2)),
+        pe(r, "WRAND", 13, t[2], wr(5)),
+        pe(r, "LU", 21, t[0], lu(0.5)),
+        pe(r, "LU", 22, t[1], lu(0.1)),
+        pe(r, "LU", 23, t[2], lu(0.9)),
+        pe(r, "RLU", 31, t[0], rlu(0.0)),
+        pe(r, "RLU", 32, t[1], rlu(0.5)),
+        pe(r, "RLU", 33, t[2], rlu(0.75)),
+    ];
+    for p in &_pes {
+        p.wait_registered(Duration::from_secs(5)).await.unwrap();
+    }
+    let proxy = start_proxy(
+        proxy_config(
+            r,
+            vec![
+                (Mode::Http, "WRAND"),
+                (Mode::Http, "LU"),
+                (Mode::Http, "RLU"),
+            ],
+        ),
+        3,
+    )
+    .await;
+    let a = proxy.local_addrs();
+    let n = 1600;
+    let share =
+        |c: &HashMap<String, usize>, pe: u32| *c.get(&id(pe)).unwrap_or(&0) as f64 / n as f64;
+    // Weighted random: probability ∝ weight (1 : 2 : 5).
+    let c = distribution(a[0], n).await;
+    for (pe, p) in [(1, 1.0 / 8.0), (2, 2.0 / 8.0), (3, 5.0 / 8.0)] {
+        assert!((share(&c, pe) - p).abs() < 0.05, "WRAND {c:?}");
+    }
+    // Least used: always the PE with the lowest load.
+    let c = distribution(a[1], 200).await;
+    assert_eq!(c.get(&id(2)), Some(&200), "LU {c:?}");
+    // Randomized least used: probability ∝ free capacity (1 : 0.5 : 0.25).
+    let c = distribution(a[2], n).await;
+    for (pe, p) in [(1, 4.0 / 7.0), (2, 2.0 / 7.0), (3, 1.0 / 7.0)] {
+        assert!((share(&c, pe) - p).abs() < 0.05, "RLU {c:?}");
+    }
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pe_reporting_high_load_gets_less_within_one_refresh() {
+    let reg = registrar();
+    let r = reg.asap_addr();
+    let b = backends(r, 3).await;
+    let lu = |l: f64| Policy::LeastUsed {
+        load: load_from_fraction(l),
+    };
+    let pes: Vec<PoolElement> = (0..3)
+        .map(|i| pe(r, "LU", 41 + i as u32, b.addrs[i], lu(0.2)))
+        .collect();
+    for p in &pes {
+        p.wait_registered(Duration::from_secs(5)).await.unwrap();
+    }
+    let cfg = proxy_config(r, vec![(Mode::Http, "LU")]);
+    let refresh = Duration::from_millis(cfg.refresh_ms);
+    let proxy = start_proxy(cfg, 3).await;
+    let a = proxy.local_addrs()[0];
+    // Equal loads: ties go round robin.
+    let c = distribution(a, 30).await;
+    assert!(c.values().all(|&n| n == 10), "{c:?}");
+    // PE 1 reports 90 %: after one refresh it gets nothing while the others are at 20 %.
+    pes[0].update_load(0.9);
+    let changed = Instant::now();
+    let mut client = Client::connect(a).await.unwrap();
+    let took = loop {
+        let mut hit = false;
+        for _ in 0..6 {
+            hit |= client.get("/").await.unwrap().pe == Some(id(1));
+        }
+        if !hit {
+            break changed.elapsed();
+        }
+        assert!(changed.elapsed() < refresh * 5, "PE 1 still chosen");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    eprintln!("least used saw the load change after {took:?} (refresh {refresh:?})");
+    assert!(took < refresh * 2 + Duration::from_millis(300), "{took:?}");
+    let c = distribution(a, 60).await;
+    assert!(!c.contains_key(&id(1)), "{c:?}");
+    drop(b);
+}
+
+/// Clients sending GETs in a loop until `stop`; counts successes, failures and per-PE answers.
+struct Load {
+    ok: AtomicU64,
+    failed: AtomicU64,
+    last_from: std::sync::Mutex<HashMap<String, Instant>>,
+}
+
+fn start_load(
+    addr: SocketAddr,
+    clients: usize,
+    stop: Arc<AtomicBool>,
+) -> (Arc<Load>, Vec<tokio::task::JoinHandle<()>>) {
+    let load = Arc::new(Load {
+        ok: AtomicU64::new(0),
+        failed: AtomicU64::new(0),
+        last_from: std::sync::Mutex::new(HashMap::new()),
+    });
+    let tasks = (0..clients)
+        .map(|_| {
+            let load = load.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut c: Option<Client> = None;
+                while !stop.load(Ordering::Relaxed) {
+                    if c.is_none() {
+                        c = Client::connect(addr).await.ok();
+                    }
+                    let Some(cl) = c.as_mut() else {
+                        load.failed.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    match cl.get("/").await {
+                        Ok(r) if r.code == 200 => {
+                            load.ok.fetch_add(1, Ordering::Relaxed);
+                            if let Some(pe) = r.pe {
+                                load.last_from.lock().unwrap().insert(pe, Instant::now());
+                            }
+                            if r.close {
+                                c = None;
+                            }
+                        }
+                        Ok(r) => {
+                            eprintln!("failed request: {}", r.code);
+                            load.failed.fetch_add(1, Ordering::Relaxed);
+                            c = None;
+                        }
+                        Err(e) => {
+                            eprintln!("failed request: {e}");
+                            load.failed.fetch_add(1, Ordering::Relaxed);
+                            c = None;
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    (load, tasks)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pe_killed_under_load_fails_no_idempotent_request() {
+    let reg = registrar();
+    let mut b = backends(reg.asap_addr(), 3).await;
+    let proxy = start_proxy(
+        proxy_config(reg.asap_addr(), vec![(Mode::Http, "Backends")]),
+        3,
+    )
+    .await;
+    let addr = proxy.local_addrs()[0];
+    let stop = Arc::new(AtomicBool::new(false));
+    let (load, tasks) = start_load(addr, 8, stop.clone());
+    wait_until(Duration::from_secs(5), "load running", || {
+        load.ok.load(Ordering::Relaxed) > 300
+    })
+    .await;
+    let victim = proxy
+        .pools()
+        .all()
+        .into_iter()
+        .flat_map(|p| p.backends())
+        .find(|x| x.id == 2)
+        .unwrap();
+    b.children[1].kill().unwrap();
+    let killed = Instant::now();
+    b.children[1].wait().unwrap();
+    // The failure becomes visible at the first connection refused; from then on no request
+    // may be sent to the PE.
+    wait_until(Duration::from_secs(5), "the proxy sees the failure", || {
+        victim.stats.failures.load(Ordering::Relaxed) > 0
+    })
+    .await;
+    let visible = killed.elapsed();
+    let sent_then = victim.stats.requests.load(Ordering::Relaxed);
+    let ok_then = load.ok.load(Ordering::Relaxed);
+    wait_until(
+        Duration::from_secs(10),
+        "more load after the failure",
+        || load.ok.load(Ordering::Relaxed) > ok_then + 1000,
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let last = load.last_from.lock().unwrap().get(&id(2)).copied();
+    eprintln!(
+        "failure visible after {visible:?}; {} ok, {} failed; last answer from PE 2 {:?} after the kill",
+        load.ok.load(Ordering::Relaxed),
+        load.failed.load(Ordering::Relaxed),
+        last.map(|l| l.saturating_duration_since(killed))
+    );
+    assert_eq!(load.failed.load(Ordering::Relaxed), 0);
+    assert_eq!(victim.stats.requests.load(Ordering::Relaxed), sent_then);
+    assert!(victim.stats.ejections.load(Ordering::Relaxed) >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_serves_on_when_the_registrar_stops() {
+    let reg = registrar();
+    let b = backends(reg.asap_addr(), 3).await;
+    let proxy = start_proxy(
+        proxy_config(reg.asap_addr(), vec![(Mode::Http, "Backends")]),
+        3,
+    )
+    .await;
+    let addr = proxy.local_addrs()[0];
+    reg.stop();
+    let pools = proxy.pools().clone();
+    wait_until(Duration::from_secs(10), "the proxy notices", || {
+        !pools.registrar_reachable()
+    })
+    .await;
+    let c = distribution(addr, 90).await;
+    assert_eq!(c.len(), 3, "{c:?}");
+    assert_eq!(proxy.stats_json()["registrar_reachable"], false);
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_uploads_and_downloads_arrive_byte_exact() {
+    let reg = registrar();
+    let b = backends(reg.asap_addr(), 3).await;
+    let proxy = start_proxy(
+        proxy_config(
+            reg.asap_addr(),
+            vec![(Mode::Http, "Backends"), (Mode::Tcp, "Backends")],
+        ),
+        3,
+    )
+    .await;
+    let want_download: Vec<u8> = (0..24_000_000u64).map(|i| (i % 251) as u8).collect();
+    let upload: Vec<u8> = (0..20_000_000u64)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    for addr in proxy.local_addrs() {
+        let mut c = Client::connect(addr).await.unwrap();
+        let r = c
+            .get(&format!("/bytes/{}", want_download.len()))
+            .await
+            .unwrap();
+        assert_eq!(r.code, 200);
+        assert!(r.body == want_download, "download differs via {addr}");
+        // Content-Length upload.
+        let mut req = format!(
+            "PUT /up HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n",
+            upload.len()
+        )
+        .into_bytes();
+        req.extend_from_slice(&upload);
+        let r = c.send(&req).await.unwrap();
+        let want = format!(
+            "received {} bytes, fnv1a {:016x}\n",
+            upload.len(),
+            fnv(&upload)
+        );
+        assert_eq!(String::from_utf8_lossy(&r.body), want);
+        // Chunked upload, passed through as it came: the PE hashes the chunked bytes.
+        let mut chunked = Vec::new();
+        for part in upload.chunks(1_000_003) {
+            chunked.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());
+            chunked.extend_from_slice(part);
+            chunked.extend_from_slice(b"\r\n");
+        }
+        chunked.extend_from_slice(b"0\r\n\r\n");
+        let mut req =
+            b"POST /up HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+        req.extend_from_slice(&chunked);
+        let r = c.send(&req).await.unwrap();
+        let want = format!(
+            "received {} bytes, fnv1a {:016x}\n",
+            chunked.len(),
+            fnv(&chunked)
+        );
+        assert_eq!(String::from_utf8_lossy(&r.body), want);
+    }
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_http_gets_400_and_disturbs_no_one_else() {
+    let reg = registrar();
+    let b = backends(reg.asap_addr(), 3).await;
+    let proxy = start_proxy(
+        proxy_config(reg.asap_addr(), vec![(Mode::Http, "Backends")]),
+        3,
+    )
+    .await;
+    let addr = proxy.local_addrs()[0];
+    let mut good = Client::connect(addr).await.unwrap();
+    assert_eq!(good.get("/").await.unwrap().code, 200);
+    for bad in [
+        &b"GARBAGE\r\n\r\n"[..],
+        b"GET / HTTP/1.1\r\nHost: a\r\nBad Header\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ] {
+        let mut c = Client::connect(addr).await.unwrap();
+        c.s.write_all(bad).await.unwrap();
+        let r = c.read_response(false).await.unwrap();
+        assert_eq!(r.code, 400, "{}", String::from_utf8_lossy(bad));
+        assert!(r.close);
+        assert_eq!(good.get("/").await.unwrap().code, 200);
+    }
+    drop(b);
+}
