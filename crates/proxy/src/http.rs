@@ -495,25 +495,7 @@ async fn exchange(
     let mut client_body_left = !matches!(r.framing, Framing::None);
     if client_body_left && !r.expect_continue {
         body_sent = true;
-        match relay(
-            &mut c.stream,
-            &mut c.buf,
-            &mut bc.stream,
-            r.framing,
-            BytesMut::new(),
-            ctx.idle_timeout(),
-        )
-        .await
-        {
-            Ok(n) => {
-                b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
-                client_body_left = false;
-            }
-            Err(RelayError::Src) => return Err(Failure::Client),
-            Err(RelayError::Malformed) => return Err(Failure::BadBody),
-            // The PE stopped reading: it may have answered early; read on.
-            Err(RelayError::Dst | RelayError::Timeout) => {}
-        }
+        client_body_left = !send_body(c, &mut bc, r, b, ctx).await?;
     }
     let mut relayed = false;
     let mut bytes = 0u64;
@@ -547,24 +529,7 @@ async fn exchange(
                 }
                 if head.code == 100 && client_body_left {
                     body_sent = true;
-                    match relay(
-                        &mut c.stream,
-                        &mut c.buf,
-                        &mut bc.stream,
-                        r.framing,
-                        BytesMut::new(),
-                        ctx.idle_timeout(),
-                    )
-                    .await
-                    {
-                        Ok(n) => {
-                            b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
-                            client_body_left = false;
-                        }
-                        Err(RelayError::Src) => return Err(Failure::Client),
-                        Err(RelayError::Malformed) => return Err(Failure::BadBody),
-                        Err(_) => {}
-                    }
+                    client_body_left = !send_body(c, &mut bc, r, b, ctx).await?;
                 }
                 continue;
             }
@@ -606,6 +571,35 @@ async fn exchange(
         b.put_idle(bc, settings.max_idle_per_pe);
     }
     Ok((code, client_keep, bytes))
+}
+
+/// Streams the client's request body to the PE. `Ok(false)` when the PE stopped taking it (it
+/// may have answered early: the response is read next).
+async fn send_body(
+    c: &mut Client,
+    bc: &mut BackendConn,
+    r: &Request,
+    b: &Backend,
+    ctx: &Ctx,
+) -> Result<bool, Failure> {
+    let sent = relay(
+        &mut c.stream,
+        &mut c.buf,
+        &mut bc.stream,
+        r.framing,
+        BytesMut::new(),
+        ctx.idle_timeout(),
+    )
+    .await;
+    match sent {
+        Ok(n) => {
+            b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
+            Ok(true)
+        }
+        Err(RelayError::Src) => Err(Failure::Client),
+        Err(RelayError::Malformed) => Err(Failure::BadBody),
+        Err(RelayError::Dst | RelayError::Timeout) => Ok(false),
+    }
 }
 
 async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Failure> {

@@ -35,21 +35,36 @@ fn span(base: &[u8], part: &[u8]) -> Range<usize> {
     start..start + part.len()
 }
 
+/// The head's length from a parse result; `None` while it is incomplete.
+fn parsed_len(
+    r: Result<httparse::Status<usize>, httparse::Error>,
+    have: usize,
+    max: usize,
+) -> Result<Option<usize>, HeadError> {
+    match r {
+        Ok(httparse::Status::Complete(n)) if n > max => Err(HeadError::TooLarge),
+        Ok(httparse::Status::Complete(n)) => Ok(Some(n)),
+        Ok(httparse::Status::Partial) if have >= max => Err(HeadError::TooLarge),
+        Ok(httparse::Status::Partial) => Ok(None),
+        Err(httparse::Error::TooManyHeaders) => Err(HeadError::TooLarge),
+        Err(_) => Err(HeadError::Malformed),
+    }
+}
+
+fn header_spans(base: &[u8], hs: &[httparse::Header<'_>]) -> Vec<(Range<usize>, Range<usize>)> {
+    hs.iter()
+        .map(|h| (span(base, h.name.as_bytes()), span(base, h.value)))
+        .collect()
+}
+
 impl Head {
     /// Parses a request head at the start of `buf`; on success the head is split off `buf`.
     pub fn request(buf: &mut BytesMut, max: usize) -> Result<Option<Head>, HeadError> {
         let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut req = httparse::Request::new(&mut hs);
-        let len = match req.parse(buf) {
-            Ok(httparse::Status::Complete(n)) => n,
-            Ok(httparse::Status::Partial) if buf.len() >= max => return Err(HeadError::TooLarge),
-            Ok(httparse::Status::Partial) => return Ok(None),
-            Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
-            Err(_) => return Err(HeadError::Malformed),
+        let Some(len) = parsed_len(req.parse(buf), buf.len(), max)? else {
+            return Ok(None);
         };
-        if len > max {
-            return Err(HeadError::TooLarge);
-        }
         let base: &[u8] = buf;
         let (Some(m), Some(p), Some(v)) = (req.method, req.path, req.version) else {
             return Err(HeadError::Malformed);
@@ -59,11 +74,7 @@ impl Head {
             second: span(base, p.as_bytes()),
             code: 0,
             minor: v,
-            headers: req
-                .headers
-                .iter()
-                .map(|h| (span(base, h.name.as_bytes()), span(base, h.value)))
-                .collect(),
+            headers: header_spans(base, req.headers),
             raw: Bytes::new(),
         };
         Ok(Some(Head {
@@ -76,12 +87,8 @@ impl Head {
     pub fn response(buf: &mut BytesMut, max: usize) -> Result<Option<Head>, HeadError> {
         let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut resp = httparse::Response::new(&mut hs);
-        let len = match resp.parse(buf) {
-            Ok(httparse::Status::Complete(n)) => n,
-            Ok(httparse::Status::Partial) if buf.len() >= max => return Err(HeadError::TooLarge),
-            Ok(httparse::Status::Partial) => return Ok(None),
-            Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
-            Err(_) => return Err(HeadError::Malformed),
+        let Some(len) = parsed_len(resp.parse(buf), buf.len(), max)? else {
+            return Ok(None);
         };
         let base: &[u8] = buf;
         let (Some(code), Some(v)) = (resp.code, resp.version) else {
@@ -98,11 +105,7 @@ impl Head {
             },
             code,
             minor: v,
-            headers: resp
-                .headers
-                .iter()
-                .map(|h| (span(base, h.name.as_bytes()), span(base, h.value)))
-                .collect(),
+            headers: header_spans(base, resp.headers),
             raw: Bytes::new(),
         };
         Ok(Some(Head {
