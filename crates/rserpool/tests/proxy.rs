@@ -126,6 +126,15 @@ async fn start_proxy(cfg: ProxyConfig, expect_pes: usize) -> Proxy {
     p
 }
 
+/// A registrar, the three `Backends` PEs and a proxy with one listener per mode onto them.
+async fn backends_behind_proxy(modes: &[Mode]) -> (RegistrarThread, Backends, Proxy) {
+    let reg = registrar();
+    let b = backends(reg.asap_addr(), 3).await;
+    let listeners = modes.iter().map(|&m| (m, "Backends")).collect();
+    let proxy = start_proxy(proxy_config(reg.asap_addr(), listeners), 3).await;
+    (reg, b, proxy)
+}
+
 /// A minimal HTTP/1.1 client on one kept-alive connection.
 struct Client {
     s: TcpStream,
@@ -212,16 +221,7 @@ fn fnv(data: &[u8]) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_and_tcp_reach_every_pool_element() {
-    let reg = registrar();
-    let b = backends(reg.asap_addr(), 3).await;
-    let proxy = start_proxy(
-        proxy_config(
-            reg.asap_addr(),
-            vec![(Mode::Http, "Backends"), (Mode::Tcp, "Backends")],
-        ),
-        3,
-    )
-    .await;
+    let (_reg, b, proxy) = backends_behind_proxy(&[Mode::Http, Mode::Tcp]).await;
     let addrs = proxy.local_addrs();
     // HTTP, one kept-alive connection: round robin gives each PE every third request.
     let mut c = Client::connect(addrs[0]).await.unwrap();
@@ -427,13 +427,7 @@ fn start_load(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pe_killed_under_load_fails_no_idempotent_request() {
-    let reg = registrar();
-    let mut b = backends(reg.asap_addr(), 3).await;
-    let proxy = start_proxy(
-        proxy_config(reg.asap_addr(), vec![(Mode::Http, "Backends")]),
-        3,
-    )
-    .await;
+    let (_reg, mut b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
     let addr = proxy.local_addrs()[0];
     let stop = Arc::new(AtomicBool::new(false));
     let (load, tasks) = start_load(addr, 8, stop.clone());
@@ -484,13 +478,7 @@ async fn a_pe_killed_under_load_fails_no_idempotent_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_serves_on_when_the_registrar_stops() {
-    let reg = registrar();
-    let b = backends(reg.asap_addr(), 3).await;
-    let proxy = start_proxy(
-        proxy_config(reg.asap_addr(), vec![(Mode::Http, "Backends")]),
-        3,
-    )
-    .await;
+    let (reg, b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
     let addr = proxy.local_addrs()[0];
     reg.stop();
     let pools = proxy.pools().clone();
@@ -506,16 +494,7 @@ async fn the_proxy_serves_on_when_the_registrar_stops() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_uploads_and_downloads_arrive_byte_exact() {
-    let reg = registrar();
-    let b = backends(reg.asap_addr(), 3).await;
-    let proxy = start_proxy(
-        proxy_config(
-            reg.asap_addr(),
-            vec![(Mode::Http, "Backends"), (Mode::Tcp, "Backends")],
-        ),
-        3,
-    )
-    .await;
+    let (_reg, b, proxy) = backends_behind_proxy(&[Mode::Http, Mode::Tcp]).await;
     let want_download: Vec<u8> = (0..24_000_000u64).map(|i| (i % 251) as u8).collect();
     let upload: Vec<u8> = (0..20_000_000u64)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
@@ -566,13 +545,7 @@ async fn large_uploads_and_downloads_arrive_byte_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_http_gets_400_and_disturbs_no_one_else() {
-    let reg = registrar();
-    let b = backends(reg.asap_addr(), 3).await;
-    let proxy = start_proxy(
-        proxy_config(reg.asap_addr(), vec![(Mode::Http, "Backends")]),
-        3,
-    )
-    .await;
+    let (_reg, b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
     let addr = proxy.local_addrs()[0];
     let mut good = Client::connect(addr).await.unwrap();
     assert_eq!(good.get("/").await.unwrap().code, 200);
