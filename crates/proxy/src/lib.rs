@@ -9,6 +9,7 @@
 //! routes change, open connections keep going), an optional access log and a JSON stats
 //! endpoint with per-PE counters.
 
+pub mod client;
 pub mod config;
 pub mod http;
 pub mod message;

@@ -3,9 +3,8 @@
 //! registered through the library with chosen policies and loads, and the proxy itself.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use bytes::BytesMut;
 use rserpool_asap::{PoolElement, PoolElementConfig};
-use rserpool_proxy::message::{BodyState, Head, framing};
+use rserpool_proxy::client::Client;
 use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
 use rserpool_registrar::{Config, RegistrarThread};
 use rserpool_wire::Policy;
@@ -16,8 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::AsyncWriteExt;
 
 const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
 
@@ -135,78 +133,6 @@ async fn backends_behind_proxy(modes: &[Mode]) -> (RegistrarThread, Backends, Pr
     (reg, b, proxy)
 }
 
-/// A minimal HTTP/1.1 client on one kept-alive connection.
-struct Client {
-    s: TcpStream,
-    buf: BytesMut,
-}
-
-struct Response {
-    code: u16,
-    pe: Option<String>,
-    body: Vec<u8>,
-    close: bool,
-}
-
-impl Client {
-    async fn connect(addr: SocketAddr) -> std::io::Result<Client> {
-        Ok(Client {
-            s: TcpStream::connect(addr).await?,
-            buf: BytesMut::new(),
-        })
-    }
-
-    async fn send(&mut self, req: &[u8]) -> std::io::Result<Response> {
-        self.s.write_all(req).await?;
-        self.read_response(false).await
-    }
-
-    async fn get(&mut self, path: &str) -> std::io::Result<Response> {
-        self.send(format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").as_bytes())
-            .await
-    }
-
-    async fn read_response(&mut self, head_only: bool) -> std::io::Result<Response> {
-        let head = loop {
-            if let Some(h) = Head::response(&mut self.buf, 1 << 16)
-                .map_err(|e| std::io::Error::other(format!("{e:?}")))?
-            {
-                break h;
-            }
-            if self.s.read_buf(&mut self.buf).await? == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
-            }
-        };
-        let mut body = Vec::new();
-        if !head_only {
-            let mut st = BodyState::new(framing(&head, false).unwrap());
-            loop {
-                if !self.buf.is_empty() && !st.is_done() {
-                    let k = st.take(&self.buf).unwrap();
-                    body.extend_from_slice(&self.buf.split_to(k));
-                }
-                if st.is_done() {
-                    break;
-                }
-                if self.s.read_buf(&mut self.buf).await? == 0 {
-                    if matches!(st, BodyState::Close) {
-                        break;
-                    }
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-            }
-        }
-        Ok(Response {
-            code: head.code,
-            pe: head
-                .get("x-pe-id")
-                .map(|v| String::from_utf8_lossy(v).into_owned()),
-            close: head.has_token("connection", "close"),
-            body,
-        })
-    }
-}
-
 fn id(n: u32) -> String {
     format!("{n:#010x}")
 }
@@ -231,7 +157,7 @@ async fn http_and_tcp_reach_every_pool_element() {
         assert_eq!(r.code, 200);
         let text = String::from_utf8_lossy(&r.body).into_owned();
         assert!(text.contains("GET /hello for 127.0.0.1"), "{text}");
-        *counts.entry(r.pe.unwrap()).or_default() += 1;
+        *counts.entry(r.header("x-pe-id").unwrap()).or_default() += 1;
     }
     assert_eq!(counts.len(), 3, "{counts:?}");
     assert!(counts.values().all(|&n| n == 10), "{counts:?}");
@@ -245,7 +171,7 @@ async fn http_and_tcp_reach_every_pool_element() {
             .unwrap();
         assert_eq!(r.code, 200);
         assert!(r.close);
-        seen.push(r.pe.unwrap());
+        seen.push(r.header("x-pe-id").unwrap());
     }
     seen.sort();
     assert_eq!(seen, [id(1), id(2), id(3)]);
@@ -259,7 +185,7 @@ async fn distribution(addr: SocketAddr, n: usize) -> HashMap<String, usize> {
     for _ in 0..n {
         let r = c.get("/").await.unwrap();
         assert_eq!(r.code, 200);
-        *counts.entry(r.pe.unwrap()).or_default() += 1;
+        *counts.entry(r.header("x-pe-id").unwrap()).or_default() += 1;
     }
     counts
 }
@@ -351,7 +277,7 @@ async fn a_pe_reporting_high_load_gets_less_within_one_refresh() {
     let took = loop {
         let mut hit = false;
         for _ in 0..6 {
-            hit |= client.get("/").await.unwrap().pe == Some(id(1));
+            hit |= client.get("/").await.unwrap().header("x-pe-id") == Some(id(1));
         }
         if !hit {
             break changed.elapsed();
@@ -400,7 +326,7 @@ fn start_load(
                     match cl.get("/").await {
                         Ok(r) if r.code == 200 => {
                             load.ok.fetch_add(1, Ordering::Relaxed);
-                            if let Some(pe) = r.pe {
+                            if let Some(pe) = r.header("x-pe-id") {
                                 load.last_from.lock().unwrap().insert(pe, Instant::now());
                             }
                             if r.close {
@@ -558,8 +484,8 @@ async fn malformed_http_gets_400_and_disturbs_no_one_else() {
         b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     ] {
         let mut c = Client::connect(addr).await.unwrap();
-        c.s.write_all(bad).await.unwrap();
-        let r = c.read_response(false).await.unwrap();
+        c.stream.write_all(bad).await.unwrap();
+        let r = c.read_response(false, true).await.unwrap();
         assert_eq!(r.code, 400, "{}", String::from_utf8_lossy(bad));
         assert!(r.close);
         assert_eq!(good.get("/").await.unwrap().code, 200);
