@@ -3,7 +3,7 @@
 //! which need to see status codes, headers and exact bodies, or to count body bytes at full
 //! speed without keeping them.
 
-use crate::message::{BodyState, Head, framing};
+use crate::message::{BodyState, Head, response_framing};
 use bytes::BytesMut;
 use std::io;
 use std::net::SocketAddr;
@@ -81,7 +81,7 @@ impl Client {
         self.read_response(false, true).await
     }
 
-    /// Reads one response; `head_only` for answers without a body (HEAD, 1xx).
+    /// Reads one response; `head_only` for answers to HEAD.
     pub async fn read_response(&mut self, head_only: bool, keep: bool) -> io::Result<Response> {
         let head = loop {
             if let Some(h) = Head::response(&mut self.buf, MAX_HEAD).map_err(invalid)? {
@@ -93,27 +93,25 @@ impl Client {
         };
         let mut body = Vec::new();
         let mut body_len = 0u64;
-        if !head_only {
-            let mut st = BodyState::new(framing(&head, false).map_err(invalid)?);
-            loop {
-                if !self.buf.is_empty() && !st.is_done() {
-                    let k = st.take(&self.buf).map_err(invalid)?;
-                    let part = self.buf.split_to(k);
-                    body_len += k as u64;
-                    if keep {
-                        body.extend_from_slice(&part);
-                    }
+        let mut st = BodyState::new(response_framing(&head, head_only).map_err(invalid)?);
+        loop {
+            if !self.buf.is_empty() && !st.is_done() {
+                let k = st.take(&self.buf).map_err(invalid)?;
+                let part = self.buf.split_to(k);
+                body_len += k as u64;
+                if keep {
+                    body.extend_from_slice(&part);
                 }
-                if st.is_done() {
+            }
+            if st.is_done() {
+                break;
+            }
+            self.buf.reserve(READ_CHUNK);
+            if self.stream.read_buf(&mut self.buf).await? == 0 {
+                if matches!(st, BodyState::Close) {
                     break;
                 }
-                self.buf.reserve(READ_CHUNK);
-                if self.stream.read_buf(&mut self.buf).await? == 0 {
-                    if matches!(st, BodyState::Close) {
-                        break;
-                    }
-                    return Err(io::ErrorKind::UnexpectedEof.into());
-                }
+                return Err(io::ErrorKind::UnexpectedEof.into());
             }
         }
         Ok(Response {

@@ -9,7 +9,9 @@
 //! new connection.
 
 use crate::Ctx;
-use crate::message::{BodyState, Framing, Head, HeadError, framing, is_hop_by_hop};
+use crate::message::{
+    BodyState, Framing, Head, HeadError, framing, is_hop_by_hop, response_framing,
+};
 use crate::pools::Backend;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::io;
@@ -537,13 +539,8 @@ async fn exchange(
         }
     };
     let code = resp.code;
-    let framing = if r.head.method() == b"HEAD" || code == 204 || code == 304 {
-        Framing::None
-    } else {
-        match framing(&resp, false) {
-            Ok(f) => f,
-            Err(_) => return Err(Failure::Broken { relayed }),
-        }
+    let Ok(framing) = response_framing(&resp, r.head.method() == b"HEAD") else {
+        return Err(Failure::Broken { relayed });
     };
     let backend_keep =
         resp.minor == 1 && !resp.has_token("connection", "close") && framing != Framing::Close;

@@ -207,6 +207,16 @@ pub fn framing(head: &Head, request: bool) -> Result<Framing, HeadError> {
     })
 }
 
+/// A response's body framing; `head_request` when it answers a HEAD request. 204 and 304
+/// answers and answers to HEAD have no body whatever their headers say (RFC 9112 §6.3).
+pub fn response_framing(resp: &Head, head_request: bool) -> Result<Framing, HeadError> {
+    if head_request || resp.code == 204 || resp.code == 304 {
+        Ok(Framing::None)
+    } else {
+        framing(resp, false)
+    }
+}
+
 fn parse_decimal(v: &[u8]) -> Option<u64> {
     if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
         return None;

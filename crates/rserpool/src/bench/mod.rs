@@ -2,6 +2,7 @@
 
 pub mod handlespace;
 pub mod plot;
+pub mod proxy;
 pub mod registrar;
 
 use anyhow::{Result, bail};
@@ -31,6 +32,8 @@ pub enum BenchCommand {
     },
     /// Registrar CPU, memory and latency under N PEs and M PUs (the seed's Figures 7-8).
     Registrar(registrar::RegistrarBenchArgs),
+    /// The proxy side by side with HAProxy, nginx and direct (issue 5's comparison).
+    Proxy(proxy::ProxyBenchArgs),
     /// Internal: the simulated PEs and PUs of `bench registrar`.
     #[command(hide = true)]
     LoadGen(registrar::LoadGenArgs),
@@ -40,6 +43,7 @@ pub fn run(what: BenchCommand) -> Result<()> {
     match what {
         BenchCommand::Registrar(a) => registrar::run(a),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
+        BenchCommand::Proxy(a) => proxy::run(a),
         BenchCommand::Handlespace {
             pes,
             json,

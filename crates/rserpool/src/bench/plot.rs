@@ -91,3 +91,68 @@ pub fn lines(
         .map_err(|e| anyhow!("{e}"))
         .with_context(|| format!("plotting {path}"))
 }
+
+/// Grouped bars: one group per entry of `groups`, one bar per series in each group.
+pub fn bars(
+    path: &str,
+    title: &str,
+    y_label: &str,
+    groups: &[String],
+    series: &[(String, Vec<f64>)],
+) -> Result<()> {
+    register_font()?;
+    let y1 = series
+        .iter()
+        .flat_map(|s| s.1.iter().copied())
+        .fold(0.0f64, f64::max)
+        .max(1e-9)
+        * 1.2;
+    let n = series.len().max(1) as f64;
+    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let colors = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 22))
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..groups.len() as f64, 0.0..y1)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_desc(y_label)
+            .draw()?;
+        // Group names at the top of each group: plotters places axis labels at round values.
+        chart.draw_series(groups.iter().enumerate().map(|(g, name)| {
+            Text::new(
+                name.clone(),
+                (g as f64 + 0.1, y1 * 0.97),
+                ("sans-serif", 17).into_font(),
+            )
+        }))?;
+        for (k, (name, values)) in series.iter().enumerate() {
+            let c = colors[k % colors.len()];
+            let width = 0.8 / n;
+            chart
+                .draw_series(values.iter().enumerate().map(|(g, &v)| {
+                    let x0 = g as f64 + 0.1 + k as f64 * width;
+                    Rectangle::new([(x0, 0.0), (x0 + width * 0.9, v)], c.filled())
+                }))?
+                .label(name.as_str())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], c.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    };
+    draw()
+        .map_err(|e| anyhow!("{e}"))
+        .with_context(|| format!("plotting {path}"))
+}

@@ -315,7 +315,7 @@ impl Drop for Reaper {
     }
 }
 
-fn free_port() -> Result<u16> {
+pub(super) fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
@@ -474,7 +474,7 @@ fn cluster_formed(asap: &[SocketAddr]) -> bool {
 }
 
 /// A registrar's status, read synchronously (HTTP GET on its ASAP port).
-fn status_of(addr: SocketAddr) -> Result<rserpool_registrar::Status> {
+pub(super) fn status_of(addr: SocketAddr) -> Result<rserpool_registrar::Status> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
     s.set_read_timeout(Some(Duration::from_secs(2)))?;
