@@ -97,10 +97,15 @@ fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
     Ok(cfg)
 }
 
-/// A multi-threaded runtime with `threads` workers (0 = one per core).
+/// A runtime with `threads` workers (0 = one per core). One thread gets the current-thread
+/// scheduler: all work in this thread, without the work-stealing machinery.
 pub fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
-    let mut b = tokio::runtime::Builder::new_multi_thread();
-    if threads > 0 {
+    let mut b = if threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+    };
+    if threads > 1 {
         b.worker_threads(threads);
     }
     b.enable_all()
