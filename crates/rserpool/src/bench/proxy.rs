@@ -144,7 +144,7 @@ struct Transfer {
     failed: usize,
 }
 
-#[derive(Serialize, Clone, Copy, Debug, Default)]
+#[derive(Serialize, Clone, Debug, Default)]
 struct Failover {
     requests: u64,
     failed: u64,
@@ -155,6 +155,8 @@ struct Failover {
     burst_connects: usize,
     /// Attempts after the burst: re-probes, health checks, retries after a back-off.
     later_connects: usize,
+    /// When they came, ms after the kill.
+    later_at_ms: Vec<f64>,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -185,14 +187,28 @@ pub fn run(args: ProxyBenchArgs) -> Result<()> {
     }
     let mut bed = Bed::start(&sizes)?;
     let mut samples = Vec::new();
+    // Parts outside, systems inside: the systems meet one part back to back, under the same
+    // conditions (large transfers leave the machine slower for a while).
     for round in 0..args.repeat {
-        for &system in &args.systems {
-            let s = measure(&mut bed, system, round, &sizes, &args)
-                .with_context(|| format!("measuring {}", system.label()))?;
+        let mut round_samples: Vec<Sample> = args
+            .systems
+            .iter()
+            .map(|&system| Sample::new(system, round))
+            .collect();
+        for &part in &args.parts {
+            for rs in round_samples.iter_mut() {
+                let mut s = Sample::new(rs.system, round);
+                measure(&mut bed, &mut s, part, &sizes, &args)
+                    .with_context(|| format!("measuring {}", rs.system.label()))?;
+                if !args.json {
+                    print_sample(&s);
+                }
+                rs.merge(s);
+            }
+        }
+        for s in round_samples {
             if args.json {
                 println!("{}", serde_json::to_string(&s)?);
-            } else {
-                print_sample(&s);
             }
             samples.push(s);
         }
@@ -430,8 +446,7 @@ http {{
         )
     }
 
-    /// Every PUT run starts on an empty upload directory, so that each allocates its tmpfs
-    /// pages afresh.
+    /// Every PUT run finds an empty upload directory and allocates its tmpfs pages afresh.
     fn clear_uploads(&self) -> Result<()> {
         for e in std::fs::read_dir(self.dir.join("www/up"))? {
             std::fs::remove_file(e?.path())?;
@@ -651,56 +666,70 @@ fn client_runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-fn measure(
-    bed: &mut Bed,
-    system: System,
-    round: usize,
-    sizes: &[usize],
-    args: &ProxyBenchArgs,
-) -> Result<Sample> {
-    let front = start_front(bed, system, args.threads)?;
-    let mut s = Sample {
-        system,
-        round,
-        keepalive: None,
-        connect: None,
-        bulk_mib_s: None,
-        transfers: Vec::new(),
-        failover: None,
-    };
-    let url = format!("http://{}{SMALL}", front.http[0]);
-    let rt = client_runtime(args.threads)?;
-    for part in &args.parts {
-        match part {
-            Part::Keepalive => s.keepalive = Some(wrk(&url, args, false)?),
-            Part::Connect => s.connect = Some(wrk(&url, args, true)?),
-            Part::Bulk => {
-                s.bulk_mib_s = Some(rt.block_on(bulk(
-                    front.tcp.clone(),
-                    args.bulk_connections,
-                    Duration::from_secs(args.duration_s),
-                ))?)
-            }
-            Part::Transfer => {
-                for &mib in sizes {
-                    for method in ["PUT", "GET"] {
-                        bed.clear_uploads()?;
-                        s.transfers.push(rt.block_on(transfer(
-                            front.http.clone(),
-                            method,
-                            mib,
-                            args.transfers,
-                        ))?);
-                    }
-                }
-            }
-            Part::Failover if system != System::Direct => {
-                s.failover = Some(failover(bed, &front, &rt, args)?);
-            }
-            Part::Failover => {}
+impl Sample {
+    fn new(system: System, round: usize) -> Sample {
+        Sample {
+            system,
+            round,
+            keepalive: None,
+            connect: None,
+            bulk_mib_s: None,
+            transfers: Vec::new(),
+            failover: None,
         }
     }
-    Ok(s)
+
+    fn merge(&mut self, o: Sample) {
+        self.keepalive = self.keepalive.or(o.keepalive);
+        self.connect = self.connect.or(o.connect);
+        self.bulk_mib_s = self.bulk_mib_s.or(o.bulk_mib_s);
+        self.transfers.extend(o.transfers);
+        self.failover = self.failover.take().or(o.failover);
+    }
+}
+
+/// One part against one system, started afresh for it.
+fn measure(
+    bed: &mut Bed,
+    s: &mut Sample,
+    part: Part,
+    sizes: &[usize],
+    args: &ProxyBenchArgs,
+) -> Result<()> {
+    if part == Part::Failover && s.system == System::Direct {
+        return Ok(());
+    }
+    let front = start_front(bed, s.system, args.threads)?;
+    let url = format!("http://{}{SMALL}", front.http[0]);
+    let rt = client_runtime(args.threads)?;
+    match part {
+        Part::Keepalive => s.keepalive = Some(wrk(&url, args, false)?),
+        Part::Connect => s.connect = Some(wrk(&url, args, true)?),
+        Part::Bulk => {
+            s.bulk_mib_s = Some(rt.block_on(bulk(
+                front.tcp.clone(),
+                args.bulk_connections,
+                Duration::from_secs(args.duration_s),
+            ))?)
+        }
+        Part::Transfer => {
+            for &mib in sizes {
+                for method in ["PUT", "GET"] {
+                    s.transfers.push(rt.block_on(transfer(
+                        front.http.clone(),
+                        method,
+                        mib,
+                        args.transfers,
+                    ))?);
+                    // Free the uploads' tmpfs pages and let the machine settle.
+                    bed.clear_uploads()?;
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+        }
+        Part::Failover => s.failover = Some(failover(bed, &front, &rt, args)?),
+    }
+    Ok(())
 }
 
 /// One wrk run; `close` sends `Connection: close` so that every request opens a connection.
@@ -905,6 +934,10 @@ fn failover(
         f.off_ms = Some(ms(after[burst_end] - first));
         f.burst_connects = burst_end + 1;
         f.later_connects = after.len() - burst_end - 1;
+        f.later_at_ms = after[burst_end + 1..]
+            .iter()
+            .map(|&t| ms(t - killed).round())
+            .collect();
     }
     Ok(f)
 }
@@ -996,10 +1029,16 @@ fn print_sample(s: &Sample) {
             t.method, t.mib, t.avg_s, t.total_s, t.failed
         );
     }
-    if let Some(f) = s.failover {
+    if let Some(f) = &s.failover {
         line += &format!(
-            " failover: {} of {} failed, visible {:?} ms, off {:?} ms, connects {} + {}",
-            f.failed, f.requests, f.visible_ms, f.off_ms, f.burst_connects, f.later_connects
+            " failover: {} of {} failed, visible {:?} ms, off {:?} ms, connects {} + {} (at {:?} ms)",
+            f.failed,
+            f.requests,
+            f.visible_ms,
+            f.off_ms,
+            f.burst_connects,
+            f.later_connects,
+            f.later_at_ms
         );
     }
     println!("{line}");
@@ -1078,7 +1117,7 @@ impl Report {
                     conn_errors: of.iter().filter_map(|s| s.connect).map(|w| w.errors).sum(),
                     bulk: m(&|s| s.bulk_mib_s),
                     transfers,
-                    failover: of.iter().filter_map(|s| s.failover).collect(),
+                    failover: of.iter().filter_map(|s| s.failover.clone()).collect(),
                 }
             })
             .collect();
