@@ -207,10 +207,10 @@ pub fn framing(head: &Head, request: bool) -> Result<Framing, HeadError> {
     })
 }
 
-/// A response's body framing; `head_request` when it answers a HEAD request. 204 and 304
-/// answers and answers to HEAD have no body whatever their headers say (RFC 9112 §6.3).
+/// A response's body framing; `head_request` when it answers a HEAD request. 1xx, 204 and
+/// 304 answers and answers to HEAD have no body whatever their headers say (RFC 9112 §6.3).
 pub fn response_framing(resp: &Head, head_request: bool) -> Result<Framing, HeadError> {
-    if head_request || resp.code == 204 || resp.code == 304 {
+    if head_request || resp.code < 200 || resp.code == 204 || resp.code == 304 {
         Ok(Framing::None)
     } else {
         framing(resp, false)

@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
 
@@ -491,4 +491,198 @@ async fn malformed_http_gets_400_and_disturbs_no_one_else() {
         assert_eq!(good.get("/").await.unwrap().code, 200);
     }
     drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expect_100_continue_and_upgrades_are_relayed() {
+    let (_reg, _b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
+    let addr = proxy.local_addrs()[0];
+    // 100-continue: the interim answer comes back before any body byte is sent.
+    let mut c = Client::connect(addr).await.unwrap();
+    let body = vec![7u8; 1_000_000];
+    c.stream
+        .write_all(
+            format!(
+                "PUT /up HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let interim = tokio::time::timeout(Duration::from_secs(5), c.read_response(false, true))
+        .await
+        .expect("an interim answer without the body")
+        .unwrap();
+    assert_eq!(interim.code, 100);
+    c.stream.write_all(&body).await.unwrap();
+    let r = c.read_response(false, true).await.unwrap();
+    assert_eq!(r.code, 200);
+    assert_eq!(
+        String::from_utf8_lossy(&r.body),
+        format!("received 1000000 bytes, fnv1a {:016x}\n", fnv(&body))
+    );
+    // The same connection goes on with the next request.
+    assert_eq!(c.get("/after").await.unwrap().code, 200);
+
+    // Upgrade: 101 is passed through, then the connection is a tunnel both ways.
+    let mut u = Client::connect(addr).await.unwrap();
+    u.stream
+        .write_all(b"GET /chat HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+        .await
+        .unwrap();
+    let r = u.read_response(false, true).await.unwrap();
+    assert_eq!(r.code, 101);
+    assert_eq!(r.header("upgrade").as_deref(), Some("echo"));
+    for msg in [&b"ping"[..], &[0u8, 1, 2, 255][..], &vec![9u8; 300_000][..]] {
+        u.stream.write_all(msg).await.unwrap();
+        let mut got = vec![0u8; msg.len()];
+        tokio::time::timeout(Duration::from_secs(5), u.stream.read_exact(&mut got))
+            .await
+            .expect("echo through the tunnel")
+            .unwrap();
+        assert_eq!(got, msg);
+    }
+}
+
+/// `rserpool proxy --config FILE` as a process, for the signal tests.
+struct ProxyProcess {
+    child: Child,
+    config: std::path::PathBuf,
+}
+
+impl Drop for ProxyProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+fn listener_toml(addr: SocketAddr, mode: &str) -> String {
+    format!("[[listener]]\nlisten = \"{addr}\"\nmode = \"{mode}\"\npool = \"Backends\"\n\n")
+}
+
+fn proxy_toml(reg: SocketAddr, listeners: &str) -> String {
+    format!("registrars = [\"{reg}\"]\nrefresh-ms = 200\ndrain-timeout-ms = 20000\n\n{listeners}")
+}
+
+async fn proxy_process(reg: SocketAddr, listeners: &str) -> ProxyProcess {
+    let config = std::env::temp_dir().join(format!("rserpool-proxy-test-{}.toml", free_port()));
+    std::fs::write(&config, proxy_toml(reg, listeners)).unwrap();
+    let child = Command::new(BIN)
+        .args(["proxy", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    ProxyProcess { child, config }
+}
+
+impl ProxyProcess {
+    fn rewrite(&self, reg: SocketAddr, listeners: &str) {
+        std::fs::write(&self.config, proxy_toml(reg, listeners)).unwrap();
+    }
+
+    fn signal(&self, sig: rustix::process::Signal) {
+        let pid = rustix::process::Pid::from_child(&self.child);
+        rustix::process::kill_process(pid, sig).unwrap();
+    }
+}
+
+/// Waits until a GET through `addr` is answered by a PE.
+async fn serving(addr: SocketAddr) {
+    let start = Instant::now();
+    loop {
+        if let Ok(mut c) = Client::connect(addr).await
+            && c.get("/").await.is_ok_and(|r| r.code == 200)
+        {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{addr} does not serve"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_requests_then_exits() {
+    let reg = registrar();
+    let _b = backends(reg.asap_addr(), 3).await;
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut p = proxy_process(reg.asap_addr(), &listener_toml(addr, "http")).await;
+    serving(addr).await;
+    // A 40 MB download, read slowly enough to be in flight when SIGTERM comes.
+    const N: u64 = 40_000_000;
+    let mut c = Client::connect(addr).await.unwrap();
+    c.stream
+        .write_all(format!("GET /bytes/{N} HTTP/1.1\r\nHost: t\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut first = vec![0u8; 4096];
+    c.stream.read_exact(&mut first).await.unwrap();
+    p.signal(rustix::process::Signal::TERM);
+    // New connections are refused once the listener is closed ...
+    let closed_after = wait_until(Duration::from_secs(5), "the listener closes", || {
+        std::net::TcpStream::connect(addr).is_err()
+    })
+    .await;
+    // ... while the download in flight completes, byte for byte.
+    let mut rest = Vec::new();
+    c.stream.read_to_end(&mut rest).await.unwrap();
+    let all = [first, rest].concat();
+    let at = all.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let body = &all[at..];
+    assert_eq!(body.len() as u64, N);
+    assert!(
+        body.iter().enumerate().all(|(i, &x)| x == (i % 251) as u8),
+        "download corrupted"
+    );
+    // Then the process exits on its own, successfully.
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = p.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the proxy did not exit"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    eprintln!("listener closed {closed_after:?} after SIGTERM; exit {status}");
+    assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_listeners_without_dropping_connections() {
+    let reg = registrar();
+    let _b = backends(reg.asap_addr(), 3).await;
+    let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let p = proxy_process(reg.asap_addr(), &listener_toml(http, "http")).await;
+    serving(http).await;
+    let mut kept = Client::connect(http).await.unwrap();
+    assert_eq!(kept.get("/before").await.unwrap().code, 200);
+    // Add a TCP listener.
+    let tcp = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    p.rewrite(
+        reg.asap_addr(),
+        &(listener_toml(http, "http") + &listener_toml(tcp, "tcp")),
+    );
+    p.signal(rustix::process::Signal::HUP);
+    serving(tcp).await;
+    // The connection opened before the reload is still served.
+    assert_eq!(kept.get("/after").await.unwrap().code, 200);
+    // Remove the HTTP listener: no new connections there, the open one still answers.
+    p.rewrite(reg.asap_addr(), &listener_toml(tcp, "tcp"));
+    p.signal(rustix::process::Signal::HUP);
+    wait_until(Duration::from_secs(5), "the HTTP listener closes", || {
+        std::net::TcpStream::connect(http).is_err()
+    })
+    .await;
+    assert_eq!(kept.get("/still").await.unwrap().code, 200);
+    serving(tcp).await;
 }

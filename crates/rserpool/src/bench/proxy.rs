@@ -1134,7 +1134,7 @@ impl Report {
     fn markdown(&self, args: &ProxyBenchArgs, versions: &str) -> String {
         let mut md = String::new();
         let date = super::handlespace::today();
-        md += "## Proxy: rserpool vs HAProxy vs nginx (issue 5)\n\n";
+        md += "### Results (`rserpool bench proxy`)\n\n";
         md += &format!(
             "Command: `{}` ({date}). Machine: {}. {versions}.\n\n",
             command_line(),
@@ -1147,8 +1147,9 @@ impl Report {
              (rserpool `threads`, HAProxy `nbthread`, nginx `worker_processes`), round robin, \
              keep-alive to the backends (HAProxy `http-reuse always`, nginx `keepalive 256`), \
              X-Forwarded-For added by all three; wrk with {t} thread(s) and {c} connections for \
-             {d} s. *Direct* is the client talking to the backends itself. Medians of {r} \
-             round(s); the systems alternate within a round.\n\n",
+             {d} s. *Direct* is the client talking to the backends itself. Each part meets \
+             the systems back to back, every proxy started afresh for it; medians of {r} \
+             round(s).\n\n",
             t = args.threads,
             c = args.connections,
             d = args.duration_s,

@@ -221,6 +221,20 @@ async fn serve_http(mut stream: TcpStream, id: u32) -> std::io::Result<()> {
                 return Ok(());
             }
         }
+        // `Upgrade: echo` switches the connection to an echo of everything that follows.
+        if head.has_token("connection", "upgrade")
+            && head
+                .get("upgrade")
+                .is_some_and(|v| v.eq_ignore_ascii_case(b"echo"))
+        {
+            stream
+                .write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+                .await?;
+            stream.write_all(&buf).await?;
+            let (mut r, mut w) = stream.split();
+            tokio::io::copy(&mut r, &mut w).await?;
+            return Ok(());
+        }
         let keep = head.minor == 1 && !head.has_token("connection", "close");
         let method = String::from_utf8_lossy(head.method()).into_owned();
         let target = String::from_utf8_lossy(head.target()).into_owned();
