@@ -133,6 +133,8 @@ struct Wrk {
     p50_ms: f64,
     p99_ms: f64,
     errors: u64,
+    /// CPU time of the proxy (all its processes and threads) per request, µs.
+    cpu_us: Option<f64>,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -703,8 +705,8 @@ fn measure(
     let url = format!("http://{}{SMALL}", front.http[0]);
     let rt = client_runtime(args.threads)?;
     match part {
-        Part::Keepalive => s.keepalive = Some(wrk(&url, args, false)?),
-        Part::Connect => s.connect = Some(wrk(&url, args, true)?),
+        Part::Keepalive => s.keepalive = Some(wrk(&url, args, false, &front)?),
+        Part::Connect => s.connect = Some(wrk(&url, args, true, &front)?),
         Part::Bulk => {
             s.bulk_mib_s = Some(rt.block_on(bulk(
                 front.tcp.clone(),
@@ -733,7 +735,9 @@ fn measure(
 }
 
 /// One wrk run; `close` sends `Connection: close` so that every request opens a connection.
-fn wrk(url: &str, args: &ProxyBenchArgs, close: bool) -> Result<Wrk> {
+fn wrk(url: &str, args: &ProxyBenchArgs, close: bool, front: &Front) -> Result<Wrk> {
+    let group = front._proc.as_ref().map(|p| p.child.id());
+    let cpu0 = group.map(group_cpu_ns);
     let mut cmd = Command::new("wrk");
     cmd.args(["-t", &args.threads.to_string()])
         .args(["-c", &args.connections.max(args.threads).to_string()])
@@ -747,7 +751,44 @@ fn wrk(url: &str, args: &ProxyBenchArgs, close: bool) -> Result<Wrk> {
     if !out.status.success() {
         bail!("wrk failed: {}{text}", String::from_utf8_lossy(&out.stderr));
     }
-    parse_wrk(&text).ok_or_else(|| anyhow!("cannot read wrk's output:\n{text}"))
+    let mut w = parse_wrk(&text).ok_or_else(|| anyhow!("cannot read wrk's output:\n{text}"))?;
+    if let (Some(g), Some(c0)) = (group, cpu0) {
+        let requests = w.rps * args.duration_s.max(1) as f64;
+        w.cpu_us = Some((group_cpu_ns(g).saturating_sub(c0)) as f64 / 1e3 / requests.max(1.0));
+    }
+    Ok(w)
+}
+
+/// CPU time of every thread of every process in process group `pgid`, ns.
+fn group_cpu_ns(pgid: u32) -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut total = 0;
+    for e in dir.flatten() {
+        let path = e.path();
+        let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
+            continue;
+        };
+        // Fields after the command name (which may contain spaces): state, ppid, pgrp, …
+        let pgrp = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(2))
+            .and_then(|v| v.parse::<u32>().ok());
+        if pgrp != Some(pgid) {
+            continue;
+        }
+        let Ok(tasks) = std::fs::read_dir(path.join("task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            total += std::fs::read_to_string(t.path().join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    total
 }
 
 fn parse_wrk(text: &str) -> Option<Wrk> {
@@ -1013,12 +1054,21 @@ fn print_sample(s: &Sample) {
     let mut line = format!("{:>8} round {}:", s.system.label(), s.round + 1);
     if let Some(w) = s.keepalive {
         line += &format!(
-            " keep-alive {:.0} req/s p50 {:.2} ms p99 {:.2} ms ({} errors);",
-            w.rps, w.p50_ms, w.p99_ms, w.errors
+            " keep-alive {:.0} req/s p50 {:.2} ms p99 {:.2} ms ({} errors), {:.1} µs CPU/req;",
+            w.rps,
+            w.p50_ms,
+            w.p99_ms,
+            w.errors,
+            w.cpu_us.unwrap_or(0.0)
         );
     }
     if let Some(w) = s.connect {
-        line += &format!(" {:.0} conn/s ({} errors);", w.rps, w.errors);
+        line += &format!(
+            " {:.0} conn/s ({} errors), {:.1} µs CPU/conn;",
+            w.rps,
+            w.errors,
+            w.cpu_us.unwrap_or(0.0)
+        );
     }
     if let Some(b) = s.bulk_mib_s {
         line += &format!(" TCP bulk {b:.0} MiB/s;");
@@ -1064,7 +1114,9 @@ struct Row {
     ka_p50: Option<f64>,
     ka_p99: Option<f64>,
     ka_errors: u64,
+    ka_cpu: Option<f64>,
     conn_s: Option<f64>,
+    conn_cpu: Option<f64>,
     conn_errors: u64,
     bulk: Option<f64>,
     transfers: Vec<(TransferKind, TransferMedian)>,
@@ -1113,7 +1165,9 @@ impl Report {
                         .filter_map(|s| s.keepalive)
                         .map(|w| w.errors)
                         .sum(),
+                    ka_cpu: m(&|s| s.keepalive.and_then(|w| w.cpu_us)),
                     conn_s: m(&|s| s.connect.map(|w| w.rps)),
+                    conn_cpu: m(&|s| s.connect.and_then(|w| w.cpu_us)),
                     conn_errors: of.iter().filter_map(|s| s.connect).map(|w| w.errors).sum(),
                     bulk: m(&|s| s.bulk_mib_s),
                     transfers,
@@ -1178,9 +1232,13 @@ impl Report {
         md += &line("keep-alive, p50 ms", &|r| num(r.ka_p50, 2));
         md += &line("keep-alive, p99 ms", &|r| num(r.ka_p99, 2));
         md += &line("keep-alive, errors", &|r| r.ka_errors.to_string());
+        md += &line("keep-alive, proxy CPU µs per request", &|r| num(r.ka_cpu, 1));
         md += &line("new connection per request, conn/s", &|r| num(r.conn_s, 0));
         md += &line("new connection per request, errors", &|r| {
             r.conn_errors.to_string()
+        });
+        md += &line("new connection per request, proxy CPU µs per connection", &|r| {
+            num(r.conn_cpu, 1)
         });
         md += &line(
             &format!(
@@ -1198,10 +1256,12 @@ impl Report {
         let get = |s: System, f: &dyn Fn(&Row) -> Option<f64>| self.row(s).and_then(f);
         md += "| ratio | rserpool / HAProxy | rserpool / nginx | rserpool / direct | HAProxy / direct | nginx / direct |\n|---|---|---|---|---|---|\n";
         type Metric<'a> = (&'a str, &'a dyn Fn(&Row) -> Option<f64>);
-        let metrics: [Metric; 4] = [
+        let metrics: [Metric; 6] = [
             ("keep-alive req/s", &|r: &Row| r.ka_rps),
             ("keep-alive p99 (lower is better)", &|r: &Row| r.ka_p99),
+            ("keep-alive CPU per request (lower is better)", &|r: &Row| r.ka_cpu),
             ("conn/s", &|r: &Row| r.conn_s),
+            ("CPU per connection (lower is better)", &|r: &Row| r.conn_cpu),
             ("TCP bulk MiB/s", &|r: &Row| r.bulk),
         ];
         for (name, f) in metrics {
