@@ -37,6 +37,10 @@ impl Response {
     }
 }
 
+fn get_request(path: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").into_bytes()
+}
+
 fn invalid(what: impl std::fmt::Debug) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, format!("{what:?}"))
 }
@@ -58,15 +62,13 @@ impl Client {
     }
 
     pub async fn get(&mut self, path: &str) -> io::Result<Response> {
-        self.send(format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").as_bytes())
-            .await
+        self.stream.write_all(&get_request(path)).await?;
+        self.read_response(false, true).await
     }
 
     /// GET whose body is counted, not kept.
     pub async fn get_counted(&mut self, path: &str) -> io::Result<Response> {
-        self.stream
-            .write_all(format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").as_bytes())
-            .await?;
+        self.stream.write_all(&get_request(path)).await?;
         self.read_response(false, false).await
     }
 

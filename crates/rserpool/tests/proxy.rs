@@ -515,6 +515,7 @@ async fn expect_100_continue_and_upgrades_are_relayed() {
         .expect("an interim answer without the body")
         .unwrap();
     assert_eq!(interim.code, 100);
+    assert!(interim.header("x-pe-id").is_some(), "the PE's 100, relayed");
     c.stream.write_all(&body).await.unwrap();
     let r = c.read_response(false, true).await.unwrap();
     assert_eq!(r.code, 200);
@@ -568,7 +569,12 @@ fn proxy_toml(reg: SocketAddr, listeners: &str) -> String {
 }
 
 async fn proxy_process(reg: SocketAddr, listeners: &str) -> ProxyProcess {
-    let config = std::env::temp_dir().join(format!("rserpool-proxy-test-{}.toml", free_port()));
+    static N: AtomicU64 = AtomicU64::new(0);
+    let config = std::env::temp_dir().join(format!(
+        "rserpool-proxy-test-{}-{}.toml",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
     std::fs::write(&config, proxy_toml(reg, listeners)).unwrap();
     let child = Command::new(BIN)
         .args(["proxy", "--config"])
@@ -615,7 +621,8 @@ async fn sigterm_drains_in_flight_requests_then_exits() {
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let mut p = proxy_process(reg.asap_addr(), &listener_toml(addr, "http")).await;
     serving(addr).await;
-    // A 40 MB download, read slowly enough to be in flight when SIGTERM comes.
+    // A 40 MB download, more than the socket buffers hold: after its first bytes the test
+    // stops reading, so it is in flight when SIGTERM comes.
     const N: u64 = 40_000_000;
     let mut c = Client::connect(addr).await.unwrap();
     c.stream

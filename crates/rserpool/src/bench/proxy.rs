@@ -179,10 +179,10 @@ struct Sample {
 }
 
 pub fn run(args: ProxyBenchArgs) -> Result<()> {
-    check_tools()?;
-    if args.threads == 0 || args.connections == 0 || args.repeat == 0 {
-        bail!("--threads, --connections and --repeat must be at least 1");
+    if args.threads == 0 || args.connections == 0 || args.repeat == 0 || args.duration_s == 0 {
+        bail!("--threads, --connections, --repeat and --duration-s must be at least 1");
     }
+    check_tools(&args)?;
     let sizes = if args.transfer_mb.is_empty() {
         vec![10, 20]
     } else {
@@ -231,18 +231,24 @@ pub fn run(args: ProxyBenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn check_tools() -> Result<()> {
-    for tool in ["wrk", "haproxy", "nginx"] {
-        let found = std::env::var_os("PATH").is_some_and(|p| {
-            std::env::split_paths(&p).any(|d| d.join(tool).is_file())
-                || Path::new("/usr/sbin").join(tool).is_file()
-        });
+/// Everything a run will need, checked before minutes of measuring.
+fn check_tools(args: &ProxyBenchArgs) -> Result<()> {
+    let mut tools = vec!["wrk", "haproxy", "nginx"];
+    if args.parts.contains(&Part::Bulk) && args.link_mbit > 0 {
+        tools.push("tc");
+    }
+    for tool in tools {
+        let found = std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()));
         if !found {
             bail!("`{tool}` is not installed; the proxy benchmark needs: {INSTALL}");
         }
     }
     if !Path::new(STREAM_MODULE).is_file() {
         bail!("nginx's stream module is missing ({STREAM_MODULE}); install: {INSTALL}");
+    }
+    if args.parts.contains(&Part::Failover) {
+        raw_socket()?;
     }
     Ok(())
 }
@@ -276,6 +282,7 @@ fn versions() -> String {
 /// master leaves its workers behind otherwise).
 struct Proc {
     child: Child,
+    reaped: bool,
 }
 
 impl Proc {
@@ -289,10 +296,17 @@ impl Proc {
             .stderr(log)
             .spawn()
             .with_context(|| format!("starting {cmd:?}"))?;
-        Ok(Proc { child })
+        Ok(Proc {
+            child,
+            reaped: false,
+        })
     }
 
     fn kill(&mut self) {
+        // Once reaped, the group ID may belong to someone else.
+        if std::mem::replace(&mut self.reaped, true) {
+            return;
+        }
         let pid = rustix::process::Pid::from_child(&self.child);
         let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
         let _ = self.child.wait();
@@ -320,13 +334,24 @@ fn wait_for(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) -> Res
     Ok(())
 }
 
-/// The shared test bed: a registrar, three nginx backends and their sidecars.
+/// A directory removed when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The shared test bed: a registrar, three nginx backends and their sidecars. Fields drop in
+/// order: the processes go before their directory.
 struct Bed {
     dir: PathBuf,
     registrar: SocketAddr,
     backends: Vec<SocketAddr>,
     backend_procs: Vec<Option<Proc>>,
-    _others: Vec<Proc>,
+    others: Vec<Proc>,
+    _tmp: TempDir,
 }
 
 impl Bed {
@@ -338,6 +363,7 @@ impl Bed {
         ));
         let www = dir.join("www");
         std::fs::create_dir_all(www.join("up"))?;
+        let tmp = TempDir(dir.clone());
         std::fs::write(www.join(&SMALL[1..]), vec![b'x'; SMALL_SIZE])?;
         std::fs::write(www.join(&BULK[1..]), vec![0u8; BULK_SIZE])?;
         for &mib in sizes {
@@ -365,7 +391,8 @@ impl Bed {
             registrar,
             backends: Vec::new(),
             backend_procs: Vec::new(),
-            _others: Vec::new(),
+            others: Vec::new(),
+            _tmp: tmp,
         };
         for i in 0..BACKENDS {
             let addr = local(free_port()?);
@@ -384,7 +411,7 @@ impl Bed {
                 &bed.dir.join(format!("sidecar{i}.log")),
             )?);
         }
-        bed._others = others;
+        bed.others = others;
         bed.wait_registered()?;
         Ok(bed)
     }
@@ -466,14 +493,6 @@ http {{
         if let Some(mut p) = self.backend_procs[i].take() {
             p.kill();
         }
-    }
-}
-
-impl Drop for Bed {
-    fn drop(&mut self) {
-        self.backend_procs.clear();
-        self._others.clear();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -560,14 +579,13 @@ frontend web
 backend pool
     balance roundrobin
     http-reuse always
-{http_servers}
+{servers}
 listen tcp
     mode tcp
     bind {tcp}
     balance roundrobin
-{tcp_servers}"#,
-                http_servers = servers(&|i, b| format!("    server b{i} {b} check")),
-                tcp_servers = servers(&|i, b| format!("    server b{i} {b} check")),
+{servers}"#,
+                servers = servers(&|i, b| format!("    server b{i} {b} check")),
             );
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new("haproxy");
@@ -593,7 +611,7 @@ http {{
     scgi_temp_path {dd}/np-scgi;
     keepalive_requests 1000000;
     upstream pool {{
-{http_servers}        keepalive 256;
+{servers}        keepalive 256;
     }}
     server {{
         listen {http} backlog=4096;
@@ -611,7 +629,7 @@ http {{
 }}
 stream {{
     upstream tpool {{
-{tcp_servers}    }}
+{servers}    }}
     server {{
         listen {tcp} backlog=4096;
         proxy_pass tpool;
@@ -619,8 +637,7 @@ stream {{
     }}
 }}
 "#,
-                http_servers = servers(&|_, b| format!("        server {b};")),
-                tcp_servers = servers(&|_, b| format!("        server {b};")),
+                servers = servers(&|_, b| format!("        server {b};")),
             );
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new("nginx");
@@ -645,8 +662,8 @@ stream {{
         while start.elapsed() < Duration::from_secs(15) && seen.len() < BACKENDS {
             if let Ok(mut c) = Client::connect(http).await {
                 for _ in 0..2 * BACKENDS {
-                    match c.get(SMALL).await {
-                        Ok(r) if r.code == 200 => {
+                    match tokio::time::timeout(Duration::from_secs(2), c.get(SMALL)).await {
+                        Ok(Ok(r)) if r.code == 200 => {
                             seen.extend(r.header("x-backend"));
                         }
                         _ => break,
@@ -793,15 +810,10 @@ fn group_cpu_ns(pgid: u32) -> u64 {
         if pgrp != Some(pgid) {
             continue;
         }
-        let Ok(tasks) = std::fs::read_dir(path.join("task")) else {
-            continue;
-        };
-        for t in tasks.flatten() {
-            total += std::fs::read_to_string(t.path().join("schedstat"))
-                .ok()
-                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
+        let pid = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok());
+        total += pid
+            .and_then(|p| super::registrar::cpu_ns(p).ok())
+            .unwrap_or(0);
     }
     total
 }
@@ -878,7 +890,20 @@ struct Links;
 
 impl Links {
     fn limit(mbit: u64, backends: &[SocketAddr], front: &[SocketAddr]) -> Result<Links> {
-        let _ = tc(&["qdisc", "del", "dev", "lo", "root"]);
+        let shown = Command::new("tc")
+            .args(["qdisc", "show", "dev", "lo"])
+            .output()
+            .context("running tc")?;
+        let shown = String::from_utf8_lossy(&shown.stdout);
+        if shown
+            .lines()
+            .any(|l| !l.trim().is_empty() && !l.contains("noqueue"))
+        {
+            bail!(
+                "lo already has a qdisc ({}); remove it or use --link-mbit 0",
+                shown.trim()
+            );
+        }
         let rate = format!("{mbit}mbit");
         tc(&[
             "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "1",
@@ -1022,8 +1047,8 @@ fn failover(
                         tokio::time::sleep(Duration::from_millis(1)).await;
                         continue;
                     };
-                    match cl.get(SMALL).await {
-                        Ok(r) if r.code == 200 => {
+                    match tokio::time::timeout(Duration::from_secs(2), cl.get(SMALL)).await {
+                        Ok(Ok(r)) if r.code == 200 => {
                             ok.fetch_add(1, Ordering::Relaxed);
                             if r.close {
                                 c = None;
@@ -1039,6 +1064,8 @@ fn failover(
         })
         .collect::<Vec<_>>();
     std::thread::sleep(Duration::from_secs(1));
+    // Taken before the kill: the proxies react to the resets while the process is still
+    // being torn down, before it can be reaped.
     let killed = Instant::now();
     bed.kill_backend(VICTIM);
     std::thread::sleep(Duration::from_millis(args.failover_ms));
@@ -1080,15 +1107,18 @@ fn ms(d: Duration) -> f64 {
 /// socket whose BPF filter passes nothing else (so a loaded loopback costs it nothing).
 struct SynWatch {
     stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Vec<Instant>>,
+    thread: Option<std::thread::JoinHandle<std::io::Result<Vec<Instant>>>>,
+}
+
+fn raw_socket() -> Result<socket2::Socket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::TCP))
+        .context("the failover run needs a raw socket (run as root, or leave out --parts failover)")
 }
 
 impl SynWatch {
     fn start(port: u16) -> Result<SynWatch> {
-        use socket2::{Domain, Protocol, Socket, Type};
-        let s = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::TCP)).context(
-            "the failover run needs a raw socket (run as root, or skip --parts failover)",
-        )?;
+        let s = raw_socket()?;
         s.attach_filter(&syn_filter(port))?;
         s.set_read_timeout(Some(Duration::from_millis(20)))?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -1105,19 +1135,33 @@ impl SynWatch {
                             e.kind(),
                             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                         ) => {}
-                    Err(_) => break,
+                    Err(e) => return Err(e),
                 }
             }
-            seen
+            Ok(seen)
         });
-        Ok(SynWatch { stop, thread })
+        Ok(SynWatch {
+            stop,
+            thread: Some(thread),
+        })
     }
 
-    fn finish(self) -> Result<Vec<Instant>> {
+    fn finish(mut self) -> Result<Vec<Instant>> {
         self.stop.store(true, Ordering::Relaxed);
-        self.thread
+        let thread = self
+            .thread
+            .take()
+            .ok_or_else(|| anyhow!("finished twice"))?;
+        thread
             .join()
-            .map_err(|_| anyhow!("the SYN watcher panicked"))
+            .map_err(|_| anyhow!("the SYN watcher panicked"))?
+            .context("reading the raw socket")
+    }
+}
+
+impl Drop for SynWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -1191,8 +1235,16 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
         return None;
     }
     v.sort_by(f64::total_cmp);
-    Some(v[v.len() / 2])
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
 }
+
+/// A named figure of a row.
+type Metric<'a> = (&'a str, &'a dyn Fn(&Row) -> Option<f64>);
 
 /// (method, MiB)
 type TransferKind = (&'static str, usize);
@@ -1275,6 +1327,17 @@ impl Report {
         }
     }
 
+    /// The transfers measured, in the order they ran.
+    fn transfer_kinds(&self) -> Vec<TransferKind> {
+        let mut kinds = Vec::new();
+        for (k, _) in self.rows.iter().flat_map(|r| &r.transfers) {
+            if !kinds.contains(k) {
+                kinds.push(*k);
+            }
+        }
+        kinds
+    }
+
     fn row(&self, s: System) -> Option<&Row> {
         self.rows.iter().find(|r| r.system == s)
     }
@@ -1325,12 +1388,14 @@ impl Report {
         md += &line("keep-alive, req/s", &|r| num(r.ka_rps, 0));
         md += &line("keep-alive, p50 ms", &|r| num(r.ka_p50, 2));
         md += &line("keep-alive, p99 ms", &|r| num(r.ka_p99, 2));
-        md += &line("keep-alive, errors", &|r| r.ka_errors.to_string());
+        md += &line("keep-alive, errors (all rounds)", &|r| {
+            r.ka_errors.to_string()
+        });
         md += &line("keep-alive, proxy CPU µs per request", &|r| {
             num(r.ka_cpu, 1)
         });
         md += &line("new connection per request, conn/s", &|r| num(r.conn_s, 0));
-        md += &line("new connection per request, errors", &|r| {
+        md += &line("new connection per request, errors (all rounds)", &|r| {
             r.conn_errors.to_string()
         });
         md += &line(
@@ -1361,7 +1426,6 @@ impl Report {
         };
         let get = |s: System, f: &dyn Fn(&Row) -> Option<f64>| self.row(s).and_then(f);
         md += "| ratio | rserpool / HAProxy | rserpool / nginx | rserpool / direct | HAProxy / direct | nginx / direct |\n|---|---|---|---|---|---|\n";
-        type Metric<'a> = (&'a str, &'a dyn Fn(&Row) -> Option<f64>);
         let metrics: [Metric; 7] = [
             ("keep-alive req/s", &|r: &Row| r.ka_rps),
             ("keep-alive p99 (lower is better)", &|r: &Row| r.ka_p99),
@@ -1402,16 +1466,7 @@ impl Report {
                 args.transfers
             );
             md += &header("transfer");
-            let kinds: Vec<(&str, usize)> = cols
-                .iter()
-                .flat_map(|r| r.transfers.iter().map(|(k, _)| *k))
-                .fold(Vec::new(), |mut v, k| {
-                    if !v.contains(&k) {
-                        v.push(k);
-                    }
-                    v
-                });
-            for (method, mib) in kinds {
+            for (method, mib) in self.transfer_kinds() {
                 md += &line(&format!("{method} {mib} MiB"), &|r| {
                     r.transfers
                         .iter()
@@ -1511,7 +1566,6 @@ impl Report {
             .collect();
         // Throughput relative to direct.
         if let Some(d) = direct {
-            type Metric<'a> = (&'a str, &'a dyn Fn(&Row) -> Option<f64>);
             let metrics: [Metric; 3] = [
                 ("keep-alive req/s", &|r: &Row| r.ka_rps),
                 ("new connection per request", &|r: &Row| r.conn_s),
@@ -1556,16 +1610,7 @@ impl Report {
             &["p50".to_string(), "p99".to_string()],
             &series,
         )?;
-        let kinds: Vec<(&str, usize)> = self
-            .rows
-            .iter()
-            .flat_map(|r| r.transfers.iter().map(|(k, _)| *k))
-            .fold(Vec::new(), |mut v, k| {
-                if !v.contains(&k) {
-                    v.push(k);
-                }
-                v
-            });
+        let kinds = self.transfer_kinds();
         if !kinds.is_empty() {
             let groups: Vec<String> = kinds.iter().map(|(m, s)| format!("{m} {s} MiB")).collect();
             let series: Vec<(String, Vec<f64>)> = self

@@ -489,7 +489,7 @@ pub(super) fn status_of(addr: SocketAddr) -> Result<rserpool_registrar::Status> 
 }
 
 /// CPU time of all threads of a process, ns.
-fn cpu_ns(pid: u32) -> Result<u64> {
+pub(super) fn cpu_ns(pid: u32) -> Result<u64> {
     let mut total = 0;
     for t in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let text = std::fs::read_to_string(t?.path().join("schedstat"))?;

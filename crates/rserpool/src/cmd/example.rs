@@ -201,7 +201,11 @@ async fn serve_http(mut stream: TcpStream, id: u32) -> std::io::Result<()> {
             .get("expect")
             .is_some_and(|v| v.eq_ignore_ascii_case(b"100-continue"))
         {
-            stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
+            stream
+                .write_all(
+                    format!("HTTP/1.1 100 Continue\r\nX-Pe-Id: {id:#010x}\r\n\r\n").as_bytes(),
+                )
+                .await?;
         }
         let mut body = BodyState::new(f);
         let (mut len, mut hash) = (0u64, Fnv::new());

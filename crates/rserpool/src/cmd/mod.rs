@@ -34,17 +34,33 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
 
 /// Completes on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    match Shutdown::watch() {
+        Ok(mut s) => s.recv().await,
+        Err(_) => std::future::pending::<()>().await,
+    }
+}
+
+/// SIGTERM and SIGINT, caught from the moment this is created: before that, such a signal
+/// kills the process instead of draining it.
+pub struct Shutdown {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Shutdown {
+    pub fn watch() -> Result<Shutdown> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Shutdown {
+            term: signal(SignalKind::terminate()).context("cannot watch SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("cannot watch SIGINT")?,
+        })
+    }
+
+    pub async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
     }
 }
 

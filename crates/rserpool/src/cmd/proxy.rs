@@ -122,6 +122,10 @@ pub fn run(args: ProxyArgs) -> Result<()> {
     super::init_logging();
     runtime(cfg.threads)?.block_on(async move {
         let drain = Duration::from_millis(cfg.drain_timeout_ms);
+        // Signals are caught before the listeners open, so none can kill a serving proxy.
+        let mut shutdown = super::Shutdown::watch()?;
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("cannot watch SIGHUP")?;
         let proxy = Proxy::start(cfg).await?;
         for (l, a) in proxy.config().listeners.iter().zip(proxy.local_addrs()) {
             info!(
@@ -131,11 +135,9 @@ pub fn run(args: ProxyArgs) -> Result<()> {
                 l.pool.as_deref().unwrap_or("(routes)")
             );
         }
-        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-            .context("cannot watch SIGHUP")?;
         loop {
             tokio::select! {
-                () = super::shutdown_signal() => break,
+                () = shutdown.recv() => break,
                 _ = hup.recv() => reload(&proxy, &args).await,
             }
         }
