@@ -137,6 +137,11 @@ fn id(n: u32) -> String {
     format!("{n:#010x}")
 }
 
+/// What `rserpool example http` answers to an upload of `body`.
+fn received(body: &[u8]) -> String {
+    format!("received {} bytes, fnv1a {:016x}\n", body.len(), fnv(body))
+}
+
 fn fnv(data: &[u8]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for &b in data {
@@ -441,12 +446,7 @@ async fn large_uploads_and_downloads_arrive_byte_exact() {
         .into_bytes();
         req.extend_from_slice(&upload);
         let r = c.send(&req).await.unwrap();
-        let want = format!(
-            "received {} bytes, fnv1a {:016x}\n",
-            upload.len(),
-            fnv(&upload)
-        );
-        assert_eq!(String::from_utf8_lossy(&r.body), want);
+        assert_eq!(String::from_utf8_lossy(&r.body), received(&upload));
         // Chunked upload, passed through as it came: the PE hashes the chunked bytes.
         let mut chunked = Vec::new();
         for part in upload.chunks(1_000_003) {
@@ -459,12 +459,7 @@ async fn large_uploads_and_downloads_arrive_byte_exact() {
             b"POST /up HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
         req.extend_from_slice(&chunked);
         let r = c.send(&req).await.unwrap();
-        let want = format!(
-            "received {} bytes, fnv1a {:016x}\n",
-            chunked.len(),
-            fnv(&chunked)
-        );
-        assert_eq!(String::from_utf8_lossy(&r.body), want);
+        assert_eq!(String::from_utf8_lossy(&r.body), received(&chunked));
     }
     drop(b);
 }
@@ -519,10 +514,7 @@ async fn expect_100_continue_and_upgrades_are_relayed() {
     c.stream.write_all(&body).await.unwrap();
     let r = c.read_response(false, true).await.unwrap();
     assert_eq!(r.code, 200);
-    assert_eq!(
-        String::from_utf8_lossy(&r.body),
-        format!("received 1000000 bytes, fnv1a {:016x}\n", fnv(&body))
-    );
+    assert_eq!(String::from_utf8_lossy(&r.body), received(&body));
     // The same connection goes on with the next request.
     assert_eq!(c.get("/after").await.unwrap().code, 200);
 

@@ -764,6 +764,19 @@ async fn pu_task(
 }
 
 /// `value`, followed by `(range)` when there were several runs.
+/// The registrar's CPU, with the range over the runs when there were several.
+fn cpu_cell(x: &Sample) -> String {
+    spread(
+        format!("{:.1}%", x.registrar_cpu * 100.0),
+        x.runs > 1,
+        format!(
+            "{:.1}–{:.1}",
+            x.registrar_cpu_min * 100.0,
+            x.registrar_cpu_max * 100.0
+        ),
+    )
+}
+
 fn spread(value: String, several: bool, range: String) -> String {
     if several {
         format!("{value} ({range})")
@@ -813,15 +826,7 @@ fn markdown(samples: &[Sample], machine: &str) -> String {
             } else {
                 "-".into()
             },
-            spread(
-                format!("{:.1}%", x.registrar_cpu * 100.0),
-                x.runs > 1,
-                format!(
-                    "{:.1}–{:.1}",
-                    x.registrar_cpu_min * 100.0,
-                    x.registrar_cpu_max * 100.0
-                )
-            ),
+            cpu_cell(x),
             x.rss_bytes as f64 / 1e6,
             x.p50_us,
             spread(x.p99_us.to_string(), x.runs > 1, x.p99_us_max.to_string()),
@@ -911,15 +916,7 @@ fn cluster_markdown(samples: &[Sample], machine: &str) -> String {
             x.registrars,
             x.pes,
             x.rereg_ms,
-            spread(
-                format!("{:.1}%", x.registrar_cpu * 100.0),
-                x.runs > 1,
-                format!(
-                    "{:.1}–{:.1}",
-                    x.registrar_cpu_min * 100.0,
-                    x.registrar_cpu_max * 100.0
-                )
-            ),
+            cpu_cell(x),
             base.map_or("-".into(), |b| format!("{:.2}×", x.registrar_cpu / b)),
             x.sync_cpu
                 .map_or("-".into(), |c| format!("{:.1}%", c * 100.0)),
