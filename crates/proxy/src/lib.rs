@@ -454,6 +454,11 @@ async fn accept_loop(
         };
         warned = false;
         let _ = stream.set_nodelay(true);
+        if mode == Mode::Http {
+            // The response will carry the ACK of the request (as HAProxy does): one packet
+            // less per connection.
+            let _ = socket2::SockRef::from(&stream).set_quickack(false);
+        }
         let ctx = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();
         tokio::spawn(async move {
             match mode {

@@ -464,6 +464,48 @@ async fn large_uploads_and_downloads_arrive_byte_exact() {
     drop(b);
 }
 
+/// The last response on a connection goes out with the FIN (MSG_MORE, then shutdown): whole
+/// bodies, small (one write) and large (the last of many), then a clean end of stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn last_responses_arrive_whole_before_the_close() {
+    let (_reg, b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
+    let addr = proxy.local_addrs()[0];
+    for (n, req) in [
+        (
+            0,
+            "GET /bytes/0 HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        ),
+        (
+            100,
+            "GET /bytes/100 HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        ),
+        (60_000, "GET /bytes/60000 HTTP/1.0\r\nHost: t\r\n\r\n"),
+        (
+            3_000_000,
+            "GET /bytes/3000000 HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        ),
+    ] {
+        for _ in 0..20 {
+            let mut c = Client::connect(addr).await.unwrap();
+            let r = c.send(req.as_bytes()).await.unwrap();
+            assert_eq!(r.code, 200);
+            assert!(r.close, "{req:?} is answered with Connection: close");
+            let want: Vec<u8> = (0..n as u64).map(|i| (i % 251) as u8).collect();
+            assert!(r.body == want, "body of {req:?} differs");
+            let mut rest = Vec::new();
+            let end = tokio::time::timeout(Duration::from_secs(5), c.stream.read_to_end(&mut rest))
+                .await
+                .expect("the proxy closes after the last response");
+            assert!(
+                end.is_ok() && rest.is_empty(),
+                "{end:?}, {} bytes after the body",
+                rest.len()
+            );
+        }
+    }
+    drop(b);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_http_gets_400_and_disturbs_no_one_else() {
     let (_reg, b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
