@@ -85,6 +85,28 @@ pub fn run(what: BenchCommand) -> Result<()> {
     }
 }
 
+/// The machine's CPU counters (`/proc/stat`, all cores): (busy, total) in clock ticks.
+pub fn machine_cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal ...; idle and iowait are not busy.
+    let total: u64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3)? + ticks.get(4)?;
+    Some((total - idle, total))
+}
+
+/// The share of the machine's CPU that was busy since `since` (from [`machine_cpu_ticks`]).
+pub fn machine_busy_since(since: Option<(u64, u64)>) -> Option<f64> {
+    let ((b0, t0), (b1, t1)) = since.zip(machine_cpu_ticks())?;
+    (t1 > t0).then(|| (b1 - b0) as f64 / (t1 - t0) as f64)
+}
+
 /// The command as the user typed it, for the results file.
 pub fn command_line() -> String {
     let args = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
