@@ -9,6 +9,7 @@
 //! new connection.
 
 use crate::Ctx;
+use crate::client_stream::ClientStream;
 use crate::message::{
     BodyState, Framing, Head, HeadError, framing, is_hop_by_hop, response_framing,
 };
@@ -19,7 +20,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tracing::debug;
 
@@ -44,7 +45,7 @@ impl BackendConn {
 }
 
 struct Client {
-    stream: TcpStream,
+    stream: ClientStream,
     buf: BytesMut,
     peer: SocketAddr,
 }
@@ -56,9 +57,9 @@ enum Next {
 }
 
 /// Serves one client connection until it closes, errs, times out or the proxy drains.
-pub(crate) async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Ctx) {
+pub(crate) async fn serve(stream: std::net::TcpStream, peer: SocketAddr, ctx: Ctx) {
     let mut c = Client {
-        stream,
+        stream: ClientStream::new(stream),
         buf: BytesMut::with_capacity(16 * 1024),
         peer,
     };
@@ -277,7 +278,9 @@ fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
         out.put_slice(h.get("upgrade").unwrap_or_default());
         out.put_slice(b"\r\n");
     } else if h.minor == 0 {
-        out.put_slice(b"Connection: close\r\n");
+        // Asked for whatever the client wants, so that HTTP/1.0 clients (ab, old scripts)
+        // also get kept-alive connections to the PEs.
+        out.put_slice(b"Connection: keep-alive\r\n");
     }
     out.put_slice(b"\r\n");
     out
@@ -542,8 +545,14 @@ async fn exchange(
     let Ok(framing) = response_framing(&resp, r.head.method() == b"HEAD") else {
         return Err(Failure::Broken { relayed });
     };
-    let backend_keep =
-        resp.minor == 1 && !resp.has_token("connection", "close") && framing != Framing::Close;
+    // An HTTP/1.0 request's connection persists only if the PE says so (RFC 9112 §9.3).
+    let backend_keep = framing != Framing::Close
+        && !resp.has_token("connection", "close")
+        && if r.head.minor == 1 {
+            resp.minor == 1
+        } else {
+            resp.has_token("connection", "keep-alive")
+        };
     let client_keep =
         r.keep_alive && framing != Framing::Close && !client_body_left && !*ctx.draining.borrow();
     let mut out = BytesMut::with_capacity(resp.raw.len() + 64);
@@ -673,11 +682,11 @@ enum RelayError {
 /// `prefix` (a head). The prefix and the first body bytes go out in one write where they fit,
 /// so a small response costs one write. Bytes after the body stay in `buf`.
 /// With `last`, the write that ends the body also ends `dst`'s sending side (see
-/// [`write_last`]).
+/// [`Sink::write_last`]).
 async fn relay(
-    src: &mut TcpStream,
+    src: &mut (impl AsyncRead + Unpin),
     buf: &mut BytesMut,
-    dst: &mut TcpStream,
+    dst: &mut impl Sink,
     framing: Framing,
     mut prefix: BytesMut,
     idle: Duration,
@@ -717,31 +726,32 @@ async fn relay(
     }
 }
 
-async fn write(dst: &mut TcpStream, data: &[u8], last: bool) -> Result<(), RelayError> {
+async fn write(dst: &mut impl Sink, data: &[u8], last: bool) -> Result<(), RelayError> {
     let r = if last {
-        write_last(dst, data).await
+        dst.write_last(data).await
     } else {
         dst.write_all(data).await
     };
     r.map_err(|_| RelayError::Dst)
 }
 
-/// Writes the last bytes of a connection and ends its sending side. MSG_MORE holds the bytes
-/// back until the shutdown, which sends them with the FIN in one segment: one packet less
-/// per connection (as many as `Connection: close` requests).
-async fn write_last(s: &TcpStream, mut data: &[u8]) -> io::Result<()> {
-    let sock = socket2::SockRef::from(s);
-    while !data.is_empty() {
-        s.writable().await?;
-        match s.try_io(Interest::WRITABLE, || {
-            sock.send_with_flags(data, libc::MSG_MORE)
-        }) {
-            Ok(n) => data = &data[n..],
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
+/// Where a relayed body goes: the client, or a PE.
+trait Sink: AsyncWrite + Unpin {
+    /// Writes the last bytes of the connection and ends its sending side.
+    async fn write_last(&mut self, data: &[u8]) -> io::Result<()>;
+}
+
+impl Sink for ClientStream {
+    async fn write_last(&mut self, data: &[u8]) -> io::Result<()> {
+        ClientStream::write_last(self, data).await
     }
-    sock.shutdown(std::net::Shutdown::Write)
+}
+
+impl Sink for TcpStream {
+    async fn write_last(&mut self, data: &[u8]) -> io::Result<()> {
+        self.write_all(data).await?;
+        self.shutdown().await
+    }
 }
 
 /// After 101 Switching Protocols: bytes both ways until either side ends.
@@ -753,8 +763,10 @@ async fn tunnel(c: &mut Client, mut bc: BackendConn, b: &Arc<Backend>, ctx: &Ctx
         return;
     }
     c.buf.clear();
-    if let Ok(m) =
-        crate::splice::forward(&c.stream, &bc.stream, ctx.idle_timeout(), ctx.cfg.splice).await
+    let Ok(cs) = c.stream.registered() else {
+        return;
+    };
+    if let Ok(m) = crate::splice::forward(cs, &bc.stream, ctx.idle_timeout(), ctx.cfg.splice).await
     {
         b.stats.bytes_in.fetch_add(m.a_to_b, Ordering::Relaxed);
         b.stats.bytes_out.fetch_add(m.b_to_a, Ordering::Relaxed);

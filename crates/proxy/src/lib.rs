@@ -10,6 +10,7 @@
 //! endpoint with per-PE counters.
 
 pub mod client;
+mod client_stream;
 pub mod config;
 pub mod http;
 pub mod message;
@@ -25,6 +26,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
+use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
@@ -255,6 +257,7 @@ impl Proxy {
     async fn add_listener(&self, l: ListenerConfig) -> Result<(), StartError> {
         let sock = bind(l.listen).map_err(|e| StartError::Bind(l.listen, e))?;
         let local = sock
+            .get_ref()
             .local_addr()
             .map_err(|e| StartError::Bind(l.listen, e))?;
         let ctx = Arc::new(RwLock::new(self.ctx(&l)));
@@ -411,7 +414,7 @@ fn open_log(cfg: &ProxyConfig) -> Result<Option<AccessLog>, StartError> {
         .transpose()
 }
 
-fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+fn bind(addr: SocketAddr) -> std::io::Result<AsyncFd<std::net::TcpListener>> {
     let sock = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM,
@@ -421,11 +424,29 @@ fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     sock.set_nonblocking(true)?;
     sock.bind(&addr.into())?;
     sock.listen(4096)?;
-    TcpListener::from_std(sock.into())
+    let sock: std::net::TcpListener = sock.into();
+    // tokio offers readiness for a plain fd only through `AsyncFd`, and registering one is
+    // `unsafe` since tokio 1.53.
+    #[allow(unsafe_code)]
+    // SAFETY: the AsyncFd owns the listener, whose fd stays open and the same until the
+    // AsyncFd is dropped.
+    let fd = unsafe { AsyncFd::register(sock) };
+    fd.map_err(std::io::Error::from)
+}
+
+/// Accepts a connection without registering it with the reactor (see [`client_stream`]):
+/// one `accept4`, already non-blocking.
+fn accept(l: &std::net::TcpListener) -> std::io::Result<(std::net::TcpStream, SocketAddr)> {
+    use rustix::net::{SocketFlags, acceptfrom_with};
+    let (fd, peer) = acceptfrom_with(l, SocketFlags::NONBLOCK | SocketFlags::CLOEXEC)?;
+    let peer = peer
+        .and_then(|p| SocketAddr::try_from(p).ok())
+        .ok_or_else(|| std::io::Error::other("accepted a connection without a peer address"))?;
+    Ok((fd.into(), peer))
 }
 
 async fn accept_loop(
-    sock: TcpListener,
+    sock: AsyncFd<std::net::TcpListener>,
     mode: Mode,
     ctx: Arc<RwLock<Ctx>>,
     conns: Arc<Semaphore>,
@@ -437,8 +458,17 @@ async fn accept_loop(
             p = conns.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
             () = until_set(&mut stop) => return,
         };
+        let accepted = async {
+            loop {
+                let mut ready = sock.readable().await?;
+                match ready.try_io(|l| accept(l.get_ref())) {
+                    Ok(r) => return r,
+                    Err(_would_block) => continue,
+                }
+            }
+        };
         let (stream, peer) = tokio::select! {
-            r = sock.accept() => match r {
+            r = accepted => match r {
                 Ok(v) => v,
                 Err(e) => {
                     // Out of descriptors and the like: wait a moment, say it once.
@@ -462,7 +492,10 @@ async fn accept_loop(
         let ctx = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();
         tokio::spawn(async move {
             match mode {
-                Mode::Tcp => tcp::serve(stream, peer, ctx).await,
+                Mode::Tcp => match TcpStream::from_std(stream) {
+                    Ok(s) => tcp::serve(s, peer, ctx).await,
+                    Err(e) => warn!("proxy: cannot register a connection: {e}"),
+                },
                 Mode::Http => http::serve(stream, peer, ctx).await,
             }
             drop(permit);

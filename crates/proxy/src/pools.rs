@@ -66,6 +66,9 @@ struct Health {
 pub struct BackendStats {
     /// Connections (TCP mode) or requests (HTTP mode) sent to this PE.
     pub requests: AtomicU64,
+    /// Connections opened to this PE; in HTTP mode far fewer than requests while kept-alive
+    /// connections are reused.
+    pub connections: AtomicU64,
     pub active: AtomicU64,
     pub failures: AtomicU64,
     pub ejections: AtomicU64,
@@ -166,6 +169,7 @@ impl Backend {
             match tokio::time::timeout(timeout, TcpStream::connect(a)).await {
                 Ok(Ok(s)) => {
                     let _ = s.set_nodelay(true);
+                    self.stats.connections.fetch_add(1, Ordering::Relaxed);
                     return Ok(s);
                 }
                 Ok(Err(e)) => last = e,
@@ -448,6 +452,7 @@ impl Pools {
                             addrs: b.addrs.iter().map(|a| a.to_string()).collect(),
                             ejected: b.is_ejected(now),
                             requests: s.requests.load(Ordering::Relaxed),
+                            connections: s.connections.load(Ordering::Relaxed),
                             active: s.active.load(Ordering::Relaxed),
                             failures: s.failures.load(Ordering::Relaxed),
                             ejections: s.ejections.load(Ordering::Relaxed),
@@ -475,6 +480,7 @@ pub struct BackendSnapshot {
     pub addrs: Vec<String>,
     pub ejected: bool,
     pub requests: u64,
+    pub connections: u64,
     pub active: u64,
     pub failures: u64,
     pub ejections: u64,

@@ -506,6 +506,54 @@ async fn last_responses_arrive_whole_before_the_close() {
     drop(b);
 }
 
+/// HTTP/1.0 clients are answered, kept alive when they ask for it, and their requests go over
+/// kept-alive connections to the PEs like everyone else's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_1_0_clients_share_kept_alive_pe_connections() {
+    let (_reg, b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
+    let addr = proxy.local_addrs()[0];
+    for _ in 0..30 {
+        let mut c = Client::connect(addr).await.unwrap();
+        let r = c.send(b"GET /once HTTP/1.0\r\n\r\n").await.unwrap();
+        assert_eq!(r.code, 200);
+        assert!(r.close, "a plain HTTP/1.0 request ends its connection");
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), c.stream.read_to_end(&mut rest))
+            .await
+            .expect("closed after the response")
+            .unwrap();
+        assert!(rest.is_empty());
+    }
+    let mut c = Client::connect(addr).await.unwrap();
+    for _ in 0..10 {
+        let r = c
+            .send(b"GET /kept HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(r.code, 200);
+        assert_eq!(r.header("connection").as_deref(), Some("keep-alive"));
+    }
+    let pes: Vec<_> = proxy
+        .pools()
+        .all()
+        .into_iter()
+        .flat_map(|p| p.backends())
+        .collect();
+    let sum = |f: &dyn Fn(&rserpool_proxy::pools::BackendStats) -> u64| -> u64 {
+        pes.iter().map(|pe| f(&pe.stats)).sum()
+    };
+    let requests = sum(&|s| s.requests.load(Ordering::Relaxed));
+    let connections = sum(&|s| s.connections.load(Ordering::Relaxed));
+    eprintln!("{requests} requests over {connections} PE connections");
+    assert_eq!(requests, 40);
+    // One per PE when every request finds its PE's connection idle; 40 without reuse.
+    assert!(
+        connections <= 6,
+        "{connections} connections for {requests} requests"
+    );
+    drop(b);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_http_gets_400_and_disturbs_no_one_else() {
     let (_reg, b, proxy) = backends_behind_proxy(&[Mode::Http]).await;

@@ -239,7 +239,8 @@ async fn serve_http(mut stream: TcpStream, id: u32) -> std::io::Result<()> {
             tokio::io::copy(&mut r, &mut w).await?;
             return Ok(());
         }
-        let keep = head.minor == 1 && !head.has_token("connection", "close");
+        let keep = !head.has_token("connection", "close")
+            && (head.minor == 1 || head.has_token("connection", "keep-alive"));
         let method = String::from_utf8_lossy(head.method()).into_owned();
         let target = String::from_utf8_lossy(head.target()).into_owned();
         let download = target
@@ -256,7 +257,11 @@ async fn serve_http(mut stream: TcpStream, id: u32) -> std::io::Result<()> {
         let length = download.unwrap_or(text.len() as u64);
         let mut out = format!(
             "HTTP/1.1 200 OK\r\nX-Pe-Id: {id:#010x}\r\nContent-Type: text/plain\r\nContent-Length: {length}\r\n{}\r\n",
-            if keep { "" } else { "Connection: close\r\n" }
+            match (keep, head.minor) {
+                (false, _) => "Connection: close\r\n",
+                (true, 0) => "Connection: keep-alive\r\n",
+                (true, _) => "",
+            }
         )
         .into_bytes();
         if method != "HEAD" {
