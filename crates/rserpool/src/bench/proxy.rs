@@ -185,6 +185,7 @@ pub fn run(args: ProxyBenchArgs) -> Result<()> {
         bail!("--threads, --connections, --repeat and --duration-s must be at least 1");
     }
     check_tools(&args)?;
+    undo_on_signal()?;
     let sizes = if args.transfer_mb.is_empty() {
         vec![10, 20]
     } else {
@@ -280,6 +281,53 @@ fn versions() -> String {
     )
 }
 
+/// What an interrupted run must undo. The backends and proxies run in their own process
+/// groups, so Ctrl-C does not reach them; without this, Ctrl-C or SIGTERM would leave them
+/// running, the rate limit on lo in place and the temporary directory behind.
+struct Undo {
+    groups: Vec<rustix::process::Pid>,
+    dirs: Vec<PathBuf>,
+    qdisc: bool,
+}
+
+static UNDO: std::sync::Mutex<Undo> = std::sync::Mutex::new(Undo {
+    groups: Vec::new(),
+    dirs: Vec::new(),
+    qdisc: false,
+});
+
+fn undo() -> std::sync::MutexGuard<'static, Undo> {
+    UNDO.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// On SIGINT or SIGTERM: kill every process group started, remove the qdisc and the
+/// temporary directories, exit with 130.
+fn undo_on_signal() -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // Watched from here on, before anything is started.
+    let mut signals = rt.block_on(async { crate::cmd::Shutdown::watch() })?;
+    std::thread::spawn(move || {
+        rt.block_on(signals.recv());
+        let u = undo();
+        for &g in &u.groups {
+            let _ = rustix::process::kill_process_group(g, rustix::process::Signal::KILL);
+        }
+        if u.qdisc {
+            let _ = tc(&["qdisc", "del", "dev", "lo", "root"]);
+        }
+        // Give the killed processes a moment to let go of their files.
+        std::thread::sleep(Duration::from_millis(200));
+        for d in &u.dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
+        eprintln!("interrupted: processes stopped, temporary files and rate limits removed");
+        std::process::exit(130);
+    });
+    Ok(())
+}
+
 /// A child process in its own process group; dropping it kills the whole group (nginx's
 /// master leaves its workers behind otherwise).
 struct Proc {
@@ -298,6 +346,7 @@ impl Proc {
             .stderr(log)
             .spawn()
             .with_context(|| format!("starting {cmd:?}"))?;
+        undo().groups.push(rustix::process::Pid::from_child(&child));
         Ok(Proc {
             child,
             reaped: false,
@@ -310,6 +359,7 @@ impl Proc {
             return;
         }
         let pid = rustix::process::Pid::from_child(&self.child);
+        undo().groups.retain(|&g| g != pid);
         let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
         let _ = self.child.wait();
     }
@@ -339,8 +389,16 @@ fn wait_for(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) -> Res
 /// A directory removed when dropped.
 struct TempDir(PathBuf);
 
+impl TempDir {
+    fn new(dir: PathBuf) -> TempDir {
+        undo().dirs.push(dir.clone());
+        TempDir(dir)
+    }
+}
+
 impl Drop for TempDir {
     fn drop(&mut self) {
+        undo().dirs.retain(|d| *d != self.0);
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
@@ -365,7 +423,7 @@ impl Bed {
         ));
         let www = dir.join("www");
         std::fs::create_dir_all(www.join("up"))?;
-        let tmp = TempDir(dir.clone());
+        let tmp = TempDir::new(dir.clone());
         std::fs::write(www.join(&SMALL[1..]), vec![b'x'; SMALL_SIZE])?;
         std::fs::write(www.join(&BULK[1..]), vec![0u8; BULK_SIZE])?;
         for &mib in sizes {
@@ -914,6 +972,7 @@ impl Links {
         tc(&[
             "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "1",
         ])?;
+        undo().qdisc = true;
         let links = Links;
         tc(&[
             "class", "add", "dev", "lo", "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit",
@@ -957,6 +1016,7 @@ impl Links {
 
 impl Drop for Links {
     fn drop(&mut self) {
+        undo().qdisc = false;
         let _ = tc(&["qdisc", "del", "dev", "lo", "root"]);
     }
 }
