@@ -11,14 +11,27 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream as StdStream};
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+
+/// How long a closing connection keeps reading what the client still sends.
+const LINGER: Duration = Duration::from_secs(2);
 
 /// At most this much of a read buffer is offered to a read before registration (it has to be
 /// zeroed first: safe code cannot hand uninitialised memory to `read`).
 const SPECULATIVE_READ: usize = 16 * 1024;
 
-pub(crate) enum ClientStream {
+pub(crate) struct ClientStream {
+    socket: Socket,
+    /// Our sending side is shut down (the FIN is out).
+    write_shut: bool,
+    /// The client is known to have more to send: [`ClientStream::close`] reads it off even if
+    /// none has arrived yet.
+    linger: bool,
+}
+
+enum Socket {
     /// Non-blocking, not known to the reactor.
     Unregistered(StdStream),
     Registered(TcpStream),
@@ -30,22 +43,30 @@ fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock
 }
 
+fn lost() -> io::Error {
+    io::Error::other("client socket could not be registered")
+}
+
 impl ClientStream {
     /// `s` must be in non-blocking mode.
     pub(crate) fn new(s: StdStream) -> Self {
-        Self::Unregistered(s)
+        Self {
+            socket: Socket::Unregistered(s),
+            write_shut: false,
+            linger: false,
+        }
     }
 
     /// The tokio stream, registering the socket now if need be.
     pub(crate) fn registered(&mut self) -> io::Result<&mut TcpStream> {
-        if let Self::Unregistered(_) = self
-            && let Self::Unregistered(s) = std::mem::replace(self, Self::Lost)
+        if let Socket::Unregistered(_) = self.socket
+            && let Socket::Unregistered(s) = std::mem::replace(&mut self.socket, Socket::Lost)
         {
-            *self = Self::Registered(TcpStream::from_std(s)?);
+            self.socket = Socket::Registered(TcpStream::from_std(s)?);
         }
-        match self {
-            Self::Registered(t) => Ok(t),
-            _ => Err(io::Error::other("client socket could not be registered")),
+        match &mut self.socket {
+            Socket::Registered(t) => Ok(t),
+            _ => Err(lost()),
         }
     }
 
@@ -64,21 +85,65 @@ impl ClientStream {
     }
 
     fn try_send_more(&mut self, data: &[u8]) -> io::Result<usize> {
-        let send = |s: socket2::SockRef<'_>| s.send_with_flags(data, libc::MSG_MORE);
-        match self {
-            Self::Unregistered(s) => send(socket2::SockRef::from(&*s)),
-            Self::Registered(t) => t.try_io(tokio::io::Interest::WRITABLE, || {
-                send(socket2::SockRef::from(&*t))
+        // MSG_NOSIGNAL: a vanished client is an error here, not a SIGPIPE for whoever embeds
+        // the proxy.
+        let flags = libc::MSG_MORE | libc::MSG_NOSIGNAL;
+        let send = |s: socket2::SockRef<'_>| s.send_with_flags(data, flags);
+        match &self.socket {
+            Socket::Unregistered(s) => send(socket2::SockRef::from(s)),
+            Socket::Registered(t) => t.try_io(tokio::io::Interest::WRITABLE, || {
+                send(socket2::SockRef::from(t))
             }),
-            Self::Lost => Err(io::Error::other("client socket lost")),
+            Socket::Lost => Err(lost()),
         }
     }
 
-    fn shutdown_write(&self) -> io::Result<()> {
-        match self {
-            Self::Unregistered(s) => s.shutdown(Shutdown::Write),
-            Self::Registered(t) => socket2::SockRef::from(t).shutdown(Shutdown::Write),
-            Self::Lost => Ok(()),
+    fn shutdown_write(&mut self) -> io::Result<()> {
+        let r = match &self.socket {
+            Socket::Unregistered(s) => s.shutdown(Shutdown::Write),
+            Socket::Registered(t) => socket2::SockRef::from(t).shutdown(Shutdown::Write),
+            Socket::Lost => Ok(()),
+        };
+        self.write_shut = true;
+        r
+    }
+
+    pub(crate) fn linger_on_close(&mut self) {
+        self.linger = true;
+    }
+
+    /// Closes the connection without cutting off what was sent to it. A close with unread
+    /// bytes in the receive queue makes Linux answer with a RST, and the RST destroys the
+    /// response at the client if it has not read it yet. So if the client has sent more (a
+    /// pipelined request, the rest of an upload the PE answered early), or is known to have
+    /// more, that is read and dropped until the client closes, for at most [`LINGER`]. The
+    /// usual case costs one `recv` that finds nothing.
+    pub(crate) async fn close(mut self) {
+        if !self.write_shut && self.shutdown_write().is_err() {
+            return;
+        }
+        let mut scratch = [0u8; 4096];
+        let pending = match &self.socket {
+            Socket::Unregistered(s) => (&*s).read(&mut scratch),
+            // Directly: tokio may not have seen the readiness yet.
+            Socket::Registered(t) => {
+                rustix::net::recv(t, &mut scratch, rustix::net::RecvFlags::DONTWAIT)
+                    .map(|(n, _)| n)
+                    .map_err(io::Error::from)
+            }
+            Socket::Lost => return,
+        };
+        match pending {
+            Ok(n) if n > 0 => {}
+            Err(e) if would_block(&e) && self.linger => {}
+            _ => return,
+        }
+        let deadline = tokio::time::Instant::now() + LINGER;
+        let Ok(t) = self.registered() else { return };
+        while let Ok(Ok(n)) = tokio::time::timeout_at(deadline, t.read(&mut scratch)).await {
+            if n == 0 {
+                break;
+            }
         }
     }
 }
@@ -90,7 +155,7 @@ impl AsyncRead for ClientStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if let Self::Unregistered(s) = this {
+        if let Socket::Unregistered(s) = &mut this.socket {
             let want = buf.remaining().min(SPECULATIVE_READ);
             match s.read(buf.initialize_unfilled_to(want)) {
                 Ok(n) => {
@@ -115,7 +180,7 @@ impl AsyncWrite for ClientStream {
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if let Self::Unregistered(s) = this {
+        if let Socket::Unregistered(s) = &mut this.socket {
             match s.write(data) {
                 Ok(n) => return Poll::Ready(Ok(n)),
                 Err(e) if would_block(&e) => {}
@@ -129,13 +194,13 @@ impl AsyncWrite for ClientStream {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Registered(t) => Pin::new(t).poll_flush(cx),
+        match &mut self.get_mut().socket {
+            Socket::Registered(t) => Pin::new(t).poll_flush(cx),
             _ => Poll::Ready(Ok(())),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(self.shutdown_write())
+        Poll::Ready(self.get_mut().shutdown_write())
     }
 }

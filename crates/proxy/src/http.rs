@@ -63,6 +63,12 @@ pub(crate) async fn serve(stream: std::net::TcpStream, peer: SocketAddr, ctx: Ct
         buf: BytesMut::with_capacity(16 * 1024),
         peer,
     };
+    serve_requests(&mut c, &ctx).await;
+    c.stream.close().await;
+}
+
+async fn serve_requests(c: &mut Client, ctx: &Ctx) {
+    let peer = c.peer;
     let mut first = true;
     let mut draining = ctx.draining.clone();
     loop {
@@ -73,7 +79,7 @@ pub(crate) async fn serve(stream: std::net::TcpStream, peer: SocketAddr, ctx: Ct
         };
         let idle = c.buf.is_empty();
         let head = tokio::select! {
-            r = tokio::time::timeout(wait, read_head(&mut c, ctx.cfg.max_head)) => r,
+            r = tokio::time::timeout(wait, read_head(c, ctx.cfg.max_head)) => r,
             () = crate::until_set(&mut draining), if idle => return,
         };
         let head = match head {
@@ -81,23 +87,23 @@ pub(crate) async fn serve(stream: std::net::TcpStream, peer: SocketAddr, ctx: Ct
             Ok(Ok(None)) => return,
             Ok(Err(ReadHeadError::Io)) => return,
             Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
-                let _ = reply(&mut c, 431, "request head too large").await;
+                let _ = reply(c, 431, "request head too large").await;
                 return;
             }
             Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
                 debug!("client {peer}: malformed request");
-                let _ = reply(&mut c, 400, "malformed request").await;
+                let _ = reply(c, 400, "malformed request").await;
                 return;
             }
             Err(_) => {
                 if !c.buf.is_empty() || first {
-                    let _ = reply(&mut c, 408, "request timeout").await;
+                    let _ = reply(c, 408, "request timeout").await;
                 }
                 return;
             }
         };
         first = false;
-        match request(&mut c, head, &ctx).await {
+        match request(c, head, ctx).await {
             Next::KeepAlive if !*ctx.draining.borrow() => {}
             _ => return,
         }
@@ -193,12 +199,7 @@ fn analyse(head: Head) -> Result<Request, &'static str> {
         .iter()
         .position(|&b| b == b'?')
         .unwrap_or(target.len());
-    let close = head.has_token("connection", "close");
-    let keep_alive = if head.minor == 1 {
-        !close
-    } else {
-        head.has_token("connection", "keep-alive") && !close
-    };
+    let keep_alive = head.wants_keep_alive();
     let expect_continue = head
         .get("expect")
         .is_some_and(|v| v.eq_ignore_ascii_case(b"100-continue"));
@@ -545,6 +546,10 @@ async fn exchange(
     let Ok(framing) = response_framing(&resp, r.head.method() == b"HEAD") else {
         return Err(Failure::Broken { relayed });
     };
+    if framing == Framing::Chunked && r.head.minor == 0 {
+        // An HTTP/1.0 client cannot read it, and a PE must not send it (RFC 9112 §7.1).
+        return Err(Failure::Broken { relayed });
+    }
     // An HTTP/1.0 request's connection persists only if the PE says so (RFC 9112 §9.3).
     let backend_keep = framing != Framing::Close
         && !resp.has_token("connection", "close")
@@ -555,6 +560,10 @@ async fn exchange(
         };
     let client_keep =
         r.keep_alive && framing != Framing::Close && !client_body_left && !*ctx.draining.borrow();
+    if client_body_left {
+        // The client may still be sending the body the PE did not take.
+        c.stream.linger_on_close();
+    }
     let mut out = BytesMut::with_capacity(resp.raw.len() + 64);
     response_head(&resp, &mut out, client_keep, r.head.minor);
     bytes += out.len() as u64;

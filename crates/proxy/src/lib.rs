@@ -430,7 +430,7 @@ fn bind(addr: SocketAddr) -> std::io::Result<AsyncFd<std::net::TcpListener>> {
     #[allow(unsafe_code)]
     // SAFETY: the AsyncFd owns the listener, whose fd stays open and the same until the
     // AsyncFd is dropped.
-    let fd = unsafe { AsyncFd::register(sock) };
+    let fd = unsafe { AsyncFd::register_with_interest(sock, tokio::io::Interest::READABLE) };
     fd.map_err(std::io::Error::from)
 }
 
@@ -470,6 +470,8 @@ async fn accept_loop(
         let (stream, peer) = tokio::select! {
             r = accepted => match r {
                 Ok(v) => v,
+                // The client gave up before it was accepted.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => continue,
                 Err(e) => {
                     // Out of descriptors and the like: wait a moment, say it once.
                     if !warned {

@@ -154,6 +154,13 @@ impl Head {
         self.tokens(name)
             .any(|t| t.eq_ignore_ascii_case(token.as_bytes()))
     }
+
+    /// Whether the sender of this request wants the connection kept open afterwards:
+    /// HTTP/1.1 unless it says `close`, HTTP/1.0 only if it says `keep-alive`.
+    pub fn wants_keep_alive(&self) -> bool {
+        !self.has_token("connection", "close")
+            && (self.minor == 1 || self.has_token("connection", "keep-alive"))
+    }
 }
 
 /// How a body is delimited.

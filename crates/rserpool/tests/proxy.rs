@@ -506,6 +506,96 @@ async fn last_responses_arrive_whole_before_the_close() {
     drop(b);
 }
 
+/// A client that sends more after a `Connection: close` request (a pipelined request, the
+/// rest of an upload) while the response is still on its way gets the whole response:
+/// closing a socket with unread bytes makes Linux send a RST, which destroys what the client
+/// has not read yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_after_the_last_request_do_not_cut_off_its_response() {
+    let (_reg, b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
+    let addr = proxy.local_addrs()[0];
+    // Larger than the socket buffers on loopback (several MB): the proxy is still sending when
+    // the extra bytes come. (A client that sends more only after the proxy has closed gets
+    // a RST, as from HAProxy or nginx.)
+    let n = 20_000_000u64;
+    let want: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+    for _ in 0..3 {
+        let mut c = Client::connect(addr).await.unwrap();
+        let req = format!("GET /bytes/{n} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n");
+        c.stream.write_all(req.as_bytes()).await.unwrap();
+        // Once the proxy has read the request, more arrives; the client reads only later.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        c.stream
+            .write_all(b"GET /more HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let r = c.read_response(false, true).await.unwrap();
+        assert_eq!(r.code, 200);
+        assert!(
+            r.body == want,
+            "{} of {n} bytes arrived intact",
+            r.body.len()
+        );
+    }
+    drop(b);
+}
+
+/// A PE that answers every request with a chunked body, whatever the request's version.
+async fn chunked_pe() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n\
+                          5\r\nhello\r\n0\r\n\r\n",
+                    )
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// Chunked responses go to HTTP/1.1 clients as they are; an HTTP/1.0 client, which cannot
+/// read them, gets a 502 instead (a PE must not send one to it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_responses_reach_http_1_1_clients_only() {
+    let reg = registrar();
+    let _pe = pe(
+        reg.asap_addr(),
+        "Chunky",
+        1,
+        chunked_pe().await,
+        Policy::RoundRobin,
+    );
+    let proxy = start_proxy(
+        proxy_config(reg.asap_addr(), vec![(Mode::Http, "Chunky")]),
+        1,
+    )
+    .await;
+    let addr = proxy.local_addrs()[0];
+    let mut c = Client::connect(addr).await.unwrap();
+    let r = c.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n").await.unwrap();
+    assert_eq!(r.code, 200);
+    assert_eq!(r.header("transfer-encoding").as_deref(), Some("chunked"));
+    assert_eq!(r.body, b"5\r\nhello\r\n0\r\n\r\n");
+    let mut c = Client::connect(addr).await.unwrap();
+    let r = c.send(b"GET / HTTP/1.0\r\n\r\n").await.unwrap();
+    assert_eq!(r.code, 502);
+}
+
 /// HTTP/1.0 clients are answered, kept alive when they ask for it, and their requests go over
 /// kept-alive connections to the PEs like everyone else's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -339,6 +339,9 @@ impl Proc {
     fn spawn(cmd: &mut Command, log: &Path) -> Result<Proc> {
         use std::os::unix::process::CommandExt;
         let log = std::fs::File::create(log)?;
+        // Held across the spawn, so that an interruption either finds the child or comes
+        // before it exists.
+        let mut undo = undo();
         let child = cmd
             .process_group(0)
             .stdin(Stdio::null())
@@ -346,7 +349,7 @@ impl Proc {
             .stderr(log)
             .spawn()
             .with_context(|| format!("starting {cmd:?}"))?;
-        undo().groups.push(rustix::process::Pid::from_child(&child));
+        undo.groups.push(rustix::process::Pid::from_child(&child));
         Ok(Proc {
             child,
             reaped: false,
@@ -969,10 +972,14 @@ impl Links {
             );
         }
         let rate = format!("{mbit}mbit");
-        tc(&[
-            "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "1",
-        ])?;
+        // Before: deleting a qdisc that was never added does no harm.
         undo().qdisc = true;
+        if let Err(e) = tc(&[
+            "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "1",
+        ]) {
+            undo().qdisc = false;
+            return Err(e);
+        }
         let links = Links;
         tc(&[
             "class", "add", "dev", "lo", "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit",
@@ -1655,12 +1662,8 @@ impl Report {
 
     fn plot(&self, prefix: &str) -> Result<()> {
         let direct = self.row(System::Direct);
-        let proxies: Vec<&Row> = self
-            .rows
-            .iter()
-            .filter(|r| r.system != System::Direct)
-            .collect();
-        // Throughput relative to direct.
+        // Throughput relative to direct; direct's own bars (1.0) keep every system at the same
+        // place and colour in all three charts.
         if let Some(d) = direct {
             let metrics: [Metric; 3] = [
                 ("keep-alive req/s", &|r: &Row| r.ka_rps),
@@ -1668,7 +1671,8 @@ impl Report {
                 ("TCP bulk MiB/s", &|r: &Row| r.bulk),
             ];
             let groups: Vec<String> = metrics.iter().map(|m| m.0.to_string()).collect();
-            let series: Vec<(String, Vec<f64>)> = proxies
+            let series: Vec<(String, Vec<f64>)> = self
+                .rows
                 .iter()
                 .map(|r| {
                     let v = metrics

@@ -239,8 +239,7 @@ async fn serve_http(mut stream: TcpStream, id: u32) -> std::io::Result<()> {
             tokio::io::copy(&mut r, &mut w).await?;
             return Ok(());
         }
-        let keep = !head.has_token("connection", "close")
-            && (head.minor == 1 || head.has_token("connection", "keep-alive"));
+        let keep = head.wants_keep_alive();
         let method = String::from_utf8_lossy(head.method()).into_owned();
         let target = String::from_utf8_lossy(head.target()).into_owned();
         let download = target
