@@ -464,6 +464,19 @@ async fn large_uploads_and_downloads_arrive_byte_exact() {
     drop(b);
 }
 
+/// The proxy ends the connection cleanly right after the response: nothing more, then EOF.
+async fn closed_after_response(c: &mut Client) {
+    let mut rest = Vec::new();
+    let end = tokio::time::timeout(Duration::from_secs(5), c.stream.read_to_end(&mut rest))
+        .await
+        .expect("the proxy closes after the last response");
+    assert!(
+        end.is_ok() && rest.is_empty(),
+        "{end:?}, {} bytes after the body",
+        rest.len()
+    );
+}
+
 /// The last response on a connection goes out with the FIN (MSG_MORE, then shutdown): whole
 /// bodies, small (one write) and large (the last of many), then a clean end of stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -492,15 +505,7 @@ async fn last_responses_arrive_whole_before_the_close() {
             assert!(r.close, "{req:?} is answered with Connection: close");
             let want: Vec<u8> = (0..n as u64).map(|i| (i % 251) as u8).collect();
             assert!(r.body == want, "body of {req:?} differs");
-            let mut rest = Vec::new();
-            let end = tokio::time::timeout(Duration::from_secs(5), c.stream.read_to_end(&mut rest))
-                .await
-                .expect("the proxy closes after the last response");
-            assert!(
-                end.is_ok() && rest.is_empty(),
-                "{end:?}, {} bytes after the body",
-                rest.len()
-            );
+            closed_after_response(&mut c).await;
         }
     }
     drop(b);
@@ -607,12 +612,7 @@ async fn http_1_0_clients_share_kept_alive_pe_connections() {
         let r = c.send(b"GET /once HTTP/1.0\r\n\r\n").await.unwrap();
         assert_eq!(r.code, 200);
         assert!(r.close, "a plain HTTP/1.0 request ends its connection");
-        let mut rest = Vec::new();
-        tokio::time::timeout(Duration::from_secs(5), c.stream.read_to_end(&mut rest))
-            .await
-            .expect("closed after the response")
-            .unwrap();
-        assert!(rest.is_empty());
+        closed_after_response(&mut c).await;
     }
     let mut c = Client::connect(addr).await.unwrap();
     for _ in 0..10 {
