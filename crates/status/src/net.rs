@@ -1,0 +1,110 @@
+//! The status listener over tokio: the accept loop for processes that run tokio (the proxy), and
+//! the client that `rserpool status`, the benchmarks and the tests read a status with.
+
+use crate::{IO_TIMEOUT, MAX_HEAD, Parse, Reply, parse_request, respond};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Serves `paths` on `listener` until the task is dropped: `handler` makes the reply for a path.
+/// Each connection gets one answer within [`IO_TIMEOUT`] and is closed.
+pub async fn serve<F>(listener: TcpListener, paths: &'static [&'static str], handler: F)
+where
+    F: Fn(&str) -> Reply + Send + Sync + 'static,
+{
+    let handler = Arc::new(handler);
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Out of file descriptors and the like: do not spin; the next accept may work.
+                tracing::debug!("status listener: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let handler = handler.clone();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(IO_TIMEOUT, answer(stream, paths, &*handler)).await;
+        });
+    }
+}
+
+async fn answer(
+    mut s: TcpStream,
+    paths: &[&str],
+    handler: &(dyn Fn(&str) -> Reply + Send + Sync),
+) -> io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let out = loop {
+        let mut chunk = [0u8; 2048];
+        let n = s.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        match parse_request(&buf) {
+            Parse::Incomplete => {}
+            Parse::Complete(req) => break respond(&req, paths, handler),
+            Parse::Invalid(reply) => break reply,
+        }
+    };
+    s.write_all(&out).await?;
+    s.shutdown().await
+}
+
+/// `GET path` from a status listener: the status code and the body.
+pub async fn get(addr: SocketAddr, path: &str) -> io::Result<(u16, Vec<u8>)> {
+    let exchange = async {
+        let mut s = TcpStream::connect(addr).await?;
+        let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await?;
+        let mut reply = Vec::new();
+        s.read_to_end(&mut reply).await?;
+        Ok::<_, io::Error>(reply)
+    };
+    let reply = tokio::time::timeout(IO_TIMEOUT, exchange)
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no answer in time"))??;
+    let bad =
+        |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("{what} from {addr}"));
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut resp = httparse::Response::new(&mut headers);
+    let head_len = match resp.parse(&reply[..reply.len().min(MAX_HEAD)]) {
+        Ok(httparse::Status::Complete(n)) => n,
+        _ => return Err(bad("not an HTTP answer")),
+    };
+    let status = resp.code.ok_or_else(|| bad("no status code"))?;
+    Ok((status, reply[head_len..].to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn serves_a_path_and_refuses_others() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let server = tokio::spawn(serve(listener, &["/status"], |_| Reply::text(200, "fine")));
+        assert_eq!(get(addr, "/status").await?, (200, b"fine\n".to_vec()));
+        assert_eq!(get(addr, "/status?pretty").await?.0, 200);
+        assert_eq!(get(addr, "/other").await?.0, 404);
+        // Garbage gets a 400 and the listener goes on serving.
+        let mut s = TcpStream::connect(addr).await?;
+        s.write_all(b"\x01\x00\x00\x08\r\n\r\n").await?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await?;
+        assert!(
+            out.starts_with(b"HTTP/1.1 400"),
+            "{}",
+            String::from_utf8_lossy(&out)
+        );
+        assert_eq!(get(addr, "/status").await?.0, 200);
+        server.abort();
+        Ok(())
+    }
+}
