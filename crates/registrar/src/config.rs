@@ -40,6 +40,9 @@ macro_rules! settings {
 settings! {
     /// ASAP listening address (TCP).
     asap: SocketAddr = SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT));
+    /// Status listener (HTTP: `GET /status`, the handlespace as JSON), or `off`. When the
+    /// default address is taken (a second registrar on the host), the registrar runs without one.
+    status: StatusListen = StatusListen::default();
     /// Registrar ID (Server Identifier); 0 picks a random one at start.
     server_id: u32 = 0;
     /// PEs per HANDLE_RESOLUTION_RESPONSE when the pool user does not say (MaxHResItems).
@@ -106,9 +109,76 @@ settings! {
     max_elements_per_ht_request: usize = 128;
 }
 
+/// Where the status listener listens: an address, or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatusListen(pub Option<SocketAddr>);
+
+/// The registrar's status listener by default.
+pub const DEFAULT_STATUS: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 8863);
+
+impl Default for StatusListen {
+    fn default() -> Self {
+        Self(Some(DEFAULT_STATUS))
+    }
+}
+
+impl std::str::FromStr for StatusListen {
+    type Err = std::net::AddrParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "off" | "none" => Ok(Self(None)),
+            _ => s.parse().map(|a| Self(Some(a))),
+        }
+    }
+}
+
+impl std::fmt::Display for StatusListen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(a) => a.fmt(f),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+impl serde::Serialize for StatusListen {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for StatusListen {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(|_| {
+            serde::de::Error::custom(format!(
+                "expected an address like 127.0.0.1:8863 or \"off\", got {text:?}"
+            ))
+        })
+    }
+}
+
 impl Config {
     /// Reads a TOML file; missing keys keep their defaults, unknown keys are an error.
     pub fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
         toml::from_str(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_status_listener_is_an_address_or_off() {
+        assert_eq!(Config::default().status, StatusListen(Some(DEFAULT_STATUS)));
+        let c = Config::from_toml("status = \"off\"").unwrap();
+        assert_eq!(c.status, StatusListen(None));
+        let c = Config::from_toml("status = \"127.0.0.1:9000\"").unwrap();
+        assert_eq!(c.status.to_string(), "127.0.0.1:9000");
+        assert!(Config::from_toml("status = \"nowhere\"").is_err());
+        let printed = toml::to_string(&c).unwrap();
+        assert_eq!(Config::from_toml(&printed).unwrap(), c);
     }
 }

@@ -9,7 +9,7 @@ pub mod core;
 pub mod driver;
 pub mod status;
 
-pub use config::{Config, ConfigFlags};
+pub use config::{Config, ConfigFlags, DEFAULT_STATUS, StatusListen};
 pub use core::{ConnId, Registrar};
 pub use driver::{RegistrarThread, Server, StopHandle};
 pub use status::Status;
