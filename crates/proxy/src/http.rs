@@ -9,11 +9,11 @@
 //! new connection.
 
 use crate::Ctx;
+use crate::backend::{Backend, BackendConn};
 use crate::client_stream::ClientStream;
 use crate::message::{
     BodyState, Framing, Head, HeadError, framing, is_hop_by_hop, response_framing,
 };
-use crate::pools::Backend;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::io;
 use std::net::SocketAddr;
@@ -27,22 +27,6 @@ use tracing::debug;
 const READ_CHUNK: usize = 64 * 1024;
 /// Responses up to this size (head and body) go to the client in one write.
 const COALESCE: usize = 64 * 1024;
-
-/// A connection to a PE with the bytes read from it but not used yet.
-#[derive(Debug)]
-pub struct BackendConn {
-    stream: TcpStream,
-    buf: BytesMut,
-}
-
-impl BackendConn {
-    fn new(stream: TcpStream) -> Self {
-        Self {
-            stream,
-            buf: BytesMut::with_capacity(16 * 1024),
-        }
-    }
-}
 
 struct Client {
     stream: ClientStream,
@@ -398,13 +382,13 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
                 return Next::Close;
             }
             Err(Failure::Timeout) => {
-                b.failed(&ctx.pools.settings);
+                b.failed(&ctx.pools.settings.health);
                 let _ = reply(c, 504, "the pool element did not answer in time").await;
                 ctx.log(c, &r, 504, Some(&b), 0, started);
                 return Next::Close;
             }
             Err(Failure::Broken { relayed }) => {
-                b.failed(&ctx.pools.settings);
+                b.failed(&ctx.pools.settings.health);
                 if !relayed {
                     let _ = reply(c, 502, "bad response from the pool element").await;
                 }

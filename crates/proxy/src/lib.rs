@@ -9,9 +9,11 @@
 //! routes change, open connections keep going), an optional access log and a JSON stats
 //! endpoint with per-PE counters.
 
+pub mod backend;
 pub mod client;
 mod client_stream;
 pub mod config;
+mod conn_pool;
 pub mod http;
 pub mod message;
 pub mod pools;
@@ -208,9 +210,11 @@ impl Proxy {
             registrars: cfg.registrars.clone(),
             refresh: Duration::from_millis(cfg.refresh_ms),
             connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
-            max_fails: cfg.max_fails,
-            eject: Duration::from_millis(cfg.eject_ms),
-            eject_max: Duration::from_millis(cfg.eject_max_ms),
+            health: backend::HealthSettings {
+                max_fails: cfg.max_fails,
+                eject: Duration::from_millis(cfg.eject_ms),
+                eject_max: Duration::from_millis(cfg.eject_max_ms),
+            },
             max_idle_per_pe: cfg.max_idle_per_pe,
             idle_timeout: Duration::from_millis(cfg.idle_timeout_ms.min(30_000)),
         });

@@ -5,20 +5,19 @@
 //! in a small handlespace of its own and selects there by the pool's policy, with the load the
 //! registrar reported last. If no registrar answers, the copy it has keeps serving.
 //!
-//! Beside the registrar's view the proxy keeps what it sees itself: a PE it cannot reach is
-//! reported (ENDPOINT_UNREACHABLE) and ejected locally at once, for a back-off that doubles
-//! with every ejection in a row and is forgotten after a success (passive health).
+//! Beside the registrar's view the proxy keeps what it sees itself (see [`crate::backend`]): a
+//! PE it cannot reach is reported (ENDPOINT_UNREACHABLE) and ejected locally at once.
 
+use crate::backend::{Backend, BackendSnapshot, HealthSettings};
 use rserpool_asap::{PoolUser, PoolUserConfig};
 use rserpool_handlespace::{Handlespace, PeRef};
-use rserpool_wire::{PoolElement, PoolHandle, UserTransport};
+use rserpool_wire::{PoolElement, PoolHandle};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
@@ -28,165 +27,11 @@ pub struct PoolSettings {
     pub registrars: Vec<SocketAddr>,
     pub refresh: Duration,
     pub connect_timeout: Duration,
-    /// Failures in a row that eject a PE.
-    pub max_fails: u32,
-    /// First ejection; doubled per ejection in a row up to `eject_max`.
-    pub eject: Duration,
-    pub eject_max: Duration,
+    pub health: HealthSettings,
     /// Idle keep-alive connections kept per PE (HTTP mode).
     pub max_idle_per_pe: usize,
     /// Idle connections older than this are not reused.
     pub idle_timeout: Duration,
-}
-
-/// A pool element as the proxy uses it: where to connect, its counters, its health and (in
-/// HTTP mode) its idle keep-alive connections. It outlives refreshes, so health and counters
-/// persist while the registrar keeps listing the PE.
-#[derive(Debug)]
-pub struct Backend {
-    pub pool: PoolHandle,
-    pub id: u32,
-    pub addrs: Vec<SocketAddr>,
-    pub stats: BackendStats,
-    health: Mutex<Health>,
-    idle: Mutex<Vec<(Instant, crate::http::BackendConn)>>,
-    /// Set when the PE left the pool: its idle connections are not kept.
-    gone: AtomicBool,
-}
-
-#[derive(Debug, Default)]
-struct Health {
-    fails: u32,
-    ejections: u32,
-    ejected_until: Option<Instant>,
-}
-
-/// Per-PE counters, shown by the stats endpoint.
-#[derive(Debug, Default)]
-pub struct BackendStats {
-    /// Connections (TCP mode) or requests (HTTP mode) sent to this PE.
-    pub requests: AtomicU64,
-    /// Connections opened to this PE; in HTTP mode far fewer than requests while kept-alive
-    /// connections are reused.
-    pub connections: AtomicU64,
-    pub active: AtomicU64,
-    pub failures: AtomicU64,
-    pub ejections: AtomicU64,
-    pub bytes_in: AtomicU64,
-    pub bytes_out: AtomicU64,
-    pub responses_5xx: AtomicU64,
-}
-
-impl Backend {
-    fn new(pool: &PoolHandle, pe: &PoolElement) -> Self {
-        Self {
-            pool: pool.clone(),
-            id: pe.id,
-            addrs: addrs_of(pe),
-            stats: BackendStats::default(),
-            health: Mutex::new(Health::default()),
-            idle: Mutex::new(Vec::new()),
-            gone: AtomicBool::new(false),
-        }
-    }
-
-    fn health(&self) -> MutexGuard<'_, Health> {
-        self.health.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub fn is_ejected(&self, now: Instant) -> bool {
-        self.health().ejected_until.is_some_and(|t| now < t)
-    }
-
-    /// A failure: returns true if it ejected the PE.
-    pub fn failed(&self, s: &PoolSettings) -> bool {
-        self.stats.failures.fetch_add(1, Ordering::Relaxed);
-        let mut h = self.health();
-        h.fails += 1;
-        if h.fails < s.max_fails.max(1) {
-            return false;
-        }
-        h.fails = 0;
-        let back_off = s
-            .eject
-            .saturating_mul(1 << h.ejections.min(16))
-            .min(s.eject_max);
-        h.ejections += 1;
-        h.ejected_until = Some(Instant::now() + back_off);
-        drop(h);
-        self.stats.ejections.fetch_add(1, Ordering::Relaxed);
-        self.idle_lock().clear();
-        warn!(
-            "pool {} PE {:#010x} ejected for {} ms",
-            self.pool,
-            self.id,
-            back_off.as_millis()
-        );
-        true
-    }
-
-    pub fn succeeded(&self) {
-        let mut h = self.health();
-        if h.fails != 0 || h.ejections != 0 {
-            *h = Health::default();
-        }
-    }
-
-    fn idle_lock(&self) -> MutexGuard<'_, Vec<(Instant, crate::http::BackendConn)>> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// An idle keep-alive connection to this PE, if one is fresh enough.
-    pub fn take_idle(&self, max_age: Duration) -> Option<crate::http::BackendConn> {
-        let mut idle = self.idle_lock();
-        while let Some((at, c)) = idle.pop() {
-            if at.elapsed() < max_age {
-                return Some(c);
-            }
-        }
-        None
-    }
-
-    /// Drops the idle connections (the PE closed one of them: the others may be dead too).
-    pub fn clear_idle(&self) {
-        self.idle_lock().clear();
-    }
-
-    pub fn put_idle(&self, conn: crate::http::BackendConn, max: usize) {
-        if self.gone.load(Ordering::Relaxed) {
-            return;
-        }
-        let mut idle = self.idle_lock();
-        if idle.len() < max {
-            idle.push((Instant::now(), conn));
-        }
-    }
-
-    /// Connects to the PE (each of its addresses in turn) within the connect timeout.
-    pub async fn connect(&self, timeout: Duration) -> std::io::Result<TcpStream> {
-        let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "PE has no address");
-        for &a in &self.addrs {
-            match tokio::time::timeout(timeout, TcpStream::connect(a)).await {
-                Ok(Ok(s)) => {
-                    let _ = s.set_nodelay(true);
-                    self.stats.connections.fetch_add(1, Ordering::Relaxed);
-                    return Ok(s);
-                }
-                Ok(Err(e)) => last = e,
-                Err(_) => {
-                    last = std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
-                }
-            }
-        }
-        Err(last)
-    }
-}
-
-fn addrs_of(pe: &PoolElement) -> Vec<SocketAddr> {
-    match &pe.user_transport {
-        UserTransport::Address(t) => t.socket_addrs().collect(),
-        UserTransport::Opaque(_) => Vec::new(),
-    }
 }
 
 /// One pool's local copy.
@@ -258,7 +103,7 @@ impl Pool {
         backends
             .values()
             .filter(|b| !tried.contains(&b.id))
-            .min_by_key(|b| b.health().ejected_until)
+            .min_by_key(|b| b.ejected_until())
             .cloned()
     }
 
@@ -269,10 +114,9 @@ impl Pool {
         let mut hs = new_handlespace();
         for pe in pes {
             let b = match st.backends.remove(&pe.id) {
-                Some(b) if b.addrs == addrs_of(&pe) => b,
+                Some(b) if b.is_at(&pe) => b,
                 Some(old) => {
-                    old.gone.store(true, Ordering::Relaxed);
-                    old.idle_lock().clear();
+                    old.retire();
                     Arc::new(Backend::new(&self.handle, &pe))
                 }
                 None => Arc::new(Backend::new(&self.handle, &pe)),
@@ -285,8 +129,7 @@ impl Pool {
             }
         }
         for (_, old) in st.backends.drain() {
-            old.gone.store(true, Ordering::Relaxed);
-            old.idle_lock().clear();
+            old.retire();
         }
         // Keep the policy state (round-robin position) when the membership did not change.
         let same = backends.len() == st.hs.len()
@@ -409,7 +252,7 @@ impl Pools {
 
     /// A PE could not be reached: eject it locally (per passive health) and tell a registrar.
     pub fn unreachable(&self, b: &Backend) {
-        b.failed(&self.settings);
+        b.failed(&self.settings.health);
         let _ = self.reports.send(Unreachable {
             pool: b.pool.clone(),
             pe_id: b.id,
@@ -442,26 +285,7 @@ impl Pools {
             .map(|p| PoolSnapshot {
                 pool: p.handle.to_string(),
                 refreshed_ms_ago: p.age().map(|a| a.as_millis() as u64),
-                pool_elements: p
-                    .backends()
-                    .iter()
-                    .map(|b| {
-                        let s = &b.stats;
-                        BackendSnapshot {
-                            id: format!("{:#010x}", b.id),
-                            addrs: b.addrs.iter().map(|a| a.to_string()).collect(),
-                            ejected: b.is_ejected(now),
-                            requests: s.requests.load(Ordering::Relaxed),
-                            connections: s.connections.load(Ordering::Relaxed),
-                            active: s.active.load(Ordering::Relaxed),
-                            failures: s.failures.load(Ordering::Relaxed),
-                            ejections: s.ejections.load(Ordering::Relaxed),
-                            responses_5xx: s.responses_5xx.load(Ordering::Relaxed),
-                            bytes_in: s.bytes_in.load(Ordering::Relaxed),
-                            bytes_out: s.bytes_out.load(Ordering::Relaxed),
-                        }
-                    })
-                    .collect(),
+                pool_elements: p.backends().iter().map(|b| b.snapshot(now)).collect(),
             })
             .collect()
     }
@@ -472,21 +296,6 @@ pub struct PoolSnapshot {
     pub pool: String,
     pub refreshed_ms_ago: Option<u64>,
     pub pool_elements: Vec<BackendSnapshot>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct BackendSnapshot {
-    pub id: String,
-    pub addrs: Vec<String>,
-    pub ejected: bool,
-    pub requests: u64,
-    pub connections: u64,
-    pub active: u64,
-    pub failures: u64,
-    pub ejections: u64,
-    pub responses_5xx: u64,
-    pub bytes_in: u64,
-    pub bytes_out: u64,
 }
 
 /// Fetches every pool each refresh interval and sends the unreachable reports. Ends when the
