@@ -17,6 +17,7 @@ mod conn_pool;
 pub mod http;
 pub mod message;
 pub mod pools;
+mod select;
 pub mod splice;
 pub mod tcp;
 

@@ -9,8 +9,8 @@
 //! PE it cannot reach is reported (ENDPOINT_UNREACHABLE) and ejected locally at once.
 
 use crate::backend::{Backend, BackendSnapshot, HealthSettings};
+use crate::select::Selector;
 use rserpool_asap::{PoolUser, PoolUserConfig};
-use rserpool_handlespace::{Handlespace, PeRef};
 use rserpool_wire::{PoolElement, PoolHandle};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -41,10 +41,8 @@ pub struct Pool {
 }
 
 struct PoolState {
-    hs: Handlespace,
-    backends: HashMap<u32, Arc<Backend>>,
+    selector: Selector,
     refreshed: Option<Instant>,
-    scratch: Vec<PeRef>,
 }
 
 impl Pool {
@@ -52,10 +50,8 @@ impl Pool {
         Self {
             handle,
             state: Mutex::new(PoolState {
-                hs: new_handlespace(),
-                backends: HashMap::new(),
+                selector: Selector::new(),
                 refreshed: None,
-                scratch: Vec::new(),
             }),
         }
     }
@@ -64,104 +60,27 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The next PE by the pool's policy, skipping the PEs in `tried` and ejected ones. When
-    /// every untried PE is ejected, the least recently ejected is tried anyway: an answer
-    /// from a doubtful PE beats a certain 503.
+    /// The next PE by the pool's policy, skipping the PEs in `tried` and ejected ones; with
+    /// every untried PE ejected, the least recently ejected.
     pub fn pick(&self, tried: &[u32]) -> Option<Arc<Backend>> {
-        let mut st = self.lock();
-        let PoolState {
-            hs,
-            backends,
-            scratch,
-            ..
-        } = &mut *st;
-        let n = backends.len();
-        if n == 0 {
-            return None;
-        }
-        let now = Instant::now();
-        let mut k = (1 + tried.len()).min(n);
-        loop {
-            scratch.clear();
-            hs.resolve(self.handle.as_bytes(), k, scratch);
-            for &r in scratch.iter() {
-                let id = hs.pe(r).element.id;
-                if tried.contains(&id) {
-                    continue;
-                }
-                if let Some(b) = backends.get(&id)
-                    && !b.is_ejected(now)
-                {
-                    return Some(b.clone());
-                }
-            }
-            if k >= n {
-                break;
-            }
-            k = n;
-        }
-        backends
-            .values()
-            .filter(|b| !tried.contains(&b.id))
-            .min_by_key(|b| b.ejected_until())
-            .cloned()
+        self.lock().selector.pick(&self.handle, tried)
     }
 
     /// Replaces the copy with what a registrar reported.
     fn update(&self, pes: Vec<PoolElement>) {
         let mut st = self.lock();
-        let mut backends = HashMap::with_capacity(pes.len());
-        let mut hs = new_handlespace();
-        for pe in pes {
-            let b = match st.backends.remove(&pe.id) {
-                Some(b) if b.is_at(&pe) => b,
-                Some(old) => {
-                    old.retire();
-                    Arc::new(Backend::new(&self.handle, &pe))
-                }
-                None => Arc::new(Backend::new(&self.handle, &pe)),
-            };
-            // The local copy only selects: no homes, no timers.
-            let mut pe = pe;
-            pe.home_registrar = 0;
-            if hs.register(&self.handle, pe, 0).is_ok() {
-                backends.insert(b.id, b);
-            }
-        }
-        for (_, old) in st.backends.drain() {
-            old.retire();
-        }
-        // Keep the policy state (round-robin position) when the membership did not change.
-        let same = backends.len() == st.hs.len()
-            && backends
-                .keys()
-                .all(|id| st.hs.find(self.handle.as_bytes(), *id).is_some());
-        if same {
-            for (id, _) in backends.iter() {
-                let (Some(new), Some(old)) = (
-                    hs.find(self.handle.as_bytes(), *id),
-                    st.hs.find(self.handle.as_bytes(), *id),
-                ) else {
-                    continue;
-                };
-                let policy = hs.pe(new).element.policy.clone();
-                let _ = st.hs.update_policy(old, policy, 0);
-            }
-        } else {
-            st.hs = hs;
-        }
-        st.backends = backends;
+        st.selector.replace(&self.handle, pes);
         st.refreshed = Some(Instant::now());
     }
 
     pub fn backends(&self) -> Vec<Arc<Backend>> {
-        let mut v: Vec<_> = self.lock().backends.values().cloned().collect();
+        let mut v: Vec<_> = self.lock().selector.backends().cloned().collect();
         v.sort_by_key(|b| b.id);
         v
     }
 
     pub fn len(&self) -> usize {
-        self.lock().backends.len()
+        self.lock().selector.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -171,21 +90,6 @@ impl Pool {
     pub fn age(&self) -> Option<Duration> {
         self.lock().refreshed.map(|t| t.elapsed())
     }
-}
-
-fn new_handlespace() -> Handlespace {
-    Handlespace::new(rserpool_handlespace::Config {
-        seed: u64::from(rand_seed()),
-        ..Default::default()
-    })
-}
-
-fn rand_seed() -> u32 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    t ^ std::process::id().rotate_left(16)
 }
 
 /// A PE the proxy could not reach, to be reported to a registrar.
