@@ -14,6 +14,7 @@ pub mod client;
 mod client_stream;
 pub mod config;
 mod conn_pool;
+pub mod discovery;
 pub mod http;
 pub mod message;
 pub mod pools;
@@ -207,7 +208,7 @@ impl Proxy {
     /// Binds every listener (and the stats endpoint) and starts serving.
     pub async fn start(cfg: ProxyConfig) -> Result<Proxy, StartError> {
         cfg.validate()?;
-        let pools = Pools::start(PoolSettings {
+        let pools = discovery::start(PoolSettings {
             registrars: cfg.registrars.clone(),
             refresh: Duration::from_millis(cfg.refresh_ms),
             connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),

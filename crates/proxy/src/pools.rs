@@ -1,16 +1,12 @@
-//! The proxy's pools: a pool user that keeps a local copy of every pool it serves.
+//! The pools the proxy serves, each a local copy of the registrar's pool.
 //!
-//! Selecting a PE per connection or request at the registrar would cost a round trip each, so
-//! the proxy asks its registrars for every PE of each pool once per refresh interval, keeps them
-//! in a small handlespace of its own and selects there by the pool's policy, with the load the
-//! registrar reported last. If no registrar answers, the copy it has keeps serving.
-//!
-//! Beside the registrar's view the proxy keeps what it sees itself (see [`crate::backend`]): a
-//! PE it cannot reach is reported (ENDPOINT_UNREACHABLE) and ejected locally at once.
+//! This is where the other rooms meet: [`crate::discovery`] writes each copy, the request
+//! paths pick PEs from it (the selection itself is in `select.rs`, the PEs' own state in
+//! [`crate::backend`]) and report the PEs they could not reach, and the stats endpoint reads
+//! a snapshot.
 
 use crate::backend::{Backend, BackendSnapshot, HealthSettings};
 use crate::select::Selector;
-use rserpool_asap::{PoolUser, PoolUserConfig};
 use rserpool_wire::{PoolElement, PoolHandle};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -19,7 +15,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use tracing::{info, warn};
 
 /// Settings of the pool view and of passive health.
 #[derive(Debug, Clone)]
@@ -67,7 +62,7 @@ impl Pool {
     }
 
     /// Replaces the copy with what a registrar reported.
-    fn update(&self, pes: Vec<PoolElement>) {
+    pub(crate) fn update(&self, pes: Vec<PoolElement>) {
         let mut st = self.lock();
         st.selector.replace(&self.handle, pes);
         st.refreshed = Some(Instant::now());
@@ -94,12 +89,12 @@ impl Pool {
 
 /// A PE the proxy could not reach, to be reported to a registrar.
 #[derive(Debug)]
-struct Unreachable {
-    pool: PoolHandle,
-    pe_id: u32,
+pub(crate) struct Unreachable {
+    pub(crate) pool: PoolHandle,
+    pub(crate) pe_id: u32,
 }
 
-/// Every pool the proxy serves, kept fresh by one refresh task.
+/// Every pool the proxy serves, kept fresh by one refresh task ([`crate::discovery`]).
 pub struct Pools {
     pools: Mutex<HashMap<PoolHandle, Arc<Pool>>>,
     pub settings: PoolSettings,
@@ -110,8 +105,8 @@ pub struct Pools {
 }
 
 impl Pools {
-    /// Starts the refresh task on the current tokio runtime.
-    pub fn start(settings: PoolSettings) -> Arc<Self> {
+    /// No pools yet, and the receiving end of the unreachable reports.
+    pub(crate) fn new(settings: PoolSettings) -> (Arc<Self>, mpsc::UnboundedReceiver<Unreachable>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let pools = Arc::new(Self {
             pools: Mutex::new(HashMap::new()),
@@ -120,8 +115,7 @@ impl Pools {
             registrar_ok: AtomicBool::new(true),
             added: Arc::new(tokio::sync::Notify::new()),
         });
-        tokio::spawn(refresh_task(Arc::downgrade(&pools), rx));
-        pools
+        (pools, rx)
     }
 
     fn map(&self) -> MutexGuard<'_, HashMap<PoolHandle, Arc<Pool>>> {
@@ -167,6 +161,16 @@ impl Pools {
         self.registrar_ok.load(Ordering::Relaxed)
     }
 
+    /// Records whether a registrar answered the last refresh; returns what was recorded before.
+    pub(crate) fn set_registrar_reachable(&self, ok: bool) -> bool {
+        self.registrar_ok.swap(ok, Ordering::Relaxed)
+    }
+
+    /// Notified when a pool is added.
+    pub(crate) fn added(&self) -> Arc<tokio::sync::Notify> {
+        self.added.clone()
+    }
+
     /// Waits until every pool has been fetched once (or the timeout passes).
     pub async fn wait_fetched(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
@@ -200,66 +204,4 @@ pub struct PoolSnapshot {
     pub pool: String,
     pub refreshed_ms_ago: Option<u64>,
     pub pool_elements: Vec<BackendSnapshot>,
-}
-
-/// Fetches every pool each refresh interval and sends the unreachable reports. Ends when the
-/// [`Pools`] is dropped.
-async fn refresh_task(
-    pools: std::sync::Weak<Pools>,
-    mut reports: mpsc::UnboundedReceiver<Unreachable>,
-) {
-    let Some(p) = pools.upgrade() else { return };
-    let s = p.settings.clone();
-    let added = p.added.clone();
-    drop(p);
-    let mut pu = match PoolUser::new(PoolUserConfig {
-        registrars: s.registrars.clone(),
-        connect_timeout: s.connect_timeout.max(Duration::from_millis(500)),
-        request_timeout: s.refresh.max(Duration::from_secs(1)),
-        ..Default::default()
-    }) {
-        Ok(pu) => pu,
-        Err(e) => {
-            warn!("proxy: cannot start the pool user: {e}");
-            return;
-        }
-    };
-    let mut next = tokio::time::Instant::now();
-    loop {
-        let Some(p) = pools.upgrade() else { return };
-        let added = added.notified();
-        if tokio::time::Instant::now() >= next {
-            next = tokio::time::Instant::now() + s.refresh;
-            let mut ok = true;
-            for pool in p.all() {
-                match pu.pool_elements(&pool.handle).await {
-                    Ok((_, pes)) => pool.update(pes),
-                    Err(rserpool_asap::Error::UnknownPool(_)) => pool.update(Vec::new()),
-                    Err(e) => {
-                        ok = false;
-                        if p.registrar_ok.swap(false, Ordering::Relaxed) {
-                            warn!(
-                                "proxy: no registrar answers ({e}); serving pools from the cache"
-                            );
-                        }
-                        break;
-                    }
-                }
-            }
-            if ok && !p.registrar_ok.swap(true, Ordering::Relaxed) {
-                info!("proxy: a registrar answers again");
-            }
-        }
-        drop(p);
-        tokio::select! {
-            r = reports.recv() => {
-                let Some(r) = r else { return };
-                if let Err(e) = pu.report_unreachable(&r.pool, r.pe_id).await {
-                    tracing::debug!("proxy: ENDPOINT_UNREACHABLE not sent: {e}");
-                }
-            }
-            _ = tokio::time::sleep_until(next) => {}
-            _ = added => { next = tokio::time::Instant::now(); }
-        }
-    }
 }
