@@ -8,9 +8,9 @@
 //! connection that closes before answering costs no failure: the request goes out again on a
 //! new connection.
 
-use crate::Ctx;
 use crate::backend::{Backend, BackendConn};
 use crate::client_stream::ClientStream;
+use crate::ctx::{Ctx, until_set};
 use crate::message::{
     BodyState, Framing, Head, HeadError, framing, is_hop_by_hop, response_framing,
 };
@@ -64,7 +64,7 @@ async fn serve_requests(c: &mut Client, ctx: &Ctx) {
         let idle = c.buf.is_empty();
         let head = tokio::select! {
             r = tokio::time::timeout(wait, read_head(c, ctx.cfg.max_head)) => r,
-            () = crate::until_set(&mut draining), if idle => return,
+            () = until_set(&mut draining), if idle => return,
         };
         let head = match head {
             Ok(Ok(Some(h))) => h,
@@ -332,7 +332,7 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
                 (502, "no pool element answered")
             };
             let _ = reply(c, code, why).await;
-            ctx.log(c, &r, code, None, 0, started);
+            log(ctx, c, &r, code, None, 0, started);
             return Next::Close;
         };
         let fresh_only = !r.idempotent;
@@ -355,7 +355,7 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
                 if code >= 500 {
                     b.stats.responses_5xx.fetch_add(1, Ordering::Relaxed);
                 }
-                ctx.log(c, &r, code, Some(&b), bytes, started);
+                log(ctx, c, &r, code, Some(&b), bytes, started);
                 return if keep && r.keep_alive {
                     Next::KeepAlive
                 } else {
@@ -378,13 +378,13 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
                     continue;
                 }
                 let _ = reply(c, 502, "the pool element closed the connection").await;
-                ctx.log(c, &r, 502, Some(&b), 0, started);
+                log(ctx, c, &r, 502, Some(&b), 0, started);
                 return Next::Close;
             }
             Err(Failure::Timeout) => {
                 b.failed(&ctx.pools.settings.health);
                 let _ = reply(c, 504, "the pool element did not answer in time").await;
-                ctx.log(c, &r, 504, Some(&b), 0, started);
+                log(ctx, c, &r, 504, Some(&b), 0, started);
                 return Next::Close;
             }
             Err(Failure::Broken { relayed }) => {
@@ -392,16 +392,16 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
                 if !relayed {
                     let _ = reply(c, 502, "bad response from the pool element").await;
                 }
-                ctx.log(c, &r, 502, Some(&b), 0, started);
+                log(ctx, c, &r, 502, Some(&b), 0, started);
                 return Next::Close;
             }
             Err(Failure::BadBody) => {
                 let _ = reply(c, 400, "malformed chunked body").await;
-                ctx.log(c, &r, 400, Some(&b), 0, started);
+                log(ctx, c, &r, 400, Some(&b), 0, started);
                 return Next::Close;
             }
             Err(Failure::Client) => {
-                ctx.log(c, &r, 499, Some(&b), 0, started);
+                log(ctx, c, &r, 499, Some(&b), 0, started);
                 return Next::Close;
             }
         }
@@ -766,28 +766,27 @@ async fn tunnel(c: &mut Client, mut bc: BackendConn, b: &Arc<Backend>, ctx: &Ctx
     }
 }
 
-impl Ctx {
-    fn log(
-        &self,
-        c: &Client,
-        r: &Request,
-        code: u16,
-        b: Option<&Arc<Backend>>,
-        bytes: u64,
-        started: Instant,
-    ) {
-        if let Some(log) = &self.log {
-            log.write(format!(
-                "{} {} {} {} {} {} {} {}",
-                c.peer,
-                String::from_utf8_lossy(r.head.method()),
-                String::from_utf8_lossy(r.head.target()),
-                code,
-                b.map_or("-".into(), |b| b.pool.to_string()),
-                b.map_or("-".into(), |b| format!("{:#010x}", b.id)),
-                bytes,
-                started.elapsed().as_micros()
-            ));
-        }
-    }
+/// The access log line of a request.
+fn log(
+    ctx: &Ctx,
+    c: &Client,
+    r: &Request,
+    code: u16,
+    b: Option<&Arc<Backend>>,
+    bytes: u64,
+    started: Instant,
+) {
+    ctx.log(|| {
+        format!(
+            "{} {} {} {} {} {} {} {}",
+            c.peer,
+            String::from_utf8_lossy(r.head.method()),
+            String::from_utf8_lossy(r.head.target()),
+            code,
+            b.map_or("-".into(), |b| b.pool.to_string()),
+            b.map_or("-".into(), |b| format!("{:#010x}", b.id)),
+            bytes,
+            started.elapsed().as_micros()
+        )
+    });
 }

@@ -22,11 +22,18 @@ mod select;
 pub mod splice;
 pub mod tcp;
 
+mod access_log;
+mod ctx;
+mod routes;
+
 pub use config::{ListenerConfig, Mode, ProxyConfig, Route};
 pub use pools::{Pool, PoolSettings, Pools};
 
+use access_log::AccessLog;
+use ctx::{Ctx, until_set};
+use routes::Routes;
+
 use std::collections::HashMap;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -35,140 +42,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tracing::{info, warn};
-
-/// A listener's routing table.
-pub(crate) struct Routes {
-    /// The pool for TCP connections and for requests no route matches.
-    default: Option<Arc<Pool>>,
-    /// Longest prefix first.
-    routes: Vec<RouteEntry>,
-}
-
-/// (host, path prefix, pool).
-type RouteEntry = (Option<Vec<u8>>, Vec<u8>, Arc<Pool>);
-
-impl Routes {
-    fn new(l: &ListenerConfig, pools: &Pools) -> Self {
-        let mut routes: Vec<_> = l
-            .routes
-            .iter()
-            .map(|r| {
-                (
-                    r.host.as_ref().map(|h| h.to_ascii_lowercase().into_bytes()),
-                    r.prefix.as_bytes().to_vec(),
-                    pools.pool(&r.pool),
-                )
-            })
-            .collect();
-        routes.sort_by(|a, b| {
-            b.1.len()
-                .cmp(&a.1.len())
-                .then(b.0.is_some().cmp(&a.0.is_some()))
-        });
-        Self {
-            default: l.pool.as_ref().map(|p| pools.pool(p)),
-            routes,
-        }
-    }
-
-    /// The pool for a request to `host` (a Host header value, port allowed) and `path`.
-    pub(crate) fn route(&self, host: &[u8], path: &[u8]) -> Option<&Arc<Pool>> {
-        let host = strip_port(host);
-        self.routes
-            .iter()
-            .find(|(h, prefix, _)| {
-                path.starts_with(prefix) && h.as_ref().is_none_or(|h| host.eq_ignore_ascii_case(h))
-            })
-            .map(|(_, _, p)| p)
-            .or(self.default.as_ref())
-    }
-}
-
-fn strip_port(host: &[u8]) -> &[u8] {
-    if host.first() == Some(&b'[') {
-        return host
-            .iter()
-            .position(|&b| b == b']')
-            .map_or(host, |i| &host[..=i]);
-    }
-    match host.iter().rposition(|&b| b == b':') {
-        Some(i) => &host[..i],
-        None => host,
-    }
-}
-
-/// The access log: lines go through a channel to a writer thread.
-#[derive(Clone)]
-pub(crate) struct AccessLog {
-    tx: std::sync::mpsc::Sender<String>,
-}
-
-impl AccessLog {
-    fn open(path: &std::path::Path) -> std::io::Result<Self> {
-        let out: Box<dyn Write + Send> = if path.as_os_str() == "-" {
-            Box::new(std::io::stdout())
-        } else {
-            Box::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?,
-            )
-        };
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        std::thread::Builder::new()
-            .name("access-log".into())
-            .spawn(move || {
-                let mut w = std::io::BufWriter::new(out);
-                while let Ok(line) = rx.recv() {
-                    let _ = writeln!(w, "{line}");
-                    while let Ok(line) = rx.try_recv() {
-                        let _ = writeln!(w, "{line}");
-                    }
-                    let _ = w.flush();
-                }
-            })?;
-        Ok(Self { tx })
-    }
-
-    pub(crate) fn write(&self, line: String) {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        let _ = self.tx.send(format!(
-            "{}.{:03} {line}",
-            now.as_secs(),
-            now.subsec_millis()
-        ));
-    }
-}
-
-/// What a connection needs; taken when it is accepted, so a reload does not touch it.
-#[derive(Clone)]
-pub(crate) struct Ctx {
-    pub(crate) cfg: Arc<ProxyConfig>,
-    pub(crate) pools: Arc<Pools>,
-    pub(crate) routes: Arc<Routes>,
-    pub(crate) log: Option<AccessLog>,
-    pub(crate) draining: watch::Receiver<bool>,
-}
-
-impl Ctx {
-    pub(crate) fn connect_timeout(&self) -> Duration {
-        Duration::from_millis(self.cfg.connect_timeout_ms)
-    }
-    pub(crate) fn idle_timeout(&self) -> Duration {
-        Duration::from_millis(self.cfg.idle_timeout_ms)
-    }
-    pub(crate) fn request_timeout(&self) -> Duration {
-        Duration::from_millis(self.cfg.request_timeout_ms)
-    }
-    pub(crate) fn log_line(&self, line: String) {
-        if let Some(l) = &self.log {
-            l.write(line);
-        }
-    }
-}
 
 struct Listener {
     local: SocketAddr,
@@ -511,11 +384,6 @@ async fn accept_loop(
     }
 }
 
-/// Returns once the flag is set (or its sender is gone).
-pub(crate) async fn until_set(rx: &mut watch::Receiver<bool>) {
-    let _ = rx.wait_for(|s| *s).await;
-}
-
 fn stats_of(inner: &Inner) -> serde_json::Value {
     let listeners: Vec<_> = inner
         .listeners
@@ -580,16 +448,4 @@ async fn stats_answer(mut s: TcpStream, inner: std::sync::Weak<Inner>) -> std::i
     out.extend_from_slice(&body);
     out.push(b'\n');
     s.write_all(&out).await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ports_are_stripped_from_hosts() {
-        assert_eq!(strip_port(b"example.com:8080"), b"example.com");
-        assert_eq!(strip_port(b"example.com"), b"example.com");
-        assert_eq!(strip_port(b"[::1]:80"), b"[::1]");
-    }
 }
