@@ -12,7 +12,7 @@ use crate::backend::{Backend, BackendConn};
 use crate::client_stream::ClientStream;
 use crate::ctx::{Ctx, until_set};
 use crate::message::{
-    BodyState, Framing, Head, HeadError, framing, is_hop_by_hop, response_framing,
+    BodyState, Framing, Head, HeadError, error_response, framing, is_hop_by_hop, response_framing,
 };
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::io;
@@ -125,25 +125,6 @@ async fn read_head(c: &mut Client, max: usize) -> Result<Option<Head>, ReadHeadE
 /// A short error answer; the connection is closed after it.
 async fn reply(c: &mut Client, code: u16, text: &str) -> io::Result<()> {
     c.stream.write_all(&error_response(code, text)).await
-}
-
-pub(crate) fn error_response(code: u16, text: &str) -> Vec<u8> {
-    let reason = match code {
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        431 => "Request Header Fields Too Large",
-        502 => "Bad Gateway",
-        503 => "Service Unavailable",
-        504 => "Gateway Timeout",
-        _ => "Error",
-    };
-    format!(
-        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}\n",
-        text.len() + 1
-    )
-    .into_bytes()
 }
 
 fn idempotent(method: &[u8]) -> bool {

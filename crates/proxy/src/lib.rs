@@ -9,22 +9,22 @@
 //! routes change, open connections keep going), an optional access log and a JSON stats
 //! endpoint with per-PE counters.
 
+mod access_log;
 pub mod backend;
 pub mod client;
 mod client_stream;
 pub mod config;
 mod conn_pool;
+mod ctx;
 pub mod discovery;
 pub mod http;
 pub mod message;
 pub mod pools;
+mod routes;
 mod select;
 pub mod splice;
+mod stats;
 pub mod tcp;
-
-mod access_log;
-mod ctx;
-mod routes;
 
 pub use config::{ListenerConfig, Mode, ProxyConfig, Route};
 pub use pools::{Pool, PoolSettings, Pools};
@@ -38,7 +38,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tracing::{info, warn};
@@ -117,7 +116,10 @@ impl Proxy {
                 "proxy: stats on http://{}/stats",
                 sock.local_addr().unwrap_or(addr)
             );
-            tokio::spawn(stats_server(sock, Arc::downgrade(&proxy.inner)));
+            let inner = Arc::downgrade(&proxy.inner);
+            tokio::spawn(stats::serve(sock, move || {
+                inner.upgrade().map(|inner| Proxy { inner }.stats_json())
+            }));
         }
         Ok(proxy)
     }
@@ -282,7 +284,17 @@ impl Proxy {
 
     /// Counters for the stats endpoint.
     pub fn stats_json(&self) -> serde_json::Value {
-        stats_of(&self.inner)
+        let listeners: Vec<_> = self
+            .listeners()
+            .values()
+            .map(|l| serde_json::json!({"listen": l.local.to_string(), "mode": l.mode, "pool": l.config.pool}))
+            .collect();
+        serde_json::json!({
+            "registrar_reachable": self.inner.pools.registrar_reachable(),
+            "active_connections": self.active_connections(),
+            "listeners": listeners,
+            "pools": self.inner.pools.snapshot(),
+        })
     }
 }
 
@@ -382,70 +394,4 @@ async fn accept_loop(
             drop(permit);
         });
     }
-}
-
-fn stats_of(inner: &Inner) -> serde_json::Value {
-    let listeners: Vec<_> = inner
-        .listeners
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .values()
-        .map(|l| serde_json::json!({"listen": l.local.to_string(), "mode": l.mode, "pool": l.config.pool}))
-        .collect();
-    serde_json::json!({
-        "registrar_reachable": inner.pools.registrar_reachable(),
-        "active_connections": inner.max_conns - inner.conns.available_permits(),
-        "listeners": listeners,
-        "pools": inner.pools.snapshot(),
-    })
-}
-
-async fn stats_server(sock: TcpListener, inner: std::sync::Weak<Inner>) {
-    loop {
-        let Ok((s, _)) = sock.accept().await else {
-            continue;
-        };
-        let inner = inner.clone();
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), stats_answer(s, inner)).await;
-        });
-    }
-}
-
-async fn stats_answer(mut s: TcpStream, inner: std::sync::Weak<Inner>) -> std::io::Result<()> {
-    let mut buf = bytes::BytesMut::with_capacity(4096);
-    let head = loop {
-        if s.read_buf(&mut buf).await? == 0 {
-            return Ok(());
-        }
-        match message::Head::request(&mut buf, 8192) {
-            Ok(Some(h)) => break h,
-            Ok(None) => {}
-            Err(_) => {
-                return s
-                    .write_all(&http::error_response(400, "malformed request"))
-                    .await;
-            }
-        }
-    };
-    let Some(inner) = inner.upgrade() else {
-        return Ok(());
-    };
-    let path = head
-        .target()
-        .split(|&b| b == b'?')
-        .next()
-        .unwrap_or_default();
-    if path != b"/stats" && path != b"/" {
-        return s.write_all(&http::error_response(404, "try /stats")).await;
-    }
-    let body = serde_json::to_vec_pretty(&stats_of(&inner)).unwrap_or_default();
-    let mut out = format!(
-        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len() + 1
-    )
-    .into_bytes();
-    out.extend_from_slice(&body);
-    out.push(b'\n');
-    s.write_all(&out).await
 }
