@@ -4,6 +4,13 @@
 //! ([`pools`]), selects a PE locally by the pool's policy for every TCP connection ([`tcp`]) or
 //! HTTP request ([`http`]), fails over when a PE cannot be reached and tells the registrar.
 //!
+//! Where each idea lives: [`config`] the settings; `routes` which pool serves a request;
+//! [`pools`] the pools served, kept fresh from the registrars by [`discovery`]; `select` the
+//! choice of a PE by policy; [`backend`] a PE's own state (health, counters, and its idle
+//! connections, kept by the generic `conn_pool`); [`tcp`] and [`http`] the two modes; `ctx`
+//! what a connection takes along; `stats` the stats endpoint; `access_log`. This file holds
+//! [`Proxy`] (start, reload, drain) and the accept loop.
+//!
 //! Operations: a connection limit (further clients wait in the listen backlog), timeouts,
 //! [`Proxy::drain`] (stop accepting, finish what is in flight), [`Proxy::reload`] (listeners and
 //! routes change, open connections keep going), an optional access log and a JSON stats
