@@ -1,7 +1,8 @@
 //! The access log: one line per HTTP request or TCP connection, written off the request path.
 //!
-//! Formatting and writing a line must not hold up a connection's task, so lines go through a
-//! channel to a thread of their own, which writes whatever has queued up and flushes once.
+//! A write to a file can block, which must not hold up a connection's task, so lines go
+//! through a channel to a thread of their own, which writes whatever has queued up and flushes
+//! once.
 
 use std::io::Write;
 
