@@ -1,6 +1,12 @@
 //! HTTP/1.1 mode: each request is routed (Host, path prefix) to a pool and sent to a PE chosen
 //! there, over a kept-alive connection from the PE's idle set when there is one.
 //!
+//! A request goes through named steps, each a function from one value to the next:
+//! `parse` → `route` → `prepare` → `select` → `send` → `relay` → `finish` (see `request`); the
+//! steps from select on repeat while the request fails over to another PE. A new concern
+//! (admission before select, accounting at select and finish) is a step or a field of a
+//! step's value, not a branch inside another step.
+//!
 //! Heads are parsed, bodies only delimited and streamed; a request body up to `retry-buffer`
 //! is held so that the request can be sent again. A connect failure moves the request to the
 //! next PE; a PE that closes or resets before any response byte gets the request once more on
@@ -8,12 +14,13 @@
 //! connection that closes before answering costs no failure: the request goes out again on a
 //! new connection.
 
-use crate::Ctx;
+use crate::backend::{Backend, BackendConn};
 use crate::client_stream::ClientStream;
+use crate::ctx::{Ctx, until_set};
 use crate::message::{
-    BodyState, Framing, Head, HeadError, framing, is_hop_by_hop, response_framing,
+    BodyState, Framing, Head, HeadError, error_response, framing, is_hop_by_hop, response_framing,
 };
-use crate::pools::Backend;
+use crate::pools::Pool;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::io;
 use std::net::SocketAddr;
@@ -27,22 +34,6 @@ use tracing::debug;
 const READ_CHUNK: usize = 64 * 1024;
 /// Responses up to this size (head and body) go to the client in one write.
 const COALESCE: usize = 64 * 1024;
-
-/// A connection to a PE with the bytes read from it but not used yet.
-#[derive(Debug)]
-pub struct BackendConn {
-    stream: TcpStream,
-    buf: BytesMut,
-}
-
-impl BackendConn {
-    fn new(stream: TcpStream) -> Self {
-        Self {
-            stream,
-            buf: BytesMut::with_capacity(16 * 1024),
-        }
-    }
-}
 
 struct Client {
     stream: ClientStream,
@@ -80,7 +71,7 @@ async fn serve_requests(c: &mut Client, ctx: &Ctx) {
         let idle = c.buf.is_empty();
         let head = tokio::select! {
             r = tokio::time::timeout(wait, read_head(c, ctx.cfg.max_head)) => r,
-            () = crate::until_set(&mut draining), if idle => return,
+            () = until_set(&mut draining), if idle => return,
         };
         let head = match head {
             Ok(Ok(Some(h))) => h,
@@ -143,33 +134,41 @@ async fn reply(c: &mut Client, code: u16, text: &str) -> io::Result<()> {
     c.stream.write_all(&error_response(code, text)).await
 }
 
-pub(crate) fn error_response(code: u16, text: &str) -> Vec<u8> {
-    let reason = match code {
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        431 => "Request Header Fields Too Large",
-        502 => "Bad Gateway",
-        503 => "Service Unavailable",
-        504 => "Gateway Timeout",
-        _ => "Error",
+/// One request through the pipeline.
+async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
+    let started = Instant::now();
+    let mut r = match parse(head, c.peer, started) {
+        Ok(r) => r,
+        Err((code, why)) => {
+            let _ = reply(c, code, why).await;
+            return Next::Close;
+        }
     };
-    format!(
-        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}\n",
-        text.len() + 1
-    )
-    .into_bytes()
+    let Some(pool) = route(&r, ctx) else {
+        let _ = reply(c, 404, "no route").await;
+        return Next::Close;
+    };
+    let Ok(out) = prepare(c, &mut r, ctx).await else {
+        return Next::Close;
+    };
+    let mut failover = Failover::default();
+    loop {
+        let (attempt, mut conn) = match select(pool, &r, &mut failover, ctx).await {
+            Ok(v) => v,
+            Err((code, why)) => return give_up(c, &r, ctx, code, Some(why), None).await,
+        };
+        let outcome = match send(c, &mut conn, &r, &out, &attempt.pe, ctx).await {
+            Ok(sent) => relay(c, conn, &r, sent, &attempt.pe, ctx).await,
+            Err(f) => Err(f),
+        };
+        // `None`: the request goes to a PE again.
+        if let Some(next) = finish(c, &r, &out, &attempt, outcome, &mut failover, ctx).await {
+            return next;
+        }
+    }
 }
 
-fn idempotent(method: &[u8]) -> bool {
-    matches!(
-        method,
-        b"GET" | b"HEAD" | b"PUT" | b"DELETE" | b"OPTIONS" | b"TRACE"
-    )
-}
-
-/// What the request says about itself.
+/// What the request says about itself: the value [`parse`] makes.
 struct Request {
     head: Head,
     framing: Framing,
@@ -179,9 +178,29 @@ struct Request {
     expect_continue: bool,
     upgrade: bool,
     idempotent: bool,
+    started: Instant,
 }
 
-fn analyse(head: Head) -> Result<Request, &'static str> {
+/// Step parse: the request analysed, or the status and text that refuse it.
+fn parse(head: Head, peer: SocketAddr, started: Instant) -> Result<Request, (u16, &'static str)> {
+    let r = analyse(head, started).map_err(|why| {
+        debug!("client {peer}: {why}");
+        (400, why)
+    })?;
+    if r.head.method() == b"CONNECT" {
+        return Err((405, "CONNECT is not served"));
+    }
+    Ok(r)
+}
+
+fn idempotent(method: &[u8]) -> bool {
+    matches!(
+        method,
+        b"GET" | b"HEAD" | b"PUT" | b"DELETE" | b"OPTIONS" | b"TRACE"
+    )
+}
+
+fn analyse(head: Head, started: Instant) -> Result<Request, &'static str> {
     let framing = framing(&head, true).map_err(|_| "bad body framing")?;
     let host = {
         let mut hosts = head.values("host");
@@ -215,7 +234,37 @@ fn analyse(head: Head) -> Result<Request, &'static str> {
         expect_continue,
         upgrade,
         idempotent,
+        started,
     })
+}
+
+/// Step route: the pool that serves the request.
+fn route<'c>(r: &Request, ctx: &'c Ctx) -> Option<&'c Arc<Pool>> {
+    ctx.routes.route(&r.host, &r.head.target()[..r.path_end])
+}
+
+/// The request as it goes to a PE: the value [`prepare`] makes.
+struct Outgoing {
+    head: BytesMut,
+    /// The whole body, when it is small enough to be held: then the request can be sent
+    /// again (and `Request::framing` says there is nothing left to stream).
+    held: Option<Bytes>,
+}
+
+/// Step prepare: the head for the PE, and the body read and held if it is small enough.
+async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgoing> {
+    let head = outgoing_head(r, c.peer);
+    let held = match r.framing {
+        Framing::None => Some(Bytes::new()),
+        Framing::Length(n) if !r.expect_continue && n <= ctx.cfg.retry_buffer as u64 => {
+            Some(read_exact_body(c, n as usize, ctx.idle_timeout()).await?)
+        }
+        _ => None,
+    };
+    if held.is_some() {
+        r.framing = Framing::None;
+    }
+    Ok(Outgoing { head, held })
 }
 
 /// The request head as sent to a PE: hop-by-hop headers dropped, forwarding headers added.
@@ -287,138 +336,64 @@ fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
     out
 }
 
-/// How far an exchange with a PE got before it failed.
-enum Failure {
-    /// Nothing of the response arrived; `body_sent` tells whether a streamed body was used.
-    NoResponse { body_sent: bool, error: io::Error },
-    /// The PE did not answer in time.
-    Timeout,
-    /// The PE answered garbage or broke off mid-response; the client connection is spoilt
-    /// if anything was relayed.
-    Broken { relayed: bool },
-    /// The client went away.
-    Client,
-    /// The client's body broke the chunked coding.
-    BadBody,
+async fn read_exact_body(c: &mut Client, n: usize, idle: Duration) -> io::Result<Bytes> {
+    while c.buf.len() < n {
+        c.buf.reserve(n - c.buf.len());
+        let read = tokio::time::timeout(idle, c.stream.read_buf(&mut c.buf))
+            .await
+            .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))??;
+        if read == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(c.buf.split_to(n).freeze())
 }
 
-async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
-    let started = Instant::now();
-    let mut r = match analyse(head) {
-        Ok(r) => r,
-        Err(why) => {
-            debug!("client {}: {why}", c.peer);
-            let _ = reply(c, 400, why).await;
-            return Next::Close;
-        }
-    };
-    if r.head.method() == b"CONNECT" {
-        let _ = reply(c, 405, "CONNECT is not served").await;
-        return Next::Close;
-    }
-    let path = &r.head.target()[..r.path_end];
-    let Some(pool) = ctx.routes.route(&r.host, path) else {
-        let _ = reply(c, 404, "no route").await;
-        return Next::Close;
-    };
-    let out_head = outgoing_head(&r, c.peer);
-    // A small body is held, so that the request can go to another PE.
-    let held: Option<Bytes> = match r.framing {
-        Framing::None => Some(Bytes::new()),
-        Framing::Length(n) if !r.expect_continue && n <= ctx.cfg.retry_buffer as u64 => {
-            match read_exact_body(c, n as usize, ctx.idle_timeout()).await {
-                Ok(b) => Some(b),
-                Err(_) => return Next::Close,
-            }
-        }
-        _ => None,
-    };
-    if held.is_some() {
-        r.framing = Framing::None;
-    }
-    let mut tried: Vec<u32> = Vec::new();
-    let mut resent = false;
-    let mut attempts = 0;
+/// What a request has been through on its way to a PE.
+#[derive(Default)]
+struct Failover {
+    /// PEs that failed the request; they are not selected again.
+    tried: Vec<u32>,
+    /// Selections so far.
+    attempts: u32,
+    /// The request went out again after a PE closed without answering.
+    resent: bool,
+}
+
+/// The PE one attempt goes to: the value [`select`] makes, with the connection.
+struct Attempt {
+    pe: Arc<Backend>,
+    /// The connection was kept alive from an earlier request.
+    reused: bool,
+}
+
+/// Step select: a PE by the pool's policy and a connection to it. A PE that cannot be reached
+/// is reported and the next one tried; `Err` is the answer when none is left.
+async fn select(
+    pool: &Pool,
+    r: &Request,
+    f: &mut Failover,
+    ctx: &Ctx,
+) -> Result<(Attempt, BackendConn), (u16, &'static str)> {
     loop {
-        attempts += 1;
-        let Some(b) = pool.pick(&tried) else {
-            let (code, why) = if tried.is_empty() {
+        f.attempts += 1;
+        let Some(pe) = pool.pick(&f.tried) else {
+            return Err(if f.tried.is_empty() {
                 (503, "no pool element available")
             } else {
                 (502, "no pool element answered")
-            };
-            let _ = reply(c, code, why).await;
-            ctx.log(c, &r, code, None, 0, started);
-            return Next::Close;
+            });
         };
-        let fresh_only = !r.idempotent;
-        let (conn, reused) = match take_conn(&b, ctx, fresh_only).await {
-            Ok(v) => v,
+        match take_conn(&pe, ctx, !r.idempotent).await {
+            Ok((conn, reused)) => {
+                pe.stats.requests.fetch_add(1, Ordering::Relaxed);
+                pe.stats.active.fetch_add(1, Ordering::Relaxed);
+                return Ok((Attempt { pe, reused }, conn));
+            }
             Err(e) => {
-                debug!("pool {} PE {:#010x}: connect: {e}", b.pool, b.id);
-                ctx.pools.unreachable(&b);
-                tried.push(b.id);
-                continue;
-            }
-        };
-        b.stats.requests.fetch_add(1, Ordering::Relaxed);
-        b.stats.active.fetch_add(1, Ordering::Relaxed);
-        let result = exchange(c, conn, &r, &out_head, held.as_ref(), &b, ctx).await;
-        b.stats.active.fetch_sub(1, Ordering::Relaxed);
-        match result {
-            Ok((code, keep, bytes)) => {
-                b.succeeded();
-                if code >= 500 {
-                    b.stats.responses_5xx.fetch_add(1, Ordering::Relaxed);
-                }
-                ctx.log(c, &r, code, Some(&b), bytes, started);
-                return if keep && r.keep_alive {
-                    Next::KeepAlive
-                } else {
-                    Next::Close
-                };
-            }
-            Err(Failure::NoResponse { body_sent, error }) => {
-                let replayable = held.is_some() && !body_sent;
-                if reused && replayable && attempts < 8 {
-                    // A kept-alive connection the PE had closed: not the PE's fault, but its
-                    // other idle connections may be as stale.
-                    b.clear_idle();
-                    continue;
-                }
-                debug!("pool {} PE {:#010x}: no response: {error}", b.pool, b.id);
-                ctx.pools.unreachable(&b);
-                tried.push(b.id);
-                if replayable && r.idempotent && !resent {
-                    resent = true;
-                    continue;
-                }
-                let _ = reply(c, 502, "the pool element closed the connection").await;
-                ctx.log(c, &r, 502, Some(&b), 0, started);
-                return Next::Close;
-            }
-            Err(Failure::Timeout) => {
-                b.failed(&ctx.pools.settings);
-                let _ = reply(c, 504, "the pool element did not answer in time").await;
-                ctx.log(c, &r, 504, Some(&b), 0, started);
-                return Next::Close;
-            }
-            Err(Failure::Broken { relayed }) => {
-                b.failed(&ctx.pools.settings);
-                if !relayed {
-                    let _ = reply(c, 502, "bad response from the pool element").await;
-                }
-                ctx.log(c, &r, 502, Some(&b), 0, started);
-                return Next::Close;
-            }
-            Err(Failure::BadBody) => {
-                let _ = reply(c, 400, "malformed chunked body").await;
-                ctx.log(c, &r, 400, Some(&b), 0, started);
-                return Next::Close;
-            }
-            Err(Failure::Client) => {
-                ctx.log(c, &r, 499, Some(&b), 0, started);
-                return Next::Close;
+                debug!("pool {} PE {:#010x}: connect: {e}", pe.pool, pe.id);
+                ctx.pools.unreachable(&pe);
+                f.tried.push(pe.id);
             }
         }
     }
@@ -444,65 +419,128 @@ async fn take_conn(
     Ok((BackendConn::new(s), false))
 }
 
-async fn read_exact_body(c: &mut Client, n: usize, idle: Duration) -> io::Result<Bytes> {
-    while c.buf.len() < n {
-        c.buf.reserve(n - c.buf.len());
-        let read = tokio::time::timeout(idle, c.stream.read_buf(&mut c.buf))
-            .await
-            .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))??;
-        if read == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-    }
-    Ok(c.buf.split_to(n).freeze())
+/// How far an exchange with a PE got before it failed.
+enum Failure {
+    /// Nothing of the response arrived; `body_sent` tells whether a streamed body was used.
+    NoResponse { body_sent: bool, error: io::Error },
+    /// The PE did not answer in time.
+    Timeout,
+    /// The PE answered garbage or broke off mid-response; the client connection is spoilt
+    /// if anything was relayed.
+    Broken { relayed: bool },
+    /// The client went away.
+    Client,
+    /// The client's body broke the chunked coding.
+    BadBody,
 }
 
-/// One request/response exchange with a PE. On success returns the status code, whether the
-/// client connection can carry another request and the response bytes relayed.
-async fn exchange(
+/// What [`send`] left to do with the request body.
+struct Sent {
+    /// Part of a streamed body went to the PE: the request cannot be sent again.
+    body_sent: bool,
+    /// Part of the body is still with the client (it waits for 100 Continue, or the PE
+    /// stopped taking it).
+    body_left: bool,
+}
+
+/// Step send: the head and a held body in one write, then a streamed body unless the client
+/// waits for 100 Continue.
+async fn send(
     c: &mut Client,
-    mut bc: BackendConn,
+    bc: &mut BackendConn,
     r: &Request,
-    out_head: &[u8],
-    held: Option<&Bytes>,
-    b: &Arc<Backend>,
+    out: &Outgoing,
+    b: &Backend,
     ctx: &Ctx,
-) -> Result<(u16, bool, u64), Failure> {
-    let settings = &ctx.pools.settings;
-    // Head and held body in one write.
-    let send = match held {
-        Some(body) if !body.is_empty() && out_head.len() + body.len() <= COALESCE => {
-            let mut v = BytesMut::with_capacity(out_head.len() + body.len());
-            v.put_slice(out_head);
+) -> Result<Sent, Failure> {
+    let written = match &out.held {
+        Some(body) if !body.is_empty() && out.head.len() + body.len() <= COALESCE => {
+            let mut v = BytesMut::with_capacity(out.head.len() + body.len());
+            v.put_slice(&out.head);
             v.put_slice(body);
             bc.stream.write_all(&v).await
         }
         Some(body) if !body.is_empty() => {
-            let r = bc.stream.write_all(out_head).await;
+            let r = bc.stream.write_all(&out.head).await;
             match r {
                 Ok(()) => bc.stream.write_all(body).await,
                 e => e,
             }
         }
-        _ => bc.stream.write_all(out_head).await,
+        _ => bc.stream.write_all(&out.head).await,
     };
-    if let Err(error) = send {
+    if let Err(error) = written {
         return Err(Failure::NoResponse {
             body_sent: false,
             error,
         });
     }
-    if let Some(body) = held {
+    if let Some(body) = &out.held {
         b.stats
             .bytes_in
             .fetch_add(body.len() as u64, Ordering::Relaxed);
     }
-    let mut body_sent = false;
-    let mut client_body_left = !matches!(r.framing, Framing::None);
-    if client_body_left && !r.expect_continue {
-        body_sent = true;
-        client_body_left = !send_body(c, &mut bc, r, b, ctx).await?;
+    let mut sent = Sent {
+        body_sent: false,
+        body_left: !matches!(r.framing, Framing::None),
+    };
+    if sent.body_left && !r.expect_continue {
+        sent.body_sent = true;
+        sent.body_left = !send_body(c, bc, r, b, ctx).await?;
     }
+    Ok(sent)
+}
+
+/// Streams the client's request body to the PE. `Ok(false)` when the PE stopped taking it (it
+/// may have answered early: the response is read next).
+async fn send_body(
+    c: &mut Client,
+    bc: &mut BackendConn,
+    r: &Request,
+    b: &Backend,
+    ctx: &Ctx,
+) -> Result<bool, Failure> {
+    let sent = stream_body(
+        &mut c.stream,
+        &mut c.buf,
+        &mut bc.stream,
+        r.framing,
+        BytesMut::new(),
+        ctx.idle_timeout(),
+        false,
+    )
+    .await;
+    match sent {
+        Ok(n) => {
+            b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
+            Ok(true)
+        }
+        Err(RelayError::Src) => Err(Failure::Client),
+        Err(RelayError::Malformed) => Err(Failure::BadBody),
+        Err(RelayError::Dst | RelayError::Timeout) => Ok(false),
+    }
+}
+
+/// The response as the client got it: the value [`relay`] makes.
+struct Relayed {
+    code: u16,
+    /// The client connection can carry another request.
+    keep: bool,
+    /// Bytes relayed to the client.
+    bytes: u64,
+}
+
+/// Step relay: the PE's response to the client, interim responses first (100 Continue
+/// releases a waiting body; 101 turns the connection into a tunnel). A PE connection that
+/// can carry another request goes back to the PE's idle set.
+async fn relay(
+    c: &mut Client,
+    mut bc: BackendConn,
+    r: &Request,
+    mut sent: Sent,
+    b: &Arc<Backend>,
+    ctx: &Ctx,
+) -> Result<Relayed, Failure> {
     let mut relayed = false;
     let mut bytes = 0u64;
     let resp = loop {
@@ -510,7 +548,10 @@ async fn exchange(
             Ok(h) => h,
             Err(f) => {
                 return Err(match f {
-                    Failure::NoResponse { error, .. } => Failure::NoResponse { body_sent, error },
+                    Failure::NoResponse { error, .. } => Failure::NoResponse {
+                        body_sent: sent.body_sent,
+                        error,
+                    },
                     other => other,
                 });
             }
@@ -522,7 +563,11 @@ async fn exchange(
                     .await
                     .map_err(|_| Failure::Client)?;
                 tunnel(c, bc, b, ctx).await;
-                return Ok((101, false, head.raw.len() as u64));
+                return Ok(Relayed {
+                    code: 101,
+                    keep: false,
+                    bytes: head.raw.len() as u64,
+                });
             }
             100..=199 if head.code != 101 => {
                 // Interim responses go to HTTP/1.1 clients; 100 releases a waiting body.
@@ -533,9 +578,9 @@ async fn exchange(
                         .map_err(|_| Failure::Client)?;
                     relayed = true;
                 }
-                if head.code == 100 && client_body_left {
-                    body_sent = true;
-                    client_body_left = !send_body(c, &mut bc, r, b, ctx).await?;
+                if head.code == 100 && sent.body_left {
+                    sent.body_sent = true;
+                    sent.body_left = !send_body(c, &mut bc, r, b, ctx).await?;
                 }
                 continue;
             }
@@ -559,15 +604,15 @@ async fn exchange(
             resp.has_token("connection", "keep-alive")
         };
     let client_keep =
-        r.keep_alive && framing != Framing::Close && !client_body_left && !*ctx.draining.borrow();
-    if client_body_left {
+        r.keep_alive && framing != Framing::Close && !sent.body_left && !*ctx.draining.borrow();
+    if sent.body_left {
         // The client may still be sending the body the PE did not take.
         c.stream.linger_on_close();
     }
     let mut out = BytesMut::with_capacity(resp.raw.len() + 64);
     response_head(&resp, &mut out, client_keep, r.head.minor);
     bytes += out.len() as u64;
-    match relay(
+    match stream_body(
         &mut bc.stream,
         &mut bc.buf,
         &mut c.stream,
@@ -583,40 +628,14 @@ async fn exchange(
         Err(_) => return Err(Failure::Broken { relayed: true }),
     }
     b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
-    if backend_keep && bc.buf.is_empty() && !client_body_left {
-        b.put_idle(bc, settings.max_idle_per_pe);
+    if backend_keep && bc.buf.is_empty() && !sent.body_left {
+        b.put_idle(bc, ctx.pools.settings.max_idle_per_pe);
     }
-    Ok((code, client_keep, bytes))
-}
-
-/// Streams the client's request body to the PE. `Ok(false)` when the PE stopped taking it (it
-/// may have answered early: the response is read next).
-async fn send_body(
-    c: &mut Client,
-    bc: &mut BackendConn,
-    r: &Request,
-    b: &Backend,
-    ctx: &Ctx,
-) -> Result<bool, Failure> {
-    let sent = relay(
-        &mut c.stream,
-        &mut c.buf,
-        &mut bc.stream,
-        r.framing,
-        BytesMut::new(),
-        ctx.idle_timeout(),
-        false,
-    )
-    .await;
-    match sent {
-        Ok(n) => {
-            b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
-            Ok(true)
-        }
-        Err(RelayError::Src) => Err(Failure::Client),
-        Err(RelayError::Malformed) => Err(Failure::BadBody),
-        Err(RelayError::Dst | RelayError::Timeout) => Ok(false),
-    }
+    Ok(Relayed {
+        code,
+        keep: client_keep,
+        bytes,
+    })
 }
 
 async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Failure> {
@@ -680,6 +699,119 @@ fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
     out.put_slice(b"\r\n");
 }
 
+/// After 101 Switching Protocols: bytes both ways until either side ends.
+async fn tunnel(c: &mut Client, mut bc: BackendConn, b: &Arc<Backend>, ctx: &Ctx) {
+    if !bc.buf.is_empty() && c.stream.write_all(&bc.buf).await.is_err() {
+        return;
+    }
+    if !c.buf.is_empty() && bc.stream.write_all(&c.buf).await.is_err() {
+        return;
+    }
+    c.buf.clear();
+    let Ok(cs) = c.stream.registered() else {
+        return;
+    };
+    if let Ok(m) = crate::splice::forward(cs, &bc.stream, ctx.idle_timeout(), ctx.cfg.splice).await
+    {
+        b.stats.bytes_in.fetch_add(m.a_to_b, Ordering::Relaxed);
+        b.stats.bytes_out.fetch_add(m.b_to_a, Ordering::Relaxed);
+    }
+}
+
+/// Step finish: settles an attempt with the PE (counters, health), logs the request and says
+/// what comes next; `None` sends the request to a PE again (failover).
+async fn finish(
+    c: &mut Client,
+    r: &Request,
+    out: &Outgoing,
+    attempt: &Attempt,
+    outcome: Result<Relayed, Failure>,
+    f: &mut Failover,
+    ctx: &Ctx,
+) -> Option<Next> {
+    let b = &attempt.pe;
+    b.stats.active.fetch_sub(1, Ordering::Relaxed);
+    let (code, why) = match outcome {
+        Ok(Relayed { code, keep, bytes }) => {
+            b.succeeded();
+            if code >= 500 {
+                b.stats.responses_5xx.fetch_add(1, Ordering::Relaxed);
+            }
+            log(ctx, c, r, code, Some(b), bytes);
+            return Some(if keep && r.keep_alive {
+                Next::KeepAlive
+            } else {
+                Next::Close
+            });
+        }
+        Err(Failure::NoResponse { body_sent, error }) => {
+            let replayable = out.held.is_some() && !body_sent;
+            if attempt.reused && replayable && f.attempts < 8 {
+                // A kept-alive connection the PE had closed: not the PE's fault, but its
+                // other idle connections may be as stale.
+                b.clear_idle();
+                return None;
+            }
+            debug!("pool {} PE {:#010x}: no response: {error}", b.pool, b.id);
+            ctx.pools.unreachable(b);
+            f.tried.push(b.id);
+            if replayable && r.idempotent && !f.resent {
+                f.resent = true;
+                return None;
+            }
+            (502, Some("the pool element closed the connection"))
+        }
+        Err(Failure::Timeout) => {
+            b.failed(&ctx.pools.settings.health);
+            (504, Some("the pool element did not answer in time"))
+        }
+        Err(Failure::Broken { relayed }) => {
+            b.failed(&ctx.pools.settings.health);
+            (
+                502,
+                (!relayed).then_some("bad response from the pool element"),
+            )
+        }
+        Err(Failure::BadBody) => (400, Some("malformed chunked body")),
+        Err(Failure::Client) => (499, None),
+    };
+    Some(give_up(c, r, ctx, code, why, Some(b)).await)
+}
+
+/// Ends a request without a response from a PE: answers `code` with `why` (unless the client
+/// has part of a response already, or is gone), logs it and closes.
+async fn give_up(
+    c: &mut Client,
+    r: &Request,
+    ctx: &Ctx,
+    code: u16,
+    why: Option<&str>,
+    b: Option<&Arc<Backend>>,
+) -> Next {
+    if let Some(why) = why {
+        let _ = reply(c, code, why).await;
+    }
+    log(ctx, c, r, code, b, 0);
+    Next::Close
+}
+
+/// The access log line of a request.
+fn log(ctx: &Ctx, c: &Client, r: &Request, code: u16, b: Option<&Arc<Backend>>, bytes: u64) {
+    ctx.log(|| {
+        format!(
+            "{} {} {} {} {} {} {} {}",
+            c.peer,
+            String::from_utf8_lossy(r.head.method()),
+            String::from_utf8_lossy(r.head.target()),
+            code,
+            b.map_or("-".into(), |b| b.pool.to_string()),
+            b.map_or("-".into(), |b| format!("{:#010x}", b.id)),
+            bytes,
+            r.started.elapsed().as_micros()
+        )
+    });
+}
+
 enum RelayError {
     Src,
     Dst,
@@ -692,7 +824,7 @@ enum RelayError {
 /// so a small response costs one write. Bytes after the body stay in `buf`.
 /// With `last`, the write that ends the body also ends `dst`'s sending side (see
 /// [`Sink::write_last`]).
-async fn relay(
+async fn stream_body(
     src: &mut (impl AsyncRead + Unpin),
     buf: &mut BytesMut,
     dst: &mut impl Sink,
@@ -760,50 +892,5 @@ impl Sink for TcpStream {
     async fn write_last(&mut self, data: &[u8]) -> io::Result<()> {
         self.write_all(data).await?;
         self.shutdown().await
-    }
-}
-
-/// After 101 Switching Protocols: bytes both ways until either side ends.
-async fn tunnel(c: &mut Client, mut bc: BackendConn, b: &Arc<Backend>, ctx: &Ctx) {
-    if !bc.buf.is_empty() && c.stream.write_all(&bc.buf).await.is_err() {
-        return;
-    }
-    if !c.buf.is_empty() && bc.stream.write_all(&c.buf).await.is_err() {
-        return;
-    }
-    c.buf.clear();
-    let Ok(cs) = c.stream.registered() else {
-        return;
-    };
-    if let Ok(m) = crate::splice::forward(cs, &bc.stream, ctx.idle_timeout(), ctx.cfg.splice).await
-    {
-        b.stats.bytes_in.fetch_add(m.a_to_b, Ordering::Relaxed);
-        b.stats.bytes_out.fetch_add(m.b_to_a, Ordering::Relaxed);
-    }
-}
-
-impl Ctx {
-    fn log(
-        &self,
-        c: &Client,
-        r: &Request,
-        code: u16,
-        b: Option<&Arc<Backend>>,
-        bytes: u64,
-        started: Instant,
-    ) {
-        if let Some(log) = &self.log {
-            log.write(format!(
-                "{} {} {} {} {} {} {} {}",
-                c.peer,
-                String::from_utf8_lossy(r.head.method()),
-                String::from_utf8_lossy(r.head.target()),
-                code,
-                b.map_or("-".into(), |b| b.pool.to_string()),
-                b.map_or("-".into(), |b| format!("{:#010x}", b.id)),
-                bytes,
-                started.elapsed().as_micros()
-            ));
-        }
     }
 }

@@ -4,167 +4,50 @@
 //! ([`pools`]), selects a PE locally by the pool's policy for every TCP connection ([`tcp`]) or
 //! HTTP request ([`http`]), fails over when a PE cannot be reached and tells the registrar.
 //!
+//! Where each idea lives: [`config`] the settings; `routes` which pool serves a request;
+//! [`pools`] the pools served, kept fresh from the registrars by [`discovery`]; `select` the
+//! choice of a PE by policy; [`backend`] a PE's own state (health, counters, and its idle
+//! connections, kept by the generic `conn_pool`); [`tcp`] and [`http`] the two modes; `ctx`
+//! what a connection takes along; `stats` the stats endpoint; `access_log`. This file holds
+//! [`Proxy`] (start, reload, drain) and the accept loop.
+//!
 //! Operations: a connection limit (further clients wait in the listen backlog), timeouts,
 //! [`Proxy::drain`] (stop accepting, finish what is in flight), [`Proxy::reload`] (listeners and
 //! routes change, open connections keep going), an optional access log and a JSON stats
 //! endpoint with per-PE counters.
 
+mod access_log;
+pub mod backend;
 pub mod client;
 mod client_stream;
 pub mod config;
+mod conn_pool;
+mod ctx;
+pub mod discovery;
 pub mod http;
 pub mod message;
 pub mod pools;
+mod routes;
+mod select;
 pub mod splice;
+mod stats;
 pub mod tcp;
 
 pub use config::{ListenerConfig, Mode, ProxyConfig, Route};
 pub use pools::{Pool, PoolSettings, Pools};
 
+use access_log::AccessLog;
+use ctx::{Ctx, until_set};
+use routes::Routes;
+
 use std::collections::HashMap;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tracing::{info, warn};
-
-/// A listener's routing table.
-pub(crate) struct Routes {
-    /// The pool for TCP connections and for requests no route matches.
-    default: Option<Arc<Pool>>,
-    /// Longest prefix first.
-    routes: Vec<RouteEntry>,
-}
-
-/// (host, path prefix, pool).
-type RouteEntry = (Option<Vec<u8>>, Vec<u8>, Arc<Pool>);
-
-impl Routes {
-    fn new(l: &ListenerConfig, pools: &Pools) -> Self {
-        let mut routes: Vec<_> = l
-            .routes
-            .iter()
-            .map(|r| {
-                (
-                    r.host.as_ref().map(|h| h.to_ascii_lowercase().into_bytes()),
-                    r.prefix.as_bytes().to_vec(),
-                    pools.pool(&r.pool),
-                )
-            })
-            .collect();
-        routes.sort_by(|a, b| {
-            b.1.len()
-                .cmp(&a.1.len())
-                .then(b.0.is_some().cmp(&a.0.is_some()))
-        });
-        Self {
-            default: l.pool.as_ref().map(|p| pools.pool(p)),
-            routes,
-        }
-    }
-
-    /// The pool for a request to `host` (a Host header value, port allowed) and `path`.
-    pub(crate) fn route(&self, host: &[u8], path: &[u8]) -> Option<&Arc<Pool>> {
-        let host = strip_port(host);
-        self.routes
-            .iter()
-            .find(|(h, prefix, _)| {
-                path.starts_with(prefix) && h.as_ref().is_none_or(|h| host.eq_ignore_ascii_case(h))
-            })
-            .map(|(_, _, p)| p)
-            .or(self.default.as_ref())
-    }
-}
-
-fn strip_port(host: &[u8]) -> &[u8] {
-    if host.first() == Some(&b'[') {
-        return host
-            .iter()
-            .position(|&b| b == b']')
-            .map_or(host, |i| &host[..=i]);
-    }
-    match host.iter().rposition(|&b| b == b':') {
-        Some(i) => &host[..i],
-        None => host,
-    }
-}
-
-/// The access log: lines go through a channel to a writer thread.
-#[derive(Clone)]
-pub(crate) struct AccessLog {
-    tx: std::sync::mpsc::Sender<String>,
-}
-
-impl AccessLog {
-    fn open(path: &std::path::Path) -> std::io::Result<Self> {
-        let out: Box<dyn Write + Send> = if path.as_os_str() == "-" {
-            Box::new(std::io::stdout())
-        } else {
-            Box::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?,
-            )
-        };
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        std::thread::Builder::new()
-            .name("access-log".into())
-            .spawn(move || {
-                let mut w = std::io::BufWriter::new(out);
-                while let Ok(line) = rx.recv() {
-                    let _ = writeln!(w, "{line}");
-                    while let Ok(line) = rx.try_recv() {
-                        let _ = writeln!(w, "{line}");
-                    }
-                    let _ = w.flush();
-                }
-            })?;
-        Ok(Self { tx })
-    }
-
-    pub(crate) fn write(&self, line: String) {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        let _ = self.tx.send(format!(
-            "{}.{:03} {line}",
-            now.as_secs(),
-            now.subsec_millis()
-        ));
-    }
-}
-
-/// What a connection needs; taken when it is accepted, so a reload does not touch it.
-#[derive(Clone)]
-pub(crate) struct Ctx {
-    pub(crate) cfg: Arc<ProxyConfig>,
-    pub(crate) pools: Arc<Pools>,
-    pub(crate) routes: Arc<Routes>,
-    pub(crate) log: Option<AccessLog>,
-    pub(crate) draining: watch::Receiver<bool>,
-}
-
-impl Ctx {
-    pub(crate) fn connect_timeout(&self) -> Duration {
-        Duration::from_millis(self.cfg.connect_timeout_ms)
-    }
-    pub(crate) fn idle_timeout(&self) -> Duration {
-        Duration::from_millis(self.cfg.idle_timeout_ms)
-    }
-    pub(crate) fn request_timeout(&self) -> Duration {
-        Duration::from_millis(self.cfg.request_timeout_ms)
-    }
-    pub(crate) fn log_line(&self, line: String) {
-        if let Some(l) = &self.log {
-            l.write(line);
-        }
-    }
-}
 
 struct Listener {
     local: SocketAddr,
@@ -204,13 +87,15 @@ impl Proxy {
     /// Binds every listener (and the stats endpoint) and starts serving.
     pub async fn start(cfg: ProxyConfig) -> Result<Proxy, StartError> {
         cfg.validate()?;
-        let pools = Pools::start(PoolSettings {
+        let pools = discovery::start(PoolSettings {
             registrars: cfg.registrars.clone(),
             refresh: Duration::from_millis(cfg.refresh_ms),
             connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
-            max_fails: cfg.max_fails,
-            eject: Duration::from_millis(cfg.eject_ms),
-            eject_max: Duration::from_millis(cfg.eject_max_ms),
+            health: backend::HealthSettings {
+                max_fails: cfg.max_fails,
+                eject: Duration::from_millis(cfg.eject_ms),
+                eject_max: Duration::from_millis(cfg.eject_max_ms),
+            },
             max_idle_per_pe: cfg.max_idle_per_pe,
             idle_timeout: Duration::from_millis(cfg.idle_timeout_ms.min(30_000)),
         });
@@ -238,7 +123,10 @@ impl Proxy {
                 "proxy: stats on http://{}/stats",
                 sock.local_addr().unwrap_or(addr)
             );
-            tokio::spawn(stats_server(sock, Arc::downgrade(&proxy.inner)));
+            let inner = Arc::downgrade(&proxy.inner);
+            tokio::spawn(stats::serve(sock, move || {
+                inner.upgrade().map(|inner| Proxy { inner }.stats_json())
+            }));
         }
         Ok(proxy)
     }
@@ -403,7 +291,17 @@ impl Proxy {
 
     /// Counters for the stats endpoint.
     pub fn stats_json(&self) -> serde_json::Value {
-        stats_of(&self.inner)
+        let listeners: Vec<_> = self
+            .listeners()
+            .values()
+            .map(|l| serde_json::json!({"listen": l.local.to_string(), "mode": l.mode, "pool": l.config.pool}))
+            .collect();
+        serde_json::json!({
+            "registrar_reachable": self.inner.pools.registrar_reachable(),
+            "active_connections": self.active_connections(),
+            "listeners": listeners,
+            "pools": self.inner.pools.snapshot(),
+        })
     }
 }
 
@@ -502,88 +400,5 @@ async fn accept_loop(
             }
             drop(permit);
         });
-    }
-}
-
-/// Returns once the flag is set (or its sender is gone).
-pub(crate) async fn until_set(rx: &mut watch::Receiver<bool>) {
-    let _ = rx.wait_for(|s| *s).await;
-}
-
-fn stats_of(inner: &Inner) -> serde_json::Value {
-    let listeners: Vec<_> = inner
-        .listeners
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .values()
-        .map(|l| serde_json::json!({"listen": l.local.to_string(), "mode": l.mode, "pool": l.config.pool}))
-        .collect();
-    serde_json::json!({
-        "registrar_reachable": inner.pools.registrar_reachable(),
-        "active_connections": inner.max_conns - inner.conns.available_permits(),
-        "listeners": listeners,
-        "pools": inner.pools.snapshot(),
-    })
-}
-
-async fn stats_server(sock: TcpListener, inner: std::sync::Weak<Inner>) {
-    loop {
-        let Ok((s, _)) = sock.accept().await else {
-            continue;
-        };
-        let inner = inner.clone();
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), stats_answer(s, inner)).await;
-        });
-    }
-}
-
-async fn stats_answer(mut s: TcpStream, inner: std::sync::Weak<Inner>) -> std::io::Result<()> {
-    let mut buf = bytes::BytesMut::with_capacity(4096);
-    let head = loop {
-        if s.read_buf(&mut buf).await? == 0 {
-            return Ok(());
-        }
-        match message::Head::request(&mut buf, 8192) {
-            Ok(Some(h)) => break h,
-            Ok(None) => {}
-            Err(_) => {
-                return s
-                    .write_all(&http::error_response(400, "malformed request"))
-                    .await;
-            }
-        }
-    };
-    let Some(inner) = inner.upgrade() else {
-        return Ok(());
-    };
-    let path = head
-        .target()
-        .split(|&b| b == b'?')
-        .next()
-        .unwrap_or_default();
-    if path != b"/stats" && path != b"/" {
-        return s.write_all(&http::error_response(404, "try /stats")).await;
-    }
-    let body = serde_json::to_vec_pretty(&stats_of(&inner)).unwrap_or_default();
-    let mut out = format!(
-        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len() + 1
-    )
-    .into_bytes();
-    out.extend_from_slice(&body);
-    out.push(b'\n');
-    s.write_all(&out).await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ports_are_stripped_from_hosts() {
-        assert_eq!(strip_port(b"example.com:8080"), b"example.com");
-        assert_eq!(strip_port(b"example.com"), b"example.com");
-        assert_eq!(strip_port(b"[::1]:80"), b"[::1]");
     }
 }

@@ -1,4 +1,4 @@
-//! HTTP/1.1 message heads and body framing, as far as a proxy needs them.
+//! HTTP/1.1 message heads, body framing and short error answers, as far as a proxy needs them.
 //!
 //! A proxy forwards most of a message untouched, so a head is kept as the bytes it arrived in
 //! plus the positions of its parts (parsed by `httparse`); only hop-by-hop headers are dropped
@@ -411,6 +411,26 @@ pub fn is_hop_by_hop(name: &[u8]) -> bool {
         b"trailer",
     ];
     HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
+}
+
+/// A short error answer, after which the connection is closed.
+pub(crate) fn error_response(code: u16, text: &str) -> Vec<u8> {
+    let reason = match code {
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        431 => "Request Header Fields Too Large",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "Error",
+    };
+    format!(
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}\n",
+        text.len() + 1
+    )
+    .into_bytes()
 }
 
 #[cfg(test)]

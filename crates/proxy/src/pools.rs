@@ -1,26 +1,20 @@
-//! The proxy's pools: a pool user that keeps a local copy of every pool it serves.
+//! The pools the proxy serves, each a local copy of the registrar's pool.
 //!
-//! Selecting a PE per connection or request at the registrar would cost a round trip each, so
-//! the proxy asks its registrars for every PE of each pool once per refresh interval, keeps them
-//! in a small handlespace of its own and selects there by the pool's policy, with the load the
-//! registrar reported last. If no registrar answers, the copy it has keeps serving.
-//!
-//! Beside the registrar's view the proxy keeps what it sees itself: a PE it cannot reach is
-//! reported (ENDPOINT_UNREACHABLE) and ejected locally at once, for a back-off that doubles
-//! with every ejection in a row and is forgotten after a success (passive health).
+//! This is where the other rooms meet: [`crate::discovery`] writes each copy, the request
+//! paths pick PEs from it (the selection itself is in `select.rs`, the PEs' own state in
+//! [`crate::backend`]) and report the PEs they could not reach, and the stats endpoint reads
+//! a snapshot.
 
-use rserpool_asap::{PoolUser, PoolUserConfig};
-use rserpool_handlespace::{Handlespace, PeRef};
-use rserpool_wire::{PoolElement, PoolHandle, UserTransport};
+use crate::backend::{Backend, BackendSnapshot, HealthSettings};
+use crate::select::Selector;
+use rserpool_wire::{PoolElement, PoolHandle};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
-use tracing::{info, warn};
 
 /// Settings of the pool view and of passive health.
 #[derive(Debug, Clone)]
@@ -28,165 +22,11 @@ pub struct PoolSettings {
     pub registrars: Vec<SocketAddr>,
     pub refresh: Duration,
     pub connect_timeout: Duration,
-    /// Failures in a row that eject a PE.
-    pub max_fails: u32,
-    /// First ejection; doubled per ejection in a row up to `eject_max`.
-    pub eject: Duration,
-    pub eject_max: Duration,
+    pub health: HealthSettings,
     /// Idle keep-alive connections kept per PE (HTTP mode).
     pub max_idle_per_pe: usize,
     /// Idle connections older than this are not reused.
     pub idle_timeout: Duration,
-}
-
-/// A pool element as the proxy uses it: where to connect, its counters, its health and (in
-/// HTTP mode) its idle keep-alive connections. It outlives refreshes, so health and counters
-/// persist while the registrar keeps listing the PE.
-#[derive(Debug)]
-pub struct Backend {
-    pub pool: PoolHandle,
-    pub id: u32,
-    pub addrs: Vec<SocketAddr>,
-    pub stats: BackendStats,
-    health: Mutex<Health>,
-    idle: Mutex<Vec<(Instant, crate::http::BackendConn)>>,
-    /// Set when the PE left the pool: its idle connections are not kept.
-    gone: AtomicBool,
-}
-
-#[derive(Debug, Default)]
-struct Health {
-    fails: u32,
-    ejections: u32,
-    ejected_until: Option<Instant>,
-}
-
-/// Per-PE counters, shown by the stats endpoint.
-#[derive(Debug, Default)]
-pub struct BackendStats {
-    /// Connections (TCP mode) or requests (HTTP mode) sent to this PE.
-    pub requests: AtomicU64,
-    /// Connections opened to this PE; in HTTP mode far fewer than requests while kept-alive
-    /// connections are reused.
-    pub connections: AtomicU64,
-    pub active: AtomicU64,
-    pub failures: AtomicU64,
-    pub ejections: AtomicU64,
-    pub bytes_in: AtomicU64,
-    pub bytes_out: AtomicU64,
-    pub responses_5xx: AtomicU64,
-}
-
-impl Backend {
-    fn new(pool: &PoolHandle, pe: &PoolElement) -> Self {
-        Self {
-            pool: pool.clone(),
-            id: pe.id,
-            addrs: addrs_of(pe),
-            stats: BackendStats::default(),
-            health: Mutex::new(Health::default()),
-            idle: Mutex::new(Vec::new()),
-            gone: AtomicBool::new(false),
-        }
-    }
-
-    fn health(&self) -> MutexGuard<'_, Health> {
-        self.health.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub fn is_ejected(&self, now: Instant) -> bool {
-        self.health().ejected_until.is_some_and(|t| now < t)
-    }
-
-    /// A failure: returns true if it ejected the PE.
-    pub fn failed(&self, s: &PoolSettings) -> bool {
-        self.stats.failures.fetch_add(1, Ordering::Relaxed);
-        let mut h = self.health();
-        h.fails += 1;
-        if h.fails < s.max_fails.max(1) {
-            return false;
-        }
-        h.fails = 0;
-        let back_off = s
-            .eject
-            .saturating_mul(1 << h.ejections.min(16))
-            .min(s.eject_max);
-        h.ejections += 1;
-        h.ejected_until = Some(Instant::now() + back_off);
-        drop(h);
-        self.stats.ejections.fetch_add(1, Ordering::Relaxed);
-        self.idle_lock().clear();
-        warn!(
-            "pool {} PE {:#010x} ejected for {} ms",
-            self.pool,
-            self.id,
-            back_off.as_millis()
-        );
-        true
-    }
-
-    pub fn succeeded(&self) {
-        let mut h = self.health();
-        if h.fails != 0 || h.ejections != 0 {
-            *h = Health::default();
-        }
-    }
-
-    fn idle_lock(&self) -> MutexGuard<'_, Vec<(Instant, crate::http::BackendConn)>> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// An idle keep-alive connection to this PE, if one is fresh enough.
-    pub fn take_idle(&self, max_age: Duration) -> Option<crate::http::BackendConn> {
-        let mut idle = self.idle_lock();
-        while let Some((at, c)) = idle.pop() {
-            if at.elapsed() < max_age {
-                return Some(c);
-            }
-        }
-        None
-    }
-
-    /// Drops the idle connections (the PE closed one of them: the others may be dead too).
-    pub fn clear_idle(&self) {
-        self.idle_lock().clear();
-    }
-
-    pub fn put_idle(&self, conn: crate::http::BackendConn, max: usize) {
-        if self.gone.load(Ordering::Relaxed) {
-            return;
-        }
-        let mut idle = self.idle_lock();
-        if idle.len() < max {
-            idle.push((Instant::now(), conn));
-        }
-    }
-
-    /// Connects to the PE (each of its addresses in turn) within the connect timeout.
-    pub async fn connect(&self, timeout: Duration) -> std::io::Result<TcpStream> {
-        let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "PE has no address");
-        for &a in &self.addrs {
-            match tokio::time::timeout(timeout, TcpStream::connect(a)).await {
-                Ok(Ok(s)) => {
-                    let _ = s.set_nodelay(true);
-                    self.stats.connections.fetch_add(1, Ordering::Relaxed);
-                    return Ok(s);
-                }
-                Ok(Err(e)) => last = e,
-                Err(_) => {
-                    last = std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
-                }
-            }
-        }
-        Err(last)
-    }
-}
-
-fn addrs_of(pe: &PoolElement) -> Vec<SocketAddr> {
-    match &pe.user_transport {
-        UserTransport::Address(t) => t.socket_addrs().collect(),
-        UserTransport::Opaque(_) => Vec::new(),
-    }
 }
 
 /// One pool's local copy.
@@ -196,10 +36,8 @@ pub struct Pool {
 }
 
 struct PoolState {
-    hs: Handlespace,
-    backends: HashMap<u32, Arc<Backend>>,
+    selector: Selector,
     refreshed: Option<Instant>,
-    scratch: Vec<PeRef>,
 }
 
 impl Pool {
@@ -207,10 +45,8 @@ impl Pool {
         Self {
             handle,
             state: Mutex::new(PoolState {
-                hs: new_handlespace(),
-                backends: HashMap::new(),
+                selector: Selector::new(),
                 refreshed: None,
-                scratch: Vec::new(),
             }),
         }
     }
@@ -219,106 +55,27 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The next PE by the pool's policy, skipping the PEs in `tried` and ejected ones. When
-    /// every untried PE is ejected, the least recently ejected is tried anyway: an answer
-    /// from a doubtful PE beats a certain 503.
+    /// The next PE by the pool's policy, skipping the PEs in `tried` and ejected ones; with
+    /// every untried PE ejected, the least recently ejected.
     pub fn pick(&self, tried: &[u32]) -> Option<Arc<Backend>> {
-        let mut st = self.lock();
-        let PoolState {
-            hs,
-            backends,
-            scratch,
-            ..
-        } = &mut *st;
-        let n = backends.len();
-        if n == 0 {
-            return None;
-        }
-        let now = Instant::now();
-        let mut k = (1 + tried.len()).min(n);
-        loop {
-            scratch.clear();
-            hs.resolve(self.handle.as_bytes(), k, scratch);
-            for &r in scratch.iter() {
-                let id = hs.pe(r).element.id;
-                if tried.contains(&id) {
-                    continue;
-                }
-                if let Some(b) = backends.get(&id)
-                    && !b.is_ejected(now)
-                {
-                    return Some(b.clone());
-                }
-            }
-            if k >= n {
-                break;
-            }
-            k = n;
-        }
-        backends
-            .values()
-            .filter(|b| !tried.contains(&b.id))
-            .min_by_key(|b| b.health().ejected_until)
-            .cloned()
+        self.lock().selector.pick(&self.handle, tried)
     }
 
     /// Replaces the copy with what a registrar reported.
-    fn update(&self, pes: Vec<PoolElement>) {
+    pub(crate) fn update(&self, pes: Vec<PoolElement>) {
         let mut st = self.lock();
-        let mut backends = HashMap::with_capacity(pes.len());
-        let mut hs = new_handlespace();
-        for pe in pes {
-            let b = match st.backends.remove(&pe.id) {
-                Some(b) if b.addrs == addrs_of(&pe) => b,
-                Some(old) => {
-                    old.gone.store(true, Ordering::Relaxed);
-                    old.idle_lock().clear();
-                    Arc::new(Backend::new(&self.handle, &pe))
-                }
-                None => Arc::new(Backend::new(&self.handle, &pe)),
-            };
-            // The local copy only selects: no homes, no timers.
-            let mut pe = pe;
-            pe.home_registrar = 0;
-            if hs.register(&self.handle, pe, 0).is_ok() {
-                backends.insert(b.id, b);
-            }
-        }
-        for (_, old) in st.backends.drain() {
-            old.gone.store(true, Ordering::Relaxed);
-            old.idle_lock().clear();
-        }
-        // Keep the policy state (round-robin position) when the membership did not change.
-        let same = backends.len() == st.hs.len()
-            && backends
-                .keys()
-                .all(|id| st.hs.find(self.handle.as_bytes(), *id).is_some());
-        if same {
-            for (id, _) in backends.iter() {
-                let (Some(new), Some(old)) = (
-                    hs.find(self.handle.as_bytes(), *id),
-                    st.hs.find(self.handle.as_bytes(), *id),
-                ) else {
-                    continue;
-                };
-                let policy = hs.pe(new).element.policy.clone();
-                let _ = st.hs.update_policy(old, policy, 0);
-            }
-        } else {
-            st.hs = hs;
-        }
-        st.backends = backends;
+        st.selector.replace(&self.handle, pes);
         st.refreshed = Some(Instant::now());
     }
 
     pub fn backends(&self) -> Vec<Arc<Backend>> {
-        let mut v: Vec<_> = self.lock().backends.values().cloned().collect();
+        let mut v: Vec<_> = self.lock().selector.backends().cloned().collect();
         v.sort_by_key(|b| b.id);
         v
     }
 
     pub fn len(&self) -> usize {
-        self.lock().backends.len()
+        self.lock().selector.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -330,29 +87,14 @@ impl Pool {
     }
 }
 
-fn new_handlespace() -> Handlespace {
-    Handlespace::new(rserpool_handlespace::Config {
-        seed: u64::from(rand_seed()),
-        ..Default::default()
-    })
-}
-
-fn rand_seed() -> u32 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    t ^ std::process::id().rotate_left(16)
-}
-
 /// A PE the proxy could not reach, to be reported to a registrar.
 #[derive(Debug)]
-struct Unreachable {
-    pool: PoolHandle,
-    pe_id: u32,
+pub(crate) struct Unreachable {
+    pub(crate) pool: PoolHandle,
+    pub(crate) pe_id: u32,
 }
 
-/// Every pool the proxy serves, kept fresh by one refresh task.
+/// Every pool the proxy serves, kept fresh by one refresh task ([`crate::discovery`]).
 pub struct Pools {
     pools: Mutex<HashMap<PoolHandle, Arc<Pool>>>,
     pub settings: PoolSettings,
@@ -363,8 +105,8 @@ pub struct Pools {
 }
 
 impl Pools {
-    /// Starts the refresh task on the current tokio runtime.
-    pub fn start(settings: PoolSettings) -> Arc<Self> {
+    /// No pools yet, and the receiving end of the unreachable reports.
+    pub(crate) fn new(settings: PoolSettings) -> (Arc<Self>, mpsc::UnboundedReceiver<Unreachable>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let pools = Arc::new(Self {
             pools: Mutex::new(HashMap::new()),
@@ -373,8 +115,7 @@ impl Pools {
             registrar_ok: AtomicBool::new(true),
             added: Arc::new(tokio::sync::Notify::new()),
         });
-        tokio::spawn(refresh_task(Arc::downgrade(&pools), rx));
-        pools
+        (pools, rx)
     }
 
     fn map(&self) -> MutexGuard<'_, HashMap<PoolHandle, Arc<Pool>>> {
@@ -409,7 +150,7 @@ impl Pools {
 
     /// A PE could not be reached: eject it locally (per passive health) and tell a registrar.
     pub fn unreachable(&self, b: &Backend) {
-        b.failed(&self.settings);
+        b.failed(&self.settings.health);
         let _ = self.reports.send(Unreachable {
             pool: b.pool.clone(),
             pe_id: b.id,
@@ -418,6 +159,16 @@ impl Pools {
 
     pub fn registrar_reachable(&self) -> bool {
         self.registrar_ok.load(Ordering::Relaxed)
+    }
+
+    /// Records whether a registrar answered the last refresh; returns what was recorded before.
+    pub(crate) fn set_registrar_reachable(&self, ok: bool) -> bool {
+        self.registrar_ok.swap(ok, Ordering::Relaxed)
+    }
+
+    /// Notified when a pool is added.
+    pub(crate) fn added(&self) -> Arc<tokio::sync::Notify> {
+        self.added.clone()
     }
 
     /// Waits until every pool has been fetched once (or the timeout passes).
@@ -442,26 +193,7 @@ impl Pools {
             .map(|p| PoolSnapshot {
                 pool: p.handle.to_string(),
                 refreshed_ms_ago: p.age().map(|a| a.as_millis() as u64),
-                pool_elements: p
-                    .backends()
-                    .iter()
-                    .map(|b| {
-                        let s = &b.stats;
-                        BackendSnapshot {
-                            id: format!("{:#010x}", b.id),
-                            addrs: b.addrs.iter().map(|a| a.to_string()).collect(),
-                            ejected: b.is_ejected(now),
-                            requests: s.requests.load(Ordering::Relaxed),
-                            connections: s.connections.load(Ordering::Relaxed),
-                            active: s.active.load(Ordering::Relaxed),
-                            failures: s.failures.load(Ordering::Relaxed),
-                            ejections: s.ejections.load(Ordering::Relaxed),
-                            responses_5xx: s.responses_5xx.load(Ordering::Relaxed),
-                            bytes_in: s.bytes_in.load(Ordering::Relaxed),
-                            bytes_out: s.bytes_out.load(Ordering::Relaxed),
-                        }
-                    })
-                    .collect(),
+                pool_elements: p.backends().iter().map(|b| b.snapshot(now)).collect(),
             })
             .collect()
     }
@@ -472,81 +204,4 @@ pub struct PoolSnapshot {
     pub pool: String,
     pub refreshed_ms_ago: Option<u64>,
     pub pool_elements: Vec<BackendSnapshot>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct BackendSnapshot {
-    pub id: String,
-    pub addrs: Vec<String>,
-    pub ejected: bool,
-    pub requests: u64,
-    pub connections: u64,
-    pub active: u64,
-    pub failures: u64,
-    pub ejections: u64,
-    pub responses_5xx: u64,
-    pub bytes_in: u64,
-    pub bytes_out: u64,
-}
-
-/// Fetches every pool each refresh interval and sends the unreachable reports. Ends when the
-/// [`Pools`] is dropped.
-async fn refresh_task(
-    pools: std::sync::Weak<Pools>,
-    mut reports: mpsc::UnboundedReceiver<Unreachable>,
-) {
-    let Some(p) = pools.upgrade() else { return };
-    let s = p.settings.clone();
-    let added = p.added.clone();
-    drop(p);
-    let mut pu = match PoolUser::new(PoolUserConfig {
-        registrars: s.registrars.clone(),
-        connect_timeout: s.connect_timeout.max(Duration::from_millis(500)),
-        request_timeout: s.refresh.max(Duration::from_secs(1)),
-        ..Default::default()
-    }) {
-        Ok(pu) => pu,
-        Err(e) => {
-            warn!("proxy: cannot start the pool user: {e}");
-            return;
-        }
-    };
-    let mut next = tokio::time::Instant::now();
-    loop {
-        let Some(p) = pools.upgrade() else { return };
-        let added = added.notified();
-        if tokio::time::Instant::now() >= next {
-            next = tokio::time::Instant::now() + s.refresh;
-            let mut ok = true;
-            for pool in p.all() {
-                match pu.pool_elements(&pool.handle).await {
-                    Ok((_, pes)) => pool.update(pes),
-                    Err(rserpool_asap::Error::UnknownPool(_)) => pool.update(Vec::new()),
-                    Err(e) => {
-                        ok = false;
-                        if p.registrar_ok.swap(false, Ordering::Relaxed) {
-                            warn!(
-                                "proxy: no registrar answers ({e}); serving pools from the cache"
-                            );
-                        }
-                        break;
-                    }
-                }
-            }
-            if ok && !p.registrar_ok.swap(true, Ordering::Relaxed) {
-                info!("proxy: a registrar answers again");
-            }
-        }
-        drop(p);
-        tokio::select! {
-            r = reports.recv() => {
-                let Some(r) = r else { return };
-                if let Err(e) = pu.report_unreachable(&r.pool, r.pe_id).await {
-                    tracing::debug!("proxy: ENDPOINT_UNREACHABLE not sent: {e}");
-                }
-            }
-            _ = tokio::time::sleep_until(next) => {}
-            _ = added => { next = tokio::time::Instant::now(); }
-        }
-    }
 }

@@ -2,7 +2,7 @@
 //! policy; a PE that refuses the connection is reported and ejected, and the next is tried.
 //! Bytes then move with splice(2) (see [`crate::splice`]).
 
-use crate::Ctx;
+use crate::ctx::Ctx;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -14,18 +14,20 @@ const MAX_TRIES: usize = 8;
 
 pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
     let started = Instant::now();
-    let Some(pool) = ctx.routes.default.clone() else {
+    let Some(pool) = ctx.routes.default_pool().cloned() else {
         return;
     };
     let mut tried = Vec::new();
     let (b, backend) = loop {
         let Some(b) = pool.pick(&tried) else {
             debug!("client {peer}: no PE of pool {} reachable", pool.handle);
-            ctx.log_line(format!(
-                "{peer} tcp - {} - 0 {}",
-                pool.handle,
-                started.elapsed().as_micros()
-            ));
+            ctx.log(|| {
+                format!(
+                    "{peer} tcp - {} - 0 {}",
+                    pool.handle,
+                    started.elapsed().as_micros()
+                )
+            });
             return;
         };
         match b.connect(ctx.connect_timeout()).await {
@@ -56,10 +58,12 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
     };
     b.stats.bytes_in.fetch_add(up, Ordering::Relaxed);
     b.stats.bytes_out.fetch_add(down, Ordering::Relaxed);
-    ctx.log_line(format!(
-        "{peer} tcp {up} {} {:#010x} {down} {}",
-        b.pool,
-        b.id,
-        started.elapsed().as_micros()
-    ));
+    ctx.log(|| {
+        format!(
+            "{peer} tcp {up} {} {:#010x} {down} {}",
+            b.pool,
+            b.id,
+            started.elapsed().as_micros()
+        )
+    });
 }

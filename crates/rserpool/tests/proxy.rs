@@ -629,7 +629,7 @@ async fn http_1_0_clients_share_kept_alive_pe_connections() {
         .into_iter()
         .flat_map(|p| p.backends())
         .collect();
-    let sum = |f: &dyn Fn(&rserpool_proxy::pools::BackendStats) -> u64| -> u64 {
+    let sum = |f: &dyn Fn(&rserpool_proxy::backend::BackendStats) -> u64| -> u64 {
         pes.iter().map(|pe| f(&pe.stats)).sum()
     };
     let requests = sum(&|s| s.requests.load(Ordering::Relaxed));

@@ -1,0 +1,222 @@
+//! A pool element as the proxy uses it: where to connect, what the proxy saw of its health,
+//! its counters and its idle connections.
+//!
+//! The registrar's view of a PE is refreshed every interval; what the proxy learns itself
+//! lives here and outlives refreshes while the registrar keeps listing the PE at the same
+//! addresses. Passive health: a PE that fails `max-fails` times in a row is ejected locally
+//! for a back-off that doubles with every ejection in a row and is forgotten after a success.
+
+use crate::conn_pool::IdlePool;
+use bytes::BytesMut;
+use rserpool_wire::{PoolElement, PoolHandle, UserTransport};
+use serde::Serialize;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::net::TcpStream;
+use tracing::warn;
+
+/// Settings of passive health.
+#[derive(Debug, Clone)]
+pub struct HealthSettings {
+    /// Failures in a row that eject a PE.
+    pub max_fails: u32,
+    /// First ejection; doubled per ejection in a row up to `eject_max`.
+    pub eject: Duration,
+    pub eject_max: Duration,
+}
+
+/// A pool element: where to connect, its counters, its health and (in HTTP mode) its idle
+/// keep-alive connections.
+#[derive(Debug)]
+pub struct Backend {
+    pub pool: PoolHandle,
+    pub id: u32,
+    pub addrs: Vec<SocketAddr>,
+    pub stats: BackendStats,
+    health: Mutex<Health>,
+    idle: IdlePool<BackendConn>,
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    fails: u32,
+    ejections: u32,
+    ejected_until: Option<Instant>,
+}
+
+/// Per-PE counters, shown by the stats endpoint.
+#[derive(Debug, Default)]
+pub struct BackendStats {
+    /// Connections (TCP mode) or requests (HTTP mode) sent to this PE.
+    pub requests: AtomicU64,
+    /// Connections opened to this PE; in HTTP mode far fewer than requests while kept-alive
+    /// connections are reused.
+    pub connections: AtomicU64,
+    pub active: AtomicU64,
+    pub failures: AtomicU64,
+    pub ejections: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub responses_5xx: AtomicU64,
+}
+
+/// A connection to a PE with the bytes read from it but not used yet.
+#[derive(Debug)]
+pub(crate) struct BackendConn {
+    pub(crate) stream: TcpStream,
+    pub(crate) buf: BytesMut,
+}
+
+impl BackendConn {
+    pub(crate) fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            buf: BytesMut::with_capacity(16 * 1024),
+        }
+    }
+}
+
+impl Backend {
+    pub(crate) fn new(pool: &PoolHandle, pe: &PoolElement) -> Self {
+        Self {
+            pool: pool.clone(),
+            id: pe.id,
+            addrs: addrs_of(pe),
+            stats: BackendStats::default(),
+            health: Mutex::new(Health::default()),
+            idle: IdlePool::new(),
+        }
+    }
+
+    /// Whether `pe` (as a registrar reports it) is still this PE at the same addresses.
+    pub(crate) fn is_at(&self, pe: &PoolElement) -> bool {
+        self.addrs == addrs_of(pe)
+    }
+
+    fn health(&self) -> MutexGuard<'_, Health> {
+        self.health.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn is_ejected(&self, now: Instant) -> bool {
+        self.health().ejected_until.is_some_and(|t| now < t)
+    }
+
+    /// Until when the PE is (or was last) ejected.
+    pub(crate) fn ejected_until(&self) -> Option<Instant> {
+        self.health().ejected_until
+    }
+
+    /// A failure: returns true if it ejected the PE.
+    pub fn failed(&self, s: &HealthSettings) -> bool {
+        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+        let mut h = self.health();
+        h.fails += 1;
+        if h.fails < s.max_fails.max(1) {
+            return false;
+        }
+        h.fails = 0;
+        let back_off = s
+            .eject
+            .saturating_mul(1 << h.ejections.min(16))
+            .min(s.eject_max);
+        h.ejections += 1;
+        h.ejected_until = Some(Instant::now() + back_off);
+        drop(h);
+        self.stats.ejections.fetch_add(1, Ordering::Relaxed);
+        self.idle.clear();
+        warn!(
+            "pool {} PE {:#010x} ejected for {} ms",
+            self.pool,
+            self.id,
+            back_off.as_millis()
+        );
+        true
+    }
+
+    pub fn succeeded(&self) {
+        let mut h = self.health();
+        if h.fails != 0 || h.ejections != 0 {
+            *h = Health::default();
+        }
+    }
+
+    /// The PE left the pool (or moved): its idle connections go and none are kept.
+    pub(crate) fn retire(&self) {
+        self.idle.close();
+    }
+
+    /// An idle keep-alive connection to this PE, if one is fresh enough.
+    pub(crate) fn take_idle(&self, max_age: Duration) -> Option<BackendConn> {
+        self.idle.take(max_age)
+    }
+
+    /// Drops the idle connections (the PE closed one of them: the others may be dead too).
+    pub(crate) fn clear_idle(&self) {
+        self.idle.clear();
+    }
+
+    pub(crate) fn put_idle(&self, conn: BackendConn, max: usize) {
+        self.idle.put(conn, max);
+    }
+
+    /// Connects to the PE (each of its addresses in turn) within the connect timeout.
+    pub async fn connect(&self, timeout: Duration) -> std::io::Result<TcpStream> {
+        let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "PE has no address");
+        for &a in &self.addrs {
+            match tokio::time::timeout(timeout, TcpStream::connect(a)).await {
+                Ok(Ok(s)) => {
+                    let _ = s.set_nodelay(true);
+                    self.stats.connections.fetch_add(1, Ordering::Relaxed);
+                    return Ok(s);
+                }
+                Ok(Err(e)) => last = e,
+                Err(_) => {
+                    last = std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+                }
+            }
+        }
+        Err(last)
+    }
+
+    /// The PE and its counters as the stats endpoint shows them.
+    pub fn snapshot(&self, now: Instant) -> BackendSnapshot {
+        let s = &self.stats;
+        BackendSnapshot {
+            id: format!("{:#010x}", self.id),
+            addrs: self.addrs.iter().map(|a| a.to_string()).collect(),
+            ejected: self.is_ejected(now),
+            requests: s.requests.load(Ordering::Relaxed),
+            connections: s.connections.load(Ordering::Relaxed),
+            active: s.active.load(Ordering::Relaxed),
+            failures: s.failures.load(Ordering::Relaxed),
+            ejections: s.ejections.load(Ordering::Relaxed),
+            responses_5xx: s.responses_5xx.load(Ordering::Relaxed),
+            bytes_in: s.bytes_in.load(Ordering::Relaxed),
+            bytes_out: s.bytes_out.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn addrs_of(pe: &PoolElement) -> Vec<SocketAddr> {
+    match &pe.user_transport {
+        UserTransport::Address(t) => t.socket_addrs().collect(),
+        UserTransport::Opaque(_) => Vec::new(),
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct BackendSnapshot {
+    pub id: String,
+    pub addrs: Vec<String>,
+    pub ejected: bool,
+    pub requests: u64,
+    pub connections: u64,
+    pub active: u64,
+    pub failures: u64,
+    pub ejections: u64,
+    pub responses_5xx: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+}

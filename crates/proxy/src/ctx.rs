@@ -1,0 +1,46 @@
+//! What a client connection needs from the proxy, taken once when it is accepted.
+//!
+//! A connection holds its own [`Ctx`] (configuration, pools, its listener's routes, the access
+//! log, the drain signal), so a reload, which builds new ones for new connections, never
+//! changes what an open connection sees.
+
+use crate::access_log::AccessLog;
+use crate::config::ProxyConfig;
+use crate::pools::Pools;
+use crate::routes::Routes;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// What a connection needs; taken when it is accepted, so a reload does not touch it.
+#[derive(Clone)]
+pub(crate) struct Ctx {
+    pub(crate) cfg: Arc<ProxyConfig>,
+    pub(crate) pools: Arc<Pools>,
+    pub(crate) routes: Arc<Routes>,
+    pub(crate) log: Option<AccessLog>,
+    pub(crate) draining: watch::Receiver<bool>,
+}
+
+impl Ctx {
+    pub(crate) fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.connect_timeout_ms)
+    }
+    pub(crate) fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.idle_timeout_ms)
+    }
+    pub(crate) fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.request_timeout_ms)
+    }
+    /// Writes an access log line, formatted only if there is an access log.
+    pub(crate) fn log(&self, line: impl FnOnce() -> String) {
+        if let Some(l) = &self.log {
+            l.write(line());
+        }
+    }
+}
+
+/// Returns once the flag is set (or its sender is gone).
+pub(crate) async fn until_set(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}

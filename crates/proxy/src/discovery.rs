@@ -1,0 +1,83 @@
+//! Discovery: keeping the proxy's copy of each pool fresh from the registrars.
+//!
+//! One task per proxy acts as a pool user (RFC 5351): every refresh interval it asks a
+//! registrar for every PE of each pool the proxy serves (the next registrar in the list if one
+//! does not answer) and replaces the pool's copy with the answer; a pool a route adds is
+//! fetched at once. If no registrar answers, the copies keep serving. The same task sends the
+//! ENDPOINT_UNREACHABLE reports for PEs the proxy could not reach.
+
+use crate::pools::{PoolSettings, Pools, Unreachable};
+use rserpool_asap::{PoolUser, PoolUserConfig};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+/// Starts the refresh task on the current tokio runtime and returns the pools it keeps fresh.
+pub fn start(settings: PoolSettings) -> Arc<Pools> {
+    let (pools, reports) = Pools::new(settings);
+    tokio::spawn(refresh_task(Arc::downgrade(&pools), reports));
+    pools
+}
+
+/// Fetches every pool each refresh interval and sends the unreachable reports. Ends when the
+/// [`Pools`] is dropped.
+async fn refresh_task(
+    pools: std::sync::Weak<Pools>,
+    mut reports: mpsc::UnboundedReceiver<Unreachable>,
+) {
+    let Some(p) = pools.upgrade() else { return };
+    let s = p.settings.clone();
+    let added = p.added();
+    drop(p);
+    let mut pu = match PoolUser::new(PoolUserConfig {
+        registrars: s.registrars.clone(),
+        connect_timeout: s.connect_timeout.max(Duration::from_millis(500)),
+        request_timeout: s.refresh.max(Duration::from_secs(1)),
+        ..Default::default()
+    }) {
+        Ok(pu) => pu,
+        Err(e) => {
+            warn!("proxy: cannot start the pool user: {e}");
+            return;
+        }
+    };
+    let mut next = tokio::time::Instant::now();
+    loop {
+        let Some(p) = pools.upgrade() else { return };
+        let added = added.notified();
+        if tokio::time::Instant::now() >= next {
+            next = tokio::time::Instant::now() + s.refresh;
+            let mut ok = true;
+            for pool in p.all() {
+                match pu.pool_elements(&pool.handle).await {
+                    Ok((_, pes)) => pool.update(pes),
+                    Err(rserpool_asap::Error::UnknownPool(_)) => pool.update(Vec::new()),
+                    Err(e) => {
+                        ok = false;
+                        if p.set_registrar_reachable(false) {
+                            warn!(
+                                "proxy: no registrar answers ({e}); serving pools from the cache"
+                            );
+                        }
+                        break;
+                    }
+                }
+            }
+            if ok && !p.set_registrar_reachable(true) {
+                info!("proxy: a registrar answers again");
+            }
+        }
+        drop(p);
+        tokio::select! {
+            r = reports.recv() => {
+                let Some(r) = r else { return };
+                if let Err(e) = pu.report_unreachable(&r.pool, r.pe_id).await {
+                    tracing::debug!("proxy: ENDPOINT_UNREACHABLE not sent: {e}");
+                }
+            }
+            _ = tokio::time::sleep_until(next) => {}
+            _ = added => { next = tokio::time::Instant::now(); }
+        }
+    }
+}

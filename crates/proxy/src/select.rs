@@ -1,0 +1,141 @@
+//! Selecting a PE of one pool by the pool's policy, locally.
+//!
+//! Selecting at the registrar would cost a round trip per connection or request, so each pool
+//! keeps its PEs in a small handlespace of its own, with the policy information (load) the
+//! registrar reported last, and resolves there. Selection skips the PEs a request has tried
+//! and those passive health ejected ([`crate::backend`]).
+
+use crate::backend::Backend;
+use rserpool_handlespace::{Handlespace, PeRef};
+use rserpool_wire::{PoolElement, PoolHandle};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// One pool's PEs as a selection structure.
+pub(crate) struct Selector {
+    hs: Handlespace,
+    backends: HashMap<u32, Arc<Backend>>,
+    /// Reused by every resolution, so selecting does not allocate.
+    scratch: Vec<PeRef>,
+}
+
+impl Selector {
+    pub(crate) fn new() -> Self {
+        Self {
+            hs: new_handlespace(),
+            backends: HashMap::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The next PE by the pool's policy, skipping the PEs in `tried` and ejected ones. When
+    /// every untried PE is ejected, the least recently ejected is tried anyway: an answer
+    /// from a doubtful PE beats a certain 503.
+    pub(crate) fn pick(&mut self, handle: &PoolHandle, tried: &[u32]) -> Option<Arc<Backend>> {
+        let Self {
+            hs,
+            backends,
+            scratch,
+        } = self;
+        let n = backends.len();
+        if n == 0 {
+            return None;
+        }
+        let now = Instant::now();
+        let mut k = (1 + tried.len()).min(n);
+        loop {
+            scratch.clear();
+            hs.resolve(handle.as_bytes(), k, scratch);
+            for &r in scratch.iter() {
+                let id = hs.pe(r).element.id;
+                if tried.contains(&id) {
+                    continue;
+                }
+                if let Some(b) = backends.get(&id)
+                    && !b.is_ejected(now)
+                {
+                    return Some(b.clone());
+                }
+            }
+            if k >= n {
+                break;
+            }
+            k = n;
+        }
+        backends
+            .values()
+            .filter(|b| !tried.contains(&b.id))
+            .min_by_key(|b| b.ejected_until())
+            .cloned()
+    }
+
+    /// Replaces the PEs with what a registrar reported. A PE still listed at the same
+    /// addresses keeps its state (health, counters, idle connections); the others retire.
+    pub(crate) fn replace(&mut self, handle: &PoolHandle, pes: Vec<PoolElement>) {
+        let mut backends = HashMap::with_capacity(pes.len());
+        let mut hs = new_handlespace();
+        for pe in pes {
+            let b = match self.backends.remove(&pe.id) {
+                Some(b) if b.is_at(&pe) => b,
+                Some(old) => {
+                    old.retire();
+                    Arc::new(Backend::new(handle, &pe))
+                }
+                None => Arc::new(Backend::new(handle, &pe)),
+            };
+            // The local copy only selects: no homes, no timers.
+            let mut pe = pe;
+            pe.home_registrar = 0;
+            if hs.register(handle, pe, 0).is_ok() {
+                backends.insert(b.id, b);
+            }
+        }
+        for (_, old) in self.backends.drain() {
+            old.retire();
+        }
+        // Keep the policy state (round-robin position) when the membership did not change.
+        let same = backends.len() == self.hs.len()
+            && backends
+                .keys()
+                .all(|id| self.hs.find(handle.as_bytes(), *id).is_some());
+        if same {
+            for (id, _) in backends.iter() {
+                let (Some(new), Some(old)) = (
+                    hs.find(handle.as_bytes(), *id),
+                    self.hs.find(handle.as_bytes(), *id),
+                ) else {
+                    continue;
+                };
+                let policy = hs.pe(new).element.policy.clone();
+                let _ = self.hs.update_policy(old, policy, 0);
+            }
+        } else {
+            self.hs = hs;
+        }
+        self.backends = backends;
+    }
+
+    pub(crate) fn backends(&self) -> impl Iterator<Item = &Arc<Backend>> {
+        self.backends.values()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.backends.len()
+    }
+}
+
+fn new_handlespace() -> Handlespace {
+    Handlespace::new(rserpool_handlespace::Config {
+        seed: u64::from(rand_seed()),
+        ..Default::default()
+    })
+}
+
+fn rand_seed() -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    t ^ std::process::id().rotate_left(16)
+}
