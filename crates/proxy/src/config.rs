@@ -3,7 +3,7 @@
 //! ```toml
 //! registrars = ["127.0.0.1:3863"]
 //! refresh-ms = 500
-//! stats = "127.0.0.1:8404"
+//! status = "127.0.0.1:8404"
 //!
 //! [[listener]]
 //! listen = "0.0.0.0:8080"
@@ -94,8 +94,10 @@ pub struct ProxyConfig {
     pub splice: bool,
     /// Worker threads (0 = one per core).
     pub threads: usize,
-    /// Serve per-PE counters as JSON on `http://ADDR/stats`.
-    pub stats: Option<SocketAddr>,
+    /// Status listener: per-PE counters as JSON on `http://ADDR/status` (`stats`, the older
+    /// name of this key, is read too).
+    #[serde(alias = "stats")]
+    pub status: Option<SocketAddr>,
     /// Append one line per request (HTTP) or connection (TCP) to this file; `-` is stdout.
     pub access_log: Option<PathBuf>,
     #[serde(rename = "listener")]
@@ -120,7 +122,7 @@ impl Default for ProxyConfig {
             drain_timeout_ms: 30_000,
             splice: true,
             threads: 0,
-            stats: None,
+            status: None,
             access_log: None,
             listeners: Vec::new(),
         }

@@ -8,13 +8,14 @@
 //! [`pools`] the pools served, kept fresh from the registrars by [`discovery`]; `select` the
 //! choice of a PE by policy; [`backend`] a PE's own state (health, counters, and its idle
 //! connections, kept by the generic `conn_pool`); [`tcp`] and [`http`] the two modes; `ctx`
-//! what a connection takes along; `stats` the stats endpoint; `access_log`. This file holds
+//! what a connection takes along; `access_log`. The status listener (the counters as JSON) is
+//! the shared `rserpool_status` one. This file holds
 //! [`Proxy`] (start, reload, drain) and the accept loop.
 //!
 //! Operations: a connection limit (further clients wait in the listen backlog), timeouts,
 //! [`Proxy::drain`] (stop accepting, finish what is in flight), [`Proxy::reload`] (listeners and
-//! routes change, open connections keep going), an optional access log and a JSON stats
-//! endpoint with per-PE counters.
+//! routes change, open connections keep going), an optional access log and a status
+//! listener with per-PE counters as JSON.
 
 mod access_log;
 pub mod backend;
@@ -30,7 +31,6 @@ pub mod pools;
 mod routes;
 mod select;
 pub mod splice;
-mod stats;
 pub mod tcp;
 
 pub use config::{ListenerConfig, Mode, ProxyConfig, Route};
@@ -47,6 +47,9 @@ use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
+
+/// What the status listener serves: the same JSON under each (`/stats` is the older name).
+const STATUS_PATHS: &[&str] = &["/status", "/stats", "/"];
 use tracing::{info, warn};
 
 struct Listener {
@@ -84,7 +87,7 @@ pub enum StartError {
 }
 
 impl Proxy {
-    /// Binds every listener (and the stats endpoint) and starts serving.
+    /// Binds every listener (and the status listener) and starts serving.
     pub async fn start(cfg: ProxyConfig) -> Result<Proxy, StartError> {
         cfg.validate()?;
         let pools = discovery::start(PoolSettings {
@@ -115,18 +118,23 @@ impl Proxy {
         for l in &cfg.listeners {
             proxy.add_listener(l.clone()).await?;
         }
-        if let Some(addr) = cfg.stats {
+        if let Some(addr) = cfg.status {
             let sock = TcpListener::bind(addr)
                 .await
                 .map_err(|e| StartError::Bind(addr, e))?;
             info!(
-                "proxy: stats on http://{}/stats",
+                "proxy: status on http://{}/status",
                 sock.local_addr().unwrap_or(addr)
             );
             let inner = Arc::downgrade(&proxy.inner);
-            tokio::spawn(stats::serve(sock, move || {
-                inner.upgrade().map(|inner| Proxy { inner }.stats_json())
-            }));
+            tokio::spawn(rserpool_status::serve(
+                sock,
+                STATUS_PATHS,
+                move |_| match inner.upgrade() {
+                    Some(inner) => rserpool_status::Reply::json(&Proxy { inner }.stats_json()),
+                    None => rserpool_status::Reply::text(503, "the proxy is stopping"),
+                },
+            ));
         }
         Ok(proxy)
     }
@@ -207,7 +215,7 @@ impl Proxy {
 
     /// Applies a new configuration: listeners are added and removed, routes and timeouts
     /// change for new connections; open connections keep what they started with. Settings
-    /// that need a restart (registrars, refresh, limits, threads, stats) are reported.
+    /// that need a restart (registrars, refresh, limits, threads, status) are reported.
     pub async fn reload(&self, new: ProxyConfig) -> Result<Vec<String>, StartError> {
         new.validate()?;
         let old = self.config();
@@ -220,7 +228,7 @@ impl Proxy {
                 old.max_connections != new.max_connections,
             ),
             ("threads", old.threads != new.threads),
-            ("stats", old.stats != new.stats),
+            ("status", old.status != new.status),
             (
                 "max-fails / eject-ms",
                 old.max_fails != new.max_fails
@@ -289,7 +297,7 @@ impl Proxy {
         self.active_connections()
     }
 
-    /// Counters for the stats endpoint.
+    /// Counters for the status listener.
     pub fn stats_json(&self) -> serde_json::Value {
         let listeners: Vec<_> = self
             .listeners()

@@ -26,9 +26,9 @@ pub struct ProxyArgs {
     /// Registrar ASAP address (repeatable, tried in order); overrides the file's.
     #[arg(long = "registrar", value_name = "ADDR")]
     pub registrars: Vec<SocketAddr>,
-    /// Serve per-PE counters as JSON on http://ADDR/stats.
-    #[arg(long, value_name = "ADDR")]
-    pub stats: Option<SocketAddr>,
+    /// Status listener: per-PE counters as JSON on http://ADDR/status.
+    #[arg(long, visible_alias = "stats", value_name = "ADDR")]
+    pub status: Option<SocketAddr>,
     /// Append a line per request or connection to FILE (`-` for stdout).
     #[arg(long, value_name = "FILE")]
     pub access_log: Option<PathBuf>,
@@ -76,8 +76,8 @@ fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
     if !args.registrars.is_empty() {
         cfg.registrars = args.registrars.clone();
     }
-    if args.stats.is_some() {
-        cfg.stats = args.stats;
+    if args.status.is_some() {
+        cfg.status = args.status;
     }
     if args.access_log.is_some() {
         cfg.access_log = args.access_log.clone();
