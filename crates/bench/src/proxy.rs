@@ -1,4 +1,4 @@
-//! `rserpool bench proxy`: the rserpool proxy side by side with HAProxy and nginx, and with
+//! `rserpool-bench proxy`: the rserpool proxy side by side with HAProxy and nginx, and with
 //! the client talking to the backends directly (the physical baseline), in one run on one
 //! machine — the comparison users make before switching (issue 5).
 //!
@@ -180,7 +180,7 @@ struct Sample {
     failover: Option<Failover>,
 }
 
-pub fn run(args: ProxyBenchArgs) -> Result<()> {
+pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
     if args.threads == 0 || args.connections == 0 || args.repeat == 0 || args.duration_s == 0 {
         bail!("--threads, --connections, --repeat and --duration-s must be at least 1");
     }
@@ -196,7 +196,7 @@ pub fn run(args: ProxyBenchArgs) -> Result<()> {
         println!("machine: {}", machine());
         println!("{versions}");
     }
-    let mut bed = Bed::start(&sizes)?;
+    let mut bed = Bed::start(&sizes, rserpool)?;
     let mut samples = Vec::new();
     // Parts outside, systems inside: the systems meet one part back to back, under the same
     // conditions (large transfers leave the machine slower for a while).
@@ -307,7 +307,7 @@ fn undo_on_signal() -> Result<()> {
         .enable_all()
         .build()?;
     // Watched from here on, before anything is started.
-    let mut signals = rt.block_on(async { crate::cmd::Shutdown::watch() })?;
+    let mut signals = rt.block_on(async { rserpool::util::Shutdown::watch() })?;
     std::thread::spawn(move || {
         rt.block_on(signals.recv());
         let u = undo();
@@ -409,6 +409,8 @@ impl Drop for TempDir {
 /// The shared test bed: a registrar, three nginx backends and their sidecars. Fields drop in
 /// order: the processes go before their directory.
 struct Bed {
+    /// The rserpool binary: registrar, sidecars and the rserpool proxy.
+    rserpool: PathBuf,
     dir: PathBuf,
     registrar: SocketAddr,
     backends: Vec<SocketAddr>,
@@ -418,7 +420,7 @@ struct Bed {
 }
 
 impl Bed {
-    fn start(sizes: &[usize]) -> Result<Bed> {
+    fn start(sizes: &[usize], rserpool: &Path) -> Result<Bed> {
         // tmpfs, so that uploads cost memory copies, not disk writes.
         let dir = PathBuf::from(format!(
             "/dev/shm/rserpool-bench-proxy-{}",
@@ -437,10 +439,9 @@ impl Bed {
         for d in [&dir, &www, &www.join("up")] {
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777))?;
         }
-        let exe = std::env::current_exe()?;
         let registrar = local(free_port()?);
         let mut others = vec![Proc::spawn(
-            Command::new(&exe)
+            Command::new(rserpool)
                 .args(["registrar", "--asap", &registrar.to_string()])
                 .args(["--enrp", &local(free_port()?).to_string()])
                 .env("RUST_LOG", "warn"),
@@ -450,6 +451,7 @@ impl Bed {
             std::net::TcpStream::connect(registrar).is_ok()
         })?;
         let mut bed = Bed {
+            rserpool: rserpool.to_path_buf(),
             dir,
             registrar,
             backends: Vec::new(),
@@ -465,7 +467,7 @@ impl Bed {
             // The sidecar checks the second address, so its checks are not counted as
             // connection attempts in the failover run.
             others.push(Proc::spawn(
-                Command::new(&exe)
+                Command::new(rserpool)
                     .args(["serve", "--target", &check_addr(addr).to_string()])
                     .args(["--advertise", &addr.to_string()])
                     .args(["--pool", POOL, "--id", &(i + 1).to_string()])
@@ -612,7 +614,7 @@ pool = "{POOL}"
                 reg = bed.registrar
             );
             std::fs::write(&conf_path, conf)?;
-            let mut c = Command::new(std::env::current_exe()?);
+            let mut c = Command::new(&bed.rserpool);
             c.args(["proxy", "--config"])
                 .arg(&conf_path)
                 .env("RUST_LOG", "warn");
@@ -1426,7 +1428,7 @@ impl Report {
     fn markdown(&self, args: &ProxyBenchArgs, versions: &str) -> String {
         let mut md = String::new();
         let date = super::handlespace::today();
-        md += "### Results (`rserpool bench proxy`)\n\n";
+        md += "### Results (`rserpool-bench proxy`)\n\n";
         md += &format!(
             "Command: `{}` ({date}). Machine: {}. {versions}.\n\n",
             command_line(),

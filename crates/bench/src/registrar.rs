@@ -1,6 +1,6 @@
-//! `rserpool bench registrar`: the seed paper's Figures 7 (left) and 8 (left), and beyond.
+//! `rserpool-bench registrar`: the seed paper's Figures 7 (left) and 8 (left), and beyond.
 //!
-//! Each point starts a fresh registrar process and, in a second process (`bench load-gen`), N
+//! Each point starts a fresh registrar process and, in a second process (`rserpool-bench load-gen`), N
 //! simulated PEs, each on its own TCP connection, re-registering every `a` ms with a new load
 //! (least used), and M simulated PUs resolving every `b` ms. After the connections are up and a
 //! warm-up, the registrar's CPU time (sum of /proc/PID/task/*/schedstat) and resident memory
@@ -19,6 +19,7 @@ use rserpool_wire::{AsapMessage, Policy, PoolHandle, TransportAddress, UserTrans
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -186,7 +187,7 @@ fn figure_points(fig: &str) -> Result<Vec<Point>> {
     })
 }
 
-pub fn run(args: RegistrarBenchArgs) -> Result<()> {
+pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
     let points = if args.pes.is_empty() {
         let figs = if args.figures.is_empty() {
             vec!["7".to_string(), "8".into(), "further".into()]
@@ -219,7 +220,7 @@ pub fn run(args: RegistrarBenchArgs) -> Result<()> {
         }
         v
     };
-    let limit = crate::util::raise_nofile_limit(200_000);
+    let limit = super::raise_nofile_limit(200_000);
     let machine = super::handlespace::machine();
     if !args.json {
         println!("machine: {machine}; open-file limit {limit}");
@@ -249,7 +250,7 @@ pub fn run(args: RegistrarBenchArgs) -> Result<()> {
             let mut attempt = 0;
             let sample = loop {
                 attempt += 1;
-                match run_point(p, &args) {
+                match run_point(p, &args, rserpool) {
                     Ok(s) => break s,
                     Err(e) if attempt < 3 => eprintln!("point {p:?}: {e:#}; again"),
                     Err(e) => return Err(e.context(format!("point {p:?}"))),
@@ -321,7 +322,7 @@ pub(super) fn free_port() -> Result<u16> {
         .port())
 }
 
-fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
+fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sample> {
     let exe = std::env::current_exe()?;
     let k = p.registrars.max(1) as usize;
     let mut asap = Vec::new();
@@ -334,7 +335,7 @@ fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
     let mut reaper = Reaper(Vec::new());
     let mut pids = Vec::new();
     for i in 0..k {
-        let mut cmd = Command::new(&exe);
+        let mut cmd = Command::new(rserpool);
         cmd.args([
             "registrar",
             "--asap",
@@ -382,7 +383,7 @@ fn run_point(p: Point, args: &RegistrarBenchArgs) -> Result<Sample> {
         std::thread::sleep(Duration::from_millis(50));
     }
     let mut generator = Command::new(&exe)
-        .args(["bench", "load-gen", "--registrar", &addr.to_string()])
+        .args(["load-gen", "--registrar", &addr.to_string()])
         .args([
             "--pes",
             &p.pes.to_string(),
@@ -561,8 +562,8 @@ impl Shared {
 
 /// The simulated PEs and PUs (a separate process, so its CPU is not the registrar's).
 pub fn load_gen(args: LoadGenArgs) -> Result<()> {
-    crate::util::raise_nofile_limit(200_000);
-    let rt = crate::cmd::runtime()?;
+    super::raise_nofile_limit(200_000);
+    let rt = rserpool::util::runtime()?;
     rt.block_on(async move {
         let shared = Arc::new(Shared {
             measuring: AtomicBool::new(false),
@@ -805,7 +806,7 @@ fn section_head(title: &str, samples: &[Sample], machine: &str) -> String {
 
 fn markdown(samples: &[Sample], machine: &str) -> String {
     use std::fmt::Write;
-    let mut s = section_head("Registrar (`rserpool bench registrar`)", samples, machine);
+    let mut s = section_head("Registrar (`rserpool-bench registrar`)", samples, machine);
     let _ = writeln!(
         s,
         "| PEs | PUs | re-reg every (ms) | resolve every (ms) | registrar CPU (1 core = 100%) | RSS (MB) | p50 (µs) | p99 (µs) | offered/s | answered/s | errors | load generator CPU |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -893,7 +894,7 @@ fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
 fn cluster_markdown(samples: &[Sample], machine: &str) -> String {
     use std::fmt::Write;
     let mut s = section_head(
-        "Registrar cluster (`rserpool bench registrar --figure 7r`)",
+        "Registrar cluster (`rserpool-bench registrar --figure 7r`)",
         samples,
         machine,
     );

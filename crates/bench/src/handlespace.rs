@@ -1,10 +1,11 @@
-//! `rserpool bench handlespace`: the seed paper's Figures 5–6 (handlespace operation throughput
+//! `rserpool-bench handlespace`: the seed paper's Figures 5–6 (handlespace operation throughput
 //! by pool size) measured on this machine, single-threaded.
 //!
 //! Every operation goes through the handlespace's public API exactly as a registrar calls it,
 //! with a freshly built Pool Element per registration (as a decoded message would supply).
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+use clap::Args;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rserpool_handlespace::{Config, Handlespace, PeRef, TimerKind};
@@ -18,6 +19,59 @@ const OWN: u32 = 0x5250_0001;
 const KEEP_ALIVE_MS: u64 = 5_000;
 /// MaxElementsPerHTRequest (rsplib's default): the block size of a sync step.
 const SYNC_BLOCK: usize = 128;
+
+#[derive(Args, Debug)]
+pub struct HandlespaceArgs {
+    /// Pool sizes to measure (repeatable); default 1000, 10000, 100000.
+    #[arg(long = "pes")]
+    pes: Vec<usize>,
+    /// One JSON object per pool size on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Time budget per measurement round in milliseconds (three rounds, median).
+    #[arg(long, default_value_t = 200)]
+    round_ms: u64,
+    /// Also write the results as a Markdown section into this file (e.g. docs/BENCHMARKS.md),
+    /// between generated-section markers.
+    #[arg(long, value_name = "FILE")]
+    markdown: Option<std::path::PathBuf>,
+    /// Internal: measure resident memory for N PEs in this process and print bytes per PE.
+    #[arg(long, hide = true)]
+    memory_probe: Option<usize>,
+}
+
+pub fn run(args: HandlespaceArgs) -> Result<()> {
+    if let Some(n) = args.memory_probe {
+        println!("{}", memory_probe(n.max(1))?);
+        return Ok(());
+    }
+    let sizes = if args.pes.is_empty() {
+        vec![1_000, 10_000, 100_000]
+    } else {
+        args.pes
+    };
+    if sizes.contains(&0) {
+        bail!("--pes must be at least 1");
+    }
+    if !args.json {
+        println!("machine: {}", machine());
+    }
+    let mut results = Vec::new();
+    for n in sizes {
+        let r = run_size(n, Duration::from_millis(args.round_ms.max(10)))?;
+        if args.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            print_table(&r);
+        }
+        results.push(r);
+    }
+    if let Some(path) = args.markdown {
+        let section = markdown(&results, &super::command_line());
+        write_markdown(&path, &section)?;
+    }
+    Ok(())
+}
 
 #[derive(Debug, Serialize)]
 pub struct SizeResult {
@@ -149,7 +203,7 @@ pub fn memory_probe(n: usize) -> Result<f64> {
 fn memory_in_child(n: usize) -> Result<f64> {
     let exe = std::env::current_exe().context("finding own executable")?;
     let out = std::process::Command::new(exe)
-        .args(["bench", "handlespace", "--memory-probe", &n.to_string()])
+        .args(["handlespace", "--memory-probe", &n.to_string()])
         .output()
         .context("running memory probe")?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -419,6 +473,6 @@ pub fn write_markdown(path: &std::path::Path, section: &str) -> Result<()> {
 
 /// Today's date from the system clock, as YYYY-MM-DD.
 pub fn today() -> String {
-    let (y, m, d, _) = crate::util::utc_now();
+    let (y, m, d, _) = rserpool::util::utc_now();
     format!("{y:04}-{m:02}-{d:02}")
 }
