@@ -4,6 +4,8 @@
 //! Every operation goes through the handlespace's public API exactly as a registrar calls it,
 //! with a freshly built Pool Element per registration (as a decoded message would supply).
 
+use crate::procfs::rss_bytes;
+use crate::report::{self, machine};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use rand_core::{RngCore, SeedableRng};
@@ -67,28 +69,27 @@ pub fn run(args: HandlespaceArgs) -> Result<()> {
         results.push(r);
     }
     if let Some(path) = args.markdown {
-        let section = markdown(&results, &super::command_line());
-        write_markdown(&path, &section)?;
+        report::write_section(&path, "handlespace", &markdown(&results))?;
     }
     Ok(())
 }
 
 #[derive(Debug, Serialize)]
-pub struct SizeResult {
-    pub pes: usize,
-    pub reg_dereg: f64,
-    pub rereg_rr: f64,
-    pub rereg_lu: f64,
-    pub rereg_timer_lu: f64,
-    pub timer: f64,
-    pub hr_rr_1: f64,
-    pub hr_rr_3: f64,
-    pub hr_rand_1: f64,
-    pub hr_rand_3: f64,
-    pub sync_entries: f64,
+struct SizeResult {
+    pes: usize,
+    reg_dereg: f64,
+    rereg_rr: f64,
+    rereg_lu: f64,
+    rereg_timer_lu: f64,
+    timer: f64,
+    hr_rr_1: f64,
+    hr_rr_3: f64,
+    hr_rand_1: f64,
+    hr_rand_3: f64,
+    sync_entries: f64,
     /// Traversal plus reading each entry's PE ID (the first thing a sync step's encoder does).
-    pub sync_entries_read: f64,
-    pub bytes_per_pe: f64,
+    sync_entries_read: f64,
+    bytes_per_pe: f64,
 }
 
 fn transport(id: u32) -> UserTransport {
@@ -179,23 +180,11 @@ fn measure(budget: Duration, mut op: impl FnMut(usize)) -> f64 {
     rates[1]
 }
 
-/// Resident set size of this process in bytes (from /proc/self/statm).
-fn rss_bytes() -> Result<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").context("reading /proc/self/statm")?;
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .context("statm has no RSS field")?
-        .parse()
-        .context("statm RSS is not a number")?;
-    Ok(pages * 4096)
-}
-
 /// Measured in a fresh process so that memory freed by earlier runs cannot be reused.
-pub fn memory_probe(n: usize) -> Result<f64> {
-    let before = rss_bytes()?;
+fn memory_probe(n: usize) -> Result<f64> {
+    let before = rss_bytes(std::process::id())?;
     let (hs, _) = build(n, lu, 1);
-    let after = rss_bytes()?;
+    let after = rss_bytes(std::process::id())?;
     black_box(&hs);
     Ok((after.saturating_sub(before)) as f64 / n as f64)
 }
@@ -212,7 +201,7 @@ fn memory_in_child(n: usize) -> Result<f64> {
         .with_context(|| format!("memory probe printed {text:?}"))
 }
 
-pub fn run_size(n: usize, budget: Duration) -> Result<SizeResult> {
+fn run_size(n: usize, budget: Duration) -> Result<SizeResult> {
     let handle = pool_handle();
     let h = handle.as_bytes();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(42);
@@ -336,7 +325,7 @@ pub fn run_size(n: usize, budget: Duration) -> Result<SizeResult> {
     })
 }
 
-pub fn print_table(r: &SizeResult) {
+fn print_table(r: &SizeResult) {
     let n = r.pes as f64;
     println!("pool of {} PEs", r.pes);
     println!(
@@ -347,24 +336,6 @@ pub fn print_table(r: &SizeResult) {
         println!("  {name:<36} {v:>14.0} {:>16.1}", v / n);
     }
     println!("  {:<36} {:>14.0}", "resident bytes per PE", r.bytes_per_pe);
-}
-
-/// Describes this machine for the results file.
-pub fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
-    format!("{cpu}, {cores} cores, Linux {kernel}")
 }
 
 /// The issue's targets at 10,000 PEs (five times rsplib's C handlespace on this machine class).
@@ -407,12 +378,9 @@ fn mega(v: f64) -> String {
 
 /// The results as a Markdown section: command, machine, one column per pool size, and the
 /// targets at 10,000 PEs where the issue sets them.
-pub fn markdown(results: &[SizeResult], command: &str) -> String {
+fn markdown(results: &[SizeResult]) -> String {
     use std::fmt::Write;
-    let mut s = String::new();
-    let _ = writeln!(s, "Command: `{command}`  ");
-    let _ = writeln!(s, "Machine: {}  ", machine());
-    let _ = writeln!(s, "Date: {} (UTC)\n", today());
+    let mut s = report::provenance();
     let _ = write!(s, "| operation (ops/s) |");
     for r in results {
         let _ = write!(s, " {} PEs |", r.pes);
@@ -464,15 +432,4 @@ pub fn markdown(results: &[SizeResult], command: &str) -> String {
         }
     }
     s
-}
-
-/// Replaces the handlespace section of `path` (see [`super::write_section`]).
-pub fn write_markdown(path: &std::path::Path, section: &str) -> Result<()> {
-    super::write_section(path, "handlespace", section)
-}
-
-/// Today's date from the system clock, as YYYY-MM-DD.
-pub fn today() -> String {
-    let (y, m, d, _) = rserpool::util::utc_now();
-    format!("{y:04}-{m:02}-{d:02}")
 }

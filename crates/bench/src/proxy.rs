@@ -13,16 +13,19 @@
 //! proxy connects to it any more, whatever the proxy's own counters say. The sidecar checks
 //! the backend on a second address so that its checks are not counted.
 
-use super::handlespace::machine;
-use super::registrar::free_port;
-use super::{command_line, plot, write_section};
+use crate::net::{free_port, local, registrar_status};
+use crate::plot;
+use crate::process::{Proc, wait_for};
+use crate::procfs::{group_cpu_ns, machine_busy_since, machine_cpu_ticks};
+use crate::report::{command_line, machine, today, write_section};
+use crate::undo::{self, TempDir};
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, ValueEnum};
 use rserpool_proxy::client::Client;
 use serde::Serialize;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -185,7 +188,7 @@ pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
         bail!("--threads, --connections, --repeat and --duration-s must be at least 1");
     }
     check_tools(&args)?;
-    undo_on_signal()?;
+    undo::on_signal()?;
     let sizes = if args.transfer_mb.is_empty() {
         vec![10, 20]
     } else {
@@ -279,131 +282,6 @@ fn versions() -> String {
         first_line("nginx", "-v"),
         first_line("wrk", "-v")
     )
-}
-
-/// What an interrupted run must undo. The backends and proxies run in their own process
-/// groups, so Ctrl-C does not reach them; without this, Ctrl-C or SIGTERM would leave them
-/// running, the rate limit on lo in place and the temporary directory behind.
-struct Undo {
-    groups: Vec<rustix::process::Pid>,
-    dirs: Vec<PathBuf>,
-    qdisc: bool,
-}
-
-static UNDO: std::sync::Mutex<Undo> = std::sync::Mutex::new(Undo {
-    groups: Vec::new(),
-    dirs: Vec::new(),
-    qdisc: false,
-});
-
-fn undo() -> std::sync::MutexGuard<'static, Undo> {
-    UNDO.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// On SIGINT or SIGTERM: kill every process group started, remove the qdisc and the
-/// temporary directories, exit with 130.
-fn undo_on_signal() -> Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    // Watched from here on, before anything is started.
-    let mut signals = rt.block_on(async { rserpool::util::Shutdown::watch() })?;
-    std::thread::spawn(move || {
-        rt.block_on(signals.recv());
-        let u = undo();
-        for &g in &u.groups {
-            let _ = rustix::process::kill_process_group(g, rustix::process::Signal::KILL);
-        }
-        if u.qdisc {
-            let _ = tc(&["qdisc", "del", "dev", "lo", "root"]);
-        }
-        // Give the killed processes a moment to let go of their files.
-        std::thread::sleep(Duration::from_millis(200));
-        for d in &u.dirs {
-            let _ = std::fs::remove_dir_all(d);
-        }
-        eprintln!("interrupted: processes stopped, temporary files and rate limits removed");
-        std::process::exit(130);
-    });
-    Ok(())
-}
-
-/// A child process in its own process group; dropping it kills the whole group (nginx's
-/// master leaves its workers behind otherwise).
-struct Proc {
-    child: Child,
-    reaped: bool,
-}
-
-impl Proc {
-    fn spawn(cmd: &mut Command, log: &Path) -> Result<Proc> {
-        use std::os::unix::process::CommandExt;
-        let log = std::fs::File::create(log)?;
-        // Held across the spawn, so that an interruption either finds the child or comes
-        // before it exists.
-        let mut undo = undo();
-        let child = cmd
-            .process_group(0)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting {cmd:?}"))?;
-        undo.groups.push(rustix::process::Pid::from_child(&child));
-        Ok(Proc {
-            child,
-            reaped: false,
-        })
-    }
-
-    fn kill(&mut self) {
-        // Once reaped, the group ID may belong to someone else.
-        if std::mem::replace(&mut self.reaped, true) {
-            return;
-        }
-        let pid = rustix::process::Pid::from_child(&self.child);
-        undo().groups.retain(|&g| g != pid);
-        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn local(port: u16) -> SocketAddr {
-    SocketAddr::from((Ipv4Addr::LOCALHOST, port))
-}
-
-fn wait_for(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) -> Result<()> {
-    let start = Instant::now();
-    while !ready() {
-        if start.elapsed() > limit {
-            bail!("{what}: not ready within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(())
-}
-
-/// A directory removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(dir: PathBuf) -> TempDir {
-        undo().dirs.push(dir.clone());
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        undo().dirs.retain(|d| *d != self.0);
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// The shared test bed: a registrar, three nginx backends and their sidecars. Fields drop in
@@ -539,10 +417,7 @@ http {{
         wait_for(
             "the backends' registrations",
             Duration::from_secs(15),
-            || {
-                super::registrar::status_of(self.registrar)
-                    .is_ok_and(|s| s.pool_elements == BACKENDS)
-            },
+            || registrar_status(self.registrar).is_ok_and(|s| s.pool_elements == BACKENDS),
         )
     }
 
@@ -807,9 +682,9 @@ fn measure(
                     Duration::from_secs(args.duration_s),
                 ))
             };
-            let ticks = super::machine_cpu_ticks();
+            let ticks = machine_cpu_ticks();
             s.bulk_mib_s = Some(run()?);
-            s.bulk_busy = super::machine_busy_since(ticks);
+            s.bulk_busy = machine_busy_since(ticks);
             if args.link_mbit > 0 {
                 let _links = Links::limit(args.link_mbit, &bed.backends, &front.tcp)?;
                 s.bulk_link_mib_s = Some(run()?);
@@ -837,7 +712,7 @@ fn measure(
 
 /// One wrk run; `close` sends `Connection: close` so that every request opens a connection.
 fn wrk(url: &str, args: &ProxyBenchArgs, close: bool, front: &Front) -> Result<Wrk> {
-    let group = front._proc.as_ref().map(|p| p.child.id());
+    let group = front._proc.as_ref().map(Proc::id);
     let cpu0 = group.map(group_cpu_ns);
     let mut cmd = Command::new("wrk");
     cmd.args(["-t", &args.threads.to_string()])
@@ -858,33 +733,6 @@ fn wrk(url: &str, args: &ProxyBenchArgs, close: bool, front: &Front) -> Result<W
         w.cpu_us = Some((group_cpu_ns(g).saturating_sub(c0)) as f64 / 1e3 / requests.max(1.0));
     }
     Ok(w)
-}
-
-/// CPU time of every thread of every process in process group `pgid`, ns.
-fn group_cpu_ns(pgid: u32) -> u64 {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    let mut total = 0;
-    for e in dir.flatten() {
-        let path = e.path();
-        let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
-            continue;
-        };
-        // Fields after the command name (which may contain spaces): state, ppid, pgrp, …
-        let pgrp = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(2))
-            .and_then(|v| v.parse::<u32>().ok());
-        if pgrp != Some(pgid) {
-            continue;
-        }
-        let pid = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok());
-        total += pid
-            .and_then(|p| super::registrar::cpu_ns(p).ok())
-            .unwrap_or(0);
-    }
-    total
 }
 
 fn parse_wrk(text: &str) -> Option<Wrk> {
@@ -975,11 +823,11 @@ impl Links {
         }
         let rate = format!("{mbit}mbit");
         // Before: deleting a qdisc that was never added does no harm.
-        undo().qdisc = true;
+        undo::lock().add_command(UNSHAPE);
         if let Err(e) = tc(&[
             "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "1",
         ]) {
-            undo().qdisc = false;
+            undo::lock().remove_command(UNSHAPE);
             return Err(e);
         }
         let links = Links;
@@ -1025,10 +873,13 @@ impl Links {
 
 impl Drop for Links {
     fn drop(&mut self) {
-        undo().qdisc = false;
-        let _ = tc(&["qdisc", "del", "dev", "lo", "root"]);
+        undo::lock().remove_command(UNSHAPE);
+        let _ = tc(&UNSHAPE[1..]);
     }
 }
+
+/// Removes every rate limit from lo.
+const UNSHAPE: undo::Command = &["tc", "qdisc", "del", "dev", "lo", "root"];
 
 fn tc(args: &[&str]) -> Result<()> {
     let out = Command::new("tc")
@@ -1427,7 +1278,7 @@ impl Report {
 
     fn markdown(&self, args: &ProxyBenchArgs, versions: &str) -> String {
         let mut md = String::new();
-        let date = super::handlespace::today();
+        let date = today();
         md += "### Results (`rserpool-bench proxy`)\n\n";
         md += &format!(
             "Command: `{}` ({date}). Machine: {}. {versions}.\n\n",

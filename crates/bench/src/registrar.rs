@@ -12,6 +12,11 @@
 //! the K - 1 others. Both the CPU of that home registrar and of one that only synchronises
 //! (`sync_cpu`) are measured.
 
+use crate::net::{free_port, local, registrar_status};
+use crate::plot;
+use crate::process::{Reaper, raise_nofile_limit, wait_for};
+use crate::procfs::{cpu_ns, rss_bytes};
+use crate::report::{machine, provenance, write_section};
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use rserpool_asap::AsapConnection;
@@ -20,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -220,10 +225,9 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
         }
         v
     };
-    let limit = super::raise_nofile_limit(200_000);
-    let machine = super::handlespace::machine();
+    let limit = raise_nofile_limit(200_000);
     if !args.json {
-        println!("machine: {machine}; open-file limit {limit}");
+        println!("machine: {}; open-file limit {limit}", machine());
         println!(
             "{:>3} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>9} {:>9} {:>9} {:>10} {:>6} {:>8}",
             "K",
@@ -286,13 +290,9 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
     let cluster = args.figures.iter().any(|f| f == "7r") || args.registrars.iter().any(|&k| k > 1);
     if let Some(path) = &args.markdown {
         if cluster {
-            super::write_section(
-                path,
-                "registrar-cluster",
-                &cluster_markdown(&samples, &machine),
-            )?;
+            write_section(path, "registrar-cluster", &cluster_markdown(&samples))?;
         } else {
-            super::write_section(path, "registrar", &markdown(&samples, &machine))?;
+            write_section(path, "registrar", &markdown(&samples))?;
         }
     }
     if let Some(prefix) = &args.plot {
@@ -305,34 +305,17 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
     Ok(())
 }
 
-struct Reaper(Vec<Child>);
-
-impl Drop for Reaper {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-pub(super) fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sample> {
     let exe = std::env::current_exe()?;
     let k = p.registrars.max(1) as usize;
     let mut asap = Vec::new();
     let mut enrp = Vec::new();
     for _ in 0..k {
-        asap.push(SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?)));
-        enrp.push(SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?)));
+        asap.push(local(free_port()?));
+        enrp.push(local(free_port()?));
     }
     let addr = asap[0];
-    let mut reaper = Reaper(Vec::new());
+    let mut reaper = Reaper::default();
     let mut pids = Vec::new();
     for i in 0..k {
         let mut cmd = Command::new(rserpool);
@@ -366,21 +349,20 @@ fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sam
     }
     let pid = pids[0];
     let sync_pid = pids.get(1).copied();
-    let start = Instant::now();
     for a in &asap {
-        while std::net::TcpStream::connect(a).is_err() {
-            if start.elapsed() > Duration::from_secs(5) {
-                bail!("registrar did not start listening on {a}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for(
+            &format!("the registrar on {a}"),
+            Duration::from_secs(5),
+            || std::net::TcpStream::connect(a).is_ok(),
+        )?;
     }
     // The cluster is formed once every registrar knows every other one.
-    while k > 1 && !cluster_formed(&asap) {
-        if start.elapsed() > Duration::from_secs(20) {
-            bail!("the {k} registrars did not find each other");
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    if k > 1 {
+        wait_for(
+            &format!("a cluster of the {k} registrars"),
+            Duration::from_secs(20),
+            || cluster_formed(&asap),
+        )?;
     }
     let mut generator = Command::new(&exe)
         .args(["load-gen", "--registrar", &addr.to_string()])
@@ -469,49 +451,11 @@ fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sam
 /// True when each registrar's status lists all the others as alive peers.
 fn cluster_formed(asap: &[SocketAddr]) -> bool {
     asap.iter().all(|a| {
-        let Ok(st) = status_of(*a) else { return false };
+        let Ok(st) = registrar_status(*a) else {
+            return false;
+        };
         st.peers.iter().filter(|p| p.state == "alive").count() + 1 == asap.len()
     })
-}
-
-/// A registrar's status, read synchronously (HTTP GET on its ASAP port).
-pub(super) fn status_of(addr: SocketAddr) -> Result<rserpool_registrar::Status> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    s.write_all(b"GET /status HTTP/1.0\r\n\r\n")?;
-    let mut reply = Vec::new();
-    s.read_to_end(&mut reply)?;
-    let at = reply
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| anyhow!("not an HTTP answer"))?;
-    Ok(serde_json::from_slice(&reply[at + 4..])?)
-}
-
-/// CPU time of all threads of a process, ns.
-pub(super) fn cpu_ns(pid: u32) -> Result<u64> {
-    let mut total = 0;
-    for t in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let text = std::fs::read_to_string(t?.path().join("schedstat"))?;
-        total += text
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<u64>().ok())
-            .ok_or_else(|| anyhow!("bad schedstat"))?;
-    }
-    Ok(total)
-}
-
-fn rss_bytes(pid: u32) -> Result<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kb = text
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse::<u64>().ok())
-        .ok_or_else(|| anyhow!("no VmRSS"))?;
-    Ok(kb * 1024)
 }
 
 #[derive(Args, Debug, Clone)]
@@ -562,7 +506,7 @@ impl Shared {
 
 /// The simulated PEs and PUs (a separate process, so its CPU is not the registrar's).
 pub fn load_gen(args: LoadGenArgs) -> Result<()> {
-    super::raise_nofile_limit(200_000);
+    raise_nofile_limit(200_000);
     let rt = rserpool::util::runtime()?;
     rt.block_on(async move {
         let shared = Arc::new(Shared {
@@ -787,13 +731,11 @@ fn spread(value: String, several: bool, range: String) -> String {
 }
 
 /// A results section's title, command, machine, date and, with repeated runs, how to read them.
-fn section_head(title: &str, samples: &[Sample], machine: &str) -> String {
+fn section_head(title: &str, samples: &[Sample]) -> String {
     use std::fmt::Write;
     let mut s = String::new();
     let _ = writeln!(s, "### {title}\n");
-    let _ = writeln!(s, "Command: `{}`  ", super::command_line());
-    let _ = writeln!(s, "Machine: {machine}  ");
-    let _ = writeln!(s, "Date: {} (UTC)\n", super::handlespace::today());
+    s += &provenance();
     let runs = samples.first().map_or(1, |x| x.runs);
     if runs > 1 {
         let _ = writeln!(
@@ -804,9 +746,9 @@ fn section_head(title: &str, samples: &[Sample], machine: &str) -> String {
     s
 }
 
-fn markdown(samples: &[Sample], machine: &str) -> String {
+fn markdown(samples: &[Sample]) -> String {
     use std::fmt::Write;
-    let mut s = section_head("Registrar (`rserpool-bench registrar`)", samples, machine);
+    let mut s = section_head("Registrar (`rserpool-bench registrar`)", samples);
     let _ = writeln!(
         s,
         "| PEs | PUs | re-reg every (ms) | resolve every (ms) | registrar CPU (1 core = 100%) | RSS (MB) | p50 (µs) | p99 (µs) | offered/s | answered/s | errors | load generator CPU |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -867,7 +809,7 @@ fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
     };
     let a = series(by_a, "re-registration a");
     if !a.is_empty() {
-        super::plot::lines(
+        plot::lines(
             &format!("{prefix}-pes.png"),
             "Registrar CPU against pool elements (seed Fig. 7 left)",
             "pool elements (log scale)",
@@ -878,7 +820,7 @@ fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
     }
     let b = series(by_b, "resolution b");
     if !b.is_empty() {
-        super::plot::lines(
+        plot::lines(
             &format!("{prefix}-pus.png"),
             "Registrar CPU against pool users, 1,000 PEs (seed Fig. 8 left)",
             "pool users",
@@ -891,12 +833,11 @@ fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
 }
 
 /// Figure 7 right: the home registrar's and a synchronising registrar's CPU against K.
-fn cluster_markdown(samples: &[Sample], machine: &str) -> String {
+fn cluster_markdown(samples: &[Sample]) -> String {
     use std::fmt::Write;
     let mut s = section_head(
         "Registrar cluster (`rserpool-bench registrar --figure 7r`)",
         samples,
-        machine,
     );
     let _ = writeln!(
         s,
@@ -953,7 +894,7 @@ fn cluster_plot(samples: &[Sample], prefix: &str) -> Result<()> {
             (format!("{who}, a = {a} ms"), v)
         })
         .collect();
-    super::plot::lines(
+    plot::lines(
         &format!("{prefix}-cluster.png"),
         "Registrar CPU against registrars in the cluster, 1,000 PEs (seed Fig. 7 right)",
         "registrars K",
