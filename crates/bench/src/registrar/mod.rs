@@ -1,7 +1,7 @@
 //! `rserpool-bench registrar`: the seed paper's Figures 7 (left) and 8 (left), and beyond.
 //!
 //! Each point starts a fresh registrar process and, in a second process
-//! (`rserpool-bench load-gen`, see [`load_gen`]), N simulated PEs, each on its own TCP
+//! (`rserpool-bench load-gen`, see [`load_gen`](mod@load_gen)), N simulated PEs, each on its own TCP
 //! connection, re-registering every `a` ms with a new load (least used), and M simulated PUs
 //! resolving every `b` ms. After the connections are up and a warm-up, the registrar's CPU
 //! time (sum of /proc/PID/task/*/schedstat) and resident memory (VmRSS) are read around a
