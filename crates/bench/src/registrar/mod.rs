@@ -1,12 +1,12 @@
 //! `rserpool-bench registrar`: the seed paper's Figures 7 (left) and 8 (left), and beyond.
 //!
 //! Each point starts a fresh registrar process and, in a second process
-//! (`rserpool-bench load-gen`, see [`load_gen`](mod@load_gen)), N simulated PEs, each on its own TCP
-//! connection, re-registering every `a` ms with a new load (least used), and M simulated PUs
-//! resolving every `b` ms. After the connections are up and a warm-up, the registrar's CPU
-//! time (sum of /proc/PID/task/*/schedstat) and resident memory (VmRSS) are read around a
-//! measurement window; the load generator measures response latency from send to the complete
-//! answer, so it includes its own scheduling delay.
+//! (`rserpool-bench load-gen`, see [`load_gen`](mod@load_gen)), N simulated PEs, each on its
+//! own TCP connection, re-registering every `a` ms with a new load (least used), and M
+//! simulated PUs resolving every `b` ms. After the connections are up and a warm-up, the
+//! registrar's CPU time (sum of /proc/PID/task/*/schedstat) and resident memory (VmRSS) are
+//! read around a measurement window; the load generator measures response latency from send
+//! to the complete answer, so it includes its own scheduling delay.
 //!
 //! With `--registrars K` (or `--figure 7r`, the paper's Figure 7 right) K registrar processes
 //! form an ENRP cluster first; the PEs register at the first one, which sends every change to
