@@ -1,5 +1,5 @@
 //! A minimal HTTP/1.1 client on one kept-alive connection, built from the proxy's own head
-//! parser and body framing. It exists for the tests and the benchmark (`rserpool bench proxy`),
+//! parser and body framing. It exists for the tests and the benchmark (`rserpool-bench proxy`),
 //! which need to see status codes, headers and exact bodies, or to count body bytes at full
 //! speed without keeping them.
 

@@ -6,7 +6,7 @@
 //! connections each sending a small message now and then. That is why this is mio rather than a
 //! tokio task per connection: a task and its I/O registration cost about 640 bytes per
 //! connection (both are cache-line aligned) and a task wake-up per message, which was a third of
-//! the memory and a fifth of the CPU in `rserpool bench registrar`. Here a connection is an
+//! the memory and a fifth of the CPU in `rserpool-bench registrar`. Here a connection is an
 //! epoll token and a file descriptor.
 //!
 //! The ASAP port also answers an HTTP `GET /status` with the handlespace as JSON (first bytes

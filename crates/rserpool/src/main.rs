@@ -1,10 +1,9 @@
 //! `rserpool`: one binary for every role of a Reliable Server Pooling system: the registrar,
 //! a sidecar that makes an existing TCP service a pool element, example pool elements, pool user
-//! tools (`resolve`, `connect`), `status`, the all-in-one `up`, and benchmarks.
+//! tools (`resolve`, `connect`), `status` and the all-in-one `up`. The benchmarks are a separate
+//! binary: crates/bench.
 
-mod bench;
 mod cmd;
-mod util;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -77,11 +76,6 @@ enum Command {
     Proxy(Box<cmd::proxy::ProxyArgs>),
     /// Show a registrar's handlespace.
     Status(cmd::client::StatusArgs),
-    /// Benchmarks; results are written into docs/.
-    Bench {
-        #[command(subcommand)]
-        what: bench::BenchCommand,
-    },
 }
 
 fn main() -> Result<()> {
@@ -95,6 +89,5 @@ fn main() -> Result<()> {
         Command::Connect(a) => cmd::client::connect(a),
         Command::Status(a) => cmd::client::status(a),
         Command::Proxy(a) => cmd::proxy::run(*a),
-        Command::Bench { what } => bench::run(what),
     }
 }

@@ -1,4 +1,6 @@
-//! Small helpers shared by the subcommands.
+//! Small helpers shared by the subcommands and the benchmarks (crates/bench).
+
+use anyhow::{Context, Result};
 
 /// The UTC date now: (year, month, day, seconds since midnight).
 pub fn utc_now() -> (i64, u32, u32, u64) {
@@ -18,17 +20,34 @@ pub fn utc_now() -> (i64, u32, u32, u64) {
     (y, m, d, secs % 86_400)
 }
 
-/// Raises the open-file limit as far as allowed (root: to `want`): a registrar or a benchmark
-/// with tens of thousands of connections needs one descriptor each.
-pub fn raise_nofile_limit(want: u64) -> u64 {
-    use rlimit::Resource;
-    let (soft, hard) = Resource::NOFILE.get().unwrap_or((1024, 1024));
-    if soft >= want {
-        return soft;
+/// A single-threaded tokio runtime: every command here is I/O bound and small.
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")
+}
+
+/// SIGTERM and SIGINT, caught from the moment this is created: before that, such a signal
+/// kills the process instead of draining it.
+pub struct Shutdown {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Shutdown {
+    pub fn watch() -> Result<Shutdown> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Shutdown {
+            term: signal(SignalKind::terminate()).context("cannot watch SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("cannot watch SIGINT")?,
+        })
     }
-    if hard < want && Resource::NOFILE.set(want, want).is_ok() {
-        return want;
+
+    pub async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
     }
-    let _ = Resource::NOFILE.set(hard.min(want).max(soft), hard);
-    Resource::NOFILE.get().map_or(soft, |(s, _)| s)
 }

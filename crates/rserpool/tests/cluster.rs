@@ -4,17 +4,20 @@
 //! registering again; restarted, it synchronises from a mentor.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{BIN, KillOnDrop, free_port, wait_for};
+
 use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
 use rserpool_registrar::Status;
 use rserpool_wire::{Policy, PoolHandle};
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
 const POOL: &str = "ClusterPool";
 const PES: usize = 100;
 // Short ENRP timers, so that a failure is handled within seconds.
@@ -22,15 +25,6 @@ const HEARTBEAT_MS: u64 = 200;
 const LAST_HEARD_MS: u64 = 600;
 const NO_RESPONSE_MS: u64 = 600;
 const KEEP_ALIVE_MS: u64 = 500;
-
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// One registrar of the cluster: where it listens and, when run inside a namespace, which one.
 struct Node {
@@ -136,25 +130,6 @@ async fn resolve_ids(asap: SocketAddr) -> BTreeSet<u32> {
     }
 }
 
-/// Polls until `cond` holds; panics with `what` after `limit`. Returns the time it took.
-async fn wait_until<F, Fut>(limit: Duration, what: &str, mut cond: F) -> Duration
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), String>>,
-{
-    let start = Instant::now();
-    loop {
-        match cond().await {
-            Ok(()) => return start.elapsed(),
-            Err(why) => assert!(
-                start.elapsed() < limit,
-                "timed out after {limit:?} waiting for {what}: {why}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
 /// Every registrar in `live` holds all `ids`, homed at live registrars, resolves all of them,
 /// and agrees with every peer on checksums.
 async fn consistent(cluster: &Cluster, live: &[usize], ids: &BTreeSet<u32>) -> Result<(), String> {
@@ -252,13 +227,13 @@ async fn fail_and_recover(
     }
     let all = [0, 1, 2];
     let none = BTreeSet::new();
-    wait_until(Duration::from_secs(20), "three registrars peered", || {
+    wait_for(Duration::from_secs(20), "three registrars peered", || {
         consistent(&cluster, &all, &none)
     })
     .await;
     let pes = start_pes(&cluster, takeover_ip);
     let ids: BTreeSet<u32> = pes.iter().map(PoolElement::id).collect();
-    let t = wait_until(Duration::from_secs(30), "100 PEs everywhere", || {
+    let t = wait_for(Duration::from_secs(30), "100 PEs everywhere", || {
         consistent(&cluster, &all, &ids)
     })
     .await;
@@ -277,7 +252,7 @@ async fn fail_and_recover(
     // The bound: max-time-last-heard + max-time-no-response + one keep-alive cycle
     // (plus the takeover round trip and polling slack).
     let bound = Duration::from_millis(LAST_HEARD_MS + NO_RESPONSE_MS + KEEP_ALIVE_MS + 1500);
-    let t = wait_until(bound, "the survivors to take over", || {
+    let t = wait_for(bound, "the survivors to take over", || {
         consistent(&cluster, &[0, 1], &ids)
     })
     .await;
@@ -301,21 +276,13 @@ async fn fail_and_recover(
     }
 
     revive(&mut cluster);
-    let t = wait_until(
+    let t = wait_for(
         Duration::from_secs(20),
         "the restarted registrar to sync",
         || consistent(&cluster, &all, &ids),
     )
     .await;
     eprintln!("registrar 2 restarted and synchronised the full handlespace in {t:?}");
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

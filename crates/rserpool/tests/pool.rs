@@ -2,33 +2,21 @@
 //! `rserpool` binary), pool elements through the library and as separate processes, pool users.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{BIN, KillOnDrop, fast_config, registrar, signal, wait_for};
+
 use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
-use rserpool_registrar::{Config, RegistrarThread};
+use rserpool_registrar::Config;
 use rserpool_wire::policy::load_from_fraction;
 use rserpool_wire::{AsapMessage, CauseCode, Framer, Policy, PoolHandle};
+use rustix::process::Signal;
 use std::collections::HashMap;
-use std::future::Future;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
-
-fn fast_config() -> Config {
-    Config {
-        asap: "127.0.0.1:0".parse().unwrap(),
-        enrp: "127.0.0.1:0".parse().unwrap(),
-        keep_alive_interval_ms: 300,
-        keep_alive_timeout_ms: 300,
-        ..Config::default()
-    }
-}
-
-fn registrar(cfg: Config) -> RegistrarThread {
-    RegistrarThread::start(cfg).expect("registrar starts")
-}
 
 fn pe_config(reg: SocketAddr, pool: &str, port: u16, policy: Policy) -> PoolElementConfig {
     let mut cfg = PoolElementConfig::new(pool, SocketAddr::from(([127, 0, 0, 1], port)), policy);
@@ -51,40 +39,12 @@ fn pool_user(reg: SocketAddr, items: Option<u32>) -> PoolUser {
     .unwrap()
 }
 
-/// Polls `cond` until it holds or `limit` passes; returns the time it took.
-async fn wait_for<F, Fut>(limit: Duration, what: &str, mut cond: F) -> Duration
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = Instant::now();
-    loop {
-        if cond().await {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// The PE IDs a fresh resolution returns (empty if the pool is unknown).
 async fn resolve_ids(reg: SocketAddr, pool: &str, items: u32) -> Vec<u32> {
     let mut pu = pool_user(reg, Some(items));
     match pu.resolve(&PoolHandle::from(pool)).await {
         Ok(r) => r.pool_elements.iter().map(|p| p.id).collect(),
         Err(_) => Vec::new(),
-    }
-}
-
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
@@ -98,16 +58,6 @@ fn spawn(args: &[&str]) -> KillOnDrop {
             .spawn()
             .expect("spawn rserpool"),
     )
-}
-
-fn signal(child: &Child, sig: &str) {
-    // The shell's built-in kill: no procps needed.
-    let ok = Command::new("sh")
-        .args(["-c", &format!("kill -{sig} {}", child.id())])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -{sig}");
 }
 
 #[tokio::test]
@@ -346,14 +296,14 @@ async fn killed_pe_process_disappears() {
     )
     .await;
     // SIGKILL: the kernel closes its association, the registrar removes it at once.
-    signal(&children[0].0, "KILL");
+    signal(&children[0].0, Signal::KILL);
     let t = wait_for(Duration::from_secs(2), "killed PE gone", || async {
         !resolve_ids(r.asap_addr(), "K", 3).await.contains(&ids[0])
     })
     .await;
     eprintln!("SIGKILLed PE gone after {t:?}");
     // SIGSTOP: the association stays open but keep-alives go unanswered.
-    signal(&children[1].0, "STOP");
+    signal(&children[1].0, Signal::STOP);
     let t = wait_for(
         Duration::from_millis(300 + 300 + 400),
         "stopped PE gone (keep-alive timeout)",
@@ -361,7 +311,7 @@ async fn killed_pe_process_disappears() {
     )
     .await;
     eprintln!("SIGSTOPped PE gone after {t:?} (interval 300 ms + timeout 300 ms)");
-    signal(&children[1].0, "KILL");
+    signal(&children[1].0, Signal::KILL);
 }
 
 #[tokio::test]

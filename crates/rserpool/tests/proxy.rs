@@ -3,54 +3,28 @@
 //! registered through the library with chosen policies and loads, and the proxy itself.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{BIN, KillOnDrop, fast_config, free_port, registrar, wait_until};
+
 use rserpool_asap::{PoolElement, PoolElementConfig};
 use rserpool_proxy::client::Client;
 use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
-use rserpool_registrar::{Config, RegistrarThread};
+use rserpool_registrar::RegistrarThread;
 use rserpool_wire::Policy;
 use rserpool_wire::policy::load_from_fraction;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
-
-fn registrar() -> RegistrarThread {
-    RegistrarThread::start(Config {
-        asap: "127.0.0.1:0".parse().unwrap(),
-        enrp: "127.0.0.1:0".parse().unwrap(),
-        keep_alive_interval_ms: 300,
-        keep_alive_timeout_ms: 300,
-        ..Config::default()
-    })
-    .expect("registrar starts")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `rserpool example http` processes, PE IDs 1..=n, in pool `Backends` (round robin).
 struct Backends {
-    children: Vec<Child>,
+    children: Vec<KillOnDrop>,
     addrs: Vec<SocketAddr>,
-}
-
-impl Drop for Backends {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 async fn backends(reg: SocketAddr, n: u32) -> Backends {
@@ -68,7 +42,7 @@ async fn backends(reg: SocketAddr, n: u32) -> Backends {
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
-        b.children.push(child);
+        b.children.push(KillOnDrop(child));
         b.addrs.push(addr);
     }
     for a in &b.addrs {
@@ -78,15 +52,6 @@ async fn backends(reg: SocketAddr, n: u32) -> Backends {
         .await;
     }
     b
-}
-
-async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < limit, "timed out after {limit:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    start.elapsed()
 }
 
 /// A library PE in `pool` pointing at `target`, with the given policy.
@@ -126,7 +91,7 @@ async fn start_proxy(cfg: ProxyConfig, expect_pes: usize) -> Proxy {
 
 /// A registrar, the three `Backends` PEs and a proxy with one listener per mode onto them.
 async fn backends_behind_proxy(modes: &[Mode]) -> (RegistrarThread, Backends, Proxy) {
-    let reg = registrar();
+    let reg = registrar(fast_config());
     let b = backends(reg.asap_addr(), 3).await;
     let listeners = modes.iter().map(|&m| (m, "Backends")).collect();
     let proxy = start_proxy(proxy_config(reg.asap_addr(), listeners), 3).await;
@@ -197,7 +162,7 @@ async fn distribution(addr: SocketAddr, n: usize) -> HashMap<String, usize> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_policy_distributes_as_defined() {
-    let reg = registrar();
+    let reg = registrar(fast_config());
     let r = reg.asap_addr();
     let b = backends(r, 3).await;
     let t = &b.addrs;
@@ -256,7 +221,7 @@ async fn each_policy_distributes_as_defined() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pe_reporting_high_load_gets_less_within_one_refresh() {
-    let reg = registrar();
+    let reg = registrar(fast_config());
     let r = reg.asap_addr();
     let b = backends(r, 3).await;
     let lu = |l: f64| Policy::LeastUsed {
@@ -577,7 +542,7 @@ async fn chunked_pe() -> SocketAddr {
 /// read them, gets a 502 instead (a PE must not send one to it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_responses_reach_http_1_1_clients_only() {
-    let reg = registrar();
+    let reg = registrar(fast_config());
     let _pe = pe(
         reg.asap_addr(),
         "Chunky",
@@ -720,14 +685,12 @@ async fn expect_100_continue_and_upgrades_are_relayed() {
 
 /// `rserpool proxy --config FILE` as a process, for the signal tests.
 struct ProxyProcess {
-    child: Child,
+    child: KillOnDrop,
     config: std::path::PathBuf,
 }
 
 impl Drop for ProxyProcess {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.config);
     }
 }
@@ -755,7 +718,10 @@ async fn proxy_process(reg: SocketAddr, listeners: &str) -> ProxyProcess {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    ProxyProcess { child, config }
+    ProxyProcess {
+        child: KillOnDrop(child),
+        config,
+    }
 }
 
 impl ProxyProcess {
@@ -764,8 +730,7 @@ impl ProxyProcess {
     }
 
     fn signal(&self, sig: rustix::process::Signal) {
-        let pid = rustix::process::Pid::from_child(&self.child);
-        rustix::process::kill_process(pid, sig).unwrap();
+        common::signal(&self.child, sig);
     }
 }
 
@@ -788,7 +753,7 @@ async fn serving(addr: SocketAddr) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests_then_exits() {
-    let reg = registrar();
+    let reg = registrar(fast_config());
     let _b = backends(reg.asap_addr(), 3).await;
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let mut p = proxy_process(reg.asap_addr(), &listener_toml(addr, "http")).await;
@@ -838,7 +803,7 @@ async fn sigterm_drains_in_flight_requests_then_exits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_listeners_without_dropping_connections() {
-    let reg = registrar();
+    let reg = registrar(fast_config());
     let _b = backends(reg.asap_addr(), 3).await;
     let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let p = proxy_process(reg.asap_addr(), &listener_toml(http, "http")).await;

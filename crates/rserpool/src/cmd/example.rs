@@ -310,7 +310,7 @@ impl Fnv {
 
 /// "2026-11-21 14:03:07 UTC\r\n" from the system clock.
 fn daytime() -> String {
-    let (y, m, d, secs) = crate::util::utc_now();
+    let (y, m, d, secs) = rserpool::util::utc_now();
     format!(
         "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC\r\n",
         secs / 3600,

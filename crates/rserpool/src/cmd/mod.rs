@@ -8,11 +8,13 @@ pub mod serve;
 pub mod up;
 
 use crate::{PeOpts, RegistrarOpts};
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Result, anyhow};
 use rserpool_asap::{PoolElementConfig, PoolUserConfig};
 use rserpool_wire::Policy;
 use std::net::SocketAddr;
 use std::time::Duration;
+
+pub use rserpool::util::{Shutdown, runtime};
 
 /// Logs to stderr; `RUST_LOG` overrides the level (default info).
 pub fn init_logging() {
@@ -24,43 +26,11 @@ pub fn init_logging() {
         .try_init();
 }
 
-/// A single-threaded tokio runtime: every command here is I/O bound and small.
-pub fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the tokio runtime")
-}
-
 /// Completes on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {
     match Shutdown::watch() {
         Ok(mut s) => s.recv().await,
         Err(_) => std::future::pending::<()>().await,
-    }
-}
-
-/// SIGTERM and SIGINT, caught from the moment this is created: before that, such a signal
-/// kills the process instead of draining it.
-pub struct Shutdown {
-    term: tokio::signal::unix::Signal,
-    int: tokio::signal::unix::Signal,
-}
-
-impl Shutdown {
-    pub fn watch() -> Result<Shutdown> {
-        use tokio::signal::unix::{SignalKind, signal};
-        Ok(Shutdown {
-            term: signal(SignalKind::terminate()).context("cannot watch SIGTERM")?,
-            int: signal(SignalKind::interrupt()).context("cannot watch SIGINT")?,
-        })
-    }
-
-    pub async fn recv(&mut self) {
-        tokio::select! {
-            _ = self.term.recv() => {}
-            _ = self.int.recv() => {}
-        }
     }
 }
 

@@ -1,10 +1,13 @@
-//! `rserpool bench handlespace`: the seed paper's Figures 5–6 (handlespace operation throughput
+//! `rserpool-bench handlespace`: the seed paper's Figures 5–6 (handlespace operation throughput
 //! by pool size) measured on this machine, single-threaded.
 //!
 //! Every operation goes through the handlespace's public API exactly as a registrar calls it,
 //! with a freshly built Pool Element per registration (as a decoded message would supply).
 
-use anyhow::{Context, Result};
+use crate::procfs::rss_bytes;
+use crate::report::{self, machine};
+use anyhow::{Context, Result, bail};
+use clap::Args;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rserpool_handlespace::{Config, Handlespace, PeRef, TimerKind};
@@ -19,22 +22,74 @@ const KEEP_ALIVE_MS: u64 = 5_000;
 /// MaxElementsPerHTRequest (rsplib's default): the block size of a sync step.
 const SYNC_BLOCK: usize = 128;
 
+#[derive(Args, Debug)]
+pub struct HandlespaceArgs {
+    /// Pool sizes to measure (repeatable); default 1000, 10000, 100000.
+    #[arg(long = "pes")]
+    pes: Vec<usize>,
+    /// One JSON object per pool size on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Time budget per measurement round in milliseconds (three rounds, median).
+    #[arg(long, default_value_t = 200)]
+    round_ms: u64,
+    /// Also write the results as a Markdown section into this file (e.g. docs/BENCHMARKS.md),
+    /// between generated-section markers.
+    #[arg(long, value_name = "FILE")]
+    markdown: Option<std::path::PathBuf>,
+    /// Internal: measure resident memory for N PEs in this process and print bytes per PE.
+    #[arg(long, hide = true)]
+    memory_probe: Option<usize>,
+}
+
+pub fn run(args: HandlespaceArgs) -> Result<()> {
+    if let Some(n) = args.memory_probe {
+        println!("{}", memory_probe(n.max(1))?);
+        return Ok(());
+    }
+    let sizes = if args.pes.is_empty() {
+        vec![1_000, 10_000, 100_000]
+    } else {
+        args.pes
+    };
+    if sizes.contains(&0) {
+        bail!("--pes must be at least 1");
+    }
+    if !args.json {
+        println!("machine: {}", machine());
+    }
+    let mut results = Vec::new();
+    for n in sizes {
+        let r = run_size(n, Duration::from_millis(args.round_ms.max(10)))?;
+        if args.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            print_table(&r);
+        }
+        results.push(r);
+    }
+    if let Some(path) = args.markdown {
+        report::write_section(&path, "handlespace", &markdown(&results))?;
+    }
+    Ok(())
+}
+
 #[derive(Debug, Serialize)]
-pub struct SizeResult {
-    pub pes: usize,
-    pub reg_dereg: f64,
-    pub rereg_rr: f64,
-    pub rereg_lu: f64,
-    pub rereg_timer_lu: f64,
-    pub timer: f64,
-    pub hr_rr_1: f64,
-    pub hr_rr_3: f64,
-    pub hr_rand_1: f64,
-    pub hr_rand_3: f64,
-    pub sync_entries: f64,
+struct SizeResult {
+    pes: usize,
+    reg_dereg: f64,
+    rereg_rr: f64,
+    rereg_lu: f64,
+    rereg_timer_lu: f64,
+    timer: f64,
+    hr_rr_1: f64,
+    hr_rr_3: f64,
+    hr_rand_1: f64,
+    hr_rand_3: f64,
+    sync_entries: f64,
     /// Traversal plus reading each entry's PE ID (the first thing a sync step's encoder does).
-    pub sync_entries_read: f64,
-    pub bytes_per_pe: f64,
+    sync_entries_read: f64,
+    bytes_per_pe: f64,
 }
 
 fn transport(id: u32) -> UserTransport {
@@ -125,23 +180,11 @@ fn measure(budget: Duration, mut op: impl FnMut(usize)) -> f64 {
     rates[1]
 }
 
-/// Resident set size of this process in bytes (from /proc/self/statm).
-fn rss_bytes() -> Result<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").context("reading /proc/self/statm")?;
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .context("statm has no RSS field")?
-        .parse()
-        .context("statm RSS is not a number")?;
-    Ok(pages * 4096)
-}
-
 /// Measured in a fresh process so that memory freed by earlier runs cannot be reused.
-pub fn memory_probe(n: usize) -> Result<f64> {
-    let before = rss_bytes()?;
+fn memory_probe(n: usize) -> Result<f64> {
+    let before = rss_bytes(std::process::id())?;
     let (hs, _) = build(n, lu, 1);
-    let after = rss_bytes()?;
+    let after = rss_bytes(std::process::id())?;
     black_box(&hs);
     Ok((after.saturating_sub(before)) as f64 / n as f64)
 }
@@ -149,7 +192,7 @@ pub fn memory_probe(n: usize) -> Result<f64> {
 fn memory_in_child(n: usize) -> Result<f64> {
     let exe = std::env::current_exe().context("finding own executable")?;
     let out = std::process::Command::new(exe)
-        .args(["bench", "handlespace", "--memory-probe", &n.to_string()])
+        .args(["handlespace", "--memory-probe", &n.to_string()])
         .output()
         .context("running memory probe")?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -158,7 +201,7 @@ fn memory_in_child(n: usize) -> Result<f64> {
         .with_context(|| format!("memory probe printed {text:?}"))
 }
 
-pub fn run_size(n: usize, budget: Duration) -> Result<SizeResult> {
+fn run_size(n: usize, budget: Duration) -> Result<SizeResult> {
     let handle = pool_handle();
     let h = handle.as_bytes();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(42);
@@ -282,7 +325,7 @@ pub fn run_size(n: usize, budget: Duration) -> Result<SizeResult> {
     })
 }
 
-pub fn print_table(r: &SizeResult) {
+fn print_table(r: &SizeResult) {
     let n = r.pes as f64;
     println!("pool of {} PEs", r.pes);
     println!(
@@ -293,24 +336,6 @@ pub fn print_table(r: &SizeResult) {
         println!("  {name:<36} {v:>14.0} {:>16.1}", v / n);
     }
     println!("  {:<36} {:>14.0}", "resident bytes per PE", r.bytes_per_pe);
-}
-
-/// Describes this machine for the results file.
-pub fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
-    format!("{cpu}, {cores} cores, Linux {kernel}")
 }
 
 /// The issue's targets at 10,000 PEs (five times rsplib's C handlespace on this machine class).
@@ -353,12 +378,9 @@ fn mega(v: f64) -> String {
 
 /// The results as a Markdown section: command, machine, one column per pool size, and the
 /// targets at 10,000 PEs where the issue sets them.
-pub fn markdown(results: &[SizeResult], command: &str) -> String {
+fn markdown(results: &[SizeResult]) -> String {
     use std::fmt::Write;
-    let mut s = String::new();
-    let _ = writeln!(s, "Command: `{command}`  ");
-    let _ = writeln!(s, "Machine: {}  ", machine());
-    let _ = writeln!(s, "Date: {} (UTC)\n", today());
+    let mut s = report::provenance();
     let _ = write!(s, "| operation (ops/s) |");
     for r in results {
         let _ = write!(s, " {} PEs |", r.pes);
@@ -410,15 +432,4 @@ pub fn markdown(results: &[SizeResult], command: &str) -> String {
         }
     }
     s
-}
-
-/// Replaces the handlespace section of `path` (see [`super::write_section`]).
-pub fn write_markdown(path: &std::path::Path, section: &str) -> Result<()> {
-    super::write_section(path, "handlespace", section)
-}
-
-/// Today's date from the system clock, as YYYY-MM-DD.
-pub fn today() -> String {
-    let (y, m, d, _) = crate::util::utc_now();
-    format!("{y:04}-{m:02}-{d:02}")
 }

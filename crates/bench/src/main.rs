@@ -1,0 +1,55 @@
+//! `rserpool-bench`: the benchmarks of rserpool, a binary of their own so that the product
+//! does not ship them. Each writes its results, with command and machine, into docs/:
+//! `cargo run --release -p rserpool-bench -- handlespace|registrar|proxy …`.
+
+mod handlespace;
+mod net;
+mod plot;
+mod process;
+mod procfs;
+mod product;
+mod proxy;
+mod registrar;
+mod report;
+mod undo;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "rserpool-bench",
+    about = "Benchmarks of rserpool; results, with command and machine, go into docs/"
+)]
+struct Cli {
+    /// The rserpool binary to measure [default: the one next to this executable, which
+    /// `cargo run` builds first].
+    #[arg(long, global = true, value_name = "PATH")]
+    rserpool: Option<PathBuf>,
+    #[command(subcommand)]
+    command: BenchCommand,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Handlespace operation throughput (the seed paper's Figures 5-6).
+    Handlespace(handlespace::HandlespaceArgs),
+    /// Registrar CPU, memory and latency under N PEs and M PUs (the seed's Figures 7-8).
+    Registrar(registrar::RegistrarBenchArgs),
+    /// The proxy side by side with HAProxy, nginx and direct (issue 5's comparison).
+    Proxy(proxy::ProxyBenchArgs),
+    /// Internal: the simulated PEs and PUs of `registrar`.
+    #[command(hide = true)]
+    LoadGen(registrar::LoadGenArgs),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        BenchCommand::Handlespace(a) => handlespace::run(a),
+        BenchCommand::Registrar(a) => registrar::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::Proxy(a) => proxy::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::LoadGen(a) => registrar::load_gen(a),
+    }
+}

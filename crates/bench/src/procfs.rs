@@ -1,0 +1,78 @@
+//! CPU time and resident memory of processes, and how busy the whole machine was, read from
+//! /proc: what the benchmarks charge to the system under test.
+
+use anyhow::{Result, anyhow};
+
+/// CPU time of all threads of a process, ns (the sum of /proc/PID/task/*/schedstat).
+pub fn cpu_ns(pid: u32) -> Result<u64> {
+    let mut total = 0;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let text = std::fs::read_to_string(t?.path().join("schedstat"))?;
+        total += text
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| anyhow!("bad schedstat"))?;
+    }
+    Ok(total)
+}
+
+/// CPU time of every thread of every process in process group `pgid`, ns: a system under test
+/// may be several processes (nginx's master and workers).
+pub fn group_cpu_ns(pgid: u32) -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut total = 0;
+    for e in dir.flatten() {
+        let path = e.path();
+        let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
+            continue;
+        };
+        // Fields after the command name (which may contain spaces): state, ppid, pgrp, …
+        let pgrp = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(2))
+            .and_then(|v| v.parse::<u32>().ok());
+        if pgrp != Some(pgid) {
+            continue;
+        }
+        let pid = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok());
+        total += pid.and_then(|p| cpu_ns(p).ok()).unwrap_or(0);
+    }
+    total
+}
+
+/// Resident set size of a process, bytes (VmRSS of /proc/PID/status).
+pub fn rss_bytes(pid: u32) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb = text
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| anyhow!("no VmRSS"))?;
+    Ok(kb * 1024)
+}
+
+/// The machine's CPU counters (`/proc/stat`, all cores): (busy, total) in clock ticks.
+pub fn machine_cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal ...; idle and iowait are not busy.
+    let total: u64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3)? + ticks.get(4)?;
+    Some((total - idle, total))
+}
+
+/// The share of the machine's CPU that was busy since `since` (from [`machine_cpu_ticks`]).
+pub fn machine_busy_since(since: Option<(u64, u64)>) -> Option<f64> {
+    let ((b0, t0), (b1, t1)) = since.zip(machine_cpu_ticks())?;
+    (t1 > t0).then(|| (b1 - b0) as f64 / (t1 - t0) as f64)
+}

@@ -1,0 +1,99 @@
+//! The proxy benchmark's command line: which systems, which parts, how long and how hard.
+
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum System {
+    Direct,
+    Rserpool,
+    Haproxy,
+    Nginx,
+}
+
+impl System {
+    pub(super) fn label(self) -> &'static str {
+        match self {
+            System::Direct => "direct",
+            System::Rserpool => "rserpool",
+            System::Haproxy => "HAProxy",
+            System::Nginx => "nginx",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Part {
+    /// HTTP/1.1 keep-alive, small response (wrk): requests/s, p50, p99.
+    Keepalive,
+    /// A new connection per request (wrk, Connection: close): connections/s.
+    Connect,
+    /// TCP mode bulk download: MB/s.
+    Bulk,
+    /// The seed's experiment: concurrent uploads (PUT) and downloads (GET) of large files.
+    Transfer,
+    /// A backend killed with SIGKILL under load.
+    Failover,
+}
+
+#[derive(Args, Debug)]
+pub struct ProxyBenchArgs {
+    /// Worker threads of every proxy (rserpool --threads, HAProxy nbthread, nginx
+    /// worker_processes) and of the load generators.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Concurrent connections of wrk.
+    #[arg(long, default_value_t = 50)]
+    pub connections: usize,
+    /// Length of each wrk run and of the bulk run, seconds.
+    #[arg(long, default_value_t = 5)]
+    pub duration_s: u64,
+    /// Rounds; the systems alternate within a round and the report gives medians.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
+    /// Concurrent transfers of the seed's experiment.
+    #[arg(long, default_value_t = 100)]
+    pub transfers: usize,
+    /// Transfer sizes in MiB (repeatable); default 10 and 20.
+    #[arg(long = "transfer-mb")]
+    pub transfer_mb: Vec<usize>,
+    /// Concurrent connections of the TCP bulk run.
+    #[arg(long, default_value_t = 4)]
+    pub bulk_connections: usize,
+    /// Also run TCP bulk with every hop limited to this rate (Mbit/s, by `tc` on loopback, as
+    /// on the seed paper's testbed network); 0 skips it.
+    #[arg(long, default_value_t = 1000)]
+    pub link_mbit: u64,
+    /// Keep-alive clients of the failover run.
+    #[arg(long, default_value_t = 8)]
+    pub failover_clients: usize,
+    /// How long the failover run watches after the kill, ms (HAProxy's default checks need
+    /// about 6 s to take a server out).
+    #[arg(long, default_value_t = 8000)]
+    pub failover_ms: u64,
+    /// Systems to measure.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "direct,rserpool,haproxy,nginx"
+    )]
+    pub systems: Vec<System>,
+    /// Parts to run.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "keepalive,connect,bulk,transfer,failover"
+    )]
+    pub parts: Vec<Part>,
+    /// One JSON object per system and round on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the results as a Markdown section into this file (e.g. docs/BENCHMARKS.md).
+    #[arg(long, value_name = "FILE")]
+    pub markdown: Option<PathBuf>,
+    /// Write PNG bar charts with this path prefix (e.g. docs/bench-proxy).
+    #[arg(long, value_name = "PREFIX")]
+    pub plot: Option<String>,
+}

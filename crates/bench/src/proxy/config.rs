@@ -1,0 +1,181 @@
+//! The configuration files of the systems under test, as text: the nginx backends, and
+//! rserpool's proxy, HAProxy and nginx set up alike (worker threads, round robin, kept-alive
+//! connections to the backends, X-Forwarded-For).
+
+use super::POOL;
+use std::net::SocketAddr;
+use std::path::Path;
+
+/// Where Debian's libnginx-mod-stream puts nginx's TCP proxy module.
+pub(super) const STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
+
+/// An nginx backend (`i`): the static files and WebDAV uploads under `dir`/www, on `addr`
+/// and on `check`, the address its sidecar checks.
+pub(super) fn nginx_backend(i: usize, addr: SocketAddr, check: SocketAddr, dir: &Path) -> String {
+    let d = dir.display();
+    format!(
+        r#"daemon off;
+master_process off;
+pid {d}/b{i}.pid;
+error_log {d}/b{i}.err error;
+events {{ worker_connections 16384; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_requests 1000000;
+    keepalive_timeout 75s;
+    default_type application/octet-stream;
+    client_body_temp_path {d}/b{i}-body;
+    proxy_temp_path {d}/b{i}-proxy;
+    fastcgi_temp_path {d}/b{i}-fcgi;
+    uwsgi_temp_path {d}/b{i}-uwsgi;
+    scgi_temp_path {d}/b{i}-scgi;
+    server {{
+        listen {addr} backlog=4096;
+        listen {check} backlog=64;
+        root {d}/www;
+        add_header X-Backend b{i} always;
+        location /up/ {{
+            dav_methods PUT;
+            create_full_put_path on;
+            client_max_body_size 0;
+            client_body_buffer_size 1m;
+        }}
+    }}
+}}
+"#,
+    )
+}
+
+/// rserpool's proxy: one HTTP and one TCP listener onto the pool, `threads` worker threads.
+pub(super) fn rserpool_proxy(
+    registrar: SocketAddr,
+    threads: usize,
+    http: SocketAddr,
+    tcp: SocketAddr,
+) -> String {
+    format!(
+        r#"registrars = ["{reg}"]
+threads = {threads}
+max-connections = 20000
+
+[[listener]]
+listen = "{http}"
+mode = "http"
+pool = "{POOL}"
+
+[[listener]]
+listen = "{tcp}"
+mode = "tcp"
+pool = "{POOL}"
+"#,
+        reg = registrar
+    )
+}
+
+/// HAProxy with the same two listeners, round robin, connection reuse and its default checks.
+pub(super) fn haproxy(
+    threads: usize,
+    http: SocketAddr,
+    tcp: SocketAddr,
+    backends: &[SocketAddr],
+) -> String {
+    format!(
+        r#"global
+    nbthread {threads}
+    maxconn 8000
+
+defaults
+    mode http
+    timeout connect 1s
+    timeout client 60s
+    timeout server 60s
+    timeout http-keep-alive 60s
+    retries 3
+    option redispatch
+
+frontend web
+    bind {http}
+    option forwardfor
+    http-reuse always
+    default_backend pool
+
+backend pool
+    balance roundrobin
+    http-reuse always
+{servers}
+listen tcp
+    mode tcp
+    bind {tcp}
+    balance roundrobin
+{servers}"#,
+        servers = servers(backends, &|i, b| format!("    server b{i} {b} check")),
+    )
+}
+
+/// nginx with the same two listeners (the stream module for TCP), kept-alive upstream
+/// connections; its files under `dir`.
+pub(super) fn nginx_proxy(
+    threads: usize,
+    http: SocketAddr,
+    tcp: SocketAddr,
+    backends: &[SocketAddr],
+    dir: &Path,
+) -> String {
+    let dd = dir.display();
+    format!(
+        r#"load_module {STREAM_MODULE};
+daemon off;
+worker_processes {threads};
+worker_rlimit_nofile 40000;
+pid {dd}/nginx-proxy.pid;
+error_log {dd}/nginx-proxy.err error;
+events {{ worker_connections 16384; }}
+http {{
+    access_log off;
+    client_body_temp_path {dd}/np-body;
+    proxy_temp_path {dd}/np-proxy;
+    fastcgi_temp_path {dd}/np-fcgi;
+    uwsgi_temp_path {dd}/np-uwsgi;
+    scgi_temp_path {dd}/np-scgi;
+    keepalive_requests 1000000;
+    upstream pool {{
+{servers}        keepalive 256;
+    }}
+    server {{
+        listen {http} backlog=4096;
+        client_max_body_size 0;
+        location / {{
+            proxy_pass http://pool;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_request_buffering off;
+            proxy_max_temp_file_size 0;
+            proxy_connect_timeout 1s;
+        }}
+    }}
+}}
+stream {{
+    upstream tpool {{
+{servers}    }}
+    server {{
+        listen {tcp} backlog=4096;
+        proxy_pass tpool;
+        proxy_connect_timeout 1s;
+    }}
+}}
+"#,
+        servers = servers(backends, &|_, b| format!("        server {b};")),
+    )
+}
+
+/// One line per backend.
+fn servers(backends: &[SocketAddr], line: &dyn Fn(usize, SocketAddr) -> String) -> String {
+    backends
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| line(i, b) + "\n")
+        .collect()
+}

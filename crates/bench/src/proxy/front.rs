@@ -1,0 +1,109 @@
+//! Starting a system under test (rserpool's proxy, HAProxy, nginx, or none for direct) in
+//! front of the test bed, afresh for every part.
+
+use super::args::System;
+use super::bed::Bed;
+use super::config;
+use super::load::client_runtime;
+use super::{BACKENDS, SMALL};
+use crate::net::{free_port, local};
+use crate::process::Proc;
+use anyhow::{Result, bail};
+use rserpool_proxy::client::Client;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A running system under test: where clients send HTTP and TCP-mode traffic.
+pub(super) struct Front {
+    pub(super) http: Vec<SocketAddr>,
+    pub(super) tcp: Vec<SocketAddr>,
+    pub(super) proc: Option<Proc>,
+}
+
+impl Front {
+    /// The process group whose CPU is the system's (none for direct).
+    pub(super) fn group(&self) -> Option<u32> {
+        self.proc.as_ref().map(Proc::id)
+    }
+}
+
+/// Starts `system` in front of the bed's backends; ready once every backend has answered
+/// through it.
+pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> {
+    if system == System::Direct {
+        return Ok(Front {
+            http: bed.backends.clone(),
+            tcp: bed.backends.clone(),
+            proc: None,
+        });
+    }
+    let http = local(free_port()?);
+    let tcp = local(free_port()?);
+    let d = &bed.dir;
+    let name = system.label().to_lowercase();
+    let conf_path = d.join(format!("{name}.conf"));
+    let mut cmd = match system {
+        System::Direct => unreachable!("handled above"),
+        System::Rserpool => {
+            let conf = config::rserpool_proxy(bed.registrar, threads, http, tcp);
+            std::fs::write(&conf_path, conf)?;
+            let mut c = Command::new(&bed.rserpool);
+            c.args(["proxy", "--config"])
+                .arg(&conf_path)
+                .env("RUST_LOG", "warn");
+            c
+        }
+        System::Haproxy => {
+            let conf = config::haproxy(threads, http, tcp, &bed.backends);
+            std::fs::write(&conf_path, conf)?;
+            let mut c = Command::new("haproxy");
+            c.args(["-db", "-f"]).arg(&conf_path);
+            c
+        }
+        System::Nginx => {
+            let conf = config::nginx_proxy(threads, http, tcp, &bed.backends, d);
+            std::fs::write(&conf_path, conf)?;
+            let mut c = Command::new("nginx");
+            c.arg("-e")
+                .arg(d.join("nginx-proxy.err"))
+                .arg("-c")
+                .arg(&conf_path);
+            c
+        }
+    };
+    let proc = Proc::spawn(&mut cmd, &d.join(format!("{name}.log")))?;
+    let front = Front {
+        http: vec![http],
+        tcp: vec![tcp],
+        proc: Some(proc),
+    };
+    // Ready when every backend has answered through it.
+    let rt = client_runtime(1)?;
+    let reached = rt.block_on(async {
+        let start = Instant::now();
+        let mut seen = std::collections::HashSet::new();
+        while start.elapsed() < Duration::from_secs(15) && seen.len() < BACKENDS {
+            if let Ok(mut c) = Client::connect(http).await {
+                for _ in 0..2 * BACKENDS {
+                    match tokio::time::timeout(Duration::from_secs(2), c.get(SMALL)).await {
+                        Ok(Ok(r)) if r.code == 200 => {
+                            seen.extend(r.header("x-backend"));
+                        }
+                        _ => break,
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        seen.len()
+    });
+    if reached < BACKENDS {
+        bail!(
+            "{} reached {reached} of {BACKENDS} backends within 15 s (see {})",
+            system.label(),
+            d.display()
+        );
+    }
+    Ok(front)
+}

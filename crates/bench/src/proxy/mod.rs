@@ -1,0 +1,198 @@
+//! `rserpool-bench proxy`: the rserpool proxy side by side with HAProxy and nginx, and with
+//! the client talking to the backends directly (the physical baseline), in one run on one
+//! machine — the comparison users make before switching (issue 5).
+//!
+//! The same three nginx backends serve every system: a small static file, large files, and
+//! WebDAV PUT into tmpfs. Each backend is a pool element through an `rserpool serve` sidecar.
+//! The same load generators drive every system with the same threads: `wrk` for requests/s
+//! and connections/s, and rserpool's own HTTP client (`rserpool_proxy::client`) for TCP bulk
+//! throughput, the seed paper's 100 concurrent uploads and downloads, and the failover run.
+//!
+//! Failover is measured from outside every proxy: a raw socket with a BPF filter timestamps
+//! each connection attempt (SYN) to the killed backend, so "traffic off the dead PE" means no
+//! proxy connects to it any more, whatever the proxy's own counters say. The sidecar checks
+//! the backend on a second address so that its checks are not counted.
+
+mod args;
+mod bed;
+mod config;
+mod failover;
+mod front;
+mod load;
+mod report;
+mod shaping;
+mod synwatch;
+mod tools;
+mod wrk;
+
+pub use args::ProxyBenchArgs;
+
+use crate::procfs::{machine_busy_since, machine_cpu_ticks};
+use crate::report::{machine, write_section};
+use crate::undo;
+use anyhow::{Context, Result, bail};
+use args::{Part, System};
+use bed::Bed;
+use failover::Failover;
+use load::Transfer;
+use serde::Serialize;
+use std::path::Path;
+use std::time::Duration;
+use wrk::Wrk;
+
+const POOL: &str = "BenchPool";
+const BACKENDS: usize = 3;
+const SMALL: &str = "/small.html";
+const SMALL_SIZE: usize = 612; // nginx's welcome page
+const BULK: &str = "/bulk";
+const BULK_SIZE: usize = 256 << 20;
+const MB: usize = 1 << 20;
+
+/// One system's figures in one round.
+#[derive(Serialize, Clone, Debug)]
+struct Sample {
+    system: System,
+    round: usize,
+    keepalive: Option<Wrk>,
+    connect: Option<Wrk>,
+    bulk_mib_s: Option<f64>,
+    /// The share of the machine's CPU (all cores) that was busy during the loopback bulk run.
+    bulk_busy: Option<f64>,
+    /// The same over rate-limited hops (`--link-mbit`).
+    bulk_link_mib_s: Option<f64>,
+    transfers: Vec<Transfer>,
+    failover: Option<Failover>,
+}
+
+pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
+    if args.threads == 0 || args.connections == 0 || args.repeat == 0 || args.duration_s == 0 {
+        bail!("--threads, --connections, --repeat and --duration-s must be at least 1");
+    }
+    tools::check(&args)?;
+    undo::on_signal()?;
+    let sizes = if args.transfer_mb.is_empty() {
+        vec![10, 20]
+    } else {
+        args.transfer_mb.clone()
+    };
+    let versions = tools::versions();
+    if !args.json {
+        println!("machine: {}", machine());
+        println!("{versions}");
+    }
+    let mut bed = Bed::start(&sizes, rserpool)?;
+    let mut samples = Vec::new();
+    // Parts outside, systems inside: the systems meet one part back to back, under the same
+    // conditions (large transfers leave the machine slower for a while).
+    for round in 0..args.repeat {
+        let mut round_samples: Vec<Sample> = args
+            .systems
+            .iter()
+            .map(|&system| Sample::new(system, round))
+            .collect();
+        for &part in &args.parts {
+            for rs in round_samples.iter_mut() {
+                let mut s = Sample::new(rs.system, round);
+                measure(&mut bed, &mut s, part, &sizes, &args)
+                    .with_context(|| format!("measuring {}", rs.system.label()))?;
+                if !args.json {
+                    report::print_sample(&s);
+                }
+                rs.merge(s);
+            }
+        }
+        for s in round_samples {
+            if args.json {
+                println!("{}", serde_json::to_string(&s)?);
+            }
+            samples.push(s);
+        }
+    }
+    let report = report::Report::new(&args, &samples, &sizes);
+    if let Some(path) = &args.markdown {
+        write_section(path, "proxy", &report.markdown(&args, &versions))?;
+    }
+    if let Some(prefix) = &args.plot {
+        report.plot(prefix)?;
+    }
+    Ok(())
+}
+
+impl Sample {
+    fn new(system: System, round: usize) -> Sample {
+        Sample {
+            system,
+            round,
+            keepalive: None,
+            connect: None,
+            bulk_mib_s: None,
+            bulk_busy: None,
+            bulk_link_mib_s: None,
+            transfers: Vec::new(),
+            failover: None,
+        }
+    }
+
+    fn merge(&mut self, o: Sample) {
+        self.keepalive = self.keepalive.or(o.keepalive);
+        self.connect = self.connect.or(o.connect);
+        self.bulk_mib_s = self.bulk_mib_s.or(o.bulk_mib_s);
+        self.bulk_busy = self.bulk_busy.or(o.bulk_busy);
+        self.bulk_link_mib_s = self.bulk_link_mib_s.or(o.bulk_link_mib_s);
+        self.transfers.extend(o.transfers);
+        self.failover = self.failover.take().or(o.failover);
+    }
+}
+
+/// One part against one system, started afresh for it.
+fn measure(
+    bed: &mut Bed,
+    s: &mut Sample,
+    part: Part,
+    sizes: &[usize],
+    args: &ProxyBenchArgs,
+) -> Result<()> {
+    if part == Part::Failover && s.system == System::Direct {
+        return Ok(());
+    }
+    let front = front::start(bed, s.system, args.threads)?;
+    let url = format!("http://{}{SMALL}", front.http[0]);
+    let rt = load::client_runtime(args.threads)?;
+    match part {
+        Part::Keepalive => s.keepalive = Some(wrk::run(&url, args, false, &front)?),
+        Part::Connect => s.connect = Some(wrk::run(&url, args, true, &front)?),
+        Part::Bulk => {
+            let run = || {
+                rt.block_on(load::bulk(
+                    front.tcp.clone(),
+                    args.bulk_connections,
+                    Duration::from_secs(args.duration_s),
+                ))
+            };
+            let ticks = machine_cpu_ticks();
+            s.bulk_mib_s = Some(run()?);
+            s.bulk_busy = machine_busy_since(ticks);
+            if args.link_mbit > 0 {
+                let _links = shaping::Links::limit(args.link_mbit, &bed.backends, &front.tcp)?;
+                s.bulk_link_mib_s = Some(run()?);
+            }
+        }
+        Part::Transfer => {
+            for &mib in sizes {
+                for method in ["PUT", "GET"] {
+                    s.transfers.push(rt.block_on(load::transfer(
+                        front.http.clone(),
+                        method,
+                        mib,
+                        args.transfers,
+                    ))?);
+                    // Free the uploads' tmpfs pages and let the machine settle.
+                    bed.clear_uploads()?;
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+        }
+        Part::Failover => s.failover = Some(failover::run(bed, &front, &rt, args)?),
+    }
+    Ok(())
+}

@@ -1,0 +1,498 @@
+//! The proxy benchmark's report: a line per system and part while it runs, then medians over
+//! the rounds as a Markdown section (tables, ratios, the targets of issue 5) and bar charts.
+
+use super::SMALL_SIZE;
+use super::Sample;
+use super::args::{ProxyBenchArgs, System};
+use super::failover::Failover;
+use super::load::Transfer;
+use crate::plot;
+use crate::report::{command_line, machine, today};
+use anyhow::Result;
+
+/// One line per system as its part is measured.
+pub(super) fn print_sample(s: &Sample) {
+    let mut line = format!("{:>8} round {}:", s.system.label(), s.round + 1);
+    if let Some(w) = s.keepalive {
+        line += &format!(
+            " keep-alive {:.0} req/s p50 {:.2} ms p99 {:.2} ms ({} errors), {:.1} µs CPU/req;",
+            w.rps,
+            w.p50_ms,
+            w.p99_ms,
+            w.errors,
+            w.cpu_us.unwrap_or(0.0)
+        );
+    }
+    if let Some(w) = s.connect {
+        line += &format!(
+            " {:.0} conn/s ({} errors), {:.1} µs CPU/conn;",
+            w.rps,
+            w.errors,
+            w.cpu_us.unwrap_or(0.0)
+        );
+    }
+    if let Some(b) = s.bulk_mib_s {
+        line += &format!(" TCP bulk {b:.0} MiB/s");
+        if let Some(busy) = s.bulk_busy {
+            line += &format!(" (machine {:.0} % busy)", 100.0 * busy);
+        }
+        line += ";";
+    }
+    if let Some(b) = s.bulk_link_mib_s {
+        line += &format!(" over rate-limited hops {b:.1} MiB/s;");
+    }
+    for t in &s.transfers {
+        line += &format!(
+            " {} {} MiB avg {:.2} s total {:.2} s ({} failed);",
+            t.method, t.mib, t.avg_s, t.total_s, t.failed
+        );
+    }
+    if let Some(f) = &s.failover {
+        line += &format!(
+            " failover: {} of {} failed, visible {:?} ms, off {:?} ms, connects {} + {} (at {:?} ms)",
+            f.failed,
+            f.requests,
+            f.visible_ms,
+            f.off_ms,
+            f.burst_connects,
+            f.later_connects,
+            f.later_at_ms
+        );
+    }
+    println!("{line}");
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// A named figure of a row.
+type Metric<'a> = (&'a str, &'a dyn Fn(&Row) -> Option<f64>);
+
+/// (method, MiB)
+type TransferKind = (&'static str, usize);
+/// (average s, total s, failed transfers)
+type TransferMedian = (f64, f64, usize);
+
+/// Medians per system over the rounds.
+struct Row {
+    system: System,
+    ka_rps: Option<f64>,
+    ka_p50: Option<f64>,
+    ka_p99: Option<f64>,
+    ka_errors: u64,
+    ka_cpu: Option<f64>,
+    conn_s: Option<f64>,
+    conn_cpu: Option<f64>,
+    conn_errors: u64,
+    bulk: Option<f64>,
+    bulk_busy: Option<f64>,
+    bulk_link: Option<f64>,
+    transfers: Vec<(TransferKind, TransferMedian)>,
+    failover: Vec<Failover>,
+}
+
+/// The medians of every system over the rounds, ready to be written out.
+pub(super) struct Report {
+    rows: Vec<Row>,
+    rounds: usize,
+    link_mbit: u64,
+}
+
+impl Report {
+    pub(super) fn new(args: &ProxyBenchArgs, samples: &[Sample], sizes: &[usize]) -> Report {
+        let rows = args
+            .systems
+            .iter()
+            .map(|&system| {
+                let of: Vec<&Sample> = samples.iter().filter(|s| s.system == system).collect();
+                let m = |f: &dyn Fn(&Sample) -> Option<f64>| {
+                    median(of.iter().filter_map(|s| f(s)).collect())
+                };
+                let mut transfers = Vec::new();
+                for &mib in sizes {
+                    for method in ["PUT", "GET"] {
+                        let ts: Vec<&Transfer> = of
+                            .iter()
+                            .flat_map(|s| &s.transfers)
+                            .filter(|t| t.method == method && t.mib == mib)
+                            .collect();
+                        if let (Some(a), Some(t)) = (
+                            median(ts.iter().map(|t| t.avg_s).collect()),
+                            median(ts.iter().map(|t| t.total_s).collect()),
+                        ) {
+                            let failed = ts.iter().map(|t| t.failed).sum();
+                            transfers.push(((method, mib), (a, t, failed)));
+                        }
+                    }
+                }
+                Row {
+                    system,
+                    ka_rps: m(&|s| s.keepalive.map(|w| w.rps)),
+                    ka_p50: m(&|s| s.keepalive.map(|w| w.p50_ms)),
+                    ka_p99: m(&|s| s.keepalive.map(|w| w.p99_ms)),
+                    ka_errors: of
+                        .iter()
+                        .filter_map(|s| s.keepalive)
+                        .map(|w| w.errors)
+                        .sum(),
+                    ka_cpu: m(&|s| s.keepalive.and_then(|w| w.cpu_us)),
+                    conn_s: m(&|s| s.connect.map(|w| w.rps)),
+                    conn_cpu: m(&|s| s.connect.and_then(|w| w.cpu_us)),
+                    conn_errors: of.iter().filter_map(|s| s.connect).map(|w| w.errors).sum(),
+                    bulk: m(&|s| s.bulk_mib_s),
+                    bulk_busy: m(&|s| s.bulk_busy),
+                    bulk_link: m(&|s| s.bulk_link_mib_s),
+                    transfers,
+                    failover: of.iter().filter_map(|s| s.failover.clone()).collect(),
+                }
+            })
+            .collect();
+        Report {
+            rows,
+            rounds: args.repeat,
+            link_mbit: args.link_mbit,
+        }
+    }
+
+    /// The transfers measured, in the order they ran.
+    fn transfer_kinds(&self) -> Vec<TransferKind> {
+        let mut kinds = Vec::new();
+        for (k, _) in self.rows.iter().flat_map(|r| &r.transfers) {
+            if !kinds.contains(k) {
+                kinds.push(*k);
+            }
+        }
+        kinds
+    }
+
+    fn row(&self, s: System) -> Option<&Row> {
+        self.rows.iter().find(|r| r.system == s)
+    }
+
+    pub(super) fn markdown(&self, args: &ProxyBenchArgs, versions: &str) -> String {
+        let mut md = String::new();
+        let date = today();
+        md += "### Results (`rserpool-bench proxy`)\n\n";
+        md += &format!(
+            "Command: `{}` ({date}). Machine: {}. {versions}.\n\n",
+            command_line(),
+            machine()
+        );
+        md += &format!(
+            "Everything on this one machine over loopback: three nginx backends (one worker \
+             each, a {SMALL_SIZE}-byte static file, large files, WebDAV PUT into tmpfs), each \
+             registered by an `rserpool serve` sidecar; every proxy with {t} worker thread(s) \
+             (rserpool `threads`, HAProxy `nbthread`, nginx `worker_processes`), round robin, \
+             keep-alive to the backends (HAProxy `http-reuse always`, nginx `keepalive 256`), \
+             X-Forwarded-For added by all three; wrk with {t} thread(s) and {c} connections for \
+             {d} s. *Direct* is the client talking to the backends itself. Each part meets \
+             the systems back to back, every proxy started afresh for it; medians of {r} \
+             round(s).\n\n",
+            t = args.threads,
+            c = args.connections,
+            d = args.duration_s,
+            r = self.rounds
+        );
+        let cols: Vec<&Row> = self.rows.iter().collect();
+        let header = |first: &str| {
+            let mut h = format!("| {first} |");
+            let mut sep = String::from("|---|");
+            for r in &cols {
+                h += &format!(" {} |", r.system.label());
+                sep += "---|";
+            }
+            format!("{h}\n{sep}\n")
+        };
+        let line = |name: &str, f: &dyn Fn(&Row) -> String| {
+            let mut l = format!("| {name} |");
+            for r in &cols {
+                l += &format!(" {} |", f(r));
+            }
+            l + "\n"
+        };
+        let num = |v: Option<f64>, prec: usize| v.map_or("–".into(), |v| format!("{v:.prec$}"));
+        md += &header("");
+        md += &line("keep-alive, req/s", &|r| num(r.ka_rps, 0));
+        md += &line("keep-alive, p50 ms", &|r| num(r.ka_p50, 2));
+        md += &line("keep-alive, p99 ms", &|r| num(r.ka_p99, 2));
+        md += &line("keep-alive, errors (all rounds)", &|r| {
+            r.ka_errors.to_string()
+        });
+        md += &line("keep-alive, proxy CPU µs per request", &|r| {
+            num(r.ka_cpu, 1)
+        });
+        md += &line("new connection per request, conn/s", &|r| num(r.conn_s, 0));
+        md += &line("new connection per request, errors (all rounds)", &|r| {
+            r.conn_errors.to_string()
+        });
+        md += &line(
+            "new connection per request, proxy CPU µs per connection",
+            &|r| num(r.conn_cpu, 1),
+        );
+        md += &line(
+            &format!(
+                "TCP mode bulk, {} connections, MiB/s",
+                args.bulk_connections
+            ),
+            &|r| num(r.bulk, 0),
+        );
+        md += &line("TCP mode bulk, machine CPU busy (all cores)", &|r| {
+            r.bulk_busy
+                .map_or("–".into(), |b| format!("{:.0} %", 100.0 * b))
+        });
+        if args.link_mbit > 0 {
+            md += &line(
+                &format!(
+                    "TCP mode bulk, every hop limited to {} Mbit/s, MiB/s",
+                    args.link_mbit
+                ),
+                &|r| num(r.bulk_link, 1),
+            );
+        }
+        md += "\n";
+        // Ratios.
+        let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
+            _ => "–".into(),
+        };
+        let get = |s: System, f: &dyn Fn(&Row) -> Option<f64>| self.row(s).and_then(f);
+        md += "| ratio | rserpool / HAProxy | rserpool / nginx | rserpool / direct | HAProxy / direct | nginx / direct |\n|---|---|---|---|---|---|\n";
+        let metrics: [Metric; 7] = [
+            ("keep-alive req/s", &|r: &Row| r.ka_rps),
+            ("keep-alive p99 (lower is better)", &|r: &Row| r.ka_p99),
+            (
+                "keep-alive CPU per request (lower is better)",
+                &|r: &Row| r.ka_cpu,
+            ),
+            ("conn/s", &|r: &Row| r.conn_s),
+            ("CPU per connection (lower is better)", &|r: &Row| {
+                r.conn_cpu
+            }),
+            ("TCP bulk MiB/s", &|r: &Row| r.bulk),
+            ("TCP bulk over rate-limited hops", &|r: &Row| r.bulk_link),
+        ];
+        for (name, f) in metrics {
+            let (d, rs, h, n) = (
+                get(System::Direct, f),
+                get(System::Rserpool, f),
+                get(System::Haproxy, f),
+                get(System::Nginx, f),
+            );
+            md += &format!(
+                "| {name} | {} | {} | {} | {} | {} |\n",
+                ratio(rs, h),
+                ratio(rs, n),
+                ratio(rs, d),
+                ratio(h, d),
+                ratio(n, d)
+            );
+        }
+        md += "\n";
+        if cols.iter().any(|r| !r.transfers.is_empty()) {
+            md += &format!(
+                "The seed paper's experiment (its Tables 2–3, 6–7): {} clients start one transfer \
+                 each at the same moment; average time of a transfer / time until the last one \
+                 finished, seconds (failed transfers in brackets when any). Direct clients \
+                 spread over the three backends.\n\n",
+                args.transfers
+            );
+            md += &header("transfer");
+            for (method, mib) in self.transfer_kinds() {
+                md += &line(&format!("{method} {mib} MiB"), &|r| {
+                    r.transfers
+                        .iter()
+                        .find(|(k, _)| *k == (method, mib))
+                        .map_or("–".into(), |(_, (a, t, failed))| {
+                            let f = if *failed > 0 {
+                                format!(" ({failed} failed)")
+                            } else {
+                                String::new()
+                            };
+                            format!("{a:.2} / {t:.2}{f}")
+                        })
+                });
+            }
+            md += "\n";
+        }
+        let fo: Vec<&Row> = cols
+            .iter()
+            .copied()
+            .filter(|r| !r.failover.is_empty())
+            .collect();
+        if !fo.is_empty() {
+            md += &format!(
+                "Failover: {} keep-alive clients GET the small file through the proxy; after 1 s \
+                 one backend is killed with SIGKILL and the run goes on for {} ms. Connection \
+                 attempts to the dead backend are timestamped on a raw socket. *Visible*: kill → \
+                 first refused attempt. *Traffic off*: first refused attempt → the last attempt \
+                 before a pause of at least 500 ms. *Later*: attempts after that pause \
+                 (back-off re-tries, health checks). One value per round.\n\n",
+                args.failover_clients, args.failover_ms
+            );
+            md += "| | requests | failed | visible ms | traffic off ms | attempts in burst | later attempts |\n|---|---|---|---|---|---|---|\n";
+            for r in fo {
+                let all = |f: &dyn Fn(&Failover) -> String| {
+                    r.failover.iter().map(f).collect::<Vec<_>>().join(", ")
+                };
+                let opt = |v: Option<f64>| v.map_or("no attempt".into(), |v| format!("{v:.0}"));
+                md += &format!(
+                    "| {} | {} | {} | {} | {} | {} | {} |\n",
+                    r.system.label(),
+                    all(&|f| f.requests.to_string()),
+                    all(&|f| f.failed.to_string()),
+                    all(&|f| opt(f.visible_ms)),
+                    all(&|f| opt(f.off_ms)),
+                    all(&|f| f.burst_connects.to_string()),
+                    all(&|f| f.later_connects.to_string()),
+                );
+            }
+            md += "\n";
+        }
+        md += &self.targets();
+        md
+    }
+
+    fn targets(&self) -> String {
+        let (Some(r), Some(h)) = (self.row(System::Rserpool), self.row(System::Haproxy)) else {
+            return String::new();
+        };
+        let d = self.row(System::Direct);
+        let verdict = |ok: Option<bool>| match ok {
+            Some(true) => "met",
+            Some(false) => "**not met**",
+            None => "not measured",
+        };
+        let ge = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a >= b);
+        let mut t = String::from("Targets of issue 5:\n\n");
+        t += &format!(
+            "- requests/s ≥ HAProxy's: {}\n- p99 ≤ HAProxy's: {}\n- connections/s ≥ HAProxy's: {}\n",
+            verdict(ge(r.ka_rps, h.ka_rps)),
+            verdict(ge(h.ka_p99, r.ka_p99)),
+            verdict(ge(r.conn_s, h.conn_s)),
+        );
+        let of_direct = |a: Option<f64>, d: Option<f64>| {
+            a.zip(d)
+                .filter(|(_, d)| *d > 0.0)
+                .map_or("–".into(), |(a, d)| format!("{:.2}×", a / d))
+        };
+        let direct_bulk = d.and_then(|d| d.bulk);
+        t += "- TCP bulk ≥ 90 % of direct: ";
+        if self.link_mbit > 0 {
+            t += &format!(
+                "{} where the network is the limit (every hop at {} Mbit/s, as on the seed's \
+                 testbed: {} of direct); ",
+                verdict(ge(
+                    r.bulk_link,
+                    d.and_then(|d| d.bulk_link).map(|b| 0.9 * b)
+                )),
+                self.link_mbit,
+                of_direct(r.bulk_link, d.and_then(|d| d.bulk_link)),
+            );
+        }
+        t += &format!(
+            "{} on loopback ({} of direct), where direct alone keeps the machine {} busy and a \
+             proxy's second TCP connection can only take from the same cores\n",
+            verdict(ge(r.bulk, direct_bulk.map(|b| 0.9 * b))),
+            of_direct(r.bulk, direct_bulk),
+            d.and_then(|d| d.bulk_busy)
+                .map_or("–".into(), |b| format!("{:.0} %", 100.0 * b)),
+        );
+        let fo = (!r.failover.is_empty()).then_some(&r.failover);
+        t += &format!(
+            "- zero failed requests when a PE dies: {}\n- traffic off a dead PE within 200 ms of the failure being visible: {}\n\n",
+            verdict(fo.map(|f| f.iter().all(|f| f.failed == 0))),
+            verdict(fo.map(|f| f.iter().all(|f| f.off_ms.is_none_or(|m| m <= 200.0)))),
+        );
+        t
+    }
+
+    pub(super) fn plot(&self, prefix: &str) -> Result<()> {
+        let direct = self.row(System::Direct);
+        // Throughput relative to direct; direct's own bars (1.0) keep every system at the same
+        // place and colour in all three charts.
+        if let Some(d) = direct {
+            let metrics: [Metric; 3] = [
+                ("keep-alive req/s", &|r: &Row| r.ka_rps),
+                ("new connection per request", &|r: &Row| r.conn_s),
+                ("TCP bulk MiB/s", &|r: &Row| r.bulk),
+            ];
+            let groups: Vec<String> = metrics.iter().map(|m| m.0.to_string()).collect();
+            let series: Vec<(String, Vec<f64>)> = self
+                .rows
+                .iter()
+                .map(|r| {
+                    let v = metrics
+                        .iter()
+                        .map(|(_, f)| match (f(r), f(d)) {
+                            (Some(a), Some(b)) if b > 0.0 => a / b,
+                            _ => 0.0,
+                        })
+                        .collect();
+                    (r.system.label().to_string(), v)
+                })
+                .collect();
+            plot::bars(
+                &format!("{prefix}-throughput.png"),
+                "Throughput through the proxy, relative to direct",
+                "fraction of direct",
+                &groups,
+                &series,
+            )?;
+        }
+        let series: Vec<(String, Vec<f64>)> = self
+            .rows
+            .iter()
+            .map(|r| {
+                (
+                    r.system.label().to_string(),
+                    vec![r.ka_p50.unwrap_or(0.0), r.ka_p99.unwrap_or(0.0)],
+                )
+            })
+            .collect();
+        plot::bars(
+            &format!("{prefix}-latency.png"),
+            "Keep-alive request latency (wrk)",
+            "ms",
+            &["p50".to_string(), "p99".to_string()],
+            &series,
+        )?;
+        let kinds = self.transfer_kinds();
+        if !kinds.is_empty() {
+            let groups: Vec<String> = kinds.iter().map(|(m, s)| format!("{m} {s} MiB")).collect();
+            let series: Vec<(String, Vec<f64>)> = self
+                .rows
+                .iter()
+                .map(|r| {
+                    let v = kinds
+                        .iter()
+                        .map(|k| {
+                            r.transfers
+                                .iter()
+                                .find(|(kk, _)| kk == k)
+                                .map_or(0.0, |(_, (a, _, _))| *a)
+                        })
+                        .collect();
+                    (r.system.label().to_string(), v)
+                })
+                .collect();
+            plot::bars(
+                &format!("{prefix}-transfers.png"),
+                "Average time of one of the concurrent transfers",
+                "seconds",
+                &groups,
+                &series,
+            )?;
+        }
+        Ok(())
+    }
+}

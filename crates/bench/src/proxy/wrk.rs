@@ -1,0 +1,111 @@
+//! wrk, the load generator for requests/s and connections/s: one run, its output read, and
+//! the proxy's CPU time per request beside it.
+
+use super::args::ProxyBenchArgs;
+use super::front::Front;
+use crate::procfs::group_cpu_ns;
+use anyhow::{Context, Result, anyhow, bail};
+use serde::Serialize;
+use std::process::Command;
+
+/// What one wrk run measured.
+#[derive(Serialize, Clone, Copy, Debug, Default)]
+pub(super) struct Wrk {
+    pub(super) rps: f64,
+    pub(super) p50_ms: f64,
+    pub(super) p99_ms: f64,
+    pub(super) errors: u64,
+    /// CPU time of the proxy (all its processes and threads) per request, µs.
+    pub(super) cpu_us: Option<f64>,
+}
+
+/// One wrk run; `close` sends `Connection: close` so that every request opens a connection.
+pub(super) fn run(url: &str, args: &ProxyBenchArgs, close: bool, front: &Front) -> Result<Wrk> {
+    let group = front.group();
+    let cpu0 = group.map(group_cpu_ns);
+    let mut cmd = Command::new("wrk");
+    cmd.args(["-t", &args.threads.to_string()])
+        .args(["-c", &args.connections.max(args.threads).to_string()])
+        .args(["-d", &format!("{}s", args.duration_s.max(1))])
+        .arg("--latency");
+    if close {
+        cmd.args(["-H", "Connection: close"]);
+    }
+    let out = cmd.arg(url).output().context("running wrk")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("wrk failed: {}{text}", String::from_utf8_lossy(&out.stderr));
+    }
+    let mut w = parse_wrk(&text).ok_or_else(|| anyhow!("cannot read wrk's output:\n{text}"))?;
+    if let (Some(g), Some(c0)) = (group, cpu0) {
+        let requests = w.rps * args.duration_s.max(1) as f64;
+        w.cpu_us = Some((group_cpu_ns(g).saturating_sub(c0)) as f64 / 1e3 / requests.max(1.0));
+    }
+    Ok(w)
+}
+
+fn parse_wrk(text: &str) -> Option<Wrk> {
+    let mut w = Wrk::default();
+    let mut rps = None;
+    for line in text.lines() {
+        let t = line.trim();
+        if let Some(v) = t.strip_prefix("Requests/sec:") {
+            rps = v.trim().parse().ok();
+        } else if let Some(v) = t.strip_prefix("50%") {
+            w.p50_ms = parse_duration_ms(v.trim())?;
+        } else if let Some(v) = t.strip_prefix("99%") {
+            w.p99_ms = parse_duration_ms(v.trim())?;
+        } else if let Some(v) = t.strip_prefix("Non-2xx or 3xx responses:") {
+            w.errors += v.trim().parse::<u64>().ok()?;
+        } else if let Some(v) = t.strip_prefix("Socket errors:") {
+            // "connect 0, read 0, write 0, timeout 0"
+            for part in v.split(',') {
+                w.errors += part.split_whitespace().nth(1)?.parse::<u64>().ok()?;
+            }
+        }
+    }
+    w.rps = rps?;
+    Some(w)
+}
+
+fn parse_duration_ms(v: &str) -> Option<f64> {
+    let (num, scale) = if let Some(n) = v.strip_suffix("us") {
+        (n, 1e-3)
+    } else if let Some(n) = v.strip_suffix("ms") {
+        (n, 1.0)
+    } else if let Some(n) = v.strip_suffix('s') {
+        (n, 1e3)
+    } else if let Some(n) = v.strip_suffix('m') {
+        (n, 60e3)
+    } else {
+        return None;
+    };
+    Some(num.trim().parse::<f64>().ok()? * scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_wrk_output() {
+        let out = "Running 5s test @ http://127.0.0.1:1/small.html
+  1 threads and 50 connections
+  Latency Distribution
+     50%  770.00us
+     75%    1.00ms
+     99%    2.50ms
+  265000 requests in 5.00s, 30.00MB read
+  Non-2xx or 3xx responses: 12
+  Socket errors: connect 1, read 2, write 0, timeout 3
+Requests/sec:  53000.50
+Transfer/sec:      6.00MB
+";
+        let w = parse_wrk(out).unwrap();
+        assert_eq!(w.rps, 53000.5);
+        assert!((w.p50_ms - 0.77).abs() < 1e-9);
+        assert_eq!(w.p99_ms, 2.5);
+        assert_eq!(w.errors, 18);
+        assert!(parse_wrk("garbage").is_none());
+    }
+}

@@ -1,0 +1,203 @@
+//! The registrar benchmark's report: Markdown tables (one for single registrars, one for
+//! clusters) and the plots in the style of the seed paper's Figures 7 and 8.
+
+use super::Sample;
+use crate::plot;
+use crate::report::provenance;
+use anyhow::Result;
+
+/// The registrar's CPU, with the range over the runs when there were several.
+fn cpu_cell(x: &Sample) -> String {
+    spread(
+        format!("{:.1}%", x.registrar_cpu * 100.0),
+        x.runs > 1,
+        format!(
+            "{:.1}–{:.1}",
+            x.registrar_cpu_min * 100.0,
+            x.registrar_cpu_max * 100.0
+        ),
+    )
+}
+
+/// `value`, followed by `(range)` when there were several runs.
+fn spread(value: String, several: bool, range: String) -> String {
+    if several {
+        format!("{value} ({range})")
+    } else {
+        value
+    }
+}
+
+/// A results section's title, command, machine, date and, with repeated runs, how to read them.
+fn section_head(title: &str, samples: &[Sample]) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "### {title}\n");
+    s += &provenance();
+    let runs = samples.first().map_or(1, |x| x.runs);
+    if runs > 1 {
+        let _ = writeln!(
+            s,
+            "Each row is the median of {runs} runs; CPU shows the range over the runs in brackets, p99 the highest run.\n"
+        );
+    }
+    s
+}
+
+pub(super) fn markdown(samples: &[Sample]) -> String {
+    use std::fmt::Write;
+    let mut s = section_head("Registrar (`rserpool-bench registrar`)", samples);
+    let _ = writeln!(
+        s,
+        "| PEs | PUs | re-reg every (ms) | resolve every (ms) | registrar CPU (1 core = 100%) | RSS (MB) | p50 (µs) | p99 (µs) | offered/s | answered/s | errors | load generator CPU |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for x in samples {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.0} | {:.0} | {} | {:.0}% |",
+            x.pes,
+            x.pus,
+            if x.pes > 0 {
+                x.rereg_ms.to_string()
+            } else {
+                "-".into()
+            },
+            if x.pus > 0 {
+                x.resolve_ms.to_string()
+            } else {
+                "-".into()
+            },
+            cpu_cell(x),
+            x.rss_bytes as f64 / 1e6,
+            x.p50_us,
+            spread(x.p99_us.to_string(), x.runs > 1, x.p99_us_max.to_string()),
+            x.offered_per_s,
+            x.answered_per_s,
+            x.errors,
+            x.loadgen_cpu * 100.0
+        );
+    }
+    s.push('\n');
+    s
+}
+
+/// Figure 7 style (CPU against PEs, one line per re-registration interval) and Figure 8 style
+/// (CPU against PUs, one line per resolution interval).
+pub(super) fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
+    let mut by_a: std::collections::BTreeMap<u64, Vec<(f64, f64)>> = Default::default();
+    let mut by_b: std::collections::BTreeMap<u64, Vec<(f64, f64)>> = Default::default();
+    for s in samples {
+        if s.pus == 0 {
+            by_a.entry(s.rereg_ms)
+                .or_default()
+                .push((s.pes as f64, s.registrar_cpu * 100.0));
+        } else if s.pes == 1000 {
+            by_b.entry(s.resolve_ms)
+                .or_default()
+                .push((s.pus as f64, s.registrar_cpu * 100.0));
+        }
+    }
+    let series = |m: std::collections::BTreeMap<u64, Vec<(f64, f64)>>, what: &str| {
+        m.into_iter()
+            .map(|(k, mut v)| {
+                v.sort_by(|a, b| a.0.total_cmp(&b.0));
+                (format!("{what} = {k} ms"), v)
+            })
+            .collect::<Vec<_>>()
+    };
+    let a = series(by_a, "re-registration a");
+    if !a.is_empty() {
+        plot::lines(
+            &format!("{prefix}-pes.png"),
+            "Registrar CPU against pool elements (seed Fig. 7 left)",
+            "pool elements (log scale)",
+            "registrar CPU, % of one core",
+            &a,
+            true,
+        )?;
+    }
+    let b = series(by_b, "resolution b");
+    if !b.is_empty() {
+        plot::lines(
+            &format!("{prefix}-pus.png"),
+            "Registrar CPU against pool users, 1,000 PEs (seed Fig. 8 left)",
+            "pool users",
+            "registrar CPU, % of one core",
+            &b,
+            false,
+        )?;
+    }
+    Ok(())
+}
+
+/// Figure 7 right: the home registrar's and a synchronising registrar's CPU against K.
+pub(super) fn cluster_markdown(samples: &[Sample]) -> String {
+    use std::fmt::Write;
+    let mut s = section_head(
+        "Registrar cluster (`rserpool-bench registrar --figure 7r`)",
+        samples,
+    );
+    let _ = writeln!(
+        s,
+        "K registrars in one ENRP cluster on this host, all PEs registered at the first (home), which sends every change to the K - 1 others. All K registrars and the load generator share the 2 cores.\n"
+    );
+    let _ = writeln!(
+        s,
+        "| K | PEs | re-reg every (ms) | home registrar CPU | home CPU / K = 1 | synchronising registrar CPU | p99 (µs) | answered/s | errors |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for x in samples {
+        let base = samples
+            .iter()
+            .find(|b| b.registrars == 1 && b.rereg_ms == x.rereg_ms && b.pes == x.pes)
+            .map(|b| b.registrar_cpu);
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {:.0} | {} |",
+            x.registrars,
+            x.pes,
+            x.rereg_ms,
+            cpu_cell(x),
+            base.map_or("-".into(), |b| format!("{:.2}×", x.registrar_cpu / b)),
+            x.sync_cpu
+                .map_or("-".into(), |c| format!("{:.1}%", c * 100.0)),
+            x.p99_us,
+            x.answered_per_s,
+            x.errors
+        );
+    }
+    s.push('\n');
+    s
+}
+
+pub(super) fn cluster_plot(samples: &[Sample], prefix: &str) -> Result<()> {
+    let mut series: std::collections::BTreeMap<(u64, u8), Vec<(f64, f64)>> = Default::default();
+    for s in samples {
+        let k = f64::from(s.registrars);
+        series
+            .entry((s.rereg_ms, 0))
+            .or_default()
+            .push((k, s.registrar_cpu * 100.0));
+        if let Some(c) = s.sync_cpu {
+            series
+                .entry((s.rereg_ms, 1))
+                .or_default()
+                .push((k, c * 100.0));
+        }
+    }
+    let lines: Vec<(String, Vec<(f64, f64)>)> = series
+        .into_iter()
+        .map(|((a, kind), mut v)| {
+            v.sort_by(|x, y| x.0.total_cmp(&y.0));
+            let who = if kind == 0 { "home" } else { "synchronising" };
+            (format!("{who}, a = {a} ms"), v)
+        })
+        .collect();
+    plot::lines(
+        &format!("{prefix}-cluster.png"),
+        "Registrar CPU against registrars in the cluster, 1,000 PEs (seed Fig. 7 right)",
+        "registrars K",
+        "registrar CPU, % of one core",
+        &lines,
+        false,
+    )
+}

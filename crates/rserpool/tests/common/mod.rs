@@ -1,0 +1,115 @@
+//! What the integration tests share: the binary under test, free ports, child processes that
+//! cannot outlive a test, a registrar with short timers, and waiting for a condition.
+
+// Each test file uses its own subset.
+#![allow(dead_code)]
+
+use rserpool_registrar::{Config, RegistrarThread};
+use std::future::Future;
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A child process, killed and reaped when dropped.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+/// Sends `sig` to `child`.
+pub fn signal(child: &Child, sig: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_child(child);
+    rustix::process::kill_process(pid, sig).unwrap();
+}
+
+/// A registrar configuration on free loopback ports with short keep-alive timers.
+pub fn fast_config() -> Config {
+    Config {
+        asap: "127.0.0.1:0".parse().unwrap(),
+        enrp: "127.0.0.1:0".parse().unwrap(),
+        keep_alive_interval_ms: 300,
+        keep_alive_timeout_ms: 300,
+        ..Config::default()
+    }
+}
+
+/// A registrar in a thread of the test process.
+pub fn registrar(cfg: Config) -> RegistrarThread {
+    RegistrarThread::start(cfg).expect("registrar starts")
+}
+
+/// What a polled condition answers: `bool`, or `Result<(), String>` to say why not yet.
+pub trait Outcome {
+    /// `None` when the condition holds, else why not (may be empty).
+    fn pending(self) -> Option<String>;
+}
+
+impl Outcome for bool {
+    fn pending(self) -> Option<String> {
+        (!self).then(String::new)
+    }
+}
+
+impl Outcome for Result<(), String> {
+    fn pending(self) -> Option<String> {
+        self.err()
+    }
+}
+
+/// Polls the asynchronous `cond` every 20 ms until it holds; panics naming `what` after
+/// `limit`. Returns the time it took.
+pub async fn wait_for<F, Fut>(limit: Duration, what: &str, mut cond: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: Future,
+    Fut::Output: Outcome,
+{
+    let start = Instant::now();
+    loop {
+        let Some(why) = cond().await.pending() else {
+            return start.elapsed();
+        };
+        let why = if why.is_empty() {
+            why
+        } else {
+            format!(": {why}")
+        };
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}{why}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// [`wait_for`] with a condition that needs no waiting to evaluate.
+pub async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) -> Duration {
+    wait_for(limit, what, || std::future::ready(cond())).await
+}
