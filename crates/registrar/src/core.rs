@@ -14,6 +14,7 @@
 
 use crate::config::Config;
 use crate::status::{EnrpCounters, PeerStatus, Status};
+use bytes::Bytes;
 use rserpool_handlespace::Handlespace;
 use rserpool_wire::{CauseCode, ErrorCause};
 use std::net::SocketAddr;
@@ -116,12 +117,12 @@ impl Registrar {
             let enrp = c.enrp;
             match c.framer.next_from(&mut input) {
                 Ok(Some(msg)) if enrp => {
-                    let (hs, out) = (&mut self.asap, &mut self.conns);
-                    self.enrp.handle_message(id, &msg, hs, out, now);
+                    self.enrp
+                        .handle_message(id, &msg, &mut self.asap, &mut self.conns, now)
                 }
                 Ok(Some(msg)) => {
-                    let (out, enrp) = (&mut self.conns, &mut self.enrp);
-                    self.asap.handle_message(id, &msg, out, enrp, now);
+                    self.asap
+                        .handle_message(id, &msg, &mut self.conns, &mut self.enrp, now)
                 }
                 Ok(None) => {
                     c.framer.release_if_empty();
@@ -129,11 +130,7 @@ impl Registrar {
                 }
                 Err(e) => {
                     // Framing is lost: tell the peer why, then close.
-                    let header = c
-                        .framer
-                        .buffer_mut()
-                        .get(..4)
-                        .map(bytes::Bytes::copy_from_slice);
+                    let header = c.framer.buffer_mut().get(..4).map(Bytes::copy_from_slice);
                     let cause = ErrorCause::with_info(
                         CauseCode::INVALID_VALUES,
                         header.unwrap_or_default(),
