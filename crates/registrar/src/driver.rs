@@ -13,29 +13,32 @@
 //! `GET `, which no ASAP message can start with): that is what `rserpool status` reads.
 
 use crate::config::Config;
-use crate::core::{ConnId, Registrar};
+use crate::core::{Action, ConnId, Instant, Registrar};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tracing::{info, warn};
 
-/// A peer that takes none of our bytes for this long is disconnected.
-const WRITE_TIMEOUT_MS: u64 = 10_000;
-/// Time allowed for a status request to arrive in full.
-const STATUS_READ_TIMEOUT_MS: u64 = 5_000;
+/// A peer that takes none of our bytes for this long is disconnected (10 000 ms).
+const WRITE_TIMEOUT_MS: Duration = Duration::from_millis(10_000);
+/// Time allowed for a status request to arrive in full (5 000 ms).
+const STATUS_READ_TIMEOUT_MS: Duration = Duration::from_millis(5_000);
 /// The read buffer shared by all connections.
 const READ_BUF: usize = 64 * 1024;
 /// The longest status request head read.
 const STATUS_HEAD_MAX: usize = 8192;
 /// The loop wakes at least this often (for write and status deadlines).
-const MAX_WAIT_MS: u64 = 1_000;
+const MAX_WAIT: Duration = Duration::from_secs(1);
 
 /// Time for an outgoing connection (to a peer registrar or a PE taken over) to be set up.
-const CONNECT_TIMEOUT_MS: u64 = 5_000;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Failed datagram sends are logged at most this often.
+const SEND_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
 const LISTENER: Token = Token(usize::MAX - 1);
 const WAKER: Token = Token(usize::MAX - 2);
@@ -91,7 +94,7 @@ impl Server {
     pub fn bind(cfg: Config) -> io::Result<Self> {
         // Right after a restart the old connections may still hold the port for a moment
         // (FIN-WAIT): retry briefly before calling the address taken.
-        let start = Instant::now();
+        let start = std::time::Instant::now();
         let mut listener = loop {
             match TcpListener::bind(cfg.asap) {
                 Ok(l) => break l,
@@ -154,8 +157,9 @@ impl Server {
 
     /// Serves on this thread until [`StopHandle::stop`], then closes every connection.
     pub fn run(self) -> io::Result<()> {
-        let epoch = Instant::now();
-        let mut core = Registrar::new(self.cfg.clone(), self.id, 0);
+        let epoch = std::time::Instant::now();
+        let start = elapsed(epoch);
+        let mut core = Registrar::new(self.cfg.clone(), self.id, start);
         let mut targets = self.cfg.announce.clone();
         if self.cfg.announce_multicast {
             targets.push(self.cfg.multicast_group);
@@ -174,7 +178,7 @@ impl Server {
                 sock.set_multicast_loop_v4(true).ok();
                 sock.set_multicast_ttl_v4(8).ok();
             }
-            core.enable_announce(self.local, 0);
+            core.enable_announce(self.local, start);
             info!(
                 "announcing every {} ms to {:?}",
                 self.cfg.announce_interval_ms, targets
@@ -186,7 +190,7 @@ impl Server {
             self.id, self.local, self.local
         );
         if let Some(e) = &self.enrp {
-            core.enable_enrp(e.local, 0);
+            core.enable_enrp(e.local, start);
             info!(
                 "ENRP on {} (TCP and UDP), peers: {:?}{}",
                 e.local,
@@ -206,9 +210,8 @@ impl Server {
             epoch,
             socks: Vec::new(),
             read_buf: vec![0; READ_BUF].into_boxed_slice(),
-            dirty: Vec::new(),
             deferred: Vec::new(),
-            last_flush: 0,
+            last_flush: Instant::default(),
             watched: Vec::new(),
             udp,
             targets,
@@ -230,12 +233,14 @@ struct Sock {
     stream: TcpStream,
     /// No byte has been read yet (a status request is recognised by its first bytes).
     fresh: bool,
-    /// When a write stalled or a status request must have arrived (ms since the epoch).
-    deadline: Option<u64>,
+    /// When a write stalled or a status request must have arrived.
+    deadline: Option<Instant>,
     /// Set once the connection turned out to be a status request.
     status: Option<Box<StatusRequest>>,
     /// An outgoing connection still being set up.
     connecting: bool,
+    /// The core asked to close it once its output is written ([`Action::Close`]).
+    closing: bool,
 }
 
 /// ENRP's sockets: the TCP listener for peer registrars, and UDP for PRESENCE datagrams.
@@ -288,6 +293,11 @@ impl Enrp {
     }
 }
 
+/// The core's time: milliseconds since the event loop started.
+fn elapsed(epoch: std::time::Instant) -> Instant {
+    Instant::from_millis(epoch.elapsed().as_millis() as u64)
+}
+
 /// A UDP socket that receives the multicast group's datagrams (shared with other registrars
 /// on the host).
 fn multicast_socket(group: SocketAddr) -> io::Result<mio::net::UdpSocket> {
@@ -320,11 +330,10 @@ struct EventLoop {
     listener: TcpListener,
     enrp: Option<Enrp>,
     core: Registrar,
-    epoch: Instant,
+    epoch: std::time::Instant,
     /// The open connections, indexed by [`ConnId::index`] (also their epoll token).
     socks: Vec<Option<Sock>>,
     read_buf: Box<[u8]>,
-    dirty: Vec<ConnId>,
     /// Peer registrar connections with output, written once per loop iteration: the updates
     /// of every message handled in one wake-up go out in one write per peer.
     deferred: Vec<ConnId>,
@@ -332,16 +341,16 @@ struct EventLoop {
     /// `enrp_batch_ms`: an update after a quiet spell goes out at once, under load the updates
     /// of a whole interval share one write per peer (on loopback a write also costs the
     /// receiver's TCP input and a wake-up, so the number of writes is what a peer costs).
-    last_flush: u64,
+    last_flush: Instant,
     /// Connections with a deadline set.
     watched: Vec<ConnId>,
     udp: Option<UdpSocket>,
     targets: Vec<SocketAddr>,
     /// Accepting failed (e.g. out of file descriptors): when to try again.
-    accept_retry_at: Option<u64>,
-    accept_log_at: Option<u64>,
-    send_log_at: Option<u64>,
-    stall_log_at: Option<u64>,
+    accept_retry_at: Option<Instant>,
+    accept_log_at: Option<Instant>,
+    send_log_at: Option<Instant>,
+    stall_log_at: Option<Instant>,
 }
 
 enum Flush {
@@ -351,15 +360,19 @@ enum Flush {
 }
 
 impl EventLoop {
-    fn now(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+    fn now(&self) -> Instant {
+        elapsed(self.epoch)
+    }
+
+    fn enrp_batch(&self) -> Duration {
+        Duration::from_millis(self.core.config().enrp_batch_ms)
     }
 
     fn run(&mut self, stop: &AtomicBool) -> io::Result<()> {
         let mut events = Events::with_capacity(1024);
         while !stop.load(Ordering::Acquire) {
             let now = self.now();
-            let mut next = now + MAX_WAIT_MS;
+            let mut next = now + MAX_WAIT;
             if let Some(t) = self.core.poll_timeout() {
                 next = next.min(t);
             }
@@ -367,9 +380,9 @@ impl EventLoop {
                 next = next.min(t);
             }
             if !self.deferred.is_empty() {
-                next = next.min(self.last_flush + self.core.config().enrp_batch_ms);
+                next = next.min(self.last_flush + self.enrp_batch());
             }
-            let wait = Duration::from_millis(next.saturating_sub(now));
+            let wait = next.saturating_duration_since(now);
             match self.poll.poll(&mut events, Some(wait)) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -399,16 +412,12 @@ impl EventLoop {
             if self.core.poll_timeout().is_some_and(|t| t <= now) {
                 self.core.handle_timeout(now);
                 self.after_core();
-                self.announce(now);
-                self.send_datagram(now);
             }
             if !self.watched.is_empty() {
                 self.check_deadlines(now);
             }
             let now = self.now();
-            if !self.deferred.is_empty()
-                && self.last_flush + self.core.config().enrp_batch_ms <= now
-            {
+            if !self.deferred.is_empty() && self.last_flush + self.enrp_batch() <= now {
                 self.last_flush = now;
                 self.flush_deferred();
             }
@@ -439,11 +448,14 @@ impl EventLoop {
                     // E.g. out of file descriptors: the waiting connections stay queued; log
                     // once a second and try again shortly.
                     let now = self.now();
-                    if self.accept_log_at.is_none_or(|t| now >= t + 1000) {
+                    if self
+                        .accept_log_at
+                        .is_none_or(|t| now >= t + Duration::from_secs(1))
+                    {
                         warn!("accept failed: {e}");
                         self.accept_log_at = Some(now);
                     }
-                    self.accept_retry_at = Some(now + 50);
+                    self.accept_retry_at = Some(now + Duration::from_millis(50));
                     return;
                 }
             };
@@ -483,23 +495,22 @@ impl EventLoop {
             deadline: None,
             status: None,
             connecting,
+            closing: false,
         });
         if connecting {
-            let deadline = self.now() + CONNECT_TIMEOUT_MS;
+            let deadline = self.now() + CONNECT_TIMEOUT;
             self.watch(id, deadline);
         }
     }
 
-    /// Opens the outgoing connections the core asked for (peer registrars, PEs taken over).
-    fn open_connections(&mut self) {
-        while let Some((id, addr)) = self.core.poll_connect() {
-            match TcpStream::connect(addr) {
-                Ok(stream) => self.add_sock(id, stream, false, true),
-                Err(e) => {
-                    tracing::debug!("connect to {addr}: {e}");
-                    let now = self.now();
-                    self.core.handle_close(id, now);
-                }
+    /// Opens an outgoing connection the core asked for (a peer registrar, a PE taken over).
+    fn connect(&mut self, id: ConnId, addr: SocketAddr) {
+        match TcpStream::connect(addr) {
+            Ok(stream) => self.add_sock(id, stream, false, true),
+            Err(e) => {
+                tracing::debug!("connect to {addr}: {e}");
+                let now = self.now();
+                self.core.handle_close(id, now);
             }
         }
     }
@@ -514,7 +525,7 @@ impl EventLoop {
         loop {
             match sock.recv_from(&mut self.read_buf) {
                 Ok((n, _)) => {
-                    let now = self.epoch.elapsed().as_millis() as u64;
+                    let now = elapsed(self.epoch);
                     self.core.handle_datagram(&self.read_buf[..n], now);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -524,15 +535,16 @@ impl EventLoop {
         self.after_core();
     }
 
-    fn send_datagram(&mut self, now: u64) {
-        let Some(data) = self.core.poll_datagram() else {
-            return;
-        };
+    /// Sends a PRESENCE to the ENRP multicast group.
+    fn send_presence(&mut self, data: &[u8]) {
         let (Some(e), group) = (&self.enrp, self.core.config().enrp_multicast_group) else {
             return;
         };
-        if let Err(err) = e.udp.send_to(&data, group)
-            && self.send_log_at.is_none_or(|at| now >= at + 60_000)
+        let now = elapsed(self.epoch);
+        if let Err(err) = e.udp.send_to(data, group)
+            && self
+                .send_log_at
+                .is_none_or(|at| now >= at + SEND_LOG_INTERVAL)
         {
             warn!("PRESENCE to {group} failed: {err}");
             self.send_log_at = Some(now);
@@ -602,19 +614,24 @@ impl EventLoop {
         }
     }
 
-    /// Writes what the core queued for the connections it touched, and closes those it gave up.
+    /// Carries out what the core asked for: writes, connections to open and to close,
+    /// datagrams.
     fn after_core(&mut self) {
-        self.open_connections();
-        let mut dirty = std::mem::take(&mut self.dirty);
-        self.core.take_dirty(&mut dirty);
-        for id in dirty.drain(..) {
-            if self.core.is_enrp(id) && !self.core.wants_close(id) {
-                self.deferred.push(id);
-            } else {
-                self.flush(id);
+        while let Some(action) = self.core.poll_action() {
+            match action {
+                Action::Transmit(id) if self.core.is_enrp(id) => self.deferred.push(id),
+                Action::Transmit(id) => self.flush(id),
+                Action::Connect(id, addr) => self.connect(id, addr),
+                Action::Close(id) => {
+                    if let Some(sock) = self.sock(id.index()) {
+                        sock.closing = true;
+                    }
+                    self.flush(id);
+                }
+                Action::Announce(data) => self.announce(&data),
+                Action::Presence(data) => self.send_presence(&data),
             }
         }
-        self.dirty = dirty;
     }
 
     fn flush_deferred(&mut self) {
@@ -655,7 +672,7 @@ impl EventLoop {
         match outcome {
             Flush::Done => {
                 sock.deadline = None;
-                if self.core.wants_close(id) {
+                if sock.closing {
                     self.close(id);
                 }
             }
@@ -671,7 +688,7 @@ impl EventLoop {
         }
     }
 
-    fn watch(&mut self, id: ConnId, deadline: u64) {
+    fn watch(&mut self, id: ConnId, deadline: Instant) {
         let Some(sock) = self.socks.get_mut(id.index()).and_then(Option::as_mut) else {
             return;
         };
@@ -680,7 +697,7 @@ impl EventLoop {
         }
     }
 
-    fn check_deadlines(&mut self, now: u64) {
+    fn check_deadlines(&mut self, now: Instant) {
         let watched = std::mem::take(&mut self.watched);
         let mut keep = Vec::with_capacity(watched.len());
         for id in watched {
@@ -688,7 +705,9 @@ impl EventLoop {
                 Some(t) if t <= now => {
                     // One line a second at most, however many peers stall together.
                     if let Some(peer) = self.core.peer(id)
-                        && self.stall_log_at.is_none_or(|at| now >= at + 1000)
+                        && self
+                            .stall_log_at
+                            .is_none_or(|at| now >= at + Duration::from_secs(1))
                     {
                         warn!(
                             "{peer}: closing, no progress for a while (slow reader or idle status request)"
@@ -731,14 +750,15 @@ impl EventLoop {
         self.socks.clear();
     }
 
-    fn announce(&mut self, now: u64) {
-        let Some(data) = self.core.poll_announce() else {
-            return;
-        };
+    /// Sends a SERVER_ANNOUNCE to every announce target.
+    fn announce(&mut self, data: &[u8]) {
+        let now = self.now();
         let Some(sock) = &self.udp else { return };
         for t in &self.targets {
-            if let Err(e) = sock.send_to(&data, t)
-                && self.send_log_at.is_none_or(|at| now >= at + 60_000)
+            if let Err(e) = sock.send_to(data, t)
+                && self
+                    .send_log_at
+                    .is_none_or(|at| now >= at + SEND_LOG_INTERVAL)
             {
                 warn!("SERVER_ANNOUNCE to {t} failed: {e}");
                 self.send_log_at = Some(now);

@@ -1,8 +1,9 @@
-//! The RSerPool registrar (RFC 5351/5352, one registrar; ENRP comes later).
+//! The RSerPool registrar (RFC 5351/5352, and ENRP, RFC 5353, between registrars).
 //!
-//! [`core::Registrar`] is the protocol logic, sans-IO: events and time in, bytes and timers out.
-//! [`driver`] runs it over sockets (one mio event loop). [`config::Config`] holds every setting with rsplib's
-//! defaults; [`status::Status`] is what `rserpool status` shows.
+//! [`core::Registrar`] is the protocol logic, sans-IO: events and time in, [`core::Action`]s
+//! and a timer out. [`driver`] runs it over sockets (one mio event loop). [`config::Config`]
+//! holds every setting with rsplib's defaults; [`status::Status`] is what `rserpool status`
+//! shows.
 
 pub mod config;
 pub mod core;
@@ -10,6 +11,6 @@ pub mod driver;
 pub mod status;
 
 pub use config::{Config, ConfigFlags, DEFAULT_STATUS, StatusListen};
-pub use core::{ConnId, Registrar};
+pub use core::{Action, ConnId, Instant, Registrar};
 pub use driver::{RegistrarThread, Server, StopHandle};
 pub use status::Status;

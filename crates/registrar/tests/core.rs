@@ -1,7 +1,7 @@
 //! The registrar state machine without sockets: bytes and simulated time in, bytes out.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use rserpool_registrar::{Config, ConnId, Registrar};
+use rserpool_registrar::{Action, Config, ConnId, Instant, Registrar};
 use rserpool_wire::{
     AsapMessage, CauseCode, Framer, Policy, PoolElement, PoolHandle, TransportAddress,
     UserTransport,
@@ -16,6 +16,10 @@ fn cfg() -> Config {
         keep_alive_timeout_ms: 5000,
         ..Config::default()
     }
+}
+
+fn at(ms: u64) -> Instant {
+    Instant::from_millis(ms)
 }
 
 fn peer(port: u16) -> SocketAddr {
@@ -50,20 +54,25 @@ fn output(r: &mut Registrar, c: ConnId) -> Vec<AsapMessage> {
     v
 }
 
+/// True once the core asked the driver to close `c`.
+fn asked_to_close(r: &mut Registrar, c: ConnId) -> bool {
+    std::iter::from_fn(|| r.poll_action()).any(|a| a == Action::Close(c))
+}
+
 /// Runs the timers from `from` to `to` in 100 ms steps.
 fn run_until(r: &mut Registrar, from: u64, to: u64) {
     let mut t = from;
     while t <= to {
-        r.handle_timeout(t);
+        r.handle_timeout(at(t));
         t += 100;
     }
 }
 
 #[test]
 fn keep_alive_without_ack_removes_the_pe() {
-    let mut r = Registrar::new(cfg(), ID, 0);
-    let c = r.accept(peer(1), 0).unwrap();
-    r.handle_data(c, &registration(7, -1), 0);
+    let mut r = Registrar::new(cfg(), ID, at(0));
+    let c = r.accept(peer(1), at(0)).unwrap();
+    r.handle_data(c, &registration(7, -1), at(0));
     let out = output(&mut r, c);
     assert!(matches!(
         out[..],
@@ -97,14 +106,14 @@ fn keep_alive_without_ack_removes_the_pe() {
     assert_eq!(r.handlespace().len(), 1, "still within the timeout");
     run_until(&mut r, 10_000, 10_200);
     assert_eq!(r.handlespace().len(), 0, "removed after interval + timeout");
-    assert_eq!(r.status(10_200).counters.removed_keep_alive_timeout, 1);
+    assert_eq!(r.status(at(10_200)).counters.removed_keep_alive_timeout, 1);
 }
 
 #[test]
 fn keep_alive_ack_keeps_the_pe() {
-    let mut r = Registrar::new(cfg(), ID, 0);
-    let c = r.accept(peer(1), 0).unwrap();
-    r.handle_data(c, &registration(7, -1), 0);
+    let mut r = Registrar::new(cfg(), ID, at(0));
+    let c = r.accept(peer(1), at(0)).unwrap();
+    r.handle_data(c, &registration(7, -1), at(0));
     output(&mut r, c);
     for round in 1..=4u64 {
         let t = round * 5000 + (round - 1) * 300;
@@ -114,16 +123,16 @@ fn keep_alive_ack_keeps_the_pe() {
             pool_handle: PoolHandle::from("P"),
             pe_id: 7,
         };
-        r.handle_data(c, &ack.to_bytes().unwrap(), t + 300);
+        r.handle_data(c, &ack.to_bytes().unwrap(), at(t + 300));
     }
     assert_eq!(r.handlespace().len(), 1);
 }
 
 #[test]
 fn registration_life_expires() {
-    let mut r = Registrar::new(cfg(), ID, 0);
-    let c = r.accept(peer(1), 0).unwrap();
-    r.handle_data(c, &registration(7, 2), 0);
+    let mut r = Registrar::new(cfg(), ID, at(0));
+    let c = r.accept(peer(1), at(0)).unwrap();
+    r.handle_data(c, &registration(7, 2), at(0));
     output(&mut r, c);
     run_until(&mut r, 0, 1900);
     assert_eq!(r.handlespace().len(), 1);
@@ -134,21 +143,25 @@ fn registration_life_expires() {
         [AsapMessage::DeregistrationResponse { pe_id: 7, .. }]
     ));
     // A re-registration before expiry extends the life.
-    r.handle_data(c, &registration(8, 2), 3000);
-    r.handle_data(c, &registration(8, 2), 4500);
+    r.handle_data(c, &registration(8, 2), at(3000));
+    r.handle_data(c, &registration(8, 2), at(4500));
     run_until(&mut r, 4600, 6400);
     assert_eq!(r.handlespace().len(), 1);
 }
 
 #[test]
 fn closing_the_association_removes_its_pes_only() {
-    let mut r = Registrar::new(cfg(), ID, 0);
-    let a = r.accept(peer(1), 0).unwrap();
-    let b = r.accept(peer(2), 0).unwrap();
-    r.handle_data(a, &[registration(1, -1), registration(2, -1)].concat(), 0);
-    r.handle_data(b, &registration(3, -1), 0);
+    let mut r = Registrar::new(cfg(), ID, at(0));
+    let a = r.accept(peer(1), at(0)).unwrap();
+    let b = r.accept(peer(2), at(0)).unwrap();
+    r.handle_data(
+        a,
+        &[registration(1, -1), registration(2, -1)].concat(),
+        at(0),
+    );
+    r.handle_data(b, &registration(3, -1), at(0));
     assert_eq!(r.handlespace().len(), 3);
-    r.handle_close(a, 10);
+    r.handle_close(a, at(10));
     assert_eq!(r.handlespace().len(), 1);
     assert!(r.handlespace().find(b"P", 3).is_some());
 }
@@ -162,11 +175,15 @@ fn limits_answer_lack_of_resources_or_refuse() {
             ..cfg()
         },
         ID,
-        0,
+        at(0),
     );
-    let a = r.accept(peer(1), 0).unwrap();
-    assert!(r.accept(peer(2), 0).is_none(), "connection limit");
-    r.handle_data(a, &[registration(1, -1), registration(2, -1)].concat(), 0);
+    let a = r.accept(peer(1), at(0)).unwrap();
+    assert!(r.accept(peer(2), at(0)).is_none(), "connection limit");
+    r.handle_data(
+        a,
+        &[registration(1, -1), registration(2, -1)].concat(),
+        at(0),
+    );
     let out = output(&mut r, a);
     match &out[1] {
         AsapMessage::RegistrationResponse {
@@ -182,12 +199,12 @@ fn limits_answer_lack_of_resources_or_refuse() {
 
 #[test]
 fn lost_framing_gets_an_error_then_close() {
-    let mut r = Registrar::new(cfg(), ID, 0);
-    let c = r.accept(peer(1), 0).unwrap();
-    r.handle_data(c, &[0x05, 0, 0xff, 0xff, 1, 2, 3, 4], 0);
+    let mut r = Registrar::new(cfg(), ID, at(0));
+    let c = r.accept(peer(1), at(0)).unwrap();
+    r.handle_data(c, &[0x05, 0, 0xff, 0xff, 1, 2, 3, 4], at(0));
     let out = output(&mut r, c);
     assert!(matches!(&out[..], [AsapMessage::Error { .. }]), "{out:?}");
-    assert!(r.wants_close(c));
+    assert!(asked_to_close(&mut r, c));
 }
 
 #[test]
@@ -198,9 +215,9 @@ fn a_peer_that_does_not_read_is_dropped() {
             ..cfg()
         },
         ID,
-        0,
+        at(0),
     );
-    let c = r.accept(peer(1), 0).unwrap();
+    let c = r.accept(peer(1), at(0)).unwrap();
     let hr = AsapMessage::HandleResolution {
         subscribe: false,
         pool_handle: PoolHandle::from("none"),
@@ -209,10 +226,10 @@ fn a_peer_that_does_not_read_is_dropped() {
     .to_bytes()
     .unwrap();
     for _ in 0..100 {
-        r.handle_data(c, &hr, 0);
+        r.handle_data(c, &hr, at(0));
     }
-    assert!(r.wants_close(c));
-    assert_eq!(r.status(0).counters.slow_connections_closed, 1);
+    assert!(asked_to_close(&mut r, c));
+    assert_eq!(r.status(at(0)).counters.slow_connections_closed, 1);
 }
 
 #[test]
@@ -221,24 +238,24 @@ fn a_resolution_larger_than_a_message_is_halved_until_it_fits() {
         max_hres_items_requested: 2000,
         ..cfg()
     };
-    let mut r = Registrar::new(config, ID, 0);
+    let mut r = Registrar::new(config, ID, at(0));
     // 1,500 PEs over two connections (1,000 per connection at most).
     for (port, ids) in [(1, 1..=750u32), (2, 751..=1500)] {
-        let c = r.accept(peer(port), 0).unwrap();
+        let c = r.accept(peer(port), at(0)).unwrap();
         for id in ids {
-            r.handle_data(c, &registration(id, -1), 0);
+            r.handle_data(c, &registration(id, -1), at(0));
         }
         output(&mut r, c);
     }
     assert_eq!(r.handlespace().len(), 1500);
-    let pu = r.accept(peer(3), 0).unwrap();
+    let pu = r.accept(peer(3), at(0)).unwrap();
     let ask = |items| AsapMessage::HandleResolution {
         subscribe: false,
         pool_handle: PoolHandle::from("P"),
         items: Some(items),
     };
     for (items, expect) in [(10, 10..=10), (1500, 375..=1499)] {
-        r.handle_data(pu, &ask(items).to_bytes().unwrap(), 1);
+        r.handle_data(pu, &ask(items).to_bytes().unwrap(), at(1));
         let bytes = r.output(pu).len();
         let out = output(&mut r, pu);
         assert!(bytes <= 65_536, "{bytes} bytes");

@@ -13,7 +13,7 @@
 //! --test enrp_sim -- --nocapture`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use rserpool_registrar::{Config, ConnId, Registrar};
+use rserpool_registrar::{Action, Config, ConnId, Instant, Registrar};
 use rserpool_wire::{
     AsapMessage, Framer, Policy, PoolElement, PoolHandle, TransportAddress, UserTransport,
 };
@@ -39,6 +39,11 @@ impl Rng {
     fn chance(&mut self, per_mille: u64) -> bool {
         self.below(1000) < per_mille
     }
+}
+
+/// The simulated clock counts milliseconds from 0.
+fn at(ms: u64) -> Instant {
+    Instant::from_millis(ms)
 }
 
 fn enrp_addr(node: usize) -> SocketAddr {
@@ -85,6 +90,11 @@ struct Sim {
     incarnation: Vec<u32>,
     /// Connection ends of a registrar, keyed by (node, conn).
     pipes: HashMap<(usize, ConnId), Pipe>,
+    /// Connections each registrar asked to open ([`Action::Connect`]), opened at its next turn,
+    /// the last asked first.
+    connects: Vec<Vec<(ConnId, SocketAddr)>>,
+    /// Connections their registrar asked to close ([`Action::Close`]).
+    closing: HashSet<(usize, ConnId)>,
     /// Registrar ends connected to each PE's association (PE → registrar direction).
     pes: Vec<SimPe>,
     /// Pairs of nodes that cannot reach each other, and since when.
@@ -116,6 +126,8 @@ impl Sim {
             regs: (0..nodes).map(|_| None).collect(),
             incarnation: vec![0; nodes],
             pipes: HashMap::new(),
+            connects: vec![Vec::new(); nodes],
+            closing: HashSet::new(),
             pes: (0..pes)
                 .map(|k| SimPe {
                     id: 0x5000_0000 + k as u32,
@@ -144,11 +156,37 @@ impl Sim {
         }
     }
 
+    /// Takes registrar `n`'s actions. Its output is moved for every connection at each step,
+    /// so [`Action::Transmit`] needs no bookkeeping here.
+    fn actions(&mut self, n: usize) {
+        let Some(r) = self.regs[n].as_mut() else {
+            return;
+        };
+        while let Some(a) = r.poll_action() {
+            match a {
+                Action::Connect(c, to) => self.connects[n].push((c, to)),
+                Action::Close(c) => {
+                    self.closing.insert((n, c));
+                }
+                Action::Transmit(_) | Action::Announce(_) | Action::Presence(_) => {}
+            }
+        }
+    }
+
+    /// Registrar `n` learns that its connection `c` closed.
+    fn closed(&mut self, n: usize, c: ConnId) {
+        self.closing.remove(&(n, c));
+        let now = self.now;
+        if let Some(r) = self.regs[n].as_mut() {
+            r.handle_close(c, at(now));
+        }
+    }
+
     fn start(&mut self, i: usize) {
         self.incarnation[i] += 1;
         let id = 0x1000_0000 + (i as u32) * 0x100 + self.incarnation[i];
-        let mut r = Registrar::new(config(self.regs.len()), id, self.now);
-        r.enable_enrp(enrp_addr(i), self.now);
+        let mut r = Registrar::new(config(self.regs.len()), id, at(self.now));
+        r.enable_enrp(enrp_addr(i), at(self.now));
         self.regs[i] = Some(r);
         self.say(&format!("registrar {i} starts as {id:#x}"));
     }
@@ -156,6 +194,8 @@ impl Sim {
     fn crash(&mut self, i: usize) {
         self.say(&format!("registrar {i} crashes"));
         self.regs[i] = None;
+        self.connects[i].clear();
+        self.closing.retain(|e| e.0 != i);
         let ends: Vec<(usize, ConnId)> = self
             .pipes
             .keys()
@@ -185,10 +225,7 @@ impl Sim {
             match end {
                 End::Reg(n, c) => {
                     self.pipes.remove(&(n, c));
-                    let now = self.now;
-                    if let Some(r) = self.regs[n].as_mut() {
-                        r.handle_close(c, now);
-                    }
+                    self.closed(n, c);
                 }
                 End::Pe(k) => {
                     // The PE end: only its current association matters.
@@ -216,7 +253,7 @@ impl Sim {
                 let cj = self.regs[j]
                     .as_mut()
                     .unwrap()
-                    .accept_enrp(enrp_addr(n), now)
+                    .accept_enrp(enrp_addr(n), at(now))
                     .unwrap();
                 self.pipes.insert(
                     (n, c),
@@ -247,13 +284,13 @@ impl Sim {
             );
             return;
         }
-        self.regs[n].as_mut().unwrap().handle_close(c, now);
+        self.closed(n, c);
     }
 
     fn pe_send(&mut self, n: usize, c: ConnId, msg: &AsapMessage) {
         let now = self.now;
         if let Some(r) = self.regs[n].as_mut() {
-            r.handle_data(c, &msg.to_bytes().unwrap(), now);
+            r.handle_data(c, &msg.to_bytes().unwrap(), at(now));
         }
     }
 
@@ -346,7 +383,7 @@ impl Sim {
         let c = self.regs[n]
             .as_mut()
             .unwrap()
-            .accept(pe_listen(k), now)
+            .accept(pe_listen(k), at(now))
             .unwrap();
         self.pipes.insert(
             (n, c),
@@ -369,13 +406,17 @@ impl Sim {
         self.now += ms;
         let now = self.now;
         for n in 0..self.regs.len() {
-            while let Some((c, to)) = self.regs[n].as_mut().and_then(Registrar::poll_connect) {
+            loop {
+                self.actions(n);
+                let Some((c, to)) = self.connects[n].pop() else {
+                    break;
+                };
                 self.connect(n, c, to);
             }
             if let Some(r) = self.regs[n].as_mut()
-                && r.poll_timeout().is_some_and(|t| t <= now)
+                && r.poll_timeout().is_some_and(|t| t <= at(now))
             {
-                r.handle_timeout(now);
+                r.handle_timeout(at(now));
             }
         }
         for k in 0..self.pes.len() {
@@ -388,11 +429,12 @@ impl Sim {
             if !self.pipes.contains_key(&(n, c)) {
                 continue;
             }
+            self.actions(n);
+            let closing = self.closing.contains(&(n, c));
             let Some(r) = self.regs[n].as_mut() else {
                 continue;
             };
             let out = r.output(c).to_vec();
-            let closing = r.wants_close(c);
             if !out.is_empty() {
                 r.consume_output(c, out.len());
                 let delay = self.rng.below(self.max_delay + 1);
@@ -403,10 +445,6 @@ impl Sim {
             if closing && self.pipes.get(&(n, c)).is_some_and(|p| p.queue.is_empty()) {
                 self.reset(End::Reg(n, c));
             }
-        }
-        let mut dirty = Vec::new();
-        for r in self.regs.iter_mut().flatten() {
-            r.take_dirty(&mut dirty);
         }
         for (n, c) in keys {
             let Some(pipe) = self.pipes.get(&(n, c)) else {
@@ -432,7 +470,7 @@ impl Sim {
                 match to {
                     End::Reg(j, cj) => {
                         if let Some(r) = self.regs[j].as_mut() {
-                            r.handle_data(cj, &data, now);
+                            r.handle_data(cj, &data, at(now));
                         }
                     }
                     End::Pe(k) => self.pe_receive(k, n, c, &data),
@@ -680,16 +718,19 @@ fn a_crashed_registrars_pes_are_taken_over_without_reregistration() {
 /// the peer would find malformed in turn), and the registrar goes on serving that peer.
 #[test]
 fn a_malformed_enrp_message_gets_an_enrp_error() {
-    let mut r = Registrar::new(config(1), 0x1000_0001, 0);
-    r.enable_enrp(enrp_addr(0), 0);
-    let c = r.accept_enrp(enrp_addr(1), 0).unwrap();
+    let mut r = Registrar::new(config(1), 0x1000_0001, at(0));
+    r.enable_enrp(enrp_addr(0), at(0));
+    let c = r.accept_enrp(enrp_addr(1), at(0)).unwrap();
     // ENRP message type 0x77 does not exist.
-    r.handle_data(c, &[0x77, 0, 0, 12, 0, 0, 0, 2, 0, 0, 0, 0], 10);
+    r.handle_data(c, &[0x77, 0, 0, 12, 0, 0, 0, 2, 0, 0, 0, 0], at(10));
     let out = r.output(c).to_vec();
     let msg = rserpool_wire::EnrpMessage::decode(&out).expect("an ENRP message");
     assert!(
         matches!(msg.body, rserpool_wire::EnrpBody::Error { .. }),
         "{msg:?}"
     );
-    assert!(!r.wants_close(c), "the framing held: the connection stays");
+    assert!(
+        !std::iter::from_fn(|| r.poll_action()).any(|a| a == Action::Close(c)),
+        "the framing held: the connection stays"
+    );
 }

@@ -2,6 +2,11 @@
 //! for every change of a PE this registrar is home for, start-up synchronisation from a mentor,
 //! audits by checksum, and takeover of a dead peer's PEs.
 //!
+//! [`Enrp`] owns the peers, the takeovers and the synchronisation state. It reaches the rest
+//! of the registrar through two parameters only: the handlespace as a [`HandlespaceView`] (what
+//! ENRP reads and changes of it, and "become home of these PEs", which is ASAP's to carry out)
+//! and the connections ([`Conns`]), over which it sends and which it opens and closes.
+//!
 //! Connections between registrars are one-way for sending: a registrar sends to a peer over the
 //! connection it opened to that peer's ENRP address, and reads whatever arrives on any ENRP
 //! connection. A pair of registrars therefore holds two connections, and neither side has to
@@ -15,28 +20,69 @@
 //! connection to each PE's ASAP transport address and sends ENDPOINT_KEEP_ALIVE with the H bit,
 //! over which the PE then carries on, without registering again.
 
-use super::{ConnId, NO_META, PeMeta, Registrar};
+use super::Instant;
+use super::conns::{Action, ConnId, Conns};
+use crate::config::Config;
 use crate::status::{EnrpCounters, PeerStatus};
-use rserpool_handlespace::{PeRef, SyncCursor, TimerKind};
+use bytes::Bytes;
+use rserpool_handlespace::{RegistrationError, SyncCursor};
 use rserpool_wire::{
-    EnrpBody, EnrpMessage, OperationError, PoolElement, PoolEntry, PoolHandle, ServerInformation,
-    TransportAddress, UpdateAction,
+    EnrpBody, EnrpMessage, PoolElement, PoolEntry, PoolHandle, ServerInformation, TransportAddress,
+    UpdateAction,
 };
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 use tracing::{debug, info, warn};
+
+/// What ENRP needs of the handlespace, and of ASAP for a takeover.
+pub(super) trait HandlespaceView {
+    /// The ownership checksum over the PEs `owner` is home for (RFC 5353 §3.6).
+    fn checksum(&self, owner: u32) -> u16;
+    /// How many PEs `owner` is home for.
+    fn owned_count(&self, owner: u32) -> usize;
+    /// PEs in the handlespace.
+    fn len(&self) -> usize;
+    /// The PEs `owner` is home for, by pool handle and PE ID (an audit starts from these).
+    fn owned_pes(&self, owner: u32) -> BTreeSet<(PoolHandle, u32)>;
+    /// A peer's HANDLE_UPDATE, or an entry of its HANDLE_TABLE_RESPONSE. A PE with an
+    /// association here is left alone; only the PE's home removes it.
+    fn apply_update(
+        &mut self,
+        sender: u32,
+        action: UpdateAction,
+        pool_handle: PoolHandle,
+        pe: PoolElement,
+        now: Instant,
+    ) -> Result<(), RegistrationError>;
+    /// Removes those of `marked` that are still `owner`'s and have no association here (an
+    /// audit found that `owner` no longer has them); returns how many.
+    fn remove_stale(&mut self, owner: u32, marked: BTreeSet<(PoolHandle, u32)>) -> usize;
+    /// Starts a traversal of `owner`'s PEs, or of all PEs.
+    fn sync_begin(&mut self, owner: Option<u32>) -> SyncCursor;
+    fn sync_end(&mut self, cursor: SyncCursor);
+    /// The traversal's next block of at most `max` PEs, by pool, for a
+    /// HANDLE_TABLE_RESPONSE; true while more follow (the cursor ends with the last block).
+    fn table_block(&mut self, cursor: SyncCursor, max: usize) -> (Vec<PoolEntry>, bool);
+    /// Becomes home of `target`'s PEs and tells each over a new ASAP association
+    /// (ENDPOINT_KEEP_ALIVE with the H bit); returns how many.
+    fn take_over(&mut self, target: u32, out: &mut Conns, now: Instant) -> usize;
+    /// Registrar `home` took over `target`: its PEs not associated here are `home`'s now.
+    fn hand_over(&mut self, target: u32, home: u32);
+}
 
 /// What this registrar believes about a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Liveness {
+enum Liveness {
     Alive,
     /// A PRESENCE with the R bit is out; takeover at `deadline` without an answer.
     Probing {
-        deadline: u64,
+        deadline: Instant,
     },
     /// Our takeover of this peer: waiting for the INIT_TAKEOVER_ACKs in `Peer::acks_pending`.
     TakingOver {
-        deadline: u64,
+        deadline: Instant,
     },
     /// Another registrar is taking it over.
     Inactive,
@@ -44,22 +90,22 @@ pub(crate) enum Liveness {
 
 /// A HANDLE_TABLE_REQUEST of ours that awaits its response.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Request {
+struct Request {
     own_only: bool,
-    deadline: u64,
+    deadline: Instant,
 }
 
 /// A peer registrar as this one knows it.
 #[derive(Debug, Clone)]
-pub(crate) struct Peer {
+struct Peer {
     /// 0 until the peer's first message names it.
-    pub id: u32,
-    pub addr: SocketAddr,
+    id: u32,
+    addr: SocketAddr,
     /// The connection this registrar sends over.
-    pub conn: Option<ConnId>,
-    pub last_heard: u64,
+    conn: Option<ConnId>,
+    last_heard: Instant,
     /// The ownership checksum the peer last announced.
-    pub checksum: Option<u16>,
+    checksum: Option<u16>,
     state: Liveness,
     acks_pending: Vec<u32>,
     request: Option<Request>,
@@ -70,7 +116,7 @@ pub(crate) struct Peer {
 }
 
 impl Peer {
-    fn new(id: u32, addr: SocketAddr, now: u64) -> Self {
+    fn new(id: u32, addr: SocketAddr, now: Instant) -> Self {
         Self {
             id,
             addr,
@@ -86,66 +132,76 @@ impl Peer {
     }
 }
 
-#[derive(Debug, Default)]
-pub(crate) struct EnrpState {
-    /// Our ENRP address, announced in Server Information.
-    pub local: Option<SocketAddr>,
-    pub peers: Vec<Peer>,
-    /// Outgoing connections the driver should open (ENRP to peers, ASAP to PEs taken over).
-    pub connects: Vec<(ConnId, SocketAddr)>,
-    pub next_heartbeat: u64,
+/// ENRP's state: the peers, their takeovers, start-up synchronisation.
+pub(super) struct Enrp {
+    cfg: Arc<Config>,
+    /// Our Server Identifier.
+    id: u32,
+    /// Our ENRP address, announced in Server Information; `None` until ENRP is enabled.
+    local: Option<SocketAddr>,
+    peers: Vec<Peer>,
+    next_heartbeat: Instant,
     /// Start-up: looking for a mentor until this time, or synchronising from `mentor`.
-    pub starting: Option<u64>,
-    pub mentor: Option<u32>,
-    /// A PRESENCE for the driver to send as a UDP datagram (multicast).
-    pub datagram: Option<Vec<u8>>,
-    pub counters: EnrpCounters,
+    starting: Option<Instant>,
+    mentor: Option<u32>,
+    counters: EnrpCounters,
 }
 
-impl Registrar {
+impl Enrp {
+    pub(super) fn new(cfg: Arc<Config>, id: u32) -> Self {
+        Self {
+            cfg,
+            id,
+            local: None,
+            peers: Vec::new(),
+            next_heartbeat: Instant::default(),
+            starting: None,
+            mentor: None,
+            counters: EnrpCounters::default(),
+        }
+    }
+
     /// Starts ENRP: `local` is this registrar's ENRP address; configured peers are connected,
     /// and with any configured, the registrar looks for a mentor to synchronise from.
-    pub fn enable_enrp(&mut self, local: SocketAddr, now: u64) {
-        self.enrp.local = Some(local);
+    pub(super) fn enable(
+        &mut self,
+        local: SocketAddr,
+        hs: &impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        self.local = Some(local);
         for addr in self.cfg.peer.clone() {
-            if addr != local && !self.enrp.peers.iter().any(|p| p.addr == addr) {
-                self.add_peer(0, addr, now);
+            if addr != local && !self.peers.iter().any(|p| p.addr == addr) {
+                self.add_peer(0, addr, hs, out, now);
             }
         }
-        if !self.enrp.peers.is_empty() {
-            self.enrp.starting = Some(now.saturating_add(self.cfg.mentor_discovery_ms));
+        if !self.peers.is_empty() {
+            self.starting = Some(now + ms(self.cfg.mentor_discovery_ms));
         }
-        self.enrp.next_heartbeat = now;
+        self.next_heartbeat = now;
     }
 
-    /// True while the registrar synchronises at start (it serves meanwhile, but does not
-    /// announce itself to PEs yet).
-    pub fn is_starting(&self) -> bool {
-        self.enrp.starting.is_some()
+    /// True while the registrar synchronises at start.
+    pub(super) fn is_starting(&self) -> bool {
+        self.starting.is_some()
     }
 
-    /// The next outgoing connection to open: report the outcome with
-    /// [`handle_close`](Self::handle_close) if it fails; bytes queued on it are written once it
-    /// is up.
-    pub fn poll_connect(&mut self) -> Option<(ConnId, SocketAddr)> {
-        self.enrp.connects.pop()
+    pub(super) fn counters(&self) -> &EnrpCounters {
+        &self.counters
     }
 
-    /// A new ENRP connection from another registrar.
-    pub fn accept_enrp(&mut self, peer: SocketAddr, now: u64) -> Option<ConnId> {
-        self.open_conn(peer, true, now)
-    }
-
-    /// A PRESENCE to send as a UDP datagram to the multicast group, if one is due.
-    pub fn poll_datagram(&mut self) -> Option<Vec<u8>> {
-        self.enrp.datagram.take()
-    }
-
-    /// A UDP datagram arrived on the ENRP port: only PRESENCE is accepted there, to discover
-    /// peers (everything else travels over TCP).
-    pub fn handle_datagram(&mut self, data: &[u8], now: u64) {
+    /// A UDP datagram on the ENRP port: only PRESENCE is accepted there, to discover peers
+    /// (everything else travels over TCP).
+    pub(super) fn handle_datagram(
+        &mut self,
+        data: &[u8],
+        hs: &impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
         let Ok(msg) = EnrpMessage::decode(data) else {
-            if self.peer_log.allow(now) {
+            if out.peer_log.allow(now) {
                 warn!("ignored a malformed ENRP datagram");
             }
             return;
@@ -154,19 +210,18 @@ impl Registrar {
             return;
         }
         if matches!(msg.body, EnrpBody::Presence { .. }) {
-            self.heard_peer(msg.sender, &msg.body, now);
+            self.heard_peer(msg.sender, &msg.body, hs, out, now);
         }
     }
 
     /// The peers as `rserpool status` shows them.
-    pub fn peer_status(&self, now: u64) -> Vec<PeerStatus> {
-        self.enrp
-            .peers
+    pub(super) fn peer_status(&self, hs: &impl HandlespaceView, now: Instant) -> Vec<PeerStatus> {
+        self.peers
             .iter()
             .map(|p| PeerStatus {
                 id: p.id,
                 address: p.addr.to_string(),
-                ms_since_heard: now.saturating_sub(p.last_heard),
+                ms_since_heard: now.as_millis().saturating_sub(p.last_heard.as_millis()),
                 state: match p.state {
                     Liveness::Alive if p.id == 0 => "connecting",
                     Liveness::Alive => "alive",
@@ -177,47 +232,54 @@ impl Registrar {
                 .to_string(),
                 connected: p.conn.is_some(),
                 checksum: p.checksum,
-                checksum_agrees: p.checksum.map(|c| c == self.hs.checksum(p.id)),
-                pes_owned: self.hs.owned_count(p.id),
+                checksum_agrees: p.checksum.map(|c| c == hs.checksum(p.id)),
+                pes_owned: hs.owned_count(p.id),
             })
             .collect()
     }
 
-    pub fn enrp_counters(&self) -> &EnrpCounters {
-        &self.enrp.counters
-    }
-
-    fn add_peer(&mut self, id: u32, addr: SocketAddr, now: u64) -> usize {
-        self.enrp.peers.push(Peer::new(id, addr, now));
-        let i = self.enrp.peers.len() - 1;
-        self.connect_peer(i, now);
+    fn add_peer(
+        &mut self,
+        id: u32,
+        addr: SocketAddr,
+        hs: &impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) -> usize {
+        self.peers.push(Peer::new(id, addr, now));
+        let i = self.peers.len() - 1;
+        self.connect_peer(i, hs, out, now);
         i
     }
 
     fn peer_index(&self, id: u32) -> Option<usize> {
-        self.enrp.peers.iter().position(|p| p.id == id && id != 0)
+        self.peers.iter().position(|p| p.id == id && id != 0)
     }
 
-    fn connect_peer(&mut self, i: usize, now: u64) {
-        let addr = self.enrp.peers[i].addr;
-        let Some(conn) = self.open_conn(addr, true, now) else {
+    fn connect_peer(&mut self, i: usize, hs: &impl HandlespaceView, out: &mut Conns, now: Instant) {
+        let addr = self.peers[i].addr;
+        let Some(conn) = out.connect(addr, true, now) else {
             return;
         };
-        self.enrp.peers[i].conn = Some(conn);
-        self.enrp.connects.push((conn, addr));
+        self.peers[i].conn = Some(conn);
         // Introduce ourselves; the peer answers with its own PRESENCE.
-        let msg = self.presence(self.enrp.peers[i].id, true);
-        self.send_enrp(conn, &msg, now);
+        let msg = self.presence(self.peers[i].id, true, hs);
+        out.send_enrp(conn, &msg, now);
     }
 
-    fn presence(&self, receiver: u32, reply_required: bool) -> EnrpMessage {
+    fn presence(
+        &self,
+        receiver: u32,
+        reply_required: bool,
+        hs: &impl HandlespaceView,
+    ) -> EnrpMessage {
         EnrpMessage {
             sender: self.id,
             receiver,
             body: EnrpBody::Presence {
                 reply_required,
-                checksum: Some(self.hs.checksum(self.id)),
-                server_info: self.enrp.local.map(|a| ServerInformation {
+                checksum: Some(hs.checksum(self.id)),
+                server_info: self.local.map(|a| ServerInformation {
                     server_id: self.id,
                     transport: TransportAddress::tcp(a),
                 }),
@@ -225,32 +287,9 @@ impl Registrar {
         }
     }
 
-    fn send_enrp(&mut self, conn: ConnId, msg: &EnrpMessage, now: u64) {
-        let Some(c) = self.conn_mut(conn) else { return };
-        if c.closing {
-            return;
-        }
-        if let Err(e) = msg.encode(&mut c.out) {
-            warn!("cannot encode {}: {e}", msg.body.name());
-            return;
-        }
-        self.mark_written(conn, now);
-    }
-
-    /// An ENRP ERROR on `conn`. The connection may be one we only read from; the peer reads
-    /// every ENRP connection, so it still arrives.
-    pub(super) fn send_enrp_error(&mut self, conn: ConnId, error: OperationError, now: u64) {
-        let msg = EnrpMessage {
-            sender: self.id,
-            receiver: 0,
-            body: EnrpBody::Error { error },
-        };
-        self.send_enrp(conn, &msg, now);
-    }
-
     /// Sends to the peer with ID `id` over our connection to it, if there is one.
-    fn send_to_peer(&mut self, id: u32, body: EnrpBody, now: u64) {
-        let Some(conn) = self.peer_index(id).and_then(|i| self.enrp.peers[i].conn) else {
+    fn send_to_peer(&self, id: u32, body: EnrpBody, out: &mut Conns, now: Instant) {
+        let Some(conn) = self.peer_index(id).and_then(|i| self.peers[i].conn) else {
             return;
         };
         let msg = EnrpMessage {
@@ -258,13 +297,12 @@ impl Registrar {
             receiver: id,
             body,
         };
-        self.send_enrp(conn, &msg, now);
+        out.send_enrp(conn, &msg, now);
     }
 
     /// Sends `msg` to every peer, encoded once.
-    fn send_all(&mut self, msg: &EnrpMessage, now: u64) {
-        let conns: Vec<ConnId> = self.enrp.peers.iter().filter_map(|p| p.conn).collect();
-        if conns.is_empty() {
+    fn send_all(&self, msg: &EnrpMessage, out: &mut Conns, now: Instant) {
+        if self.peers.iter().all(|p| p.conn.is_none()) {
             return;
         }
         let bytes = match msg.to_bytes() {
@@ -274,28 +312,24 @@ impl Registrar {
                 return;
             }
         };
-        for conn in conns {
-            if let Some(c) = self.conn_mut(conn)
-                && !c.closing
-            {
-                c.out.extend_from_slice(&bytes);
-                self.mark_written(conn, now);
-            }
+        for conn in self.peers.iter().filter_map(|p| p.conn) {
+            out.send_bytes(conn, &bytes, now);
         }
     }
 
     /// Tells every peer about a change of a PE this registrar is home for.
-    pub(super) fn enrp_update(
+    pub(super) fn update(
         &mut self,
         action: UpdateAction,
         pool_handle: &PoolHandle,
         pe: &PoolElement,
-        now: u64,
+        out: &mut Conns,
+        now: Instant,
     ) {
-        if self.enrp.peers.is_empty() {
+        if self.peers.is_empty() {
             return;
         }
-        self.enrp.counters.updates_sent += 1;
+        self.counters.updates_sent += 1;
         let msg = EnrpMessage {
             sender: self.id,
             receiver: 0,
@@ -306,99 +340,105 @@ impl Registrar {
                 pool_element: pe.clone(),
             },
         };
-        self.send_all(&msg, now);
+        self.send_all(&msg, out, now);
     }
 
     /// Heartbeat, liveness, request and start-up timers.
-    pub(super) fn enrp_timeout(&mut self, now: u64) {
-        if self.enrp.local.is_none() {
+    pub(super) fn handle_timeout(
+        &mut self,
+        hs: &mut impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        if self.local.is_none() {
             return;
         }
-        if let Some(deadline) = self.enrp.starting
-            && self.enrp.mentor.is_none()
+        if let Some(deadline) = self.starting
+            && self.mentor.is_none()
             && deadline <= now
         {
             info!("no mentor registrar answered: serving with the handlespace as it is");
-            self.enrp.starting = None;
+            self.starting = None;
         }
-        if self.enrp.next_heartbeat <= now {
-            self.heartbeat(now);
+        if self.next_heartbeat <= now {
+            self.heartbeat(hs, out, now);
         }
-        for i in (0..self.enrp.peers.len()).rev() {
-            let p = &self.enrp.peers[i];
+        for i in (0..self.peers.len()).rev() {
+            let p = &self.peers[i];
             let (id, state, request) = (p.id, p.state, p.request);
             if let Some(r) = request
                 && r.deadline <= now
             {
-                self.request_failed(i, "no HANDLE_TABLE_RESPONSE in time", now);
+                self.request_failed(i, "no HANDLE_TABLE_RESPONSE in time", out, now);
             }
             if id == 0 {
                 continue;
             }
             match state {
                 Liveness::Alive => {
-                    let silent = self.enrp.peers[i]
-                        .last_heard
-                        .saturating_add(self.cfg.max_time_last_heard_ms);
+                    let silent = self.peers[i].last_heard + ms(self.cfg.max_time_last_heard_ms);
                     if silent <= now {
-                        self.probe_peer(i, now);
+                        self.probe_peer(i, hs, out, now);
                     }
                 }
                 Liveness::Probing { deadline } if deadline <= now => {
                     warn!("ENRP peer {id:#010x} did not answer: taking over its PEs");
-                    self.start_takeover(i, now);
+                    self.start_takeover(i, hs, out, now);
                 }
                 Liveness::TakingOver { deadline } if deadline <= now => {
-                    let missing = &self.enrp.peers[i].acks_pending;
+                    let missing = &self.peers[i].acks_pending;
                     warn!(
                         "takeover of {id:#010x} expired waiting for {} acknowledgement(s): trying again",
                         missing.len()
                     );
-                    self.start_takeover(i, now);
+                    self.start_takeover(i, hs, out, now);
                 }
                 _ => {}
             }
         }
     }
 
-    fn heartbeat(&mut self, now: u64) {
-        self.enrp.next_heartbeat = now + self.cfg.peer_heartbeat_ms.max(1);
-        for i in 0..self.enrp.peers.len() {
-            if self.enrp.peers[i].conn.is_none() {
-                self.connect_peer(i, now);
+    fn heartbeat(&mut self, hs: &impl HandlespaceView, out: &mut Conns, now: Instant) {
+        self.next_heartbeat = now + ms(self.cfg.peer_heartbeat_ms.max(1));
+        for i in 0..self.peers.len() {
+            if self.peers[i].conn.is_none() {
+                self.connect_peer(i, hs, out, now);
             }
         }
-        let msg = self.presence(0, false);
-        self.send_all(&msg, now);
-        if self.cfg.enrp_multicast {
-            self.enrp.datagram = msg.to_bytes().ok();
+        let msg = self.presence(0, false, hs);
+        self.send_all(&msg, out, now);
+        if self.cfg.enrp_multicast
+            && let Ok(bytes) = msg.to_bytes()
+        {
+            out.push(Action::Presence(Bytes::from(bytes)));
         }
     }
 
     /// Asks a silent peer for a PRESENCE (R bit); takeover follows without an answer.
-    fn probe_peer(&mut self, i: usize, now: u64) {
-        let p = &mut self.enrp.peers[i];
+    fn probe_peer(&mut self, i: usize, hs: &impl HandlespaceView, out: &mut Conns, now: Instant) {
+        let p = &mut self.peers[i];
         p.state = Liveness::Probing {
-            deadline: now.saturating_add(self.cfg.max_time_no_response_ms),
+            deadline: now + ms(self.cfg.max_time_no_response_ms),
         };
         let (id, conn) = (p.id, p.conn);
         debug!("ENRP peer {id:#010x} silent or disconnected: asking for PRESENCE");
         match conn {
-            None => self.connect_peer(i, now),
+            None => self.connect_peer(i, hs, out, now),
             Some(conn) => {
-                let msg = self.presence(id, true);
-                self.send_enrp(conn, &msg, now);
+                let msg = self.presence(id, true, hs);
+                out.send_enrp(conn, &msg, now);
             }
         }
     }
 
-    pub(super) fn enrp_next_timeout(&self) -> Option<u64> {
-        self.enrp.local?;
-        let mut t = self.enrp.next_heartbeat;
-        if let (Some(s), None) = (self.enrp.starting, self.enrp.mentor) {
+    /// The earliest ENRP timer.
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
+        self.local?;
+        let mut t = self.next_heartbeat;
+        if let (Some(s), None) = (self.starting, self.mentor) {
             t = t.min(s);
         }
-        for p in &self.enrp.peers {
+        for p in &self.peers {
             if let Some(r) = p.request {
                 t = t.min(r.deadline);
             }
@@ -406,9 +446,9 @@ impl Registrar {
                 continue;
             }
             t = t.min(match p.state {
-                Liveness::Alive => p.last_heard.saturating_add(self.cfg.max_time_last_heard_ms),
+                Liveness::Alive => p.last_heard + ms(self.cfg.max_time_last_heard_ms),
                 Liveness::Probing { deadline } | Liveness::TakingOver { deadline } => deadline,
-                Liveness::Inactive => u64::MAX,
+                Liveness::Inactive => Instant::MAX,
             });
         }
         Some(t)
@@ -416,29 +456,43 @@ impl Registrar {
 
     /// An ENRP connection closed. A peer we send over it counts as failing: it is asked for a
     /// PRESENCE over a new connection, and taken over if that fails too.
-    pub(super) fn enrp_closed(&mut self, id: ConnId, now: u64) {
-        let Some(i) = self.enrp.peers.iter().position(|p| p.conn == Some(id)) else {
+    pub(super) fn closed(
+        &mut self,
+        id: ConnId,
+        hs: &mut impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let Some(i) = self.peers.iter().position(|p| p.conn == Some(id)) else {
             return;
         };
-        self.enrp.peers[i].conn = None;
-        let p = &self.enrp.peers[i];
-        if self.enrp.local.is_none() || p.id == 0 {
+        self.peers[i].conn = None;
+        let p = &self.peers[i];
+        if self.local.is_none() || p.id == 0 {
             return;
         }
         match p.state {
-            Liveness::Alive => self.probe_peer(i, now),
+            Liveness::Alive => self.probe_peer(i, hs, out, now),
             Liveness::Probing { .. } => {
                 warn!("ENRP peer {:#010x} unreachable: taking over its PEs", p.id);
-                self.start_takeover(i, now);
+                self.start_takeover(i, hs, out, now);
             }
             Liveness::TakingOver { .. } | Liveness::Inactive => {}
         }
     }
 
-    pub(super) fn handle_enrp(&mut self, id: ConnId, buf: &[u8], now: u64) {
+    /// An ENRP message on connection `id`.
+    pub(super) fn handle_message(
+        &mut self,
+        id: ConnId,
+        buf: &[u8],
+        hs: &mut impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
         let msg = match EnrpMessage::decode(buf) {
             Ok(m) => m,
-            Err(e) => return self.reject_malformed(id, &e, now),
+            Err(e) => return out.reject_malformed(id, &e, now),
         };
         if msg.sender == self.id || msg.sender == 0 {
             return;
@@ -452,7 +506,7 @@ impl Registrar {
             );
             return;
         }
-        let Some(i) = self.heard_peer(msg.sender, &msg.body, now) else {
+        let Some(i) = self.heard_peer(msg.sender, &msg.body, hs, out, now) else {
             debug!(
                 "ENRP {} from unknown {:#010x} ignored",
                 msg.body.name(),
@@ -467,16 +521,16 @@ impl Registrar {
                 checksum,
                 ..
             } => {
-                self.enrp.peers[i].checksum = checksum;
+                self.peers[i].checksum = checksum;
                 if reply_required {
-                    let reply = self.presence(sender, false);
-                    if let Some(conn) = self.enrp.peers[i].conn {
-                        self.send_enrp(conn, &reply, now);
+                    let reply = self.presence(sender, false, hs);
+                    if let Some(conn) = self.peers[i].conn {
+                        out.send_enrp(conn, &reply, now);
                     }
                 }
-                self.choose_mentor(i, now);
+                self.choose_mentor(i, out, now);
                 if let Some(c) = checksum {
-                    self.check_audit(i, c, now);
+                    self.check_audit(i, c, hs, out, now);
                 }
             }
             EnrpBody::HandleUpdate {
@@ -485,25 +539,24 @@ impl Registrar {
                 pool_element,
                 ..
             } => {
-                self.enrp.counters.updates_received += 1;
+                self.counters.updates_received += 1;
                 if action == UpdateAction::AddPe
-                    && let Some(marked) = &mut self.enrp.peers[i].marked
+                    && let Some(marked) = &mut self.peers[i].marked
                 {
                     marked.remove(&(pool_handle.clone(), pool_element.id));
                 }
-                self.apply_update(sender, action, pool_handle, pool_element, now);
+                apply_update(hs, sender, action, pool_handle, pool_element, out, now);
             }
             EnrpBody::HandleTableRequest { own_children_only } => {
-                self.serve_handle_table(i, own_children_only, now);
+                self.serve_handle_table(i, own_children_only, hs, out, now);
             }
             EnrpBody::HandleTableResponse {
                 reject,
                 more,
                 pools,
-            } => self.on_handle_table(i, reject, more, pools, now),
+            } => self.on_handle_table(i, reject, more, pools, hs, out, now),
             EnrpBody::ListRequest => {
                 let mut servers: Vec<ServerInformation> = self
-                    .enrp
                     .peers
                     .iter()
                     .filter(|p| p.id != 0 && p.id != sender && p.state == Liveness::Alive)
@@ -512,7 +565,7 @@ impl Registrar {
                         transport: TransportAddress::tcp(p.addr),
                     })
                     .collect();
-                if let Some(a) = self.enrp.local {
+                if let Some(a) = self.local {
                     servers.push(ServerInformation {
                         server_id: self.id,
                         transport: TransportAddress::tcp(a),
@@ -522,29 +575,33 @@ impl Registrar {
                     reject: false,
                     servers,
                 };
-                self.send_to_peer(sender, body, now);
+                self.send_to_peer(sender, body, out, now);
             }
             EnrpBody::ListResponse { reject, servers } => {
                 if !reject {
                     for s in servers {
-                        self.learn_peer(s, now);
+                        self.learn_peer(s, hs, out, now);
                     }
                 }
             }
-            EnrpBody::InitTakeover { target } => self.on_init_takeover(sender, target, now),
+            EnrpBody::InitTakeover { target } => {
+                self.on_init_takeover(sender, target, hs, out, now)
+            }
             EnrpBody::InitTakeoverAck { target } => {
                 if let Some(t) = self.peer_index(target)
-                    && matches!(self.enrp.peers[t].state, Liveness::TakingOver { .. })
+                    && matches!(self.peers[t].state, Liveness::TakingOver { .. })
                 {
-                    self.enrp.peers[t].acks_pending.retain(|&a| a != sender);
-                    if self.enrp.peers[t].acks_pending.is_empty() {
-                        self.finish_takeover(t, now);
+                    self.peers[t].acks_pending.retain(|&a| a != sender);
+                    if self.peers[t].acks_pending.is_empty() {
+                        self.finish_takeover(t, hs, out, now);
                     }
                 }
             }
-            EnrpBody::TakeoverServer { target } => self.on_takeover_server(sender, target, now),
+            EnrpBody::TakeoverServer { target } => {
+                self.on_takeover_server(sender, target, hs, out, now)
+            }
             EnrpBody::Error { error } => {
-                if self.peer_log.allow(now) {
+                if out.peer_log.allow(now) {
                     let causes: Vec<String> =
                         error.causes.iter().map(|c| c.code.to_string()).collect();
                     warn!(
@@ -557,7 +614,14 @@ impl Registrar {
     }
 
     /// Notes that `sender` spoke; learns a new peer from a PRESENCE with Server Information.
-    fn heard_peer(&mut self, sender: u32, body: &EnrpBody, now: u64) -> Option<usize> {
+    fn heard_peer(
+        &mut self,
+        sender: u32,
+        body: &EnrpBody,
+        hs: &impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) -> Option<usize> {
         if let Some(i) = self.peer_index(sender) {
             self.revive(i, now);
             return Some(i);
@@ -569,12 +633,12 @@ impl Registrar {
         else {
             return None;
         };
-        self.learn_peer(si.clone(), now)
+        self.learn_peer(si.clone(), hs, out, now)
     }
 
     /// Any message from a peer: it is alive, and a takeover of it is off.
-    fn revive(&mut self, i: usize, now: u64) {
-        let p = &mut self.enrp.peers[i];
+    fn revive(&mut self, i: usize, now: Instant) {
+        let p = &mut self.peers[i];
         p.last_heard = now;
         match p.state {
             Liveness::Alive => {}
@@ -582,7 +646,7 @@ impl Registrar {
                 info!("ENRP peer {:#010x} is alive: takeover aborted", p.id);
                 p.acks_pending.clear();
                 p.state = Liveness::Alive;
-                self.enrp.counters.takeovers_aborted += 1;
+                self.counters.takeovers_aborted += 1;
             }
             Liveness::Probing { .. } | Liveness::Inactive => {
                 debug!("ENRP peer {:#010x} is alive", p.id);
@@ -591,7 +655,13 @@ impl Registrar {
         }
     }
 
-    fn learn_peer(&mut self, si: ServerInformation, now: u64) -> Option<usize> {
+    fn learn_peer(
+        &mut self,
+        si: ServerInformation,
+        hs: &impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) -> Option<usize> {
         let id = si.server_id;
         if id == 0 || id == self.id {
             return None;
@@ -601,38 +671,33 @@ impl Registrar {
         }
         let addr = si.transport.socket_addrs().next()?;
         // A configured peer names itself with its first PRESENCE.
-        if let Some(i) = self
-            .enrp
-            .peers
-            .iter()
-            .position(|p| p.id == 0 && p.addr == addr)
-        {
-            self.enrp.peers[i].id = id;
-            self.enrp.peers[i].last_heard = now;
+        if let Some(i) = self.peers.iter().position(|p| p.id == 0 && p.addr == addr) {
+            self.peers[i].id = id;
+            self.peers[i].last_heard = now;
             info!("ENRP peer {id:#010x} at {addr}");
             return Some(i);
         }
         info!("ENRP peer {id:#010x} at {addr} (announced itself)");
-        Some(self.add_peer(id, addr, now))
+        Some(self.add_peer(id, addr, hs, out, now))
     }
 
     /// Start-up: the first peer heard becomes the mentor; ask it for its peers and handlespace.
-    fn choose_mentor(&mut self, i: usize, now: u64) {
-        if self.enrp.starting.is_none() || self.enrp.mentor.is_some() {
+    fn choose_mentor(&mut self, i: usize, out: &mut Conns, now: Instant) {
+        if self.starting.is_none() || self.mentor.is_some() {
             return;
         }
-        let id = self.enrp.peers[i].id;
+        let id = self.peers[i].id;
         info!("synchronising the handlespace from mentor registrar {id:#010x}");
-        self.enrp.mentor = Some(id);
-        self.send_to_peer(id, EnrpBody::ListRequest, now);
-        self.request_handle_table(i, false, now);
+        self.mentor = Some(id);
+        self.send_to_peer(id, EnrpBody::ListRequest, out, now);
+        self.request_handle_table(i, false, out, now);
     }
 
-    fn request_handle_table(&mut self, i: usize, own_only: bool, now: u64) {
-        let p = &mut self.enrp.peers[i];
+    fn request_handle_table(&mut self, i: usize, own_only: bool, out: &mut Conns, now: Instant) {
+        let p = &mut self.peers[i];
         p.request = Some(Request {
             own_only,
-            deadline: now.saturating_add(self.cfg.max_time_no_response_ms),
+            deadline: now + ms(self.cfg.max_time_no_response_ms),
         });
         let id = p.id;
         self.send_to_peer(
@@ -640,217 +705,154 @@ impl Registrar {
             EnrpBody::HandleTableRequest {
                 own_children_only: own_only,
             },
+            out,
             now,
         );
     }
 
-    fn request_failed(&mut self, i: usize, why: &str, now: u64) {
-        let p = &mut self.enrp.peers[i];
+    fn request_failed(&mut self, i: usize, why: &str, out: &mut Conns, now: Instant) {
+        let p = &mut self.peers[i];
         p.request = None;
         p.marked = None;
         let id = p.id;
-        if self.peer_log.allow(now) {
+        if out.peer_log.allow(now) {
             warn!("handle table from {id:#010x}: {why}");
         }
-        if self.enrp.mentor == Some(id) {
+        if self.mentor == Some(id) {
             // Another peer that speaks becomes the mentor; the discovery deadline still holds.
-            self.enrp.mentor = None;
-            let retry = now.saturating_add(self.cfg.mentor_discovery_ms);
-            self.enrp.starting = Some(retry);
+            self.mentor = None;
+            self.starting = Some(now + ms(self.cfg.mentor_discovery_ms));
         }
     }
 
     /// Audit (RFC 5353 §3.6): a peer announcing a checksum for its own PEs other than ours for
     /// them sends us its PEs again; those it no longer has are then removed.
-    fn check_audit(&mut self, i: usize, checksum: u16, now: u64) {
-        let p = &self.enrp.peers[i];
-        if p.request.is_some() || self.enrp.starting.is_some() || p.state != Liveness::Alive {
+    fn check_audit(
+        &mut self,
+        i: usize,
+        checksum: u16,
+        hs: &impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let p = &self.peers[i];
+        if p.request.is_some() || self.starting.is_some() || p.state != Liveness::Alive {
             return;
         }
         let id = p.id;
-        if self.hs.checksum(id) == checksum {
+        if hs.checksum(id) == checksum {
             return;
         }
         debug!(
             "checksum of {id:#010x}: announced {checksum:#06x}, ours {:#06x}: audit",
-            self.hs.checksum(id)
+            hs.checksum(id)
         );
-        self.enrp.counters.audits += 1;
-        let marked: BTreeSet<(PoolHandle, u32)> = self
-            .hs
-            .owned(id)
-            .map(|r| (self.hs.pool_handle_of(r).clone(), self.hs.pe(r).element.id))
-            .collect();
-        self.enrp.peers[i].marked = Some(marked);
-        self.request_handle_table(i, true, now);
+        self.counters.audits += 1;
+        self.peers[i].marked = Some(hs.owned_pes(id));
+        self.request_handle_table(i, true, out, now);
     }
 
-    fn serve_handle_table(&mut self, i: usize, own_only: bool, now: u64) {
-        let cursor = match self.enrp.peers[i].serving {
+    fn serve_handle_table(
+        &mut self,
+        i: usize,
+        own_only: bool,
+        hs: &mut impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let cursor = match self.peers[i].serving {
             Some((c, w)) if w == own_only => c,
             old => {
                 if let Some((c, _)) = old {
-                    self.hs.sync_end(c);
+                    hs.sync_end(c);
                 }
-                self.hs.sync_begin(own_only.then_some(self.id))
+                hs.sync_begin(own_only.then_some(self.id))
             }
         };
-        let mut refs: Vec<PeRef> = Vec::new();
         let max = self.cfg.max_elements_per_ht_request.max(1);
-        let more = self.hs.sync_next(cursor, max, &mut refs);
-        self.enrp.peers[i].serving = more.then_some((cursor, own_only));
-        let mut pools: Vec<PoolEntry> = Vec::new();
-        let mut by_pool: HashMap<PoolHandle, usize> = HashMap::new();
-        for r in refs {
-            let handle = self.hs.pool_handle_of(r);
-            let at = *by_pool.entry(handle.clone()).or_insert_with(|| {
-                pools.push(PoolEntry {
-                    pool_handle: handle.clone(),
-                    pool_elements: Vec::new(),
-                });
-                pools.len() - 1
-            });
-            pools[at].pool_elements.push(self.hs.pe(r).element.clone());
-        }
-        self.enrp.counters.handle_table_blocks_sent += 1;
-        let id = self.enrp.peers[i].id;
+        let (pools, more) = hs.table_block(cursor, max);
+        self.peers[i].serving = more.then_some((cursor, own_only));
+        self.counters.handle_table_blocks_sent += 1;
+        let id = self.peers[i].id;
         let body = EnrpBody::HandleTableResponse {
             reject: false,
             more,
             pools,
         };
-        self.send_to_peer(id, body, now);
+        self.send_to_peer(id, body, out, now);
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn on_handle_table(
         &mut self,
         i: usize,
         reject: bool,
         more: bool,
         pools: Vec<PoolEntry>,
-        now: u64,
+        hs: &mut impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
     ) {
-        let Some(req) = self.enrp.peers[i].request else {
+        let Some(req) = self.peers[i].request else {
             return;
         };
         if reject {
-            self.request_failed(i, "request rejected", now);
+            self.request_failed(i, "request rejected", out, now);
             return;
         }
-        let sender = self.enrp.peers[i].id;
+        let sender = self.peers[i].id;
         for entry in pools {
             for pe in entry.pool_elements {
-                self.enrp.counters.handle_table_entries_received += 1;
-                if let Some(marked) = &mut self.enrp.peers[i].marked {
+                self.counters.handle_table_entries_received += 1;
+                if let Some(marked) = &mut self.peers[i].marked {
                     marked.remove(&(entry.pool_handle.clone(), pe.id));
                 }
                 if pe.home_registrar == self.id {
                     continue;
                 }
-                self.apply_update(
-                    sender,
-                    UpdateAction::AddPe,
-                    entry.pool_handle.clone(),
-                    pe,
-                    now,
-                );
+                let handle = entry.pool_handle.clone();
+                apply_update(hs, sender, UpdateAction::AddPe, handle, pe, out, now);
             }
         }
         if more {
-            self.request_handle_table(i, req.own_only, now);
+            self.request_handle_table(i, req.own_only, out, now);
             return;
         }
-        self.enrp.peers[i].request = None;
-        if let Some(marked) = self.enrp.peers[i].marked.take() {
-            let mut swept = 0;
-            for (handle, pe_id) in marked {
-                if let Some(r) = self.hs.find(handle.as_bytes(), pe_id)
-                    && self.hs.pe(r).element.home_registrar == sender
-                    && self.meta_of(r).conn.is_none()
-                {
-                    self.set_meta(r, NO_META);
-                    self.hs.remove(r);
-                    swept += 1;
-                }
-            }
+        self.peers[i].request = None;
+        if let Some(marked) = self.peers[i].marked.take() {
+            let swept = hs.remove_stale(sender, marked);
             if swept > 0 {
                 info!("audit of {sender:#010x}: {swept} PE(s) it no longer has removed");
             }
         }
-        if self.enrp.mentor == Some(sender) && self.enrp.starting.is_some() {
-            self.enrp.starting = None;
+        if self.mentor == Some(sender) && self.starting.is_some() {
+            self.starting = None;
             info!(
                 "synchronised from mentor {sender:#010x}: {} PEs in the handlespace",
-                self.hs.len()
+                hs.len()
             );
-        }
-    }
-
-    fn apply_update(
-        &mut self,
-        sender: u32,
-        action: UpdateAction,
-        pool_handle: PoolHandle,
-        pe: PoolElement,
-        now: u64,
-    ) {
-        let existing = self.hs.find(pool_handle.as_bytes(), pe.id);
-        if let Some(r) = existing
-            && self.meta_of(r).conn.is_some()
-        {
-            // Ours, with a live association: that association decides.
-            debug!(
-                "HANDLE_UPDATE from {sender:#010x} for our PE {:#010x} ignored",
-                pe.id
-            );
-            return;
-        }
-        match action {
-            UpdateAction::AddPe => {
-                let expiry = lifetime_expiry(pe.registration_life, now);
-                let result = match existing {
-                    Some(r) => self.hs.reregister(r, pe, now).map(|()| r),
-                    None => self.hs.register(&pool_handle, pe, now).map(|reg| reg.pe),
-                };
-                match result {
-                    Ok(r) => {
-                        self.set_meta(r, PeMeta { conn: None, expiry });
-                        self.hs.schedule_timer(r, TimerKind::LifetimeExpiry, expiry);
-                    }
-                    Err(e) => {
-                        if self.peer_log.allow(now) {
-                            warn!("HANDLE_UPDATE from {sender:#010x} refused: {e}");
-                        }
-                    }
-                }
-            }
-            UpdateAction::DelPe => {
-                // Only the PE's home removes it: a late DEL_PE from a former home must not
-                // remove a PE that has moved on.
-                if let Some(r) = existing
-                    && self.hs.pe(r).element.home_registrar == sender
-                {
-                    self.set_meta(r, NO_META);
-                    self.hs.remove(r);
-                }
-            }
         }
     }
 
     /// RFC 5353 §3.5: INIT_TAKEOVER to all, then wait for an ACK from every live peer but the
     /// target.
-    fn start_takeover(&mut self, i: usize, now: u64) {
-        let target = self.enrp.peers[i].id;
+    fn start_takeover(
+        &mut self,
+        i: usize,
+        hs: &mut impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let target = self.peers[i].id;
         let acks: Vec<u32> = self
-            .enrp
             .peers
             .iter()
             .filter(|p| p.id != 0 && p.id != target && p.state == Liveness::Alive)
             .map(|p| p.id)
             .collect();
-        let p = &mut self.enrp.peers[i];
+        let p = &mut self.peers[i];
         p.state = Liveness::TakingOver {
-            deadline: now.saturating_add(self.cfg.takeover_expiry_ms),
+            deadline: now + ms(self.cfg.takeover_expiry_ms),
         };
         p.acks_pending = acks;
         let msg = EnrpMessage {
@@ -858,21 +860,28 @@ impl Registrar {
             receiver: 0,
             body: EnrpBody::InitTakeover { target },
         };
-        self.send_all(&msg, now);
-        if self.enrp.peers[i].acks_pending.is_empty() {
-            self.finish_takeover(i, now);
+        self.send_all(&msg, out, now);
+        if self.peers[i].acks_pending.is_empty() {
+            self.finish_takeover(i, hs, out, now);
         }
     }
 
-    fn on_init_takeover(&mut self, sender: u32, target: u32, now: u64) {
+    fn on_init_takeover(
+        &mut self,
+        sender: u32,
+        target: u32,
+        hs: &impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
         if target == self.id {
             info!("registrar {sender:#010x} believes this one dead: announcing PRESENCE");
-            let msg = self.presence(0, false);
-            self.send_all(&msg, now);
+            let msg = self.presence(0, false, hs);
+            self.send_all(&msg, out, now);
             return;
         }
         if let Some(t) = self.peer_index(target) {
-            let p = &mut self.enrp.peers[t];
+            let p = &mut self.peers[t];
             if matches!(p.state, Liveness::TakingOver { .. }) {
                 if self.id > sender {
                     // Ours wins the tie-break: the other registrar yields.
@@ -883,112 +892,100 @@ impl Registrar {
             }
             p.state = Liveness::Inactive;
         }
-        self.send_to_peer(sender, EnrpBody::InitTakeoverAck { target }, now);
+        self.send_to_peer(sender, EnrpBody::InitTakeoverAck { target }, out, now);
     }
 
-    /// Every ACK is in: announce the takeover, become home of the target's PEs and tell each
-    /// of them with an ENDPOINT_KEEP_ALIVE carrying the H bit.
-    fn finish_takeover(&mut self, i: usize, now: u64) {
-        let target = self.enrp.peers[i].id;
+    /// Every ACK is in: announce the takeover and become home of the target's PEs, which ASAP
+    /// tells with an ENDPOINT_KEEP_ALIVE carrying the H bit.
+    fn finish_takeover(
+        &mut self,
+        i: usize,
+        hs: &mut impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let target = self.peers[i].id;
         let msg = EnrpMessage {
             sender: self.id,
             receiver: 0,
             body: EnrpBody::TakeoverServer { target },
         };
-        self.send_all(&msg, now);
-        self.remove_peer(i, now);
-        let refs: Vec<PeRef> = self.hs.owned(target).collect();
-        let mut conns: HashMap<SocketAddr, ConnId> = HashMap::new();
-        for &r in &refs {
-            self.hs.set_home(r, self.id);
-            let addr = self
-                .hs
-                .pe(r)
-                .element
-                .asap_transport
-                .as_ref()
-                .and_then(|t| t.socket_addrs().next());
-            let conn = match addr {
-                Some(a) => match conns.get(&a) {
-                    Some(&c) => Some(c),
-                    None => {
-                        let c = self.open_conn(a, false, now);
-                        if let Some(c) = c {
-                            conns.insert(a, c);
-                            self.enrp.connects.push((c, a));
-                        }
-                        c
-                    }
-                },
-                None => None,
-            };
-            let expiry = self.meta_of(r).expiry;
-            self.set_meta(r, PeMeta { conn, expiry });
-            match conn {
-                Some(c) => {
-                    if let Some(cc) = self.conn_mut(c) {
-                        cc.pes.push(r);
-                    }
-                    self.send_keep_alive(r, true, now);
-                }
-                None => self.hs.schedule_timer(r, TimerKind::LifetimeExpiry, expiry),
-            }
-        }
-        self.enrp.counters.takeovers += 1;
-        self.enrp.counters.pes_taken_over += refs.len() as u64;
-        warn!(
-            "took over registrar {target:#010x}: home of its {} PE(s) now",
-            refs.len()
-        );
+        self.send_all(&msg, out, now);
+        self.remove_peer(i, hs, out, now);
+        let taken = hs.take_over(target, out, now);
+        self.counters.takeovers += 1;
+        self.counters.pes_taken_over += taken as u64;
+        warn!("took over registrar {target:#010x}: home of its {taken} PE(s) now");
     }
 
-    fn on_takeover_server(&mut self, sender: u32, target: u32, now: u64) {
+    fn on_takeover_server(
+        &mut self,
+        sender: u32,
+        target: u32,
+        hs: &mut impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
         if target == self.id {
             // Cut off for a while and declared dead. The PEs still associated here stay; the
             // ones the new home reached moved already. Audits reconcile the rest.
             warn!("registrar {sender:#010x} took over this registrar: announcing PRESENCE");
-            let msg = self.presence(0, false);
-            self.send_all(&msg, now);
+            let msg = self.presence(0, false, hs);
+            self.send_all(&msg, out, now);
             return;
         }
-        let refs: Vec<PeRef> = self.hs.owned(target).collect();
         info!(
             "registrar {sender:#010x} took over {target:#010x} ({} PE(s))",
-            refs.len()
+            hs.owned_count(target)
         );
         if let Some(t) = self.peer_index(target) {
-            self.remove_peer(t, now);
+            self.remove_peer(t, hs, out, now);
         }
-        for r in refs {
-            if self.meta_of(r).conn.is_none() {
-                self.hs.set_home(r, sender);
-            }
-        }
+        hs.hand_over(target, sender);
     }
 
     /// Forgets a peer (taken over). A configured address stays in the table, unnamed, so that
     /// a registrar restarted there is found again.
-    fn remove_peer(&mut self, i: usize, now: u64) {
-        let p = self.enrp.peers.swap_remove(i);
+    fn remove_peer(
+        &mut self,
+        i: usize,
+        hs: &mut impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let p = self.peers.swap_remove(i);
         if let Some((c, _)) = p.serving {
-            self.hs.sync_end(c);
+            hs.sync_end(c);
         }
         if let Some(conn) = p.conn {
-            self.close(conn);
+            out.close(conn);
         }
-        if self.enrp.mentor == Some(p.id) {
-            self.enrp.mentor = None;
+        if self.mentor == Some(p.id) {
+            self.mentor = None;
         }
-        if self.cfg.peer.contains(&p.addr) && !self.enrp.peers.iter().any(|q| q.addr == p.addr) {
-            self.enrp.peers.push(Peer::new(0, p.addr, now));
+        if self.cfg.peer.contains(&p.addr) && !self.peers.iter().any(|q| q.addr == p.addr) {
+            self.peers.push(Peer::new(0, p.addr, now));
         }
     }
 }
 
-/// When a registration life (seconds; below 1 = infinite) that starts at `now` runs out.
-pub(super) fn lifetime_expiry(life: i32, now: u64) -> u64 {
-    match u64::try_from(life) {
-        Ok(s) if s > 0 => now.saturating_add(s.saturating_mul(1000)),
-        _ => u64::MAX,
+/// Applies a peer's update, logging (rate-limited) one the handlespace refuses.
+fn apply_update(
+    hs: &mut impl HandlespaceView,
+    sender: u32,
+    action: UpdateAction,
+    pool_handle: PoolHandle,
+    pe: PoolElement,
+    out: &mut Conns,
+    now: Instant,
+) {
+    if let Err(e) = hs.apply_update(sender, action, pool_handle, pe, now)
+        && out.peer_log.allow(now)
+    {
+        warn!("HANDLE_UPDATE from {sender:#010x} refused: {e}");
     }
+}
+
+fn ms(ms: u64) -> Duration {
+    Duration::from_millis(ms)
 }

@@ -1,0 +1,864 @@
+//! ASAP (RFC 5352) in the registrar core: registration, deregistration, handle resolution,
+//! keep-alive supervision of the PEs this registrar is home for, ENDPOINT_UNREACHABLE reports
+//! and SERVER_ANNOUNCE. [`Asap`] owns the handlespace and what the registrar knows of each PE
+//! beyond it (the association it registered over, when its registration life ends).
+//!
+//! Every PE is bound to the connection it registered over (RFC 5355 §3: only that association
+//! may update or deregister it) and is removed when that connection closes. A change of a PE
+//! this registrar is home for goes to the peers through [`Enrp::update`]; ENRP reaches the
+//! handlespace only through [`HandlespaceView`], implemented here.
+
+use super::Instant;
+use super::conns::{Action, ConnId, Conns};
+use super::enrp::{Enrp, HandlespaceView};
+use super::limit::LogLimiter;
+use crate::config::Config;
+use crate::status::{Counters, PeStatus, PoolStatus};
+use bytes::Bytes;
+use rserpool_handlespace::{
+    Handlespace, PeRef, Registered, RegistrationError, SyncCursor, TimerKind,
+};
+use rserpool_wire::{
+    AsapMessage, CauseCode, DecodeError, EncodeError, ErrorCause, OperationError, PoolElement,
+    PoolEntry, PoolHandle, TransportAddress, UpdateAction,
+};
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{debug, info, warn};
+
+/// Why a PE left the handlespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Removal {
+    Deregistered,
+    KeepAliveTimeout,
+    ConnectionClosed,
+    Unreachable,
+    LifetimeExpired,
+}
+
+impl Removal {
+    fn describe(self) -> &'static str {
+        match self {
+            Self::Deregistered => "deregistered",
+            Self::KeepAliveTimeout => "no ENDPOINT_KEEP_ALIVE_ACK in time",
+            Self::ConnectionClosed => "its connection closed",
+            Self::Unreachable => "reported unreachable by pool users",
+            Self::LifetimeExpired => "registration life expired",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PeMeta {
+    /// The association the PE registered over; `None` for PEs learnt from peers (ENRP).
+    conn: Option<ConnId>,
+    /// When the registration life runs out; [`Instant::MAX`] = never.
+    expiry: Instant,
+}
+
+const NO_META: PeMeta = PeMeta {
+    conn: None,
+    expiry: Instant::MAX,
+};
+
+/// The handlespace as this registrar serves it over ASAP.
+pub(super) struct Asap {
+    cfg: Arc<Config>,
+    id: u32,
+    hs: Handlespace,
+    meta: Vec<PeMeta>,
+    /// When the next SERVER_ANNOUNCE is due, and its bytes.
+    announce: Option<(Instant, Bytes)>,
+    counters: Counters,
+    event_log: LogLimiter,
+    scratch: Vec<PeRef>,
+    expired: Vec<(PeRef, TimerKind)>,
+    report: Vec<ErrorCause>,
+}
+
+impl Asap {
+    pub(super) fn new(cfg: Arc<Config>, id: u32, now: Instant) -> Self {
+        let hs = Handlespace::new(rserpool_handlespace::Config {
+            max_increment: cfg.max_increment,
+            max_pools: cfg.max_pools,
+            max_pes_per_pool: cfg.max_pes_per_pool,
+            max_pool_handle_len: cfg.max_pool_handle_len,
+            seed: u64::from(id) ^ now.as_millis().rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15,
+        });
+        Self {
+            cfg,
+            id,
+            hs,
+            meta: Vec::new(),
+            announce: None,
+            counters: Counters::default(),
+            event_log: LogLimiter::default(),
+            scratch: Vec::new(),
+            expired: Vec::new(),
+            report: Vec::new(),
+        }
+    }
+
+    pub(super) fn handlespace(&self) -> &Handlespace {
+        &self.hs
+    }
+
+    pub(super) fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Starts sending SERVER_ANNOUNCE every T6, naming `asap` as where to reach this registrar.
+    pub(super) fn enable_announce(&mut self, asap: SocketAddr, now: Instant) {
+        let msg = AsapMessage::ServerAnnounce {
+            server_id: self.id,
+            transports: vec![TransportAddress::tcp(asap)],
+        };
+        match msg.to_bytes() {
+            Ok(b) => self.announce = Some((now, Bytes::from(b))),
+            Err(e) => warn!("cannot encode SERVER_ANNOUNCE: {e}"),
+        }
+    }
+
+    /// The connection closed: the PEs registered over it leave.
+    pub(super) fn connection_closed(
+        &mut self,
+        pes: Vec<PeRef>,
+        out: &mut Conns,
+        enrp: &mut Enrp,
+        now: Instant,
+    ) {
+        for r in pes {
+            // Unbind first so remove_pe does not look for the connection.
+            self.meta[r.index() as usize].conn = None;
+            self.remove_pe(r, Removal::ConnectionClosed, out, enrp, now);
+        }
+    }
+
+    /// The earliest supervision timer or announce.
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
+        let timer = self.hs.next_timer().map(Instant::from_millis);
+        let announce = self.announce.as_ref().map(|a| a.0);
+        timer.into_iter().chain(announce).min()
+    }
+
+    /// Keep-alives, their timeouts, lifetime expiry, announces (none while ENRP synchronises
+    /// at start).
+    pub(super) fn handle_timeout(&mut self, out: &mut Conns, enrp: &mut Enrp, now: Instant) {
+        let mut expired = std::mem::take(&mut self.expired);
+        self.hs.expire_timers(now.as_millis(), &mut expired);
+        for (r, kind) in expired.drain(..) {
+            match kind {
+                TimerKind::KeepAliveTransmission => self.send_keep_alive(r, false, out, now),
+                TimerKind::KeepAliveTimeout => {
+                    self.remove_pe(r, Removal::KeepAliveTimeout, out, enrp, now)
+                }
+                TimerKind::LifetimeExpiry => {
+                    let m = self.meta[r.index() as usize];
+                    if let Some(conn) = m.conn {
+                        let e = &self.hs.pe(r).element;
+                        let msg = AsapMessage::DeregistrationResponse {
+                            pool_handle: self.hs.pool_handle_of(r).clone(),
+                            pe_id: e.id,
+                            error: None,
+                        };
+                        out.send_asap(conn, &msg, now);
+                    }
+                    self.remove_pe(r, Removal::LifetimeExpired, out, enrp, now);
+                }
+            }
+        }
+        self.expired = expired;
+        if let Some((next, data)) = &mut self.announce
+            && *next <= now
+            && !enrp.is_starting()
+        {
+            out.push(Action::Announce(data.clone()));
+            *next = now + Duration::from_millis(self.cfg.announce_interval_ms.max(1));
+        }
+    }
+
+    /// An ASAP message on connection `id`.
+    pub(super) fn handle_message(
+        &mut self,
+        id: ConnId,
+        buf: &[u8],
+        out: &mut Conns,
+        enrp: &mut Enrp,
+        now: Instant,
+    ) {
+        let mut report = std::mem::take(&mut self.report);
+        report.clear();
+        let decoded = AsapMessage::decode_with_report(buf, &mut report);
+        if !report.is_empty() {
+            let msg = AsapMessage::Error {
+                error: OperationError {
+                    causes: report.clone(),
+                },
+            };
+            out.send_asap(id, &msg, now);
+        }
+        self.report = report;
+        let msg = match decoded {
+            Ok(m) => m,
+            Err(e) => return out.reject_malformed(id, &e, now),
+        };
+        match msg {
+            AsapMessage::Registration {
+                pool_handle,
+                pool_element,
+            } => self.on_registration(id, pool_handle, pool_element, out, enrp, now),
+            AsapMessage::Deregistration { pool_handle, pe_id } => {
+                self.on_deregistration(id, pool_handle, pe_id, out, enrp, now)
+            }
+            AsapMessage::HandleResolution {
+                pool_handle, items, ..
+            } => self.on_handle_resolution(id, pool_handle, items, out, now),
+            AsapMessage::EndpointKeepAliveAck { pool_handle, pe_id } => {
+                self.on_keep_alive_ack(id, &pool_handle, pe_id, out, now)
+            }
+            AsapMessage::EndpointUnreachable { pool_handle, pe_id } => {
+                self.on_unreachable(id, &pool_handle, pe_id, out, enrp, now)
+            }
+            AsapMessage::Error { error } => {
+                if out.peer_log.allow(now)
+                    && let Some(peer) = out.peer(id)
+                {
+                    let causes: Vec<String> =
+                        error.causes.iter().map(|c| c.code.to_string()).collect();
+                    warn!("{peer} reports an error: {}", causes.join(", "));
+                }
+            }
+            other => {
+                // A message a registrar never receives over ASAP (e.g. a response).
+                let cause = ErrorCause::with_info(
+                    CauseCode::UNRECOGNIZED_MESSAGE,
+                    Bytes::copy_from_slice(buf.get(..4).unwrap_or(buf)),
+                );
+                let err = DecodeError {
+                    kind: rserpool_wire::DecodeErrorKind::UnknownMessage(other.msg_type()),
+                    cause: None,
+                };
+                out.protocol_error(id, &err, Some(cause), now);
+            }
+        }
+    }
+
+    fn meta_of(&self, r: PeRef) -> PeMeta {
+        self.meta
+            .get(r.index() as usize)
+            .copied()
+            .unwrap_or(NO_META)
+    }
+
+    fn set_meta(&mut self, r: PeRef, m: PeMeta) {
+        let i = r.index() as usize;
+        if self.meta.len() <= i {
+            self.meta.resize(i + 1, NO_META);
+        }
+        self.meta[i] = m;
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reject_registration(
+        &mut self,
+        id: ConnId,
+        pool_handle: PoolHandle,
+        pe_id: u32,
+        cause: ErrorCause,
+        why: &dyn std::fmt::Display,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        self.counters.registrations_rejected += 1;
+        if out.peer_log.allow(now)
+            && let Some(peer) = out.peer(id)
+        {
+            warn!("{peer}: registration of PE {pe_id:#010x} in pool {pool_handle} rejected: {why}");
+        }
+        let msg = AsapMessage::RegistrationResponse {
+            reject: true,
+            pool_handle,
+            pe_id,
+            error: Some(OperationError::single(cause)),
+        };
+        out.send_asap(id, &msg, now);
+    }
+
+    fn on_registration(
+        &mut self,
+        id: ConnId,
+        pool_handle: PoolHandle,
+        mut pe: PoolElement,
+        out: &mut Conns,
+        enrp: &mut Enrp,
+        now: Instant,
+    ) {
+        let Some(c) = out.get(id) else { return };
+        let peer = c.peer;
+        let pes_here = c.pes.len();
+        let pe_id = pe.id;
+        let existing = self.hs.find(pool_handle.as_bytes(), pe_id);
+        // Bound to this association already (a re-registration over it).
+        let mut bound = false;
+        if let Some(r) = existing
+            && let Some(owner) = self.meta_of(r).conn
+        {
+            bound = owner == id;
+            if !bound {
+                // RFC 5355: only the registering association may change a PE. If that
+                // association is dead, the probe removes the old entry and a retry succeeds.
+                self.probe(r, out, now);
+                let cause = ErrorCause::new(CauseCode::NON_UNIQUE_PE_IDENTIFIER);
+                let why = "the PE identifier is registered over another association";
+                self.reject_registration(id, pool_handle, pe_id, cause, &why, out, now);
+                return;
+            }
+        }
+        if !bound && pes_here >= self.cfg.max_pes_per_connection {
+            let cause = ErrorCause::new(CauseCode::LACK_OF_RESOURCES);
+            let why = format!(
+                "limit of {} PEs per connection reached",
+                self.cfg.max_pes_per_connection
+            );
+            self.reject_registration(id, pool_handle, pe_id, cause, &why, out, now);
+            return;
+        }
+        pe.home_registrar = self.id;
+        pe.asap_transport = Some(TransportAddress::tcp(asap_transport(
+            pe.asap_transport.as_ref(),
+            peer,
+        )));
+        // RFC 5354: seconds; -1 (or any value below 1) means infinite.
+        let expiry = lifetime_expiry(pe.registration_life, now);
+        let result = match existing {
+            Some(r) => self
+                .hs
+                .reregister(r, pe, now.as_millis())
+                .map(|()| Registered { pe: r, new: false }),
+            None => self.hs.register(&pool_handle, pe, now.as_millis()),
+        };
+        match result {
+            Ok(reg) => {
+                let r = reg.pe;
+                self.set_meta(
+                    r,
+                    PeMeta {
+                        conn: Some(id),
+                        expiry,
+                    },
+                );
+                if !bound && let Some(c) = out.get_mut(id) {
+                    // New here, or known from a peer and now registered with us.
+                    c.pes.push(r);
+                }
+                if reg.new {
+                    self.counters.registrations += 1;
+                    if self.event_log.allow(now) {
+                        info!("PE {pe_id:#010x} registered in pool {pool_handle} from {peer}");
+                    }
+                } else {
+                    self.counters.reregistrations += 1;
+                    debug!("PE {pe_id:#010x} of pool {pool_handle} re-registered");
+                }
+                self.schedule_supervision(r, now);
+                let element = &self.hs.pe(r).element;
+                enrp.update(UpdateAction::AddPe, &pool_handle, element, out, now);
+                let msg = AsapMessage::RegistrationResponse {
+                    reject: false,
+                    pool_handle,
+                    pe_id,
+                    error: None,
+                };
+                out.send_asap(id, &msg, now);
+            }
+            Err(e) => {
+                let cause = e.cause();
+                self.reject_registration(id, pool_handle, pe_id, cause, &e, out, now);
+            }
+        }
+    }
+
+    fn on_deregistration(
+        &mut self,
+        id: ConnId,
+        pool_handle: PoolHandle,
+        pe_id: u32,
+        out: &mut Conns,
+        enrp: &mut Enrp,
+        now: Instant,
+    ) {
+        let mut error = None;
+        if let Some(r) = self.hs.find(pool_handle.as_bytes(), pe_id) {
+            if self.meta_of(r).conn == Some(id) {
+                self.remove_pe(r, Removal::Deregistered, out, enrp, now);
+                self.counters.deregistrations += 1;
+            } else {
+                self.counters.deregistrations_rejected += 1;
+                if out.peer_log.allow(now)
+                    && let Some(peer) = out.peer(id)
+                {
+                    warn!(
+                        "{peer}: deregistration of PE {pe_id:#010x} in pool {pool_handle} refused: registered over another association"
+                    );
+                }
+                error = Some(OperationError::single(ErrorCause::new(
+                    CauseCode::REJECTED_SECURITY,
+                )));
+            }
+        }
+        // Deregistering an unknown PE succeeds: the result the PE wants already holds.
+        let msg = AsapMessage::DeregistrationResponse {
+            pool_handle,
+            pe_id,
+            error,
+        };
+        out.send_asap(id, &msg, now);
+    }
+
+    fn refuse_resolution(
+        id: ConnId,
+        pool_handle: PoolHandle,
+        code: CauseCode,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let msg = AsapMessage::HandleResolutionResponse {
+            accept: false,
+            pool_handle,
+            policy: None,
+            pool_elements: Vec::new(),
+            error: Some(OperationError::single(ErrorCause::new(code))),
+        };
+        out.send_asap(id, &msg, now);
+    }
+
+    fn on_handle_resolution(
+        &mut self,
+        id: ConnId,
+        pool_handle: PoolHandle,
+        items: Option<u32>,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let (max_hr_rate, default_items, max_items) = (
+            self.cfg.max_hr_rate,
+            self.cfg.max_hres_items,
+            self.cfg.max_hres_items_requested,
+        );
+        let Some(c) = out.get_mut(id) else { return };
+        if !c.hr_bucket.take(max_hr_rate, now) {
+            let peer = c.peer;
+            self.counters.resolutions_rate_limited += 1;
+            if out.peer_log.allow(now) {
+                warn!(
+                    "{peer}: handle resolution refused, more than {max_hr_rate}/s from this pool user"
+                );
+            }
+            Self::refuse_resolution(id, pool_handle, CauseCode::REJECTED_SECURITY, out, now);
+            return;
+        }
+        self.counters.resolutions += 1;
+        let mut n = items.unwrap_or(default_items).min(max_items) as usize;
+        let scratch = &mut self.scratch;
+        scratch.clear();
+        let found = self.hs.resolve(pool_handle.as_bytes(), n, scratch);
+        if !found || scratch.is_empty() {
+            self.counters.resolutions_unknown_pool += 1;
+            Self::refuse_resolution(id, pool_handle, CauseCode::UNKNOWN_POOL_HANDLE, out, now);
+            return;
+        }
+        // Encoded straight from the handlespace into the connection's buffer. A large pool may
+        // not fit one message: halve the list until it does.
+        let Some(buf) = out.buffer(id) else { return };
+        let hs = &self.hs;
+        let policy = &hs.pe(scratch[0]).element.policy;
+        let mark = buf.len();
+        buf.reserve(64 + 96 * n.min(scratch.len()));
+        loop {
+            let pes = scratch[..n.min(scratch.len())]
+                .iter()
+                .map(|&r| &hs.pe(r).element);
+            match AsapMessage::encode_resolution(buf, &pool_handle, Some(policy), pes) {
+                Ok(()) => break,
+                Err(EncodeError::TooLarge { .. }) if n > 1 => {
+                    buf.truncate(mark);
+                    n = n.min(scratch.len()) / 2;
+                }
+                Err(e) => {
+                    buf.truncate(mark);
+                    warn!("cannot encode HANDLE_RESOLUTION_RESPONSE: {e}");
+                    return;
+                }
+            }
+        }
+        out.written(id, now);
+    }
+
+    fn on_keep_alive_ack(
+        &mut self,
+        id: ConnId,
+        pool_handle: &PoolHandle,
+        pe_id: u32,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let Some(r) = self.hs.find(pool_handle.as_bytes(), pe_id) else {
+            return;
+        };
+        if self.meta_of(r).conn != Some(id) {
+            if out.peer_log.allow(now)
+                && let Some(peer) = out.peer(id)
+            {
+                warn!(
+                    "{peer}: ignored ENDPOINT_KEEP_ALIVE_ACK for PE {pe_id:#010x} of another association"
+                );
+            }
+            return;
+        }
+        self.counters.keep_alive_acks += 1;
+        self.hs.heard(r, now.as_millis());
+        if matches!(self.hs.timer(r), Some((TimerKind::KeepAliveTimeout, _))) {
+            self.schedule_supervision(r, now);
+        }
+    }
+
+    fn on_unreachable(
+        &mut self,
+        id: ConnId,
+        pool_handle: &PoolHandle,
+        pe_id: u32,
+        out: &mut Conns,
+        enrp: &mut Enrp,
+        now: Instant,
+    ) {
+        let rate = self.cfg.max_eu_rate;
+        let Some(c) = out.get_mut(id) else { return };
+        if !c.eu_bucket.take(rate, now) {
+            let peer = c.peer;
+            self.counters.unreachable_rate_limited += 1;
+            if out.peer_log.allow(now) {
+                warn!(
+                    "{peer}: ENDPOINT_UNREACHABLE ignored, more than {rate}/s from this pool user"
+                );
+            }
+            return;
+        }
+        self.counters.unreachable_reports += 1;
+        let Some(r) = self.hs.find(pool_handle.as_bytes(), pe_id) else {
+            return;
+        };
+        let n = self.hs.report_unreachable(r);
+        if n >= self.cfg.max_bad_pe_reports {
+            self.remove_pe(r, Removal::Unreachable, out, enrp, now);
+        } else {
+            self.probe(r, out, now);
+        }
+    }
+
+    /// Next supervision step of a home PE: a keep-alive after the interval, or the end of its
+    /// registration life if that comes first.
+    fn schedule_supervision(&mut self, r: PeRef, now: Instant) {
+        let m = self.meta_of(r);
+        let next = now + Duration::from_millis(self.cfg.keep_alive_interval_ms);
+        if m.conn.is_none() || m.expiry <= next {
+            self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
+        } else {
+            self.schedule(r, TimerKind::KeepAliveTransmission, next);
+        }
+    }
+
+    fn schedule(&mut self, r: PeRef, kind: TimerKind, at: Instant) {
+        self.hs.schedule_timer(r, kind, at.as_millis());
+    }
+
+    /// Sends an ENDPOINT_KEEP_ALIVE now unless one is already outstanding.
+    fn probe(&mut self, r: PeRef, out: &mut Conns, now: Instant) {
+        if !matches!(self.hs.timer(r), Some((TimerKind::KeepAliveTimeout, _))) {
+            self.send_keep_alive(r, false, out, now);
+        }
+    }
+
+    /// `home`: the H bit, telling the PE that this registrar is its home now (takeover).
+    fn send_keep_alive(&mut self, r: PeRef, home: bool, out: &mut Conns, now: Instant) {
+        let m = self.meta_of(r);
+        let Some(conn) = m.conn else {
+            self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
+            return;
+        };
+        let msg = AsapMessage::EndpointKeepAlive {
+            home,
+            server_id: self.id,
+            pool_handle: self.hs.pool_handle_of(r).clone(),
+            pe_id: Some(self.hs.pe(r).element.id),
+        };
+        self.counters.keep_alives_sent += 1;
+        out.send_asap(conn, &msg, now);
+        let timeout = now + Duration::from_millis(self.cfg.keep_alive_timeout_ms);
+        if m.expiry <= timeout {
+            self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
+        } else {
+            self.schedule(r, TimerKind::KeepAliveTimeout, timeout);
+        }
+    }
+
+    fn remove_pe(
+        &mut self,
+        r: PeRef,
+        why: Removal,
+        out: &mut Conns,
+        enrp: &mut Enrp,
+        now: Instant,
+    ) {
+        let m = self.meta_of(r);
+        if let Some(conn) = m.conn
+            && let Some(c) = out.get_mut(conn)
+            && let Some(pos) = c.pes.iter().position(|&x| x == r)
+        {
+            c.pes.swap_remove(pos);
+        }
+        self.set_meta(r, NO_META);
+        let handle = self.hs.pool_handle_of(r).clone();
+        let pe = self.hs.remove(r);
+        if pe.home_registrar == self.id {
+            enrp.update(UpdateAction::DelPe, &handle, &pe, out, now);
+        }
+        match why {
+            Removal::Deregistered => {}
+            Removal::KeepAliveTimeout => self.counters.removed_keep_alive_timeout += 1,
+            Removal::ConnectionClosed => self.counters.removed_connection_closed += 1,
+            Removal::Unreachable => self.counters.removed_unreachable += 1,
+            Removal::LifetimeExpired => self.counters.removed_lifetime_expired += 1,
+        }
+        if self.event_log.allow(now) {
+            info!(
+                "PE {:#010x} removed from pool {handle}: {}",
+                pe.id,
+                why.describe()
+            );
+        }
+    }
+
+    /// The pools as `rserpool status` shows them.
+    pub(super) fn pool_status(&self, now: Instant) -> Vec<PoolStatus> {
+        let mut pools: Vec<PoolStatus> = self
+            .hs
+            .pools()
+            .map(|(handle, _, _)| {
+                let mut pes: Vec<PeStatus> = self
+                    .hs
+                    .members(handle.as_bytes())
+                    .map(|r| {
+                        let e = self.hs.pe(r);
+                        PeStatus {
+                            id: e.element.id,
+                            transport: e.element.user_transport.to_string(),
+                            policy: e.element.policy.to_string(),
+                            home_registrar: e.element.home_registrar,
+                            registration_life: e.element.registration_life,
+                            ms_since_heard: now.as_millis().saturating_sub(e.last_heard),
+                            unreachable_reports: e.unreachable_reports,
+                            asap_transport: e
+                                .element
+                                .asap_transport
+                                .as_ref()
+                                .map(|t| t.to_string()),
+                        }
+                    })
+                    .collect();
+                pes.sort_by_key(|p| p.id);
+                let policy = pes
+                    .first()
+                    .and_then(|p| p.policy.split(' ').next())
+                    .unwrap_or("")
+                    .to_string();
+                PoolStatus {
+                    handle: handle.to_string(),
+                    policy,
+                    pes,
+                }
+            })
+            .collect();
+        pools.sort_by(|a, b| a.handle.cmp(&b.handle));
+        pools
+    }
+}
+
+impl HandlespaceView for Asap {
+    fn checksum(&self, owner: u32) -> u16 {
+        self.hs.checksum(owner)
+    }
+
+    fn owned_count(&self, owner: u32) -> usize {
+        self.hs.owned_count(owner)
+    }
+
+    fn len(&self) -> usize {
+        self.hs.len()
+    }
+
+    fn owned_pes(&self, owner: u32) -> BTreeSet<(PoolHandle, u32)> {
+        self.hs
+            .owned(owner)
+            .map(|r| (self.hs.pool_handle_of(r).clone(), self.hs.pe(r).element.id))
+            .collect()
+    }
+
+    fn apply_update(
+        &mut self,
+        sender: u32,
+        action: UpdateAction,
+        pool_handle: PoolHandle,
+        pe: PoolElement,
+        now: Instant,
+    ) -> Result<(), RegistrationError> {
+        let existing = self.hs.find(pool_handle.as_bytes(), pe.id);
+        if let Some(r) = existing
+            && self.meta_of(r).conn.is_some()
+        {
+            // Ours, with a live association: that association decides.
+            debug!(
+                "HANDLE_UPDATE from {sender:#010x} for our PE {:#010x} ignored",
+                pe.id
+            );
+            return Ok(());
+        }
+        match action {
+            UpdateAction::AddPe => {
+                let expiry = lifetime_expiry(pe.registration_life, now);
+                let r = match existing {
+                    Some(r) => self.hs.reregister(r, pe, now.as_millis()).map(|()| r),
+                    None => self
+                        .hs
+                        .register(&pool_handle, pe, now.as_millis())
+                        .map(|reg| reg.pe),
+                }?;
+                self.set_meta(r, PeMeta { conn: None, expiry });
+                self.schedule(r, TimerKind::LifetimeExpiry, expiry);
+            }
+            UpdateAction::DelPe => {
+                // Only the PE's home removes it: a late DEL_PE from a former home must not
+                // remove a PE that has moved on.
+                if let Some(r) = existing
+                    && self.hs.pe(r).element.home_registrar == sender
+                {
+                    self.set_meta(r, NO_META);
+                    self.hs.remove(r);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_stale(&mut self, owner: u32, marked: BTreeSet<(PoolHandle, u32)>) -> usize {
+        let mut removed = 0;
+        for (handle, pe_id) in marked {
+            if let Some(r) = self.hs.find(handle.as_bytes(), pe_id)
+                && self.hs.pe(r).element.home_registrar == owner
+                && self.meta_of(r).conn.is_none()
+            {
+                self.set_meta(r, NO_META);
+                self.hs.remove(r);
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    fn sync_begin(&mut self, owner: Option<u32>) -> SyncCursor {
+        self.hs.sync_begin(owner)
+    }
+
+    fn sync_end(&mut self, cursor: SyncCursor) {
+        self.hs.sync_end(cursor);
+    }
+
+    fn table_block(&mut self, cursor: SyncCursor, max: usize) -> (Vec<PoolEntry>, bool) {
+        let mut refs: Vec<PeRef> = Vec::new();
+        let more = self.hs.sync_next(cursor, max, &mut refs);
+        let mut pools: Vec<PoolEntry> = Vec::new();
+        let mut by_pool: HashMap<PoolHandle, usize> = HashMap::new();
+        for r in refs {
+            let handle = self.hs.pool_handle_of(r);
+            let at = *by_pool.entry(handle.clone()).or_insert_with(|| {
+                pools.push(PoolEntry {
+                    pool_handle: handle.clone(),
+                    pool_elements: Vec::new(),
+                });
+                pools.len() - 1
+            });
+            pools[at].pool_elements.push(self.hs.pe(r).element.clone());
+        }
+        (pools, more)
+    }
+
+    fn take_over(&mut self, target: u32, out: &mut Conns, now: Instant) -> usize {
+        let refs: Vec<PeRef> = self.hs.owned(target).collect();
+        // One association per PE address, however many PEs share it.
+        let mut conns: HashMap<SocketAddr, ConnId> = HashMap::new();
+        for &r in &refs {
+            self.hs.set_home(r, self.id);
+            let addr = self
+                .hs
+                .pe(r)
+                .element
+                .asap_transport
+                .as_ref()
+                .and_then(|t| t.socket_addrs().next());
+            let conn = match addr {
+                Some(a) => match conns.get(&a) {
+                    Some(&c) => Some(c),
+                    None => {
+                        let c = out.connect(a, false, now);
+                        if let Some(c) = c {
+                            conns.insert(a, c);
+                        }
+                        c
+                    }
+                },
+                None => None,
+            };
+            let expiry = self.meta_of(r).expiry;
+            self.set_meta(r, PeMeta { conn, expiry });
+            match conn {
+                Some(c) => {
+                    if let Some(cc) = out.get_mut(c) {
+                        cc.pes.push(r);
+                    }
+                    self.send_keep_alive(r, true, out, now);
+                }
+                None => self.schedule(r, TimerKind::LifetimeExpiry, expiry),
+            }
+        }
+        refs.len()
+    }
+
+    fn hand_over(&mut self, target: u32, home: u32) {
+        let refs: Vec<PeRef> = self.hs.owned(target).collect();
+        for r in refs {
+            if self.meta_of(r).conn.is_none() {
+                self.hs.set_home(r, home);
+            }
+        }
+    }
+}
+
+/// When a registration life (seconds; below 1 = infinite) that starts at `now` runs out.
+fn lifetime_expiry(life: i32, now: Instant) -> Instant {
+    match u64::try_from(life) {
+        Ok(s) if s > 0 => now + Duration::from_secs(s),
+        _ => Instant::MAX,
+    }
+}
+
+/// Where a new home reaches a PE after a takeover: the ASAP transport the PE announced (its
+/// takeover listener; a wildcard address means the one it connects from), else the address of
+/// its association, which only serves while that association lives.
+fn asap_transport(announced: Option<&TransportAddress>, peer: SocketAddr) -> SocketAddr {
+    match announced.and_then(|t| t.socket_addrs().next()) {
+        Some(a) if a.port() != 0 && a.ip().is_unspecified() => SocketAddr::new(peer.ip(), a.port()),
+        Some(a) if a.port() != 0 => a,
+        _ => peer,
+    }
+}

@@ -1,0 +1,324 @@
+//! The registrar's connections and the outbox: everything the driver must do, as [`Action`]s.
+//!
+//! A connection carries either ASAP (an association with a pool element or pool user) or ENRP
+//! (to or from a peer registrar). Each has an input framer and an output buffer. Messages are
+//! encoded straight into the output buffer and the driver writes from there
+//! ([`Registrar::output`](super::Registrar::output), then
+//! [`consume_output`](super::Registrar::consume_output) with what the socket took), so a message
+//! is never copied between encoding and the socket; [`Action::Transmit`] only says that a buffer
+//! has bytes. Opening, closing and datagrams travel in the same queue, in the order the core
+//! decided them (quinn-proto's `poll_transmit`/`poll` in one).
+
+use super::Instant;
+use super::limit::{LogLimiter, TokenBucket};
+use crate::config::Config;
+use crate::status::Counters;
+use bytes::Bytes;
+use rserpool_handlespace::PeRef;
+use rserpool_wire::{
+    AsapMessage, DecodeError, EnrpBody, EnrpMessage, ErrorCause, Framer, OperationError,
+};
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tracing::warn;
+
+/// A connection (association) of the registrar, named by the core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(u32);
+
+impl ConnId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    /// The connection at `index` (drivers use the index as an event token).
+    pub fn from_index(index: usize) -> Self {
+        Self(index as u32)
+    }
+}
+
+/// What the core asks of its driver, in order; see [`Registrar::poll_action`](super::Registrar::poll_action).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// The connection's output buffer has bytes: write [`Registrar::output`](super::Registrar::output)
+    /// and report what the socket took with [`consume_output`](super::Registrar::consume_output).
+    /// Given once until the buffer is empty again; a socket that blocks is the driver's to
+    /// retry when it becomes writable.
+    Transmit(ConnId),
+    /// Open a TCP connection to the address for this connection (ENRP to a peer registrar,
+    /// ASAP to a PE taken over). Report a failure with
+    /// [`handle_close`](super::Registrar::handle_close); bytes queued meanwhile are written
+    /// once it is up.
+    Connect(ConnId, SocketAddr),
+    /// Close the connection once its pending output is written, then report
+    /// [`handle_close`](super::Registrar::handle_close).
+    Close(ConnId),
+    /// A SERVER_ANNOUNCE to send over UDP to every announce target.
+    Announce(Bytes),
+    /// A PRESENCE to send over UDP to the ENRP multicast group.
+    Presence(Bytes),
+}
+
+pub(super) struct Conn {
+    pub(super) peer: SocketAddr,
+    /// An ENRP connection (to or from another registrar), not ASAP.
+    pub(super) enrp: bool,
+    pub(super) framer: Framer,
+    out: Vec<u8>,
+    /// PEs registered over this connection.
+    pub(super) pes: Vec<PeRef>,
+    pub(super) hr_bucket: TokenBucket,
+    pub(super) eu_bucket: TokenBucket,
+    closing: bool,
+    /// An [`Action::Transmit`] is out and the buffer has not been emptied since.
+    dirty: bool,
+}
+
+/// The connection table and the outbox.
+pub(super) struct Conns {
+    cfg: Arc<Config>,
+    /// Our Server Identifier, the sender of ENRP ERRORs.
+    server_id: u32,
+    slots: Vec<Option<Conn>>,
+    free: Vec<u32>,
+    count: usize,
+    actions: VecDeque<Action>,
+    /// Log lines caused by peers (bad input, limits), rate-limited together.
+    pub(super) peer_log: LogLimiter,
+    refused: u64,
+    slow_closed: u64,
+    protocol_errors: u64,
+}
+
+impl Conns {
+    pub(super) fn new(cfg: Arc<Config>, server_id: u32) -> Self {
+        Self {
+            cfg,
+            server_id,
+            slots: Vec::new(),
+            free: Vec::new(),
+            count: 0,
+            actions: VecDeque::new(),
+            peer_log: LogLimiter::default(),
+            refused: 0,
+            slow_closed: 0,
+            protocol_errors: 0,
+        }
+    }
+
+    /// A new connection with `peer`; `None` when the connection limit is reached.
+    pub(super) fn open(&mut self, peer: SocketAddr, enrp: bool, now: Instant) -> Option<ConnId> {
+        if self.count >= self.cfg.max_connections {
+            self.refused += 1;
+            if self.peer_log.allow(now) {
+                warn!(
+                    "connection from {peer} refused: limit of {} connections reached",
+                    self.cfg.max_connections
+                );
+            }
+            return None;
+        }
+        let conn = Conn {
+            peer,
+            enrp,
+            framer: Framer::new(self.cfg.max_message_size),
+            out: Vec::new(),
+            pes: Vec::new(),
+            hr_bucket: TokenBucket::full(self.cfg.max_hr_rate, now),
+            eu_bucket: TokenBucket::full(self.cfg.max_eu_rate, now),
+            closing: false,
+            dirty: false,
+        };
+        let idx = match self.free.pop() {
+            Some(i) => {
+                self.slots[i as usize] = Some(conn);
+                i
+            }
+            None => {
+                self.slots.push(Some(conn));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.count += 1;
+        Some(ConnId(idx))
+    }
+
+    /// An outgoing connection to `addr`, for the driver to open.
+    pub(super) fn connect(&mut self, addr: SocketAddr, enrp: bool, now: Instant) -> Option<ConnId> {
+        let id = self.open(addr, enrp, now)?;
+        self.actions.push_back(Action::Connect(id, addr));
+        Some(id)
+    }
+
+    /// Forgets a connection the driver closed.
+    pub(super) fn remove(&mut self, id: ConnId) -> Option<Conn> {
+        let c = self.slots.get_mut(id.index()).and_then(Option::take)?;
+        self.count -= 1;
+        self.free.push(id.0);
+        Some(c)
+    }
+
+    pub(super) fn get(&self, id: ConnId) -> Option<&Conn> {
+        self.slots.get(id.index()).and_then(Option::as_ref)
+    }
+
+    pub(super) fn get_mut(&mut self, id: ConnId) -> Option<&mut Conn> {
+        self.slots.get_mut(id.index()).and_then(Option::as_mut)
+    }
+
+    /// The connection, unless it is closing (then it neither reads nor sends any more).
+    pub(super) fn live_mut(&mut self, id: ConnId) -> Option<&mut Conn> {
+        self.get_mut(id).filter(|c| !c.closing)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.count
+    }
+
+    pub(super) fn is_enrp(&self, id: ConnId) -> bool {
+        self.get(id).is_some_and(|c| c.enrp)
+    }
+
+    pub(super) fn peer(&self, id: ConnId) -> Option<SocketAddr> {
+        self.get(id).map(|c| c.peer)
+    }
+
+    /// Asks the driver to close the connection after its pending output.
+    pub(super) fn close(&mut self, id: ConnId) {
+        if let Some(c) = self.get_mut(id)
+            && !c.closing
+        {
+            c.closing = true;
+            self.actions.push_back(Action::Close(id));
+        }
+    }
+
+    /// The output buffer of a live connection, to encode into; call
+    /// [`written`](Self::written) after.
+    pub(super) fn buffer(&mut self, id: ConnId) -> Option<&mut Vec<u8>> {
+        self.live_mut(id).map(|c| &mut c.out)
+    }
+
+    /// Bookkeeping after output was queued: tell the driver, close a connection that does not
+    /// read.
+    pub(super) fn written(&mut self, id: ConnId, now: Instant) {
+        let max_pending = self.cfg.max_pending_bytes;
+        let Some(c) = self.get_mut(id) else { return };
+        let over = c.out.len() > max_pending;
+        let peer = c.peer;
+        if !c.dirty {
+            c.dirty = true;
+            self.actions.push_back(Action::Transmit(id));
+        }
+        if over {
+            self.slow_closed += 1;
+            if self.peer_log.allow(now) {
+                warn!("{peer}: closing, more than {max_pending} bytes queued and not read");
+            }
+            self.close(id);
+        }
+    }
+
+    pub(super) fn send_asap(&mut self, id: ConnId, msg: &AsapMessage, now: Instant) {
+        let Some(out) = self.buffer(id) else { return };
+        // Most answers are small: one allocation instead of a chain of doublings.
+        out.reserve(64);
+        if let Err(e) = msg.encode(out) {
+            warn!("cannot encode {}: {e}", msg.name());
+            return;
+        }
+        self.written(id, now);
+    }
+
+    pub(super) fn send_enrp(&mut self, id: ConnId, msg: &EnrpMessage, now: Instant) {
+        let Some(out) = self.buffer(id) else { return };
+        if let Err(e) = msg.encode(out) {
+            warn!("cannot encode {}: {e}", msg.body.name());
+            return;
+        }
+        self.written(id, now);
+    }
+
+    /// Queues bytes encoded once for several connections.
+    pub(super) fn send_bytes(&mut self, id: ConnId, bytes: &[u8], now: Instant) {
+        let Some(out) = self.buffer(id) else { return };
+        out.extend_from_slice(bytes);
+        self.written(id, now);
+    }
+
+    /// Counts, logs (rate-limited) and answers a malformed message with the RFC cause: an ASAP
+    /// ERROR, or on a connection between registrars an ENRP ERROR (an ASAP message there would
+    /// itself be malformed, and the two registrars would answer each other forever).
+    pub(super) fn protocol_error(
+        &mut self,
+        id: ConnId,
+        err: &DecodeError,
+        cause: Option<ErrorCause>,
+        now: Instant,
+    ) {
+        self.protocol_errors += 1;
+        let enrp = self.is_enrp(id);
+        let peer = self.peer(id);
+        if self.peer_log.allow(now)
+            && let Some(peer) = peer
+        {
+            let what = if enrp { "ENRP" } else { "ASAP" };
+            warn!("{peer}: bad {what} message: {err}");
+        }
+        let Some(cause) = cause else { return };
+        let error = OperationError::single(cause);
+        if enrp {
+            // The connection may be one we only read from; the peer reads every ENRP
+            // connection, so it still arrives.
+            let msg = EnrpMessage {
+                sender: self.server_id,
+                receiver: 0,
+                body: EnrpBody::Error { error },
+            };
+            self.send_enrp(id, &msg, now);
+        } else {
+            self.send_asap(id, &AsapMessage::Error { error }, now);
+        }
+    }
+
+    /// A message that could not be decoded: answered, and the connection closed if the
+    /// framing is lost.
+    pub(super) fn reject_malformed(&mut self, id: ConnId, err: &DecodeError, now: Instant) {
+        self.protocol_error(id, err, err.cause.clone(), now);
+        if err.loses_framing() {
+            self.close(id);
+        }
+    }
+
+    /// A SERVER_ANNOUNCE or PRESENCE datagram for the driver.
+    pub(super) fn push(&mut self, action: Action) {
+        self.actions.push_back(action);
+    }
+
+    pub(super) fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    pub(super) fn output(&self, id: ConnId) -> &[u8] {
+        self.get(id).map_or(&[], |c| &c.out)
+    }
+
+    pub(super) fn consume_output(&mut self, id: ConnId, n: usize) {
+        let Some(c) = self.get_mut(id) else { return };
+        if n >= c.out.len() {
+            // Free the buffer: most connections are idle between messages.
+            c.out = Vec::new();
+            c.dirty = false;
+        } else {
+            c.out.drain(..n);
+        }
+    }
+
+    /// The connection counters of `rserpool status`.
+    pub(super) fn add_counters(&self, c: &mut Counters) {
+        c.connections_refused = self.refused;
+        c.slow_connections_closed = self.slow_closed;
+        c.protocol_errors = self.protocol_errors;
+    }
+}
