@@ -3,7 +3,6 @@
 
 use anyhow::{Result, anyhow};
 use std::net::{Ipv4Addr, SocketAddr};
-use std::time::Duration;
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (someone may take it before it is used).
 pub fn free_port() -> Result<u16> {
@@ -17,17 +16,13 @@ pub fn local(port: u16) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::LOCALHOST, port))
 }
 
-/// A registrar's status, read synchronously (HTTP GET on its ASAP port).
-pub fn registrar_status(addr: SocketAddr) -> Result<rserpool_registrar::Status> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    s.write_all(b"GET /status HTTP/1.0\r\n\r\n")?;
-    let mut reply = Vec::new();
-    s.read_to_end(&mut reply)?;
-    let at = reply
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| anyhow!("not an HTTP answer"))?;
-    Ok(serde_json::from_slice(&reply[at + 4..])?)
+/// A registrar's status, read synchronously from its status listener.
+pub fn registrar_status(status: SocketAddr) -> Result<rserpool_registrar::Status> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    match rt.block_on(rserpool_status::get(status, "/status"))? {
+        (200, body) => Ok(serde_json::from_slice(&body)?),
+        (code, _) => Err(anyhow!("status listener {status} answered HTTP {code}")),
+    }
 }

@@ -9,13 +9,16 @@
 //! the memory and a fifth of the CPU in `rserpool-bench registrar`. Here a connection is an
 //! epoll token and a file descriptor.
 //!
-//! The ASAP port also answers an HTTP `GET /status` with the handlespace as JSON (first bytes
-//! `GET `, which no ASAP message can start with): that is what `rserpool status` reads.
+//! The status listener (HTTP `GET /status`, the handlespace as JSON: what `rserpool status`
+//! reads) is a listener of its own in the same loop ([`status_listener`]).
+
+mod status_listener;
 
 use crate::config::Config;
 use crate::core::{Action, ConnId, Instant, Registrar};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
+use status_listener::StatusListener;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
@@ -24,13 +27,9 @@ use std::time::Duration;
 use tracing::{info, warn};
 
 /// A peer that takes none of our bytes for this long is disconnected (10 000 ms).
-const WRITE_TIMEOUT_MS: Duration = Duration::from_millis(10_000);
-/// Time allowed for a status request to arrive in full (5 000 ms).
-const STATUS_READ_TIMEOUT_MS: Duration = Duration::from_millis(5_000);
+const WRITE_TIMEOUT: Duration = Duration::from_millis(10_000);
 /// The read buffer shared by all connections.
 const READ_BUF: usize = 64 * 1024;
-/// The longest status request head read.
-const STATUS_HEAD_MAX: usize = 8192;
 /// The loop wakes at least this often (for write and status deadlines).
 const MAX_WAIT: Duration = Duration::from_secs(1);
 
@@ -51,6 +50,7 @@ pub struct Server {
     poll: Poll,
     listener: TcpListener,
     enrp: Option<Enrp>,
+    status: Option<StatusListener>,
     cfg: Config,
     id: u32,
     local: SocketAddr,
@@ -118,6 +118,7 @@ impl Server {
             .register(&mut listener, LISTENER, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         let enrp = Enrp::bind(&cfg, &poll)?;
+        let status = StatusListener::bind(&cfg, poll.registry())?;
         let id = if cfg.server_id != 0 {
             cfg.server_id
         } else {
@@ -127,6 +128,7 @@ impl Server {
             poll,
             listener,
             enrp,
+            status,
             cfg,
             id,
             local,
@@ -139,6 +141,11 @@ impl Server {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    /// The status listener's address, if it runs.
+    pub fn status_addr(&self) -> Option<SocketAddr> {
+        self.status.as_ref().map(StatusListener::local_addr)
     }
 
     /// The ENRP address, if ENRP runs.
@@ -186,8 +193,13 @@ impl Server {
             Some(sock)
         };
         info!(
-            "registrar {:#010x} listening for ASAP on {} (status: GET http://{}/status)",
-            self.id, self.local, self.local
+            "registrar {:#010x} listening for ASAP on {}{}",
+            self.id,
+            self.local,
+            match self.status_addr() {
+                Some(a) => format!(", status on http://{a}/status"),
+                None => String::new(),
+            }
         );
         if let Some(e) = &self.enrp {
             core.enable_enrp(e.local, start);
@@ -206,6 +218,7 @@ impl Server {
             poll: self.poll,
             listener: self.listener,
             enrp: self.enrp,
+            status: self.status,
             core,
             epoch,
             socks: Vec::new(),
@@ -231,12 +244,8 @@ impl Server {
 /// One accepted connection.
 struct Sock {
     stream: TcpStream,
-    /// No byte has been read yet (a status request is recognised by its first bytes).
-    fresh: bool,
-    /// When a write stalled or a status request must have arrived.
+    /// When a stalled write or a connection attempt is given up.
     deadline: Option<Instant>,
-    /// Set once the connection turned out to be a status request.
-    status: Option<Box<StatusRequest>>,
     /// An outgoing connection still being set up.
     connecting: bool,
     /// The core asked to close it once its output is written ([`Action::Close`]).
@@ -318,17 +327,11 @@ fn multicast_socket(group: SocketAddr) -> io::Result<mio::net::UdpSocket> {
     Ok(mio::net::UdpSocket::from_std(sock.into()))
 }
 
-#[derive(Default)]
-struct StatusRequest {
-    head: Vec<u8>,
-    reply: Vec<u8>,
-    written: usize,
-}
-
 struct EventLoop {
     poll: Poll,
     listener: TcpListener,
     enrp: Option<Enrp>,
+    status: Option<StatusListener>,
     core: Registrar,
     epoch: std::time::Instant,
     /// The open connections, indexed by [`ConnId::index`] (also their epoll token).
@@ -394,6 +397,13 @@ impl EventLoop {
                     ENRP_LISTENER => self.accept_enrp(),
                     ENRP_UDP | ENRP_MULTICAST => self.receive_datagrams(event.token()),
                     WAKER => {}
+                    status_listener::LISTENER => {
+                        let now = self.now();
+                        if let Some(s) = self.status.as_mut() {
+                            s.accept(self.poll.registry(), now);
+                        }
+                    }
+                    t if StatusListener::slot(t).is_some() => self.on_status(t),
                     Token(i) => {
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
                             self.on_readable(i);
@@ -415,6 +425,9 @@ impl EventLoop {
             }
             if !self.watched.is_empty() {
                 self.check_deadlines(now);
+            }
+            if let Some(s) = self.status.as_mut().filter(|s| s.has_conns()) {
+                s.expire(now, self.poll.registry());
             }
             let now = self.now();
             if !self.deferred.is_empty() && self.last_flush + self.enrp_batch() <= now {
@@ -468,12 +481,12 @@ impl EventLoop {
             let Some(id) = id else {
                 continue; // Over the connection limit; the core logged it. Dropping closes.
             };
-            self.add_sock(id, stream, !enrp, false);
+            self.add_sock(id, stream, false);
         }
     }
 
     /// Watches a connection the core knows as `id`.
-    fn add_sock(&mut self, id: ConnId, mut stream: TcpStream, fresh: bool, connecting: bool) {
+    fn add_sock(&mut self, id: ConnId, mut stream: TcpStream, connecting: bool) {
         stream.set_nodelay(true).ok();
         let registered = self.poll.registry().register(
             &mut stream,
@@ -491,9 +504,7 @@ impl EventLoop {
         }
         self.socks[id.index()] = Some(Sock {
             stream,
-            fresh,
             deadline: None,
-            status: None,
             connecting,
             closing: false,
         });
@@ -506,7 +517,7 @@ impl EventLoop {
     /// Opens an outgoing connection the core asked for (a peer registrar, a PE taken over).
     fn connect(&mut self, id: ConnId, addr: SocketAddr) {
         match TcpStream::connect(addr) {
-            Ok(stream) => self.add_sock(id, stream, false, true),
+            Ok(stream) => self.add_sock(id, stream, true),
             Err(e) => {
                 tracing::debug!("connect to {addr}: {e}");
                 let now = self.now();
@@ -568,23 +579,9 @@ impl EventLoop {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => return self.close(id),
             };
-            let data = &self.read_buf[..n];
-            if std::mem::take(&mut sock.fresh)
-                && (data.starts_with(b"GET ") || (n < 4 && b"GET ".starts_with(data)))
-            {
-                sock.status = Some(Box::default());
-                let deadline = self.now() + STATUS_READ_TIMEOUT_MS;
-                self.watch(id, deadline);
-            }
-            if let Some(sock) = self.sock(i)
-                && sock.status.is_some()
-            {
-                self.status_read(id, n);
-            } else {
-                let now = self.now();
-                self.core.handle_data(id, &self.read_buf[..n], now);
-                self.after_core();
-            }
+            let now = self.now();
+            self.core.handle_data(id, &self.read_buf[..n], now);
+            self.after_core();
             if n < self.read_buf.len() {
                 // A short read emptied the socket; epoll reports the next arrival.
                 return;
@@ -605,9 +602,6 @@ impl EventLoop {
             sock.connecting = false;
             sock.deadline = None;
             return self.flush(id);
-        }
-        if sock.status.is_some() {
-            return self.status_write(id);
         }
         if sock.deadline.is_some() {
             self.flush(id);
@@ -677,10 +671,10 @@ impl EventLoop {
                 }
             }
             Flush::Blocked => {
-                // The peer is slow: it has WRITE_TIMEOUT_MS from its last progress. The
+                // The peer is slow: it has WRITE_TIMEOUT from its last progress. The
                 // core's pending-output limit catches one that never reads sooner.
                 if progress || sock.deadline.is_none() {
-                    let deadline = self.now() + WRITE_TIMEOUT_MS;
+                    let deadline = self.now() + WRITE_TIMEOUT;
                     self.watch(id, deadline);
                 }
             }
@@ -709,9 +703,7 @@ impl EventLoop {
                             .stall_log_at
                             .is_none_or(|at| now >= at + Duration::from_secs(1))
                     {
-                        warn!(
-                            "{peer}: closing, no progress for a while (slow reader or idle status request)"
-                        );
+                        warn!("{peer}: closing, no progress for a while (a slow reader)");
                         self.stall_log_at = Some(now);
                     }
                     self.close(id);
@@ -766,75 +758,23 @@ impl EventLoop {
         }
     }
 
-    /// Collects a status request's head; answers once it is complete.
-    fn status_read(&mut self, id: ConnId, n: usize) {
-        let Some(sock) = self.socks.get_mut(id.index()).and_then(Option::as_mut) else {
+    /// Reads and answers a status request between two events.
+    fn on_status(&mut self, token: Token) {
+        let (Some(slot), Some(status)) = (StatusListener::slot(token), self.status.as_mut()) else {
             return;
         };
-        let Some(req) = sock.status.as_mut() else {
-            return;
-        };
-        if !req.reply.is_empty() {
-            return; // Already answering; ignore anything more.
-        }
-        req.head.extend_from_slice(&self.read_buf[..n]);
-        let complete = req.head.windows(4).any(|w| w == b"\r\n\r\n");
-        if !complete && req.head.len() < STATUS_HEAD_MAX {
-            return;
-        }
-        let path = req
-            .head
-            .split(|&b| b == b' ')
-            .nth(1)
-            .map(|p| String::from_utf8_lossy(p).into_owned())
-            .unwrap_or_default();
-        let (code, body) = if path == "/status" || path == "/" {
-            match serde_json::to_vec_pretty(&self.core.status(self.now())) {
-                Ok(b) => ("200 OK", b),
-                Err(e) => ("500 Internal Server Error", e.to_string().into_bytes()),
-            }
-        } else {
-            ("404 Not Found", b"try GET /status\n".to_vec())
-        };
-        let mut reply = format!(
-            "HTTP/1.0 {code}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        )
-        .into_bytes();
-        reply.extend_from_slice(&body);
-        if let Some(req) = self.sock(id.index()).and_then(|s| s.status.as_mut()) {
-            req.reply = reply;
-        }
-        let deadline = self.now() + WRITE_TIMEOUT_MS;
-        self.watch(id, deadline);
-        self.status_write(id);
-    }
-
-    fn status_write(&mut self, id: ConnId) {
-        let Some(sock) = self.socks.get_mut(id.index()).and_then(Option::as_mut) else {
-            return;
-        };
-        let Some(req) = sock.status.as_mut() else {
-            return;
-        };
-        if req.reply.is_empty() {
-            return;
-        }
-        while req.written < req.reply.len() {
-            match sock.stream.write(&req.reply[req.written..]) {
-                Ok(n) => req.written += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(_) => break,
-            }
-        }
-        self.close(id);
+        let now = elapsed(self.epoch);
+        let core = &self.core;
+        status.on_event(slot, self.poll.registry(), &mut self.read_buf, |_| {
+            rserpool_status::Reply::json(&core.status(now))
+        });
     }
 }
 
 /// A registrar running on its own thread (for `rserpool up`, tests and embedding).
 pub struct RegistrarThread {
     addr: SocketAddr,
+    status: Option<SocketAddr>,
     id: u32,
     stop: StopHandle,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -844,8 +784,9 @@ impl RegistrarThread {
     /// Binds and starts a registrar on a new thread; returns once it listens.
     pub fn start(cfg: Config) -> io::Result<Self> {
         let server = Server::bind(cfg)?;
-        let (addr, id, stop) = (
+        let (addr, status, id, stop) = (
             server.local_addr(),
+            server.status_addr(),
             server.server_id(),
             server.stop_handle(),
         );
@@ -858,6 +799,7 @@ impl RegistrarThread {
             })?;
         Ok(Self {
             addr,
+            status,
             id,
             stop,
             thread: Some(thread),
@@ -866,6 +808,11 @@ impl RegistrarThread {
 
     pub fn asap_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The status listener's address, if it runs.
+    pub fn status_addr(&self) -> Option<SocketAddr> {
+        self.status
     }
 
     pub fn server_id(&self) -> u32 {

@@ -6,17 +6,14 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop, free_port, wait_for};
+use common::{BIN, KillOnDrop, free_port, registrar_status, wait_for};
 
 use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
-use rserpool_registrar::Status;
 use rserpool_wire::{Policy, PoolHandle};
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 const POOL: &str = "ClusterPool";
 const PES: usize = 100;
@@ -30,6 +27,7 @@ const KEEP_ALIVE_MS: u64 = 500;
 struct Node {
     asap: SocketAddr,
     enrp: SocketAddr,
+    status: SocketAddr,
     netns: Option<String>,
     proc: Option<KillOnDrop>,
 }
@@ -47,6 +45,8 @@ impl Cluster {
             n.asap.to_string(),
             "--enrp".into(),
             n.enrp.to_string(),
+            "--status".into(),
+            n.status.to_string(),
             "--peer-heartbeat-ms".into(),
             HEARTBEAT_MS.to_string(),
             "--max-time-last-heard-ms".into(),
@@ -99,22 +99,6 @@ impl Cluster {
     }
 }
 
-/// The registrar's status (HTTP GET on its ASAP port), or `None` if it does not answer.
-async fn status(asap: SocketAddr) -> Option<Status> {
-    let fetch = async {
-        let mut s = TcpStream::connect(asap).await.ok()?;
-        s.write_all(b"GET /status HTTP/1.0\r\n\r\n").await.ok()?;
-        let mut reply = Vec::new();
-        s.read_to_end(&mut reply).await.ok()?;
-        let at = reply.windows(4).position(|w| w == b"\r\n\r\n")?;
-        serde_json::from_slice(&reply[at + 4..]).ok()
-    };
-    tokio::time::timeout(Duration::from_secs(2), fetch)
-        .await
-        .ok()
-        .flatten()
-}
-
 /// The PE IDs a pool user at `asap` gets for the pool (all of them: it asks for 1,000).
 async fn resolve_ids(asap: SocketAddr) -> BTreeSet<u32> {
     let Ok(mut pu) = PoolUser::new(PoolUserConfig {
@@ -136,7 +120,7 @@ async fn consistent(cluster: &Cluster, live: &[usize], ids: &BTreeSet<u32>) -> R
     let mut homes = BTreeSet::new();
     let mut statuses = Vec::new();
     for &i in live {
-        let st = status(cluster.nodes[i].asap)
+        let st = registrar_status(cluster.nodes[i].status)
             .await
             .ok_or(format!("registrar {i} does not answer"))?;
         homes.insert(st.server_id);
@@ -188,7 +172,9 @@ async fn consistent(cluster: &Cluster, live: &[usize], ids: &BTreeSet<u32>) -> R
 async fn registrations(cluster: &Cluster, live: &[usize]) -> u64 {
     let mut n = 0;
     for &i in live {
-        let st = status(cluster.nodes[i].asap).await.expect("status");
+        let st = registrar_status(cluster.nodes[i].status)
+            .await
+            .expect("status");
         n += st.counters.registrations + st.counters.reregistrations;
     }
     n
@@ -238,7 +224,7 @@ async fn fail_and_recover(
     })
     .await;
     eprintln!("{PES} PEs registered, replicated and resolvable at all 3 registrars in {t:?}");
-    let victim = status(cluster.nodes[2].asap).await.unwrap();
+    let victim = registrar_status(cluster.nodes[2].status).await.unwrap();
     let owned = victim
         .pools
         .iter()
@@ -291,6 +277,7 @@ async fn a_killed_registrars_pes_are_taken_over_and_it_resyncs_after_restart() {
         .map(|_| Node {
             asap: SocketAddr::from(([127, 0, 0, 1], free_port())),
             enrp: SocketAddr::from(([127, 0, 0, 1], free_port())),
+            status: SocketAddr::from(([127, 0, 0, 1], free_port())),
             netns: None,
             proc: None,
         })
@@ -389,6 +376,7 @@ async fn a_registrar_cut_off_in_a_namespace_is_taken_over() {
             Node {
                 asap: SocketAddr::new(ip, 3863),
                 enrp: SocketAddr::new(ip, 9901),
+                status: SocketAddr::new(ip, rserpool_registrar::DEFAULT_STATUS.port()),
                 netns: Some(net.names[i].clone()),
                 proc: None,
             }

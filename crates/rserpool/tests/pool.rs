@@ -643,8 +643,8 @@ async fn status_shows_the_handlespace() {
         .args([
             "status",
             "--json",
-            "--registrar",
-            &r.asap_addr().to_string(),
+            "--status",
+            &r.status_addr().unwrap().to_string(),
         ])
         .output()
         .unwrap();
@@ -664,6 +664,44 @@ async fn status_shows_the_handlespace() {
 }
 
 #[tokio::test]
+async fn status_has_a_listener_of_its_own_and_asap_does_not_speak_http() {
+    let r = registrar(fast_config());
+    let status = r.status_addr().unwrap();
+    let a = pe(r.asap_addr(), "Own", 8150, Policy::RoundRobin);
+    a.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let (code, body) = rserpool_status::get(status, "/").await.unwrap();
+    assert_eq!(code, 200);
+    let st: rserpool_registrar::Status = serde_json::from_slice(&body).unwrap();
+    assert_eq!(st.pool_elements, 1);
+    assert_eq!(
+        rserpool_status::get(status, "/metrics").await.unwrap().0,
+        404
+    );
+    // An HTTP request on the ASAP port is a malformed ASAP message now: the connection is
+    // closed (after an ERROR), and the PE registered there is not disturbed.
+    let mut s = tokio::net::TcpStream::connect(r.asap_addr()).await.unwrap();
+    s.write_all(b"GET /status HTTP/1.0\r\n\r\n").await.unwrap();
+    let mut reply = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut reply))
+        .await
+        .expect("the registrar closes the connection")
+        .ok();
+    assert!(
+        !reply.starts_with(b"HTTP"),
+        "{}",
+        String::from_utf8_lossy(&reply)
+    );
+    // The old way of asking gets a pointer to the new one.
+    let out = Command::new(BIN)
+        .args(["status", "--registrar", &r.asap_addr().to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--status ADDR"));
+    assert_eq!(resolve_ids(r.asap_addr(), "Own", 5).await.len(), 1);
+}
+
+#[tokio::test]
 async fn a_pool_user_that_does_not_read_is_disconnected() {
     let r = registrar(Config {
         max_pending_bytes: 64 * 1024,
@@ -671,6 +709,7 @@ async fn a_pool_user_that_does_not_read_is_disconnected() {
         ..fast_config()
     });
     let reg = r.asap_addr();
+    let status = r.status_addr().unwrap();
     // 30 PEs: every answer carries all of them, about 2 KB.
     let pes: Vec<PoolElement> = (0..30)
         .map(|i| pe(reg, "Slow", 8200 + i, Policy::RoundRobin))
@@ -706,7 +745,7 @@ async fn a_pool_user_that_does_not_read_is_disconnected() {
     // Everyone else is still served.
     assert_eq!(resolve_ids(reg, "Slow", 30).await.len(), 30);
     let out = Command::new(BIN)
-        .args(["status", "--json", "--registrar", &reg.to_string()])
+        .args(["status", "--json", "--status", &status.to_string()])
         .output()
         .unwrap();
     let st: rserpool_registrar::Status = serde_json::from_slice(&out.stdout).unwrap();

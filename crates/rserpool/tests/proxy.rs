@@ -389,6 +389,36 @@ async fn the_proxy_serves_on_when_the_registrar_stops() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_listener_shows_pools_and_counters() {
+    let reg = registrar(fast_config());
+    let b = backends(reg.asap_addr(), 3).await;
+    let status = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let proxy = start_proxy(
+        ProxyConfig {
+            status: Some(status),
+            ..proxy_config(reg.asap_addr(), vec![(Mode::Http, "Backends")])
+        },
+        3,
+    )
+    .await;
+    let c = distribution(proxy.local_addrs()[0], 9).await;
+    assert_eq!(c.values().sum::<usize>(), 9);
+    // `/stats` is the older name of the same document.
+    for path in ["/status", "/stats"] {
+        let (code, body) = rserpool_status::get(status, path).await.unwrap();
+        assert_eq!(code, 200, "{path}");
+        let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(doc["registrar_reachable"], true);
+        let pes = doc["pools"][0]["pool_elements"].as_array().unwrap();
+        assert_eq!(pes.len(), 3, "{doc}");
+        let requests: u64 = pes.iter().map(|p| p["requests"].as_u64().unwrap()).sum();
+        assert_eq!(requests, 9, "{doc}");
+    }
+    assert_eq!(rserpool_status::get(status, "/nope").await.unwrap().0, 404);
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_uploads_and_downloads_arrive_byte_exact() {
     let (_reg, b, proxy) = backends_behind_proxy(&[Mode::Http, Mode::Tcp]).await;
     let want_download: Vec<u8> = (0..24_000_000u64).map(|i| (i % 251) as u8).collect();

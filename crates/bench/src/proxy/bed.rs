@@ -19,6 +19,8 @@ pub(super) struct Bed {
     pub(super) rserpool: PathBuf,
     pub(super) dir: PathBuf,
     pub(super) registrar: SocketAddr,
+    /// The registrar's status listener.
+    registrar_status: SocketAddr,
     pub(super) backends: Vec<SocketAddr>,
     backend_procs: Vec<Option<Proc>>,
     others: Vec<Proc>,
@@ -46,10 +48,12 @@ impl Bed {
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777))?;
         }
         let registrar = local(free_port()?);
+        let registrar_status = local(free_port()?);
         let mut others = vec![Proc::spawn(
             Command::new(rserpool)
                 .args(["registrar", "--asap", &registrar.to_string()])
                 .args(["--enrp", &local(free_port()?).to_string()])
+                .args(["--status", &registrar_status.to_string()])
                 .env("RUST_LOG", "warn"),
             &dir.join("registrar.log"),
         )?];
@@ -60,6 +64,7 @@ impl Bed {
             rserpool: rserpool.to_path_buf(),
             dir,
             registrar,
+            registrar_status,
             backends: Vec::new(),
             backend_procs: Vec::new(),
             others: Vec::new(),
@@ -111,7 +116,7 @@ impl Bed {
         wait_for(
             "the backends' registrations",
             Duration::from_secs(15),
-            || registrar_status(self.registrar).is_ok_and(|s| s.pool_elements == BACKENDS),
+            || registrar_status(self.registrar_status).is_ok_and(|s| s.pool_elements == BACKENDS),
         )
     }
 

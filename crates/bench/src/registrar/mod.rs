@@ -309,9 +309,11 @@ fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sam
     let k = p.registrars.max(1) as usize;
     let mut asap = Vec::new();
     let mut enrp = Vec::new();
+    let mut status = Vec::new();
     for _ in 0..k {
         asap.push(local(free_port()?));
         enrp.push(local(free_port()?));
+        status.push(local(free_port()?));
     }
     let addr = asap[0];
     let mut reaper = Reaper::default();
@@ -331,7 +333,8 @@ fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sam
             "--max-pes-per-pool",
             "200000",
         ])
-        .args(["--enrp", &enrp[i].to_string()]);
+        .args(["--enrp", &enrp[i].to_string()])
+        .args(["--status", &status[i].to_string()]);
         for (j, e) in enrp.iter().enumerate() {
             if j != i {
                 cmd.args(["--peer", &e.to_string()]);
@@ -360,7 +363,7 @@ fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sam
         wait_for(
             &format!("a cluster of the {k} registrars"),
             Duration::from_secs(20),
-            || cluster_formed(&asap),
+            || cluster_formed(&status),
         )?;
     }
     let mut generator = Command::new(&exe)
@@ -448,11 +451,11 @@ fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sam
 }
 
 /// True when each registrar's status lists all the others as alive peers.
-fn cluster_formed(asap: &[SocketAddr]) -> bool {
-    asap.iter().all(|a| {
+fn cluster_formed(status: &[SocketAddr]) -> bool {
+    status.iter().all(|a| {
         let Ok(st) = registrar_status(*a) else {
             return false;
         };
-        st.peers.iter().filter(|p| p.state == "alive").count() + 1 == asap.len()
+        st.peers.iter().filter(|p| p.state == "alive").count() + 1 == status.len()
     })
 }

@@ -1,13 +1,13 @@
 //! Pool user commands: `resolve`, `connect`, and `status` (the registrar's handlespace).
 
 use crate::RegistrarOpts;
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use rserpool_asap::PoolUser;
 use rserpool_registrar::Status;
 use rserpool_wire::PoolHandle;
 use serde::Serialize;
-use std::time::Duration;
+use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Args, Debug)]
@@ -138,45 +138,44 @@ pub fn connect(args: ConnectArgs) -> Result<()> {
 pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,
-    #[command(flatten)]
-    pub registrars: RegistrarOpts,
+    /// A registrar's status listener (its `status` setting; repeatable, the first that
+    /// answers is shown).
+    #[arg(long = "status", value_name = "ADDR", default_values_t = [rserpool_registrar::DEFAULT_STATUS])]
+    pub status: Vec<SocketAddr>,
+    /// Status is no longer read from the ASAP port; this only says where it is now.
+    #[arg(long = "registrar", value_name = "ADDR", hide = true)]
+    pub registrar: Option<SocketAddr>,
 }
 
-/// Fetches `GET /status` from the first registrar that answers.
-pub async fn fetch_status(opts: &RegistrarOpts) -> Result<Status> {
+/// Fetches `GET /status` from the first status listener that answers.
+pub async fn fetch_status(addrs: &[SocketAddr]) -> Result<Status> {
     let mut errors = Vec::new();
-    for addr in &opts.registrars {
-        match fetch_one(*addr).await {
-            Ok(s) => return Ok(s),
-            Err(e) => errors.push(format!("{addr}: {e:#}")),
+    for &addr in addrs {
+        match rserpool_status::get(addr, "/status").await {
+            Ok((200, body)) => {
+                return serde_json::from_slice(&body)
+                    .with_context(|| format!("{addr}: not a registrar status"));
+            }
+            Ok((code, _)) => errors.push(format!("{addr}: HTTP {code}")),
+            Err(e) => errors.push(format!("{addr}: {e}")),
         }
     }
-    bail!("no registrar answered ({})", errors.join("; "))
-}
-
-async fn fetch_one(addr: std::net::SocketAddr) -> Result<Status> {
-    let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.write_all(b"GET /status HTTP/1.0\r\n\r\n").await?;
-        let mut body = Vec::new();
-        s.read_to_end(&mut body).await?;
-        Ok::<_, std::io::Error>(body)
-    };
-    let reply = tokio::time::timeout(Duration::from_secs(5), exchange)
-        .await
-        .map_err(|_| anyhow!("timed out"))??;
-    let split = reply
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| anyhow!("not an HTTP answer"))?;
-    if !reply.starts_with(b"HTTP/1.0 200") && !reply.starts_with(b"HTTP/1.1 200") {
-        bail!("status request refused");
-    }
-    serde_json::from_slice(&reply[split + 4..]).context("bad status JSON")
+    bail!(
+        "no registrar status listener answered ({})",
+        errors.join("; ")
+    )
 }
 
 pub fn status(args: StatusArgs) -> Result<()> {
-    let st = super::runtime()?.block_on(fetch_status(&args.registrars))?;
+    if let Some(asap) = args.registrar {
+        bail!(
+            "a registrar serves its status on a listener of its own, not on its ASAP port \
+             {asap}: `rserpool status --status ADDR` with the registrar's `status` setting \
+             (default {})",
+            rserpool_registrar::DEFAULT_STATUS
+        );
+    }
+    let st = super::runtime()?.block_on(fetch_status(&args.status))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&st)?);
         return Ok(());

@@ -33,6 +33,14 @@ pub struct UpArgs {
 
 const WEB_POOL: &str = "WebPool";
 
+/// A line on stdout; a closed stdout (`rserpool up | head`) is no reason to stop serving.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 pub fn run(args: UpArgs) -> Result<()> {
     super::init_logging();
     let cfg = Config {
@@ -101,52 +109,64 @@ pub fn run(args: UpArgs) -> Result<()> {
         } else {
             format!(" --registrar {asap}")
         };
-        println!();
-        println!(
+        say!();
+        say!(
             "rserpool {} is up. Registrar {:#010x} listens for ASAP on {asap} (TCP).",
             env!("CARGO_PKG_VERSION"),
             registrar.server_id()
         );
-        println!(
+        say!(
             "Pool {} (least used) has {echo_count} echo pool elements:",
             args.pool
         );
         for ex in &pes[..echo_count] {
-            println!("  PE {:#010x} at {}", ex.pe.id(), ex.addr);
+            say!("  PE {:#010x} at {}", ex.pe.id(), ex.addr);
         }
-        println!(
+        say!(
             "Pool {WEB_POOL} (least used) has {} HTTP pool elements:",
             pes.len() - echo_count
         );
         for ex in &pes[echo_count..] {
-            println!("  PE {:#010x} at {}", ex.pe.id(), ex.addr);
+            say!("  PE {:#010x} at {}", ex.pe.id(), ex.addr);
         }
-        println!(
+        say!(
             "The proxy takes HTTP for {WEB_POOL} on {} and TCP for {} on {}.",
-            proxied[0], args.pool, proxied[1]
+            proxied[0],
+            args.pool,
+            proxied[1]
         );
-        println!();
-        println!("Try, in another terminal:");
-        println!("  cargo run --release -- resolve {}{flag}", args.pool);
-        println!("  cargo run --release -- status{flag}");
-        println!(
+        say!();
+        say!("Try, in another terminal:");
+        say!("  cargo run --release -- resolve {}{flag}", args.pool);
+        let status = registrar.status_addr();
+        if let Some(a) = status {
+            let flag = if a == rserpool_registrar::DEFAULT_STATUS {
+                String::new()
+            } else {
+                format!(" --status {a}")
+            };
+            say!("  cargo run --release -- status{flag}");
+        }
+        say!(
             "  echo hello | cargo run --release -- connect {}{flag}",
             args.pool
         );
-        println!(
+        say!(
             "  curl http://{}/hello          (run it twice: another PE answers)",
             proxied[0]
         );
-        println!(
+        say!(
             "  echo hello | nc -q1 {} {}",
             proxied[1].ip(),
             proxied[1].port()
         );
-        println!("  curl http://{asap}/status");
-        println!();
-        println!("Ctrl-C stops everything.");
+        if let Some(a) = status {
+            say!("  curl http://{a}/status");
+        }
+        say!();
+        say!("Ctrl-C stops everything.");
         super::shutdown_signal().await;
-        println!("stopping: draining the proxy, deregistering the pool elements");
+        say!("stopping: draining the proxy, deregistering the pool elements");
         proxy.drain(Duration::from_secs(5)).await;
         for ex in pes {
             ex.task.abort();

@@ -1,11 +1,13 @@
 //! What the integration tests share: the binary under test, free ports, child processes that
-//! cannot outlive a test, a registrar with short timers, and waiting for a condition.
+//! cannot outlive a test, a registrar with short timers and its status, and waiting for a
+//! condition.
 
 // Each test file uses its own subset.
 #![allow(dead_code)]
 
-use rserpool_registrar::{Config, RegistrarThread};
+use rserpool_registrar::{Config, RegistrarThread, Status, StatusListen};
 use std::future::Future;
+use std::net::SocketAddr;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -54,6 +56,7 @@ pub fn fast_config() -> Config {
     Config {
         asap: "127.0.0.1:0".parse().unwrap(),
         enrp: "127.0.0.1:0".parse().unwrap(),
+        status: StatusListen(Some("127.0.0.1:0".parse().unwrap())),
         keep_alive_interval_ms: 300,
         keep_alive_timeout_ms: 300,
         ..Config::default()
@@ -63,6 +66,14 @@ pub fn fast_config() -> Config {
 /// A registrar in a thread of the test process.
 pub fn registrar(cfg: Config) -> RegistrarThread {
     RegistrarThread::start(cfg).expect("registrar starts")
+}
+
+/// A registrar's status from its status listener, or `None` if it does not answer.
+pub async fn registrar_status(status: SocketAddr) -> Option<Status> {
+    match rserpool_status::get(status, "/status").await {
+        Ok((200, body)) => serde_json::from_slice(&body).ok(),
+        _ => None,
+    }
 }
 
 /// What a polled condition answers: `bool`, or `Result<(), String>` to say why not yet.

@@ -1,0 +1,186 @@
+//! The registrar's status listener inside its event loop: HTTP on an address of its own
+//! (`status`, apart from the ASAP port), answered from the core between two events, so a
+//! status is always one consistent moment of the handlespace. The HTTP is `rserpool_status`'s;
+//! this file only carries its bytes over mio.
+//!
+//! Status connections are few and short: at most [`MAX_CONNS`] at a time (more are closed at
+//! once), each gets [`rserpool_status::IO_TIMEOUT`] to send its request and take the answer.
+
+use crate::config::{Config, DEFAULT_STATUS};
+use crate::core::Instant;
+use mio::net::{TcpListener, TcpStream};
+use mio::{Interest, Registry, Token};
+use rserpool_status::{Parse, Reply};
+use std::io::{self, Read, Write};
+use std::net::SocketAddr;
+use tracing::warn;
+
+/// The paths served; each gives the status document.
+const PATHS: &[&str] = &["/status", "/"];
+/// Status connections open at once.
+const MAX_CONNS: usize = 64;
+/// The listener's token; its connections use the tokens just below it.
+pub(super) const LISTENER: Token = Token(usize::MAX - 16);
+
+pub(super) struct StatusListener {
+    listener: TcpListener,
+    local: SocketAddr,
+    conns: Vec<Option<Conn>>,
+}
+
+struct Conn {
+    stream: TcpStream,
+    head: Vec<u8>,
+    reply: Vec<u8>,
+    written: usize,
+    deadline: Instant,
+}
+
+impl StatusListener {
+    /// Binds the configured address. When the default address is taken (another registrar on
+    /// this host has it), the registrar runs without a status listener; a configured one must
+    /// bind.
+    pub(super) fn bind(cfg: &Config, registry: &Registry) -> io::Result<Option<Self>> {
+        let Some(addr) = cfg.status.0 else {
+            return Ok(None);
+        };
+        let mut listener = match TcpListener::bind(addr) {
+            Ok(l) => l,
+            Err(e) if addr == DEFAULT_STATUS && e.kind() == io::ErrorKind::AddrInUse => {
+                warn!(
+                    "status address {addr} in use (another registrar?): running without a \
+                     status listener; give this one --status ADDR"
+                );
+                return Ok(None);
+            }
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("cannot listen for status on {addr}: {e}"),
+                ));
+            }
+        };
+        let local = listener.local_addr()?;
+        registry.register(&mut listener, LISTENER, Interest::READABLE)?;
+        Ok(Some(Self {
+            listener,
+            local,
+            conns: Vec::new(),
+        }))
+    }
+
+    pub(super) fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The token of one of this listener's connections, by its slot.
+    fn token(slot: usize) -> Token {
+        Token(LISTENER.0 - 1 - slot)
+    }
+
+    /// The slot of a token that belongs to this listener's connections.
+    pub(super) fn slot(token: Token) -> Option<usize> {
+        let slot = LISTENER.0.checked_sub(token.0)?.checked_sub(1)?;
+        (slot < MAX_CONNS).then_some(slot)
+    }
+
+    pub(super) fn accept(&mut self, registry: &Registry, now: Instant) {
+        loop {
+            let mut stream = match self.listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                // WouldBlock, or out of descriptors: the ASAP side logs that.
+                Err(_) => return,
+            };
+            let Some(slot) = self.free_slot() else {
+                continue; // Too many at once: dropping closes it.
+            };
+            let interest = Interest::READABLE | Interest::WRITABLE;
+            if registry
+                .register(&mut stream, Self::token(slot), interest)
+                .is_err()
+            {
+                continue;
+            }
+            self.conns[slot] = Some(Conn {
+                stream,
+                head: Vec::new(),
+                reply: Vec::new(),
+                written: 0,
+                deadline: now + rserpool_status::IO_TIMEOUT,
+            });
+        }
+    }
+
+    fn free_slot(&mut self) -> Option<usize> {
+        if let Some(i) = self.conns.iter().position(Option::is_none) {
+            return Some(i);
+        }
+        (self.conns.len() < MAX_CONNS).then(|| {
+            self.conns.push(None);
+            self.conns.len() - 1
+        })
+    }
+
+    /// Reads and answers on a connection; `status` makes the reply for a path served.
+    pub(super) fn on_event(
+        &mut self,
+        slot: usize,
+        registry: &Registry,
+        buf: &mut [u8],
+        status: impl FnOnce(&str) -> Reply,
+    ) {
+        let Some(conn) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
+            return;
+        };
+        while conn.reply.is_empty() {
+            let n = match conn.stream.read(buf) {
+                Ok(0) => return self.close(slot, registry),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(_) => return self.close(slot, registry),
+            };
+            conn.head.extend_from_slice(&buf[..n]);
+            match rserpool_status::parse_request(&conn.head) {
+                Parse::Incomplete => {}
+                Parse::Complete(req) => {
+                    conn.reply = rserpool_status::respond(&req, PATHS, status);
+                    break;
+                }
+                Parse::Invalid(reply) => {
+                    conn.reply = reply;
+                    break;
+                }
+            }
+        }
+        while conn.written < conn.reply.len() {
+            match conn.stream.write(&conn.reply[conn.written..]) {
+                Ok(n) => conn.written += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(_) => break,
+            }
+        }
+        self.close(slot, registry);
+    }
+
+    /// Closes the connections whose time is up.
+    pub(super) fn expire(&mut self, now: Instant, registry: &Registry) {
+        for slot in 0..self.conns.len() {
+            if self.conns[slot].as_ref().is_some_and(|c| c.deadline <= now) {
+                self.close(slot, registry);
+            }
+        }
+    }
+
+    pub(super) fn has_conns(&self) -> bool {
+        self.conns.iter().any(Option::is_some)
+    }
+
+    fn close(&mut self, slot: usize, registry: &Registry) {
+        if let Some(mut conn) = self.conns.get_mut(slot).and_then(Option::take) {
+            let _ = registry.deregister(&mut conn.stream);
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! The README's first command as a newcomer runs it: `rserpool up` on the built-in defaults
+//! (registrar on 127.0.0.1:3863 with its status on 127.0.0.1:8863, proxy on 8080 and 7000), then
+//! the commands it suggests, all without a flag: `status`, `resolve`, HTTP and TCP through the
+//! proxy. It needs those default ports free on this host.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers outside #[test] functions
+
+mod common;
+
+use common::{BIN, KillOnDrop, signal, wait_until};
+use rserpool_proxy::client::Client;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_then_the_suggested_commands_work_on_defaults() {
+    let mut up = KillOnDrop(
+        Command::new(BIN)
+            .arg("up")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let stdout = up.stdout.take().unwrap();
+    // `up` prints its banner once everything listens; then its suggestions follow. The pipe is
+    // closed after it, as `rserpool up | head` does: `up` must serve on regardless.
+    let banner = tokio::task::spawn_blocking(move || {
+        let mut lines = Vec::new();
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let done = line.contains("Ctrl-C stops everything");
+            lines.push(line);
+            if done {
+                break;
+            }
+        }
+        lines.join("\n")
+    });
+    let banner = tokio::time::timeout(Duration::from_secs(30), banner)
+        .await
+        .expect("`rserpool up` comes up within 30 s (are its default ports free?)")
+        .unwrap();
+    assert!(
+        banner.contains("  cargo run --release -- status\n"),
+        "{banner}"
+    );
+    assert!(
+        banner.contains("curl http://127.0.0.1:8863/status"),
+        "{banner}"
+    );
+
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "rserpool {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let st: rserpool_registrar::Status = serde_json::from_str(&run(&["status", "--json"])).unwrap();
+    let mut pools: Vec<(String, usize)> = st
+        .pools
+        .iter()
+        .map(|p| (p.handle.clone(), p.pes.len()))
+        .collect();
+    pools.sort();
+    assert_eq!(
+        pools,
+        [("EchoPool".to_string(), 3), ("WebPool".to_string(), 3)]
+    );
+    let resolved = run(&["resolve", "EchoPool"]);
+    assert!(resolved.contains("EchoPool"), "{resolved}");
+
+    let mut c = Client::connect("127.0.0.1:8080".parse().unwrap())
+        .await
+        .unwrap();
+    let r = c.get("/hello").await.unwrap();
+    assert_eq!(r.code, 200);
+
+    let mut echo = tokio::net::TcpStream::connect("127.0.0.1:7000")
+        .await
+        .unwrap();
+    echo.write_all(b"hello\n").await.unwrap();
+    let mut got = [0u8; 6];
+    tokio::time::timeout(Duration::from_secs(5), echo.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got, b"hello\n");
+
+    drop((c, echo));
+    signal(&up, rustix::process::Signal::INT);
+    wait_until(
+        Duration::from_secs(10),
+        "`rserpool up` exits on Ctrl-C",
+        || matches!(up.try_wait(), Ok(Some(s)) if s.success()),
+    )
+    .await;
+}
