@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use rserpool_wire::{AsapMessage, EnrpMessage, Framer};
+use rserpool_wire::{AsapMessage, EnrpMessage, Framer, Message};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(m) = AsapMessage::decode(data)

@@ -1,6 +1,7 @@
 //! One ASAP association with a registrar: a TCP stream with message framing.
 
 use crate::Error;
+use rserpool_wire::Message;
 use rserpool_wire::{AsapMessage, Framer};
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -1,6 +1,7 @@
 //! Where the registrars are: a configured list plus those heard in SERVER_ANNOUNCE.
 
 use rserpool_wire::AsapMessage;
+use rserpool_wire::Message;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

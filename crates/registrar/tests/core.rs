@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use rserpool_registrar::{Action, Config, ConnId, Instant, Registrar};
+use rserpool_wire::Message;
 use rserpool_wire::{
     AsapMessage, CauseCode, Framer, Policy, PoolElement, PoolHandle, TransportAddress,
     UserTransport,

@@ -5,6 +5,7 @@
 mod common;
 
 use common::{BIN, KillOnDrop, fast_config, registrar, signal, wait_for};
+use rserpool_wire::Message;
 
 use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
 use rserpool_registrar::Config;

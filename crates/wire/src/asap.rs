@@ -2,6 +2,7 @@
 //! layer. Flags are per message; undefined flag bits are sent as 0 and ignored on receipt.
 
 use crate::error::{CauseCode, DecodeError, DecodeErrorKind, EncodeError, ErrorCause};
+use crate::message::Message;
 use crate::param::{
     OperationError, Param, PoolElement, PoolHandle, TransportAddress, UserTransport, missing,
     parse_params, ptype, put_operation_error, put_pe_id, put_pool_element, put_pool_handle,
@@ -172,10 +173,10 @@ impl AsapMessage {
         e.end(s);
         e.finish()
     }
+}
 
-    /// Appends the encoded message (padded to a multiple of 4) to `out`. A message whose
-    /// length would not fit 16 bits is refused and `out` is left as it was.
-    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+impl Message for AsapMessage {
+    fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         let mut e = Encoder::new(out);
         let s = e.begin(u16::from_be_bytes([self.msg_type(), self.flags()]));
         match self {
@@ -262,23 +263,7 @@ impl AsapMessage {
         e.finish()
     }
 
-    pub fn to_bytes(&self) -> Result<Vec<u8>, EncodeError> {
-        let mut v = Vec::new();
-        self.encode(&mut v)?;
-        Ok(v)
-    }
-
-    /// Decodes one ASAP message from `buf` (exactly one message, padding allowed).
-    pub fn decode(buf: &[u8]) -> Result<Self, DecodeError> {
-        Self::decode_with_report(buf, &mut Vec::new())
-    }
-
-    /// Like [`decode`](Self::decode), and collects the error causes the sender should be told
-    /// about even though the message was accepted (unknown parameters of type `11xx…`).
-    pub fn decode_with_report(
-        buf: &[u8],
-        report: &mut Vec<ErrorCause>,
-    ) -> Result<Self, DecodeError> {
+    fn decode_with_report(buf: &[u8], report: &mut Vec<ErrorCause>) -> Result<Self, DecodeError> {
         let (ty, flags, body) = crate::split_message(buf)?;
         let f0 = flags & 0x01 != 0;
         let parse = |report: &mut Vec<ErrorCause>, b: &[u8]| parse_params(b, report);

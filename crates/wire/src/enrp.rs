@@ -3,6 +3,7 @@
 
 use crate::asap::{Params, fixed_u32};
 use crate::error::{DecodeError, DecodeErrorKind, EncodeError, ErrorCause};
+use crate::message::Message;
 use crate::param::{
     OperationError, Param, PoolElement, PoolHandle, ServerInformation, missing, parse_params,
     ptype, put_operation_error, put_pool_element, put_pool_handle, put_server_information,
@@ -139,10 +140,8 @@ impl EnrpBody {
     }
 }
 
-impl EnrpMessage {
-    /// Appends the encoded message (padded to a multiple of 4) to `out`. A message whose
-    /// length would not fit 16 bits is refused and `out` is left as it was.
-    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+impl Message for EnrpMessage {
+    fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         let mut e = Encoder::new(out);
         let s = e.begin(u16::from_be_bytes([
             self.body.msg_type(),
@@ -201,22 +200,7 @@ impl EnrpMessage {
         e.finish()
     }
 
-    pub fn to_bytes(&self) -> Result<Vec<u8>, EncodeError> {
-        let mut v = Vec::new();
-        self.encode(&mut v)?;
-        Ok(v)
-    }
-
-    /// Decodes one ENRP message from `buf` (exactly one message, padding allowed).
-    pub fn decode(buf: &[u8]) -> Result<Self, DecodeError> {
-        Self::decode_with_report(buf, &mut Vec::new())
-    }
-
-    /// Like [`decode`](Self::decode), collecting causes to report for skipped parameters.
-    pub fn decode_with_report(
-        buf: &[u8],
-        report: &mut Vec<ErrorCause>,
-    ) -> Result<Self, DecodeError> {
+    fn decode_with_report(buf: &[u8], report: &mut Vec<ErrorCause>) -> Result<Self, DecodeError> {
         let (ty, flags, body) = crate::split_message(buf)?;
         if !(mt::PRESENCE..=mt::ERROR).contains(&ty) {
             return Err(crate::unknown_message(ty, buf));

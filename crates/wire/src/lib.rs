@@ -15,6 +15,7 @@ pub mod checksum;
 pub mod enrp;
 pub mod error;
 pub mod framer;
+pub mod message;
 pub mod param;
 pub mod policy;
 mod tlv;
@@ -24,6 +25,7 @@ pub use checksum::PeChecksum;
 pub use enrp::{EnrpBody, EnrpMessage, PoolEntry, UpdateAction};
 pub use error::{CauseCode, DecodeError, DecodeErrorKind, EncodeError, ErrorCause};
 pub use framer::{Frame, Framer};
+pub use message::Message;
 pub use param::{
     Addresses, OperationError, PoolElement, PoolHandle, Protocol, ServerInformation,
     TransportAddress, UserTransport,

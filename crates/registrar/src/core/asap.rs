@@ -18,6 +18,7 @@ use bytes::Bytes;
 use rserpool_handlespace::{
     Handlespace, PeRef, Registered, RegistrationError, SyncCursor, TimerKind,
 };
+use rserpool_wire::Message;
 use rserpool_wire::{
     AsapMessage, CauseCode, DecodeError, EncodeError, ErrorCause, OperationError, PoolElement,
     PoolEntry, PoolHandle, TransportAddress, UpdateAction,

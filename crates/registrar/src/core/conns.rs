@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::status::Counters;
 use bytes::Bytes;
 use rserpool_handlespace::PeRef;
+use rserpool_wire::Message;
 use rserpool_wire::{
     AsapMessage, DecodeError, EnrpBody, EnrpMessage, ErrorCause, Framer, OperationError,
 };

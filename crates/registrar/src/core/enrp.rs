@@ -26,6 +26,7 @@ use crate::config::Config;
 use crate::status::{EnrpCounters, PeerStatus};
 use bytes::Bytes;
 use rserpool_handlespace::{RegistrationError, SyncCursor};
+use rserpool_wire::Message;
 use rserpool_wire::{
     EnrpBody, EnrpMessage, PoolElement, PoolEntry, PoolHandle, ServerInformation, TransportAddress,
     UpdateAction,
