@@ -10,8 +10,8 @@
 use crate::select::{Fenwick, Heap, HeapItem};
 use crate::{FastMap, NIL};
 use rserpool_wire::checksum::handle_sum;
-use rserpool_wire::param::ptype;
 use rserpool_wire::policy::policy_type as pt;
+use rserpool_wire::ptype;
 use rserpool_wire::{PoolElement, PoolHandle, Protocol, UserTransport, policy::Policy};
 
 /// The positions of a PE in the handlespace's structures, kept apart from the (large, mostly

@@ -5,10 +5,10 @@ use crate::error::{CauseCode, DecodeError, DecodeErrorKind, EncodeError, ErrorCa
 use crate::message::Message;
 use crate::param::{
     OperationError, Param, PoolElement, PoolHandle, TransportAddress, UserTransport, missing,
-    parse_params, ptype, put_operation_error, put_pe_id, put_pool_element, put_pool_handle,
-    put_transport,
+    parse_params, put_operation_error, put_pe_id, put_pool_element, put_pool_handle, put_transport,
 };
 use crate::policy::Policy;
+use crate::ptype;
 use crate::tlv::Encoder;
 use bytes::Bytes;
 

@@ -6,8 +6,9 @@ use crate::error::{DecodeError, DecodeErrorKind, EncodeError, ErrorCause};
 use crate::message::Message;
 use crate::param::{
     OperationError, Param, PoolElement, PoolHandle, ServerInformation, missing, parse_params,
-    ptype, put_operation_error, put_pool_element, put_pool_handle, put_server_information,
+    put_operation_error, put_pool_element, put_pool_handle, put_server_information,
 };
+use crate::ptype;
 use crate::tlv::Encoder;
 
 /// ENRP message type codes.

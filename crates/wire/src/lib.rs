@@ -18,6 +18,7 @@ pub mod framer;
 pub mod message;
 pub mod param;
 pub mod policy;
+pub mod ptype;
 mod tlv;
 
 pub use asap::AsapMessage;

@@ -6,7 +6,7 @@
 //! added later without touching the decoder.
 
 use crate::error::{DecodeError, DecodeErrorKind};
-use crate::param::ptype;
+use crate::ptype;
 use crate::tlv::{Encoder, RawTlv};
 
 /// Policy type codes.
