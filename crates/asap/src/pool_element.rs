@@ -8,8 +8,15 @@
 //! Takeover (RFC 5353 §3.5): the PE listens on a TCP port of its own and announces it as its
 //! ASAP transport. When its home registrar dies, the registrar that takes over connects there
 //! and sends ENDPOINT_KEEP_ALIVE with the H bit; the PE answers and carries on over that
-//! connection, without registering again. A PE that loses its home waits `takeover_wait` for
-//! this (when it knows more than one registrar) before it registers elsewhere.
+//! connection as over a home association (keep-alives, re-registrations, deregistration),
+//! without registering again. A PE that loses its home adopts such a takeover whenever one
+//! arrives, however many registrars it knows: while it waits `takeover_wait` for one (when it
+//! knows another registrar it could register with instead), while it backs off, and while it
+//! connects or registers elsewhere. The last takeover wins. A takeover that cuts short a
+//! registration made after the loss is followed by a registration over the new home, so that
+//! the registrars agree on it again. Without a takeover it keeps trying the registrars it knows
+//! (configured and announced) with back-off, and registers again once one is reachable.
+//!
 //! Dropping the [`PoolElement`] or calling [`PoolElement::stop`] deregisters.
 
 use crate::connection::AsapConnection;
@@ -47,7 +54,7 @@ pub struct PoolElementConfig {
     /// means the address the PE connects to registrars from). `None`: no takeover.
     pub takeover_listen: Option<SocketAddr>,
     /// After losing its home registrar, time to wait for a takeover before registering with
-    /// another one (only when more than one registrar is known).
+    /// another one (only when another one is known). A takeover is adopted at any time.
     pub takeover_wait: Duration,
 }
 
