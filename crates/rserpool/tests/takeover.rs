@@ -3,7 +3,8 @@
 //! that know only the first. It is killed (SIGKILL); a survivor takes its PEs over and they stay
 //! registered everywhere, answering keep-alives, without registering again. And a PE that knows
 //! only a dead registrar, and is not taken over, registers once a registrar is reachable there
-//! or announces itself.
+//! or announces itself. With short timers the new home is killed too, and the last registrar
+//! takes the PEs over.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -137,17 +138,29 @@ async fn owned_by(at: &[SocketAddr], pes: &BTreeSet<u32>, owners: &[u32]) -> Res
     Ok(())
 }
 
-/// The scenario with the registrars' keep-alive timers `interval` and `timeout`.
-async fn the_pes_of_a_killed_registrar_stay_with_a_survivor(interval: Duration, timeout: Duration) {
+/// The scenario. `timers`: the registrars' keep-alive interval and timeout (`None`:
+/// their defaults). With `rounds` 2, the registrar that took the PEs over is killed next.
+async fn the_pes_of_a_killed_registrar_stay_with_a_survivor(
+    timers: Option<(Duration, Duration)>,
+    rounds: usize,
+) {
     let started = Instant::now();
     let asap: Vec<SocketAddr> = (0..3).map(|_| loopback(free_port())).collect();
     let enrp: Vec<SocketAddr> = (0..3).map(|_| loopback(free_port())).collect();
-    let timers = [
-        "--keep-alive-interval-ms".to_string(),
-        interval.as_millis().to_string(),
-        "--keep-alive-timeout-ms".into(),
-        timeout.as_millis().to_string(),
-    ];
+    let defaults = rserpool_registrar::Config::default();
+    let (interval, timeout) = timers.unwrap_or((
+        Duration::from_millis(defaults.keep_alive_interval_ms),
+        Duration::from_millis(defaults.keep_alive_timeout_ms),
+    ));
+    let timers: Vec<String> = match timers {
+        Some(_) => vec![
+            "--keep-alive-interval-ms".into(),
+            interval.as_millis().to_string(),
+            "--keep-alive-timeout-ms".into(),
+            timeout.as_millis().to_string(),
+        ],
+        None => Vec::new(),
+    };
     let mut regs = Vec::new();
     let mut ids = Vec::new();
     for i in 0..3 {
@@ -170,29 +183,45 @@ async fn the_pes_of_a_killed_registrar_stay_with_a_survivor(interval: Duration, 
     .await;
     eprintln!("3 PEs registered at the first registrar and replicated in {t:?}");
 
-    signal(&regs[0].proc, Signal::KILL);
-    let survivors = &asap[1..];
-    let t = wait_for(
-        Duration::from_secs(30),
-        "every PE owned by a survivor and resolvable at both",
-        || owned_by(survivors, &pe_ids, &ids[1..]),
-    )
-    .await;
-    eprintln!("first registrar killed: its PEs owned by a survivor {t:?} later");
-
-    // They answer their new home's keep-alives: still there after more than a keep-alive
-    // interval and timeout (without answers they would be gone by then).
-    let hold = interval + timeout + Duration::from_secs(1);
-    let from = Instant::now();
-    while from.elapsed() < hold {
-        if let Err(e) = owned_by(survivors, &pe_ids, &ids[1..]).await {
-            panic!("{:?} after the takeover: {e}", from.elapsed());
+    let mut live = vec![0, 1, 2];
+    // PE -> takeovers it should have logged.
+    let mut takeovers: BTreeMap<u32, usize> = BTreeMap::new();
+    for round in 0..rounds {
+        // Kill the home of the first PE (in the first round, the first registrar).
+        let now = homes(asap[live[0]]).await.unwrap();
+        let home = now[pe_ids.first().unwrap()];
+        for (pe, h) in &now {
+            *takeovers.entry(*pe).or_default() += usize::from(*h == home);
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let victim = ids.iter().position(|&i| i == home).unwrap();
+        assert!(round > 0 || victim == 0);
+        signal(&regs[victim].proc, Signal::KILL);
+        live.retain(|&i| i != victim);
+        let at: Vec<SocketAddr> = live.iter().map(|&i| asap[i]).collect();
+        let owners: Vec<u32> = live.iter().map(|&i| ids[i]).collect();
+        let t = wait_for(
+            Duration::from_secs(30),
+            "every PE owned by a survivor and resolvable at each",
+            || owned_by(&at, &pe_ids, &owners),
+        )
+        .await;
+        eprintln!("registrar {victim} killed: its PEs owned by a survivor {t:?} later");
+
+        // They answer their new home's keep-alives: still there after more than a keep-alive
+        // interval and timeout (without answers they would be gone by then).
+        let hold = interval + timeout + Duration::from_secs(1);
+        let from = Instant::now();
+        while from.elapsed() < hold {
+            if let Err(e) = owned_by(&at, &pe_ids, &owners).await {
+                panic!("{:?} after the takeover: {e}", from.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
-    // Never registered again: no survivor got a registration of these PEs (their logs name
-    // each new and repeated one), and each PE logged a single registration and the takeover.
+    // Never registered again: no other registrar got a registration of these PEs (their logs
+    // name each new and repeated one), and each PE logged a single registration and its
+    // takeovers.
     for (i, r) in regs.iter().enumerate().skip(1) {
         for id in &pe_ids {
             let pe = format!("PE {id:#010x}");
@@ -211,22 +240,21 @@ async fn the_pes_of_a_killed_registrar_stay_with_a_survivor(interval: Duration, 
         let registered = pe.lines_with("registered in pool");
         assert_eq!(registered.len(), 1, "PE {id:#010x}: {registered:?}");
         let taken = pe.lines_with("taken over by registrar");
-        assert_eq!(taken.len(), 1, "PE {id:#010x}: {taken:?}");
+        assert_eq!(taken.len(), takeovers[id], "PE {id:#010x}: {taken:?}");
     }
     eprintln!("done in {:?}", started.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pes_knowing_only_a_killed_registrar_stay_with_a_survivor() {
-    // The registrar's default keep-alive timers.
-    let (interval, timeout) = (Duration::from_secs(5), Duration::from_secs(5));
-    the_pes_of_a_killed_registrar_stay_with_a_survivor(interval, timeout).await;
+    the_pes_of_a_killed_registrar_stay_with_a_survivor(None, 1).await;
 }
 
+/// With short timers, the new home is killed too: the PEs are taken over by the last registrar.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pes_knowing_only_a_killed_registrar_stay_with_a_survivor_short_timers() {
-    let (interval, timeout) = (Duration::from_millis(300), Duration::from_millis(300));
-    the_pes_of_a_killed_registrar_stay_with_a_survivor(interval, timeout).await;
+    let short = (Duration::from_millis(300), Duration::from_millis(300));
+    the_pes_of_a_killed_registrar_stay_with_a_survivor(Some(short), 2).await;
 }
 
 /// A PE registered at a lone registrar that is then killed; returns the PE and its ID once it
