@@ -177,15 +177,22 @@ async fn a_takeover_during_a_registration_elsewhere_wins_and_is_registered_over(
     tokio::time::timeout(WAIT, stop).await.unwrap().unwrap();
 }
 
+/// A PE whose home (`registrar`) died and that registrar 0x7001 took over; returns it, the new
+/// home's association and the PE's takeover address.
+async fn taken_over_pe(registrar: &Fake) -> (PoolElement, AsapConnection, SocketAddr) {
+    let (pe, first, at) = registered_pe(registrar).await;
+    drop(first);
+    let mut t1 = take_over(at, 0x7001, pe.id()).await;
+    home_is(&pe, 0x7001).await;
+    answers_keep_alive(&mut t1, 0x7001, pe.id()).await;
+    (pe, t1, at)
+}
+
 #[tokio::test]
 async fn of_two_takeovers_the_last_wins() {
     let x = Fake::new().await;
-    let (pe, first, at) = registered_pe(&x).await;
+    let (pe, mut t1, at) = taken_over_pe(&x).await;
     let id = pe.id();
-    drop(first);
-    let mut t1 = take_over(at, 0x7001, id).await;
-    home_is(&pe, 0x7001).await;
-    answers_keep_alive(&mut t1, 0x7001, id).await;
     let mut t2 = take_over(at, 0x7002, id).await;
     home_is(&pe, 0x7002).await;
     closed(&mut t1).await;
@@ -196,12 +203,8 @@ async fn of_two_takeovers_the_last_wins() {
 #[tokio::test]
 async fn a_new_home_that_dies_is_followed_by_the_next_takeover() {
     let x = Fake::new().await;
-    let (pe, first, at) = registered_pe(&x).await;
+    let (pe, t1, at) = taken_over_pe(&x).await;
     let id = pe.id();
-    drop(first);
-    let mut t1 = take_over(at, 0x7001, id).await;
-    home_is(&pe, 0x7001).await;
-    answers_keep_alive(&mut t1, 0x7001, id).await;
     // The new home dies too, and so is the registrar the PE knows: it hunts until the next
     // takeover.
     drop(t1);
