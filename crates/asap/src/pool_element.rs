@@ -8,8 +8,15 @@
 //! Takeover (RFC 5353 §3.5): the PE listens on a TCP port of its own and announces it as its
 //! ASAP transport. When its home registrar dies, the registrar that takes over connects there
 //! and sends ENDPOINT_KEEP_ALIVE with the H bit; the PE answers and carries on over that
-//! connection, without registering again. A PE that loses its home waits `takeover_wait` for
-//! this (when it knows more than one registrar) before it registers elsewhere.
+//! connection as over a home association (keep-alives, re-registrations, deregistration),
+//! without registering again. A PE that loses its home adopts such a takeover whenever one
+//! arrives, however many registrars it knows: while it waits `takeover_wait` for one (when it
+//! knows another registrar it could register with instead), while it backs off, and while it
+//! connects or registers elsewhere. The last takeover wins. A takeover that cuts short a
+//! registration made after the loss is followed by a registration over the new home, so that
+//! the registrars agree on it again. Without a takeover it keeps trying the registrars it knows
+//! (configured and announced) with back-off, and registers again once one is reachable.
+//!
 //! Dropping the [`PoolElement`] or calling [`PoolElement::stop`] deregisters.
 
 use crate::connection::AsapConnection;
@@ -19,7 +26,7 @@ use rserpool_wire::{AsapMessage, Policy, PoolHandle, TransportAddress, UserTrans
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -47,7 +54,7 @@ pub struct PoolElementConfig {
     /// means the address the PE connects to registrars from). `None`: no takeover.
     pub takeover_listen: Option<SocketAddr>,
     /// After losing its home registrar, time to wait for a takeover before registering with
-    /// another one (only when more than one registrar is known).
+    /// another one (only when another one is known). A takeover is adopted at any time.
     pub takeover_wait: Duration,
 }
 
@@ -250,8 +257,12 @@ enum SessionEnd {
         registered: bool,
         rejected: bool,
     },
-    /// Another registrar took over as home over this new connection.
-    TakenOver(Takeover),
+    /// Another registrar took over as home over this new connection. `cut_short`: it ended an
+    /// association over which the PE had registered by itself.
+    TakenOver {
+        takeover: Takeover,
+        cut_short: bool,
+    },
 }
 
 /// A connection from a registrar that took over as home (its ENDPOINT_KEEP_ALIVE with the H bit
@@ -276,7 +287,7 @@ async fn listen_for_takeovers(
     listener: tokio::net::TcpListener,
     pool_handle: PoolHandle,
     id: u32,
-    tx: tokio::sync::mpsc::Sender<Takeover>,
+    tx: mpsc::Sender<Takeover>,
 ) {
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -318,6 +329,43 @@ async fn listen_for_takeovers(
     }
 }
 
+/// Runs `fut` unless a registrar takes over first.
+async fn unless_taken_over<T>(
+    takeovers: &mut mpsc::Receiver<Takeover>,
+    fut: impl Future<Output = T>,
+) -> Result<T, Takeover> {
+    tokio::select! {
+        Some(t) = takeovers.recv() => Err(t),
+        r = fut => Ok(r),
+    }
+}
+
+/// Waits `d`, less if the PE is to stop or to go inactive. A takeover ends it at once.
+async fn pause(
+    desired: &mut watch::Receiver<Desired>,
+    takeovers: &mut mpsc::Receiver<Takeover>,
+    d: Duration,
+) -> Result<(), Takeover> {
+    let stop = async {
+        loop {
+            if desired.changed().await.is_err() {
+                return;
+            }
+            let d = desired.borrow();
+            if d.stop || !d.active {
+                return;
+            }
+        }
+    };
+    unless_taken_over(takeovers, async {
+        tokio::select! {
+            () = tokio::time::sleep(d) => {}
+            () = stop => {}
+        }
+    })
+    .await
+}
+
 async fn run(
     cfg: PoolElementConfig,
     id: u32,
@@ -327,7 +375,7 @@ async fn run(
 ) {
     let mut backoff = cfg.backoff_min;
     let mut next = 0usize;
-    let (takeover_tx, mut takeovers) = tokio::sync::mpsc::channel(4);
+    let (takeover_tx, mut takeovers) = mpsc::channel(4);
     let mut asap_transport = None;
     let mut _listener = None;
     if let Some(addr) = cfg.takeover_listen {
@@ -340,7 +388,12 @@ async fn run(
             Err(e) => warn!("PE {id:#010x}: no takeover listener on {addr}: {e}"),
         }
     }
-    let mut adopted: Option<Takeover> = None;
+    // A takeover to carry on with, and whether to register over it at once.
+    let mut adopted: Option<(Takeover, bool)> = None;
+    // The PE lost its home and has not been taken over since: a registration elsewhere may
+    // race a takeover.
+    let mut lost_home = false;
+    let mut policy = cfg.policy.clone();
     loop {
         // Wait until we should be registered.
         loop {
@@ -352,10 +405,18 @@ async fn run(
             if d.active {
                 break;
             }
+            // Deregistered: no home to lose, no takeover to follow.
+            adopted = None;
+            lost_home = false;
             state.send_replace(PeState::Inactive);
-            if desired.changed().await.is_err() {
-                state.send_replace(PeState::Stopped);
-                return;
+            tokio::select! {
+                r = desired.changed() => if r.is_err() {
+                    state.send_replace(PeState::Stopped);
+                    return;
+                },
+                Some(t) = takeovers.recv() => {
+                    debug!("PE {id:#010x}: inactive: takeover by registrar {:#010x} closed", t.home);
+                }
             }
         }
         if !matches!(*state.borrow(), PeState::Rejected(_)) {
@@ -369,9 +430,11 @@ async fn run(
             desired: &mut desired,
             state: &state,
             takeovers: &mut takeovers,
+            policy: &mut policy,
         };
-        let end = if let Some(t) = adopted.take() {
-            adopted_session(&mut ctx, t).await
+        let end = if let Some((t, refresh)) = adopted.take() {
+            lost_home = false;
+            adopted_session(&mut ctx, t, refresh).await
         } else if candidates.is_empty() {
             debug!("PE {id:#010x}: no registrar known yet");
             SessionEnd::Failed {
@@ -381,15 +444,20 @@ async fn run(
         } else {
             let addr = candidates[next % candidates.len()];
             next = next.wrapping_add(1);
-            match AsapConnection::connect(addr, cfg.connect_timeout).await {
-                Ok(conn) => session(&mut ctx, conn, None).await,
-                Err(e) => {
+            let connect = AsapConnection::connect(addr, cfg.connect_timeout);
+            match unless_taken_over(ctx.takeovers, connect).await {
+                Ok(Ok(conn)) => session(&mut ctx, conn, None).await,
+                Ok(Err(e)) => {
                     debug!("PE {id:#010x}: registrar {addr}: {e}");
                     SessionEnd::Failed {
                         registered: false,
                         rejected: false,
                     }
                 }
+                Err(takeover) => SessionEnd::TakenOver {
+                    takeover,
+                    cut_short: false,
+                },
             }
         };
         match end {
@@ -398,25 +466,37 @@ async fn run(
                 return;
             }
             SessionEnd::Inactive => backoff = cfg.backoff_min,
-            SessionEnd::TakenOver(t) => adopted = Some(t),
+            SessionEnd::TakenOver {
+                takeover,
+                cut_short,
+            } => {
+                // Registered elsewhere while hunting: that registrar told its peers it is home.
+                // A registration over the new home makes them agree again.
+                adopted = Some((takeover, cut_short && lost_home));
+            }
             SessionEnd::Failed {
                 registered,
                 rejected,
             } => {
                 if registered {
-                    // The home registrar failed: another may take over; if none does, try the
-                    // next registrar soon.
+                    lost_home = true;
+                    // Another registrar may take over. Before registering with another one
+                    // (if any is known), give it time to; a takeover is adopted at any time.
                     if candidates.len() > 1 && !cfg.takeover_wait.is_zero() && _listener.is_some() {
-                        let wait = tokio::time::sleep(cfg.takeover_wait);
-                        tokio::select! {
-                            t = takeovers.recv() => {
-                                if let Some(t) = t {
-                                    adopted = Some(t);
+                        match pause(&mut desired, &mut takeovers, cfg.takeover_wait).await {
+                            Err(t) => {
+                                adopted = Some((t, false));
+                                continue;
+                            }
+                            Ok(()) => {
+                                let d = desired.borrow();
+                                if d.stop || !d.active {
                                     continue;
                                 }
-                            }
-                            () = wait => {
-                                info!("PE {id:#010x}: no registrar took over within {:?}: registering again", cfg.takeover_wait);
+                                info!(
+                                    "PE {id:#010x}: no registrar took over within {:?}: registering again",
+                                    cfg.takeover_wait
+                                );
                             }
                         }
                     }
@@ -426,20 +506,8 @@ async fn run(
                 }
                 let wait = jitter(backoff);
                 backoff = (backoff * 2).min(cfg.backoff_max);
-                let stop = async {
-                    loop {
-                        if desired.changed().await.is_err() {
-                            return;
-                        }
-                        let d = desired.borrow();
-                        if d.stop || !d.active {
-                            return;
-                        }
-                    }
-                };
-                tokio::select! {
-                    () = tokio::time::sleep(wait) => {}
-                    () = stop => {}
+                if let Err(t) = pause(&mut desired, &mut takeovers, wait).await {
+                    adopted = Some((t, false));
                 }
             }
         }
@@ -472,48 +540,58 @@ struct SessionCtx<'a> {
     asap_transport: Option<SocketAddr>,
     desired: &'a mut watch::Receiver<Desired>,
     state: &'a watch::Sender<PeState>,
-    takeovers: &'a mut tokio::sync::mpsc::Receiver<Takeover>,
+    takeovers: &'a mut mpsc::Receiver<Takeover>,
+    /// The policy of the last registration sent, which the home registrar holds.
+    policy: &'a mut Policy,
 }
 
-/// Carries on over a connection from a registrar that took over as home.
-async fn adopted_session(ctx: &mut SessionCtx<'_>, t: Takeover) -> SessionEnd {
-    info!(
-        "PE {:#010x}: registrar {:#010x} took over as home",
-        ctx.id, t.home
-    );
-    session(ctx, t.conn, Some(t.home)).await
+fn log_takeover(id: u32, home: u32, addr: SocketAddr) {
+    info!("PE {id:#010x}: taken over by registrar {home:#010x} at {addr}; home now");
+}
+
+/// Carries on over a connection from a registrar that took over as home; `refresh`: registers
+/// over it at once.
+async fn adopted_session(ctx: &mut SessionCtx<'_>, t: Takeover, refresh: bool) -> SessionEnd {
+    log_takeover(ctx.id, t.home, t.conn.peer());
+    session(ctx, t.conn, Some((t.home, refresh))).await
 }
 
 /// One association with one registrar, from registration (or takeover, when `adopted` names
-/// the new home) to failure or stop.
+/// the new home and whether to register over it at once) to failure or stop.
 async fn session(
     ctx: &mut SessionCtx<'_>,
     mut conn: AsapConnection,
-    adopted: Option<u32>,
+    adopted: Option<(u32, bool)>,
 ) -> SessionEnd {
-    let (cfg, id, state) = (ctx.cfg, ctx.id, ctx.state);
+    let (cfg, id, state, asap_transport) = (ctx.cfg, ctx.id, ctx.state, ctx.asap_transport);
     let desired = &mut *ctx.desired;
     let takeovers = &mut *ctx.takeovers;
+    let policy = &mut *ctx.policy;
     let addr = conn.peer();
     let failed = |registered, rejected| SessionEnd::Failed {
         registered,
         rejected,
     };
-    let mut policy = desired.borrow().policy.clone();
-    let registration = |policy: &Policy| registration(cfg, id, policy, ctx.asap_transport);
+    let registration = |policy: &Policy| registration(cfg, id, policy, asap_transport);
     let mut registered = adopted.is_some();
-    let mut home = adopted.unwrap_or(0);
+    let mut home = adopted.map_or(0, |(home, _)| home);
     // Deadline for the answer to the registration in flight, if any.
     let mut pending = None;
-    if let Some(home) = adopted {
-        state.send_replace(PeState::Registered {
-            registrar: addr,
-            home,
-        });
-        // The new home has the PE as last replicated; the next re-registration refreshes it.
-    } else {
-        if conn.send(&registration(&policy)).await.is_err() {
-            return failed(false, false);
+    // The new home has the PE as last replicated; without news it carries on with that.
+    let refresh = match adopted {
+        Some((home, refresh)) => {
+            state.send_replace(PeState::Registered {
+                registrar: addr,
+                home,
+            });
+            refresh || desired.borrow().policy != *policy
+        }
+        None => true,
+    };
+    if refresh {
+        *policy = desired.borrow().policy.clone();
+        if conn.send(&registration(policy)).await.is_err() {
+            return failed(registered, false);
         }
         pending = Some(Instant::now() + cfg.response_timeout);
     }
@@ -529,7 +607,7 @@ async fn session(
                 Ok(AsapMessage::EndpointKeepAlive { home: h, server_id, .. }) => {
                     if server_id != home {
                         if h {
-                            info!("PE {id:#010x}: registrar {server_id:#010x} took over as home");
+                            log_takeover(id, server_id, addr);
                         }
                         home = server_id;
                         if registered {
@@ -564,7 +642,7 @@ async fn session(
                 Ok(AsapMessage::DeregistrationResponse { pe_id, .. }) if pe_id == id => {
                     // The registration life ran out at the registrar: register again.
                     pending = Some(Instant::now() + cfg.response_timeout);
-                    if conn.send(&registration(&policy)).await.is_err() {
+                    if conn.send(&registration(policy)).await.is_err() {
                         return failed(registered, false);
                     }
                 }
@@ -580,17 +658,15 @@ async fn session(
                     return failed(registered, false);
                 }
             },
-            t = takeovers.recv() => {
-                if let Some(t) = t {
-                    // Our home was declared dead; the new one reached us first.
-                    return SessionEnd::TakenOver(t);
-                }
+            Some(takeover) = takeovers.recv() => {
+                // Our home was declared dead; the new one reached us first.
+                return SessionEnd::TakenOver { takeover, cut_short: adopted.is_none() };
             }
             _ = rereg.tick() => {
                 if pending.is_none() {
                     pending = Some(Instant::now() + cfg.response_timeout);
                 }
-                if conn.send(&registration(&policy)).await.is_err() {
+                if conn.send(&registration(policy)).await.is_err() {
                     return failed(registered, false);
                 }
             }
@@ -603,12 +679,12 @@ async fn session(
                     deregister(cfg, id, &mut conn).await;
                     return if d.stop { SessionEnd::Stopped } else { SessionEnd::Inactive };
                 }
-                if d.policy != policy {
-                    policy = d.policy;
+                if d.policy != *policy {
+                    *policy = d.policy;
                     if pending.is_none() {
                         pending = Some(Instant::now() + cfg.response_timeout);
                     }
-                    if conn.send(&registration(&policy)).await.is_err() {
+                    if conn.send(&registration(policy)).await.is_err() {
                         return failed(registered, false);
                     }
                 }

@@ -1,14 +1,16 @@
 //! What the integration tests share: the binary under test, free ports, child processes that
-//! cannot outlive a test, a registrar with short timers and its status, and waiting for a
-//! condition.
+//! cannot outlive a test (and their logs), a registrar with short timers and its status, and
+//! waiting for a condition.
 
 // Each test file uses its own subset.
 #![allow(dead_code)]
 
 use rserpool_registrar::{Config, RegistrarThread, Status, StatusListen};
 use std::future::Future;
+use std::io::BufRead;
 use std::net::SocketAddr;
-use std::process::Child;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
@@ -42,6 +44,70 @@ impl std::ops::Deref for KillOnDrop {
 impl std::ops::DerefMut for KillOnDrop {
     fn deref_mut(&mut self) -> &mut Child {
         &mut self.0
+    }
+}
+
+/// An `rserpool` process whose log (stderr) is collected while it runs. With `TEST_LOG` set in
+/// the environment, its lines are also printed, prefixed with `name`.
+pub struct Logged {
+    pub proc: KillOnDrop,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Logged {
+    /// Runs `rserpool ARGS` with `RUST_LOG=filter`.
+    pub fn spawn(name: &str, args: &[String], filter: &str) -> Self {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .env("RUST_LOG", filter)
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn rserpool");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let lines = log.clone();
+        let echo = std::env::var_os("TEST_LOG")
+            .is_some()
+            .then(|| name.to_string());
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(name) = &echo {
+                    eprintln!("[{name}] {line}");
+                }
+                lines.lock().unwrap().push(line);
+            }
+        });
+        Self {
+            proc: KillOnDrop(child),
+            log,
+        }
+    }
+
+    /// The log lines so far that contain `needle`.
+    pub fn lines_with(&self, needle: &str) -> Vec<String> {
+        let log = self.log.lock().unwrap();
+        log.iter().filter(|l| l.contains(needle)).cloned().collect()
+    }
+
+    /// The `0x`-prefixed hexadecimal number right after `marker` in the first log line that
+    /// also contains `context`, once there is one.
+    pub async fn hex_after(&self, marker: &str, context: &str, limit: Duration) -> u32 {
+        let mut found = None;
+        wait_until(limit, &format!("\"{marker}\" in the log"), || {
+            found = self.lines_with(context).iter().find_map(|l| {
+                let hex = l[l.find(marker)? + marker.len()..].strip_prefix("0x")?;
+                let end = hex
+                    .find(|c: char| !c.is_ascii_hexdigit())
+                    .unwrap_or(hex.len());
+                u32::from_str_radix(&hex[..end], 16).ok()
+            });
+            found.is_some()
+        })
+        .await;
+        found.unwrap()
     }
 }
 
