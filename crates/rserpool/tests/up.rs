@@ -102,3 +102,34 @@ async fn up_then_the_suggested_commands_work_on_defaults() {
     )
     .await;
 }
+
+/// `cargo run --release -- up` at the root works only while exactly one of the workspace's
+/// default members is a binary (with two, cargo asks which one to run).
+#[test]
+fn cargo_run_at_the_root_finds_one_binary() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let manifest: toml::Table = std::fs::read_to_string(root.join("Cargo.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let members = manifest["workspace"]["default-members"].as_array().unwrap();
+    let binaries: Vec<&str> = members
+        .iter()
+        .filter_map(|m| m.as_str())
+        .filter(|m| {
+            let dir = root.join(m);
+            let own: toml::Table = std::fs::read_to_string(dir.join("Cargo.toml"))
+                .unwrap()
+                .parse()
+                .unwrap();
+            dir.join("src/main.rs").exists() || own.contains_key("bin")
+        })
+        .collect();
+    assert_eq!(binaries, ["crates/rserpool"]);
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    assert!(
+        readme.contains("\ncargo run --release -- up ")
+            && readme.contains("\ncargo test --workspace "),
+        "the README starts with the two commands"
+    );
+}
