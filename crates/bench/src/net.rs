@@ -1,14 +1,12 @@
 //! Loopback addresses for the processes a benchmark starts, and a registrar's status as the
 //! benchmarks read it to know when a setup is complete.
 
-use anyhow::{Result, anyhow};
+use anyhow::Result;
 use std::net::{Ipv4Addr, SocketAddr};
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (someone may take it before it is used).
+/// A TCP port on 127.0.0.1 that was free a moment ago.
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(rserpool::util::free_port()?)
 }
 
 /// 127.0.0.1:`port`.
@@ -18,11 +16,5 @@ pub fn local(port: u16) -> SocketAddr {
 
 /// A registrar's status, read synchronously from its status listener.
 pub fn registrar_status(status: SocketAddr) -> Result<rserpool_registrar::Status> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    match rt.block_on(rserpool_status::get(status, "/status"))? {
-        (200, body) => Ok(serde_json::from_slice(&body)?),
-        (code, _) => Err(anyhow!("status listener {status} answered HTTP {code}")),
-    }
+    rserpool::util::runtime()?.block_on(rserpool::util::registrar_status(&[status]))
 }

@@ -1,6 +1,9 @@
-//! Small helpers shared by the subcommands and the benchmarks (crates/bench).
+//! Small helpers shared by the subcommands, the benchmarks (crates/bench) and the integration
+//! tests.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+use rserpool_registrar::Status;
+use std::net::SocketAddr;
 
 /// The UTC date now: (year, month, day, seconds since midnight).
 pub fn utc_now() -> (i64, u32, u32, u64) {
@@ -50,4 +53,30 @@ impl Shutdown {
             _ = self.int.recv() => {}
         }
     }
+}
+
+/// A registrar's status from the first of `addrs` (status listeners) that answers.
+pub async fn registrar_status(addrs: &[SocketAddr]) -> Result<Status> {
+    let mut errors = Vec::new();
+    for &addr in addrs {
+        match rserpool_status::get(addr, "/status").await {
+            Ok((200, body)) => {
+                return serde_json::from_slice(&body)
+                    .with_context(|| format!("{addr}: not a registrar status"));
+            }
+            Ok((code, _)) => errors.push(format!("{addr}: HTTP {code}")),
+            Err(e) => errors.push(format!("{addr}: {e}")),
+        }
+    }
+    bail!(
+        "no registrar status listener answered ({})",
+        errors.join("; ")
+    )
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (someone may take it before it is used).
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }

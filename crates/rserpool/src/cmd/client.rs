@@ -1,10 +1,9 @@
 //! Pool user commands: `resolve`, `connect`, and `status` (the registrar's handlespace).
 
 use crate::RegistrarOpts;
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Args;
 use rserpool_asap::PoolUser;
-use rserpool_registrar::Status;
 use rserpool_wire::PoolHandle;
 use serde::Serialize;
 use std::net::SocketAddr;
@@ -147,25 +146,6 @@ pub struct StatusArgs {
     pub registrar: Option<SocketAddr>,
 }
 
-/// Fetches `GET /status` from the first status listener that answers.
-pub async fn fetch_status(addrs: &[SocketAddr]) -> Result<Status> {
-    let mut errors = Vec::new();
-    for &addr in addrs {
-        match rserpool_status::get(addr, "/status").await {
-            Ok((200, body)) => {
-                return serde_json::from_slice(&body)
-                    .with_context(|| format!("{addr}: not a registrar status"));
-            }
-            Ok((code, _)) => errors.push(format!("{addr}: HTTP {code}")),
-            Err(e) => errors.push(format!("{addr}: {e}")),
-        }
-    }
-    bail!(
-        "no registrar status listener answered ({})",
-        errors.join("; ")
-    )
-}
-
 pub fn status(args: StatusArgs) -> Result<()> {
     if let Some(asap) = args.registrar {
         bail!(
@@ -175,7 +155,7 @@ pub fn status(args: StatusArgs) -> Result<()> {
             rserpool_registrar::DEFAULT_STATUS
         );
     }
-    let st = super::runtime()?.block_on(fetch_status(&args.status))?;
+    let st = super::runtime()?.block_on(rserpool::util::registrar_status(&args.status))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&st)?);
         return Ok(());

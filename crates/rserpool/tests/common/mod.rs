@@ -17,11 +17,7 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
 
 /// A TCP port on 127.0.0.1 that was free a moment ago.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    rserpool::util::free_port().unwrap()
 }
 
 /// A child process, killed and reaped when dropped.
@@ -136,10 +132,7 @@ pub fn registrar(cfg: Config) -> RegistrarThread {
 
 /// A registrar's status from its status listener, or `None` if it does not answer.
 pub async fn registrar_status(status: SocketAddr) -> Option<Status> {
-    match rserpool_status::get(status, "/status").await {
-        Ok((200, body)) => serde_json::from_slice(&body).ok(),
-        _ => None,
-    }
+    rserpool::util::registrar_status(&[status]).await.ok()
 }
 
 /// What a polled condition answers: `bool`, or `Result<(), String>` to say why not yet.
