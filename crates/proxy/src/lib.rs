@@ -47,10 +47,10 @@ use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
+use tracing::{info, warn};
 
 /// What the status listener serves: the same JSON under each (`/stats` is the older name).
 const STATUS_PATHS: &[&str] = &["/status", "/stats", "/"];
-use tracing::{info, warn};
 
 struct Listener {
     local: SocketAddr,

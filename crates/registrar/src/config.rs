@@ -109,9 +109,30 @@ settings! {
     max_elements_per_ht_request: usize = 128;
 }
 
-/// Where the status listener listens: an address, or `off`.
+/// Where the status listener listens: an address, or `off`. Whether it was given (in the file
+/// or on the command line) or is the default matters when the address is taken: a given one
+/// must bind, the default may be skipped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StatusListen(pub Option<SocketAddr>);
+pub struct StatusListen {
+    addr: Option<SocketAddr>,
+    given: bool,
+}
+
+impl StatusListen {
+    /// A given address (`None`: no status listener).
+    pub fn given(addr: Option<SocketAddr>) -> Self {
+        Self { addr, given: true }
+    }
+
+    pub fn addr(&self) -> Option<SocketAddr> {
+        self.addr
+    }
+
+    /// The default: [`DEFAULT_STATUS`], not given by the user.
+    pub fn is_default(&self) -> bool {
+        !self.given
+    }
+}
 
 /// The registrar's status listener by default.
 pub const DEFAULT_STATUS: SocketAddr =
@@ -119,7 +140,10 @@ pub const DEFAULT_STATUS: SocketAddr =
 
 impl Default for StatusListen {
     fn default() -> Self {
-        Self(Some(DEFAULT_STATUS))
+        Self {
+            addr: Some(DEFAULT_STATUS),
+            given: false,
+        }
     }
 }
 
@@ -127,15 +151,15 @@ impl std::str::FromStr for StatusListen {
     type Err = std::net::AddrParseError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
-            "off" | "none" => Ok(Self(None)),
-            _ => s.parse().map(|a| Self(Some(a))),
+            "off" | "none" => Ok(Self::given(None)),
+            _ => s.parse().map(|a| Self::given(Some(a))),
         }
     }
 }
 
 impl std::fmt::Display for StatusListen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
+        match self.addr {
             Some(a) => a.fmt(f),
             None => f.write_str("off"),
         }
@@ -172,9 +196,16 @@ mod tests {
 
     #[test]
     fn the_status_listener_is_an_address_or_off() {
-        assert_eq!(Config::default().status, StatusListen(Some(DEFAULT_STATUS)));
+        let default = Config::default().status;
+        assert_eq!(
+            (default.addr(), default.is_default()),
+            (Some(DEFAULT_STATUS), true)
+        );
         let c = Config::from_toml("status = \"off\"").unwrap();
-        assert_eq!(c.status, StatusListen(None));
+        assert_eq!(c.status, StatusListen::given(None));
+        // Given explicitly, the default address is no longer the default (it must bind).
+        let c = Config::from_toml("status = \"127.0.0.1:8863\"").unwrap();
+        assert!(!c.status.is_default());
         let c = Config::from_toml("status = \"127.0.0.1:9000\"").unwrap();
         assert_eq!(c.status.to_string(), "127.0.0.1:9000");
         assert!(Config::from_toml("status = \"nowhere\"").is_err());

@@ -765,7 +765,7 @@ impl EventLoop {
         };
         let now = elapsed(self.epoch);
         let core = &self.core;
-        status.on_event(slot, self.poll.registry(), &mut self.read_buf, |_| {
+        status.on_event(slot, self.poll.registry(), &mut self.read_buf, now, |_| {
             rserpool_status::Reply::json(&core.status(now))
         });
     }

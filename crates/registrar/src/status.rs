@@ -1,5 +1,6 @@
 //! What `rserpool status` shows: the handlespace as one registrar sees it, plus counters.
-//! Served as JSON by the registrar (an HTTP GET on its ASAP port) and read back by the CLI.
+//! Served as JSON by the registrar on its status listener (`GET /status`) and read back by the
+//! CLI.
 
 use serde::{Deserialize, Serialize};
 

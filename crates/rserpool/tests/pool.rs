@@ -678,6 +678,17 @@ async fn status_has_a_listener_of_its_own_and_asap_does_not_speak_http() {
         rserpool_status::get(status, "/metrics").await.unwrap().0,
         404
     );
+    // A request with a body it does not read still gets its whole answer, not a reset.
+    let mut s = tokio::net::TcpStream::connect(status).await.unwrap();
+    s.write_all(b"POST /status HTTP/1.1\r\nContent-Length: 5000\r\n\r\n")
+        .await
+        .unwrap();
+    s.write_all(&[b'x'; 5000]).await.unwrap();
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply).await.unwrap();
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.starts_with("HTTP/1.1 405"), "{reply}");
+    assert!(reply.ends_with("only GET and HEAD\n"), "{reply}");
     // An HTTP request on the ASAP port is a malformed ASAP message now: the connection is
     // closed (after an ERROR), and the PE registered there is not disturbed.
     let mut s = tokio::net::TcpStream::connect(r.asap_addr()).await.unwrap();

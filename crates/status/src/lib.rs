@@ -7,14 +7,21 @@
 //! path, answer with a body and close. So the core here is sans-IO ([`parse_request`],
 //! [`respond`]), and the `tokio` feature adds the async [`serve`] loop and the [`get`] client
 //! used by the command line and the tests. Every answer closes the connection: status requests
-//! are rare, and a closed connection is a connection that holds nothing.
+//! are rare, and a closed connection is a connection that holds nothing. Limits: a head of at
+//! most [`MAX_HEAD`] bytes within [`IO_TIMEOUT`], at most [`MAX_CONNS`] connections at once.
 
 use std::fmt::Write as _;
 
 /// The longest request head read; a longer one is answered with 431.
 pub const MAX_HEAD: usize = 8192;
-/// Time allowed for a request to arrive in full, and for its answer to be taken.
+/// Time allowed for a request to arrive in full, and for each part of its answer to be taken
+/// (a large status goes out as long as the client keeps taking it).
 pub const IO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// After the answer, time for the client to close its side; what it sends meanwhile is read
+/// and dropped, so that the close does not reset the connection under the answer.
+pub const LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+/// Status connections served at once; more are closed at once.
+pub const MAX_CONNS: usize = 64;
 
 /// A request head, as far as a status listener cares.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +48,8 @@ pub enum Parse {
 
 /// Parses a request head from the bytes read so far.
 pub fn parse_request(buf: &[u8]) -> Parse {
+    // A head is judged by its first MAX_HEAD bytes, however many arrived in one read.
+    let buf = &buf[..buf.len().min(MAX_HEAD)];
     let mut headers = [httparse::EMPTY_HEADER; 32];
     let mut req = httparse::Request::new(&mut headers);
     match req.parse(buf) {
@@ -214,6 +223,12 @@ mod tests {
         big.resize(MAX_HEAD + 10, b'a');
         let Parse::Invalid(out) = parse_request(&big) else {
             panic!("oversized head not refused");
+        };
+        assert!(out.starts_with(b"HTTP/1.1 431"));
+        // Also when the whole of it arrived at once.
+        big.extend_from_slice(b"\r\n\r\n");
+        let Parse::Invalid(out) = parse_request(&big) else {
+            panic!("oversized complete head not refused");
         };
         assert!(out.starts_with(b"HTTP/1.1 431"));
     }

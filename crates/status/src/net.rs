@@ -1,21 +1,24 @@
 //! The status listener over tokio: the accept loop for processes that run tokio (the proxy), and
 //! the client that `rserpool status`, the benchmarks and the tests read a status with.
 
-use crate::{IO_TIMEOUT, MAX_HEAD, Parse, Reply, parse_request, respond};
+use crate::{IO_TIMEOUT, LINGER, MAX_CONNS, MAX_HEAD, Parse, Reply, parse_request, respond};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::time::timeout;
 
 /// Serves `paths` on `listener` until the task is dropped: `handler` makes the reply for a path.
-/// Each connection gets one answer within [`IO_TIMEOUT`] and is closed.
+/// Each connection gets one answer and is closed.
 pub async fn serve<F>(listener: TcpListener, paths: &'static [&'static str], handler: F)
 where
     F: Fn(&str) -> Reply + Send + Sync + 'static,
 {
     let handler = Arc::new(handler);
+    let slots = Arc::new(Semaphore::new(MAX_CONNS));
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -26,9 +29,13 @@ where
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            continue; // Too many at once: dropping closes it.
+        };
         let handler = handler.clone();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(IO_TIMEOUT, answer(stream, paths, &*handler)).await;
+            let _ = answer(stream, paths, &*handler).await;
+            drop(slot);
         });
     }
 }
@@ -38,22 +45,42 @@ async fn answer(
     paths: &[&str],
     handler: &(dyn Fn(&str) -> Reply + Send + Sync),
 ) -> io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let out = loop {
-        let mut chunk = [0u8; 2048];
-        let n = s.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        match parse_request(&buf) {
-            Parse::Incomplete => {}
-            Parse::Complete(req) => break respond(&req, paths, handler),
-            Parse::Invalid(reply) => break reply,
+    let read_head = async {
+        let mut buf = Vec::with_capacity(1024);
+        loop {
+            let mut chunk = [0u8; 2048];
+            let n = s.read(&mut chunk).await?;
+            if n == 0 {
+                return Ok::<_, io::Error>(None);
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            match parse_request(&buf) {
+                Parse::Incomplete => {}
+                Parse::Complete(req) => return Ok(Some(respond(&req, paths, handler))),
+                Parse::Invalid(reply) => return Ok(Some(reply)),
+            }
         }
     };
-    s.write_all(&out).await?;
-    s.shutdown().await
+    let Some(out) = timeout(IO_TIMEOUT, read_head).await.map_err(timed_out)?? else {
+        return Ok(());
+    };
+    for part in out.chunks(64 * 1024) {
+        timeout(IO_TIMEOUT, s.write_all(part))
+            .await
+            .map_err(timed_out)??;
+    }
+    s.shutdown().await?;
+    let drain = async {
+        let mut sink = [0u8; 2048];
+        while s.read(&mut sink).await? > 0 {}
+        Ok::<_, io::Error>(())
+    };
+    let _ = timeout(LINGER, drain).await;
+    Ok(())
+}
+
+fn timed_out(_: tokio::time::error::Elapsed) -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "no progress in time")
 }
 
 /// `GET path` from a status listener: the status code and the body.
@@ -66,9 +93,7 @@ pub async fn get(addr: SocketAddr, path: &str) -> io::Result<(u16, Vec<u8>)> {
         s.read_to_end(&mut reply).await?;
         Ok::<_, io::Error>(reply)
     };
-    let reply = tokio::time::timeout(IO_TIMEOUT, exchange)
-        .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no answer in time"))??;
+    let reply = timeout(IO_TIMEOUT, exchange).await.map_err(timed_out)??;
     let bad =
         |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("{what} from {addr}"));
     let mut headers = [httparse::EMPTY_HEADER; 32];
@@ -100,6 +125,18 @@ mod tests {
         s.read_to_end(&mut out).await?;
         assert!(
             out.starts_with(b"HTTP/1.1 400"),
+            "{}",
+            String::from_utf8_lossy(&out)
+        );
+        // A request with a body the listener does not read still gets its whole answer.
+        let mut s = TcpStream::connect(addr).await?;
+        s.write_all(b"POST /status HTTP/1.1\r\nContent-Length: 5000\r\n\r\n")
+            .await?;
+        s.write_all(&[b'x'; 5000]).await?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await?;
+        assert!(
+            out.starts_with(b"HTTP/1.1 405"),
             "{}",
             String::from_utf8_lossy(&out)
         );

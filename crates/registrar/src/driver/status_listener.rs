@@ -4,21 +4,20 @@
 //! this file only carries its bytes over mio.
 //!
 //! Status connections are few and short: at most [`MAX_CONNS`] at a time (more are closed at
-//! once), each gets [`rserpool_status::IO_TIMEOUT`] to send its request and take the answer.
+//! once); each gets [`IO_TIMEOUT`] to send its request and for each part of the answer it takes,
+//! then [`LINGER`] to close its side before this one does.
 
-use crate::config::{Config, DEFAULT_STATUS};
+use crate::config::Config;
 use crate::core::Instant;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Interest, Registry, Token};
-use rserpool_status::{Parse, Reply};
+use rserpool_status::{IO_TIMEOUT, LINGER, MAX_CONNS, Parse, Reply};
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use tracing::warn;
 
 /// The paths served; each gives the status document.
 const PATHS: &[&str] = &["/status", "/"];
-/// Status connections open at once.
-const MAX_CONNS: usize = 64;
 /// The listener's token; its connections use the tokens just below it.
 pub(super) const LISTENER: Token = Token(usize::MAX - 16);
 
@@ -31,8 +30,12 @@ pub(super) struct StatusListener {
 struct Conn {
     stream: TcpStream,
     head: Vec<u8>,
+    /// The answer, once the request is in.
     reply: Vec<u8>,
     written: usize,
+    /// The answer is out and our side shut: reading what the client still sends until it closes.
+    lingering: bool,
+    /// Reading the request, each write's progress and the linger each have this long.
     deadline: Instant,
 }
 
@@ -41,12 +44,12 @@ impl StatusListener {
     /// this host has it), the registrar runs without a status listener; a configured one must
     /// bind.
     pub(super) fn bind(cfg: &Config, registry: &Registry) -> io::Result<Option<Self>> {
-        let Some(addr) = cfg.status.0 else {
+        let Some(addr) = cfg.status.addr() else {
             return Ok(None);
         };
         let mut listener = match TcpListener::bind(addr) {
             Ok(l) => l,
-            Err(e) if addr == DEFAULT_STATUS && e.kind() == io::ErrorKind::AddrInUse => {
+            Err(e) if cfg.status.is_default() && e.kind() == io::ErrorKind::AddrInUse => {
                 warn!(
                     "status address {addr} in use (another registrar?): running without a \
                      status listener; give this one --status ADDR"
@@ -92,7 +95,14 @@ impl StatusListener {
                 // WouldBlock, or out of descriptors: the ASAP side logs that.
                 Err(_) => return,
             };
-            let Some(slot) = self.free_slot() else {
+            let slot = match self.free_slot() {
+                Some(slot) => Some(slot),
+                None => {
+                    self.expire(now, registry);
+                    self.free_slot()
+                }
+            };
+            let Some(slot) = slot else {
                 continue; // Too many at once: dropping closes it.
             };
             let interest = Interest::READABLE | Interest::WRITABLE;
@@ -107,7 +117,8 @@ impl StatusListener {
                 head: Vec::new(),
                 reply: Vec::new(),
                 written: 0,
-                deadline: now + rserpool_status::IO_TIMEOUT,
+                lingering: false,
+                deadline: now + IO_TIMEOUT,
             });
         }
     }
@@ -128,11 +139,15 @@ impl StatusListener {
         slot: usize,
         registry: &Registry,
         buf: &mut [u8],
+        now: Instant,
         status: impl FnOnce(&str) -> Reply,
     ) {
         let Some(conn) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
             return;
         };
+        if conn.lingering {
+            return self.linger(slot, registry, buf);
+        }
         while conn.reply.is_empty() {
             let n = match conn.stream.read(buf) {
                 Ok(0) => return self.close(slot, registry),
@@ -142,27 +157,49 @@ impl StatusListener {
                 Err(_) => return self.close(slot, registry),
             };
             conn.head.extend_from_slice(&buf[..n]);
-            match rserpool_status::parse_request(&conn.head) {
-                Parse::Incomplete => {}
-                Parse::Complete(req) => {
-                    conn.reply = rserpool_status::respond(&req, PATHS, status);
-                    break;
-                }
-                Parse::Invalid(reply) => {
-                    conn.reply = reply;
-                    break;
-                }
-            }
+            conn.reply = match rserpool_status::parse_request(&conn.head) {
+                Parse::Incomplete => continue,
+                Parse::Complete(req) => rserpool_status::respond(&req, PATHS, status),
+                Parse::Invalid(reply) => reply,
+            };
+            conn.head = Vec::new();
+            conn.deadline = now + IO_TIMEOUT;
+            break;
         }
         while conn.written < conn.reply.len() {
             match conn.stream.write(&conn.reply[conn.written..]) {
-                Ok(n) => conn.written += n,
+                Ok(n) => {
+                    conn.written += n;
+                    conn.deadline = now + IO_TIMEOUT;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(_) => break,
+                Err(_) => return self.close(slot, registry),
             }
         }
-        self.close(slot, registry);
+        // Answered: shut our side and read off whatever the client still sends, so that the
+        // close does not reset the connection under the answer.
+        let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+        conn.reply = Vec::new();
+        conn.lingering = true;
+        conn.deadline = now + LINGER;
+        self.linger(slot, registry, buf);
+    }
+
+    /// Reads and drops what a lingering connection sends; closes it at its end.
+    fn linger(&mut self, slot: usize, registry: &Registry, buf: &mut [u8]) {
+        let Some(conn) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
+            return;
+        };
+        loop {
+            match conn.stream.read(buf) {
+                Ok(0) => return self.close(slot, registry),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(_) => return self.close(slot, registry),
+            }
+        }
     }
 
     /// Closes the connections whose time is up.

@@ -143,11 +143,11 @@ pub struct StatusArgs {
     pub status: Vec<SocketAddr>,
     /// Status is no longer read from the ASAP port; this only says where it is now.
     #[arg(long = "registrar", value_name = "ADDR", hide = true)]
-    pub registrar: Option<SocketAddr>,
+    pub registrar: Vec<SocketAddr>,
 }
 
 pub fn status(args: StatusArgs) -> Result<()> {
-    if let Some(asap) = args.registrar {
+    if let Some(asap) = args.registrar.first() {
         bail!(
             "a registrar serves its status on a listener of its own, not on its ASAP port \
              {asap}: `rserpool status --status ADDR` with the registrar's `status` setting \

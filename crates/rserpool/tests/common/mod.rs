@@ -118,7 +118,7 @@ pub fn fast_config() -> Config {
     Config {
         asap: "127.0.0.1:0".parse().unwrap(),
         enrp: "127.0.0.1:0".parse().unwrap(),
-        status: StatusListen(Some("127.0.0.1:0".parse().unwrap())),
+        status: StatusListen::given(Some("127.0.0.1:0".parse().unwrap())),
         keep_alive_interval_ms: 300,
         keep_alive_timeout_ms: 300,
         ..Config::default()
