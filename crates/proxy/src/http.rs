@@ -169,20 +169,24 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
 }
 
 /// What the request says about itself: the value [`parse`] makes.
-struct Request {
-    head: Head,
-    framing: Framing,
-    host: Vec<u8>,
+pub(crate) struct Request {
+    pub(crate) head: Head,
+    pub(crate) framing: Framing,
+    pub(crate) host: Vec<u8>,
     path_end: usize,
     keep_alive: bool,
     expect_continue: bool,
-    upgrade: bool,
+    pub(crate) upgrade: bool,
     idempotent: bool,
     started: Instant,
 }
 
 /// Step parse: the request analysed, or the status and text that refuse it.
-fn parse(head: Head, peer: SocketAddr, started: Instant) -> Result<Request, (u16, &'static str)> {
+pub(crate) fn parse(
+    head: Head,
+    peer: SocketAddr,
+    started: Instant,
+) -> Result<Request, (u16, &'static str)> {
     let r = analyse(head, started).map_err(|why| {
         debug!("client {peer}: {why}");
         (400, why)
@@ -268,7 +272,7 @@ async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgo
 }
 
 /// The request head as sent to a PE: hop-by-hop headers dropped, forwarding headers added.
-fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
+pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
     let h = &r.head;
     let mut out = BytesMut::with_capacity(h.raw.len() + 128);
     out.put_slice(h.method());
@@ -673,7 +677,7 @@ async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Fai
 
 /// The response head for the client: the status line and end-to-end headers as they came,
 /// the connection's own headers replaced by ours.
-fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
+pub(crate) fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
     let line_end = h
         .raw
         .windows(2)
