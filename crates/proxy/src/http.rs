@@ -678,12 +678,7 @@ async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Fai
 /// The response head for the client: the status line and end-to-end headers as they came,
 /// the connection's own headers replaced by ours.
 pub(crate) fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
-    let line_end = h
-        .raw
-        .windows(2)
-        .position(|w| w == b"\r\n")
-        .unwrap_or(h.raw.len());
-    out.put_slice(&h.raw[..line_end]);
+    out.put_slice(h.status_line());
     out.put_slice(b"\r\n");
     let named: Vec<&[u8]> = h.tokens("connection").collect();
     for (n, v) in h.iter() {
@@ -896,5 +891,33 @@ impl Sink for TcpStream {
     async fn write_last(&mut self, data: &[u8]) -> io::Result<()> {
         self.write_all(data).await?;
         self.shutdown().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn forwarded_response(text: &str, keep: bool) -> BytesMut {
+        let h = Head::response(&mut BytesMut::from(text), 1024)
+            .unwrap()
+            .unwrap();
+        let mut out = BytesMut::new();
+        response_head(&h, &mut out, keep, 1);
+        out
+    }
+
+    #[test]
+    fn a_response_head_goes_to_the_client_with_crlf_line_ends() {
+        // Found by fuzzing: a status line ending in a bare LF went out with the whole head
+        // after it, so the headers reached the client twice, the second time as body.
+        assert_eq!(
+            &forwarded_response("HTTP/1.1 200\n\n", true)[..],
+            b"HTTP/1.1 200\r\n\r\n"
+        );
+        assert_eq!(
+            &forwarded_response("\r\nHTTP/1.1 200 OK\nA: 1\n\n", false)[..],
+            b"HTTP/1.1 200 OK\r\nA: 1\r\nConnection: close\r\n\r\n"
+        );
     }
 }

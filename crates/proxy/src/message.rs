@@ -90,22 +90,28 @@ impl Head {
         let Some(len) = parsed_len(resp.parse(buf), buf.len(), max)? else {
             return Ok(None);
         };
-        let base: &[u8] = buf;
         let (Some(code), Some(v)) = (resp.code, resp.version) else {
             return Err(HeadError::Malformed);
         };
-        let reason = resp.reason.unwrap_or("");
-        // The status code's digits sit right after "HTTP/1.x ".
+        // httparse skips empty lines before the status line; the status code's digits sit
+        // right after "HTTP/1.x ", a reason (any bytes, httparse gives "" for obs-text) after
+        // one more space, and the line ends in CRLF or LF.
+        let code_at = buf
+            .iter()
+            .take_while(|&&b| b == b'\r' || b == b'\n')
+            .count()
+            + 9;
+        let reason_at = code_at + 3 + usize::from(buf.get(code_at + 3) == Some(&b' '));
+        let reason_end = buf[reason_at..len]
+            .iter()
+            .position(|&b| b == b'\r' || b == b'\n')
+            .map_or(reason_at, |i| reason_at + i);
         let head = Head {
-            first: 9..12,
-            second: if reason.is_empty() {
-                12..12
-            } else {
-                span(base, reason.as_bytes())
-            },
+            first: code_at..code_at + 3,
+            second: reason_at..reason_end,
             code,
             minor: v,
-            headers: header_spans(base, resp.headers),
+            headers: header_spans(buf, resp.headers),
             raw: Bytes::new(),
         };
         Ok(Some(Head {
@@ -124,6 +130,11 @@ impl Head {
 
     pub fn reason(&self) -> &[u8] {
         &self.raw[self.second.clone()]
+    }
+
+    /// A response's status line as it came, without its line end.
+    pub fn status_line(&self) -> &[u8] {
+        &self.raw[self.first.start.saturating_sub(9)..self.second.end]
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
@@ -458,6 +469,32 @@ mod tests {
             HeadError::Malformed
         );
         assert_eq!(req("GARBAGE\r\n\r\n").unwrap_err(), HeadError::Malformed);
+    }
+
+    #[test]
+    fn response_heads_know_their_status_line_whatever_the_line_ends() {
+        // Found by fuzzing: a bare LF after the status line, and empty lines before it.
+        for (text, line, reason) in [
+            ("HTTP/1.1 200\n\n", "HTTP/1.1 200", ""),
+            (
+                "\r\n\nHTTP/1.1 404 Not Found\nA: b\r\n\n",
+                "HTTP/1.1 404 Not Found",
+                "Not Found",
+            ),
+            ("HTTP/1.0 200 \r\n\r\n", "HTTP/1.0 200 ", ""),
+            (
+                "HTTP/1.1 200 \u{dc}berall\r\n\r\n",
+                "HTTP/1.1 200 \u{dc}berall",
+                "\u{dc}berall",
+            ),
+        ] {
+            let h = Head::response(&mut BytesMut::from(text), 1024)
+                .unwrap()
+                .unwrap();
+            assert_eq!(h.status_line(), line.as_bytes(), "{text:?}");
+            assert_eq!(h.reason(), reason.as_bytes(), "{text:?}");
+            assert_eq!(&h.raw[h.first.clone()], &line.as_bytes()[9..12]);
+        }
     }
 
     #[test]
