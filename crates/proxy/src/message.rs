@@ -184,10 +184,14 @@ pub enum Framing {
     Close,
 }
 
-/// Body framing from Transfer-Encoding and Content-Length. A message with both, with a
-/// transfer coding that does not end in chunked (requests) or with conflicting lengths is
-/// refused: those are the request-smuggling shapes.
+/// Body framing from Transfer-Encoding and Content-Length. A message with both, with either
+/// present but empty, with a transfer coding that does not end in chunked (requests) or with
+/// conflicting lengths is refused: those are the request-smuggling shapes.
 pub fn framing(head: &Head, request: bool) -> Result<Framing, HeadError> {
+    let empty = |name| head.get(name).is_some() && head.tokens(name).next().is_none();
+    if empty("transfer-encoding") || empty("content-length") {
+        return Err(HeadError::Malformed);
+    }
     let te: Vec<&[u8]> = head.tokens("transfer-encoding").collect();
     let has_cl = head.get("content-length").is_some();
     if !te.is_empty() {
@@ -515,6 +519,10 @@ mod tests {
         assert!(f("POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n").is_err());
         assert!(f("POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n").is_err());
         assert!(f("POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n").is_err());
+        // Found by fuzzing: a framing header without a value was as good as none.
+        assert!(f("POST / HTTP/1.1\r\nTransfer-Encoding: \r\nContent-Length: 5\r\n\r\n").is_err());
+        assert!(f("POST / HTTP/1.1\r\nTransfer-Encoding: ,\r\n\r\n").is_err());
+        assert!(f("POST / HTTP/1.1\r\nContent-Length:\r\n\r\n").is_err());
         assert_eq!(f("GET / HTTP/1.1\r\n\r\n"), Ok(Framing::None));
     }
 
