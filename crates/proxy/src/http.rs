@@ -321,7 +321,12 @@ pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
         format!("for={ip}")
     };
     out.put_slice(node.as_bytes());
-    if !r.host.is_empty() && r.host.iter().all(|&b| b.is_ascii_graphic() && b != b'"') {
+    // The host goes in a quoted-string only where it needs no escaping (RFC 7239 §4).
+    if !r.host.is_empty()
+        && r.host
+            .iter()
+            .all(|&b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
+    {
         out.put_slice(b";host=\"");
         out.put_slice(&r.host);
         out.put_u8(b'"');
@@ -897,6 +902,29 @@ impl Sink for TcpStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn forwarded_request(text: &str) -> BytesMut {
+        let h = Head::request(&mut BytesMut::from(text), 1024)
+            .unwrap()
+            .unwrap();
+        let r = parse(h, "192.0.2.1:1".parse().unwrap(), Instant::now()).unwrap();
+        outgoing_head(&r, "192.0.2.1:1".parse().unwrap())
+    }
+
+    #[test]
+    fn the_host_goes_into_forwarded_only_where_it_needs_no_escaping() {
+        let fwd = |host: &str| {
+            let out = forwarded_request(&format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
+            let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+                .unwrap()
+                .unwrap();
+            String::from_utf8(h.get("forwarded").unwrap().to_vec()).unwrap()
+        };
+        assert_eq!(fwd("a:80"), "for=192.0.2.1;host=\"a:80\";proto=http");
+        // Found by fuzzing: a backslash escaped the closing quote.
+        assert_eq!(fwd("a\\"), "for=192.0.2.1;proto=http");
+        assert_eq!(fwd("a\""), "for=192.0.2.1;proto=http");
+    }
 
     fn forwarded_response(text: &str, keep: bool) -> BytesMut {
         let h = Head::response(&mut BytesMut::from(text), 1024)
