@@ -86,48 +86,41 @@ fn request(data: &[u8]) {
     }
 }
 
-/// X-Forwarded-For and Forwarded as forwarded: one each, the client's values first, then the
-/// client's address as a well-formed element (RFC 7239 §4).
+/// X-Forwarded-For and Forwarded as forwarded: one each, holding the elements of the
+/// client's (RFC 9110 §5.6.1: empty elements do not count) and then the client's address as
+/// a well-formed element (RFC 7239 §4).
 fn forwarding_headers(h: &Head, again: &Head, host: &[u8], peer: SocketAddr) {
     let ip = peer.ip().to_canonical();
-    let joined = |name: &str| {
-        let values: Vec<&[u8]> = passed(h)
-            .into_iter()
+    let elements = |fs: Fields<'_>, name: &str| -> Vec<Vec<u8>> {
+        fs.into_iter()
             .filter(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, v)| v)
-            .collect();
-        let mut all = values.join(&b", "[..]);
-        if !all.is_empty() {
-            all.extend_from_slice(b", ");
-        }
-        all
+            .flat_map(|(_, v)| v.split(|&b| b == b','))
+            .map(|e| e.trim_ascii().to_vec())
+            .filter(|e| !e.is_empty())
+            .collect()
     };
-    let one = |name: &str| -> Vec<u8> {
-        let vs: Vec<&[u8]> = again.values(name).collect();
-        assert_eq!(vs.len(), 1, "{name} headers as forwarded");
-        vs[0].to_vec()
+    let check = |name: &str, ours: Vec<u8>| {
+        assert_eq!(again.values(name).count(), 1, "{name} headers as forwarded");
+        let mut expected = elements(passed(h), name);
+        expected.push(ours);
+        assert_eq!(elements(fields(again), name), expected, "{name}");
     };
-    let mut xff = joined("x-forwarded-for");
-    xff.extend_from_slice(ip.to_string().as_bytes());
-    assert_eq!(one("x-forwarded-for"), xff);
-    let mut fwd = joined("forwarded");
-    fwd.extend_from_slice(
-        if ip.is_ipv6() {
-            format!("for=\"[{ip}]\"")
-        } else {
-            format!("for={ip}")
-        }
-        .as_bytes(),
-    );
+    check("x-forwarded-for", ip.to_string().into_bytes());
+    let mut node = if ip.is_ipv6() {
+        format!("for=\"[{ip}]\"")
+    } else {
+        format!("for={ip}")
+    }
+    .into_bytes();
     // The host goes in a quoted-string where it needs no escaping, or not at all.
     let quotable = |b: &u8| b.is_ascii_graphic() && *b != b'"' && *b != b'\\';
     if !host.is_empty() && host.iter().all(quotable) {
-        fwd.extend_from_slice(b";host=\"");
-        fwd.extend_from_slice(host);
-        fwd.push(b'"');
+        node.extend_from_slice(b";host=\"");
+        node.extend_from_slice(host);
+        node.push(b'"');
     }
-    fwd.extend_from_slice(b";proto=http");
-    assert_eq!(one("forwarded"), fwd);
+    node.extend_from_slice(b";proto=http");
+    check("forwarded", node);
 }
 
 fn response(data: &[u8]) {

@@ -284,34 +284,38 @@ pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
         b" HTTP/1.0\r\n"
     });
     let named: Vec<&[u8]> = h.tokens("connection").collect();
-    let mut xff: Option<&[u8]> = None;
-    let mut fwd: Option<&[u8]> = None;
+    // The forwarding headers that came with the request, every one that holds an element
+    // (RFC 9110 §5.6.1), go before the client's address.
+    let mut xff: Vec<&[u8]> = Vec::new();
+    let mut fwd: Vec<&[u8]> = Vec::new();
     for (n, v) in h.iter() {
         if is_hop_by_hop(n) || named.iter().any(|t| t.eq_ignore_ascii_case(n)) {
             continue;
         }
-        if n.eq_ignore_ascii_case(b"x-forwarded-for") {
-            xff = Some(v);
+        let prior = if n.eq_ignore_ascii_case(b"x-forwarded-for") {
+            &mut xff
+        } else if n.eq_ignore_ascii_case(b"forwarded") {
+            &mut fwd
+        } else {
+            out.put_slice(n);
+            out.put_slice(b": ");
+            out.put_slice(v);
+            out.put_slice(b"\r\n");
             continue;
+        };
+        if v.split(|&b| b == b',').any(|e| !e.trim_ascii().is_empty()) {
+            prior.push(v);
         }
-        if n.eq_ignore_ascii_case(b"forwarded") {
-            fwd = Some(v);
-            continue;
-        }
-        out.put_slice(n);
-        out.put_slice(b": ");
-        out.put_slice(v);
-        out.put_slice(b"\r\n");
     }
     let ip = peer.ip().to_canonical();
     out.put_slice(b"X-Forwarded-For: ");
-    if let Some(v) = xff {
+    for v in xff {
         out.put_slice(v);
         out.put_slice(b", ");
     }
     out.put_slice(ip.to_string().as_bytes());
     out.put_slice(b"\r\nForwarded: ");
-    if let Some(v) = fwd {
+    for v in fwd {
         out.put_slice(v);
         out.put_slice(b", ");
     }
@@ -909,6 +913,28 @@ mod tests {
             .unwrap();
         let r = parse(h, "192.0.2.1:1".parse().unwrap(), Instant::now()).unwrap();
         outgoing_head(&r, "192.0.2.1:1".parse().unwrap())
+    }
+
+    #[test]
+    fn every_forwarding_header_of_the_client_goes_before_its_address() {
+        // Found by fuzzing: an empty value made an empty first element; and only the last
+        // of several headers was kept.
+        let out = forwarded_request(
+            "GET / HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 10.0.0.1\r\nForwarded: \r\n\
+             X-Forwarded-For: ,\r\nX-Forwarded-For: 10.0.0.2, 10.0.0.3\r\n\r\n",
+        );
+        let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+            .unwrap()
+            .unwrap();
+        let all = |name| h.values(name).collect::<Vec<_>>();
+        assert_eq!(
+            all("x-forwarded-for"),
+            [&b"10.0.0.1, 10.0.0.2, 10.0.0.3, 192.0.2.1"[..]]
+        );
+        assert_eq!(
+            all("forwarded"),
+            [&b"for=192.0.2.1;host=\"x\";proto=http"[..]]
+        );
     }
 
     #[test]
