@@ -406,9 +406,8 @@ fn reference(buf: &[u8], bare_lf: bool) -> Decoded<'_> {
             Some(b) if !b.is_ascii_hexdigit() => return Decoded::Bad,
             Some(_) => {}
         }
-        let size_line = match (bare_lf, rest.iter().position(|&b| b == b'\n')) {
-            (true, None) => return Decoded::Partial,
-            (true, Some(lf)) if lf == 0 || rest[lf - 1] != b'\r' => {
+        let size_line = match rest.iter().position(|&b| b == b'\n') {
+            Some(lf) if bare_lf && (lf == 0 || rest[lf - 1] != b'\r') => {
                 let mut line = rest[..lf].to_vec();
                 if line.contains(&b';') {
                     return Decoded::Bad;
