@@ -259,6 +259,8 @@ pub struct ChunkScanner {
 enum Chunk {
     #[default]
     Size,
+    /// Whitespace after the size: an extension or the line end comes next.
+    SizeWs,
     Ext,
     SizeLf,
     Data,
@@ -304,9 +306,17 @@ impl ChunkScanner {
                         self.size = self.size * 16 + u64::from(d);
                         self.digits += 1;
                     }
-                    b';' | b' ' | b'\t' if self.digits > 0 => self.state = Chunk::Ext,
+                    b';' if self.digits > 0 => self.state = Chunk::Ext,
+                    b' ' | b'\t' if self.digits > 0 => self.state = Chunk::SizeWs,
                     b'\r' if self.digits > 0 => self.state = Chunk::SizeLf,
                     b'\n' if self.digits > 0 => self.end_size_line(),
+                    _ => return Err(ChunkError),
+                },
+                Chunk::SizeWs => match b {
+                    b' ' | b'\t' => {}
+                    b';' => self.state = Chunk::Ext,
+                    b'\r' => self.state = Chunk::SizeLf,
+                    b'\n' => self.end_size_line(),
                     _ => return Err(ChunkError),
                 },
                 Chunk::Ext => {
@@ -541,6 +551,9 @@ mod tests {
         let mut s = ChunkScanner::default();
         assert_eq!(s.scan(b"0\n\nX"), Ok(3));
         assert!(ChunkScanner::default().scan(b"zz\r\n").is_err());
+        assert_eq!(ChunkScanner::default().scan(b"0 \t; x\r\n\r\n"), Ok(10));
+        // Found by fuzzing: after the size and a space anything passed as an extension.
+        assert!(ChunkScanner::default().scan(b"10 0\r\n").is_err());
         assert!(
             ChunkScanner::default()
                 .scan(b"ffffffffffffffff\r\n")
