@@ -268,7 +268,8 @@ enum Chunk {
     DataLf,
     /// In the trailer section; `true` at the start of a line.
     Trailer(bool),
-    TrailerLf,
+    /// After a CR in the trailer section; `true` if it ends an empty line.
+    TrailerLf(bool),
     Done,
 }
 
@@ -343,17 +344,18 @@ impl ChunkScanner {
                 }
                 Chunk::Trailer(start) => {
                     self.state = match (start, b) {
-                        (true, b'\r') => Chunk::TrailerLf,
+                        (_, b'\r') => Chunk::TrailerLf(start),
                         (true, b'\n') => Chunk::Done,
-                        (_, b'\n') => Chunk::Trailer(true),
+                        (false, b'\n') => Chunk::Trailer(true),
                         _ => Chunk::Trailer(false),
                     }
                 }
-                Chunk::TrailerLf => {
-                    if b != b'\n' {
-                        return Err(ChunkError);
+                Chunk::TrailerLf(empty) => {
+                    self.state = match (b, empty) {
+                        (b'\n', true) => Chunk::Done,
+                        (b'\n', false) => Chunk::Trailer(true),
+                        _ => return Err(ChunkError),
                     }
-                    self.state = Chunk::Done;
                 }
                 Chunk::Done => return Ok(i),
             }
@@ -554,6 +556,12 @@ mod tests {
         assert_eq!(ChunkScanner::default().scan(b"0 \t; x\r\n\r\n"), Ok(10));
         // Found by fuzzing: after the size and a space anything passed as an extension.
         assert!(ChunkScanner::default().scan(b"10 0\r\n").is_err());
+        // Found by fuzzing: a CR alone inside a trailer line.
+        assert!(
+            ChunkScanner::default()
+                .scan(b"0\r\nA: b\rc\r\n\r\n")
+                .is_err()
+        );
         assert!(
             ChunkScanner::default()
                 .scan(b"ffffffffffffffff\r\n")
