@@ -391,7 +391,8 @@ enum Decoded<'a> {
 }
 
 /// A chunked body decoded by RFC 9112 §7.1, chunk-size lines by `httparse::parse_chunk_size`
-/// (with the grammar's one hex digit at least). Trailer lines are any bytes but CR and LF:
+/// (with the grammar's one hex digit at least, and the proxy's limit of 15 where httparse
+/// allows 16: no chunk is 2^60 bytes long). Trailer lines are any bytes but CR and LF:
 /// the proxy passes them on unread. With `bare_lf`, an LF alone also ends a line, except a
 /// chunk-size line with an extension: whether such an LF ends the line or belongs to the
 /// extension (httparse) is the ambiguity a smuggler needs, so that is malformed.
@@ -405,6 +406,9 @@ fn reference(buf: &[u8], bare_lf: bool) -> Decoded<'_> {
             None => return Decoded::Partial,
             Some(b) if !b.is_ascii_hexdigit() => return Decoded::Bad,
             Some(_) => {}
+        }
+        if rest.iter().take_while(|b| b.is_ascii_hexdigit()).count() > 15 {
+            return Decoded::Bad;
         }
         let size_line = match rest.iter().position(|&b| b == b'\n') {
             Some(lf) if bare_lf && (lf == 0 || rest[lf - 1] != b'\r') => {
