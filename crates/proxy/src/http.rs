@@ -169,20 +169,24 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
 }
 
 /// What the request says about itself: the value [`parse`] makes.
-struct Request {
-    head: Head,
-    framing: Framing,
-    host: Vec<u8>,
+pub(crate) struct Request {
+    pub(crate) head: Head,
+    pub(crate) framing: Framing,
+    pub(crate) host: Vec<u8>,
     path_end: usize,
     keep_alive: bool,
     expect_continue: bool,
-    upgrade: bool,
+    pub(crate) upgrade: bool,
     idempotent: bool,
     started: Instant,
 }
 
 /// Step parse: the request analysed, or the status and text that refuse it.
-fn parse(head: Head, peer: SocketAddr, started: Instant) -> Result<Request, (u16, &'static str)> {
+pub(crate) fn parse(
+    head: Head,
+    peer: SocketAddr,
+    started: Instant,
+) -> Result<Request, (u16, &'static str)> {
     let r = analyse(head, started).map_err(|why| {
         debug!("client {peer}: {why}");
         (400, why)
@@ -268,7 +272,7 @@ async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgo
 }
 
 /// The request head as sent to a PE: hop-by-hop headers dropped, forwarding headers added.
-fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
+pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
     let h = &r.head;
     let mut out = BytesMut::with_capacity(h.raw.len() + 128);
     out.put_slice(h.method());
@@ -280,34 +284,38 @@ fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
         b" HTTP/1.0\r\n"
     });
     let named: Vec<&[u8]> = h.tokens("connection").collect();
-    let mut xff: Option<&[u8]> = None;
-    let mut fwd: Option<&[u8]> = None;
+    // The forwarding headers that came with the request, every one that holds an element
+    // (RFC 9110 §5.6.1), go before the client's address.
+    let mut xff: Vec<&[u8]> = Vec::new();
+    let mut fwd: Vec<&[u8]> = Vec::new();
     for (n, v) in h.iter() {
         if is_hop_by_hop(n) || named.iter().any(|t| t.eq_ignore_ascii_case(n)) {
             continue;
         }
-        if n.eq_ignore_ascii_case(b"x-forwarded-for") {
-            xff = Some(v);
+        let prior = if n.eq_ignore_ascii_case(b"x-forwarded-for") {
+            &mut xff
+        } else if n.eq_ignore_ascii_case(b"forwarded") {
+            &mut fwd
+        } else {
+            out.put_slice(n);
+            out.put_slice(b": ");
+            out.put_slice(v);
+            out.put_slice(b"\r\n");
             continue;
+        };
+        if v.split(|&b| b == b',').any(|e| !e.trim_ascii().is_empty()) {
+            prior.push(v);
         }
-        if n.eq_ignore_ascii_case(b"forwarded") {
-            fwd = Some(v);
-            continue;
-        }
-        out.put_slice(n);
-        out.put_slice(b": ");
-        out.put_slice(v);
-        out.put_slice(b"\r\n");
     }
     let ip = peer.ip().to_canonical();
     out.put_slice(b"X-Forwarded-For: ");
-    if let Some(v) = xff {
+    for v in xff {
         out.put_slice(v);
         out.put_slice(b", ");
     }
     out.put_slice(ip.to_string().as_bytes());
     out.put_slice(b"\r\nForwarded: ");
-    if let Some(v) = fwd {
+    for v in fwd {
         out.put_slice(v);
         out.put_slice(b", ");
     }
@@ -317,7 +325,12 @@ fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
         format!("for={ip}")
     };
     out.put_slice(node.as_bytes());
-    if !r.host.is_empty() && r.host.iter().all(|&b| b.is_ascii_graphic() && b != b'"') {
+    // The host goes in a quoted-string only where it needs no escaping (RFC 7239 §4).
+    if !r.host.is_empty()
+        && r.host
+            .iter()
+            .all(|&b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
+    {
         out.put_slice(b";host=\"");
         out.put_slice(&r.host);
         out.put_u8(b'"');
@@ -673,13 +686,8 @@ async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Fai
 
 /// The response head for the client: the status line and end-to-end headers as they came,
 /// the connection's own headers replaced by ours.
-fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
-    let line_end = h
-        .raw
-        .windows(2)
-        .position(|w| w == b"\r\n")
-        .unwrap_or(h.raw.len());
-    out.put_slice(&h.raw[..line_end]);
+pub(crate) fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
+    out.put_slice(h.status_line());
     out.put_slice(b"\r\n");
     let named: Vec<&[u8]> = h.tokens("connection").collect();
     for (n, v) in h.iter() {
@@ -892,5 +900,78 @@ impl Sink for TcpStream {
     async fn write_last(&mut self, data: &[u8]) -> io::Result<()> {
         self.write_all(data).await?;
         self.shutdown().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn forwarded_request(text: &str) -> BytesMut {
+        let h = Head::request(&mut BytesMut::from(text), 1024)
+            .unwrap()
+            .unwrap();
+        let r = parse(h, "192.0.2.1:1".parse().unwrap(), Instant::now()).unwrap();
+        outgoing_head(&r, "192.0.2.1:1".parse().unwrap())
+    }
+
+    #[test]
+    fn every_forwarding_header_of_the_client_goes_before_its_address() {
+        // Found by fuzzing: an empty value made an empty first element; and only the last
+        // of several headers was kept.
+        let out = forwarded_request(
+            "GET / HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 10.0.0.1\r\nForwarded: \r\n\
+             X-Forwarded-For: ,\r\nX-Forwarded-For: 10.0.0.2, 10.0.0.3\r\n\r\n",
+        );
+        let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+            .unwrap()
+            .unwrap();
+        let all = |name| h.values(name).collect::<Vec<_>>();
+        assert_eq!(
+            all("x-forwarded-for"),
+            [&b"10.0.0.1, 10.0.0.2, 10.0.0.3, 192.0.2.1"[..]]
+        );
+        assert_eq!(
+            all("forwarded"),
+            [&b"for=192.0.2.1;host=\"x\";proto=http"[..]]
+        );
+    }
+
+    #[test]
+    fn the_host_goes_into_forwarded_only_where_it_needs_no_escaping() {
+        let fwd = |host: &str| {
+            let out = forwarded_request(&format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
+            let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+                .unwrap()
+                .unwrap();
+            String::from_utf8(h.get("forwarded").unwrap().to_vec()).unwrap()
+        };
+        assert_eq!(fwd("a:80"), "for=192.0.2.1;host=\"a:80\";proto=http");
+        // Found by fuzzing: a backslash escaped the closing quote.
+        assert_eq!(fwd("a\\"), "for=192.0.2.1;proto=http");
+        assert_eq!(fwd("a\""), "for=192.0.2.1;proto=http");
+    }
+
+    fn forwarded_response(text: &str, keep: bool) -> BytesMut {
+        let h = Head::response(&mut BytesMut::from(text), 1024)
+            .unwrap()
+            .unwrap();
+        let mut out = BytesMut::new();
+        response_head(&h, &mut out, keep, 1);
+        out
+    }
+
+    #[test]
+    fn a_response_head_goes_to_the_client_with_crlf_line_ends() {
+        // Found by fuzzing: a status line ending in a bare LF went out with the whole head
+        // after it, so the headers reached the client twice, the second time as body.
+        assert_eq!(
+            &forwarded_response("HTTP/1.1 200\n\n", true)[..],
+            b"HTTP/1.1 200\r\n\r\n"
+        );
+        assert_eq!(
+            &forwarded_response("\r\nHTTP/1.1 200 OK\nA: 1\n\n", false)[..],
+            b"HTTP/1.1 200 OK\r\nA: 1\r\nConnection: close\r\n\r\n"
+        );
     }
 }

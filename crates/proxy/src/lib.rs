@@ -25,6 +25,8 @@ pub mod config;
 mod conn_pool;
 mod ctx;
 pub mod discovery;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod http;
 pub mod message;
 pub mod pools;

@@ -90,22 +90,28 @@ impl Head {
         let Some(len) = parsed_len(resp.parse(buf), buf.len(), max)? else {
             return Ok(None);
         };
-        let base: &[u8] = buf;
         let (Some(code), Some(v)) = (resp.code, resp.version) else {
             return Err(HeadError::Malformed);
         };
-        let reason = resp.reason.unwrap_or("");
-        // The status code's digits sit right after "HTTP/1.x ".
+        // httparse skips empty lines before the status line; the status code's digits sit
+        // right after "HTTP/1.x ", a reason (any bytes, httparse gives "" for obs-text) after
+        // one more space, and the line ends in CRLF or LF.
+        let code_at = buf
+            .iter()
+            .take_while(|&&b| b == b'\r' || b == b'\n')
+            .count()
+            + 9;
+        let reason_at = code_at + 3 + usize::from(buf.get(code_at + 3) == Some(&b' '));
+        let reason_end = buf[reason_at..len]
+            .iter()
+            .position(|&b| b == b'\r' || b == b'\n')
+            .map_or(reason_at, |i| reason_at + i);
         let head = Head {
-            first: 9..12,
-            second: if reason.is_empty() {
-                12..12
-            } else {
-                span(base, reason.as_bytes())
-            },
+            first: code_at..code_at + 3,
+            second: reason_at..reason_end,
             code,
             minor: v,
-            headers: header_spans(base, resp.headers),
+            headers: header_spans(buf, resp.headers),
             raw: Bytes::new(),
         };
         Ok(Some(Head {
@@ -124,6 +130,11 @@ impl Head {
 
     pub fn reason(&self) -> &[u8] {
         &self.raw[self.second.clone()]
+    }
+
+    /// A response's status line as it came, without its line end.
+    pub fn status_line(&self) -> &[u8] {
+        &self.raw[self.first.start.saturating_sub(9)..self.second.end]
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
@@ -173,10 +184,14 @@ pub enum Framing {
     Close,
 }
 
-/// Body framing from Transfer-Encoding and Content-Length. A message with both, with a
-/// transfer coding that does not end in chunked (requests) or with conflicting lengths is
-/// refused: those are the request-smuggling shapes.
+/// Body framing from Transfer-Encoding and Content-Length. A message with both, with either
+/// present but empty, with a transfer coding that does not end in chunked (requests) or with
+/// conflicting lengths is refused: those are the request-smuggling shapes.
 pub fn framing(head: &Head, request: bool) -> Result<Framing, HeadError> {
+    let empty = |name| head.get(name).is_some() && head.tokens(name).next().is_none();
+    if empty("transfer-encoding") || empty("content-length") {
+        return Err(HeadError::Malformed);
+    }
     let te: Vec<&[u8]> = head.tokens("transfer-encoding").collect();
     let has_cl = head.get("content-length").is_some();
     if !te.is_empty() {
@@ -232,7 +247,8 @@ fn parse_decimal(v: &[u8]) -> Option<u64> {
 }
 
 /// Finds the end of a chunked body in the bytes as they pass (RFC 9112 §7.1), accepting bare
-/// LF line ends as many servers send them.
+/// LF line ends as many servers send them, except after a chunk extension. Chunk sizes have
+/// at most 15 hex digits.
 #[derive(Debug, Clone, Default)]
 pub struct ChunkScanner {
     state: Chunk,
@@ -244,6 +260,8 @@ pub struct ChunkScanner {
 enum Chunk {
     #[default]
     Size,
+    /// Whitespace after the size: an extension or the line end comes next.
+    SizeWs,
     Ext,
     SizeLf,
     Data,
@@ -251,7 +269,8 @@ enum Chunk {
     DataLf,
     /// In the trailer section; `true` at the start of a line.
     Trailer(bool),
-    TrailerLf,
+    /// After a CR in the trailer section; `true` if it ends an empty line.
+    TrailerLf(bool),
     Done,
 }
 
@@ -289,16 +308,26 @@ impl ChunkScanner {
                         self.size = self.size * 16 + u64::from(d);
                         self.digits += 1;
                     }
-                    b';' | b' ' | b'\t' if self.digits > 0 => self.state = Chunk::Ext,
+                    b';' if self.digits > 0 => self.state = Chunk::Ext,
+                    b' ' | b'\t' if self.digits > 0 => self.state = Chunk::SizeWs,
                     b'\r' if self.digits > 0 => self.state = Chunk::SizeLf,
                     b'\n' if self.digits > 0 => self.end_size_line(),
                     _ => return Err(ChunkError),
                 },
-                Chunk::Ext => {
-                    if b == b'\n' {
-                        self.end_size_line();
-                    }
-                }
+                Chunk::SizeWs => match b {
+                    b' ' | b'\t' => {}
+                    b';' => self.state = Chunk::Ext,
+                    b'\r' => self.state = Chunk::SizeLf,
+                    b'\n' => self.end_size_line(),
+                    _ => return Err(ChunkError),
+                },
+                // Whether an LF alone ends the line or belongs to the extension (httparse)
+                // is a question two parsers can answer apart: it is refused.
+                Chunk::Ext => match b {
+                    b'\r' => self.state = Chunk::SizeLf,
+                    b'\n' => return Err(ChunkError),
+                    _ => {}
+                },
                 Chunk::SizeLf => {
                     if b != b'\n' {
                         return Err(ChunkError);
@@ -318,17 +347,18 @@ impl ChunkScanner {
                 }
                 Chunk::Trailer(start) => {
                     self.state = match (start, b) {
-                        (true, b'\r') => Chunk::TrailerLf,
+                        (_, b'\r') => Chunk::TrailerLf(start),
                         (true, b'\n') => Chunk::Done,
-                        (_, b'\n') => Chunk::Trailer(true),
+                        (false, b'\n') => Chunk::Trailer(true),
                         _ => Chunk::Trailer(false),
                     }
                 }
-                Chunk::TrailerLf => {
-                    if b != b'\n' {
-                        return Err(ChunkError);
+                Chunk::TrailerLf(empty) => {
+                    self.state = match (b, empty) {
+                        (b'\n', true) => Chunk::Done,
+                        (b'\n', false) => Chunk::Trailer(true),
+                        _ => return Err(ChunkError),
                     }
-                    self.state = Chunk::Done;
                 }
                 Chunk::Done => return Ok(i),
             }
@@ -461,6 +491,32 @@ mod tests {
     }
 
     #[test]
+    fn response_heads_know_their_status_line_whatever_the_line_ends() {
+        // Found by fuzzing: a bare LF after the status line, and empty lines before it.
+        for (text, line, reason) in [
+            ("HTTP/1.1 200\n\n", "HTTP/1.1 200", ""),
+            (
+                "\r\n\nHTTP/1.1 404 Not Found\nA: b\r\n\n",
+                "HTTP/1.1 404 Not Found",
+                "Not Found",
+            ),
+            ("HTTP/1.0 200 \r\n\r\n", "HTTP/1.0 200 ", ""),
+            (
+                "HTTP/1.1 200 \u{dc}berall\r\n\r\n",
+                "HTTP/1.1 200 \u{dc}berall",
+                "\u{dc}berall",
+            ),
+        ] {
+            let h = Head::response(&mut BytesMut::from(text), 1024)
+                .unwrap()
+                .unwrap();
+            assert_eq!(h.status_line(), line.as_bytes(), "{text:?}");
+            assert_eq!(h.reason(), reason.as_bytes(), "{text:?}");
+            assert_eq!(&h.raw[h.first.clone()], &line.as_bytes()[9..12]);
+        }
+    }
+
+    #[test]
     fn framing_refuses_the_smuggling_shapes() {
         let f = |s: &str| framing(&req(s).unwrap().unwrap(), true);
         assert_eq!(
@@ -478,6 +534,10 @@ mod tests {
         assert!(f("POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n").is_err());
         assert!(f("POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n").is_err());
         assert!(f("POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n").is_err());
+        // Found by fuzzing: a framing header without a value was as good as none.
+        assert!(f("POST / HTTP/1.1\r\nTransfer-Encoding: \r\nContent-Length: 5\r\n\r\n").is_err());
+        assert!(f("POST / HTTP/1.1\r\nTransfer-Encoding: ,\r\n\r\n").is_err());
+        assert!(f("POST / HTTP/1.1\r\nContent-Length:\r\n\r\n").is_err());
         assert_eq!(f("GET / HTTP/1.1\r\n\r\n"), Ok(Framing::None));
     }
 
@@ -495,11 +555,21 @@ mod tests {
         }
         let mut s = ChunkScanner::default();
         assert_eq!(s.scan(b"0\n\nX"), Ok(3));
-        assert!(ChunkScanner::default().scan(b"zz\r\n").is_err());
-        assert!(
-            ChunkScanner::default()
-                .scan(b"ffffffffffffffff\r\n")
-                .is_err()
-        );
+        assert_eq!(ChunkScanner::default().scan(b"0 \t; x\r\n\r\n"), Ok(10));
+        // Found by fuzzing: anything after the size and a space; a CR alone in a trailer line
+        // or in an extension and, in the same state, an LF alone after an extension.
+        let found: [&[u8]; 4] = [
+            b"10 0\r\n",
+            b"0\r\nA: b\rc\r\n\r\n",
+            b"0;a\rb\r\n\r\n",
+            b"5;a\nxxxxx\r\n0\r\n\r\n",
+        ];
+        for bad in [&b"zz\r\n"[..], b"ffffffffffffffff\r\n"]
+            .iter()
+            .chain(&found)
+        {
+            let text = String::from_utf8_lossy(bad);
+            assert!(ChunkScanner::default().scan(bad).is_err(), "{text:?}");
+        }
     }
 }

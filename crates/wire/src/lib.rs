@@ -15,6 +15,8 @@ pub mod checksum;
 pub mod enrp;
 pub mod error;
 pub mod framer;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod message;
 pub mod param;
 pub mod policy;
