@@ -18,10 +18,15 @@ pub fn local(port: u16) -> SocketAddr {
 
 /// A registrar's status, read synchronously from its status listener.
 pub fn registrar_status(status: SocketAddr) -> Result<rserpool_registrar::Status> {
-    let rt = tokio::runtime::Builder::new_current_thread()
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .build()?;
-    match rt.block_on(rserpool_status::get(status, "/status"))? {
+        .build()?
+        .block_on(fetch_registrar_status(status))
+}
+
+/// A registrar's status from its status listener.
+pub async fn fetch_registrar_status(status: SocketAddr) -> Result<rserpool_registrar::Status> {
+    match rserpool_status::get(status, "/status").await? {
         (200, body) => Ok(serde_json::from_slice(&body)?),
         (code, _) => Err(anyhow!("status listener {status} answered HTTP {code}")),
     }
