@@ -34,5 +34,9 @@ fn a_minute_of_chaos_loses_no_pe_and_fails_no_request() {
     // Shown when the test fails: the faults as they came, the summary and the findings.
     print!("{}", String::from_utf8_lossy(&out.stdout));
     eprint!("{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "the chaos soak failed: {}", out.status);
+    assert!(
+        out.status.success(),
+        "the chaos soak failed: {}",
+        out.status
+    );
 }

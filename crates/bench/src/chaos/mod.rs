@@ -300,6 +300,8 @@ impl Soak {
             println!("           NOT converged within {:?}: {why}", self.settle);
             Err(why)
         };
+        self.tracker()
+            .set_context(format!("the pause after {label}"));
         self.record
             .episodes
             .push(report::Episode { label, outcome });
