@@ -13,12 +13,16 @@ use std::time::{Duration, Instant};
 /// first.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(35);
 
-/// A request that failed.
+/// Requests that failed the same way during the same episode.
 #[derive(Clone, Debug)]
 pub struct Failure {
-    /// Since the start of the soak.
-    pub at: Duration,
+    pub count: u64,
+    /// The first and the last, since the start of the soak.
+    pub first: Duration,
+    pub last: Duration,
+    /// The error, and one request that got it.
     pub error: String,
+    pub example: String,
     pub context: String,
 }
 
@@ -28,6 +32,30 @@ pub struct Requests {
     pub sent: AtomicU64,
     pub failed: AtomicU64,
     pub failures: Mutex<Vec<Failure>>,
+}
+
+impl Requests {
+    fn failed(&self, at: Duration, error: String, example: String, context: String) {
+        self.failed.fetch_add(1, Ordering::Relaxed);
+        let mut v = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = v
+            .iter_mut()
+            .find(|f| f.error == error && f.context == context)
+        {
+            f.count += 1;
+            f.last = at;
+        } else if v.len() < 100 {
+            // Enough to describe them; the count has them all.
+            v.push(Failure {
+                count: 1,
+                first: at,
+                last: at,
+                error,
+                example,
+                context,
+            });
+        }
+    }
 }
 
 /// Runs `clients` clients sending `rps` requests per second in all until `stop` is set;
@@ -63,17 +91,7 @@ pub async fn run(
                         Err(_) => format!("no answer within {REQUEST_TIMEOUT:?}"),
                     };
                     conn = None;
-                    requests.failed.fetch_add(1, Ordering::Relaxed);
-                    let f = Failure {
-                        at: start.elapsed(),
-                        error: format!("GET {path}: {error}"),
-                        context: context(),
-                    };
-                    let mut v = requests.failures.lock().unwrap_or_else(|p| p.into_inner());
-                    // Enough to describe them; the count has them all.
-                    if v.len() < 100 {
-                        v.push(f);
-                    }
+                    requests.failed(start.elapsed(), error, format!("GET {path}"), context());
                 }
             })
         })

@@ -271,6 +271,7 @@ impl Soak {
         );
         println!("{:7.1} s  {label}", self.start.elapsed().as_secs_f64());
         self.tracker().set_context(label.clone());
+        let failed_before = self.requests.failed.load(Ordering::Relaxed);
         let t0 = Instant::now();
         for f in faults {
             self.record.faults[f.kind()] += 1;
@@ -300,6 +301,10 @@ impl Soak {
             println!("           NOT converged within {:?}: {why}", self.settle);
             Err(why)
         };
+        let failed = self.requests.failed.load(Ordering::Relaxed) - failed_before;
+        if failed > 0 {
+            println!("           {failed} request(s) through the proxy failed");
+        }
         self.tracker()
             .set_context(format!("the pause after {label}"));
         self.record

@@ -270,10 +270,13 @@ impl Summary {
         }
         for f in &self.failures {
             v.push(format!(
-                "request failed at {:.1} s during {}: {}",
-                f.at.as_secs_f64(),
+                "{} request(s) failed from {:.1} s to {:.1} s during {}: {} (e.g. {})",
+                f.count,
+                f.first.as_secs_f64(),
+                f.last.as_secs_f64(),
                 f.context,
-                f.error
+                f.error,
+                f.example
             ));
         }
         v.extend(self.record.exits.iter().cloned());
