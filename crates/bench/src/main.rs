@@ -1,7 +1,9 @@
 //! `rserpool-bench`: the benchmarks of rserpool, a binary of their own so that the product
 //! does not ship them. Each writes its results, with command and machine, into docs/:
-//! `cargo run --release -p rserpool-bench -- handlespace|registrar|proxy …`.
+//! `cargo run --release -p rserpool-bench -- handlespace|registrar|proxy …`, and the chaos soak
+//! (`chaos`), whose summary goes into docs/RELIABILITY.md.
 
+mod chaos;
 mod handlespace;
 mod net;
 mod plot;
@@ -39,6 +41,9 @@ enum BenchCommand {
     Registrar(registrar::RegistrarBenchArgs),
     /// The proxy side by side with HAProxy, nginx and direct (issue 5's comparison).
     Proxy(proxy::ProxyBenchArgs),
+    /// Chaos soak: registrars, PEs, a proxy and clients in network namespaces under random
+    /// kills, link cuts and packet loss; checks that no PE is lost and no request fails.
+    Chaos(chaos::ChaosArgs),
     /// Internal: the simulated PEs and PUs of `registrar`.
     #[command(hide = true)]
     LoadGen(registrar::LoadGenArgs),
@@ -50,6 +55,7 @@ fn main() -> Result<()> {
         BenchCommand::Handlespace(a) => handlespace::run(a),
         BenchCommand::Registrar(a) => registrar::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Proxy(a) => proxy::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
     }
 }

@@ -16,5 +16,10 @@ pub fn local(port: u16) -> SocketAddr {
 
 /// A registrar's status, read synchronously from its status listener.
 pub fn registrar_status(status: SocketAddr) -> Result<rserpool_registrar::Status> {
-    rserpool::util::runtime()?.block_on(rserpool::util::registrar_status(&[status]))
+    rserpool::util::runtime()?.block_on(fetch_registrar_status(status))
+}
+
+/// A registrar's status from its status listener.
+pub async fn fetch_registrar_status(status: SocketAddr) -> Result<rserpool_registrar::Status> {
+    rserpool::util::registrar_status(&[status]).await
 }

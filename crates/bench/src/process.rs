@@ -41,6 +41,17 @@ impl Proc {
         self.child.id()
     }
 
+    /// How the process ended, if it has (it is reaped then).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        if self.reaped {
+            return None;
+        }
+        let status = self.child.try_wait().ok().flatten()?;
+        self.reaped = true;
+        undo::lock().remove_group(rustix::process::Pid::from_child(&self.child));
+        Some(status)
+    }
+
     pub fn kill(&mut self) {
         // Once reaped, the group ID may belong to someone else.
         if std::mem::replace(&mut self.reaped, true) {

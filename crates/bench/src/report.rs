@@ -58,3 +58,17 @@ pub fn write_section(path: &Path, name: &str, section: &str) -> Result<()> {
     };
     std::fs::write(path, new).with_context(|| format!("writing {}", path.display()))
 }
+
+/// The median of `v`, `None` if it is empty.
+pub fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}

@@ -1,7 +1,7 @@
 //! What an interrupted benchmark must undo. Processes started in their own process groups
 //! ([`crate::process::Proc`]) do not get the terminal's Ctrl-C; without this registry, Ctrl-C
-//! or SIGTERM would leave them running, a rate limit on lo in place and temporary directories
-//! behind. Whoever sets such a thing up registers it here and removes the entry when it undoes
+//! or SIGTERM would leave them running, a rate limit on lo or network namespaces in place and
+//! temporary directories behind. Whoever sets such a thing up registers it here and removes the entry when it undoes
 //! it itself; [`on_signal`] undoes whatever is still registered.
 
 use anyhow::Result;
@@ -11,7 +11,23 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 /// A command that undoes a change to the system, such as `tc qdisc del …`.
-pub type Command = &'static [&'static str];
+pub type Command = Vec<String>;
+
+/// A [`Command`] from its words.
+pub fn command(words: &[&str]) -> Command {
+    words.iter().map(|w| w.to_string()).collect()
+}
+
+/// Runs an undo command; failure is ignored (what it undoes may never have been done).
+pub fn run(c: &[String]) {
+    if let Some((program, args)) = c.split_first() {
+        let _ = std::process::Command::new(program)
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
 
 pub struct Undo {
     groups: Vec<Pid>,
@@ -41,13 +57,14 @@ impl Undo {
         self.groups.retain(|&x| x != g);
     }
 
-    /// A command to run (its failure ignored), after the process groups are killed.
+    /// A command to run (its failure ignored), after the process groups are killed; the
+    /// commands run in the reverse order of their registration.
     pub fn add_command(&mut self, c: Command) {
         self.commands.push(c);
     }
 
-    pub fn remove_command(&mut self, c: Command) {
-        self.commands.retain(|&x| x != c);
+    pub fn remove_command(&mut self, c: &[String]) {
+        self.commands.retain(|x| x != c);
     }
 
     /// A directory to remove, last.
@@ -72,17 +89,15 @@ pub fn on_signal() -> Result<()> {
         for &g in &u.groups {
             let _ = kill_process_group(g, Signal::KILL);
         }
-        for c in &u.commands {
-            if let Some((program, args)) = c.split_first() {
-                let _ = std::process::Command::new(program).args(args).output();
-            }
+        for c in u.commands.iter().rev() {
+            run(c);
         }
         // Give the killed processes a moment to let go of their files.
         std::thread::sleep(Duration::from_millis(200));
         for d in &u.dirs {
             let _ = std::fs::remove_dir_all(d);
         }
-        eprintln!("interrupted: processes stopped, temporary files and rate limits removed");
+        eprintln!("interrupted: processes stopped, temporary files removed, system changes undone");
         std::process::exit(130);
     });
     Ok(())
@@ -95,6 +110,14 @@ impl TempDir {
     pub fn new(dir: PathBuf) -> TempDir {
         lock().add_dir(dir.clone());
         TempDir(dir)
+    }
+
+    /// Leaves the directory in place (to be read after a failed run).
+    pub fn keep(self) -> PathBuf {
+        lock().remove_dir(&self.0);
+        let dir = self.0.clone();
+        std::mem::forget(self);
+        dir
     }
 }
 

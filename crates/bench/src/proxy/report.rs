@@ -7,7 +7,7 @@ use super::args::{ProxyBenchArgs, System};
 use super::failover::Failover;
 use super::load::Transfer;
 use crate::plot;
-use crate::report::{command_line, machine, today};
+use crate::report::{command_line, machine, median, today};
 use anyhow::Result;
 
 /// One line per system as its part is measured.
@@ -60,19 +60,6 @@ pub(super) fn print_sample(s: &Sample) {
         );
     }
     println!("{line}");
-}
-
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    })
 }
 
 /// A named figure of a row.

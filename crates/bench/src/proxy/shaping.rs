@@ -30,11 +30,11 @@ impl Links {
         }
         let rate = format!("{mbit}mbit");
         // Before: deleting a qdisc that was never added does no harm.
-        undo::lock().add_command(UNSHAPE);
+        undo::lock().add_command(unshape());
         if let Err(e) = tc(&[
             "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "1",
         ]) {
-            undo::lock().remove_command(UNSHAPE);
+            undo::lock().remove_command(&unshape());
             return Err(e);
         }
         let links = Links;
@@ -80,13 +80,16 @@ impl Links {
 
 impl Drop for Links {
     fn drop(&mut self) {
-        undo::lock().remove_command(UNSHAPE);
-        let _ = tc(&UNSHAPE[1..]);
+        let c = unshape();
+        undo::lock().remove_command(&c);
+        undo::run(&c);
     }
 }
 
 /// Removes every rate limit from lo.
-const UNSHAPE: undo::Command = &["tc", "qdisc", "del", "dev", "lo", "root"];
+fn unshape() -> undo::Command {
+    undo::command(&["tc", "qdisc", "del", "dev", "lo", "root"])
+}
 
 fn tc(args: &[&str]) -> Result<()> {
     let out = Command::new("tc")

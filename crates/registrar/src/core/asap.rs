@@ -618,6 +618,13 @@ impl Asap {
             && let Some(pos) = c.pes.iter().position(|&x| x == r)
         {
             c.pes.swap_remove(pos);
+            // A connection opened for a takeover that went unanswered: whatever is still
+            // queued on it (the ENDPOINT_KEEP_ALIVE with the H bit, when the PE was out of
+            // reach) must not arrive later, or the PE would adopt a home that no longer has it
+            // and leave the home that does.
+            if why == Removal::KeepAliveTimeout && c.outgoing && c.pes.is_empty() {
+                out.abort(conn);
+            }
         }
         self.set_meta(r, NO_META);
         let handle = self.hs.pool_handle_of(r).clone();

@@ -69,6 +69,8 @@ pub(super) struct Conn {
     out: Vec<u8>,
     /// PEs registered over this connection.
     pub(super) pes: Vec<PeRef>,
+    /// Opened by this registrar (to a peer, or to a PE it took over), not accepted.
+    pub(super) outgoing: bool,
     pub(super) hr_bucket: TokenBucket,
     pub(super) eu_bucket: TokenBucket,
     closing: bool,
@@ -126,6 +128,7 @@ impl Conns {
             framer: Framer::new(self.cfg.max_message_size),
             out: Vec::new(),
             pes: Vec::new(),
+            outgoing: false,
             hr_bucket: TokenBucket::full(self.cfg.max_hr_rate, now),
             eu_bucket: TokenBucket::full(self.cfg.max_eu_rate, now),
             closing: false,
@@ -148,6 +151,9 @@ impl Conns {
     /// An outgoing connection to `addr`, for the driver to open.
     pub(super) fn connect(&mut self, addr: SocketAddr, enrp: bool, now: Instant) -> Option<ConnId> {
         let id = self.open(addr, enrp, now)?;
+        if let Some(c) = self.get_mut(id) {
+            c.outgoing = true;
+        }
         self.actions.push_back(Action::Connect(id, addr));
         Some(id)
     }
@@ -193,6 +199,15 @@ impl Conns {
             c.closing = true;
             self.actions.push_back(Action::Close(id));
         }
+    }
+
+    /// Drops what is queued for the connection and closes it: what it would carry is no
+    /// longer true (it may not even be connected yet).
+    pub(super) fn abort(&mut self, id: ConnId) {
+        if let Some(c) = self.get_mut(id) {
+            c.out = Vec::new();
+        }
+        self.close(id);
     }
 
     /// The output buffer of a live connection, to encode into; call

@@ -1,0 +1,201 @@
+//! Which faults the soak injects, and when: a seeded plan of episodes, so that a run can be
+//! described (and, timing aside, repeated) by its seed. An episode is one fault, sometimes
+//! two at once on different targets; every fault of an episode heals by itself after its
+//! duration, and the soak then measures how long the system takes to converge again.
+
+use rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use std::time::Duration;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// `kill -9` registrar `r` (0..3), started again after `down`.
+    KillRegistrar { r: usize, down: Duration },
+    /// `kill -9` these pool elements (indices into the PEs), started again after `down`.
+    KillPes { pes: Vec<usize>, down: Duration },
+    /// Host `host`'s link down (`ip link set … down`) for `down`.
+    CutLink { host: usize, down: Duration },
+    /// `percent` % of host `host`'s packets dropped for `hold`.
+    Loss {
+        host: usize,
+        percent: u32,
+        hold: Duration,
+    },
+}
+
+/// The kinds, in the order the summary lists them.
+pub const KINDS: [&str; 4] = ["registrar kill -9", "PE kill -9", "link cut", "packet loss"];
+
+impl Fault {
+    pub fn kind(&self) -> usize {
+        match self {
+            Fault::KillRegistrar { .. } => 0,
+            Fault::KillPes { .. } => 1,
+            Fault::CutLink { .. } => 2,
+            Fault::Loss { .. } => 3,
+        }
+    }
+
+    pub fn duration(&self) -> Duration {
+        match self {
+            Fault::KillRegistrar { down, .. }
+            | Fault::KillPes { down, .. }
+            | Fault::CutLink { down, .. } => *down,
+            Fault::Loss { hold, .. } => *hold,
+        }
+    }
+
+    /// The hosts whose processes or link it touches (registrar `r` runs on host `r`).
+    fn hosts(&self, pe_host: impl Fn(usize) -> usize) -> Vec<usize> {
+        match self {
+            Fault::KillRegistrar { r, .. } => vec![*r],
+            Fault::KillPes { pes, .. } => pes.iter().map(|&k| pe_host(k)).collect(),
+            Fault::CutLink { host, .. } | Fault::Loss { host, .. } => vec![*host],
+        }
+    }
+}
+
+/// What the plan is made for: the hosts (registrars on 0..3, then the PE hosts) and where each
+/// PE runs.
+pub struct Layout {
+    pub pe_hosts: Vec<usize>,
+    /// Hosts whose link may be cut or made lossy: the registrars' and the PEs'.
+    pub hosts: usize,
+}
+
+pub struct Planner {
+    rng: Xoshiro256PlusPlus,
+    layout: Layout,
+}
+
+impl Planner {
+    pub fn new(seed: u64, layout: Layout) -> Planner {
+        Planner {
+            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
+            layout,
+        }
+    }
+
+    /// A number in `lo..=hi`.
+    fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.rng.next_u64() % (hi - lo + 1)
+    }
+
+    fn ms(&mut self, lo: u64, hi: u64) -> Duration {
+        Duration::from_millis(self.between(lo, hi))
+    }
+
+    /// The next episode: its faults (they start together) and the pause after it has converged.
+    pub fn episode(&mut self) -> (Vec<Fault>, Duration) {
+        let mut faults = vec![self.fault()];
+        // Now and then a second fault at once, on hosts the first does not touch.
+        if self.between(0, 3) == 0 {
+            for _ in 0..10 {
+                let f = self.fault();
+                let pe_host = |k: usize| self.layout.pe_hosts[k];
+                let taken = faults[0].hosts(pe_host);
+                if f.hosts(pe_host).iter().all(|h| !taken.contains(h)) {
+                    faults.push(f);
+                    break;
+                }
+            }
+        }
+        let pause = self.ms(0, 2000);
+        (faults, pause)
+    }
+
+    fn fault(&mut self) -> Fault {
+        let pes = self.layout.pe_hosts.len();
+        match self.between(0, 99) {
+            0..25 => Fault::KillRegistrar {
+                r: self.between(0, 2) as usize,
+                down: self.ms(500, 6000),
+            },
+            25..55 => {
+                let n = self.between(1, 3) as usize;
+                let mut v: Vec<usize> = Vec::new();
+                while v.len() < n.min(pes) {
+                    let k = self.between(0, pes as u64 - 1) as usize;
+                    if !v.contains(&k) {
+                        v.push(k);
+                    }
+                }
+                v.sort_unstable();
+                Fault::KillPes {
+                    pes: v,
+                    down: self.ms(200, 5000),
+                }
+            }
+            55..80 => Fault::CutLink {
+                host: self.between(0, self.layout.hosts as u64 - 1) as usize,
+                down: self.ms(500, 8000),
+            },
+            _ => Fault::Loss {
+                host: self.between(0, self.layout.hosts as u64 - 1) as usize,
+                percent: self.between(5, 40) as u32,
+                hold: self.ms(1000, 10_000),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> Layout {
+        Layout {
+            pe_hosts: (0..50).map(|k| 3 + k % 5).collect(),
+            hosts: 8,
+        }
+    }
+
+    #[test]
+    fn a_seed_gives_the_same_plan_and_every_kind_comes_up() {
+        let plan = |seed| {
+            let mut p = Planner::new(seed, layout());
+            (0..200).map(|_| p.episode()).collect::<Vec<_>>()
+        };
+        assert_eq!(plan(7), plan(7));
+        assert_ne!(plan(7), plan(8));
+        let mut kinds = [0; 4];
+        for (faults, _) in plan(7) {
+            for f in &faults {
+                kinds[f.kind()] += 1;
+            }
+        }
+        assert!(kinds.iter().all(|&n| n > 10), "{kinds:?}");
+    }
+
+    #[test]
+    fn faults_of_one_episode_touch_different_hosts_and_stay_in_range() {
+        let mut p = Planner::new(1, layout());
+        let mut doubles = 0;
+        for _ in 0..500 {
+            let (faults, pause) = p.episode();
+            assert!(pause <= Duration::from_secs(2));
+            for f in &faults {
+                assert!(f.duration() >= Duration::from_millis(200));
+                assert!(f.duration() <= Duration::from_secs(10));
+                match f {
+                    Fault::KillRegistrar { r, .. } => assert!(*r < 3),
+                    Fault::KillPes { pes, .. } => {
+                        assert!(!pes.is_empty() && pes.iter().all(|&k| k < 50))
+                    }
+                    Fault::CutLink { host, .. } => assert!(*host < 8),
+                    Fault::Loss { host, percent, .. } => {
+                        assert!(*host < 8 && (5..=40).contains(percent))
+                    }
+                }
+            }
+            if let [a, b] = &faults[..] {
+                doubles += 1;
+                let pe_host = |k: usize| 3 + k % 5;
+                let ha = a.hosts(pe_host);
+                assert!(b.hosts(pe_host).iter().all(|h| !ha.contains(h)));
+            }
+            assert!(faults.len() <= 2);
+        }
+        assert!(doubles > 50, "{doubles}");
+    }
+}

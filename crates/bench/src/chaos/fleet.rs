@@ -1,0 +1,285 @@
+//! Every process of the soak, each a command line that can be started, killed with SIGKILL and
+//! started again: three registrars (an ENRP cluster), the pool elements (`rserpool serve`
+//! sidecars in front of HTTP targets, `rserpool example http` and `example echo` registering
+//! themselves), the targets, and an HTTP proxy onto the HTTP pool. Each start logs to a file of
+//! its own, so that a finding can be traced to the incarnation that made it.
+
+use super::netns::Net;
+use crate::process::Proc;
+use anyhow::Result;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+
+/// The pool the proxy serves.
+pub const HTTP_POOL: &str = "ChaosHttp";
+/// A second pool, only registered (its PEs are watched at the registrars like the others).
+pub const ECHO_POOL: &str = "ChaosEcho";
+/// Pool elements per PE host.
+pub const PES_PER_HOST: usize = 10;
+
+/// The registrars' timers: short, so that a failure is handled within seconds and a run sees
+/// many faults. Flags of `rserpool registrar`.
+pub const REGISTRAR_TIMERS: [(&str, u64); 7] = [
+    ("--peer-heartbeat-ms", 500),
+    ("--max-time-last-heard-ms", 1500),
+    ("--max-time-no-response-ms", 1000),
+    ("--mentor-discovery-ms", 2000),
+    ("--takeover-expiry-ms", 3000),
+    ("--keep-alive-interval-ms", 1000),
+    ("--keep-alive-timeout-ms", 1000),
+];
+/// The PEs' re-registration interval (registration life: three times it).
+pub const REREGISTRATION_MS: u64 = 5000;
+
+const ASAP_PORT: u16 = 3863;
+const ENRP_PORT: u16 = 9901;
+const STATUS_PORT: u16 = 8863;
+const PROXY_PORT: u16 = 8080;
+const PROXY_STATUS_PORT: u16 = 8404;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Registrar,
+    /// A pool element: `rserpool serve` in front of a target.
+    Serve,
+    /// A pool element: `rserpool example http`.
+    ExampleHttp,
+    /// A pool element: `rserpool example echo`.
+    ExampleEcho,
+    /// The HTTP server behind a sidecar: `rserpool example http` that reaches no registrar.
+    Target,
+    Proxy,
+}
+
+impl Kind {
+    pub fn label(self) -> &'static str {
+        match self {
+            Kind::Registrar => "registrar",
+            Kind::Serve => "serve",
+            Kind::ExampleHttp => "example http",
+            Kind::ExampleEcho => "example echo",
+            Kind::Target => "target",
+            Kind::Proxy => "proxy",
+        }
+    }
+}
+
+/// One process: what it is, where it runs and how it is started.
+pub struct Member {
+    pub name: String,
+    pub kind: Kind,
+    /// Index of its host in [`Net::hosts`].
+    pub host: usize,
+    /// The PE identifier (pool elements).
+    pub pe_id: Option<u32>,
+    args: Vec<String>,
+    proc: Option<Proc>,
+    starts: u32,
+}
+
+pub struct Fleet {
+    rserpool: PathBuf,
+    logs: PathBuf,
+    pub members: Vec<Member>,
+    /// Member indices of the registrars, the pool elements and the proxy.
+    pub registrars: Vec<usize>,
+    pub pes: Vec<usize>,
+    pub proxy: usize,
+    /// The registrars' status listeners, in the order of `registrars`.
+    pub status: Vec<SocketAddr>,
+    /// Where clients reach the proxy.
+    pub front: SocketAddr,
+}
+
+/// The host names: r1..r3, h1..hK for `pes` PEs, front (the proxy).
+pub fn host_names(pes: usize) -> Vec<String> {
+    let mut v: Vec<String> = (1..=3).map(|i| format!("r{i}")).collect();
+    v.extend((1..=pe_hosts(pes)).map(|i| format!("h{i}")));
+    v.push("front".into());
+    v
+}
+
+fn pe_hosts(pes: usize) -> usize {
+    pes.div_ceil(PES_PER_HOST).max(1)
+}
+
+impl Fleet {
+    /// The command lines for `pes` pool elements on the hosts of `net` (made from
+    /// [`host_names`]). Nothing is started.
+    pub fn plan(net: &Net, pes: usize, rserpool: &Path, logs: &Path) -> Fleet {
+        let ip = |h: usize| net.hosts[h].ip;
+        let at = |h: usize, port: u16| SocketAddr::from((ip(h), port)).to_string();
+        let front_host = net.hosts.len() - 1;
+        let mut f = Fleet {
+            rserpool: rserpool.to_path_buf(),
+            logs: logs.to_path_buf(),
+            members: Vec::new(),
+            registrars: Vec::new(),
+            pes: Vec::new(),
+            proxy: 0,
+            status: (0..3)
+                .map(|r| SocketAddr::from((ip(r), STATUS_PORT)))
+                .collect(),
+            front: SocketAddr::from((ip(front_host), PROXY_PORT)),
+        };
+        for r in 0..3 {
+            let mut args = vec!["registrar".to_string()];
+            args.extend(flag("--asap", at(r, ASAP_PORT)));
+            args.extend(flag("--enrp", at(r, ENRP_PORT)));
+            args.extend(flag("--status", at(r, STATUS_PORT)));
+            for other in (0..3).filter(|&o| o != r) {
+                args.extend(flag("--peer", at(other, ENRP_PORT)));
+            }
+            for (name, ms) in REGISTRAR_TIMERS {
+                args.extend(flag(name, ms.to_string()));
+            }
+            let m = f.add(format!("r{}", r + 1), Kind::Registrar, r, None, args);
+            f.registrars.push(m);
+        }
+        let hosts = pe_hosts(pes);
+        for k in 0..pes {
+            let h = 3 + k % hosts;
+            let id = 0x100 + k as u32;
+            let kind = match k % 5 {
+                0 | 1 => Kind::Serve,
+                2 | 3 => Kind::ExampleHttp,
+                _ => Kind::ExampleEcho,
+            };
+            let mut args: Vec<String> = match kind {
+                Kind::Serve => {
+                    let port = 20_000 + k as u16;
+                    // The target answers on every address: the sidecar checks it on loopback.
+                    f.add(
+                        format!("target{k:02}"),
+                        Kind::Target,
+                        h,
+                        None,
+                        vec![
+                            "example".into(),
+                            "http".into(),
+                            "--listen".into(),
+                            SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)).to_string(),
+                            "--pool".into(),
+                            "ChaosTarget".into(),
+                        ],
+                    );
+                    let mut a = vec!["serve".to_string()];
+                    a.extend(flag("--target", format!("127.0.0.1:{port}")));
+                    a.extend(flag("--advertise", at(h, port)));
+                    a.extend(flag("--check-interval-ms", "500".into()));
+                    a.extend(flag("--pool", HTTP_POOL.into()));
+                    a
+                }
+                _ => {
+                    let service = if kind == Kind::ExampleHttp {
+                        "http"
+                    } else {
+                        "echo"
+                    };
+                    let pool = if kind == Kind::ExampleHttp {
+                        HTTP_POOL
+                    } else {
+                        ECHO_POOL
+                    };
+                    let mut a = vec!["example".to_string(), service.to_string()];
+                    a.extend(flag("--listen", at(h, 10_000 + k as u16)));
+                    a.extend(flag("--pool", pool.into()));
+                    a
+                }
+            };
+            args.extend(flag("--id", format!("{id:#x}")));
+            args.extend(flag(
+                "--reregistration-interval-ms",
+                REREGISTRATION_MS.to_string(),
+            ));
+            // Each PE tries the registrars from a different one first, so that homes spread.
+            for j in 0..3 {
+                args.extend(flag("--registrar", at((k + j) % 3, ASAP_PORT)));
+            }
+            let m = f.add(format!("pe{k:02}"), kind, h, Some(id), args);
+            f.pes.push(m);
+        }
+        let mut args = vec!["proxy".to_string()];
+        args.extend(flag("--listen", f.front.to_string()));
+        args.extend(flag("--pool", HTTP_POOL.into()));
+        for r in 0..3 {
+            args.extend(flag("--registrar", at(r, ASAP_PORT)));
+        }
+        args.extend(flag("--status", at(front_host, PROXY_STATUS_PORT)));
+        args.extend(flag("--threads", "1".into()));
+        f.proxy = f.add("proxy".into(), Kind::Proxy, front_host, None, args);
+        f
+    }
+
+    fn add(
+        &mut self,
+        name: String,
+        kind: Kind,
+        host: usize,
+        pe_id: Option<u32>,
+        args: Vec<String>,
+    ) -> usize {
+        self.members.push(Member {
+            name,
+            kind,
+            host,
+            pe_id,
+            args,
+            proc: None,
+            starts: 0,
+        });
+        self.members.len() - 1
+    }
+
+    /// Starts member `m` in its host's namespace (again, after a kill).
+    pub fn start(&mut self, net: &Net, m: usize) -> Result<()> {
+        let member = &mut self.members[m];
+        member.starts += 1;
+        let log = self
+            .logs
+            .join(format!("{}.{}.log", member.name, member.starts));
+        let filter = if member.kind == Kind::Target {
+            // It reaches no registrar, and need not say so.
+            "error"
+        } else {
+            "info"
+        };
+        let mut cmd = net.command(member.host, &self.rserpool);
+        cmd.args(&member.args)
+            .env("RUST_LOG", filter)
+            .env("NO_COLOR", "1");
+        member.proc = Some(Proc::spawn(&mut cmd, &log)?);
+        Ok(())
+    }
+
+    /// SIGKILL to member `m`.
+    pub fn kill(&mut self, m: usize) {
+        if let Some(mut p) = self.members[m].proc.take() {
+            p.kill();
+        }
+    }
+
+    /// Members that were running and have exited on their own since the last call.
+    pub fn exits(&mut self) -> Vec<(usize, ExitStatus)> {
+        let mut v = Vec::new();
+        for (i, member) in self.members.iter_mut().enumerate() {
+            if let Some(status) = member.proc.as_mut().and_then(Proc::exited) {
+                member.proc = None;
+                v.push((i, status));
+            }
+        }
+        v
+    }
+
+    /// The log of member `m`'s latest start.
+    pub fn log(&self, m: usize) -> PathBuf {
+        let member = &self.members[m];
+        self.logs
+            .join(format!("{}.{}.log", member.name, member.starts))
+    }
+}
+
+fn flag(name: &str, value: String) -> [String; 2] {
+    [name.to_string(), value]
+}

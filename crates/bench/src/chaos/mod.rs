@@ -1,0 +1,480 @@
+//! `rserpool-bench chaos`: a soak with real processes (issue 14, part 4). Three registrars (an
+//! ENRP cluster), at least 50 pool elements (`serve` sidecars and `example` services), an HTTP
+//! proxy and clients run in network namespaces for a set time, while faults are injected at
+//! random from a seed: `kill -9` and restart of registrars and PEs, link cuts and packet loss
+//! (see [`faults`]). The invariants are checked from outside all along ([`watch`]: every
+//! registrar's status; [`clients`]: the requests through the proxy), and the run ends with a
+//! summary ([`report`]) and a non-zero exit if one was broken: a PE lost, a failed request, no
+//! convergence within the settle bound after a fault, or a process that exited on its own.
+
+mod clients;
+mod faults;
+mod fleet;
+mod netns;
+mod report;
+mod watch;
+
+use crate::process::wait_for;
+use crate::undo::{self, TempDir};
+use anyhow::{Result, bail};
+use clap::Args;
+use faults::{Fault, Layout, Planner};
+use fleet::{Fleet, Kind};
+use netns::Net;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use watch::{Tracker, Who};
+
+#[derive(Args, Debug)]
+pub struct ChaosArgs {
+    /// How long faults are injected, seconds.
+    #[arg(long, default_value_t = 600)]
+    pub duration_s: u64,
+    /// Pool elements (two in five `serve` sidecars, two `example http`, one `example echo`),
+    /// ten per host.
+    #[arg(long, default_value_t = 50)]
+    pub pes: usize,
+    /// Seed of the fault plan [default: from the clock; the summary names it].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Time the system has after a fault heals to converge again; a live PE missing from a
+    /// live registrar for longer is lost. It covers a PE's longest back-off (10 s), its wait
+    /// for a takeover (5 s) and the registrars' takeover (about 3 s).
+    #[arg(long, default_value_t = 20)]
+    pub settle_s: u64,
+    /// Concurrent clients sending GETs through the proxy.
+    #[arg(long, default_value_t = 4)]
+    pub clients: usize,
+    /// Requests per second of all clients together.
+    #[arg(long, default_value_t = 100)]
+    pub rps: u32,
+    /// Keep every process's log in this directory [default: a temporary one, kept only when
+    /// an invariant is broken].
+    #[arg(long, value_name = "DIR")]
+    pub logs: Option<PathBuf>,
+    /// Write the summary as a Markdown section into this file (e.g. docs/RELIABILITY.md).
+    #[arg(long, value_name = "FILE")]
+    pub markdown: Option<PathBuf>,
+}
+
+pub fn run(args: ChaosArgs, rserpool: &Path) -> Result<()> {
+    if args.pes == 0 || args.clients == 0 || args.rps == 0 {
+        bail!("--pes, --clients and --rps must be at least 1");
+    }
+    netns::preflight()?;
+    undo::on_signal()?;
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let (logs, tmp) = match &args.logs {
+        Some(d) => (d.clone(), None),
+        None => {
+            let d = std::env::temp_dir().join(format!("rserpool-chaos-{}", std::process::id()));
+            (d.clone(), Some(TempDir::new(d)))
+        }
+    };
+    std::fs::create_dir_all(&logs)?;
+    let names = fleet::host_names(args.pes);
+    let net = Net::create(&names.iter().map(String::as_str).collect::<Vec<_>>())?;
+    let fleet = Fleet::plan(&net, args.pes, rserpool, &logs);
+    println!(
+        "chaos soak: {} s, seed {seed}, {} PEs on {} hosts, logs in {}",
+        args.duration_s,
+        args.pes,
+        net.hosts.len() - 4,
+        logs.display()
+    );
+    let mut soak = Soak::new(net, fleet, &args, seed)?;
+    let result = soak.run(&args);
+    let summary = soak.stop(result.as_ref().err());
+    println!("\n{}", summary.text());
+    if let Some(path) = &args.markdown {
+        crate::report::write_section(path, "chaos", &summary.markdown())?;
+    }
+    let broken = summary.broken();
+    match (broken.is_empty(), tmp) {
+        (true, _) => Ok(()),
+        (false, tmp) => {
+            if let Some(t) = tmp {
+                println!("logs kept in {}", t.keep().display());
+            }
+            bail!("invariants broken: {}", broken.join("; "))
+        }
+    }
+}
+
+/// The running soak: the network, the processes, what watches them and what it has seen.
+struct Soak {
+    start: Instant,
+    settle: Duration,
+    seed: u64,
+    rt: tokio::runtime::Runtime,
+    tracker: Arc<Mutex<Tracker>>,
+    requests: Arc<clients::Requests>,
+    stop_poll: Arc<AtomicBool>,
+    stop_clients: Arc<AtomicBool>,
+    clients: Option<tokio::task::JoinHandle<()>>,
+    planner: Planner,
+    record: report::Record,
+    // Last: the processes go before their network.
+    fleet: Fleet,
+    net: Net,
+}
+
+impl Soak {
+    fn new(net: Net, fleet: Fleet, args: &ChaosArgs, seed: u64) -> Result<Soak> {
+        let start = Instant::now();
+        let settle = Duration::from_secs(args.settle_s);
+        let pe_hosts: Vec<usize> = fleet.pes.iter().map(|&m| fleet.members[m].host).collect();
+        let pe_ids: Vec<u32> = fleet
+            .pes
+            .iter()
+            .filter_map(|&m| fleet.members[m].pe_id)
+            .collect();
+        // Every host but the proxy's.
+        let hosts = net.hosts.len() - 1;
+        let tracker = Tracker::new(start, settle, pe_ids, &pe_hosts, net.hosts.len());
+        let kinds = fleet
+            .pes
+            .iter()
+            .map(|&m| fleet.members[m].kind)
+            .collect::<Vec<_>>();
+        Ok(Soak {
+            start,
+            settle,
+            seed,
+            rt: tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?,
+            tracker: Arc::new(Mutex::new(tracker)),
+            requests: Arc::default(),
+            stop_poll: Arc::default(),
+            stop_clients: Arc::default(),
+            clients: None,
+            planner: Planner::new(seed, Layout { pe_hosts, hosts }),
+            record: report::Record::new(args, &kinds, hosts - 3),
+            fleet,
+            net,
+        })
+    }
+
+    fn tracker(&self) -> MutexGuard<'_, Tracker> {
+        self.tracker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn run(&mut self, args: &ChaosArgs) -> Result<()> {
+        self.rt.spawn(watch::poll(
+            self.fleet.status.clone(),
+            self.tracker.clone(),
+            self.stop_poll.clone(),
+        ));
+        // Setup: registrars, then targets and PEs, until converged; then the proxy.
+        let t = Instant::now();
+        self.tracker().mark(t);
+        for r in 0..3 {
+            self.start_member(self.fleet.registrars[r], true)?;
+        }
+        let targets: Vec<usize> = (0..self.fleet.members.len())
+            .filter(|&m| self.fleet.members[m].kind == Kind::Target)
+            .collect();
+        for m in targets {
+            self.start_member(m, true)?;
+        }
+        for k in 0..self.fleet.pes.len() {
+            self.start_member(self.fleet.pes[k], true)?;
+        }
+        let limit = Duration::from_secs(60);
+        if !self.converge(t, limit) {
+            bail!(
+                "setup: not converged within {limit:?}: {}",
+                self.tracker().why_not
+            );
+        }
+        self.record.setup = t.elapsed();
+        println!("setup converged in {:.1} s", t.elapsed().as_secs_f64());
+        self.start_member(self.fleet.proxy, true)?;
+        let front = self.fleet.front;
+        let rt = &self.rt;
+        wait_for("the proxy", Duration::from_secs(20), || {
+            rt.block_on(async {
+                match rserpool_proxy::client::Client::connect(front).await {
+                    Ok(mut c) => c.get("/").await.is_ok_and(|r| r.code == 200),
+                    Err(_) => false,
+                }
+            })
+        })?;
+        let tracker = self.tracker.clone();
+        let context = move || tracker.lock().unwrap_or_else(|p| p.into_inner()).context();
+        self.clients = Some(self.rt.spawn(clients::run(
+            front,
+            args.clients,
+            args.rps,
+            self.start,
+            context,
+            self.stop_clients.clone(),
+            self.requests.clone(),
+        )));
+        // The faults.
+        let end = Instant::now() + Duration::from_secs(args.duration_s);
+        let mut n = 0;
+        while Instant::now() < end {
+            n += 1;
+            let (faults, pause) = self.planner.episode();
+            self.episode(n, &faults)?;
+            self.idle_until(Instant::now() + pause)?;
+        }
+        self.tracker().set_context("after the last fault".into());
+        Ok(())
+    }
+
+    /// Starts member `m` and tells the tracker.
+    fn start_member(&mut self, m: usize, first: bool) -> Result<()> {
+        self.fleet.start(&self.net, m)?;
+        if let Some(who) = self.who(m) {
+            self.tracker().set_running(who, true, Instant::now());
+        }
+        if !first {
+            self.record.restarts += 1;
+        }
+        Ok(())
+    }
+
+    fn kill_member(&mut self, m: usize) {
+        if let Some(who) = self.who(m) {
+            self.tracker().set_running(who, false, Instant::now());
+        }
+        self.fleet.kill(m);
+    }
+
+    fn who(&self, m: usize) -> Option<Who> {
+        if let Some(r) = self.fleet.registrars.iter().position(|&x| x == m) {
+            return Some(Who::Registrar(r));
+        }
+        self.fleet.pes.iter().position(|&x| x == m).map(Who::Pe)
+    }
+
+    /// One episode: its faults start together, each heals after its duration; then the
+    /// convergence time is measured.
+    fn episode(&mut self, n: usize, faults: &[Fault]) -> Result<()> {
+        let label = format!(
+            "#{n} {}",
+            faults
+                .iter()
+                .map(|f| self.describe(f))
+                .collect::<Vec<_>>()
+                .join(" + ")
+        );
+        println!("{:7.1} s  {label}", self.start.elapsed().as_secs_f64());
+        self.tracker().set_context(label.clone());
+        let failed_before = self.requests.failed.load(Ordering::Relaxed);
+        let t0 = Instant::now();
+        for f in faults {
+            self.record.faults[f.kind()] += 1;
+            self.inject(f)?;
+        }
+        let mut heals: Vec<&Fault> = faults.iter().collect();
+        heals.sort_by_key(|f| f.duration());
+        for f in heals {
+            self.idle_until(t0 + f.duration())?;
+            self.heal(f)?;
+        }
+        let healed = Instant::now();
+        self.tracker().mark(healed);
+        let converged = self.converge(healed, self.settle);
+        let outcome = if converged {
+            let d = self
+                .tracker()
+                .converged_after_mark()
+                .map_or(Duration::ZERO, |t| t.saturating_duration_since(healed));
+            println!(
+                "           converged {:.2} s after healing",
+                d.as_secs_f64()
+            );
+            Ok(d)
+        } else {
+            let why = self.tracker().why_not.clone();
+            println!("           NOT converged within {:?}: {why}", self.settle);
+            Err(why)
+        };
+        let failed = self.requests.failed.load(Ordering::Relaxed) - failed_before;
+        if failed > 0 {
+            println!("           {failed} request(s) through the proxy failed");
+        }
+        self.tracker()
+            .set_context(format!("the pause after {label}"));
+        self.record
+            .episodes
+            .push(report::Episode { label, outcome });
+        Ok(())
+    }
+
+    fn describe(&self, f: &Fault) -> String {
+        let host = |h: usize| self.net.hosts[h].name.clone();
+        let pe = |k: usize| {
+            let m = &self.fleet.members[self.fleet.pes[k]];
+            format!(
+                "{} ({}, {:#x})",
+                m.name,
+                m.kind.label(),
+                m.pe_id.unwrap_or(0)
+            )
+        };
+        let s = |d: Duration| format!("{:.1} s", d.as_secs_f64());
+        match f {
+            Fault::KillRegistrar { r, down } => {
+                format!("kill -9 registrar r{} for {}", r + 1, s(*down))
+            }
+            Fault::KillPes { pes, down } => format!(
+                "kill -9 {} for {}",
+                pes.iter().map(|&k| pe(k)).collect::<Vec<_>>().join(", "),
+                s(*down)
+            ),
+            Fault::CutLink { host: h, down } => {
+                format!("link of {} cut for {}", host(*h), s(*down))
+            }
+            Fault::Loss {
+                host: h,
+                percent,
+                hold,
+            } => format!("{percent} % loss on {} for {}", host(*h), s(*hold)),
+        }
+    }
+
+    fn inject(&mut self, f: &Fault) -> Result<()> {
+        match f {
+            Fault::KillRegistrar { r, .. } => self.kill_member(self.fleet.registrars[*r]),
+            Fault::KillPes { pes, .. } => {
+                for &k in pes {
+                    self.kill_member(self.fleet.pes[k]);
+                }
+            }
+            Fault::CutLink { host, .. } => {
+                self.tracker().set_cut(*host, true, Instant::now());
+                self.net.set_link(*host, false)?;
+            }
+            Fault::Loss { host, percent, .. } => self.net.set_loss(*host, *percent)?,
+        }
+        Ok(())
+    }
+
+    fn heal(&mut self, f: &Fault) -> Result<()> {
+        match f {
+            Fault::KillRegistrar { r, .. } => {
+                self.start_member(self.fleet.registrars[*r], false)?
+            }
+            Fault::KillPes { pes, .. } => {
+                for &k in pes {
+                    self.start_member(self.fleet.pes[k], false)?;
+                }
+            }
+            Fault::CutLink { host, .. } => {
+                self.net.set_link(*host, true)?;
+                self.tracker().set_cut(*host, false, Instant::now());
+            }
+            Fault::Loss { host, .. } => self.net.set_loss(*host, 0)?,
+        }
+        Ok(())
+    }
+
+    /// Waits until the tracker has seen convergence after `mark`, at most `limit`.
+    fn converge(&mut self, mark: Instant, limit: Duration) -> bool {
+        let deadline = mark + limit;
+        loop {
+            if self.tracker().converged_after_mark().is_some() {
+                return true;
+            }
+            if Instant::now() >= deadline
+                || self.idle_until(Instant::now() + watch::POLL / 4).is_err()
+            {
+                return self.tracker().converged_after_mark().is_some();
+            }
+        }
+    }
+
+    /// Sleeps until `t`, watching for processes that exit on their own: each is a finding,
+    /// and is started again so that the soak goes on.
+    fn idle_until(&mut self, t: Instant) -> Result<()> {
+        loop {
+            for (m, status) in self.fleet.exits() {
+                let member = &self.fleet.members[m];
+                let finding = format!(
+                    "{} ({}) exited on its own ({status}) during {}; log {}",
+                    member.name,
+                    member.kind.label(),
+                    self.tracker().context(),
+                    self.fleet.log(m).display()
+                );
+                println!("           {finding}");
+                self.record.exits.push(finding);
+                if let Some(who) = self.who(m) {
+                    self.tracker().set_running(who, false, Instant::now());
+                }
+                self.start_member(m, false)?;
+            }
+            let now = Instant::now();
+            if now >= t {
+                return Ok(());
+            }
+            std::thread::sleep((t - now).min(Duration::from_millis(50)));
+        }
+    }
+
+    /// After the last fault: a last convergence, then everything stops; the summary.
+    fn stop(&mut self, error: Option<&anyhow::Error>) -> report::Summary {
+        if error.is_none() {
+            let t = Instant::now();
+            self.tracker().mark(t);
+            if !self.converge(t, self.settle) {
+                let why = self.tracker().why_not.clone();
+                self.record.episodes.push(report::Episode {
+                    label: "end of the soak".into(),
+                    outcome: Err(why),
+                });
+            }
+        }
+        self.stop_clients.store(true, Ordering::Relaxed);
+        if let Some(c) = self.clients.take() {
+            let _ = self.rt.block_on(c);
+        }
+        self.stop_poll.store(true, Ordering::Relaxed);
+        self.tracker().finish(Instant::now());
+        let record = std::mem::take(&mut self.record);
+        let pe_names = self
+            .fleet
+            .pes
+            .iter()
+            .map(|&m| {
+                let member = &self.fleet.members[m];
+                format!(
+                    "{} ({}, {:#x})",
+                    member.name,
+                    member.kind.label(),
+                    member.pe_id.unwrap_or(0)
+                )
+            })
+            .collect();
+        let tracker = self.tracker();
+        let requests = &self.requests;
+        report::Summary {
+            record,
+            seed: self.seed,
+            elapsed: self.start.elapsed(),
+            error: error.map(|e| format!("{e:#}")),
+            longest: tracker.longest.clone(),
+            lost: tracker.lost.clone(),
+            pe_names,
+            sent: requests.sent.load(Ordering::Relaxed),
+            failed: requests.failed.load(Ordering::Relaxed),
+            failures: requests
+                .failures
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! A takeover that goes unanswered, in the sans-IO core. Found by the chaos soak
+//! (`rserpool-bench chaos`, docs/RELIABILITY.md): a registrar cut off from the network takes
+//! over its silent peers' PEs, cannot reach them, and removes them when their keep-alives go
+//! unanswered; its connections to them were still being opened. Had the ENDPOINT_KEEP_ALIVE
+//! with the H bit queued on such a connection gone out when the network came back, each PE
+//! would have adopted a home that no longer had it and left the home that did.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use rserpool_registrar::{Action, Config, ConnId, Instant, Registrar};
+use rserpool_wire::{
+    EnrpBody, EnrpMessage, Message, Policy, PoolElement, PoolHandle, ServerInformation,
+    TransportAddress, UpdateAction, UserTransport,
+};
+use std::net::SocketAddr;
+
+const US: u32 = 0x0a00_0001;
+const PEER: u32 = 0x0a00_0002;
+
+fn at(ms: u64) -> Instant {
+    Instant::from_millis(ms)
+}
+
+fn addr(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, last], port))
+}
+
+fn enrp(body: EnrpBody) -> Vec<u8> {
+    EnrpMessage {
+        sender: PEER,
+        receiver: 0,
+        body,
+    }
+    .to_bytes()
+    .unwrap()
+}
+
+/// Every action until the queue is empty.
+fn actions(r: &mut Registrar) -> Vec<Action> {
+    std::iter::from_fn(|| r.poll_action()).collect()
+}
+
+#[test]
+fn an_unanswered_takeover_leaves_nothing_to_deliver_later() {
+    let cfg = Config {
+        peer_heartbeat_ms: 500,
+        max_time_last_heard_ms: 1000,
+        max_time_no_response_ms: 1000,
+        mentor_discovery_ms: 200,
+        takeover_expiry_ms: 1000,
+        keep_alive_interval_ms: 1000,
+        keep_alive_timeout_ms: 1000,
+        ..Config::default()
+    };
+    let mut r = Registrar::new(cfg, US, at(0));
+    r.enable_enrp(addr(1, 9901), at(0));
+    // The peer announces itself and its PE, whose takeover listener is at 10.0.0.9:7000.
+    let c = r.accept_enrp(addr(2, 40_000), at(0)).unwrap();
+    r.handle_data(
+        c,
+        &enrp(EnrpBody::Presence {
+            reply_required: false,
+            checksum: None,
+            server_info: Some(ServerInformation {
+                server_id: PEER,
+                transport: TransportAddress::tcp(addr(2, 9901)),
+            }),
+        }),
+        at(10),
+    );
+    let pe = PoolElement {
+        id: 0x77,
+        home_registrar: PEER,
+        registration_life: 60,
+        user_transport: UserTransport::Address(TransportAddress::tcp(addr(9, 8000))),
+        policy: Policy::RoundRobin,
+        asap_transport: Some(TransportAddress::tcp(addr(9, 7000))),
+    };
+    r.handle_data(
+        c,
+        &enrp(EnrpBody::HandleUpdate {
+            takeover_suggested: false,
+            action: UpdateAction::AddPe,
+            pool_handle: PoolHandle::from("P"),
+            pool_element: pe,
+        }),
+        at(20),
+    );
+    assert_eq!(r.handlespace().len(), 1);
+    // Then silence: the peer is taken over, with no one else to ask.
+    let mut taken_over = None;
+    let mut t = 20;
+    while taken_over.is_none() && t < 10_000 {
+        t += 50;
+        r.handle_timeout(at(t));
+        taken_over = actions(&mut r).into_iter().find_map(|a| match a {
+            Action::Connect(id, to) if to == addr(9, 7000) => Some(id),
+            _ => None,
+        });
+    }
+    let pe_conn: ConnId = taken_over.expect("a connection to the PE's takeover listener");
+    assert!(
+        !r.output(pe_conn).is_empty(),
+        "the keep-alive with the H bit waits for the connection"
+    );
+    // The connection never comes up (the PE is out of reach): the keep-alive goes unanswered.
+    let mut closed = false;
+    let end = t + 3000;
+    while t < end {
+        t += 50;
+        r.handle_timeout(at(t));
+        closed |= actions(&mut r).contains(&Action::Close(pe_conn));
+    }
+    assert_eq!(r.handlespace().len(), 0, "the PE is removed");
+    assert!(closed, "the connection to the PE is closed");
+    assert!(
+        r.output(pe_conn).is_empty(),
+        "nothing is left to send should the connection come up now"
+    );
+}
