@@ -8,12 +8,11 @@
 
 use crate::Error;
 use crate::connection::AsapConnection;
-use crate::registrars::RegistrarSet;
+use crate::registrars::{AnnounceListener, RegistrarSet};
 use rserpool_handlespace::Handlespace;
 use rserpool_wire::{AsapMessage, CauseCode, Policy, PoolElement, PoolHandle, UserTransport};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 use tracing::debug;
@@ -58,29 +57,22 @@ pub struct Resolution {
 
 pub struct PoolUser {
     cfg: PoolUserConfig,
-    registrars: Arc<RegistrarSet>,
+    registrars: RegistrarSet,
     conn: Option<AsapConnection>,
     next_registrar: usize,
     cache: Handlespace,
     fetched: HashMap<PoolHandle, (Instant, Option<Policy>)>,
-    announce: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for PoolUser {
-    fn drop(&mut self) {
-        if let Some(a) = self.announce.take() {
-            a.abort();
-        }
-    }
+    announce: Option<AnnounceListener>,
+    epoch: Instant,
 }
 
 impl PoolUser {
     pub fn new(cfg: PoolUserConfig) -> std::io::Result<Self> {
         let registrars = RegistrarSet::new(cfg.registrars.clone());
-        let announce = match cfg.announce_listen {
-            Some(a) => Some(registrars.listen(a)?),
-            None => None,
-        };
+        let announce = cfg
+            .announce_listen
+            .map(AnnounceListener::start)
+            .transpose()?;
         Ok(Self {
             cfg,
             registrars,
@@ -89,7 +81,17 @@ impl PoolUser {
             cache: Handlespace::new(rserpool_handlespace::Config::default()),
             fetched: HashMap::new(),
             announce,
+            epoch: Instant::now(),
         })
+    }
+
+    fn candidates(&mut self) -> Vec<SocketAddr> {
+        if let Some(a) = &self.announce {
+            let set = &mut self.registrars;
+            a.drain(self.epoch, |d, from, at| set.heard_announce(d, from, at));
+        }
+        self.registrars
+            .candidates(rserpool_wire::Instant::since(self.epoch, Instant::now()))
     }
 
     /// Resolves `handle`: from the cache when fresh, else at a registrar.
@@ -274,7 +276,7 @@ impl PoolUser {
     /// The registrar association, connecting (with failover over the candidates) if needed.
     async fn connected(&mut self) -> Result<&mut AsapConnection, Error> {
         if self.conn.is_none() {
-            let candidates = self.registrars.candidates();
+            let candidates = self.candidates();
             if candidates.is_empty() {
                 return Err(Error::NoRegistrarKnown);
             }
@@ -304,7 +306,7 @@ impl PoolUser {
         msg: &AsapMessage,
         handle: &PoolHandle,
     ) -> Result<(AsapMessage, SocketAddr), Error> {
-        let attempts = self.registrars.candidates().len().max(1);
+        let attempts = self.candidates().len().max(1);
         let timeout = self.cfg.request_timeout;
         let mut last = Error::NoRegistrarKnown;
         for _ in 0..attempts {

@@ -19,6 +19,7 @@ pub mod message;
 pub mod param;
 pub mod policy;
 pub mod ptype;
+pub mod time;
 mod tlv;
 
 pub use asap::AsapMessage;
@@ -32,6 +33,7 @@ pub use param::{
     TransportAddress, UserTransport,
 };
 pub use policy::Policy;
+pub use time::Instant;
 
 pub use smallvec;
 
