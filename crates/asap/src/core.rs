@@ -17,6 +17,7 @@ use std::time::Duration;
 use tracing::warn;
 
 pub mod pe;
+pub mod pu;
 
 pub use rserpool_wire::Instant;
 

@@ -1,8 +1,10 @@
 //! What the tokio drivers of the pool element and pool user cores share: every connection a core
 //! names runs in a task of its own that reports to one channel, the driver carries out the
-//! core's [`Action`]s on them, and the core's time is the milliseconds since the driver began.
+//! core's [`Action`]s on them, SERVER_ANNOUNCEs are heard on a socket of their own, and the
+//! core's time is the milliseconds since the driver began.
 
 use crate::core::{Action, ConnId, Instant};
+use crate::registrars::AnnounceListener;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,32 +27,38 @@ enum Out {
     Close,
 }
 
-/// The connections of one core, and its clock.
+/// The connections of one core, its announce listener and its clock.
 pub(crate) struct Conns {
     out: HashMap<ConnId, mpsc::UnboundedSender<Out>>,
     events_tx: mpsc::UnboundedSender<ConnEvent>,
     events: mpsc::UnboundedReceiver<ConnEvent>,
+    announce: Option<AnnounceListener>,
     epoch: std::time::Instant,
 }
 
 impl Conns {
-    pub(crate) fn new() -> Self {
+    /// Listens for SERVER_ANNOUNCE at `announce_listen`, if given.
+    pub(crate) fn new(announce_listen: Option<SocketAddr>) -> std::io::Result<Self> {
         let (events_tx, events) = mpsc::unbounded_channel();
-        Self {
+        Ok(Self {
             out: HashMap::new(),
             events_tx,
             events,
+            announce: announce_listen.map(AnnounceListener::start).transpose()?,
             epoch: std::time::Instant::now(),
-        }
+        })
+    }
+
+    /// The SERVER_ANNOUNCEs heard since the last call, for the core's `handle_announce`.
+    pub(crate) fn announces(&self) -> Vec<(Vec<u8>, SocketAddr, Instant)> {
+        self.announce
+            .as_ref()
+            .map_or_else(Vec::new, |a| a.drain(self.epoch))
     }
 
     /// The core's time now.
     pub(crate) fn now(&self) -> Instant {
         Instant::since(self.epoch, std::time::Instant::now())
-    }
-
-    pub(crate) fn epoch(&self) -> std::time::Instant {
-        self.epoch
     }
 
     /// A core deadline on tokio's clock (`None`: none, or too far away to matter).

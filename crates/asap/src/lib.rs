@@ -16,6 +16,7 @@ pub mod registrars;
 
 pub use connection::AsapConnection;
 pub use core::pe::{PeCore, PeEvent};
+pub use core::pu::{Answer, PuCore, PuEvent, QueryId};
 pub use core::{Action, ConnId, Instant};
 pub use pool_element::{PeState, PeUpdater, PoolElement, PoolElementConfig};
 pub use pool_user::{PoolUser, PoolUserConfig, Resolution};

@@ -12,7 +12,6 @@
 use crate::Error;
 use crate::core::pe::{PeCore, PeEvent};
 use crate::driver::{ConnEvent, Conns, sleep_until};
-use crate::registrars::AnnounceListener;
 use rserpool_wire::Policy;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -79,10 +78,6 @@ impl PeUpdater {
 impl PoolElement {
     /// Starts registering in the background (needs a tokio runtime).
     pub fn start(cfg: PoolElementConfig) -> std::io::Result<Self> {
-        let announce = cfg
-            .announce_listen
-            .map(AnnounceListener::start)
-            .transpose()?;
         let listener = cfg.takeover_listen.and_then(|addr| match listen(addr) {
             Ok(l) => Some(l),
             Err(e) => {
@@ -91,7 +86,7 @@ impl PoolElement {
             }
         });
         let asap_transport = listener.as_ref().and_then(|l| l.local_addr().ok());
-        let conns = Conns::new();
+        let conns = Conns::new(cfg.announce_listen)?;
         let desired = Desired {
             active: cfg.initially_active,
             policy: cfg.policy.clone(),
@@ -105,7 +100,6 @@ impl PoolElement {
             Driver {
                 core,
                 conns,
-                announce,
                 desired: desired_rx,
                 state: state_tx,
             }
@@ -219,7 +213,6 @@ async fn accept_takeovers(
 struct Driver {
     core: PeCore,
     conns: Conns,
-    announce: Option<AnnounceListener>,
     desired: watch::Receiver<Desired>,
     state: watch::Sender<PeState>,
 }
@@ -274,11 +267,8 @@ impl Driver {
 
     /// The time now, after handing the core the announces heard meanwhile.
     fn now(&mut self) -> rserpool_wire::Instant {
-        if let Some(a) = &self.announce {
-            let core = &mut self.core;
-            a.drain(self.conns.epoch(), |d, from, at| {
-                core.handle_announce(d, from, at);
-            });
+        for (d, from, at) in self.conns.announces() {
+            self.core.handle_announce(&d, from, at);
         }
         self.conns.now()
     }

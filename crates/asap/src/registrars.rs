@@ -77,7 +77,7 @@ impl RegistrarSet {
 type Heard = BTreeMap<SocketAddr, (Vec<u8>, std::time::Instant)>;
 
 /// Listens for SERVER_ANNOUNCE on a UDP address (joining the group if it is multicast) until
-/// dropped; a driver passes what it heard to its core with [`drain`](Self::drain).
+/// dropped; a driver passes what it heard to its core ([`drain`](Self::drain)).
 pub struct AnnounceListener {
     heard: Arc<Mutex<Heard>>,
     task: tokio::task::JoinHandle<()>,
@@ -108,16 +108,17 @@ impl AnnounceListener {
         Ok(Self { heard, task })
     }
 
-    /// Hands every datagram heard since the last call to `f` (datagram, sender, arrival on the
-    /// clock whose origin is `epoch`).
-    pub fn drain(&self, epoch: std::time::Instant, mut f: impl FnMut(&[u8], SocketAddr, Instant)) {
+    /// Every datagram heard since the last call: the datagram, its sender, and when it arrived
+    /// on the clock whose origin is `epoch`.
+    pub fn drain(&self, epoch: std::time::Instant) -> Vec<(Vec<u8>, SocketAddr, Instant)> {
         let heard = match self.heard.lock() {
             Ok(mut h) => std::mem::take(&mut *h),
-            Err(_) => return,
+            Err(_) => return Vec::new(),
         };
-        for (from, (datagram, at)) in heard {
-            f(&datagram, from, Instant::since(epoch, at));
-        }
+        heard
+            .into_iter()
+            .map(|(from, (datagram, at))| (datagram, from, Instant::since(epoch, at)))
+            .collect()
     }
 }
 
