@@ -1,15 +1,13 @@
 //! One ASAP association with a registrar: a TCP stream with message framing.
 
 use crate::Error;
+use crate::core::MAX_MESSAGE;
 use rserpool_wire::Message;
 use rserpool_wire::{AsapMessage, Framer};
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-/// Largest message accepted from a registrar (a full handle resolution response fits).
-const MAX_MESSAGE: usize = 65535;
 
 pub struct AsapConnection {
     stream: TcpStream,
@@ -21,19 +19,10 @@ pub struct AsapConnection {
 impl AsapConnection {
     /// Connects to a registrar's ASAP port.
     pub async fn connect(addr: SocketAddr, timeout: Duration) -> Result<Self, Error> {
-        let stream = match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+        let stream = match tokio::time::timeout(timeout, connect_stream(addr)).await {
             Ok(r) => r?,
             Err(_) => return Err(Error::Timeout),
         };
-        // With nothing listening on a port in the ephemeral range, Linux may connect a socket
-        // to itself (simultaneous open) and hold the port the registrar wants to restart on.
-        if stream.local_addr().ok() == stream.peer_addr().ok() {
-            return Err(Error::Io(std::io::Error::new(
-                std::io::ErrorKind::ConnectionRefused,
-                "connected to itself: nothing listens there",
-            )));
-        }
-        stream.set_nodelay(true).ok();
         Ok(Self {
             stream,
             framer: Framer::new(MAX_MESSAGE),
@@ -77,4 +66,19 @@ impl AsapConnection {
             }
         }
     }
+}
+
+/// A TCP connection to a registrar (no delay on small writes).
+pub(crate) async fn connect_stream(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let stream = TcpStream::connect(addr).await?;
+    // With nothing listening on a port in the ephemeral range, Linux may connect a socket to
+    // itself (simultaneous open) and hold the port the registrar wants to restart on.
+    if stream.local_addr().ok() == stream.peer_addr().ok() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "connected to itself: nothing listens there",
+        ));
+    }
+    stream.set_nodelay(true).ok();
+    Ok(stream)
 }

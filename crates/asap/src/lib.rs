@@ -3,17 +3,24 @@
 //! to a pool element, failing over to the next one and reporting the failed one.
 //!
 //! Both find registrars in a configured list and in SERVER_ANNOUNCEs ([`RegistrarSet`]) and move
-//! to another registrar when theirs fails.
+//! to another registrar when theirs fails. Their protocol logic is sans-IO ([`core`]: state
+//! machines with events and time in and actions out, which a simulation can drive too); the
+//! types above are their tokio drivers.
 
 pub mod connection;
+pub mod core;
+mod driver;
 pub mod pool_element;
 pub mod pool_user;
 pub mod registrars;
 
 pub use connection::AsapConnection;
+pub use core::pe::{PeCore, PeEvent};
+pub use core::pu::{Answer, PuCore, PuEvent, QueryId};
+pub use core::{Action, ConnId, Instant};
 pub use pool_element::{PeState, PeUpdater, PoolElement, PoolElementConfig};
 pub use pool_user::{PoolUser, PoolUserConfig, Resolution};
-pub use registrars::RegistrarSet;
+pub use registrars::{AnnounceListener, RegistrarSet};
 
 use rserpool_wire::{CauseCode, DecodeError};
 
@@ -41,24 +48,15 @@ pub enum Error {
     NoPoolElement(String),
 }
 
-/// A random nonzero u32 (PE identifiers).
-pub(crate) fn random_u32() -> u32 {
-    use rand_core::{OsRng, TryRngCore};
-    loop {
-        let v = OsRng.try_next_u32().unwrap_or_else(|_| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.subsec_nanos() ^ std::process::id())
-                .unwrap_or(1)
-        });
-        if v != 0 {
-            return v;
-        }
-    }
-}
-
-/// `d` scaled by a random factor in [0.5, 1.5): spreads retries of many clients.
-pub(crate) fn jitter(d: std::time::Duration) -> std::time::Duration {
-    let f = 0.5 + f64::from(random_u32() % 1000) / 1000.0;
-    d.mul_f64(f)
+/// A generator seeded from the operating system, for a core's randomness (PE identifiers,
+/// back-off jitter). Without one, the time and process ID make a seed.
+pub(crate) fn os_seeded_rng() -> Box<dyn rand_core::RngCore + Send> {
+    use rand_core::{OsRng, SeedableRng, TryRngCore};
+    let seed = OsRng.try_next_u64().unwrap_or_else(|_| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64 ^ u64::from(std::process::id()))
+            .unwrap_or(1)
+    });
+    Box::new(rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed))
 }

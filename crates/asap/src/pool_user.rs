@@ -1,160 +1,39 @@
 //! A pool user: resolves pool handles at a registrar and connects to pool elements.
 //!
-//! With a stale-cache value above zero (RFC 5352 §7.2) the pool user asks the registrar for the
-//! whole pool, keeps it in a local handlespace and selects by the pool's policy itself until the
-//! entry is older than the stale-cache value; with zero (the default, as in rsplib's tools) every
-//! resolution asks the registrar. A pool element that cannot be reached is reported with
-//! ENDPOINT_UNREACHABLE and dropped from the cache, and the next one is tried.
+//! The protocol (cache with a stale-cache value, resolution, ENDPOINT_UNREACHABLE reports,
+//! registrar failover) is the sans-IO [`PuCore`](crate::core::pu::PuCore); its module docs say
+//! what it does. This is its tokio driver: each call hands the core a query and carries out the
+//! core's actions until the answer comes; the registrar association lives on between calls.
+//! Connecting to a pool element (the application's own data) happens here: a PE that cannot be
+//! reached is reported and the next one is tried.
 
 use crate::Error;
-use crate::connection::AsapConnection;
-use crate::registrars::RegistrarSet;
-use rserpool_handlespace::Handlespace;
-use rserpool_wire::{AsapMessage, CauseCode, Policy, PoolElement, PoolHandle, UserTransport};
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use crate::core::pu::{Answer, PuCore, PuEvent, QueryId};
+use crate::driver::{ConnEvent, Conns, sleep_until};
+use rserpool_wire::{Policy, PoolElement, PoolHandle, UserTransport};
 use tokio::net::TcpStream;
 use tracing::debug;
 
-#[derive(Debug, Clone)]
-pub struct PoolUserConfig {
-    pub registrars: Vec<SocketAddr>,
-    /// Listen for SERVER_ANNOUNCE here (UDP; multicast groups are joined).
-    pub announce_listen: Option<SocketAddr>,
-    /// How long a resolution may be served from the cache (0 = no cache).
-    pub stale_cache: Duration,
-    /// PEs to ask for per resolution without a cache (Handle Resolution Option); `None` lets
-    /// the registrar decide (MaxHResItems).
-    pub items: Option<u32>,
-    pub connect_timeout: Duration,
-    pub request_timeout: Duration,
-}
-
-impl Default for PoolUserConfig {
-    fn default() -> Self {
-        Self {
-            registrars: vec![SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT))],
-            announce_listen: None,
-            stale_cache: Duration::ZERO,
-            items: None,
-            connect_timeout: Duration::from_secs(2),
-            request_timeout: Duration::from_secs(3),
-        }
-    }
-}
-
-/// The answer to a handle resolution.
-#[derive(Debug, Clone)]
-pub struct Resolution {
-    pub pool_handle: PoolHandle,
-    pub policy: Option<Policy>,
-    /// In the order to try them.
-    pub pool_elements: Vec<PoolElement>,
-    /// The registrar that answered; `None` when served from the cache.
-    pub registrar: Option<SocketAddr>,
-}
+pub use crate::core::pu::{PoolUserConfig, Resolution};
 
 pub struct PoolUser {
-    cfg: PoolUserConfig,
-    registrars: Arc<RegistrarSet>,
-    conn: Option<AsapConnection>,
-    next_registrar: usize,
-    cache: Handlespace,
-    fetched: HashMap<PoolHandle, (Instant, Option<Policy>)>,
-    announce: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for PoolUser {
-    fn drop(&mut self) {
-        if let Some(a) = self.announce.take() {
-            a.abort();
-        }
-    }
+    core: PuCore,
+    conns: Conns,
 }
 
 impl PoolUser {
     pub fn new(cfg: PoolUserConfig) -> std::io::Result<Self> {
-        let registrars = RegistrarSet::new(cfg.registrars.clone());
-        let announce = match cfg.announce_listen {
-            Some(a) => Some(registrars.listen(a)?),
-            None => None,
-        };
         Ok(Self {
-            cfg,
-            registrars,
-            conn: None,
-            next_registrar: 0,
-            cache: Handlespace::new(rserpool_handlespace::Config::default()),
-            fetched: HashMap::new(),
-            announce,
+            conns: Conns::new(cfg.announce_listen)?,
+            core: PuCore::new(cfg),
         })
     }
 
     /// Resolves `handle`: from the cache when fresh, else at a registrar.
     pub async fn resolve(&mut self, handle: &PoolHandle) -> Result<Resolution, Error> {
-        if let Some(r) = self.cached(handle) {
-            return Ok(r);
-        }
-        self.fetch(handle).await
-    }
-
-    fn cached(&mut self, handle: &PoolHandle) -> Option<Resolution> {
-        let (at, policy) = self.fetched.get(handle)?;
-        if self.cfg.stale_cache.is_zero() || at.elapsed() >= self.cfg.stale_cache {
-            return None;
-        }
-        let policy = policy.clone();
-        let mut refs = Vec::new();
-        let n = self.cfg.items.unwrap_or(u32::MAX) as usize;
-        if !self.cache.resolve(handle.as_bytes(), n, &mut refs) || refs.is_empty() {
-            return None;
-        }
-        Some(Resolution {
-            pool_handle: handle.clone(),
-            policy,
-            pool_elements: refs
-                .iter()
-                .map(|&r| self.cache.pe(r).element.clone())
-                .collect(),
-            registrar: None,
-        })
-    }
-
-    async fn fetch(&mut self, handle: &PoolHandle) -> Result<Resolution, Error> {
-        let caching = !self.cfg.stale_cache.is_zero();
-        let items = if caching {
-            Some(u32::MAX)
-        } else {
-            self.cfg.items
-        };
-        let answer = self.ask(handle, items).await;
-        if matches!(answer, Err(Error::UnknownPool(_) | Error::Refused(_))) {
-            self.forget_pool(handle);
-        }
-        let (policy, pool_elements, registrar) = answer?;
-        if !caching {
-            return Ok(Resolution {
-                pool_handle: handle.clone(),
-                policy,
-                pool_elements,
-                registrar: Some(registrar),
-            });
-        }
-        self.forget_pool(handle);
-        for pe in pool_elements {
-            if let Err(e) = self.cache.register(handle, pe, 0) {
-                debug!("cache: PE not kept: {e}");
-            }
-        }
-        self.fetched
-            .insert(handle.clone(), (Instant::now(), policy.clone()));
-        let mut r = self
-            .cached(handle)
-            .ok_or_else(|| Error::UnknownPool(handle.to_string()))?;
-        r.registrar = Some(registrar);
-        Ok(r)
+        let now = self.now();
+        let q = self.core.resolve(handle, now);
+        self.resolution(q).await
     }
 
     /// Asks a registrar for every PE of the pool, bypassing the cache: for pool users that
@@ -163,51 +42,10 @@ impl PoolUser {
         &mut self,
         handle: &PoolHandle,
     ) -> Result<(Option<Policy>, Vec<PoolElement>), Error> {
-        let (policy, pes, _) = self.ask(handle, Some(u32::MAX)).await?;
-        Ok((policy, pes))
-    }
-
-    /// One handle resolution at a registrar: the pool's policy, its PEs and who answered.
-    async fn ask(
-        &mut self,
-        handle: &PoolHandle,
-        items: Option<u32>,
-    ) -> Result<(Option<Policy>, Vec<PoolElement>, SocketAddr), Error> {
-        let req = AsapMessage::HandleResolution {
-            subscribe: false,
-            pool_handle: handle.clone(),
-            items,
-        };
-        let (resp, registrar) = self.request(&req, handle).await?;
-        let AsapMessage::HandleResolutionResponse {
-            policy,
-            pool_elements,
-            error,
-            ..
-        } = resp
-        else {
-            return Err(Error::Protocol("unexpected answer".into()));
-        };
-        if let Some(cause) = error.and_then(|e| e.causes.first().cloned()) {
-            return Err(if cause.code == CauseCode::UNKNOWN_POOL_HANDLE {
-                Error::UnknownPool(handle.to_string())
-            } else {
-                Error::Refused(cause.code)
-            });
-        }
-        Ok((policy, pool_elements, registrar))
-    }
-
-    fn forget_pool(&mut self, handle: &PoolHandle) {
-        let ids: Vec<u32> = self
-            .cache
-            .members(handle.as_bytes())
-            .map(|r| self.cache.pe(r).element.id)
-            .collect();
-        for id in ids {
-            self.cache.deregister(handle.as_bytes(), id);
-        }
-        self.fetched.remove(handle);
+        let now = self.now();
+        let q = self.core.pool_elements(handle, now);
+        let r = self.resolution(q).await?;
+        Ok((r.policy, r.pool_elements))
     }
 
     /// Tells a registrar that a PE could not be reached (ENDPOINT_UNREACHABLE) and drops it
@@ -217,19 +55,9 @@ impl PoolUser {
         handle: &PoolHandle,
         pe_id: u32,
     ) -> Result<(), Error> {
-        self.cache.deregister(handle.as_bytes(), pe_id);
-        let msg = AsapMessage::EndpointUnreachable {
-            pool_handle: handle.clone(),
-            pe_id,
-        };
-        for _ in 0..2 {
-            let conn = self.connected().await?;
-            if conn.send(&msg).await.is_ok() {
-                return Ok(());
-            }
-            self.conn = None;
-        }
-        Err(Error::Closed)
+        let now = self.now();
+        let q = self.core.report_unreachable(handle, pe_id, now);
+        self.run(q).await.map(|_| ())
     }
 
     /// Connects to a PE of the pool, trying the resolved PEs in order; each one that refuses is
@@ -252,7 +80,7 @@ impl PoolUser {
             if !from_cache || attempt == 1 {
                 break;
             }
-            self.forget_pool(handle);
+            self.core.forget(handle);
         }
         Err(Error::NoPoolElement(handle.to_string()))
     }
@@ -261,88 +89,63 @@ impl PoolUser {
         let UserTransport::Address(t) = &pe.user_transport else {
             return None;
         };
+        let timeout = self.core.config().connect_timeout;
         for addr in t.socket_addrs() {
-            if let Ok(Ok(s)) =
-                tokio::time::timeout(self.cfg.connect_timeout, TcpStream::connect(addr)).await
-            {
+            if let Ok(Ok(s)) = tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
                 return Some(s);
             }
         }
         None
     }
 
-    /// The registrar association, connecting (with failover over the candidates) if needed.
-    async fn connected(&mut self) -> Result<&mut AsapConnection, Error> {
-        if self.conn.is_none() {
-            let candidates = self.registrars.candidates();
-            if candidates.is_empty() {
-                return Err(Error::NoRegistrarKnown);
-            }
-            let mut tried = Vec::new();
-            for i in 0..candidates.len() {
-                let addr = candidates[(self.next_registrar + i) % candidates.len()];
-                match AsapConnection::connect(addr, self.cfg.connect_timeout).await {
-                    Ok(c) => {
-                        self.next_registrar = (self.next_registrar + i) % candidates.len();
-                        self.conn = Some(c);
-                        break;
-                    }
-                    Err(e) => tried.push(format!("{addr}: {e}")),
-                }
-            }
-            if self.conn.is_none() {
-                return Err(Error::NoRegistrar(tried.join("; ")));
-            }
+    async fn resolution(&mut self, q: QueryId) -> Result<Resolution, Error> {
+        match self.run(q).await? {
+            Answer::Resolution(r) => Ok(r),
+            Answer::Reported => Err(Error::Protocol("unexpected answer".into())),
         }
-        self.conn.as_mut().ok_or(Error::Closed)
     }
 
-    /// Sends a handle resolution and waits for its answer; on failure moves to the next
-    /// registrar and tries again, once per known registrar.
-    async fn request(
-        &mut self,
-        msg: &AsapMessage,
-        handle: &PoolHandle,
-    ) -> Result<(AsapMessage, SocketAddr), Error> {
-        let attempts = self.registrars.candidates().len().max(1);
-        let timeout = self.cfg.request_timeout;
-        let mut last = Error::NoRegistrarKnown;
-        for _ in 0..attempts {
-            let conn = self.connected().await?;
-            let peer = conn.peer();
-            let exchange = async {
-                conn.send(msg).await?;
-                loop {
-                    match conn.recv().await? {
-                        m @ AsapMessage::HandleResolutionResponse { .. } => {
-                            if let AsapMessage::HandleResolutionResponse { pool_handle, .. } = &m
-                                && pool_handle != handle
-                            {
-                                continue;
-                            }
-                            return Ok(m);
+    /// The time now, after handing the core the announces heard meanwhile.
+    fn now(&mut self) -> rserpool_wire::Instant {
+        for (d, from, at) in self.conns.announces() {
+            self.core.handle_announce(&d, from, at);
+        }
+        self.conns.now()
+    }
+
+    /// Carries out the core's actions until query `q` is answered. (The answer of a query
+    /// whose call was cancelled is dropped.)
+    async fn run(&mut self, q: QueryId) -> Result<Answer, Error> {
+        loop {
+            let mut answer = None;
+            while let Some(a) = self.core.poll_action() {
+                if let Some(PuEvent::Answered(id, r)) = self.conns.carry_out(a)
+                    && id == q
+                {
+                    answer = Some(r);
+                }
+            }
+            if let Some(r) = answer {
+                return r;
+            }
+            let deadline = self.conns.deadline(self.core.poll_timeout());
+            tokio::select! {
+                e = self.conns.next() => {
+                    let now = self.now();
+                    match e {
+                        ConnEvent::Connected(c) => self.core.handle_connected(c, now),
+                        ConnEvent::Data(c, data) => self.core.handle_data(c, &data, now),
+                        ConnEvent::Closed(c) => self.core.handle_close(c, now),
+                        ConnEvent::ConnectFailed(c, e) => {
+                            self.core.handle_connect_error(c, &e.to_string(), now);
                         }
-                        AsapMessage::Error { error } => {
-                            let code = error
-                                .causes
-                                .first()
-                                .map_or(CauseCode::UNSPECIFIED, |c| c.code);
-                            return Err(Error::Refused(code));
-                        }
-                        _ => {}
                     }
                 }
-            };
-            match tokio::time::timeout(timeout, exchange).await {
-                Ok(Ok(m)) => return Ok((m, peer)),
-                Ok(Err(e @ Error::Refused(_))) => return Err(e),
-                Ok(Err(e)) => last = e,
-                Err(_) => last = Error::Timeout,
+                () = sleep_until(deadline) => {
+                    let now = self.now();
+                    self.core.handle_timeout(now);
+                }
             }
-            debug!("registrar {peer}: {last}; trying the next one");
-            self.conn = None;
-            self.next_registrar = self.next_registrar.wrapping_add(1);
         }
-        Err(last)
     }
 }

@@ -1,11 +1,14 @@
 //! Where the registrars are: a configured list plus those heard in SERVER_ANNOUNCE.
+//!
+//! [`RegistrarSet`] is the sans-IO list the cores consult; [`AnnounceListener`] is the drivers'
+//! UDP socket that hears the announces and hands them to a core.
 
-use rserpool_wire::AsapMessage;
 use rserpool_wire::Message;
-use std::collections::HashMap;
+use rserpool_wire::{AsapMessage, Instant};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::net::UdpSocket;
 use tracing::{debug, warn};
 
@@ -13,38 +16,39 @@ use tracing::{debug, warn};
 pub const ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The registrars a PE or PU may use.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct RegistrarSet {
     configured: Vec<SocketAddr>,
-    announced: Mutex<HashMap<u32, (SocketAddr, Instant)>>,
+    /// Server Identifier → where it was announced, and when last.
+    announced: BTreeMap<u32, (SocketAddr, Instant)>,
 }
 
 impl RegistrarSet {
-    pub fn new(configured: Vec<SocketAddr>) -> Arc<Self> {
-        Arc::new(Self {
+    pub fn new(configured: Vec<SocketAddr>) -> Self {
+        Self {
             configured,
-            announced: Mutex::new(HashMap::new()),
-        })
+            announced: BTreeMap::new(),
+        }
     }
 
-    /// Candidates in order: configured ones, then recently announced ones not already listed.
-    pub fn candidates(&self) -> Vec<SocketAddr> {
+    /// Candidates in order: configured ones, then those announced within [`ANNOUNCE_TIMEOUT`]
+    /// of `now` and not already listed.
+    pub fn candidates(&mut self, now: Instant) -> Vec<SocketAddr> {
         let mut out = self.configured.clone();
-        if let Ok(mut a) = self.announced.lock() {
-            a.retain(|_, (_, at)| at.elapsed() < ANNOUNCE_TIMEOUT);
-            let mut heard: Vec<_> = a.values().map(|(addr, _)| *addr).collect();
-            heard.sort();
-            for addr in heard {
-                if !out.contains(&addr) {
-                    out.push(addr);
-                }
+        self.announced
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) < ANNOUNCE_TIMEOUT);
+        let mut heard: Vec<_> = self.announced.values().map(|(addr, _)| *addr).collect();
+        heard.sort();
+        for addr in heard {
+            if !out.contains(&addr) {
+                out.push(addr);
             }
         }
         out
     }
 
-    /// Records a SERVER_ANNOUNCE datagram from `from`.
-    pub fn heard_announce(&self, datagram: &[u8], from: SocketAddr) {
+    /// Records a SERVER_ANNOUNCE datagram from `from`, received at `now`.
+    pub fn heard_announce(&mut self, datagram: &[u8], from: SocketAddr, now: Instant) {
         let Ok(AsapMessage::ServerAnnounce {
             server_id,
             transports,
@@ -63,33 +67,64 @@ impl RegistrarSet {
             // The registrar listens on all addresses: reach it where the announce came from.
             addr.set_ip(from.ip());
         }
-        if let Ok(mut a) = self.announced.lock()
-            && a.insert(server_id, (addr, Instant::now())).is_none()
-        {
+        if self.announced.insert(server_id, (addr, now)).is_none() {
             debug!("registrar {server_id:#010x} announced at {addr}");
         }
     }
+}
 
-    /// Listens for SERVER_ANNOUNCE on `addr` (joining the group if it is multicast) until the
-    /// returned task is dropped or aborted.
-    pub fn listen(
-        self: &Arc<Self>,
-        addr: SocketAddr,
-    ) -> std::io::Result<tokio::task::JoinHandle<()>> {
+/// The newest datagram from each sender and when it arrived.
+type Heard = BTreeMap<SocketAddr, (Vec<u8>, std::time::Instant)>;
+
+/// Listens for SERVER_ANNOUNCE on a UDP address (joining the group if it is multicast) until
+/// dropped; a driver passes what it heard to its core ([`drain`](Self::drain)).
+pub struct AnnounceListener {
+    heard: Arc<Mutex<Heard>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl AnnounceListener {
+    /// Starts listening (needs a tokio runtime).
+    pub fn start(addr: SocketAddr) -> std::io::Result<Self> {
         let sock = announce_socket(addr)?;
-        let set = self.clone();
-        Ok(tokio::spawn(async move {
+        let heard = Arc::new(Mutex::new(Heard::new()));
+        let keep = heard.clone();
+        let task = tokio::spawn(async move {
             let mut buf = vec![0u8; 2048];
             loop {
                 match sock.recv_from(&mut buf).await {
-                    Ok((n, from)) => set.heard_announce(&buf[..n], from),
+                    Ok((n, from)) => {
+                        if let Ok(mut h) = keep.lock() {
+                            h.insert(from, (buf[..n].to_vec(), std::time::Instant::now()));
+                        }
+                    }
                     Err(e) => {
                         warn!("announce listener on {addr}: {e}");
                         tokio::time::sleep(Duration::from_secs(1)).await;
                     }
                 }
             }
-        }))
+        });
+        Ok(Self { heard, task })
+    }
+
+    /// Every datagram heard since the last call: the datagram, its sender, and when it arrived
+    /// on the clock whose origin is `epoch`.
+    pub fn drain(&self, epoch: std::time::Instant) -> Vec<(Vec<u8>, SocketAddr, Instant)> {
+        let heard = match self.heard.lock() {
+            Ok(mut h) => std::mem::take(&mut *h),
+            Err(_) => return Vec::new(),
+        };
+        heard
+            .into_iter()
+            .map(|(from, (datagram, at))| (datagram, from, Instant::since(epoch, at)))
+            .collect()
+    }
+}
+
+impl Drop for AnnounceListener {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 

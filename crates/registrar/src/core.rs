@@ -24,13 +24,12 @@ mod asap;
 mod conns;
 mod enrp;
 mod limit;
-mod time;
 
 use asap::Asap;
 use conns::Conns;
 pub use conns::{Action, ConnId};
 use enrp::Enrp;
-pub use time::Instant;
+pub use rserpool_wire::Instant;
 
 /// The registrar's protocol state: handlespace, associations, PE supervision, ENRP peers.
 pub struct Registrar {

@@ -304,7 +304,7 @@ impl Enrp {
 
 /// The core's time: milliseconds since the event loop started.
 fn elapsed(epoch: std::time::Instant) -> Instant {
-    Instant::from_millis(epoch.elapsed().as_millis() as u64)
+    Instant::since(epoch, std::time::Instant::now())
 }
 
 /// A UDP socket that receives the multicast group's datagrams (shared with other registrars

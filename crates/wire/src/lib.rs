@@ -21,6 +21,7 @@ pub mod message;
 pub mod param;
 pub mod policy;
 pub mod ptype;
+pub mod time;
 mod tlv;
 
 pub use asap::AsapMessage;
@@ -34,6 +35,7 @@ pub use param::{
     TransportAddress, UserTransport,
 };
 pub use policy::Policy;
+pub use time::Instant;
 
 pub use smallvec;
 

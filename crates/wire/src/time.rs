@@ -1,10 +1,15 @@
-//! Time as the core sees it: an opaque instant, so that no bare number of milliseconds can be
-//! taken for a duration or a deadline by mistake.
+//! Time as the sans-IO cores see it: an opaque instant, so that no bare number of milliseconds
+//! can be taken for a duration or a deadline by mistake.
 //!
-//! The core reads no clock: every entry point takes the current [`Instant`]. The socket driver
-//! converts from `std::time::Instant` (milliseconds since it started); a simulation counts its
-//! own. Inside, an instant is a count of milliseconds, like the handlespace's timer wheel, so
-//! timer arithmetic stays one addition.
+//! The cores (the registrar's, the pool element's and the pool user's) read no clock: every
+//! entry point takes the current [`Instant`]. A socket driver converts from `std::time::Instant`
+//! (milliseconds since it started, [`Instant::since`]); a simulation counts its own. Inside, an
+//! instant is a count of milliseconds, like the handlespace's timer wheel, so timer arithmetic
+//! stays one addition.
+//!
+//! It lives here, in the codec, because this is the one crate every core already depends on,
+//! and it depends on nothing: the registrar and the ASAP library share the type without
+//! depending on each other, and one simulation can drive them all on one clock.
 
 use std::ops::Add;
 use std::time::Duration;
@@ -25,6 +30,18 @@ impl Instant {
     /// Milliseconds since the origin (the handlespace keeps its timers in these).
     pub const fn as_millis(self) -> u64 {
         self.0
+    }
+
+    /// The instant `t` of a driver whose origin is `epoch` (zero before it).
+    pub fn since(epoch: std::time::Instant, t: std::time::Instant) -> Self {
+        let ms = t.saturating_duration_since(epoch).as_millis();
+        Self(u64::try_from(ms).unwrap_or(u64::MAX))
+    }
+
+    /// The same instant on the clock of a driver whose origin is `epoch`; `None` when it is
+    /// too far away to be represented (a deadline that never comes).
+    pub fn to_std(self, epoch: std::time::Instant) -> Option<std::time::Instant> {
+        epoch.checked_add(Duration::from_millis(self.0))
     }
 
     /// The time from `earlier` to `self`, zero if `earlier` is later.

@@ -1,0 +1,823 @@
+//! The pool element's protocol state machine, sans-IO.
+//!
+//! It registers, answers ENDPOINT_KEEP_ALIVEs (adopting a new home registrar on the H bit),
+//! re-registers every reregistration interval and whenever the policy changes (e.g. a new
+//! load), and when the association fails it moves to the next registrar it knows (configured,
+//! or heard in SERVER_ANNOUNCE) with exponential back-off and jitter.
+//!
+//! Takeover (RFC 5353 §3.5): the PE announces an ASAP transport where registrars reach it (the
+//! driver's listener; [`PeCore::accept`] names each incoming connection). When its home
+//! registrar dies, the registrar that takes over connects there and sends ENDPOINT_KEEP_ALIVE
+//! with the H bit; the PE answers and carries on over that connection as over a home
+//! association (keep-alives, re-registrations, deregistration), without registering again. A
+//! PE that loses its home adopts such a takeover whenever one arrives, however many registrars
+//! it knows: while it waits `takeover_wait` for one (when it knows another registrar it could
+//! register with instead), while it backs off, and while it connects or registers elsewhere.
+//! The last takeover wins. A takeover that cuts short a registration made after the loss is
+//! followed by a registration over the new home, so that the registrars agree on it again.
+//! Without a takeover it keeps trying the registrars it knows with back-off, and registers
+//! again once one is reachable.
+//!
+//! [`PeCore::stop`] and [`PeCore::set_active`]`(false)` deregister.
+
+use super::{Action, ConnId, Instant, Outbox, earliest, jitter, nonzero_u32};
+use crate::registrars::RegistrarSet;
+use rand_core::RngCore;
+use rserpool_wire::{AsapMessage, Policy, PoolHandle, TransportAddress, UserTransport};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+use tracing::{debug, info, warn};
+
+/// Time a registrar connecting to the takeover address has to send its first message.
+const TAKEOVER_FIRST_MESSAGE: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone)]
+pub struct PoolElementConfig {
+    pub pool_handle: PoolHandle,
+    /// Where pool users reach the service (TCP).
+    pub transport: SocketAddr,
+    pub policy: Policy,
+    /// PE identifier; random when `None`.
+    pub id: Option<u32>,
+    pub registrars: Vec<SocketAddr>,
+    /// Listen for SERVER_ANNOUNCE here (UDP; multicast groups are joined).
+    pub announce_listen: Option<SocketAddr>,
+    /// Re-registration interval (rsplib: 30 s). The registration life sent is three times it.
+    pub reregistration_interval: Duration,
+    pub connect_timeout: Duration,
+    /// Time the registrar has to answer a (de)registration.
+    pub response_timeout: Duration,
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+    /// Register at start (false: wait for [`PeUpdater::set_active`](crate::PeUpdater::set_active)).
+    pub initially_active: bool,
+    /// Where registrars taking over reach this PE (TCP; port 0 picks one; a wildcard address
+    /// means the address the PE connects to registrars from). `None`: no takeover.
+    pub takeover_listen: Option<SocketAddr>,
+    /// After losing its home registrar, time to wait for a takeover before registering with
+    /// another one (only when another one is known). A takeover is adopted at any time.
+    pub takeover_wait: Duration,
+}
+
+impl PoolElementConfig {
+    pub fn new(pool_handle: impl Into<PoolHandle>, transport: SocketAddr, policy: Policy) -> Self {
+        Self {
+            pool_handle: pool_handle.into(),
+            transport,
+            policy,
+            id: None,
+            registrars: vec![SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT))],
+            announce_listen: None,
+            reregistration_interval: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(2),
+            response_timeout: Duration::from_secs(3),
+            backoff_min: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(10),
+            initially_active: true,
+            takeover_listen: Some(SocketAddr::from(([0, 0, 0, 0], 0))),
+            takeover_wait: Duration::from_secs(5),
+        }
+    }
+
+    /// Registration life in seconds (RFC 5354 unit): three reregistration intervals.
+    fn registration_life(&self) -> i32 {
+        let ms = self.reregistration_interval.as_millis().saturating_mul(3);
+        i32::try_from(ms.div_ceil(1000)).unwrap_or(i32::MAX).max(1)
+    }
+}
+
+/// What the PE is doing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeState {
+    /// Not registered on purpose ([`PoolElement::set_active`](crate::PoolElement::set_active)`(false)`).
+    Inactive,
+    /// Looking for a registrar or waiting for its answer.
+    Registering,
+    /// Registered; `home` is the home registrar's ID.
+    Registered {
+        registrar: SocketAddr,
+        home: u32,
+    },
+    /// The last registration was refused; retrying after back-off.
+    Rejected(String),
+    Stopped,
+}
+
+/// What the PE tells its application.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeEvent {
+    /// The state changed (to the one given).
+    State(PeState),
+    /// A registrar at `registrar` took over as home (`home` is its ID).
+    TakenOver { registrar: SocketAddr, home: u32 },
+    /// The association over which the PE was registered failed.
+    LostHome { registrar: SocketAddr },
+}
+
+/// One association with a registrar, from registration (or takeover) to failure or stop.
+#[derive(Debug)]
+struct Session {
+    conn: ConnId,
+    addr: SocketAddr,
+    /// Registered over it (by a positive answer, or because a registrar took over over it).
+    registered: bool,
+    /// Opened by a registrar that took over.
+    adopted: bool,
+    home: u32,
+    /// Deadline for the answer to the registration in flight, if any.
+    pending: Option<Instant>,
+    rereg_at: Instant,
+    /// Registrars known when it started: with more than one, a lost home is first given time
+    /// to be taken over.
+    known: usize,
+}
+
+#[derive(Debug)]
+enum Phase {
+    /// Not registered on purpose.
+    Inactive,
+    /// Waiting until `until` before the next attempt; `for_takeover`: after losing the home,
+    /// giving another registrar time to take over first.
+    Waiting {
+        until: Instant,
+        for_takeover: bool,
+    },
+    Connecting {
+        conn: ConnId,
+        addr: SocketAddr,
+        deadline: Instant,
+        known: usize,
+    },
+    Session(Session),
+    /// A DEREGISTRATION is out; its answer is awaited until `deadline`.
+    Deregistering {
+        conn: ConnId,
+        deadline: Instant,
+    },
+    Stopped,
+}
+
+/// A connection to the takeover address whose first message has not arrived yet.
+struct Offer {
+    peer: SocketAddr,
+    deadline: Instant,
+}
+
+/// A pool element's protocol state; see the module docs.
+pub struct PeCore {
+    cfg: PoolElementConfig,
+    id: u32,
+    asap_transport: Option<SocketAddr>,
+    rng: Box<dyn RngCore + Send>,
+    registrars: RegistrarSet,
+    out: Outbox<PeEvent>,
+    phase: Phase,
+    state: PeState,
+    /// What the application asks for.
+    active: bool,
+    stop: bool,
+    policy: Policy,
+    /// The policy of the last registration sent, which the home registrar holds.
+    sent_policy: Policy,
+    backoff: Duration,
+    /// Index of the next registrar to try.
+    next: usize,
+    /// The PE lost its home and has not been taken over since: a registration elsewhere may
+    /// race a takeover.
+    lost_home: bool,
+    offers: BTreeMap<ConnId, Offer>,
+}
+
+impl PeCore {
+    /// A pool element with the settings of `cfg`; `asap_transport` is where registrars taking
+    /// over reach it (the driver's listener; `None`: no takeover). Randomness (the PE
+    /// identifier when `cfg.id` is `None`, back-off jitter) comes from `rng`.
+    pub fn new(
+        cfg: PoolElementConfig,
+        asap_transport: Option<SocketAddr>,
+        mut rng: Box<dyn RngCore + Send>,
+        now: Instant,
+    ) -> Self {
+        let id = cfg.id.unwrap_or_else(|| nonzero_u32(&mut *rng));
+        let mut core = Self {
+            id,
+            asap_transport,
+            rng,
+            registrars: RegistrarSet::new(cfg.registrars.clone()),
+            out: Outbox::new(),
+            phase: Phase::Inactive,
+            state: PeState::Registering,
+            active: cfg.initially_active,
+            stop: false,
+            policy: cfg.policy.clone(),
+            sent_policy: cfg.policy.clone(),
+            backoff: cfg.backoff_min,
+            next: 0,
+            lost_home: false,
+            offers: BTreeMap::new(),
+            cfg,
+        };
+        if core.active {
+            core.attempt(now);
+        } else {
+            core.set_state(PeState::Inactive);
+        }
+        core
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn config(&self) -> &PoolElementConfig {
+        &self.cfg
+    }
+
+    pub fn state(&self) -> &PeState {
+        &self.state
+    }
+
+    /// The policy currently asked for.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// True once stopped: no action will come any more.
+    pub fn is_stopped(&self) -> bool {
+        matches!(self.phase, Phase::Stopped)
+    }
+
+    /// Changes the policy information (e.g. a new load); sent as a re-registration at once.
+    pub fn update_policy(&mut self, policy: Policy, now: Instant) {
+        if policy == self.policy {
+            return;
+        }
+        self.policy = policy;
+        if let Phase::Session(s) = &mut self.phase
+            && self.policy != self.sent_policy
+        {
+            self.sent_policy = self.policy.clone();
+            if s.pending.is_none() {
+                s.pending = Some(now + self.cfg.response_timeout);
+            }
+            let (conn, msg) = (s.conn, self.registration());
+            self.out.send(conn, &msg);
+        }
+    }
+
+    /// Deregisters (false) or registers again (true), keeping the PE identifier.
+    pub fn set_active(&mut self, active: bool, now: Instant) {
+        if active != self.active {
+            self.active = active;
+            self.follow_wishes(now);
+        }
+    }
+
+    /// Deregisters and stops.
+    pub fn stop(&mut self, now: Instant) {
+        if !self.stop {
+            self.stop = true;
+            self.follow_wishes(now);
+        }
+    }
+
+    /// A SERVER_ANNOUNCE datagram from `from`.
+    pub fn handle_announce(&mut self, datagram: &[u8], from: SocketAddr, now: Instant) {
+        self.registrars.heard_announce(datagram, from, now);
+    }
+
+    /// A connection to the takeover address from `peer` (a registrar taking over, or not).
+    pub fn accept(&mut self, peer: SocketAddr, now: Instant) -> ConnId {
+        let conn = self.out.open();
+        if self.is_stopped() {
+            self.out.close(conn);
+        } else {
+            let deadline = now + TAKEOVER_FIRST_MESSAGE;
+            self.offers.insert(conn, Offer { peer, deadline });
+        }
+        conn
+    }
+
+    /// A connection asked for with [`Action::Connect`] is up.
+    pub fn handle_connected(&mut self, conn: ConnId, now: Instant) {
+        if let Phase::Connecting {
+            conn: c,
+            addr,
+            known,
+            ..
+        } = self.phase
+            && c == conn
+        {
+            self.start_session(conn, addr, known, None, now);
+        }
+    }
+
+    /// The connection closed, or could not be opened.
+    pub fn handle_close(&mut self, conn: ConnId, now: Instant) {
+        if !self.out.closed(conn) {
+            return;
+        }
+        if let Some(o) = self.offers.remove(&conn) {
+            debug!("PE {:#010x}: {} is not a takeover; closed", self.id, o.peer);
+            return;
+        }
+        match &self.phase {
+            Phase::Connecting { conn: c, known, .. } if *c == conn => {
+                let known = *known;
+                self.failed(false, false, known, now);
+            }
+            Phase::Session(s) if s.conn == conn => {
+                if s.registered {
+                    warn!(
+                        "PE {:#010x}: lost registrar {}: connection closed",
+                        self.id, s.addr
+                    );
+                }
+                let (registered, known) = (s.registered, s.known);
+                self.failed(registered, false, known, now);
+            }
+            Phase::Deregistering { conn: c, .. } if *c == conn => self.deregistered(false, now),
+            _ => {}
+        }
+    }
+
+    /// A connection asked for with [`Action::Connect`] could not be opened (`why`, for the
+    /// log).
+    pub fn handle_connect_error(&mut self, conn: ConnId, why: &str, now: Instant) {
+        if let Phase::Connecting { conn: c, addr, .. } = &self.phase
+            && *c == conn
+        {
+            debug!("PE {:#010x}: registrar {addr}: {why}", self.id);
+        }
+        self.handle_close(conn, now);
+    }
+
+    /// Bytes read from a connection.
+    pub fn handle_data(&mut self, conn: ConnId, data: &[u8], now: Instant) {
+        let (msgs, err) = self.out.messages(conn, data);
+        for m in msgs {
+            if !self.out.is_open(conn) {
+                return;
+            }
+            self.dispatch(conn, m, now);
+        }
+        if let Some(e) = err
+            && self.out.is_open(conn)
+        {
+            debug!("PE {:#010x}: bad message on {conn}: {e}", self.id);
+            // The driver is asked to close it and does not report back: handle the loss now.
+            self.out.close(conn);
+            self.lost(conn, now);
+        }
+    }
+
+    /// The earliest time at which [`handle_timeout`](Self::handle_timeout) has work.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let phase = match &self.phase {
+            Phase::Waiting { until, .. } => Some(*until),
+            Phase::Connecting { deadline, .. } | Phase::Deregistering { deadline, .. } => {
+                Some(*deadline)
+            }
+            Phase::Session(s) => earliest([s.pending, Some(s.rereg_at)]),
+            Phase::Inactive | Phase::Stopped => None,
+        };
+        earliest([phase, self.offers.values().map(|o| o.deadline).min()])
+    }
+
+    /// Runs what is due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let late: Vec<ConnId> = self
+            .offers
+            .iter()
+            .filter(|(_, o)| o.deadline <= now)
+            .map(|(c, _)| *c)
+            .collect();
+        for c in late {
+            if let Some(o) = self.offers.remove(&c) {
+                debug!("PE {:#010x}: {} is not a takeover; closed", self.id, o.peer);
+                self.out.close(c);
+            }
+        }
+        match &mut self.phase {
+            Phase::Waiting {
+                until,
+                for_takeover,
+            } if *until <= now => {
+                if *for_takeover {
+                    info!(
+                        "PE {:#010x}: no registrar took over within {:?}: registering again",
+                        self.id, self.cfg.takeover_wait
+                    );
+                    self.backoff = self.cfg.backoff_min;
+                    self.back_off(now);
+                } else {
+                    self.attempt(now);
+                }
+            }
+            Phase::Connecting {
+                conn,
+                addr,
+                deadline,
+                known,
+            } if *deadline <= now => {
+                debug!("PE {:#010x}: registrar {addr}: timed out", self.id);
+                let (conn, known) = (*conn, *known);
+                self.out.close(conn);
+                self.failed(false, false, known, now);
+            }
+            Phase::Session(s) => {
+                if s.pending.is_some_and(|p| p <= now) {
+                    warn!(
+                        "PE {:#010x}: registrar {} did not answer within {:?}",
+                        self.id, s.addr, self.cfg.response_timeout
+                    );
+                    let (conn, registered, known) = (s.conn, s.registered, s.known);
+                    self.out.close(conn);
+                    self.failed(registered, false, known, now);
+                } else if s.rereg_at <= now {
+                    s.rereg_at = now + self.cfg.reregistration_interval;
+                    if s.pending.is_none() {
+                        s.pending = Some(now + self.cfg.response_timeout);
+                    }
+                    let (conn, msg) = (s.conn, self.registration());
+                    self.out.send(conn, &msg);
+                }
+            }
+            Phase::Deregistering { conn, deadline } if *deadline <= now => {
+                let conn = *conn;
+                self.out.close(conn);
+                self.deregistered(false, now);
+            }
+            _ => {}
+        }
+    }
+
+    /// The next thing for the driver to do.
+    pub fn poll_action(&mut self) -> Option<Action<PeEvent>> {
+        self.out.poll()
+    }
+
+    fn set_state(&mut self, s: PeState) {
+        if self.state != s {
+            self.state = s.clone();
+            self.out.event(PeEvent::State(s));
+        }
+    }
+
+    fn registration(&self) -> AsapMessage {
+        AsapMessage::Registration {
+            pool_handle: self.cfg.pool_handle.clone(),
+            pool_element: rserpool_wire::PoolElement {
+                id: self.id,
+                home_registrar: 0,
+                registration_life: self.cfg.registration_life(),
+                user_transport: UserTransport::Address(TransportAddress::tcp(self.cfg.transport)),
+                policy: self.sent_policy.clone(),
+                asap_transport: self.asap_transport.map(TransportAddress::tcp),
+            },
+        }
+    }
+
+    /// Connects to the next registrar known.
+    fn attempt(&mut self, now: Instant) {
+        if !matches!(self.state, PeState::Rejected(_)) {
+            self.set_state(PeState::Registering);
+        }
+        let candidates = self.registrars.candidates(now);
+        if candidates.is_empty() {
+            debug!("PE {:#010x}: no registrar known yet", self.id);
+            self.failed(false, false, 0, now);
+            return;
+        }
+        let addr = candidates[self.next % candidates.len()];
+        self.next = self.next.wrapping_add(1);
+        let conn = self.out.connect(addr);
+        self.phase = Phase::Connecting {
+            conn,
+            addr,
+            deadline: now + self.cfg.connect_timeout,
+            known: candidates.len(),
+        };
+    }
+
+    /// Starts an association over `conn`; `adopted` names the home that took over and whether
+    /// to register over it at once.
+    fn start_session(
+        &mut self,
+        conn: ConnId,
+        addr: SocketAddr,
+        known: usize,
+        adopted: Option<(u32, bool)>,
+        now: Instant,
+    ) {
+        // The new home has the PE as last replicated; without news it carries on with that.
+        let refresh = match adopted {
+            Some((home, refresh)) => {
+                self.set_state(PeState::Registered {
+                    registrar: addr,
+                    home,
+                });
+                refresh || self.policy != self.sent_policy
+            }
+            None => true,
+        };
+        let mut s = Session {
+            conn,
+            addr,
+            registered: adopted.is_some(),
+            adopted: adopted.is_some(),
+            home: adopted.map_or(0, |(home, _)| home),
+            pending: None,
+            rereg_at: now + self.cfg.reregistration_interval,
+            known,
+        };
+        if refresh {
+            self.sent_policy = self.policy.clone();
+            self.out.send(conn, &self.registration());
+            s.pending = Some(now + self.cfg.response_timeout);
+        }
+        self.phase = Phase::Session(s);
+    }
+
+    fn dispatch(&mut self, conn: ConnId, msg: AsapMessage, now: Instant) {
+        if self.offers.contains_key(&conn) {
+            self.offer(conn, msg, now);
+            return;
+        }
+        match &mut self.phase {
+            Phase::Session(s) if s.conn == conn => self.in_session(msg, now),
+            Phase::Deregistering { conn: c, .. } if *c == conn => {
+                if let AsapMessage::DeregistrationResponse { pe_id, .. } = msg
+                    && pe_id == self.id
+                {
+                    self.out.close(conn);
+                    self.deregistered(true, now);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The first message on a connection to the takeover address: it must be an
+    /// ENDPOINT_KEEP_ALIVE with the H bit for this PE; anything else closes the connection.
+    fn offer(&mut self, conn: ConnId, msg: AsapMessage, now: Instant) {
+        let Some(o) = self.offers.remove(&conn) else {
+            return;
+        };
+        match msg {
+            AsapMessage::EndpointKeepAlive {
+                home: true,
+                server_id,
+                pool_handle,
+                pe_id,
+            } if pool_handle == self.cfg.pool_handle && pe_id.is_none_or(|p| p == self.id) => {
+                let ack = AsapMessage::EndpointKeepAliveAck {
+                    pool_handle,
+                    pe_id: self.id,
+                };
+                self.out.send(conn, &ack);
+                self.adopt(conn, o.peer, server_id, now);
+            }
+            _ => {
+                debug!("PE {:#010x}: {} is not a takeover; closed", self.id, o.peer);
+                self.out.close(conn);
+            }
+        }
+    }
+
+    /// Registrar `home` at `peer` took over as home over `conn` (its H-bit keep-alive answered).
+    fn adopt(&mut self, conn: ConnId, peer: SocketAddr, home: u32, now: Instant) {
+        // Whether to register over the new home at once: only when the takeover cuts short an
+        // association the PE registered over by itself after losing its home, since that
+        // registrar told its peers it is home.
+        let refresh = match &self.phase {
+            Phase::Inactive | Phase::Stopped | Phase::Deregistering { .. } => {
+                debug!(
+                    "PE {:#010x}: inactive: takeover by registrar {home:#010x} closed",
+                    self.id
+                );
+                self.out.close(conn);
+                return;
+            }
+            Phase::Waiting { .. } => false,
+            Phase::Connecting { conn: c, .. } => {
+                let c = *c;
+                self.out.close(c);
+                false
+            }
+            Phase::Session(s) => {
+                let (c, cut_short) = (s.conn, !s.adopted);
+                self.out.close(c);
+                cut_short && self.lost_home
+            }
+        };
+        self.lost_home = false;
+        info!(
+            "PE {:#010x}: taken over by registrar {home:#010x} at {peer}; home now",
+            self.id
+        );
+        self.out.event(PeEvent::TakenOver {
+            registrar: peer,
+            home,
+        });
+        let known = self.registrars.candidates(now).len();
+        self.start_session(conn, peer, known, Some((home, refresh)), now);
+    }
+
+    fn in_session(&mut self, msg: AsapMessage, now: Instant) {
+        let id = self.id;
+        let Phase::Session(s) = &mut self.phase else {
+            return;
+        };
+        let (conn, addr) = (s.conn, s.addr);
+        match msg {
+            AsapMessage::EndpointKeepAlive {
+                home: h, server_id, ..
+            } => {
+                if server_id != s.home {
+                    if h {
+                        info!(
+                            "PE {id:#010x}: taken over by registrar {server_id:#010x} at {addr}; home now"
+                        );
+                    }
+                    s.home = server_id;
+                    if s.registered {
+                        let st = PeState::Registered {
+                            registrar: addr,
+                            home: server_id,
+                        };
+                        self.set_state(st);
+                    }
+                }
+                let ack = AsapMessage::EndpointKeepAliveAck {
+                    pool_handle: self.cfg.pool_handle.clone(),
+                    pe_id: id,
+                };
+                self.out.send(conn, &ack);
+            }
+            AsapMessage::RegistrationResponse {
+                reject,
+                pe_id,
+                error,
+                ..
+            } if pe_id == id => {
+                s.pending = None;
+                if reject {
+                    let why = error
+                        .and_then(|e| e.causes.first().map(|c| c.code.to_string()))
+                        .unwrap_or_else(|| "no reason given".into());
+                    warn!(
+                        "PE {id:#010x}: registration in pool {} refused by {addr}: {why}",
+                        self.cfg.pool_handle
+                    );
+                    let (registered, known) = (s.registered, s.known);
+                    self.set_state(PeState::Rejected(why));
+                    self.out.close(conn);
+                    self.failed(registered, true, known, now);
+                    return;
+                }
+                if !s.registered {
+                    s.registered = true;
+                    info!(
+                        "PE {id:#010x}: registered in pool {} at {addr}",
+                        self.cfg.pool_handle
+                    );
+                }
+                let home = s.home;
+                self.set_state(PeState::Registered {
+                    registrar: addr,
+                    home,
+                });
+            }
+            AsapMessage::DeregistrationResponse { pe_id, .. } if pe_id == id => {
+                // The registration life ran out at the registrar: register again.
+                s.pending = Some(now + self.cfg.response_timeout);
+                self.out.send(conn, &self.registration());
+            }
+            AsapMessage::Error { error } => {
+                let causes: Vec<String> = error.causes.iter().map(|c| c.code.to_string()).collect();
+                warn!(
+                    "PE {id:#010x}: registrar {addr} reports: {}",
+                    causes.join(", ")
+                );
+            }
+            other => debug!("PE {id:#010x}: ignored {} from {addr}", other.name()),
+        }
+    }
+
+    /// `conn` is gone without the driver's report (bad input).
+    fn lost(&mut self, conn: ConnId, now: Instant) {
+        self.offers.remove(&conn);
+        match &self.phase {
+            Phase::Session(s) if s.conn == conn => {
+                let (registered, known) = (s.registered, s.known);
+                if registered {
+                    warn!(
+                        "PE {:#010x}: lost registrar {}: bad message",
+                        self.id, s.addr
+                    );
+                }
+                self.failed(registered, false, known, now);
+            }
+            Phase::Deregistering { conn: c, .. } if *c == conn => self.deregistered(false, now),
+            _ => {}
+        }
+    }
+
+    /// The association failed (`registered`: the PE was registered over it; `rejected`: its
+    /// registration was refused); `known` registrars were known when it started.
+    fn failed(&mut self, registered: bool, rejected: bool, known: usize, now: Instant) {
+        if registered {
+            if let Phase::Session(s) = &self.phase {
+                let registrar = s.addr;
+                self.out.event(PeEvent::LostHome { registrar });
+            }
+            self.lost_home = true;
+            // Another registrar may take over. Before registering with another one (if any is
+            // known), give it time to; a takeover is adopted at any time.
+            if known > 1 && !self.cfg.takeover_wait.is_zero() && self.asap_transport.is_some() {
+                self.phase = Phase::Waiting {
+                    until: now + self.cfg.takeover_wait,
+                    for_takeover: true,
+                };
+                return;
+            }
+            self.backoff = self.cfg.backoff_min;
+        } else if rejected {
+            self.backoff = self.cfg.backoff_max;
+        }
+        self.back_off(now);
+    }
+
+    fn back_off(&mut self, now: Instant) {
+        let wait = jitter(self.backoff, &mut *self.rng);
+        self.backoff = (self.backoff * 2).min(self.cfg.backoff_max);
+        self.phase = Phase::Waiting {
+            until: now + wait,
+            for_takeover: false,
+        };
+    }
+
+    /// Moves toward what the application asks for after [`set_active`](Self::set_active) or
+    /// [`stop`](Self::stop).
+    fn follow_wishes(&mut self, now: Instant) {
+        if self.stop || !self.active {
+            match &self.phase {
+                Phase::Session(s) => {
+                    let conn = s.conn;
+                    let msg = AsapMessage::Deregistration {
+                        pool_handle: self.cfg.pool_handle.clone(),
+                        pe_id: self.id,
+                    };
+                    self.out.send(conn, &msg);
+                    self.phase = Phase::Deregistering {
+                        conn,
+                        deadline: now + self.cfg.response_timeout,
+                    };
+                }
+                Phase::Connecting { conn, .. } => {
+                    let conn = *conn;
+                    self.out.close(conn);
+                    self.idle();
+                }
+                Phase::Waiting { .. } | Phase::Inactive => self.idle(),
+                Phase::Deregistering { .. } | Phase::Stopped => {}
+            }
+        } else if matches!(self.phase, Phase::Inactive) {
+            self.attempt(now);
+        }
+    }
+
+    /// The deregistration ended (`answered`: the registrar confirmed it).
+    fn deregistered(&mut self, answered: bool, now: Instant) {
+        if answered {
+            info!(
+                "PE {:#010x}: deregistered from pool {}",
+                self.id, self.cfg.pool_handle
+            );
+        }
+        self.idle();
+        // Asked to register again meanwhile.
+        if !self.stop && self.active {
+            self.attempt(now);
+        }
+    }
+
+    /// Not registered on purpose: inactive, or stopped for good.
+    fn idle(&mut self) {
+        // Deregistered: no home to lose, no takeover to follow.
+        self.lost_home = false;
+        self.backoff = self.cfg.backoff_min;
+        if self.stop {
+            self.phase = Phase::Stopped;
+            for c in std::mem::take(&mut self.offers).into_keys() {
+                self.out.close(c);
+            }
+            self.set_state(PeState::Stopped);
+        } else {
+            self.phase = Phase::Inactive;
+            self.set_state(PeState::Inactive);
+        }
+    }
+}

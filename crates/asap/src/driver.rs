@@ -1,0 +1,197 @@
+//! What the tokio drivers of the pool element and pool user cores share: every connection a core
+//! names runs in a task of its own that reports to one channel, the driver carries out the
+//! core's [`Action`]s on them, SERVER_ANNOUNCEs are heard on a socket of their own, and the
+//! core's time is the milliseconds since the driver began.
+
+use crate::core::{Action, ConnId, Instant};
+use crate::registrars::AnnounceListener;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+/// What a connection's task reports.
+pub(crate) enum ConnEvent {
+    Connected(ConnId),
+    Data(ConnId, Vec<u8>),
+    /// Closed by the peer or an error.
+    Closed(ConnId),
+    ConnectFailed(ConnId, std::io::Error),
+}
+
+/// What a connection's task is told.
+enum Out {
+    Bytes(Vec<u8>),
+    /// Close after the bytes before it.
+    Close,
+}
+
+/// The connections of one core, its announce listener and its clock.
+pub(crate) struct Conns {
+    out: HashMap<ConnId, mpsc::UnboundedSender<Out>>,
+    events_tx: mpsc::UnboundedSender<ConnEvent>,
+    events: mpsc::UnboundedReceiver<ConnEvent>,
+    announce: Option<AnnounceListener>,
+    epoch: std::time::Instant,
+}
+
+impl Conns {
+    /// Listens for SERVER_ANNOUNCE at `announce_listen`, if given.
+    pub(crate) fn new(announce_listen: Option<SocketAddr>) -> std::io::Result<Self> {
+        let (events_tx, events) = mpsc::unbounded_channel();
+        Ok(Self {
+            out: HashMap::new(),
+            events_tx,
+            events,
+            announce: announce_listen.map(AnnounceListener::start).transpose()?,
+            epoch: std::time::Instant::now(),
+        })
+    }
+
+    /// The SERVER_ANNOUNCEs heard since the last call, for the core's `handle_announce`.
+    pub(crate) fn announces(&self) -> Vec<(Vec<u8>, SocketAddr, Instant)> {
+        self.announce
+            .as_ref()
+            .map_or_else(Vec::new, |a| a.drain(self.epoch))
+    }
+
+    /// The core's time now.
+    pub(crate) fn now(&self) -> Instant {
+        Instant::since(self.epoch, std::time::Instant::now())
+    }
+
+    /// A core deadline on tokio's clock (`None`: none, or too far away to matter).
+    pub(crate) fn deadline(&self, t: Option<Instant>) -> Option<tokio::time::Instant> {
+        t.and_then(|t| t.to_std(self.epoch))
+            .map(tokio::time::Instant::from_std)
+    }
+
+    /// Carries out an action; returns the core's event, if it was one.
+    pub(crate) fn carry_out<E>(&mut self, a: Action<E>) -> Option<E> {
+        match a {
+            Action::Connect(id, addr) => self.spawn(id, Target::Connect(addr)),
+            Action::Transmit(id, bytes) => {
+                if let Some(tx) = self.out.get(&id) {
+                    let _ = tx.send(Out::Bytes(bytes));
+                }
+            }
+            Action::Close(id) => {
+                if let Some(tx) = self.out.remove(&id) {
+                    let _ = tx.send(Out::Close);
+                }
+            }
+            Action::Event(e) => return Some(e),
+        }
+        None
+    }
+
+    /// Serves a connection accepted for the core as `id`.
+    pub(crate) fn adopt(&mut self, id: ConnId, stream: TcpStream) {
+        stream.set_nodelay(true).ok();
+        self.spawn(id, Target::Stream(stream));
+    }
+
+    /// The next report of a connection (cancel-safe).
+    pub(crate) async fn next(&mut self) -> ConnEvent {
+        loop {
+            // Never `None`: `self` holds a sender.
+            if let Some(e) = self.events.recv().await {
+                let ended = match &e {
+                    ConnEvent::Closed(id) | ConnEvent::ConnectFailed(id, _) => Some(*id),
+                    _ => None,
+                };
+                if let Some(id) = ended
+                    && !self.forget(id)
+                {
+                    // Closed by the core already.
+                    continue;
+                }
+                return e;
+            }
+        }
+    }
+
+    /// Forgets a connection that ended; false if the core had closed it already.
+    fn forget(&mut self, id: ConnId) -> bool {
+        self.out.remove(&id).is_some()
+    }
+
+    fn spawn(&mut self, id: ConnId, target: Target) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.out.insert(id, tx);
+        tokio::spawn(serve(id, target, rx, self.events_tx.clone()));
+    }
+}
+
+enum Target {
+    Connect(SocketAddr),
+    Stream(TcpStream),
+}
+
+/// One connection: connects if asked to, then reads and writes until either end closes.
+async fn serve(
+    id: ConnId,
+    target: Target,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    events: mpsc::UnboundedSender<ConnEvent>,
+) {
+    let stream = match target {
+        Target::Stream(s) => s,
+        Target::Connect(addr) => {
+            let connect = crate::connection::connect_stream(addr);
+            tokio::pin!(connect);
+            // The core sends nothing before it is told the connection is up; a close (or the
+            // core's end) abandons the attempt.
+            let r = tokio::select! {
+                r = &mut connect => r,
+                _ = rx.recv() => return,
+            };
+            match r {
+                Ok(s) => {
+                    let _ = events.send(ConnEvent::Connected(id));
+                    s
+                }
+                Err(e) => {
+                    let _ = events.send(ConnEvent::ConnectFailed(id, e));
+                    return;
+                }
+            }
+        }
+    };
+    let (mut rd, mut wr) = stream.into_split();
+    let mut buf = vec![0u8; 8192];
+    loop {
+        tokio::select! {
+            r = rd.read(&mut buf) => match r {
+                Ok(n) if n > 0 => {
+                    let _ = events.send(ConnEvent::Data(id, buf[..n].to_vec()));
+                }
+                _ => {
+                    let _ = events.send(ConnEvent::Closed(id));
+                    return;
+                }
+            },
+            m = rx.recv() => match m {
+                Some(Out::Bytes(b)) => {
+                    if wr.write_all(&b).await.is_err() {
+                        let _ = events.send(ConnEvent::Closed(id));
+                        return;
+                    }
+                }
+                Some(Out::Close) | None => {
+                    let _ = wr.shutdown().await;
+                    return;
+                }
+            },
+        }
+    }
+}
+
+/// Sleeps until `t`, or forever.
+pub(crate) async fn sleep_until(t: Option<tokio::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,217 @@
+//! The pool element's sans-IO core driven by hand: bytes, connection events and the time in,
+//! actions out. No sockets and no clock, so each step of the protocol is checked exactly.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use rand_core::SeedableRng;
+use rserpool_asap::{Action, ConnId, Instant, PeCore, PeEvent, PeState, PoolElementConfig};
+use rserpool_wire::{AsapMessage, Message, Policy, PoolHandle};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+const POOL: &str = "CorePool";
+
+fn addr(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, last], port))
+}
+
+fn at(ms: u64) -> Instant {
+    Instant::from_millis(ms)
+}
+
+fn pe(registrars: Vec<SocketAddr>, seed: u64) -> PeCore {
+    let mut cfg = PoolElementConfig::new(POOL, addr(9, 80), Policy::LeastUsed { load: 0 });
+    cfg.registrars = registrars;
+    cfg.reregistration_interval = Duration::from_secs(10);
+    let rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
+    PeCore::new(cfg, Some(addr(9, 7000)), Box::new(rng), at(0))
+}
+
+fn actions(pe: &mut PeCore) -> Vec<Action<PeEvent>> {
+    std::iter::from_fn(|| pe.poll_action()).collect()
+}
+
+/// The messages transmitted on `conn`.
+fn sent(actions: &[Action<PeEvent>], conn: ConnId) -> Vec<AsapMessage> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Transmit(c, b) if *c == conn => Some(AsapMessage::decode(b).unwrap()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn connect(actions: &[Action<PeEvent>]) -> (ConnId, SocketAddr) {
+    actions
+        .iter()
+        .find_map(|a| match a {
+            Action::Connect(c, to) => Some((*c, *to)),
+            _ => None,
+        })
+        .expect("a connect")
+}
+
+fn bytes(m: &AsapMessage) -> Vec<u8> {
+    m.to_bytes().unwrap()
+}
+
+fn accepted(id: u32) -> Vec<u8> {
+    bytes(&AsapMessage::RegistrationResponse {
+        reject: false,
+        pool_handle: PoolHandle::from(POOL),
+        pe_id: id,
+        error: None,
+    })
+}
+
+fn keep_alive(server_id: u32, home: bool, id: u32) -> Vec<u8> {
+    bytes(&AsapMessage::EndpointKeepAlive {
+        home,
+        server_id,
+        pool_handle: PoolHandle::from(POOL),
+        pe_id: Some(id),
+    })
+}
+
+fn is_registration(m: &AsapMessage) -> bool {
+    matches!(m, AsapMessage::Registration { .. })
+}
+
+fn is_ack(m: &AsapMessage) -> bool {
+    matches!(m, AsapMessage::EndpointKeepAliveAck { .. })
+}
+
+/// A PE registered at `reg` (the only registrar it knows); returns it and the association.
+fn registered(reg: SocketAddr) -> (PeCore, ConnId) {
+    let mut pe = pe(vec![reg], 1);
+    let (c, to) = connect(&actions(&mut pe));
+    assert_eq!(to, reg);
+    pe.handle_connected(c, at(10));
+    assert!(is_registration(&sent(&actions(&mut pe), c)[0]));
+    pe.handle_data(c, &accepted(pe.id()), at(20));
+    pe.handle_data(c, &keep_alive(0x1001, false, pe.id()), at(30));
+    let a = actions(&mut pe);
+    assert!(is_ack(&sent(&a, c)[0]));
+    let home = PeState::Registered {
+        registrar: reg,
+        home: 0x1001,
+    };
+    assert!(a.contains(&Action::Event(PeEvent::State(home))), "{a:?}");
+    (pe, c)
+}
+
+#[test]
+fn registers_reregisters_on_time_and_on_news_and_deregisters_on_stop() {
+    let (mut pe, c) = registered(addr(1, 3863));
+    // At the reregistration interval.
+    let t = pe.poll_timeout().unwrap();
+    assert_eq!(t, at(10_010));
+    pe.handle_timeout(t);
+    assert!(is_registration(&sent(&actions(&mut pe), c)[0]));
+    pe.handle_data(c, &accepted(pe.id()), t);
+    // A new load goes out at once.
+    pe.update_policy(Policy::LeastUsed { load: 7 }, at(10_100));
+    match &sent(&actions(&mut pe), c)[0] {
+        AsapMessage::Registration { pool_element, .. } => {
+            assert_eq!(pool_element.policy, Policy::LeastUsed { load: 7 });
+        }
+        other => panic!("{other:?}"),
+    }
+    pe.handle_data(c, &accepted(pe.id()), at(10_110));
+    pe.stop(at(10_200));
+    let a = actions(&mut pe);
+    assert!(matches!(sent(&a, c)[0], AsapMessage::Deregistration { .. }));
+    let answer = AsapMessage::DeregistrationResponse {
+        pool_handle: PoolHandle::from(POOL),
+        pe_id: pe.id(),
+        error: None,
+    };
+    pe.handle_data(c, &bytes(&answer), at(10_210));
+    let a = actions(&mut pe);
+    assert!(a.contains(&Action::Close(c)));
+    assert!(a.contains(&Action::Event(PeEvent::State(PeState::Stopped))));
+    assert!(pe.is_stopped());
+}
+
+/// Issue 14: a PE that knows one registrar, which dies, is taken over by another and serves it
+/// as its home, without registering anywhere.
+#[test]
+fn a_pe_knowing_one_registrar_adopts_a_takeover() {
+    let reg = addr(1, 3863);
+    let (mut pe, c) = registered(reg);
+    pe.handle_close(c, at(1_000));
+    let a = actions(&mut pe);
+    assert!(a.contains(&Action::Event(PeEvent::LostHome { registrar: reg })));
+    // Backing off; the next attempt goes to the dead registrar again.
+    let t = pe.poll_timeout().unwrap();
+    pe.handle_timeout(t);
+    let (c2, to) = connect(&actions(&mut pe));
+    assert_eq!(to, reg);
+    pe.handle_connect_error(c2, "refused", t);
+    // Another registrar takes over.
+    let new_home = addr(2, 40_000);
+    let t = pe.accept(new_home, t);
+    pe.handle_data(t, &keep_alive(0x2002, true, pe.id()), at(1_500));
+    let a = actions(&mut pe);
+    let out = sent(&a, t);
+    assert_eq!(out.len(), 1, "only the answer: {out:?}");
+    assert!(is_ack(&out[0]));
+    assert!(a.contains(&Action::Event(PeEvent::TakenOver {
+        registrar: new_home,
+        home: 0x2002
+    })));
+    assert_eq!(
+        pe.state(),
+        &PeState::Registered {
+            registrar: new_home,
+            home: 0x2002
+        }
+    );
+    // Its keep-alives are answered, its re-registrations go there.
+    pe.handle_data(t, &keep_alive(0x2002, false, pe.id()), at(3_000));
+    assert!(is_ack(&sent(&actions(&mut pe), t)[0]));
+    pe.handle_timeout(at(11_500));
+    let a = actions(&mut pe);
+    assert!(is_registration(&sent(&a, t)[0]));
+    assert!(!a.iter().any(|a| matches!(a, Action::Connect(..))));
+}
+
+#[test]
+fn a_connection_that_is_not_a_takeover_is_closed() {
+    let (mut pe, _) = registered(addr(1, 3863));
+    let t = pe.accept(addr(3, 1234), at(100));
+    pe.handle_data(t, &keep_alive(0x3003, false, pe.id()), at(110));
+    assert_eq!(actions(&mut pe), vec![Action::Close(t)]);
+    // Silent ones too, after a while.
+    let s = pe.accept(addr(3, 1235), at(200));
+    pe.handle_timeout(at(5_200));
+    assert!(actions(&mut pe).contains(&Action::Close(s)));
+}
+
+/// The seed decides the PE identifier and the back-off: a replay gives the same run.
+#[test]
+fn backoff_doubles_with_jitter_and_replays_from_its_seed() {
+    let run = |seed| {
+        let mut pe = pe(vec![addr(1, 3863)], seed);
+        let mut now = at(0);
+        let mut waits = Vec::new();
+        for _ in 0..8 {
+            let (c, _) = connect(&actions(&mut pe));
+            pe.handle_connect_error(c, "refused", now);
+            let next = pe.poll_timeout().unwrap();
+            waits.push(next.saturating_duration_since(now));
+            now = next;
+            pe.handle_timeout(now);
+        }
+        (pe.id(), waits)
+    };
+    let (id, waits) = run(5);
+    assert_eq!(run(5), (id, waits.clone()));
+    assert_ne!(run(6).0, id);
+    // 200 ms doubling up to 10 s, each scaled by [0.5, 1.5).
+    let mut base = Duration::from_millis(200);
+    for w in waits {
+        assert!(w >= base / 2 && w < base * 3 / 2, "{w:?} for {base:?}");
+        base = (base * 2).min(Duration::from_secs(10));
+    }
+}
