@@ -10,7 +10,7 @@
 //! framing); the chunk scanner with a reference decoder built on `httparse::parse_chunk_size`,
 //! wherever the bytes are split.
 
-use crate::http::{outgoing_head, parse, response_head};
+use crate::http::{outgoing_head, parse, plain_host, response_head};
 use crate::message::{
     BodyState, Framing, Head, HeadError, MAX_HEADERS, framing, is_hop_by_hop, response_framing,
 };
@@ -112,9 +112,7 @@ fn forwarding_headers(h: &Head, again: &Head, host: &[u8], peer: SocketAddr) {
         format!("for={ip}")
     }
     .into_bytes();
-    // The host goes in a quoted-string where it needs no escaping, or not at all.
-    let quotable = |b: &u8| b.is_ascii_graphic() && *b != b'"' && *b != b'\\';
-    if !host.is_empty() && host.iter().all(quotable) {
+    if plain_host(host) {
         node.extend_from_slice(b";host=\"");
         node.extend_from_slice(host);
         node.push(b'"');

@@ -325,12 +325,7 @@ pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
         format!("for={ip}")
     };
     out.put_slice(node.as_bytes());
-    // The host goes in a quoted-string only where it needs no escaping (RFC 7239 §4).
-    if !r.host.is_empty()
-        && r.host
-            .iter()
-            .all(|&b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
-    {
+    if plain_host(&r.host) {
         out.put_slice(b";host=\"");
         out.put_slice(&r.host);
         out.put_u8(b'"');
@@ -347,6 +342,17 @@ pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
     }
     out.put_slice(b"\r\n");
     out
+}
+
+/// Whether a Host is a plain host[:port] (letters, digits, `-._~%`, an IP literal's `:[]`):
+/// only such a host is named in Forwarded, where it needs no escaping in its quoted-string
+/// (RFC 7239 §4) and no parser, however naive, finds a `,` `;` or `=` in it that would let
+/// the client add an element of its own.
+pub(crate) fn plain_host(host: &[u8]) -> bool {
+    !host.is_empty()
+        && host
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b"-._~%:[]".contains(&b))
 }
 
 async fn read_exact_body(c: &mut Client, n: usize, idle: Duration) -> io::Result<Bytes> {
@@ -947,9 +953,15 @@ mod tests {
             String::from_utf8(h.get("forwarded").unwrap().to_vec()).unwrap()
         };
         assert_eq!(fwd("a:80"), "for=192.0.2.1;host=\"a:80\";proto=http");
-        // Found by fuzzing: a backslash escaped the closing quote.
-        assert_eq!(fwd("a\\"), "for=192.0.2.1;proto=http");
-        assert_eq!(fwd("a\""), "for=192.0.2.1;proto=http");
+        assert_eq!(
+            fwd("[::1]:8080"),
+            "for=192.0.2.1;host=\"[::1]:8080\";proto=http"
+        );
+        // Found by fuzzing: a backslash escaped the closing quote; a comma split the element
+        // for parsers that ignore quoting.
+        for odd in ["a\\", "a\"", "a,for=192.0.2.9", "a;proto=https"] {
+            assert_eq!(fwd(odd), "for=192.0.2.1;proto=http", "{odd}");
+        }
     }
 
     fn forwarded_response(text: &str, keep: bool) -> BytesMut {
