@@ -11,9 +11,7 @@
 //! wherever the bytes are split.
 
 use crate::http::{outgoing_head, parse, plain_host, response_head};
-use crate::message::{
-    BodyState, Framing, Head, HeadError, MAX_HEADERS, framing, is_hop_by_hop, response_framing,
-};
+use crate::message::{BodyState, Framing, Head, HeadError, MAX_HEADERS, framing, response_framing};
 use bytes::BytesMut;
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -236,12 +234,9 @@ fn without<'a>(fs: Fields<'a>, names: &[&str]) -> Fields<'a> {
         .collect()
 }
 
-/// The headers a proxy passes on (RFC 9110 §7.6.1): not hop-by-hop, not named by Connection.
+/// The headers a proxy passes on; the properties check what that leaves (framing, host).
 fn passed(h: &Head) -> Fields<'_> {
-    let named: Vec<&[u8]> = h.tokens("connection").collect();
-    h.iter()
-        .filter(|(n, _)| !is_hop_by_hop(n) && !named.iter().any(|t| t.eq_ignore_ascii_case(n)))
-        .collect()
+    h.end_to_end().collect()
 }
 
 /// RFC 9112 §6.1–6.3 as the proxy applies it, written apart from `message::framing`. `None`
