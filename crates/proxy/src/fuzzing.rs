@@ -10,10 +10,8 @@
 //! framing); the chunk scanner with a reference decoder built on `httparse::parse_chunk_size`,
 //! wherever the bytes are split.
 
-use crate::http::{outgoing_head, parse, response_head};
-use crate::message::{
-    BodyState, Framing, Head, HeadError, MAX_HEADERS, framing, is_hop_by_hop, response_framing,
-};
+use crate::http::{outgoing_head, parse, plain_host, response_head};
+use crate::message::{BodyState, Framing, Head, HeadError, MAX_HEADERS, framing, response_framing};
 use bytes::BytesMut;
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -112,9 +110,7 @@ fn forwarding_headers(h: &Head, again: &Head, host: &[u8], peer: SocketAddr) {
         format!("for={ip}")
     }
     .into_bytes();
-    // The host goes in a quoted-string where it needs no escaping, or not at all.
-    let quotable = |b: &u8| b.is_ascii_graphic() && *b != b'"' && *b != b'\\';
-    if !host.is_empty() && host.iter().all(quotable) {
+    if plain_host(host) {
         node.extend_from_slice(b";host=\"");
         node.extend_from_slice(host);
         node.push(b'"');
@@ -238,12 +234,9 @@ fn without<'a>(fs: Fields<'a>, names: &[&str]) -> Fields<'a> {
         .collect()
 }
 
-/// The headers a proxy passes on (RFC 9110 §7.6.1): not hop-by-hop, not named by Connection.
+/// The headers a proxy passes on; the properties check what that leaves (framing, host).
 fn passed(h: &Head) -> Fields<'_> {
-    let named: Vec<&[u8]> = h.tokens("connection").collect();
-    h.iter()
-        .filter(|(n, _)| !is_hop_by_hop(n) && !named.iter().any(|t| t.eq_ignore_ascii_case(n)))
-        .collect()
+    h.end_to_end().collect()
 }
 
 /// RFC 9112 §6.1–6.3 as the proxy applies it, written apart from `message::framing`. `None`

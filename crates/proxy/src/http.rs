@@ -18,7 +18,7 @@ use crate::backend::{Backend, BackendConn};
 use crate::client_stream::ClientStream;
 use crate::ctx::{Ctx, until_set};
 use crate::message::{
-    BodyState, Framing, Head, HeadError, error_response, framing, is_hop_by_hop, response_framing,
+    BodyState, Framing, Head, HeadError, error_response, framing, response_framing,
 };
 use crate::pools::Pool;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -283,15 +283,11 @@ pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
     } else {
         b" HTTP/1.0\r\n"
     });
-    let named: Vec<&[u8]> = h.tokens("connection").collect();
     // The forwarding headers that came with the request, every one that holds an element
     // (RFC 9110 §5.6.1), go before the client's address.
     let mut xff: Vec<&[u8]> = Vec::new();
     let mut fwd: Vec<&[u8]> = Vec::new();
-    for (n, v) in h.iter() {
-        if is_hop_by_hop(n) || named.iter().any(|t| t.eq_ignore_ascii_case(n)) {
-            continue;
-        }
+    for (n, v) in h.end_to_end() {
         let prior = if n.eq_ignore_ascii_case(b"x-forwarded-for") {
             &mut xff
         } else if n.eq_ignore_ascii_case(b"forwarded") {
@@ -325,12 +321,7 @@ pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
         format!("for={ip}")
     };
     out.put_slice(node.as_bytes());
-    // The host goes in a quoted-string only where it needs no escaping (RFC 7239 §4).
-    if !r.host.is_empty()
-        && r.host
-            .iter()
-            .all(|&b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
-    {
+    if plain_host(&r.host) {
         out.put_slice(b";host=\"");
         out.put_slice(&r.host);
         out.put_u8(b'"');
@@ -347,6 +338,17 @@ pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
     }
     out.put_slice(b"\r\n");
     out
+}
+
+/// Whether a Host is a plain host[:port] (letters, digits, `-._~%`, an IP literal's `:[]`):
+/// only such a host is named in Forwarded, where it needs no escaping in its quoted-string
+/// (RFC 7239 §4) and no parser, however naive, finds a `,` `;` or `=` in it that would let
+/// the client add an element of its own.
+pub(crate) fn plain_host(host: &[u8]) -> bool {
+    !host.is_empty()
+        && host
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b"-._~%:[]".contains(&b))
 }
 
 async fn read_exact_body(c: &mut Client, n: usize, idle: Duration) -> io::Result<Bytes> {
@@ -689,11 +691,7 @@ async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Fai
 pub(crate) fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
     out.put_slice(h.status_line());
     out.put_slice(b"\r\n");
-    let named: Vec<&[u8]> = h.tokens("connection").collect();
-    for (n, v) in h.iter() {
-        if is_hop_by_hop(n) || named.iter().any(|t| t.eq_ignore_ascii_case(n)) {
-            continue;
-        }
+    for (n, v) in h.end_to_end() {
         out.put_slice(n);
         out.put_slice(b": ");
         out.put_slice(v);
@@ -938,6 +936,31 @@ mod tests {
     }
 
     #[test]
+    fn a_connection_option_cannot_take_away_the_framing_or_the_host() {
+        // Found by fuzzing: the proxy read the body by its Content-Length and then sent the
+        // head without it, so the PE took the body for a request of its own.
+        let out = forwarded_request(
+            "POST / HTTP/1.1\r\nHost: x\r\nConnection: content-length, host, x-a\r\n\
+             X-A: 1\r\nContent-Length: 5\r\n\r\n",
+        );
+        let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.get("content-length"), Some(&b"5"[..]));
+        assert_eq!(h.get("host"), Some(&b"x"[..]));
+        assert_eq!(h.get("x-a"), None);
+        let resp = forwarded_response(
+            "HTTP/1.1 200 OK\r\nConnection: transfer-encoding\r\n\
+             Transfer-Encoding: chunked\r\n\r\n",
+            true,
+        );
+        assert_eq!(
+            &resp[..],
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        );
+    }
+
+    #[test]
     fn the_host_goes_into_forwarded_only_where_it_needs_no_escaping() {
         let fwd = |host: &str| {
             let out = forwarded_request(&format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
@@ -947,9 +970,15 @@ mod tests {
             String::from_utf8(h.get("forwarded").unwrap().to_vec()).unwrap()
         };
         assert_eq!(fwd("a:80"), "for=192.0.2.1;host=\"a:80\";proto=http");
-        // Found by fuzzing: a backslash escaped the closing quote.
-        assert_eq!(fwd("a\\"), "for=192.0.2.1;proto=http");
-        assert_eq!(fwd("a\""), "for=192.0.2.1;proto=http");
+        assert_eq!(
+            fwd("[::1]:8080"),
+            "for=192.0.2.1;host=\"[::1]:8080\";proto=http"
+        );
+        // Found by fuzzing: a backslash escaped the closing quote; a comma split the element
+        // for parsers that ignore quoting.
+        for odd in ["a\\", "a\"", "a,for=192.0.2.9", "a;proto=https"] {
+            assert_eq!(fwd(odd), "for=192.0.2.1;proto=http", "{odd}");
+        }
     }
 
     fn forwarded_response(text: &str, keep: bool) -> BytesMut {

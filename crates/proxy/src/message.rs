@@ -166,6 +166,21 @@ impl Head {
             .any(|t| t.eq_ignore_ascii_case(token.as_bytes()))
     }
 
+    /// The headers a proxy passes on (RFC 9110 §7.6.1): not hop-by-hop, not named by
+    /// Connection, except that no connection option takes away the headers that frame the
+    /// message or name its host. Those are for every recipient; dropping them would have the
+    /// next hop read the message otherwise than the proxy does (a smuggled request).
+    pub fn end_to_end(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        let named: Vec<&[u8]> = self.tokens("connection").collect();
+        self.iter().filter(move |(n, _)| {
+            !is_hop_by_hop(n)
+                && (!named.iter().any(|t| t.eq_ignore_ascii_case(n))
+                    || [&b"content-length"[..], b"transfer-encoding", b"host"]
+                        .iter()
+                        .any(|f| n.eq_ignore_ascii_case(f)))
+        })
+    }
+
     /// Whether the sender of this request wants the connection kept open afterwards:
     /// HTTP/1.1 unless it says `close`, HTTP/1.0 only if it says `keep-alive`.
     pub fn wants_keep_alive(&self) -> bool {
