@@ -20,6 +20,40 @@ pub(crate) enum ConnEvent {
     ConnectFailed(ConnId, std::io::Error),
 }
 
+/// The entry points both cores share, for [`Conns::feed`].
+pub(crate) trait Core {
+    fn handle_connected(&mut self, conn: ConnId, now: Instant);
+    fn handle_data(&mut self, conn: ConnId, data: &[u8], now: Instant);
+    fn handle_close(&mut self, conn: ConnId, now: Instant);
+    fn handle_connect_error(&mut self, conn: ConnId, why: &str, now: Instant);
+    fn handle_announce(&mut self, datagram: &[u8], from: SocketAddr, now: Instant);
+}
+
+macro_rules! core_entry_points {
+    ($t:ty) => {
+        impl Core for $t {
+            fn handle_connected(&mut self, conn: ConnId, now: Instant) {
+                <$t>::handle_connected(self, conn, now)
+            }
+            fn handle_data(&mut self, conn: ConnId, data: &[u8], now: Instant) {
+                <$t>::handle_data(self, conn, data, now)
+            }
+            fn handle_close(&mut self, conn: ConnId, now: Instant) {
+                <$t>::handle_close(self, conn, now)
+            }
+            fn handle_connect_error(&mut self, conn: ConnId, why: &str, now: Instant) {
+                <$t>::handle_connect_error(self, conn, why, now)
+            }
+            fn handle_announce(&mut self, datagram: &[u8], from: SocketAddr, now: Instant) {
+                <$t>::handle_announce(self, datagram, from, now)
+            }
+        }
+    };
+}
+
+core_entry_points!(crate::core::pe::PeCore);
+core_entry_points!(crate::core::pu::PuCore);
+
 /// What a connection's task is told.
 enum Out {
     Bytes(Vec<u8>),
@@ -49,11 +83,25 @@ impl Conns {
         })
     }
 
-    /// The SERVER_ANNOUNCEs heard since the last call, for the core's `handle_announce`.
-    pub(crate) fn announces(&self) -> Vec<(Vec<u8>, SocketAddr, Instant)> {
-        self.announce
-            .as_ref()
-            .map_or_else(Vec::new, |a| a.drain(self.epoch))
+    /// The time now, after handing `core` the SERVER_ANNOUNCEs heard meanwhile.
+    pub(crate) fn now_for(&self, core: &mut impl Core) -> Instant {
+        if let Some(a) = &self.announce {
+            for (datagram, from, at) in a.drain(self.epoch) {
+                core.handle_announce(&datagram, from, at);
+            }
+        }
+        self.now()
+    }
+
+    /// Hands a connection's report to `core`.
+    pub(crate) fn feed(&self, e: ConnEvent, core: &mut impl Core) {
+        let now = self.now_for(core);
+        match e {
+            ConnEvent::Connected(c) => core.handle_connected(c, now),
+            ConnEvent::Data(c, data) => core.handle_data(c, &data, now),
+            ConnEvent::Closed(c) => core.handle_close(c, now),
+            ConnEvent::ConnectFailed(c, e) => core.handle_connect_error(c, &e.to_string(), now),
+        }
     }
 
     /// The core's time now.

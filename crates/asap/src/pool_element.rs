@@ -11,7 +11,7 @@
 
 use crate::Error;
 use crate::core::pe::{PeCore, PeEvent};
-use crate::driver::{ConnEvent, Conns, sleep_until};
+use crate::driver::{Conns, sleep_until};
 use rserpool_wire::Policy;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -228,17 +228,7 @@ impl Driver {
             }
             let deadline = self.conns.deadline(self.core.poll_timeout());
             tokio::select! {
-                e = self.conns.next() => {
-                    let now = self.now();
-                    match e {
-                        ConnEvent::Connected(c) => self.core.handle_connected(c, now),
-                        ConnEvent::Data(c, data) => self.core.handle_data(c, &data, now),
-                        ConnEvent::Closed(c) => self.core.handle_close(c, now),
-                        ConnEvent::ConnectFailed(c, e) => {
-                            self.core.handle_connect_error(c, &e.to_string(), now);
-                        }
-                    }
-                }
+                e = self.conns.next() => self.conns.feed(e, &mut self.core),
                 Some((stream, peer)) = accepted.recv() => {
                     let now = self.now();
                     let c = self.core.accept(peer, now);
@@ -265,12 +255,8 @@ impl Driver {
         }
     }
 
-    /// The time now, after handing the core the announces heard meanwhile.
     fn now(&mut self) -> rserpool_wire::Instant {
-        for (d, from, at) in self.conns.announces() {
-            self.core.handle_announce(&d, from, at);
-        }
-        self.conns.now()
+        self.conns.now_for(&mut self.core)
     }
 
     fn carry_out(&mut self) {

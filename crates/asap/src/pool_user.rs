@@ -9,7 +9,7 @@
 
 use crate::Error;
 use crate::core::pu::{Answer, PuCore, PuEvent, QueryId};
-use crate::driver::{ConnEvent, Conns, sleep_until};
+use crate::driver::{Conns, sleep_until};
 use rserpool_wire::{Policy, PoolElement, PoolHandle, UserTransport};
 use tokio::net::TcpStream;
 use tracing::debug;
@@ -105,12 +105,8 @@ impl PoolUser {
         }
     }
 
-    /// The time now, after handing the core the announces heard meanwhile.
     fn now(&mut self) -> rserpool_wire::Instant {
-        for (d, from, at) in self.conns.announces() {
-            self.core.handle_announce(&d, from, at);
-        }
-        self.conns.now()
+        self.conns.now_for(&mut self.core)
     }
 
     /// Carries out the core's actions until query `q` is answered. (The answer of a query
@@ -130,17 +126,7 @@ impl PoolUser {
             }
             let deadline = self.conns.deadline(self.core.poll_timeout());
             tokio::select! {
-                e = self.conns.next() => {
-                    let now = self.now();
-                    match e {
-                        ConnEvent::Connected(c) => self.core.handle_connected(c, now),
-                        ConnEvent::Data(c, data) => self.core.handle_data(c, &data, now),
-                        ConnEvent::Closed(c) => self.core.handle_close(c, now),
-                        ConnEvent::ConnectFailed(c, e) => {
-                            self.core.handle_connect_error(c, &e.to_string(), now);
-                        }
-                    }
-                }
+                e = self.conns.next() => self.conns.feed(e, &mut self.core),
                 () = sleep_until(deadline) => {
                     let now = self.now();
                     self.core.handle_timeout(now);

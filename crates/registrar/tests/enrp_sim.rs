@@ -735,3 +735,93 @@ fn a_malformed_enrp_message_gets_an_enrp_error() {
         "the framing held: the connection stays"
     );
 }
+
+/// Registrar C starts taking over registrar B, which is dead, and gives up (in the simulation of
+/// every role, a late message from B made it look alive). A, which had yielded to C, must not
+/// wait for C's TAKEOVER_SERVER forever: it probes B itself and takes it over.
+#[test]
+fn a_takeover_that_does_not_finish_is_taken_up_by_another_registrar() {
+    use rserpool_wire::{EnrpBody, EnrpMessage, ServerInformation};
+    let (a_id, b_id, c_id) = (0x1000_0001, 0x1000_0101, 0x1000_0201);
+    let mut a = Registrar::new(config(3), a_id, at(0));
+    a.enable_enrp(enrp_addr(0), at(0));
+    let mut to = HashMap::new();
+    while let Some(action) = a.poll_action() {
+        if let Action::Connect(c, addr) = action {
+            to.insert(addr, c);
+        }
+    }
+    let (to_b, to_c) = (to[&enrp_addr(1)], to[&enrp_addr(2)]);
+    let msg = |sender: u32, body: EnrpBody| {
+        EnrpMessage {
+            sender,
+            receiver: a_id,
+            body,
+        }
+        .to_bytes()
+        .unwrap()
+    };
+    let presence = |sender: u32, node: usize| {
+        let server_info = ServerInformation {
+            server_id: sender,
+            transport: TransportAddress::tcp(enrp_addr(node)),
+        };
+        msg(
+            sender,
+            EnrpBody::Presence {
+                reply_required: false,
+                checksum: None,
+                server_info: Some(server_info),
+            },
+        )
+    };
+    let from_b = a.accept_enrp(enrp_addr(1), at(1)).unwrap();
+    let from_c = a.accept_enrp(enrp_addr(2), at(1)).unwrap();
+    a.handle_data(from_b, &presence(b_id, 1), at(2));
+    a.handle_data(from_c, &presence(c_id, 2), at(2));
+    // C takes B over; A yields. Then B's connections close, and C never finishes.
+    a.handle_data(
+        from_c,
+        &msg(c_id, EnrpBody::InitTakeover { target: b_id }),
+        at(10),
+    );
+    a.handle_close(from_b, at(20));
+    a.handle_close(to_b, at(20));
+    let mut framer = Framer::new(65_536);
+    let mut took_over = None;
+    for t in (30..10_000).step_by(10) {
+        if t % 200 == 0 {
+            a.handle_data(from_c, &presence(c_id, 2), at(t));
+        }
+        if a.poll_timeout().is_some_and(|d| d <= at(t)) {
+            a.handle_timeout(at(t));
+        }
+        while let Some(action) = a.poll_action() {
+            // B is gone: every connection to it fails.
+            if let Action::Connect(c, addr) = action
+                && addr == enrp_addr(1)
+            {
+                a.handle_close(c, at(t));
+            }
+        }
+        framer.extend(a.output(to_c));
+        let n = a.output(to_c).len();
+        a.consume_output(to_c, n);
+        while let Some(frame) = framer.next_message().unwrap() {
+            match EnrpMessage::decode(&frame).unwrap().body {
+                EnrpBody::InitTakeover { target } if target == b_id => {
+                    let ack = msg(c_id, EnrpBody::InitTakeoverAck { target });
+                    a.handle_data(from_c, &ack, at(t));
+                }
+                EnrpBody::TakeoverServer { target } if target == b_id => took_over = Some(t),
+                _ => {}
+            }
+        }
+        if took_over.is_some() {
+            break;
+        }
+    }
+    let t = took_over.expect("A takes B over");
+    // C's wait for acknowledgements and the time to tell, then A's own probe of B.
+    assert!(t < 5_000, "took over at {t} ms");
+}

@@ -128,9 +128,6 @@ struct Session {
     /// Deadline for the answer to the registration in flight, if any.
     pending: Option<Instant>,
     rereg_at: Instant,
-    /// Registrars known when it started: with more than one, a lost home is first given time
-    /// to be taken over.
-    known: usize,
 }
 
 #[derive(Debug)]
@@ -147,7 +144,6 @@ enum Phase {
         conn: ConnId,
         addr: SocketAddr,
         deadline: Instant,
-        known: usize,
     },
     Session(Session),
     /// A DEREGISTRATION is out; its answer is awaited until `deadline`.
@@ -301,15 +297,10 @@ impl PeCore {
 
     /// A connection asked for with [`Action::Connect`] is up.
     pub fn handle_connected(&mut self, conn: ConnId, now: Instant) {
-        if let Phase::Connecting {
-            conn: c,
-            addr,
-            known,
-            ..
-        } = self.phase
+        if let Phase::Connecting { conn: c, addr, .. } = self.phase
             && c == conn
         {
-            self.start_session(conn, addr, known, None, now);
+            self.start_session(conn, addr, None, now);
         }
     }
 
@@ -323,10 +314,7 @@ impl PeCore {
             return;
         }
         match &self.phase {
-            Phase::Connecting { conn: c, known, .. } if *c == conn => {
-                let known = *known;
-                self.failed(false, false, known, now);
-            }
+            Phase::Connecting { conn: c, .. } if *c == conn => self.failed(false, false, now),
             Phase::Session(s) if s.conn == conn => {
                 if s.registered {
                     warn!(
@@ -334,8 +322,8 @@ impl PeCore {
                         self.id, s.addr
                     );
                 }
-                let (registered, known) = (s.registered, s.known);
-                self.failed(registered, false, known, now);
+                let registered = s.registered;
+                self.failed(registered, false, now);
             }
             Phase::Deregistering { conn: c, .. } if *c == conn => self.deregistered(false, now),
             _ => {}
@@ -419,12 +407,11 @@ impl PeCore {
                 conn,
                 addr,
                 deadline,
-                known,
             } if *deadline <= now => {
                 debug!("PE {:#010x}: registrar {addr}: timed out", self.id);
-                let (conn, known) = (*conn, *known);
+                let conn = *conn;
                 self.out.close(conn);
-                self.failed(false, false, known, now);
+                self.failed(false, false, now);
             }
             Phase::Session(s) => {
                 if s.pending.is_some_and(|p| p <= now) {
@@ -432,9 +419,9 @@ impl PeCore {
                         "PE {:#010x}: registrar {} did not answer within {:?}",
                         self.id, s.addr, self.cfg.response_timeout
                     );
-                    let (conn, registered, known) = (s.conn, s.registered, s.known);
+                    let (conn, registered) = (s.conn, s.registered);
                     self.out.close(conn);
-                    self.failed(registered, false, known, now);
+                    self.failed(registered, false, now);
                 } else if s.rereg_at <= now {
                     s.rereg_at = now + self.cfg.reregistration_interval;
                     if s.pending.is_none() {
@@ -487,7 +474,7 @@ impl PeCore {
         let candidates = self.registrars.candidates(now);
         if candidates.is_empty() {
             debug!("PE {:#010x}: no registrar known yet", self.id);
-            self.failed(false, false, 0, now);
+            self.failed(false, false, now);
             return;
         }
         let addr = candidates[self.next % candidates.len()];
@@ -497,7 +484,6 @@ impl PeCore {
             conn,
             addr,
             deadline: now + self.cfg.connect_timeout,
-            known: candidates.len(),
         };
     }
 
@@ -507,7 +493,6 @@ impl PeCore {
         &mut self,
         conn: ConnId,
         addr: SocketAddr,
-        known: usize,
         adopted: Option<(u32, bool)>,
         now: Instant,
     ) {
@@ -530,7 +515,6 @@ impl PeCore {
             home: adopted.map_or(0, |(home, _)| home),
             pending: None,
             rereg_at: now + self.cfg.reregistration_interval,
-            known,
         };
         if refresh {
             self.sent_policy = self.policy.clone();
@@ -621,8 +605,7 @@ impl PeCore {
             registrar: peer,
             home,
         });
-        let known = self.registrars.candidates(now).len();
-        self.start_session(conn, peer, known, Some((home, refresh)), now);
+        self.start_session(conn, peer, Some((home, refresh)), now);
     }
 
     fn in_session(&mut self, msg: AsapMessage, now: Instant) {
@@ -671,10 +654,10 @@ impl PeCore {
                         "PE {id:#010x}: registration in pool {} refused by {addr}: {why}",
                         self.cfg.pool_handle
                     );
-                    let (registered, known) = (s.registered, s.known);
+                    let registered = s.registered;
                     self.set_state(PeState::Rejected(why));
                     self.out.close(conn);
-                    self.failed(registered, true, known, now);
+                    self.failed(registered, true, now);
                     return;
                 }
                 if !s.registered {
@@ -711,14 +694,14 @@ impl PeCore {
         self.offers.remove(&conn);
         match &self.phase {
             Phase::Session(s) if s.conn == conn => {
-                let (registered, known) = (s.registered, s.known);
+                let registered = s.registered;
                 if registered {
                     warn!(
                         "PE {:#010x}: lost registrar {}: bad message",
                         self.id, s.addr
                     );
                 }
-                self.failed(registered, false, known, now);
+                self.failed(registered, false, now);
             }
             Phase::Deregistering { conn: c, .. } if *c == conn => self.deregistered(false, now),
             _ => {}
@@ -726,8 +709,8 @@ impl PeCore {
     }
 
     /// The association failed (`registered`: the PE was registered over it; `rejected`: its
-    /// registration was refused); `known` registrars were known when it started.
-    fn failed(&mut self, registered: bool, rejected: bool, known: usize, now: Instant) {
+    /// registration was refused).
+    fn failed(&mut self, registered: bool, rejected: bool, now: Instant) {
         if registered {
             if let Phase::Session(s) = &self.phase {
                 let registrar = s.addr;
@@ -736,6 +719,7 @@ impl PeCore {
             self.lost_home = true;
             // Another registrar may take over. Before registering with another one (if any is
             // known), give it time to; a takeover is adopted at any time.
+            let known = self.registrars.candidates(now).len();
             if known > 1 && !self.cfg.takeover_wait.is_zero() && self.asap_transport.is_some() {
                 self.phase = Phase::Waiting {
                     until: now + self.cfg.takeover_wait,

@@ -328,8 +328,11 @@ impl PuCore {
             match self.assoc {
                 Assoc::Connecting { .. } => return,
                 Assoc::None => {
-                    if !self.connect(0, Vec::new(), now) {
+                    let candidates = self.registrars.candidates(now);
+                    if candidates.is_empty() {
                         self.fail_current(Error::NoRegistrarKnown);
+                    } else {
+                        self.connect(candidates, 0, Vec::new(), now);
                     }
                 }
                 Assoc::Up { conn, .. } => self.send_current(conn, now),
@@ -337,13 +340,15 @@ impl PuCore {
         }
     }
 
-    /// Connects to the candidate `offset` places after the last one that worked; false when
-    /// none is known.
-    fn connect(&mut self, offset: usize, failures: Vec<String>, now: Instant) -> bool {
-        let candidates = self.registrars.candidates(now);
-        if candidates.is_empty() {
-            return false;
-        }
+    /// Connects to the candidate `offset` places after the last one that worked (`candidates`
+    /// is not empty: the registrars known when the connecting began).
+    fn connect(
+        &mut self,
+        candidates: Vec<SocketAddr>,
+        offset: usize,
+        failures: Vec<String>,
+        now: Instant,
+    ) {
         let addr = candidates[(self.next_registrar + offset) % candidates.len()];
         let conn = self.out.connect(addr);
         self.assoc = Assoc::Connecting {
@@ -354,7 +359,6 @@ impl PuCore {
             failures,
             deadline: now + self.cfg.connect_timeout,
         };
-        true
     }
 
     fn connect_failed(&mut self, conn: ConnId, why: &str, now: Instant) {
@@ -373,7 +377,7 @@ impl PuCore {
         let mut failures = failures;
         failures.push(format!("{addr}: {why}"));
         if offset + 1 < candidates.len() {
-            self.connect(offset + 1, failures, now);
+            self.connect(candidates, offset + 1, failures, now);
             return;
         }
         self.fail_current(Error::NoRegistrar(failures.join("; ")));

@@ -85,8 +85,12 @@ enum Liveness {
     TakingOver {
         deadline: Instant,
     },
-    /// Another registrar is taking it over.
-    Inactive,
+    /// Another registrar is taking it over. Without its TAKEOVER_SERVER by `deadline` (its
+    /// takeover was aborted, or it died too), the peer is probed again, so that a dead peer is
+    /// always taken over by someone.
+    Inactive {
+        deadline: Instant,
+    },
 }
 
 /// A HANDLE_TABLE_REQUEST of ours that awaits its response.
@@ -228,7 +232,7 @@ impl Enrp {
                     Liveness::Alive => "alive",
                     Liveness::Probing { .. } => "probing",
                     Liveness::TakingOver { .. } => "taking over",
-                    Liveness::Inactive => "inactive",
+                    Liveness::Inactive { .. } => "inactive",
                 }
                 .to_string(),
                 connected: p.conn.is_some(),
@@ -386,6 +390,12 @@ impl Enrp {
                     warn!("ENRP peer {id:#010x} did not answer: taking over its PEs");
                     self.start_takeover(i, hs, out, now);
                 }
+                Liveness::Inactive { deadline } if deadline <= now => {
+                    info!(
+                        "the takeover of ENRP peer {id:#010x} by another registrar did not finish: asking it for PRESENCE"
+                    );
+                    self.probe_peer(i, hs, out, now);
+                }
                 Liveness::TakingOver { deadline } if deadline <= now => {
                     let missing = &self.peers[i].acks_pending;
                     warn!(
@@ -448,8 +458,9 @@ impl Enrp {
             }
             t = t.min(match p.state {
                 Liveness::Alive => p.last_heard + ms(self.cfg.max_time_last_heard_ms),
-                Liveness::Probing { deadline } | Liveness::TakingOver { deadline } => deadline,
-                Liveness::Inactive => Instant::MAX,
+                Liveness::Probing { deadline }
+                | Liveness::TakingOver { deadline }
+                | Liveness::Inactive { deadline } => deadline,
             });
         }
         Some(t)
@@ -478,7 +489,7 @@ impl Enrp {
                 warn!("ENRP peer {:#010x} unreachable: taking over its PEs", p.id);
                 self.start_takeover(i, hs, out, now);
             }
-            Liveness::TakingOver { .. } | Liveness::Inactive => {}
+            Liveness::TakingOver { .. } | Liveness::Inactive { .. } => {}
         }
     }
 
@@ -649,7 +660,7 @@ impl Enrp {
                 p.state = Liveness::Alive;
                 self.counters.takeovers_aborted += 1;
             }
-            Liveness::Probing { .. } | Liveness::Inactive => {
+            Liveness::Probing { .. } | Liveness::Inactive { .. } => {
                 debug!("ENRP peer {:#010x} is alive", p.id);
                 p.state = Liveness::Alive;
             }
@@ -891,7 +902,11 @@ impl Enrp {
                 info!("registrar {sender:#010x} takes over {target:#010x}: ours aborted");
                 p.acks_pending.clear();
             }
-            p.state = Liveness::Inactive;
+            // The other registrar's wait for acknowledgements, and time to tell us.
+            let wait = self.cfg.takeover_expiry_ms + self.cfg.max_time_no_response_ms;
+            p.state = Liveness::Inactive {
+                deadline: now + ms(wait),
+            };
         }
         self.send_to_peer(sender, EnrpBody::InitTakeoverAck { target }, out, now);
     }
