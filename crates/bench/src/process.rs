@@ -83,6 +83,23 @@ impl Drop for Reaper {
     }
 }
 
+/// Runs a system tool (`ip`, `tc`) to completion; an error with its stderr if it fails.
+/// `missing` says what to do when the tool is not there.
+pub fn run_tool(program: &str, args: &[&str], missing: &str) -> Result<()> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {program} ({missing})"))?;
+    if !out.status.success() {
+        bail!(
+            "{program} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
 /// Polls `ready` every 20 ms until it holds; an error naming `what` after `limit`.
 pub fn wait_for(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) -> Result<()> {
     let start = Instant::now();

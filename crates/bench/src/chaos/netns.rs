@@ -4,6 +4,7 @@
 //! this kernel has no netem). Names carry this process's ID, so that two runs do not meet, and
 //! everything is registered in [`undo`] before it is made, so that Ctrl-C removes it too.
 
+use crate::process::run_tool;
 use crate::undo;
 use anyhow::{Context, Result, bail};
 use std::net::Ipv4Addr;
@@ -162,18 +163,7 @@ fn free_subnet(tag: u32) -> Result<String> {
 }
 
 fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .context("running ip (iproute2)")?;
-    if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
+    run_tool("ip", args, "iproute2")
 }
 
 /// Feeds `rules` to `nft -f -` inside namespace `ns`.

@@ -283,6 +283,16 @@ impl Summary {
         v
     }
 
+    /// "every invariant held", or `broken` and what broke.
+    fn verdict(&self, broken: &str) -> String {
+        let v = self.broken();
+        if v.is_empty() {
+            "every invariant held".into()
+        } else {
+            format!("{broken} — {}", v.join("; "))
+        }
+    }
+
     pub fn text(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "chaos soak: {}\n", self.setup());
@@ -296,16 +306,7 @@ impl Summary {
                 let _ = writeln!(s, "  {f}");
             }
         }
-        let broken = self.broken();
-        let _ = writeln!(
-            s,
-            "\nverdict: {}",
-            if broken.is_empty() {
-                "every invariant held".to_string()
-            } else {
-                format!("BROKEN — {}", broken.join("; "))
-            }
-        );
+        let _ = writeln!(s, "\nverdict: {}", self.verdict("BROKEN"));
         s
     }
 
@@ -323,16 +324,7 @@ impl Summary {
                 let _ = writeln!(s, "- {f}");
             }
         }
-        let broken = self.broken();
-        let _ = writeln!(
-            s,
-            "\nVerdict: {}\n",
-            if broken.is_empty() {
-                "every invariant held.".to_string()
-            } else {
-                format!("**broken** — {}.", broken.join("; "))
-            }
-        );
+        let _ = writeln!(s, "\nVerdict: {}.\n", self.verdict("**broken**"));
         s
     }
 }

@@ -2,6 +2,7 @@
 //! network, not the CPU, is the limit (as on the seed paper's testbed). Registered in the undo
 //! registry while in place.
 
+use crate::process::run_tool;
 use crate::undo;
 use anyhow::{Context, Result, bail};
 use std::net::SocketAddr;
@@ -92,16 +93,9 @@ fn unshape() -> undo::Command {
 }
 
 fn tc(args: &[&str]) -> Result<()> {
-    let out = Command::new("tc")
-        .args(args)
-        .output()
-        .context("running tc (iproute2; --link-mbit 0 skips the rate-limited run)")?;
-    if !out.status.success() {
-        bail!(
-            "tc {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
+    run_tool(
+        "tc",
+        args,
+        "iproute2; --link-mbit 0 skips the rate-limited run",
+    )
 }
