@@ -59,8 +59,11 @@ impl Fault {
 /// PE runs.
 pub struct Layout {
     pub pe_hosts: Vec<usize>,
-    /// Hosts whose link may be cut or made lossy: the registrars' and the PEs'.
+    /// Hosts whose link may be cut or made lossy: the registrars' (the first three) and the
+    /// PEs'.
     pub hosts: usize,
+    /// The longest cut of a registrar's link.
+    pub registrar_cut_max: Duration,
 }
 
 pub struct Planner {
@@ -126,10 +129,18 @@ impl Planner {
                     down: self.ms(200, 5000),
                 }
             }
-            55..80 => Fault::CutLink {
-                host: self.between(0, self.layout.hosts as u64 - 1) as usize,
-                down: self.ms(500, 8000),
-            },
+            55..80 => {
+                let host = self.between(0, self.layout.hosts as u64 - 1) as usize;
+                let max = if host < 3 {
+                    self.layout.registrar_cut_max.as_millis() as u64
+                } else {
+                    8000
+                };
+                Fault::CutLink {
+                    host,
+                    down: self.ms(500, max.clamp(500, 8000)),
+                }
+            }
             _ => Fault::Loss {
                 host: self.between(0, self.layout.hosts as u64 - 1) as usize,
                 percent: self.between(5, 40) as u32,
@@ -147,6 +158,7 @@ mod tests {
         Layout {
             pe_hosts: (0..50).map(|k| 3 + k % 5).collect(),
             hosts: 8,
+            registrar_cut_max: Duration::from_millis(8000),
         }
     }
 
