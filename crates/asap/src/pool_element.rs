@@ -1,10 +1,10 @@
 //! A pool element: registers a service under a pool handle and keeps it registered.
 //!
 //! The protocol (registration, keep-alives, takeover adoption, back-off) is the sans-IO
-//! [`PeCore`](crate::core::pe::PeCore); its module docs say what it does. This is its tokio
-//! driver: a background task owns the core, the registrar connections, the takeover listener
-//! (the PE's ASAP transport, where a registrar taking over connects) and the announce listener,
-//! and carries out the core's actions. [`PeUpdater`] passes the application's wishes (policy,
+//! [`PeCore`]; its module docs say what it does. This is its tokio driver: a background task
+//! owns the core, the registrar connections, the takeover listener (the PE's ASAP transport,
+//! where a registrar taking over connects) and the announce listener, and carries out the
+//! core's actions. [`PeUpdater`] passes the application's wishes (policy,
 //! activity) to the task.
 //!
 //! Dropping the [`PoolElement`] or calling [`PoolElement::stop`] deregisters.

@@ -1,9 +1,9 @@
 //! A pool user: resolves pool handles at a registrar and connects to pool elements.
 //!
 //! The protocol (cache with a stale-cache value, resolution, ENDPOINT_UNREACHABLE reports,
-//! registrar failover) is the sans-IO [`PuCore`](crate::core::pu::PuCore); its module docs say
-//! what it does. This is its tokio driver: each call hands the core a query and carries out the
-//! core's actions until the answer comes; the registrar association lives on between calls.
+//! registrar failover) is the sans-IO [`PuCore`]; its module docs say what it does. This is its
+//! tokio driver: each call hands the core a query and carries out the core's actions until the
+//! answer comes; the registrar association lives on between calls.
 //! Connecting to a pool element (the application's own data) happens here: a PE that cannot be
 //! reached is reported and the next one is tried.
 
