@@ -622,6 +622,14 @@ impl EventLoop {
                     }
                     self.flush(id);
                 }
+                Action::Abort(id) => {
+                    if let Some(sock) = self.sock(id.index()) {
+                        // A reset discards what the kernel still holds for the peer.
+                        let _ =
+                            socket2::SockRef::from(&sock.stream).set_linger(Some(Duration::ZERO));
+                    }
+                    self.close(id);
+                }
                 Action::Announce(data) => self.announce(&data),
                 Action::Presence(data) => self.send_presence(&data),
             }

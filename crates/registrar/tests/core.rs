@@ -55,9 +55,9 @@ fn output(r: &mut Registrar, c: ConnId) -> Vec<AsapMessage> {
     v
 }
 
-/// True once the core asked the driver to close `c`.
+/// True once the core asked the driver to close (or reset) `c`.
 fn asked_to_close(r: &mut Registrar, c: ConnId) -> bool {
-    std::iter::from_fn(|| r.poll_action()).any(|a| a == Action::Close(c))
+    std::iter::from_fn(|| r.poll_action()).any(|a| a == Action::Close(c) || a == Action::Abort(c))
 }
 
 /// Runs the timers from `from` to `to` in 100 ms steps.

@@ -108,10 +108,10 @@ fn an_unanswered_takeover_leaves_nothing_to_deliver_later() {
     while t < end {
         t += 50;
         r.handle_timeout(at(t));
-        closed |= actions(&mut r).contains(&Action::Close(pe_conn));
+        closed |= actions(&mut r).contains(&Action::Abort(pe_conn));
     }
     assert_eq!(r.handlespace().len(), 0, "the PE is removed");
-    assert!(closed, "the connection to the PE is closed");
+    assert!(closed, "the connection to the PE is reset");
     assert!(
         r.output(pe_conn).is_empty(),
         "nothing is left to send should the connection come up now"

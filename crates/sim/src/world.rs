@@ -473,6 +473,19 @@ impl World {
                         r.handle_close(c, now);
                     }
                 }
+                Action::Abort(c) => {
+                    // A reset: what this end still has in flight is dropped.
+                    if let Some(&(id, dir)) = self.locals.get(&(n, Local::Reg(c)))
+                        && let Some(conn) = self.net.conns.get_mut(&id)
+                    {
+                        conn.pipes[dir].retain(|s| !matches!(s.2, Seg::Data(_)));
+                    }
+                    self.close(n, Local::Reg(c));
+                    let now = self.at();
+                    if let Some(r) = self.regs[i].core.as_mut() {
+                        r.handle_close(c, now);
+                    }
+                }
                 Action::Announce(bytes) => self.announce(i, &bytes),
                 Action::Presence(_) => {}
             }

@@ -618,11 +618,12 @@ impl Asap {
             && let Some(pos) = c.pes.iter().position(|&x| x == r)
         {
             c.pes.swap_remove(pos);
-            // A connection opened for a takeover that went unanswered: whatever is still
-            // queued on it (the ENDPOINT_KEEP_ALIVE with the H bit, when the PE was out of
-            // reach) must not arrive later, or the PE would adopt a home that no longer has it
-            // and leave the home that does.
-            if why == Removal::KeepAliveTimeout && c.outgoing && c.pes.is_empty() {
+            // A PE that did not answer is gone from here, and its association goes too, reset:
+            // what is still queued on it must not arrive later (an ENDPOINT_KEEP_ALIVE with the
+            // H bit would make the PE adopt a home that no longer has it and leave the home
+            // that does), and a PE that was only out of reach learns from the reset that it
+            // must register again, instead of at its next re-registration.
+            if why == Removal::KeepAliveTimeout && c.pes.is_empty() {
                 out.abort(conn);
             }
         }

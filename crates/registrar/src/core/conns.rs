@@ -55,6 +55,11 @@ pub enum Action {
     /// Close the connection once its pending output is written, then report
     /// [`handle_close`](super::Registrar::handle_close).
     Close(ConnId),
+    /// Close the connection at once and reset it (SO_LINGER 0), so that nothing still queued
+    /// for it, in the core or in the kernel, reaches the other end later; then report
+    /// [`handle_close`](super::Registrar::handle_close). For bytes that stopped being true
+    /// while the other end was out of reach (a takeover, a peer declared dead).
+    Abort(ConnId),
     /// A SERVER_ANNOUNCE to send over UDP to every announce target.
     Announce(Bytes),
     /// A PRESENCE to send over UDP to the ENRP multicast group.
@@ -206,8 +211,10 @@ impl Conns {
     pub(super) fn abort(&mut self, id: ConnId) {
         if let Some(c) = self.get_mut(id) {
             c.out = Vec::new();
+            // Also after a Close: what the kernel holds must go too.
+            c.closing = true;
+            self.actions.push_back(Action::Abort(id));
         }
-        self.close(id);
     }
 
     /// The output buffer of a live connection, to encode into; call

@@ -322,6 +322,32 @@ impl Enrp {
         }
     }
 
+    /// Sends `msg` to the peers believed alive. A takeover's messages go only to them: a peer
+    /// that is silent may be cut off with us, and a takeover decided meanwhile must not reach
+    /// it when the link returns, seconds later, as if it were news (it would drop a live
+    /// registrar and hand its PEs to one that may no longer have them).
+    fn send_alive(&self, msg: &EnrpMessage, out: &mut Conns, now: Instant) {
+        let conns: Vec<ConnId> = self
+            .peers
+            .iter()
+            .filter(|p| p.state == Liveness::Alive)
+            .filter_map(|p| p.conn)
+            .collect();
+        if conns.is_empty() {
+            return;
+        }
+        let bytes = match msg.to_bytes() {
+            Ok(b) => b,
+            Err(e) => {
+                warn!("cannot encode {}: {e}", msg.body.name());
+                return;
+            }
+        };
+        for conn in conns {
+            out.send_bytes(conn, &bytes, now);
+        }
+    }
+
     /// Tells every peer about a change of a PE this registrar is home for.
     pub(super) fn update(
         &mut self,
@@ -846,8 +872,10 @@ impl Enrp {
         }
     }
 
-    /// RFC 5353 §3.5: INIT_TAKEOVER to all, then wait for an ACK from every live peer but the
-    /// target.
+    /// RFC 5353 §3.5: INIT_TAKEOVER to every peer believed alive, then wait for an ACK from
+    /// each. Unlike the RFC, the target is not sent one: it would protest with a PRESENCE,
+    /// which any message from it stands in for, and the one bound for a dead connection could
+    /// only arrive late.
     fn start_takeover(
         &mut self,
         i: usize,
@@ -856,6 +884,12 @@ impl Enrp {
         now: Instant,
     ) {
         let target = self.peers[i].id;
+        // Whatever is still queued for the target was meant for a live peer; reset, so that
+        // none of it arrives if the target is only cut off. A new connection is tried at the
+        // next heartbeat, and any message from the target aborts the takeover.
+        if let Some(conn) = self.peers[i].conn.take() {
+            out.abort(conn);
+        }
         let acks: Vec<u32> = self
             .peers
             .iter()
@@ -872,7 +906,7 @@ impl Enrp {
             receiver: 0,
             body: EnrpBody::InitTakeover { target },
         };
-        self.send_all(&msg, out, now);
+        self.send_alive(&msg, out, now);
         if self.peers[i].acks_pending.is_empty() {
             self.finish_takeover(i, hs, out, now);
         }
@@ -926,7 +960,7 @@ impl Enrp {
             receiver: 0,
             body: EnrpBody::TakeoverServer { target },
         };
-        self.send_all(&msg, out, now);
+        self.send_alive(&msg, out, now);
         self.remove_peer(i, hs, out, now);
         let taken = hs.take_over(target, out, now);
         self.counters.takeovers += 1;
@@ -974,7 +1008,7 @@ impl Enrp {
             hs.sync_end(c);
         }
         if let Some(conn) = p.conn {
-            out.close(conn);
+            out.abort(conn);
         }
         if self.mentor == Some(p.id) {
             self.mentor = None;
