@@ -172,3 +172,39 @@ fn the_cache_serves_until_stale_and_forgets_unreachable_pes() {
     pu.resolve(&h, at(1_002));
     assert_eq!(sent(&actions(&mut pu)).len(), 1);
 }
+
+/// A registrar still synchronising its handlespace (just started, or back after being cut
+/// off) does not know the pool yet and says so with LACK_OF_RESOURCES: the pool user asks the
+/// next registrar instead of concluding that the pool does not exist.
+#[test]
+fn a_synchronising_registrar_sends_the_question_to_the_next_one() {
+    use rserpool_wire::{CauseCode, ErrorCause, OperationError};
+    let mut pu = pu(Duration::ZERO);
+    let h = PoolHandle::from(POOL);
+    pu.resolve(&h, at(0));
+    let (c1, _) = connect(&actions(&mut pu));
+    pu.handle_connected(c1, at(5));
+    assert_eq!(sent(&actions(&mut pu)).len(), 1);
+    let busy = AsapMessage::HandleResolutionResponse {
+        accept: false,
+        pool_handle: h.clone(),
+        policy: None,
+        pool_elements: Vec::new(),
+        error: Some(OperationError {
+            causes: vec![ErrorCause::new(CauseCode::LACK_OF_RESOURCES)],
+        }),
+    };
+    pu.handle_data(c1, &busy.to_bytes().unwrap(), at(10));
+    let a = actions(&mut pu);
+    assert!(
+        !a.iter()
+            .any(|a| matches!(a, Action::Event(PuEvent::Answered(..)))),
+        "no answer yet"
+    );
+    let (c2, to) = connect(&a);
+    assert_eq!(to, reg(2));
+    pu.handle_connected(c2, at(15));
+    assert_eq!(sent(&actions(&mut pu)).len(), 1);
+    pu.handle_data(c2, &response(&[3, 4]), at(20));
+    assert_eq!(ids(answer(actions(&mut pu))), vec![3, 4]);
+}

@@ -29,9 +29,6 @@ fn a_minute_of_chaos_loses_no_pe_and_fails_no_request() {
         .arg("--rserpool")
         .arg(&rserpool)
         .args(["chaos", "--duration-s", "60"])
-        // Registrar links are cut for less than a takeover takes, until the open takeover
-        // finding of docs/RELIABILITY.md is fixed; the 10-minute runs cut them for up to 8 s.
-        .args(["--registrar-cut-max-ms", "2000"])
         .output()
         .expect("run rserpool-bench chaos");
     // Shown when the test fails: the faults as they came, the summary and the findings.

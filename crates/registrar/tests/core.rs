@@ -277,3 +277,39 @@ fn a_resolution_larger_than_a_message_is_halved_until_it_fits() {
         }
     }
 }
+
+/// While a registrar synchronises its handlespace from a mentor, a pool it does not have may
+/// exist at the others: the pool user is sent elsewhere with LACK_OF_RESOURCES. Once it serves
+/// on its own (no mentor answered), the same question gets UNKNOWN_POOL_HANDLE.
+#[test]
+fn a_synchronising_registrar_does_not_deny_a_pool() {
+    let mut r = Registrar::new(
+        Config {
+            peer: vec![peer(29_999)],
+            mentor_discovery_ms: 1000,
+            ..cfg()
+        },
+        ID,
+        at(0),
+    );
+    r.enable_enrp(peer(29_998), at(0));
+    assert!(r.is_starting());
+    let resolve = AsapMessage::HandleResolution {
+        subscribe: false,
+        pool_handle: PoolHandle::from("Elsewhere"),
+        items: None,
+    }
+    .to_bytes()
+    .unwrap();
+    let cause = |r: &mut Registrar, c: ConnId| match output(r, c).pop() {
+        Some(AsapMessage::HandleResolutionResponse { error: Some(e), .. }) => e.causes[0].code,
+        other => panic!("{other:?}"),
+    };
+    let c = r.accept(peer(40_000), at(1)).unwrap();
+    r.handle_data(c, &resolve, at(2));
+    assert_eq!(cause(&mut r, c), CauseCode::LACK_OF_RESOURCES);
+    r.handle_timeout(at(1_001));
+    assert!(!r.is_starting(), "no mentor answered: serving as it is");
+    r.handle_data(c, &resolve, at(1_002));
+    assert_eq!(cause(&mut r, c), CauseCode::UNKNOWN_POOL_HANDLE);
+}

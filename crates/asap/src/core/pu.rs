@@ -464,6 +464,11 @@ impl PuCore {
                 ..
             } if pool_handle == handle => {
                 if let Some(cause) = error.and_then(|e| e.causes.first().cloned()) {
+                    if cause.code == CauseCode::LACK_OF_RESOURCES {
+                        // A registrar still synchronising its handlespace: ask another.
+                        self.attempt_failed(Error::Refused(cause.code), now);
+                        return;
+                    }
                     self.fail_current(if cause.code == CauseCode::UNKNOWN_POOL_HANDLE {
                         Error::UnknownPool(handle.to_string())
                     } else {

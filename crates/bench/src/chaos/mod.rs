@@ -50,10 +50,9 @@ pub struct ChaosArgs {
     /// Requests per second of all clients together.
     #[arg(long, default_value_t = 100)]
     pub rps: u32,
-    /// Longest cut of a registrar's link, ms. Below the registrars' takeover time (about
-    /// 2.5 s) no registrar is taken over by a cut: CI uses that while a takeover announced by
-    /// a registrar back from a partition is still honoured against a live one
-    /// (docs/RELIABILITY.md, "What earlier runs found", 2).
+    /// Longest cut of a registrar's link, ms. Cuts longer than the registrars' takeover time
+    /// (about 2.5 s, more with TCP's retransmission back-off) make the registrar cut off and
+    /// the others take each other over, then meet again.
     #[arg(long, default_value_t = 8000)]
     pub registrar_cut_max_ms: u64,
     /// Keep every process's log in this directory [default: a temporary one, kept only when

@@ -215,7 +215,7 @@ impl Asap {
             }
             AsapMessage::HandleResolution {
                 pool_handle, items, ..
-            } => self.on_handle_resolution(id, pool_handle, items, out, now),
+            } => self.on_handle_resolution(id, pool_handle, items, enrp.is_starting(), out, now),
             AsapMessage::EndpointKeepAliveAck { pool_handle, pe_id } => {
                 self.on_keep_alive_ack(id, &pool_handle, pe_id, out, now)
             }
@@ -435,11 +435,15 @@ impl Asap {
         out.send_asap(id, &msg, now);
     }
 
+    /// `synchronising`: ENRP is still filling the handlespace from a mentor, so a pool missing
+    /// here may exist elsewhere; the pool user is sent to another registrar (LACK_OF_RESOURCES)
+    /// rather than told that the pool does not exist.
     fn on_handle_resolution(
         &mut self,
         id: ConnId,
         pool_handle: PoolHandle,
         items: Option<u32>,
+        synchronising: bool,
         out: &mut Conns,
         now: Instant,
     ) {
@@ -466,8 +470,13 @@ impl Asap {
         scratch.clear();
         let found = self.hs.resolve(pool_handle.as_bytes(), n, scratch);
         if !found || scratch.is_empty() {
-            self.counters.resolutions_unknown_pool += 1;
-            Self::refuse_resolution(id, pool_handle, CauseCode::UNKNOWN_POOL_HANDLE, out, now);
+            let cause = if synchronising {
+                CauseCode::LACK_OF_RESOURCES
+            } else {
+                self.counters.resolutions_unknown_pool += 1;
+                CauseCode::UNKNOWN_POOL_HANDLE
+            };
+            Self::refuse_resolution(id, pool_handle, cause, out, now);
             return;
         }
         // Encoded straight from the handlespace into the connection's buffer. A large pool may

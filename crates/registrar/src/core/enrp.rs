@@ -149,6 +149,10 @@ pub(super) struct Enrp {
     /// Start-up: looking for a mentor until this time, or synchronising from `mentor`.
     starting: Option<Instant>,
     mentor: Option<u32>,
+    /// A takeover finished with no live peer left to acknowledge it: this registrar may be
+    /// the one that was cut off, and its handlespace the one that is wrong. The next peer
+    /// heard becomes the mentor of a new synchronisation, as at start.
+    alone: bool,
     counters: EnrpCounters,
 }
 
@@ -162,6 +166,7 @@ impl Enrp {
             next_heartbeat: Instant::default(),
             starting: None,
             mentor: None,
+            alone: false,
             counters: EnrpCounters::default(),
         }
     }
@@ -660,18 +665,30 @@ impl Enrp {
         out: &mut Conns,
         now: Instant,
     ) -> Option<usize> {
-        if let Some(i) = self.peer_index(sender) {
-            self.revive(i, now);
-            return Some(i);
-        }
-        let EnrpBody::Presence {
-            server_info: Some(si),
-            ..
-        } = body
-        else {
-            return None;
+        let i = match self.peer_index(sender) {
+            Some(i) => {
+                self.revive(i, now);
+                i
+            }
+            None => {
+                let EnrpBody::Presence {
+                    server_info: Some(si),
+                    ..
+                } = body
+                else {
+                    return None;
+                };
+                self.learn_peer(si.clone(), hs, out, now)?
+            }
         };
-        self.learn_peer(si.clone(), hs, out, now)
+        if std::mem::take(&mut self.alone) {
+            info!(
+                "ENRP peer {sender:#010x} heard after taking over alone: synchronising the handlespace again"
+            );
+            self.starting = Some(now + ms(self.cfg.mentor_discovery_ms));
+            self.mentor = None;
+        }
+        Some(i)
     }
 
     /// Any message from a peer: it is alive, and a takeover of it is off.
@@ -962,6 +979,10 @@ impl Enrp {
         };
         self.send_alive(&msg, out, now);
         self.remove_peer(i, hs, out, now);
+        self.alone |= !self
+            .peers
+            .iter()
+            .any(|p| p.id != 0 && p.state == Liveness::Alive);
         let taken = hs.take_over(target, out, now);
         self.counters.takeovers += 1;
         self.counters.pes_taken_over += taken as u64;
