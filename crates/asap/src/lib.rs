@@ -9,7 +9,10 @@
 
 pub mod connection;
 pub mod core;
+pub mod credit_source;
+pub mod credits;
 mod driver;
+pub mod metric;
 pub mod pool_element;
 pub mod pool_user;
 pub mod registrars;
@@ -18,6 +21,8 @@ pub use connection::AsapConnection;
 pub use core::pe::{PeCore, PeEvent};
 pub use core::pu::{Answer, PuCore, PuEvent, QueryId};
 pub use core::{Action, ConnId, Instant};
+pub use credit_source::{CreditSource, InFlight, InFlightGuard, MetricSource};
+pub use credits::{CreditConfig, CreditReporter, Metric, Reporting};
 pub use pool_element::{PeState, PeUpdater, PoolElement, PoolElementConfig};
 pub use pool_user::{PoolUser, PoolUserConfig, Resolution};
 pub use registrars::{AnnounceListener, RegistrarSet};

@@ -19,6 +19,8 @@ pub use crate::core::pu::{PoolUserConfig, Resolution};
 pub struct PoolUser {
     core: PuCore,
     conns: Conns,
+    /// Pools pushed while a call ran, for [`next_push`](Self::next_push).
+    pushed: std::collections::VecDeque<Resolution>,
 }
 
 impl PoolUser {
@@ -26,6 +28,7 @@ impl PoolUser {
         Ok(Self {
             conns: Conns::new(cfg.announce_listen)?,
             core: PuCore::new(cfg),
+            pushed: std::collections::VecDeque::new(),
         })
     }
 
@@ -98,6 +101,40 @@ impl PoolUser {
         None
     }
 
+    /// The next pool a registrar pushed ([`PoolUserConfig::subscribe`]; a pool is subscribed
+    /// to by [`pool_elements`](Self::pool_elements)). No PEs: the pool is gone. Cancel-safe:
+    /// meant for a `select!` beside other work; it also keeps the association served between
+    /// calls.
+    pub async fn next_push(&mut self) -> Resolution {
+        loop {
+            self.drain_actions(None);
+            if let Some(r) = self.pushed.pop_front() {
+                return r;
+            }
+            let deadline = self.conns.deadline(self.core.poll_timeout());
+            tokio::select! {
+                e = self.conns.next() => self.conns.feed(e, &mut self.core),
+                () = sleep_until(deadline) => {
+                    let now = self.now();
+                    self.core.handle_timeout(now);
+                }
+            }
+        }
+    }
+
+    /// Carries out the core's actions, keeping pushes; returns query `q`'s answer if it came.
+    fn drain_actions(&mut self, q: Option<QueryId>) -> Option<Result<Answer, Error>> {
+        let mut answer = None;
+        while let Some(a) = self.core.poll_action() {
+            match self.conns.carry_out(a) {
+                Some(PuEvent::Answered(id, r)) if Some(id) == q => answer = Some(r),
+                Some(PuEvent::Pushed(r)) => self.pushed.push_back(r),
+                _ => {}
+            }
+        }
+        answer
+    }
+
     async fn resolution(&mut self, q: QueryId) -> Result<Resolution, Error> {
         match self.run(q).await? {
             Answer::Resolution(r) => Ok(r),
@@ -113,15 +150,7 @@ impl PoolUser {
     /// whose call was cancelled is dropped.)
     async fn run(&mut self, q: QueryId) -> Result<Answer, Error> {
         loop {
-            let mut answer = None;
-            while let Some(a) = self.core.poll_action() {
-                if let Some(PuEvent::Answered(id, r)) = self.conns.carry_out(a)
-                    && id == q
-                {
-                    answer = Some(r);
-                }
-            }
-            if let Some(r) = answer {
+            if let Some(r) = self.drain_actions(Some(q)) {
                 return r;
             }
             let deadline = self.conns.deadline(self.core.poll_timeout());

@@ -173,6 +173,8 @@ pub struct Handlespace {
     weights: Vec<u64>,
     fired: Vec<(u32, u8)>,
     len: usize,
+    /// Changes a pool user can see, counted; each pool keeps the count of its last one.
+    changes: u64,
 }
 
 impl Handlespace {
@@ -196,6 +198,7 @@ impl Handlespace {
             weights: Vec::new(),
             fired: Vec::new(),
             len: 0,
+            changes: 0,
         }
     }
 
@@ -243,6 +246,14 @@ impl Handlespace {
             .iter()
             .flatten()
             .map(|p| (&p.handle, p.policy_type, p.members.len()))
+    }
+
+    /// A number that changes whenever the pool changes in a way its pool users can see: a PE
+    /// joins or leaves, or changes its policy information (a load, credits) or transport.
+    /// A re-registration with nothing new and a selection leave it as it is. `None` when the
+    /// pool does not exist; a pool created anew never repeats an earlier number.
+    pub fn pool_version(&self, handle: &[u8]) -> Option<u64> {
+        self.pool_by_handle(handle).map(|p| p.version)
     }
 
     /// The policy type of a pool.

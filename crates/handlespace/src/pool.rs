@@ -47,6 +47,10 @@ pub(crate) struct Pool {
     pub(crate) by_id: FastMap<u32, u32>,
     pub(crate) members: Vec<u32>,
     pub(crate) sel: Selection,
+    /// The handlespace's change count at the last change a pool user can see (a PE joined,
+    /// left, or changed its policy information or transport); see
+    /// [`Handlespace::pool_version`](crate::Handlespace::pool_version).
+    pub(crate) version: u64,
 }
 
 /// Whether a policy is served, and by which structure.
@@ -65,7 +69,8 @@ pub(crate) fn kind_of(policy_type: u32) -> Option<Kind> {
         | pt::PRIORITY
         | pt::LEAST_USED
         | pt::LEAST_USED_DEGRADATION
-        | pt::PRIORITY_LEAST_USED => Kind::Heap,
+        | pt::PRIORITY_LEAST_USED
+        | pt::CREDITS => Kind::Heap,
         pt::RANDOM => Kind::Uniform,
         pt::WEIGHTED_RANDOM | pt::RANDOMIZED_LEAST_USED => Kind::Weighted,
         _ => return None,
@@ -94,6 +99,8 @@ fn primary(policy: &Policy, pass: u64) -> u64 {
         Policy::Priority { priority } => u64::from(u32::MAX - priority),
         Policy::LeastUsed { load } | Policy::LeastUsedDegradation { load, .. } => u64::from(load),
         Policy::PriorityLeastUsed { load, degradation } => u64::from(load) + u64::from(degradation),
+        // Most credits first.
+        Policy::Credits { credits, .. } => u64::from(u32::MAX - credits),
         _ => 0,
     }
 }
@@ -136,6 +143,7 @@ impl Pool {
                 Kind::Uniform => Selection::Uniform,
                 Kind::Weighted => Selection::Weighted(Fenwick::default()),
             },
+            version: 0,
         }
     }
 

@@ -249,6 +249,8 @@ impl Handlespace {
         };
         let e = &pes[i as usize].element;
         pool.join(i, e.id, &e.policy, seq, links);
+        self.changes += 1;
+        pool.version = self.changes;
         self.owner_insert(i, owner);
         i
     }
@@ -264,6 +266,8 @@ impl Handlespace {
             pes, pools, links, ..
         } = self;
         let e = &mut pes[i as usize];
+        let seen = e.element.policy != element.policy
+            || e.element.user_transport != element.user_transport;
         e.element = element;
         // Reports survive re-registration (as in rsplib): a PE that updates its load often must
         // still be removable by MAX-BAD-PE-REPORT reports.
@@ -272,6 +276,10 @@ impl Handlespace {
             unreachable!("PE in a free pool slot")
         };
         pool.rekey(i, &e.element.policy, links);
+        if seen {
+            self.changes += 1;
+            pool.version = self.changes;
+        }
         if old_owner != new_owner {
             self.owner_insert(i, new_owner);
         }
@@ -307,6 +315,8 @@ impl Handlespace {
             unreachable!("PE in a free pool slot")
         };
         pool.leave(i, id, &mut self.links);
+        self.changes += 1;
+        pool.version = self.changes;
         if pool.members.is_empty() {
             let handle = pool.handle.0.clone();
             self.pool_index.remove(&handle);

@@ -438,3 +438,36 @@ proptest! {
         for id in &seen_set { prop_assert!(*id >= 1000 || before.contains(id)); }
     }
 }
+
+#[test]
+fn credits_most_first_and_a_pool_version_that_follows_what_users_see() {
+    let c = |credits| Policy::Credits {
+        credits,
+        capacity: 8,
+    };
+    let mut h = setup(&[c(2), c(8), c(0), c(5)]);
+    assert_eq!(resolve(&mut h, 4), [2, 4, 1, 3]);
+    let v0 = h.pool_version(b"pool").unwrap();
+    // Resolving, and re-registering unchanged, leave the version alone.
+    resolve(&mut h, 2);
+    h.register(&ph(), pe(1, c(2)), 1).unwrap();
+    assert_eq!(h.pool_version(b"pool"), Some(v0));
+    // New credits move it, and the order.
+    h.register(&ph(), pe(3, c(7)), 2).unwrap();
+    let v1 = h.pool_version(b"pool").unwrap();
+    assert_ne!(v1, v0);
+    assert_eq!(resolve(&mut h, 2), [2, 3]);
+    // A PE leaving moves it; the pool gone has none, and created anew a fresh one.
+    let r = h.find(b"pool", 3).unwrap();
+    h.remove(r);
+    let v2 = h.pool_version(b"pool").unwrap();
+    assert_ne!(v2, v1);
+    for id in [1, 2, 4] {
+        let r = h.find(b"pool", id).unwrap();
+        h.remove(r);
+    }
+    assert_eq!(h.pool_version(b"pool"), None);
+    h.register(&ph(), pe(9, c(1)), 3).unwrap();
+    let v3 = h.pool_version(b"pool").unwrap();
+    assert!(![v0, v1, v2].contains(&v3));
+}

@@ -1,5 +1,13 @@
 //! A pool element as the proxy uses it: where to connect, what the proxy saw of its health,
-//! its counters and its idle connections.
+//! its counters, its credits and its idle connections.
+//!
+//! Credits (policy `credits`, docs/CREDITS.md): the PE reports how much work it can take now,
+//! and that figure already counts the requests this proxy had in flight there. Until the next
+//! report the proxy spends from it locally: each request it starts there takes one; one that
+//! finishes gives nothing back before the PE says so (it may have taken queued work instead).
+//! Nor does the proxy ever have more in flight at a PE than the PE's capacity. A pick reserves
+//! a credit until its request is under way (or its connection failed), so that requests picked
+//! at the same moment do not all spend the same credit.
 //!
 //! The registrar's view of a PE is refreshed every interval; what the proxy learns itself
 //! lives here and outlives refreshes while the registrar keeps listing the PE at the same
@@ -11,7 +19,7 @@ use bytes::BytesMut;
 use rserpool_wire::{PoolElement, PoolHandle, UserTransport};
 use serde::Serialize;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
@@ -37,6 +45,13 @@ pub struct Backend {
     pub stats: BackendStats,
     health: Mutex<Health>,
     idle: IdlePool<BackendConn>,
+    /// The credits last reported (−1: none yet), and the capacity reported with them.
+    credit_reported: AtomicI64,
+    credit_capacity: AtomicI64,
+    /// `stats.active` when they were.
+    credit_base: AtomicU64,
+    /// Picks not yet under way.
+    credit_reserved: AtomicI64,
 }
 
 #[derive(Debug, Default)]
@@ -87,7 +102,56 @@ impl Backend {
             stats: BackendStats::default(),
             health: Mutex::new(Health::default()),
             idle: IdlePool::new(),
+            credit_reported: AtomicI64::new(-1),
+            credit_capacity: AtomicI64::new(0),
+            credit_base: AtomicU64::new(0),
+            credit_reserved: AtomicI64::new(0),
         }
+    }
+
+    /// A pick of this PE for credit: held until [`pick_done`](Self::pick_done).
+    pub(crate) fn reserve_credit(&self) {
+        self.credit_reserved.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The request picked is under way (counted in `stats.active`) or will not be: its
+    /// reservation, if it made one, ends.
+    pub fn pick_done(&self) {
+        let _ = self
+            .credit_reserved
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n > 0).then_some(n - 1)
+            });
+    }
+
+    /// Requests (connections in TCP mode) sent to the PE so far.
+    pub fn requests(&self) -> u64 {
+        self.stats.requests.load(Ordering::Relaxed)
+    }
+
+    /// A new credit report from the PE.
+    pub(crate) fn note_credits(&self, credits: u32, capacity: u32) {
+        self.credit_base
+            .store(self.stats.active.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.credit_capacity
+            .store(i64::from(capacity), Ordering::Relaxed);
+        self.credit_reported
+            .store(i64::from(credits), Ordering::Relaxed);
+    }
+
+    /// The credits left by the proxy's count (see the module docs). `None` before the first
+    /// report.
+    pub fn credits_left(&self) -> Option<i64> {
+        let reported = self.credit_reported.load(Ordering::Relaxed);
+        if reported < 0 {
+            return None;
+        }
+        let base = self.credit_base.load(Ordering::Relaxed) as i64;
+        let capacity = self.credit_capacity.load(Ordering::Relaxed);
+        let active = self.stats.active.load(Ordering::Relaxed) as i64;
+        let reserved = self.credit_reserved.load(Ordering::Relaxed);
+        let started = (active - base).max(0);
+        Some((reported - started).min(capacity - active) - reserved)
     }
 
     /// Whether `pe` (as a registrar reports it) is still this PE at the same addresses.
@@ -190,6 +254,7 @@ impl Backend {
             requests: s.requests.load(Ordering::Relaxed),
             connections: s.connections.load(Ordering::Relaxed),
             active: s.active.load(Ordering::Relaxed),
+            credits: self.credits_left(),
             failures: s.failures.load(Ordering::Relaxed),
             ejections: s.ejections.load(Ordering::Relaxed),
             responses_5xx: s.responses_5xx.load(Ordering::Relaxed),
@@ -214,6 +279,9 @@ pub struct BackendSnapshot {
     pub requests: u64,
     pub connections: u64,
     pub active: u64,
+    /// Credits left by the proxy's count (policy `credits`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credits: Option<i64>,
     pub failures: u64,
     pub ejections: u64,
     pub responses_5xx: u64,

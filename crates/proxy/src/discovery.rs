@@ -3,8 +3,12 @@
 //! One task per proxy acts as a pool user (RFC 5351): every refresh interval it asks a
 //! registrar for every PE of each pool the proxy serves (the next registrar in the list if one
 //! does not answer) and replaces the pool's copy with the answer; a pool a route adds is
-//! fetched at once. If no registrar answers, the copies keep serving. The same task sends the
-//! ENDPOINT_UNREACHABLE reports for PEs the proxy could not reach.
+//! fetched at once. Each question also subscribes to the pool (RFC 5352's S bit), so the
+//! registrar pushes the pool again as soon as it changes — a PE joins or leaves, or pushes new
+//! credits — and the copy follows within a registrar hop; the refresh stays as the fallback
+//! (a registrar that ignores the S bit, a push lost with its association). If no registrar
+//! answers, the copies keep serving. The same task sends the ENDPOINT_UNREACHABLE reports for
+//! PEs the proxy could not reach.
 
 use crate::pools::{PoolSettings, Pools, Unreachable};
 use rserpool_asap::{PoolUser, PoolUserConfig};
@@ -34,6 +38,7 @@ async fn refresh_task(
         registrars: s.registrars.clone(),
         connect_timeout: s.connect_timeout.max(Duration::from_millis(500)),
         request_timeout: s.refresh.max(Duration::from_secs(1)),
+        subscribe: true,
         ..Default::default()
     }) {
         Ok(pu) => pu,
@@ -70,6 +75,16 @@ async fn refresh_task(
         }
         drop(p);
         tokio::select! {
+            pushed = pu.next_push() => {
+                let Some(p) = pools.upgrade() else { return };
+                if let Some(pool) = p
+                    .all()
+                    .into_iter()
+                    .find(|pool| pool.handle == pushed.pool_handle)
+                {
+                    pool.update(pushed.pool_elements);
+                }
+            }
             r = reports.recv() => {
                 let Some(r) = r else { return };
                 if let Err(e) = pu.report_unreachable(&r.pool, r.pe_id).await {

@@ -392,19 +392,21 @@ async fn select(
 ) -> Result<(Attempt, BackendConn), (u16, &'static str)> {
     loop {
         f.attempts += 1;
-        let Some(pe) = pool.pick(&f.tried) else {
+        let Some(pe) = pool.pick_or_wait(&f.tried).await else {
             return Err(if f.tried.is_empty() {
                 (503, "no pool element available")
             } else {
                 (502, "no pool element answered")
             });
         };
-        match take_conn(&pe, ctx, !r.idempotent).await {
-            Ok((conn, reused)) => {
-                pe.stats.requests.fetch_add(1, Ordering::Relaxed);
-                pe.stats.active.fetch_add(1, Ordering::Relaxed);
-                return Ok((Attempt { pe, reused }, conn));
-            }
+        let conn = take_conn(&pe, ctx, !r.idempotent).await;
+        if conn.is_ok() {
+            pe.stats.requests.fetch_add(1, Ordering::Relaxed);
+            pe.stats.active.fetch_add(1, Ordering::Relaxed);
+        }
+        pe.pick_done();
+        match conn {
+            Ok((conn, reused)) => return Ok((Attempt { pe, reused }, conn)),
             Err(e) => {
                 debug!("pool {} PE {:#010x}: connect: {e}", pe.pool, pe.id);
                 ctx.pools.unreachable(&pe);

@@ -29,10 +29,19 @@ pub struct PoolSettings {
     pub idle_timeout: Duration,
 }
 
+/// How long a request waits for credit when every PE of a `credits` pool has spent its own
+/// (then 503), and how many may wait at once per pool (beyond that, 503 at once). The
+/// service-levels work schedules this queue.
+pub const CREDIT_WAIT: Duration = Duration::from_secs(1);
+pub const CREDIT_QUEUE: usize = 1024;
+
 /// One pool's local copy.
 pub struct Pool {
     pub handle: PoolHandle,
     state: Mutex<PoolState>,
+    /// A new copy arrived (a PE may have credit again).
+    changed: tokio::sync::Notify,
+    waiting: std::sync::atomic::AtomicUsize,
 }
 
 struct PoolState {
@@ -48,6 +57,8 @@ impl Pool {
                 selector: Selector::new(),
                 refreshed: None,
             }),
+            changed: tokio::sync::Notify::new(),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -61,11 +72,46 @@ impl Pool {
         self.lock().selector.pick(&self.handle, tried)
     }
 
+    /// [`pick`](Self::pick), but in a `credits` pool whose untried PEs have all spent their
+    /// credit, waits up to [`CREDIT_WAIT`] for one to have credit again (a new report, or a
+    /// request finishing here), in a queue of at most [`CREDIT_QUEUE`].
+    pub async fn pick_or_wait(&self, tried: &[u32]) -> Option<Arc<Backend>> {
+        if let Some(b) = self.pick(tried) {
+            return Some(b);
+        }
+        if !self.lock().selector.out_of_credit(&self.handle, tried) {
+            return None;
+        }
+        if self.waiting.fetch_add(1, Ordering::Relaxed) >= CREDIT_QUEUE {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        let deadline = tokio::time::Instant::now() + CREDIT_WAIT;
+        let picked = loop {
+            // Finished requests free credit without a report: look again every millisecond.
+            let next = (tokio::time::Instant::now() + Duration::from_millis(1)).min(deadline);
+            tokio::select! {
+                () = self.changed.notified() => {}
+                () = tokio::time::sleep_until(next) => {}
+            }
+            if let Some(b) = self.pick(tried) {
+                break Some(b);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                break None;
+            }
+        };
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        picked
+    }
+
     /// Replaces the copy with what a registrar reported.
     pub(crate) fn update(&self, pes: Vec<PoolElement>) {
         let mut st = self.lock();
         st.selector.replace(&self.handle, pes);
         st.refreshed = Some(Instant::now());
+        drop(st);
+        self.changed.notify_waiters();
     }
 
     pub fn backends(&self) -> Vec<Arc<Backend>> {

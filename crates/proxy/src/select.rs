@@ -4,10 +4,14 @@
 //! keeps its PEs in a small handlespace of its own, with the policy information (load) the
 //! registrar reported last, and resolves there. Selection skips the PEs a request has tried
 //! and those passive health ejected ([`crate::backend`]).
+//!
+//! A pool with policy `credits` is chosen from by the credits left at each PE by the proxy's
+//! own count ([`Backend::credits_left`]): the most first, and none without credit left.
 
 use crate::backend::Backend;
 use rserpool_handlespace::{Handlespace, PeRef};
-use rserpool_wire::{PoolElement, PoolHandle};
+use rserpool_wire::policy::policy_type;
+use rserpool_wire::{Policy, PoolElement, PoolHandle};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -43,6 +47,18 @@ impl Selector {
             return None;
         }
         let now = Instant::now();
+        if hs.pool_policy_type(handle.as_bytes()) == Some(policy_type::CREDITS) {
+            return backends
+                .values()
+                .filter(|b| !tried.contains(&b.id) && !b.is_ejected(now))
+                .filter_map(|b| Some((b.credits_left()?, b)))
+                .filter(|(c, _)| *c > 0)
+                .max_by_key(|(c, b)| (*c, std::cmp::Reverse(b.requests())))
+                .map(|(_, b)| {
+                    b.reserve_credit();
+                    b.clone()
+                });
+        }
         let mut k = (1 + tried.len()).min(n);
         loop {
             scratch.clear();
@@ -70,20 +86,44 @@ impl Selector {
             .cloned()
     }
 
+    /// True for a `credits` pool with untried PEs that have all spent their credit: credit
+    /// may come back, unlike PEs.
+    pub(crate) fn out_of_credit(&self, handle: &PoolHandle, tried: &[u32]) -> bool {
+        self.hs.pool_policy_type(handle.as_bytes()) == Some(policy_type::CREDITS)
+            && self.backends.values().any(|b| !tried.contains(&b.id))
+    }
+
     /// Replaces the PEs with what a registrar reported. A PE still listed at the same
     /// addresses keeps its state (health, counters, idle connections); the others retire.
     pub(crate) fn replace(&mut self, handle: &PoolHandle, pes: Vec<PoolElement>) {
         let mut backends = HashMap::with_capacity(pes.len());
         let mut hs = new_handlespace();
         for pe in pes {
+            let old_policy = self
+                .hs
+                .find(handle.as_bytes(), pe.id)
+                .map(|r| &self.hs.pe(r).element.policy);
             let b = match self.backends.remove(&pe.id) {
-                Some(b) if b.is_at(&pe) => b,
+                Some(b) if b.is_at(&pe) => {
+                    // A report the PE did not repeat keeps the count since it came.
+                    if let Policy::Credits { credits, capacity } = pe.policy
+                        && old_policy != Some(&pe.policy)
+                    {
+                        b.note_credits(credits, capacity);
+                    }
+                    b
+                }
                 Some(old) => {
                     old.retire();
                     Arc::new(Backend::new(handle, &pe))
                 }
                 None => Arc::new(Backend::new(handle, &pe)),
             };
+            if let Policy::Credits { credits, capacity } = pe.policy
+                && b.credits_left().is_none()
+            {
+                b.note_credits(credits, capacity);
+            }
             // The local copy only selects: no homes, no timers.
             let mut pe = pe;
             pe.home_registrar = 0;

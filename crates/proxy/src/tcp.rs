@@ -19,7 +19,7 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
     };
     let mut tried = Vec::new();
     let (b, backend) = loop {
-        let Some(b) = pool.pick(&tried) else {
+        let Some(b) = pool.pick_or_wait(&tried).await else {
             debug!("client {peer}: no PE of pool {} reachable", pool.handle);
             ctx.log(|| {
                 format!(
@@ -30,7 +30,13 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
             });
             return;
         };
-        match b.connect(ctx.connect_timeout()).await {
+        let connected = b.connect(ctx.connect_timeout()).await;
+        if connected.is_ok() {
+            b.stats.requests.fetch_add(1, Ordering::Relaxed);
+            b.stats.active.fetch_add(1, Ordering::Relaxed);
+        }
+        b.pick_done();
+        match connected {
             Ok(s) => {
                 b.succeeded();
                 break (b, s);
@@ -45,8 +51,6 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
             }
         }
     };
-    b.stats.requests.fetch_add(1, Ordering::Relaxed);
-    b.stats.active.fetch_add(1, Ordering::Relaxed);
     let moved = crate::splice::forward(&client, &backend, ctx.idle_timeout(), ctx.cfg.splice).await;
     b.stats.active.fetch_sub(1, Ordering::Relaxed);
     let (up, down) = match &moved {

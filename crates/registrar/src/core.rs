@@ -24,6 +24,7 @@ mod asap;
 mod conns;
 mod enrp;
 mod limit;
+mod subscribe;
 
 use asap::Asap;
 use conns::Conns;
@@ -108,6 +109,11 @@ impl Registrar {
 
     /// Bytes read from a connection.
     pub fn handle_data(&mut self, id: ConnId, data: &[u8], now: Instant) {
+        self.read(id, data, now);
+        self.asap.push_subscriptions(&mut self.conns, now);
+    }
+
+    fn read(&mut self, id: ConnId, data: &[u8], now: Instant) {
         let mut input = data;
         loop {
             let Some(c) = self.conns.live_mut(id) else {
@@ -151,8 +157,10 @@ impl Registrar {
         if c.enrp {
             self.enrp.closed(id, &mut self.asap, &mut self.conns, now);
         }
+        self.asap.unsubscribe(id);
         self.asap
             .connection_closed(c.pes, &mut self.conns, &mut self.enrp, now);
+        self.asap.push_subscriptions(&mut self.conns, now);
     }
 
     /// A UDP datagram arrived on the ENRP port (a PRESENCE, to discover peers).
@@ -194,6 +202,7 @@ impl Registrar {
             .handle_timeout(&mut self.asap, &mut self.conns, now);
         self.asap
             .handle_timeout(&mut self.conns, &mut self.enrp, now);
+        self.asap.push_subscriptions(&mut self.conns, now);
     }
 
     /// The peers as `rserpool status` shows them.

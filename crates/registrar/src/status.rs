@@ -50,6 +50,12 @@ pub struct Counters {
     pub resolutions: u64,
     pub resolutions_unknown_pool: u64,
     pub resolutions_rate_limited: u64,
+    /// Pool users subscribed to a pool's changes (the S bit), now.
+    #[serde(default)]
+    pub subscriptions: u64,
+    /// Pools pushed to subscribers since start.
+    #[serde(default)]
+    pub subscription_pushes: u64,
     pub keep_alives_sent: u64,
     pub keep_alive_acks: u64,
     pub unreachable_reports: u64,

@@ -313,3 +313,71 @@ fn a_synchronising_registrar_does_not_deny_a_pool() {
     r.handle_data(c, &resolve, at(1_002));
     assert_eq!(cause(&mut r, c), CauseCode::UNKNOWN_POOL_HANDLE);
 }
+
+/// RFC 5352's S bit: a subscribed pool user is sent the pool again whenever it changes in a
+/// way it can see — not for a re-registration with nothing new — and an empty answer when
+/// the pool is gone.
+#[test]
+fn a_subscriber_is_pushed_each_visible_change_of_its_pool() {
+    let mut r = Registrar::new(cfg(), ID, at(0));
+    let pu = r.accept(peer(40_001), at(0)).unwrap();
+    let subscribe = AsapMessage::HandleResolution {
+        subscribe: true,
+        pool_handle: PoolHandle::from("P"),
+        items: None,
+    }
+    .to_bytes()
+    .unwrap();
+    r.handle_data(pu, &subscribe, at(1));
+    match output(&mut r, pu).pop() {
+        Some(AsapMessage::HandleResolutionResponse {
+            accept: true,
+            error: Some(e),
+            ..
+        }) => assert_eq!(e.causes[0].code, CauseCode::UNKNOWN_POOL_HANDLE),
+        other => panic!("subscription accepted, pool unknown yet: {other:?}"),
+    }
+    let credits = |c: u32| {
+        let mut m = AsapMessage::decode(&registration(7, 60)).unwrap();
+        if let AsapMessage::Registration { pool_element, .. } = &mut m {
+            pool_element.policy = Policy::Credits {
+                credits: c,
+                capacity: 8,
+            };
+        }
+        m.to_bytes().unwrap()
+    };
+    let pe = r.accept(peer(40_002), at(2)).unwrap();
+    let pushed = |r: &mut Registrar| -> Vec<Option<u32>> {
+        output(r, pu)
+            .into_iter()
+            .map(|m| match m {
+                AsapMessage::HandleResolutionResponse {
+                    accept: true,
+                    pool_elements,
+                    ..
+                } => pool_elements.first().map(|p| match p.policy {
+                    Policy::Credits { credits, .. } => credits,
+                    _ => u32::MAX,
+                }),
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    r.handle_data(pe, &credits(8), at(3));
+    assert_eq!(pushed(&mut r), [Some(8)], "the pool appeared");
+    r.handle_data(pe, &credits(8), at(4));
+    assert_eq!(pushed(&mut r), [], "nothing new");
+    // Two reports in one read: one push, of the latest.
+    let mut two = credits(5);
+    two.extend(credits(3));
+    r.handle_data(pe, &two, at(5));
+    assert_eq!(pushed(&mut r), [Some(3)]);
+    r.handle_close(pe, at(6));
+    assert_eq!(pushed(&mut r), [None], "the pool is gone");
+    // The subscriber leaves: later changes go nowhere.
+    r.handle_close(pu, at(7));
+    let pe = r.accept(peer(40_003), at(8)).unwrap();
+    r.handle_data(pe, &credits(1), at(9));
+    assert_eq!(r.handlespace().len(), 1);
+}

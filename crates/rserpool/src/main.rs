@@ -42,7 +42,8 @@ pub struct PeOpts {
     /// Pool handle to register in.
     #[arg(long)]
     pub pool: String,
-    /// Pool policy: rr, wrr, rand, wrand, prio, lu, lud, plu, rlu.
+    /// Pool policy: rr, wrr, rand, wrand, prio, lu, lud, plu, rlu, or credits (pushed by the
+    /// PE from its accept queue and work in flight; `example` and `serve`, see --capacity).
     #[arg(long, default_value = "rr")]
     pub policy: String,
     /// Weight (wrr, wrand) or priority (prio).
@@ -56,6 +57,37 @@ pub struct PeOpts {
     pub reregistration_interval_ms: u64,
     #[command(flatten)]
     pub registrars: RegistrarOpts,
+}
+
+/// How a PE with policy `credits` reports them (docs/CREDITS.md).
+#[derive(Args, Debug, Clone)]
+pub struct CreditOpts {
+    /// Reporting algorithm: dpr (every change) or dpr-q (only across a quantum of an eighth of
+    /// the capacity, or at 0 and full).
+    #[arg(long, default_value = "dpr-q")]
+    pub credit_reporting: String,
+    /// How often the accept queue and the work in flight are sampled.
+    #[arg(long, default_value_t = 5)]
+    pub credit_sample_ms: u64,
+    /// At most one credit report (a re-registration) per this interval.
+    #[arg(long, default_value_t = 5)]
+    pub credit_min_interval_ms: u64,
+}
+
+impl Default for CreditOpts {
+    /// The command line's defaults (for PEs started without one, as by `up`).
+    fn default() -> Self {
+        use clap::FromArgMatches;
+        let cmd = Self::augment_args(clap::Command::new("credits"));
+        cmd.try_get_matches_from(["credits"])
+            .ok()
+            .and_then(|m| Self::from_arg_matches(&m).ok())
+            .unwrap_or(Self {
+                credit_reporting: "dpr-q".into(),
+                credit_sample_ms: 5,
+                credit_min_interval_ms: 5,
+            })
+    }
 }
 
 #[derive(Subcommand)]

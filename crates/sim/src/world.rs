@@ -836,7 +836,8 @@ impl World {
 
     fn pu_event(&mut self, n: Node, e: PuEvent) {
         let Node::Pu(u) = n else { return };
-        let PuEvent::Answered(q, r) = e;
+        // The simulated pool users do not subscribe.
+        let PuEvent::Answered(q, r) = e else { return };
         let Some(Purpose::Resolve(handle)) = self.pus[u].outstanding.remove(&q) else {
             return;
         };

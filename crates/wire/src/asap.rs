@@ -158,17 +158,22 @@ impl AsapMessage {
         }
     }
 
-    /// Appends an accepted HANDLE_RESOLUTION_RESPONSE, the same bytes as encoding
+    /// Appends a positive HANDLE_RESOLUTION_RESPONSE, the same bytes as encoding
     /// [`AsapMessage::HandleResolutionResponse`] without an error, but from borrowed pool
     /// elements (e.g. straight out of a handlespace, without copying them into a message).
+    /// `accept`: the A bit (a subscription to the pool's updates is accepted, or this is one).
     pub fn encode_resolution<'a>(
         out: &mut Vec<u8>,
+        accept: bool,
         pool_handle: &PoolHandle,
         policy: Option<&Policy>,
         pool_elements: impl IntoIterator<Item = &'a PoolElement>,
     ) -> Result<(), EncodeError> {
         let mut e = Encoder::new(out);
-        let s = e.begin(u16::from_be_bytes([mt::HANDLE_RESOLUTION_RESPONSE, 0]));
+        let s = e.begin(u16::from_be_bytes([
+            mt::HANDLE_RESOLUTION_RESPONSE,
+            u8::from(accept),
+        ]));
         put_pool_list(&mut e, pool_handle, policy, pool_elements);
         e.end(s);
         e.finish()

@@ -28,6 +28,9 @@ pub mod policy_type {
     pub const WEIGHTED_RANDOM_DPF: u32 = 0xb000_2001;
     pub const LEAST_USED_DPF: u32 = 0xb000_2002;
     pub const LEAST_USED_DEGRADATION_DPF: u32 = 0xb000_2003;
+    /// rserpool's credits (private and adaptive): the connections a PE can take now, and its
+    /// capacity (docs/CREDITS.md).
+    pub const CREDITS: u32 = 0xc5a1_0001;
 
     /// The adaptive bit: the policy uses load information reported by the PEs.
     pub const ADAPTIVE: u32 = 0x4000_0000;
@@ -99,6 +102,12 @@ pub enum Policy {
         load_dpf: u32,
         distance: u32,
     },
+    /// rserpool's credit-based policy (salbnet's DPR and DPR-Q, docs/CREDITS.md): the PE
+    /// pushes how many more connections or requests it can take now; most credits first.
+    Credits {
+        credits: u32,
+        capacity: u32,
+    },
     /// A policy type this codec does not know, with its raw data (boxed: it is rare, and
     /// every PE entry in a handlespace pays for the largest variant).
     Other {
@@ -144,6 +153,7 @@ impl Policy {
             Self::WeightedRandomDpf { .. } => pt::WEIGHTED_RANDOM_DPF,
             Self::LeastUsedDpf { .. } => pt::LEAST_USED_DPF,
             Self::LeastUsedDegradationDpf { .. } => pt::LEAST_USED_DEGRADATION_DPF,
+            Self::Credits { .. } => pt::CREDITS,
             Self::Other { policy_type, .. } => *policy_type,
         }
     }
@@ -181,6 +191,7 @@ impl Policy {
                 load_dpf,
                 distance,
             } => ([load, degradation, load_dpf, distance], 4),
+            Self::Credits { credits, capacity } => ([credits, capacity, 0, 0], 2),
         }
     }
 
@@ -197,8 +208,8 @@ impl Policy {
         }
     }
 
-    /// The policy named by its [`short_name`](Self::short_name) (RFC 5356 policies only), with
-    /// `value` as its weight or priority and zero load.
+    /// The policy named by its [`short_name`](Self::short_name) (RFC 5356 policies and
+    /// `credits`), with `value` as its weight, priority or capacity, zero load and full credit.
     pub fn from_name(name: &str, value: u32) -> Option<Self> {
         Some(match name {
             "rr" => Self::RoundRobin,
@@ -216,6 +227,10 @@ impl Policy {
                 degradation: 0,
             },
             "rlu" => Self::RandomizedLeastUsed { load: 0 },
+            "credits" => Self::Credits {
+                credits: value,
+                capacity: value,
+            },
             _ => return None,
         })
     }
@@ -249,6 +264,7 @@ impl Policy {
             Self::WeightedRandomDpf { .. } => "wrand-dpf",
             Self::LeastUsedDpf { .. } => "lu-dpf",
             Self::LeastUsedDegradationDpf { .. } => "lud-dpf",
+            Self::Credits { .. } => "credits",
             Self::Other { .. } => "other",
         }
     }
@@ -325,6 +341,10 @@ impl Policy {
                 degradation: word(2)?,
                 load_dpf: word(3)?,
                 distance: word(4)?,
+            },
+            pt::CREDITS => Self::Credits {
+                credits: word(1)?,
+                capacity: word(2)?,
             },
             0 | pt::ADAPTIVE => return Err(invalid()),
             other => Self::Other {

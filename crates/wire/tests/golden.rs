@@ -145,6 +145,7 @@ fn asap_every_message_type() {
     let mut borrowed = Vec::new();
     AsapMessage::encode_resolution(
         &mut borrowed,
+        false,
         &ph(),
         Some(&Policy::LeastUsed { load: 0x8000_0000 }),
         [&pe_with_asap],
@@ -401,6 +402,13 @@ fn every_policy_parameter() {
                 data: vec![0xaa, 0xbb, 0xcc, 0xdd].into(),
             },
             "0008 000c c0000001 aabbccdd",
+        ),
+        (
+            Policy::Credits {
+                credits: 3,
+                capacity: 8,
+            },
+            "0008 0010 c5a10001 00000003 00000008",
         ),
     ];
     for (policy, bytes) in cases {

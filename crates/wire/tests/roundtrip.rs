@@ -86,7 +86,8 @@ fn user_transport() -> impl Strategy<Value = UserTransport> {
 }
 
 /// Every policy type the decoder maps to a named variant, plus the two invalid values.
-const KNOWN_OR_INVALID_POLICY_TYPES: [u32; 18] = [
+const KNOWN_OR_INVALID_POLICY_TYPES: [u32; 19] = [
+    pt::CREDITS,
     pt::ROUND_ROBIN,
     pt::WEIGHTED_ROUND_ROBIN,
     pt::RANDOM,
@@ -176,6 +177,7 @@ fn policy() -> impl Strategy<Value = Policy> {
                 distance,
             }
         }),
+        (u(), u()).prop_map(|(credits, capacity)| Policy::Credits { credits, capacity }),
         other_policy(),
     ]
 }
@@ -749,7 +751,7 @@ fn strategies_cover_every_variant() {
     }
     assert_eq!(a, (1..=14).collect::<BTreeSet<u8>>());
     assert_eq!(e, (1..=10).collect::<BTreeSet<u8>>());
-    assert_eq!(policies.len(), 17, "{policies:?}");
+    assert_eq!(policies.len(), 18, "{policies:?}");
 }
 
 /// A message whose length does not fit 16 bits is refused and leaves the buffer unchanged; one

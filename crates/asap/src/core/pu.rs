@@ -12,6 +12,9 @@
 //! then announced) in turn from the last one that worked; a handle resolution that fails on an
 //! association (closed, no answer in time, bad input) moves to the next registrar and tries
 //! again, once per registrar known.
+//!
+//! With [`PoolUserConfig::subscribe`], [`PuCore::pool_elements`] also asks the registrar to push
+//! the pool again whenever it changes (RFC 5352's S bit); each push is a [`PuEvent::Pushed`].
 
 use super::{Action, ConnId, Instant, Outbox, earliest};
 use crate::Error;
@@ -35,6 +38,11 @@ pub struct PoolUserConfig {
     pub items: Option<u32>,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
+    /// Ask for every pool fetched with [`PuCore::pool_elements`] to be pushed again whenever
+    /// it changes (the S bit; [`PuEvent::Pushed`]), for the life of the association with the
+    /// registrar. A pool user that keeps its own copy of a pool (the proxy) sees new PEs,
+    /// departures and policy information (credits) within a registrar hop.
+    pub subscribe: bool,
 }
 
 impl Default for PoolUserConfig {
@@ -46,6 +54,7 @@ impl Default for PoolUserConfig {
             items: None,
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(3),
+            subscribe: false,
         }
     }
 }
@@ -78,6 +87,8 @@ pub enum Answer {
 #[derive(Debug)]
 pub enum PuEvent {
     Answered(QueryId, Result<Answer, Error>),
+    /// A subscribed pool as it is now, pushed by the registrar (no PEs: the pool is gone).
+    Pushed(Resolution),
 }
 
 #[derive(Debug, Clone)]
@@ -408,7 +419,7 @@ impl PuCore {
                 },
             },
             Ask::Pool(handle) => AsapMessage::HandleResolution {
-                subscribe: false,
+                subscribe: self.cfg.subscribe,
                 pool_handle: handle.clone(),
                 items: Some(u32::MAX),
             },
@@ -448,6 +459,23 @@ impl PuCore {
     }
 
     fn on_message(&mut self, msg: AsapMessage, registrar: SocketAddr, now: Instant) {
+        let awaited = match self.current.as_ref().filter(|q| q.sent.is_some()) {
+            Some(Query {
+                ask: Ask::Resolve(h) | Ask::Pool(h),
+                ..
+            }) => Some(h),
+            _ => None,
+        };
+        if let AsapMessage::HandleResolutionResponse {
+            accept: true,
+            pool_handle,
+            ..
+        } = &msg
+            && self.cfg.subscribe
+            && awaited != Some(pool_handle)
+        {
+            return self.on_push(msg, registrar);
+        }
         let Some(q) = self.current.as_ref().filter(|q| q.sent.is_some()) else {
             return;
         };
@@ -512,6 +540,31 @@ impl PuCore {
         };
         self.answer(q.id, r.map(Answer::Resolution));
         self.pump(now);
+    }
+
+    /// A pool the registrar pushed to its subscriber.
+    fn on_push(&mut self, msg: AsapMessage, registrar: SocketAddr) {
+        let AsapMessage::HandleResolutionResponse {
+            pool_handle,
+            policy,
+            pool_elements,
+            error,
+            ..
+        } = msg
+        else {
+            return;
+        };
+        let pool_elements = if error.is_some() {
+            Vec::new()
+        } else {
+            pool_elements
+        };
+        self.out.event(PuEvent::Pushed(Resolution {
+            pool_handle,
+            policy,
+            pool_elements,
+            registrar: Some(registrar),
+        }));
     }
 
     fn fill_cache(

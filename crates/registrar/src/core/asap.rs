@@ -12,6 +12,7 @@ use super::Instant;
 use super::conns::{Action, ConnId, Conns};
 use super::enrp::{Enrp, HandlespaceView};
 use super::limit::LogLimiter;
+use super::subscribe::Subscriptions;
 use crate::config::Config;
 use crate::status::{Counters, PeStatus, PoolStatus};
 use bytes::Bytes;
@@ -77,6 +78,7 @@ pub(super) struct Asap {
     scratch: Vec<PeRef>,
     expired: Vec<(PeRef, TimerKind)>,
     report: Vec<ErrorCause>,
+    subs: Subscriptions,
 }
 
 impl Asap {
@@ -99,6 +101,7 @@ impl Asap {
             scratch: Vec::new(),
             expired: Vec::new(),
             report: Vec::new(),
+            subs: Subscriptions::default(),
         }
     }
 
@@ -214,8 +217,21 @@ impl Asap {
                 self.on_deregistration(id, pool_handle, pe_id, out, enrp, now)
             }
             AsapMessage::HandleResolution {
-                pool_handle, items, ..
-            } => self.on_handle_resolution(id, pool_handle, items, enrp.is_starting(), out, now),
+                subscribe,
+                pool_handle,
+                items,
+            } => {
+                let synchronising = enrp.is_starting();
+                self.on_handle_resolution(
+                    id,
+                    pool_handle,
+                    items,
+                    subscribe,
+                    synchronising,
+                    out,
+                    now,
+                )
+            }
             AsapMessage::EndpointKeepAliveAck { pool_handle, pe_id } => {
                 self.on_keep_alive_ack(id, &pool_handle, pe_id, out, now)
             }
@@ -420,13 +436,14 @@ impl Asap {
 
     fn refuse_resolution(
         id: ConnId,
+        accept: bool,
         pool_handle: PoolHandle,
         code: CauseCode,
         out: &mut Conns,
         now: Instant,
     ) {
         let msg = AsapMessage::HandleResolutionResponse {
-            accept: false,
+            accept,
             pool_handle,
             policy: None,
             pool_elements: Vec::new(),
@@ -437,12 +454,15 @@ impl Asap {
 
     /// `synchronising`: ENRP is still filling the handlespace from a mentor, so a pool missing
     /// here may exist elsewhere; the pool user is sent to another registrar (LACK_OF_RESOURCES)
-    /// rather than told that the pool does not exist.
+    /// rather than told that the pool does not exist. `subscribe`: the S bit; the pool user
+    /// is then sent the pool again whenever it changes ([`Subscriptions`]).
+    #[allow(clippy::too_many_arguments)]
     fn on_handle_resolution(
         &mut self,
         id: ConnId,
         pool_handle: PoolHandle,
         items: Option<u32>,
+        subscribe: bool,
         synchronising: bool,
         out: &mut Conns,
         now: Instant,
@@ -461,14 +481,22 @@ impl Asap {
                     "{peer}: handle resolution refused, more than {max_hr_rate}/s from this pool user"
                 );
             }
-            Self::refuse_resolution(id, pool_handle, CauseCode::REJECTED_SECURITY, out, now);
+            let code = CauseCode::REJECTED_SECURITY;
+            Self::refuse_resolution(id, false, pool_handle, code, out, now);
             return;
         }
         self.counters.resolutions += 1;
-        let mut n = items.unwrap_or(default_items).min(max_items) as usize;
+        let n = items.unwrap_or(default_items).min(max_items) as usize;
         let scratch = &mut self.scratch;
         scratch.clear();
         let found = self.hs.resolve(pool_handle.as_bytes(), n, scratch);
+        let accept = subscribe
+            && !synchronising
+            && self.subs.add(
+                id,
+                &pool_handle,
+                self.hs.pool_version(pool_handle.as_bytes()),
+            );
         if !found || scratch.is_empty() {
             let cause = if synchronising {
                 CauseCode::LACK_OF_RESOURCES
@@ -476,34 +504,26 @@ impl Asap {
                 self.counters.resolutions_unknown_pool += 1;
                 CauseCode::UNKNOWN_POOL_HANDLE
             };
-            Self::refuse_resolution(id, pool_handle, cause, out, now);
+            Self::refuse_resolution(id, accept, pool_handle, cause, out, now);
             return;
         }
-        // Encoded straight from the handlespace into the connection's buffer. A large pool may
-        // not fit one message: halve the list until it does.
-        let Some(buf) = out.buffer(id) else { return };
-        let hs = &self.hs;
-        let policy = &hs.pe(scratch[0]).element.policy;
-        let mark = buf.len();
-        buf.reserve(64 + 96 * n.min(scratch.len()));
-        loop {
-            let pes = scratch[..n.min(scratch.len())]
-                .iter()
-                .map(|&r| &hs.pe(r).element);
-            match AsapMessage::encode_resolution(buf, &pool_handle, Some(policy), pes) {
-                Ok(()) => break,
-                Err(EncodeError::TooLarge { .. }) if n > 1 => {
-                    buf.truncate(mark);
-                    n = n.min(scratch.len()) / 2;
-                }
-                Err(e) => {
-                    buf.truncate(mark);
-                    warn!("cannot encode HANDLE_RESOLUTION_RESPONSE: {e}");
-                    return;
-                }
-            }
+        write_resolution(out, id, accept, &pool_handle, &self.hs, scratch, now);
+    }
+
+    /// Sends every subscribed pool that changed since its last push (after each input).
+    pub(super) fn push_subscriptions(&mut self, out: &mut Conns, now: Instant) {
+        if self.subs.len() == 0 {
+            return;
         }
-        out.written(id, now);
+        let max = self.cfg.max_hres_items_requested as usize;
+        self.subs.push(&self.hs, max, &mut self.scratch, out, now);
+        self.counters.subscription_pushes = self.subs.pushes();
+        self.counters.subscriptions = self.subs.len() as u64;
+    }
+
+    /// An association ended: its subscriptions too.
+    pub(super) fn unsubscribe(&mut self, id: ConnId) {
+        self.subs.closed(id);
     }
 
     fn on_keep_alive_ack(
@@ -879,4 +899,40 @@ fn asap_transport(announced: Option<&TransportAddress>, peer: SocketAddr) -> Soc
         Some(a) if a.port() != 0 => a,
         _ => peer,
     }
+}
+
+/// Writes a positive HANDLE_RESOLUTION_RESPONSE with the PEs `refs` (at least one) straight
+/// from the handlespace into connection `id`'s buffer. A large pool may not fit one message:
+/// the list is halved until it does. `accept`: the A bit.
+pub(super) fn write_resolution(
+    out: &mut Conns,
+    id: ConnId,
+    accept: bool,
+    pool_handle: &PoolHandle,
+    hs: &Handlespace,
+    refs: &[PeRef],
+    now: Instant,
+) {
+    let Some(&first) = refs.first() else { return };
+    let Some(buf) = out.buffer(id) else { return };
+    let policy = &hs.pe(first).element.policy;
+    let mark = buf.len();
+    let mut n = refs.len();
+    buf.reserve(64 + 96 * n);
+    loop {
+        let pes = refs[..n].iter().map(|&r| &hs.pe(r).element);
+        match AsapMessage::encode_resolution(buf, accept, pool_handle, Some(policy), pes) {
+            Ok(()) => break,
+            Err(EncodeError::TooLarge { .. }) if n > 1 => {
+                buf.truncate(mark);
+                n /= 2;
+            }
+            Err(e) => {
+                buf.truncate(mark);
+                warn!("cannot encode HANDLE_RESOLUTION_RESPONSE: {e}");
+                return;
+            }
+        }
+    }
+    out.written(id, now);
 }

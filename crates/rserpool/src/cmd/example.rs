@@ -1,12 +1,15 @@
 //! `rserpool example`: small TCP services that register themselves as pool elements through the
 //! library, like rsplib's rspserver services. For adaptive policies each reports its load as
-//! active connections / capacity whenever a connection opens or closes.
+//! active connections / capacity whenever a connection opens or closes; with policy `credits`
+//! it reports credits from its listening socket's accept queue and its work in flight
+//! (requests for `http`, connections for the others).
 
-use crate::PeOpts;
+use crate::{CreditOpts, PeOpts};
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use rserpool_asap::PoolElement;
+use rserpool_asap::{CreditSource, InFlight, MetricSource, PoolElement};
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -35,17 +38,27 @@ pub struct ExampleArgs {
     /// Listening address of the service (port 0 = any free port).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
-    /// Connections at which the reported load is 100%.
+    /// Connections at which the reported load is 100%; with policy `credits`, the connections
+    /// (requests for `http`) it takes at once.
     #[arg(long, default_value_t = 100)]
     pub capacity: usize,
     #[command(flatten)]
     pub pe: PeOpts,
+    #[command(flatten)]
+    pub credits: CreditOpts,
 }
 
 pub fn run(args: ExampleArgs) -> Result<()> {
     super::init_logging();
     super::runtime()?.block_on(async move {
-        let ex = start(args.service, args.listen, args.capacity, &args.pe).await?;
+        let ex = start(
+            args.service,
+            args.listen,
+            args.capacity,
+            &args.pe,
+            &args.credits,
+        )
+        .await?;
         info!(
             "{:?} service at {} is PE {:#010x} of pool {}",
             args.service,
@@ -54,6 +67,7 @@ pub fn run(args: ExampleArgs) -> Result<()> {
             args.pe.pool
         );
         super::shutdown_signal().await;
+        drop(ex.credits);
         ex.pe.stop().await;
         Ok(())
     })
@@ -64,6 +78,8 @@ pub struct Example {
     pub addr: SocketAddr,
     pub pe: PoolElement,
     pub task: tokio::task::JoinHandle<()>,
+    /// Policy `credits`: the sampling task.
+    pub credits: Option<CreditSource>,
 }
 
 /// Binds the service, starts its PE and its accept loop (on the current runtime).
@@ -72,12 +88,23 @@ pub async fn start(
     listen: SocketAddr,
     capacity: usize,
     opts: &PeOpts,
+    credit_opts: &CreditOpts,
 ) -> Result<Example> {
     let listener = TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
-    let pe = PoolElement::start(super::pe_config(opts, addr)?)?;
+    let mut cfg = super::pe_config(opts, addr)?;
+    let cap = u32::try_from(capacity.max(1)).unwrap_or(u32::MAX);
+    super::set_capacity(&mut cfg, cap);
+    let pe = PoolElement::start(cfg)?;
+    let credits = super::credit_source(
+        &pe,
+        credit_opts,
+        cap,
+        MetricSource::Listener(listener.as_fd().try_clone_to_owned()?),
+    )?;
+    let in_flight = credits.as_ref().map(CreditSource::in_flight);
     let adaptive = rserpool_wire::Policy::from_name(&opts.policy, opts.weight)
         .is_some_and(|p| p.is_adaptive());
     let load = Load {
@@ -94,14 +121,20 @@ pub async fn start(
             debug!("{service:?}: connection from {peer}");
             let load = load.clone();
             let reporter = reporter.clone();
+            let in_flight = in_flight.clone();
             tokio::spawn(async move {
                 load.change(1, &reporter);
-                let _ = serve(service, stream, id).await;
+                let _ = serve(service, stream, id, in_flight).await;
                 load.change(-1, &reporter);
             });
         }
     });
-    Ok(Example { addr, pe, task })
+    Ok(Example {
+        addr,
+        pe,
+        task,
+        credits,
+    })
 }
 
 /// Sends load updates to the PE from connection tasks.
@@ -145,9 +178,20 @@ impl Load {
     }
 }
 
-async fn serve(service: Service, mut stream: TcpStream, id: u32) -> std::io::Result<()> {
+/// `in_flight`: with credits, what counts as work in flight (a request for `http`, the
+/// connection for the others).
+async fn serve(
+    service: Service,
+    mut stream: TcpStream,
+    id: u32,
+    in_flight: Option<InFlight>,
+) -> std::io::Result<()> {
+    if service == Service::Http {
+        return serve_http(stream, id, in_flight).await;
+    }
+    let _work = in_flight.as_ref().map(InFlight::enter);
     match service {
-        Service::Http => serve_http(stream, id).await?,
+        Service::Http => {}
         Service::Echo => {
             let (mut r, mut w) = stream.split();
             tokio::io::copy(&mut r, &mut w).await?;
@@ -179,7 +223,11 @@ async fn serve(service: Service, mut stream: TcpStream, id: u32) -> std::io::Res
     Ok(())
 }
 
-async fn serve_http(mut stream: TcpStream, id: u32) -> std::io::Result<()> {
+async fn serve_http(
+    mut stream: TcpStream,
+    id: u32,
+    in_flight: Option<InFlight>,
+) -> std::io::Result<()> {
     use bytes::{Buf, BytesMut};
     use rserpool_proxy::message::{BodyState, Head, framing};
     let mut buf = BytesMut::with_capacity(16 * 1024);
@@ -197,6 +245,8 @@ async fn serve_http(mut stream: TcpStream, id: u32) -> std::io::Result<()> {
         let Ok(f) = framing(&head, true) else {
             return bad_request(&mut stream).await;
         };
+        // From the request's head to the end of its response.
+        let _work = in_flight.as_ref().map(InFlight::enter);
         if head
             .get("expect")
             .is_some_and(|v| v.eq_ignore_ascii_case(b"100-continue"))

@@ -45,7 +45,9 @@ pub fn parse_u32(s: &str) -> Result<u32, String> {
 
 pub fn policy(name: &str, weight: u32) -> Result<Policy> {
     Policy::from_name(name, weight).ok_or_else(|| {
-        anyhow!("unknown policy {name:?}; use rr, wrr, rand, wrand, prio, lu, lud, plu or rlu")
+        anyhow!(
+            "unknown policy {name:?}; use rr, wrr, rand, wrand, prio, lu, lud, plu, rlu or credits"
+        )
     })
 }
 
@@ -63,6 +65,47 @@ pub fn pe_config(opts: &PeOpts, transport: SocketAddr) -> Result<PoolElementConf
     cfg.announce_listen = opts.registrars.announce_listen;
     cfg.reregistration_interval = Duration::from_millis(opts.reregistration_interval_ms.max(100));
     Ok(cfg)
+}
+
+/// A PE with policy `credits` registers with full credit: `capacity`.
+pub fn set_capacity(cfg: &mut PoolElementConfig, capacity: u32) {
+    if let Policy::Credits { .. } = cfg.policy {
+        cfg.policy = Policy::Credits {
+            credits: capacity,
+            capacity,
+        };
+    }
+}
+
+/// Starts reporting credits for a PE with policy `credits`, from `source`; `capacity` is the
+/// work it takes at once. `None` for any other policy.
+pub fn credit_source(
+    pe: &rserpool_asap::PoolElement,
+    opts: &crate::CreditOpts,
+    capacity: u32,
+    source: rserpool_asap::MetricSource,
+) -> Result<Option<rserpool_asap::CreditSource>> {
+    if !matches!(pe.updater().policy(), Policy::Credits { .. }) {
+        return Ok(None);
+    }
+    let reporting = rserpool_asap::Reporting::from_name(&opts.credit_reporting, capacity)
+        .ok_or_else(|| {
+            anyhow!(
+                "unknown --credit-reporting {:?}; use dpr or dpr-q",
+                opts.credit_reporting
+            )
+        })?;
+    let cfg = rserpool_asap::CreditConfig {
+        capacity,
+        reporting,
+        min_interval: Duration::from_millis(opts.credit_min_interval_ms),
+    };
+    Ok(Some(rserpool_asap::CreditSource::start(
+        pe.updater(),
+        source,
+        cfg,
+        Duration::from_millis(opts.credit_sample_ms.max(1)),
+    )))
 }
 
 pub fn pu_config(opts: &RegistrarOpts) -> PoolUserConfig {

@@ -3,13 +3,16 @@
 //! It checks the target with a TCP connect every check interval: after `--fall` failures in a
 //! row it deregisters, after `--rise` successes it registers again (same PE identifier). For
 //! adaptive policies it reads the target's load from the kernel — the accept backlog of its
-//! listening socket plus its established connections, from /proc/net/tcp{,6} — and reports
-//! load = (backlog + established) / capacity when it moved by at least the threshold, at most
-//! once per load interval.
+//! listening socket plus its established connections, by sock_diag netlink
+//! ([`rserpool_asap::metric::port_load`]) — and reports load = (backlog + established) /
+//! capacity when it moved by at least the threshold, at most once per load interval. With
+//! policy `credits` it samples the same figures every few milliseconds and pushes credits
+//! (docs/CREDITS.md).
 
-use crate::PeOpts;
+use crate::{CreditOpts, PeOpts};
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
+use rserpool_asap::metric::port_load;
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::net::TcpStream;
@@ -36,7 +39,8 @@ pub struct ServeArgs {
     /// Successful checks in a row that register it again.
     #[arg(long, default_value_t = 1)]
     pub rise: u32,
-    /// Connections (backlog + established) at which the reported load is 100%.
+    /// Connections (backlog + established) at which the reported load is 100%; with policy
+    /// `credits`, the connections the target takes at once.
     #[arg(long, default_value_t = 100)]
     pub capacity: u32,
     /// Report the load when it changed by at least this fraction (0.05 = 5 points).
@@ -47,6 +51,8 @@ pub struct ServeArgs {
     pub load_interval_ms: u64,
     #[command(flatten)]
     pub pe: PeOpts,
+    #[command(flatten)]
+    pub credits: CreditOpts,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -62,11 +68,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
         .ok_or_else(|| anyhow!("--target {} resolves to no address", args.target))?;
     let advertise = args.advertise.unwrap_or(target);
     let mut cfg = super::pe_config(&args.pe, advertise)?;
+    super::set_capacity(&mut cfg, args.capacity.max(1));
     let check_timeout = Duration::from_millis(args.check_timeout_ms.max(1));
     let mut healthy = check(target, check_timeout).await;
     cfg.initially_active = healthy;
-    let adaptive = cfg.policy.is_adaptive();
     let pe = rserpool_asap::PoolElement::start(cfg)?;
+    let credits = super::credit_source(
+        &pe,
+        &args.credits,
+        args.capacity.max(1),
+        rserpool_asap::MetricSource::Port(target),
+    )?;
+    // Credits are pushed by their own task; other adaptive policies report load here.
+    let adaptive = pe.updater().policy().is_adaptive() && credits.is_none();
     info!(
         "serving {target} as PE {:#010x} of pool {} (target {})",
         pe.id(),
@@ -109,8 +123,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
             }
         }
         if adaptive && healthy && last_report.elapsed() >= load_interval {
-            match read_load(target.port()) {
-                Some(l) => {
+            match port_load(target) {
+                Ok(Some(l)) => {
                     let f = (f64::from(l.backlog + l.established)
                         / f64::from(args.capacity.max(1)))
                     .min(1.0);
@@ -120,17 +134,22 @@ async fn serve(args: ServeArgs) -> Result<()> {
                         last_report = Instant::now();
                     }
                 }
-                None if !warned_no_socket => {
+                Ok(None) if !warned_no_socket => {
                     warn!(
-                        "no listening socket on port {} in /proc/net/tcp: not reporting load (is the target on this host?)",
+                        "no listening socket on port {}: not reporting load (is the target on this host, in this network namespace?)",
                         target.port()
                     );
                     warned_no_socket = true;
                 }
-                None => {}
+                Err(e) if !warned_no_socket => {
+                    warn!("cannot read the target's socket load (sock_diag): {e}");
+                    warned_no_socket = true;
+                }
+                Ok(None) | Err(_) => {}
             }
         }
     }
+    drop(credits);
     pe.stop().await;
     Ok(())
 }
@@ -140,109 +159,4 @@ async fn check(target: SocketAddr, timeout: Duration) -> bool {
         tokio::time::timeout(timeout, TcpStream::connect(target)).await,
         Ok(Ok(_))
     )
-}
-
-/// A listening port's load as the kernel sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PortLoad {
-    /// Connections waiting in the accept queue.
-    pub backlog: u32,
-    /// Established connections on the port.
-    pub established: u32,
-}
-
-/// Reads /proc/net/tcp and /proc/net/tcp6; `None` if no socket listens on `port`.
-pub fn read_load(port: u16) -> Option<PortLoad> {
-    let mut total = PortLoad {
-        backlog: 0,
-        established: 0,
-    };
-    let mut listening = false;
-    for f in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        if let Ok(text) = std::fs::read_to_string(f)
-            && let Some(l) = parse_proc_net_tcp(&text, port)
-        {
-            listening = true;
-            total.backlog += l.backlog;
-            total.established += l.established;
-        }
-    }
-    listening.then_some(total)
-}
-
-/// Parses one /proc/net/tcp table: for LISTEN sockets (state 0A) `rx_queue` is the current
-/// accept backlog; ESTABLISHED sockets (01) on the port are counted.
-pub fn parse_proc_net_tcp(text: &str, port: u16) -> Option<PortLoad> {
-    let mut load = PortLoad {
-        backlog: 0,
-        established: 0,
-    };
-    let mut listening = false;
-    for line in text.lines().skip(1) {
-        let mut fields = line.split_whitespace();
-        let (Some(_sl), Some(local), Some(_remote), Some(state), Some(queues)) = (
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-        ) else {
-            continue;
-        };
-        let Some(lport) = local
-            .rsplit(':')
-            .next()
-            .and_then(|p| u16::from_str_radix(p, 16).ok())
-        else {
-            continue;
-        };
-        if lport != port {
-            continue;
-        }
-        match state {
-            "0A" => {
-                listening = true;
-                let rx = queues
-                    .split(':')
-                    .nth(1)
-                    .and_then(|q| u32::from_str_radix(q, 16).ok())
-                    .unwrap_or(0);
-                load.backlog += rx;
-            }
-            "01" => load.established += 1,
-            _ => {}
-        }
-    }
-    listening.then_some(load)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_listen_backlog_and_established() {
-        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0100007F:1F90 00000000:0000 0A 00000000:00000003 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0
-   1: 0100007F:1F90 0100007F:C000 01 00000000:00000000 00:00000000 00000000     0        0 2 1 0 20 4 30 10 -1
-   2: 0100007F:1F90 0100007F:C001 01 00000000:00000000 00:00000000 00000000     0        0 3 1 0 20 4 30 10 -1
-   3: 0100007F:C002 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 4 1 0 20 4 30 10 -1
-   4: 0100007F:0050 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5 1 0 100 0 0 10 0
-";
-        assert_eq!(
-            parse_proc_net_tcp(text, 8080),
-            Some(PortLoad {
-                backlog: 3,
-                established: 2
-            })
-        );
-        assert_eq!(
-            parse_proc_net_tcp(text, 80),
-            Some(PortLoad {
-                backlog: 0,
-                established: 0
-            })
-        );
-        assert_eq!(parse_proc_net_tcp(text, 81), None);
-    }
 }
