@@ -72,10 +72,29 @@ pub enum MetricSource {
     InFlightOnly,
 }
 
+/// The credits of the latest sample (reported or not), for whoever else wants them (HAProxy's
+/// agent-check in `serve`).
+#[derive(Clone, Debug)]
+pub struct CreditGauge {
+    credits: Arc<AtomicU32>,
+    capacity: u32,
+}
+
+impl CreditGauge {
+    pub fn credits(&self) -> u32 {
+        self.credits.load(Ordering::Relaxed)
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+}
+
 /// A running credit source; dropping it stops the sampling.
 pub struct CreditSource {
     in_flight: InFlight,
     reports: Arc<AtomicU64>,
+    gauge: CreditGauge,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -89,6 +108,10 @@ impl CreditSource {
     ) -> Self {
         let in_flight = InFlight::new();
         let reports = Arc::new(AtomicU64::new(0));
+        let gauge = CreditGauge {
+            credits: Arc::new(AtomicU32::new(cfg.capacity)),
+            capacity: cfg.capacity,
+        };
         let task = tokio::spawn(sample_task(
             updater,
             source,
@@ -96,12 +119,19 @@ impl CreditSource {
             period.max(Duration::from_millis(1)),
             in_flight.clone(),
             reports.clone(),
+            gauge.credits.clone(),
         ));
         Self {
             in_flight,
             reports,
+            gauge,
             task,
         }
+    }
+
+    /// The credits of the latest sample.
+    pub fn gauge(&self) -> CreditGauge {
+        self.gauge.clone()
     }
 
     /// The counter the service keeps its work in flight in.
@@ -128,6 +158,7 @@ async fn sample_task(
     period: Duration,
     in_flight: InFlight,
     reports: Arc<AtomicU64>,
+    latest: Arc<AtomicU32>,
 ) {
     let start = tokio::time::Instant::now();
     let now = || Instant::from_millis(start.elapsed().as_millis() as u64);
@@ -177,6 +208,7 @@ async fn sample_task(
                 in_flight: counted,
             }
         });
+        latest.store(crate::credits::credits(cfg.capacity, m), Ordering::Relaxed);
         if let Some(c) = reporter.sample(m, t) {
             send(c);
         }

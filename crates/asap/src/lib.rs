@@ -21,7 +21,7 @@ pub use connection::AsapConnection;
 pub use core::pe::{PeCore, PeEvent};
 pub use core::pu::{Answer, PuCore, PuEvent, QueryId};
 pub use core::{Action, ConnId, Instant};
-pub use credit_source::{CreditSource, InFlight, InFlightGuard, MetricSource};
+pub use credit_source::{CreditGauge, CreditSource, InFlight, InFlightGuard, MetricSource};
 pub use credits::{CreditConfig, CreditReporter, Metric, Reporting};
 pub use pool_element::{PeState, PeUpdater, PoolElement, PoolElementConfig};
 pub use pool_user::{PoolUser, PoolUserConfig, Resolution};

@@ -1,5 +1,6 @@
 //! The subcommands, one module each, and what they share.
 
+pub mod agent;
 pub mod client;
 pub mod example;
 pub mod proxy;

@@ -7,7 +7,8 @@
 //! ([`rserpool_asap::metric::port_load`]) — and reports load = (backlog + established) /
 //! capacity when it moved by at least the threshold, at most once per load interval. With
 //! policy `credits` it samples the same figures every few milliseconds and pushes credits
-//! (docs/CREDITS.md).
+//! (docs/CREDITS.md). With `--agent ADDR` it also answers HAProxy's agent-check there
+//! ([`super::agent`]).
 
 use crate::{CreditOpts, PeOpts};
 use anyhow::{Context, Result, anyhow};
@@ -49,6 +50,10 @@ pub struct ServeArgs {
     /// At most one load report per this interval.
     #[arg(long, default_value_t = 1000)]
     pub load_interval_ms: u64,
+    /// Answer HAProxy's agent-check here (HOST:PORT): `up ready N%` with the weight from the
+    /// credits or the load, `down` while the target does not answer.
+    #[arg(long)]
+    pub agent: Option<SocketAddr>,
     #[command(flatten)]
     pub pe: PeOpts,
     #[command(flatten)]
@@ -81,6 +86,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
     )?;
     // Credits are pushed by their own task; other adaptive policies report load here.
     let adaptive = pe.updater().policy().is_adaptive() && credits.is_none();
+    let agent = super::agent::AgentState::new(healthy, credits.as_ref().map(|c| c.gauge()));
+    if let Some(addr) = args.agent {
+        let listener = super::agent::bind(addr).await?;
+        info!("answering HAProxy's agent-check on {addr}");
+        tokio::spawn(super::agent::run(listener, agent.clone()));
+    }
     info!(
         "serving {target} as PE {:#010x} of pool {} (target {})",
         pe.id(),
@@ -110,6 +121,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             fails = 0;
             if !healthy && oks >= args.rise.max(1) {
                 healthy = true;
+                agent.set_healthy(true);
                 info!("target {target} is back: registering");
                 pe.set_active(true);
             }
@@ -118,6 +130,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             oks = 0;
             if healthy && fails >= args.fall.max(1) {
                 healthy = false;
+                agent.set_healthy(false);
                 warn!("target {target} does not accept connections: deregistering");
                 pe.set_active(false);
             }
@@ -129,6 +142,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
                         / f64::from(args.capacity.max(1)))
                     .min(1.0);
                     if reported.is_none_or(|r| (r - f).abs() >= args.load_threshold) {
+                        agent.set_percent(((1.0 - f) * 100.0).round() as u32);
                         pe.update_load(f);
                         reported = Some(f);
                         last_report = Instant::now();
