@@ -111,13 +111,19 @@ impl PoolUser {
             if let Some(r) = self.pushed.pop_front() {
                 return r;
             }
-            let deadline = self.conns.deadline(self.core.poll_timeout());
-            tokio::select! {
-                e = self.conns.next() => self.conns.feed(e, &mut self.core),
-                () = sleep_until(deadline) => {
-                    let now = self.now();
-                    self.core.handle_timeout(now);
-                }
+            self.step().await;
+        }
+    }
+
+    /// Feeds the core the next connection event, or its timer when that comes first
+    /// (cancel-safe).
+    async fn step(&mut self) {
+        let deadline = self.conns.deadline(self.core.poll_timeout());
+        tokio::select! {
+            e = self.conns.next() => self.conns.feed(e, &mut self.core),
+            () = sleep_until(deadline) => {
+                let now = self.now();
+                self.core.handle_timeout(now);
             }
         }
     }
@@ -153,14 +159,7 @@ impl PoolUser {
             if let Some(r) = self.drain_actions(Some(q)) {
                 return r;
             }
-            let deadline = self.conns.deadline(self.core.poll_timeout());
-            tokio::select! {
-                e = self.conns.next() => self.conns.feed(e, &mut self.core),
-                () = sleep_until(deadline) => {
-                    let now = self.now();
-                    self.core.handle_timeout(now);
-                }
-            }
+            self.step().await;
         }
     }
 }

@@ -312,19 +312,7 @@ impl Enrp {
 
     /// Sends `msg` to every peer, encoded once.
     fn send_all(&self, msg: &EnrpMessage, out: &mut Conns, now: Instant) {
-        if self.peers.iter().all(|p| p.conn.is_none()) {
-            return;
-        }
-        let bytes = match msg.to_bytes() {
-            Ok(b) => b,
-            Err(e) => {
-                warn!("cannot encode {}: {e}", msg.body.name());
-                return;
-            }
-        };
-        for conn in self.peers.iter().filter_map(|p| p.conn) {
-            out.send_bytes(conn, &bytes, now);
-        }
+        self.send_where(msg, |_| true, out, now);
     }
 
     /// Sends `msg` to the peers believed alive. A takeover's messages go only to them: a peer
@@ -332,15 +320,23 @@ impl Enrp {
     /// it when the link returns, seconds later, as if it were news (it would drop a live
     /// registrar and hand its PEs to one that may no longer have them).
     fn send_alive(&self, msg: &EnrpMessage, out: &mut Conns, now: Instant) {
-        let conns: Vec<ConnId> = self
+        self.send_where(msg, |p| p.state == Liveness::Alive, out, now);
+    }
+
+    /// Sends `msg`, encoded once, to the connected peers that `which` picks.
+    fn send_where(
+        &self,
+        msg: &EnrpMessage,
+        which: impl Fn(&Peer) -> bool,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let mut to = self
             .peers
             .iter()
-            .filter(|p| p.state == Liveness::Alive)
-            .filter_map(|p| p.conn)
-            .collect();
-        if conns.is_empty() {
-            return;
-        }
+            .filter(|p| which(p))
+            .filter_map(|p| p.conn);
+        let Some(first) = to.next() else { return };
         let bytes = match msg.to_bytes() {
             Ok(b) => b,
             Err(e) => {
@@ -348,7 +344,7 @@ impl Enrp {
                 return;
             }
         };
-        for conn in conns {
+        for conn in std::iter::once(first).chain(to) {
             out.send_bytes(conn, &bytes, now);
         }
     }
