@@ -1,6 +1,6 @@
 //! `rserpool-bench`: the benchmarks of rserpool, a binary of their own so that the product
 //! does not ship them. Each writes its results, with command and machine, into docs/:
-//! `cargo run --release -p rserpool-bench -- handlespace|registrar|proxy …`, and the chaos soak
+//! `cargo run --release -p rserpool-bench -- handlespace|registrar|proxy|push …`, and the chaos soak
 //! (`chaos`), whose summary goes into docs/RELIABILITY.md.
 
 mod chaos;
@@ -11,6 +11,7 @@ mod process;
 mod procfs;
 mod product;
 mod proxy;
+mod push;
 mod registrar;
 mod report;
 mod undo;
@@ -41,6 +42,8 @@ enum BenchCommand {
     Registrar(registrar::RegistrarBenchArgs),
     /// The proxy side by side with HAProxy, nginx and direct (issue 5's comparison).
     Proxy(proxy::ProxyBenchArgs),
+    /// Credit reports to a subscribed pool user: the push path's latency (docs/CREDITS.md).
+    Push(push::PushArgs),
     /// Chaos soak: registrars, PEs, a proxy and clients in network namespaces under random
     /// kills, link cuts and packet loss; checks that no PE is lost and no request fails.
     Chaos(chaos::ChaosArgs),
@@ -55,6 +58,7 @@ fn main() -> Result<()> {
         BenchCommand::Handlespace(a) => handlespace::run(a),
         BenchCommand::Registrar(a) => registrar::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Proxy(a) => proxy::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::Push(a) => push::run(a),
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
     }
