@@ -248,6 +248,12 @@ impl Handlespace {
             .map(|p| (&p.handle, p.policy_type, p.members.len()))
     }
 
+    /// Changes pool users can see, in all pools, so far: when it has not moved, no
+    /// [`pool_version`](Self::pool_version) has.
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
     /// A number that changes whenever the pool changes in a way its pool users can see: a PE
     /// joins or leaves, or changes its policy information (a load, credits) or transport.
     /// A re-registration with nothing new and a selection leave it as it is. `None` when the

@@ -21,8 +21,8 @@ use rserpool_handlespace::{
 };
 use rserpool_wire::Message;
 use rserpool_wire::{
-    AsapMessage, CauseCode, DecodeError, EncodeError, ErrorCause, OperationError, PoolElement,
-    PoolEntry, PoolHandle, TransportAddress, UpdateAction,
+    AsapMessage, CauseCode, DecodeError, ErrorCause, OperationError, PoolElement, PoolEntry,
+    PoolHandle, TransportAddress, UpdateAction,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -507,14 +507,11 @@ impl Asap {
             Self::refuse_resolution(id, accept, pool_handle, cause, out, now);
             return;
         }
-        write_resolution(out, id, accept, &pool_handle, &self.hs, scratch, now);
+        out.write_resolution(id, accept, &pool_handle, &self.hs, scratch, now);
     }
 
     /// Sends every subscribed pool that changed since its last push (after each input).
     pub(super) fn push_subscriptions(&mut self, out: &mut Conns, now: Instant) {
-        if self.subs.len() == 0 {
-            return;
-        }
         let max = self.cfg.max_hres_items_requested as usize;
         self.subs.push(&self.hs, max, &mut self.scratch, out, now);
         self.counters.subscription_pushes = self.subs.pushes();
@@ -899,40 +896,4 @@ fn asap_transport(announced: Option<&TransportAddress>, peer: SocketAddr) -> Soc
         Some(a) if a.port() != 0 => a,
         _ => peer,
     }
-}
-
-/// Writes a positive HANDLE_RESOLUTION_RESPONSE with the PEs `refs` (at least one) straight
-/// from the handlespace into connection `id`'s buffer. A large pool may not fit one message:
-/// the list is halved until it does. `accept`: the A bit.
-pub(super) fn write_resolution(
-    out: &mut Conns,
-    id: ConnId,
-    accept: bool,
-    pool_handle: &PoolHandle,
-    hs: &Handlespace,
-    refs: &[PeRef],
-    now: Instant,
-) {
-    let Some(&first) = refs.first() else { return };
-    let Some(buf) = out.buffer(id) else { return };
-    let policy = &hs.pe(first).element.policy;
-    let mark = buf.len();
-    let mut n = refs.len();
-    buf.reserve(64 + 96 * n);
-    loop {
-        let pes = refs[..n].iter().map(|&r| &hs.pe(r).element);
-        match AsapMessage::encode_resolution(buf, accept, pool_handle, Some(policy), pes) {
-            Ok(()) => break,
-            Err(EncodeError::TooLarge { .. }) if n > 1 => {
-                buf.truncate(mark);
-                n /= 2;
-            }
-            Err(e) => {
-                buf.truncate(mark);
-                warn!("cannot encode HANDLE_RESOLUTION_RESPONSE: {e}");
-                return;
-            }
-        }
-    }
-    out.written(id, now);
 }

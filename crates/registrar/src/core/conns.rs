@@ -14,10 +14,11 @@ use super::limit::{LogLimiter, TokenBucket};
 use crate::config::Config;
 use crate::status::Counters;
 use bytes::Bytes;
-use rserpool_handlespace::PeRef;
+use rserpool_handlespace::{Handlespace, PeRef};
 use rserpool_wire::Message;
 use rserpool_wire::{
-    AsapMessage, DecodeError, EnrpBody, EnrpMessage, ErrorCause, Framer, OperationError,
+    AsapMessage, DecodeError, EncodeError, EnrpBody, EnrpMessage, ErrorCause, Framer,
+    OperationError, PoolHandle,
 };
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -241,6 +242,42 @@ impl Conns {
             }
             self.close(id);
         }
+    }
+
+    /// Writes a positive HANDLE_RESOLUTION_RESPONSE with the PEs `refs` (at least one) straight
+    /// from the handlespace into connection `id`'s buffer. A large pool may not fit one message:
+    /// the list is halved until it does. `accept`: the A bit.
+    pub(super) fn write_resolution(
+        &mut self,
+        id: ConnId,
+        accept: bool,
+        pool_handle: &PoolHandle,
+        hs: &Handlespace,
+        refs: &[PeRef],
+        now: Instant,
+    ) {
+        let Some(&first) = refs.first() else { return };
+        let Some(buf) = self.buffer(id) else { return };
+        let policy = &hs.pe(first).element.policy;
+        let mark = buf.len();
+        let mut n = refs.len();
+        buf.reserve(64 + 96 * n);
+        loop {
+            let pes = refs[..n].iter().map(|&r| &hs.pe(r).element);
+            match AsapMessage::encode_resolution(buf, accept, pool_handle, Some(policy), pes) {
+                Ok(()) => break,
+                Err(EncodeError::TooLarge { .. }) if n > 1 => {
+                    buf.truncate(mark);
+                    n /= 2;
+                }
+                Err(e) => {
+                    buf.truncate(mark);
+                    warn!("cannot encode HANDLE_RESOLUTION_RESPONSE: {e}");
+                    return;
+                }
+            }
+        }
+        self.written(id, now);
     }
 
     pub(super) fn send_asap(&mut self, id: ConnId, msg: &AsapMessage, now: Instant) {

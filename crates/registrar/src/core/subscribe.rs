@@ -31,6 +31,8 @@ struct Subscription {
 pub(super) struct Subscriptions {
     subs: Vec<Subscription>,
     pushes: u64,
+    /// [`Handlespace::changes`] when the subscriptions were last looked over.
+    looked: u64,
 }
 
 impl Subscriptions {
@@ -82,6 +84,11 @@ impl Subscriptions {
         out: &mut Conns,
         now: Instant,
     ) {
+        // Most inputs change no pool (keep-alive answers, resolutions): nothing to look at.
+        if self.subs.is_empty() || hs.changes() == self.looked {
+            return;
+        }
+        self.looked = hs.changes();
         for s in &mut self.subs {
             let version = hs.pool_version(s.handle.as_bytes());
             if version == s.sent {
@@ -104,7 +111,7 @@ impl Subscriptions {
             }
             scratch.clear();
             scratch.extend(hs.members(s.handle.as_bytes()).take(max_items));
-            super::asap::write_resolution(out, s.conn, true, &s.handle, hs, scratch, now);
+            out.write_resolution(s.conn, true, &s.handle, hs, scratch, now);
         }
     }
 }
