@@ -77,11 +77,7 @@ async fn refresh_task(
         tokio::select! {
             pushed = pu.next_push() => {
                 let Some(p) = pools.upgrade() else { return };
-                if let Some(pool) = p
-                    .all()
-                    .into_iter()
-                    .find(|pool| pool.handle == pushed.pool_handle)
-                {
+                if let Some(pool) = p.get(&pushed.pool_handle) {
                     pool.update(pushed.pool_elements);
                 }
             }

@@ -188,6 +188,11 @@ impl Pools {
             .retain(|h, _| keep.iter().any(|k| k.as_bytes() == h.as_bytes()));
     }
 
+    /// The pool with this handle, if the proxy serves it.
+    pub fn get(&self, handle: &PoolHandle) -> Option<Arc<Pool>> {
+        self.map().get(handle).cloned()
+    }
+
     pub fn all(&self) -> Vec<Arc<Pool>> {
         let mut v: Vec<_> = self.map().values().cloned().collect();
         v.sort_by(|a, b| a.handle.as_bytes().cmp(b.handle.as_bytes()));

@@ -96,6 +96,28 @@ impl Selector {
     /// Replaces the PEs with what a registrar reported. A PE still listed at the same
     /// addresses keeps its state (health, counters, idle connections); the others retire.
     pub(crate) fn replace(&mut self, handle: &PoolHandle, pes: Vec<PoolElement>) {
+        // The same PEs at the same addresses (a push of new credits or a refresh): the policy
+        // information changes in place, which keeps the policy state (round-robin position)
+        // and allocates nothing.
+        let same = pes.len() == self.backends.len()
+            && pes
+                .iter()
+                .all(|pe| self.backends.get(&pe.id).is_some_and(|b| b.is_at(pe)));
+        if same {
+            for pe in pes {
+                let (Some(b), Some(r)) = (
+                    self.backends.get(&pe.id),
+                    self.hs.find(handle.as_bytes(), pe.id),
+                ) else {
+                    continue;
+                };
+                if self.hs.pe(r).element.policy != pe.policy {
+                    note_credits(b, &pe.policy);
+                    let _ = self.hs.update_policy(r, pe.policy, 0);
+                }
+            }
+            return;
+        }
         let mut backends = HashMap::with_capacity(pes.len());
         let mut hs = new_handlespace();
         for pe in pes {
@@ -104,26 +126,22 @@ impl Selector {
                 .find(handle.as_bytes(), pe.id)
                 .map(|r| &self.hs.pe(r).element.policy);
             let b = match self.backends.remove(&pe.id) {
+                // A report the PE did not repeat keeps the count since it came.
                 Some(b) if b.is_at(&pe) => {
-                    // A report the PE did not repeat keeps the count since it came.
-                    if let Policy::Credits { credits, capacity } = pe.policy
-                        && old_policy != Some(&pe.policy)
-                    {
-                        b.note_credits(credits, capacity);
+                    if old_policy != Some(&pe.policy) {
+                        note_credits(&b, &pe.policy);
                     }
                     b
                 }
-                Some(old) => {
-                    old.retire();
-                    Arc::new(Backend::new(handle, &pe))
+                kept => {
+                    if let Some(old) = kept {
+                        old.retire();
+                    }
+                    let b = Arc::new(Backend::new(handle, &pe));
+                    note_credits(&b, &pe.policy);
+                    b
                 }
-                None => Arc::new(Backend::new(handle, &pe)),
             };
-            if let Policy::Credits { credits, capacity } = pe.policy
-                && b.credits_left().is_none()
-            {
-                b.note_credits(credits, capacity);
-            }
             // The local copy only selects: no homes, no timers.
             let mut pe = pe;
             pe.home_registrar = 0;
@@ -134,25 +152,7 @@ impl Selector {
         for (_, old) in self.backends.drain() {
             old.retire();
         }
-        // Keep the policy state (round-robin position) when the membership did not change.
-        let same = backends.len() == self.hs.len()
-            && backends
-                .keys()
-                .all(|id| self.hs.find(handle.as_bytes(), *id).is_some());
-        if same {
-            for (id, _) in backends.iter() {
-                let (Some(new), Some(old)) = (
-                    hs.find(handle.as_bytes(), *id),
-                    self.hs.find(handle.as_bytes(), *id),
-                ) else {
-                    continue;
-                };
-                let policy = hs.pe(new).element.policy.clone();
-                let _ = self.hs.update_policy(old, policy, 0);
-            }
-        } else {
-            self.hs = hs;
-        }
+        self.hs = hs;
         self.backends = backends;
     }
 
@@ -178,4 +178,11 @@ fn rand_seed() -> u32 {
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
     t ^ std::process::id().rotate_left(16)
+}
+
+/// A PE's new credit report, for the proxy's own count (policy `credits` only).
+fn note_credits(b: &Backend, policy: &Policy) {
+    if let Policy::Credits { credits, capacity } = *policy {
+        b.note_credits(credits, capacity);
+    }
 }

@@ -74,22 +74,6 @@ pub struct CreditOpts {
     pub credit_min_interval_ms: u64,
 }
 
-impl Default for CreditOpts {
-    /// The command line's defaults (for PEs started without one, as by `up`).
-    fn default() -> Self {
-        use clap::FromArgMatches;
-        let cmd = Self::augment_args(clap::Command::new("credits"));
-        cmd.try_get_matches_from(["credits"])
-            .ok()
-            .and_then(|m| Self::from_arg_matches(&m).ok())
-            .unwrap_or(Self {
-                credit_reporting: "dpr-q".into(),
-                credit_sample_ms: 5,
-                credit_min_interval_ms: 5,
-            })
-    }
-}
-
 #[derive(Subcommand)]
 enum Command {
     /// Run everything on loopback: a registrar and the EchoPool (three echo PEs, least used).

@@ -56,7 +56,7 @@ pub fn run(args: ExampleArgs) -> Result<()> {
             args.listen,
             args.capacity,
             &args.pe,
-            &args.credits,
+            Some(&args.credits),
         )
         .await?;
         info!(
@@ -88,7 +88,7 @@ pub async fn start(
     listen: SocketAddr,
     capacity: usize,
     opts: &PeOpts,
-    credit_opts: &CreditOpts,
+    credit_opts: Option<&CreditOpts>,
 ) -> Result<Example> {
     let listener = TcpListener::bind(listen)
         .await
@@ -98,12 +98,16 @@ pub async fn start(
     let cap = u32::try_from(capacity.max(1)).unwrap_or(u32::MAX);
     super::set_capacity(&mut cfg, cap);
     let pe = PoolElement::start(cfg)?;
-    let credits = super::credit_source(
-        &pe,
-        credit_opts,
-        cap,
-        MetricSource::Listener(listener.as_fd().try_clone_to_owned()?),
-    )?;
+    // Without credit options (as from `up`), no credits are reported.
+    let credits = match credit_opts {
+        Some(o) => super::credit_source(
+            &pe,
+            o,
+            cap,
+            MetricSource::Listener(listener.as_fd().try_clone_to_owned()?),
+        )?,
+        None => None,
+    };
     let in_flight = credits.as_ref().map(CreditSource::in_flight);
     let adaptive = rserpool_wire::Policy::from_name(&opts.policy, opts.weight)
         .is_some_and(|p| p.is_adaptive());

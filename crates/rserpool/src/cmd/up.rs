@@ -74,16 +74,11 @@ pub fn run(args: UpArgs) -> Result<()> {
         };
         let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
         for _ in 0..args.pes.max(1) {
-            pes.push(
-                example::start(Service::Echo, loopback, 100, &opts, &Default::default()).await?,
-            );
+            pes.push(example::start(Service::Echo, loopback, 100, &opts, None).await?);
         }
         let echo_count = pes.len();
         for _ in 0..args.pes.max(1) {
-            pes.push(
-                example::start(Service::Http, loopback, 100, &web_opts, &Default::default())
-                    .await?,
-            );
+            pes.push(example::start(Service::Http, loopback, 100, &web_opts, None).await?);
         }
         for ex in &pes {
             ex.pe.wait_registered(Duration::from_secs(5)).await?;
