@@ -377,6 +377,7 @@ impl std::fmt::Display for Policy {
             }
             Self::Priority { priority } => write!(f, " priority={priority}"),
             Self::Other { policy_type, .. } => write!(f, " type={policy_type:#010x}"),
+            Self::Credits { credits, capacity } => write!(f, " credits={credits}/{capacity}"),
             _ => {
                 write!(f, " load={:.1}%", pct(self.load().unwrap_or(0)))?;
                 let (fields, n) = self.fields();

@@ -540,3 +540,13 @@ fn malformed_input_gives_typed_errors() {
     let e = EnrpMessage::decode(&hex("04 00 0010 00000001 00000000 00070000")).unwrap_err();
     assert_eq!(e.cause.unwrap().code, CauseCode::INVALID_VALUES);
 }
+
+/// How `rserpool resolve` and the logs show the credits policy.
+#[test]
+fn credits_display_as_credits_of_capacity() {
+    let p = Policy::Credits {
+        credits: 3,
+        capacity: 8,
+    };
+    assert_eq!(p.to_string(), "credits credits=3/8");
+}

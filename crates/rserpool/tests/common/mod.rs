@@ -90,20 +90,26 @@ impl Logged {
 
     /// The `0x`-prefixed hexadecimal number right after `marker` in the first log line that
     /// also contains `context`, once there is one.
+    /// On a timeout the panic shows the process's log so far (why it did not start, say).
     pub async fn hex_after(&self, marker: &str, context: &str, limit: Duration) -> u32 {
-        let mut found = None;
-        wait_until(limit, &format!("\"{marker}\" in the log"), || {
-            found = self.lines_with(context).iter().find_map(|l| {
+        let start = Instant::now();
+        loop {
+            let found = self.lines_with(context).iter().find_map(|l| {
                 let hex = l[l.find(marker)? + marker.len()..].strip_prefix("0x")?;
                 let end = hex
                     .find(|c: char| !c.is_ascii_hexdigit())
                     .unwrap_or(hex.len());
                 u32::from_str_radix(&hex[..end], 16).ok()
             });
-            found.is_some()
-        })
-        .await;
-        found.unwrap()
+            if let Some(v) = found {
+                return v;
+            }
+            if start.elapsed() >= limit {
+                let log = self.log.lock().unwrap().join("\n");
+                panic!("timed out after {limit:?} waiting for \"{marker}\" in the log:\n{log}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 
