@@ -1,6 +1,12 @@
 //! A pool element as the proxy uses it: where to connect, what the proxy saw of its health,
 //! its counters, its credits and its idle connections.
 //!
+//! In flight: the requests (connections in TCP mode) under way at the PE plus the picks of it
+//! not yet under way; the proxy-local selections (least connections, P2C, Prequal-style) go
+//! by it. For the Prequal-style selection the proxy also keeps the PE's latency (request sent
+//! to response head; connect in TCP mode) per number in flight when the request was sent,
+//! as a moving average: Prequal's latency estimate at the current load.
+//!
 //! Credits (policy `credits`, docs/CREDITS.md): the PE reports how much work it can take now,
 //! and that figure already counts the requests this proxy had in flight there. Until the next
 //! report the proxy spends from it locally: each request it starts there takes one; one that
@@ -51,8 +57,13 @@ pub struct Backend {
     /// `stats.active` when they were.
     credit_base: AtomicU64,
     /// Picks not yet under way.
-    credit_reserved: AtomicI64,
+    picking: AtomicI64,
+    /// Latency in µs (moving average) by requests in flight when sent, 0 = none seen.
+    latency_us: [AtomicU64; LATENCY_BUCKETS],
 }
+
+/// In flight 0 .. 15, and 16 or more.
+const LATENCY_BUCKETS: usize = 17;
 
 #[derive(Debug, Default)]
 struct Health {
@@ -105,20 +116,62 @@ impl Backend {
             credit_reported: AtomicI64::new(-1),
             credit_capacity: AtomicI64::new(0),
             credit_base: AtomicU64::new(0),
-            credit_reserved: AtomicI64::new(0),
+            picking: AtomicI64::new(0),
+            latency_us: Default::default(),
         }
     }
 
-    /// A pick of this PE for credit: held until [`pick_done`](Self::pick_done).
-    pub(crate) fn reserve_credit(&self) {
-        self.credit_reserved.fetch_add(1, Ordering::Relaxed);
+    /// A pick of this PE: counted in flight (and against its credit) until
+    /// [`pick_done`](Self::pick_done).
+    pub(crate) fn reserve(&self) {
+        self.picking.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests under way at the PE and picks of it not yet under way.
+    pub fn in_flight(&self) -> u64 {
+        self.stats.active.load(Ordering::Relaxed)
+            + self.picking.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    /// A request is under way: counted as active; returns how many were before it.
+    pub(crate) fn start(&self) -> u64 {
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        self.stats.active.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A request sent with `rif` others in flight got its answer after `latency`.
+    pub(crate) fn note_latency(&self, rif: u64, latency: Duration) {
+        let cell = &self.latency_us[(rif as usize).min(LATENCY_BUCKETS - 1)];
+        let new = (latency.as_micros() as u64).max(1);
+        let old = cell.load(Ordering::Relaxed);
+        // Weight 1/8 for the new sample; a lost race loses one sample, which is fine.
+        let avg = if old == 0 {
+            new
+        } else {
+            old - old / 8 + new / 8
+        };
+        cell.store(avg.max(1), Ordering::Relaxed);
+    }
+
+    /// The latency expected for a request sent now, in µs: the average at the current number
+    /// in flight, else at the nearest number with one; 0 (try it) when none was seen.
+    pub fn latency_estimate(&self) -> u64 {
+        let at = (self.in_flight() as usize).min(LATENCY_BUCKETS - 1);
+        let get = |i: usize| self.latency_us[i].load(Ordering::Relaxed);
+        (0..LATENCY_BUCKETS)
+            .flat_map(|d| [at.checked_sub(d), Some(at + d)])
+            .flatten()
+            .filter(|&i| i < LATENCY_BUCKETS)
+            .map(get)
+            .find(|&v| v != 0)
+            .unwrap_or(0)
     }
 
     /// The request picked is under way (counted in `stats.active`) or will not be: its
     /// reservation, if it made one, ends.
     pub fn pick_done(&self) {
         let _ = self
-            .credit_reserved
+            .picking
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 (n > 0).then_some(n - 1)
             });
@@ -149,7 +202,7 @@ impl Backend {
         let base = self.credit_base.load(Ordering::Relaxed) as i64;
         let capacity = self.credit_capacity.load(Ordering::Relaxed);
         let active = self.stats.active.load(Ordering::Relaxed) as i64;
-        let reserved = self.credit_reserved.load(Ordering::Relaxed);
+        let reserved = self.picking.load(Ordering::Relaxed);
         let started = (active - base).max(0);
         Some((reported - started).min(capacity - active) - reserved)
     }

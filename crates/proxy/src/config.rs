@@ -19,9 +19,15 @@
 //! listen = "0.0.0.0:7000"
 //! mode = "tcp"
 //! pool = "EchoPool"
+//!
+//! [pool.ApiPool]              # optional, per pool handle
+//! select = "p2c"              # policy (default) | least-connections | p2c | prequal
+//! credit-wait-ms = 1000       # policy `credits`: longest wait for credit, then 503
+//! credit-queue = 1024         # policy `credits`: most requests waiting for credit
 //! ```
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,6 +65,64 @@ pub struct ListenerConfig {
     pub pool: Option<String>,
     #[serde(default, rename = "route")]
     pub routes: Vec<Route>,
+}
+
+/// How the proxy chooses among a pool's PEs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Select {
+    /// The pool's own policy, as its PEs registered it (RFC 5356's, or `credits`).
+    #[default]
+    Policy,
+    /// The fewest requests (connections in TCP mode) this proxy has in flight at the PE.
+    LeastConnections,
+    /// Power of two choices: of two PEs at random, the one with fewer in flight.
+    P2c,
+    /// After Prequal (NSDI 2024): a few PEs probed at random, the cold ones (in flight at or
+    /// below a quantile of the probed) by lowest estimated latency, else the fewest in flight.
+    Prequal,
+}
+
+impl Select {
+    pub const NAMES: [&str; 4] = ["policy", "least-connections", "p2c", "prequal"];
+}
+
+impl std::str::FromStr for Select {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "policy" => Ok(Self::Policy),
+            "least-connections" | "leastconn" => Ok(Self::LeastConnections),
+            "p2c" => Ok(Self::P2c),
+            "prequal" => Ok(Self::Prequal),
+            _ => Err(format!(
+                "unknown selection {s:?} (one of {})",
+                Self::NAMES.join(", ")
+            )),
+        }
+    }
+}
+
+/// Settings of one pool (`[pool.HANDLE]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct PoolConfig {
+    pub select: Select,
+    /// Policy `credits`: how long a request waits for credit when every PE has spent its own,
+    /// then 503.
+    pub credit_wait_ms: u64,
+    /// Policy `credits`: most requests waiting for credit at once; beyond it, 503 at once.
+    pub credit_queue: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            select: Select::Policy,
+            credit_wait_ms: 1000,
+            credit_queue: 1024,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -102,6 +166,9 @@ pub struct ProxyConfig {
     pub access_log: Option<PathBuf>,
     #[serde(rename = "listener")]
     pub listeners: Vec<ListenerConfig>,
+    /// Settings per pool handle; a pool not named here has the defaults.
+    #[serde(rename = "pool", skip_serializing_if = "BTreeMap::is_empty")]
+    pub pool_settings: BTreeMap<String, PoolConfig>,
 }
 
 impl Default for ProxyConfig {
@@ -125,6 +192,7 @@ impl Default for ProxyConfig {
             status: None,
             access_log: None,
             listeners: Vec::new(),
+            pool_settings: BTreeMap::new(),
         }
     }
 }
@@ -187,6 +255,15 @@ impl ProxyConfig {
         if self.max_connections == 0 {
             return bad("max-connections must be above 0".into());
         }
+        let used = self.pools();
+        for (name, p) in &self.pool_settings {
+            if !used.contains(name) {
+                return bad(format!("[pool.{name}] names a pool no listener serves"));
+            }
+            if p.credit_wait_ms > 60_000 {
+                return bad(format!("pool {name}: credit-wait-ms above a minute"));
+            }
+        }
         if self.max_head < 1024 {
             return bad("max-head must be at least 1024".into());
         }
@@ -204,6 +281,11 @@ impl ProxyConfig {
         v.sort();
         v.dedup();
         v
+    }
+
+    /// The settings of one pool.
+    pub fn pool_config(&self, handle: &str) -> PoolConfig {
+        self.pool_settings.get(handle).cloned().unwrap_or_default()
     }
 
     pub fn ms(v: u64) -> Duration {
@@ -229,6 +311,8 @@ mod tests {
         assert_eq!(cfg.listeners.len(), 2);
         assert_eq!(cfg.listeners[0].routes[0].pool, "ApiPool");
         assert_eq!(cfg.pools(), ["ApiPool", "EchoPool", "WebPool"]);
+        assert_eq!(cfg.pool_config("ApiPool").select, Select::P2c);
+        assert_eq!(cfg.pool_config("WebPool"), PoolConfig::default());
     }
 
     #[test]
@@ -237,5 +321,7 @@ mod tests {
         assert!(e.unwrap_err().to_string().contains("needs a pool"));
         let e = ProxyConfig::from_toml("refresh-msec = 5\n");
         assert!(e.unwrap_err().to_string().contains("unknown field"));
+        let e = ProxyConfig::from_toml("[pool.A]\nselect = \"fastest\"\n");
+        assert!(e.unwrap_err().to_string().contains("unknown variant"));
     }
 }

@@ -20,7 +20,7 @@ use crate::ctx::{Ctx, until_set};
 use crate::message::{
     BodyState, Framing, Head, HeadError, error_response, framing, response_framing,
 };
-use crate::pools::Pool;
+use crate::pools::{NoPick, Pool};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::io;
 use std::net::SocketAddr;
@@ -158,7 +158,7 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
             Err((code, why)) => return give_up(c, &r, ctx, code, Some(why), None).await,
         };
         let outcome = match send(c, &mut conn, &r, &out, &attempt.pe, ctx).await {
-            Ok(sent) => relay(c, conn, &r, sent, &attempt.pe, ctx).await,
+            Ok(sent) => relay(c, conn, &r, sent, &attempt, ctx).await,
             Err(f) => Err(f),
         };
         // `None`: the request goes to a PE again.
@@ -380,6 +380,9 @@ struct Attempt {
     pe: Arc<Backend>,
     /// The connection was kept alive from an earlier request.
     reused: bool,
+    /// Requests in flight at the PE before this one, and when it was sent: its latency.
+    rif: u64,
+    sent: Instant,
 }
 
 /// Step select: a PE by the pool's policy and a connection to it. A PE that cannot be reached
@@ -392,21 +395,26 @@ async fn select(
 ) -> Result<(Attempt, BackendConn), (u16, &'static str)> {
     loop {
         f.attempts += 1;
-        let Some(pe) = pool.pick_or_wait(&f.tried).await else {
-            return Err(if f.tried.is_empty() {
-                (503, "no pool element available")
-            } else {
-                (502, "no pool element answered")
-            });
+        let pe = match pool.pick_or_wait(&f.tried).await {
+            Ok(pe) => pe,
+            Err(NoPick::NoPe) if !f.tried.is_empty() => {
+                return Err((502, "no pool element answered"));
+            }
+            Err(why) => return Err((503, why.text())),
         };
         let conn = take_conn(&pe, ctx, !r.idempotent).await;
-        if conn.is_ok() {
-            pe.stats.requests.fetch_add(1, Ordering::Relaxed);
-            pe.stats.active.fetch_add(1, Ordering::Relaxed);
-        }
+        let rif = conn.as_ref().ok().map(|_| pe.start());
         pe.pick_done();
         match conn {
-            Ok((conn, reused)) => return Ok((Attempt { pe, reused }, conn)),
+            Ok((conn, reused)) => {
+                let attempt = Attempt {
+                    pe,
+                    reused,
+                    rif: rif.unwrap_or(0),
+                    sent: Instant::now(),
+                };
+                return Ok((attempt, conn));
+            }
             Err(e) => {
                 debug!("pool {} PE {:#010x}: connect: {e}", pe.pool, pe.id);
                 ctx.pools.unreachable(&pe);
@@ -555,14 +563,20 @@ async fn relay(
     mut bc: BackendConn,
     r: &Request,
     mut sent: Sent,
-    b: &Arc<Backend>,
+    attempt: &Attempt,
     ctx: &Ctx,
 ) -> Result<Relayed, Failure> {
+    let b = &attempt.pe;
     let mut relayed = false;
     let mut bytes = 0u64;
     let resp = loop {
         let head = match read_response_head(&mut bc, ctx).await {
-            Ok(h) => h,
+            Ok(h) => {
+                if !relayed {
+                    b.note_latency(attempt.rif, attempt.sent.elapsed());
+                }
+                h
+            }
             Err(f) => {
                 return Err(match f {
                     Failure::NoResponse { error, .. } => Failure::NoResponse {

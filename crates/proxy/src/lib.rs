@@ -35,7 +35,7 @@ mod select;
 pub mod splice;
 pub mod tcp;
 
-pub use config::{ListenerConfig, Mode, ProxyConfig, Route};
+pub use config::{ListenerConfig, Mode, PoolConfig, ProxyConfig, Route, Select};
 pub use pools::{Pool, PoolSettings, Pools};
 
 use access_log::AccessLog;
@@ -117,6 +117,7 @@ impl Proxy {
                 log: RwLock::new(log),
             }),
         };
+        proxy.inner.pools.configure(&cfg);
         for l in &cfg.listeners {
             proxy.add_listener(l.clone()).await?;
         }
@@ -280,7 +281,7 @@ impl Proxy {
                 None => self.add_listener(l.clone()).await?,
             }
         }
-        self.inner.pools.retain(&new.pools());
+        self.inner.pools.configure(&new);
         Ok(ignored)
     }
 

@@ -6,6 +6,7 @@
 //! a snapshot.
 
 use crate::backend::{Backend, BackendSnapshot, HealthSettings};
+use crate::config::{PoolConfig, ProxyConfig, Select};
 use crate::select::Selector;
 use rserpool_wire::{PoolElement, PoolHandle};
 use serde::Serialize;
@@ -29,11 +30,27 @@ pub struct PoolSettings {
     pub idle_timeout: Duration,
 }
 
-/// How long a request waits for credit when every PE of a `credits` pool has spent its own
-/// (then 503), and how many may wait at once per pool (beyond that, 503 at once). The
-/// service-levels work schedules this queue.
-pub const CREDIT_WAIT: Duration = Duration::from_secs(1);
-pub const CREDIT_QUEUE: usize = 1024;
+/// Why no PE was picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoPick {
+    /// No PE (left to try) in the pool.
+    NoPe,
+    /// A `credits` pool whose PEs had no credit within the pool's credit wait.
+    NoCredit,
+    /// A `credits` pool with its credit queue full.
+    QueueFull,
+}
+
+impl NoPick {
+    /// The text of the 503 for a client.
+    pub fn text(self) -> &'static str {
+        match self {
+            Self::NoPe => "no pool element available",
+            Self::NoCredit => "no pool element has credit left",
+            Self::QueueFull => "too many requests waiting for credit",
+        }
+    }
+}
 
 /// One pool's local copy.
 pub struct Pool {
@@ -47,6 +64,7 @@ pub struct Pool {
 struct PoolState {
     selector: Selector,
     refreshed: Option<Instant>,
+    config: PoolConfig,
 }
 
 impl Pool {
@@ -56,6 +74,7 @@ impl Pool {
             state: Mutex::new(PoolState {
                 selector: Selector::new(),
                 refreshed: None,
+                config: PoolConfig::default(),
             }),
             changed: tokio::sync::Notify::new(),
             waiting: std::sync::atomic::AtomicUsize::new(0),
@@ -66,27 +85,42 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The next PE by the pool's policy, skipping the PEs in `tried` and ejected ones; with
-    /// every untried PE ejected, the least recently ejected.
+    /// The next PE by the pool's selection (its policy unless configured otherwise), skipping
+    /// the PEs in `tried` and ejected ones; with every untried PE ejected, the least recently
+    /// ejected. The pick counts in flight at the PE until [`Backend::pick_done`].
     pub fn pick(&self, tried: &[u32]) -> Option<Arc<Backend>> {
-        self.lock().selector.pick(&self.handle, tried)
+        let st = &mut *self.lock();
+        st.selector.pick(&self.handle, tried, st.config.select)
+    }
+
+    /// The pool's settings.
+    pub fn config(&self) -> PoolConfig {
+        self.lock().config.clone()
     }
 
     /// [`pick`](Self::pick), but in a `credits` pool whose untried PEs have all spent their
-    /// credit, waits up to [`CREDIT_WAIT`] for one to have credit again (a new report, or a
-    /// request finishing here), in a queue of at most [`CREDIT_QUEUE`].
-    pub async fn pick_or_wait(&self, tried: &[u32]) -> Option<Arc<Backend>> {
+    /// credit, waits up to the pool's `credit-wait-ms` for one to have credit again (a new
+    /// report, or a request finishing here), in a queue of at most `credit-queue`.
+    pub async fn pick_or_wait(&self, tried: &[u32]) -> Result<Arc<Backend>, NoPick> {
         if let Some(b) = self.pick(tried) {
-            return Some(b);
+            return Ok(b);
         }
-        if !self.lock().selector.out_of_credit(&self.handle, tried) {
-            return None;
-        }
-        if self.waiting.fetch_add(1, Ordering::Relaxed) >= CREDIT_QUEUE {
+        let (wait, queue) = {
+            let st = self.lock();
+            if st.config.select != Select::Policy || !st.selector.out_of_credit(&self.handle, tried)
+            {
+                return Err(NoPick::NoPe);
+            }
+            (
+                Duration::from_millis(st.config.credit_wait_ms),
+                st.config.credit_queue,
+            )
+        };
+        if self.waiting.fetch_add(1, Ordering::Relaxed) >= queue {
             self.waiting.fetch_sub(1, Ordering::Relaxed);
-            return None;
+            return Err(NoPick::QueueFull);
         }
-        let deadline = tokio::time::Instant::now() + CREDIT_WAIT;
+        let deadline = tokio::time::Instant::now() + wait;
         let picked = loop {
             // Finished requests free credit without a report: look again every millisecond.
             let next = (tokio::time::Instant::now() + Duration::from_millis(1)).min(deadline);
@@ -95,10 +129,10 @@ impl Pool {
                 () = tokio::time::sleep_until(next) => {}
             }
             if let Some(b) = self.pick(tried) {
-                break Some(b);
+                break Ok(b);
             }
             if tokio::time::Instant::now() >= deadline {
-                break None;
+                break Err(NoPick::NoCredit);
             }
         };
         self.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -148,6 +182,8 @@ pub struct Pools {
     registrar_ok: AtomicBool,
     /// Wakes the refresh task when a pool is added.
     added: Arc<tokio::sync::Notify>,
+    /// The configuration's `[pool.HANDLE]` settings, for pools added later.
+    configs: Mutex<std::collections::BTreeMap<String, PoolConfig>>,
 }
 
 impl Pools {
@@ -160,6 +196,7 @@ impl Pools {
             reports: tx,
             registrar_ok: AtomicBool::new(true),
             added: Arc::new(tokio::sync::Notify::new()),
+            configs: Mutex::new(Default::default()),
         });
         (pools, rx)
     }
@@ -176,16 +213,30 @@ impl Pools {
             return p.clone();
         }
         let p = Arc::new(Pool::new(handle.clone()));
+        if let Some(c) = self
+            .configs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&handle.to_string())
+        {
+            p.lock().config = c.clone();
+        }
         map.insert(handle, p.clone());
         drop(map);
         self.added.notify_one();
         p
     }
 
-    /// Keeps only the pools named here (after a reload).
-    pub fn retain(&self, keep: &[String]) {
-        self.map()
-            .retain(|h, _| keep.iter().any(|k| k.as_bytes() == h.as_bytes()));
+    /// Keeps only the pools the configuration names, with its settings for each (at start
+    /// and after a reload).
+    pub fn configure(&self, cfg: &ProxyConfig) {
+        *self.configs.lock().unwrap_or_else(|p| p.into_inner()) = cfg.pool_settings.clone();
+        let keep = cfg.pools();
+        let mut map = self.map();
+        map.retain(|h, _| keep.iter().any(|k| k.as_bytes() == h.as_bytes()));
+        for (h, p) in map.iter() {
+            p.lock().config = cfg.pool_config(&h.to_string());
+        }
     }
 
     /// The pool with this handle, if the proxy serves it.

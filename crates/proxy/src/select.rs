@@ -7,8 +7,15 @@
 //!
 //! A pool with policy `credits` is chosen from by the credits left at each PE by the proxy's
 //! own count ([`Backend::credits_left`]): the most first, and none without credit left.
+//!
+//! A pool may instead be configured to be chosen from by what this proxy sees itself
+//! ([`Select`]): its requests in flight at each PE (least connections, power of two choices),
+//! or those and its latency estimates (Prequal-style). They need nothing from the PEs, and
+//! they see only this proxy's own traffic. Every pick counts in flight at once
+//! ([`Backend::reserve`]), so that picks at the same moment spread.
 
 use crate::backend::Backend;
+use crate::config::Select;
 use rserpool_handlespace::{Handlespace, PeRef};
 use rserpool_wire::policy::policy_type;
 use rserpool_wire::{Policy, PoolElement, PoolHandle};
@@ -22,7 +29,15 @@ pub(crate) struct Selector {
     backends: HashMap<u32, Arc<Backend>>,
     /// Reused by every resolution, so selecting does not allocate.
     scratch: Vec<PeRef>,
+    candidates: Vec<Arc<Backend>>,
+    /// xorshift64* state for the random choices.
+    rng: u64,
 }
+
+/// PEs probed per pick by the Prequal-style selection.
+const PREQUAL_PROBES: usize = 5;
+/// Of the probed, those with at most this quantile of in flight are cold.
+const PREQUAL_Q_RIF: f64 = 0.75;
 
 impl Selector {
     pub(crate) fn new() -> Self {
@@ -30,17 +45,48 @@ impl Selector {
             hs: new_handlespace(),
             backends: HashMap::new(),
             scratch: Vec::new(),
+            candidates: Vec::new(),
+            rng: u64::from(rand_seed()) | 1,
         }
+    }
+
+    fn random(&mut self, n: usize) -> usize {
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        (self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as usize % n.max(1)
     }
 
     /// The next PE by the pool's policy, skipping the PEs in `tried` and ejected ones. When
     /// every untried PE is ejected, the least recently ejected is tried anyway: an answer
     /// from a doubtful PE beats a certain 503.
-    pub(crate) fn pick(&mut self, handle: &PoolHandle, tried: &[u32]) -> Option<Arc<Backend>> {
+    pub(crate) fn pick(
+        &mut self,
+        handle: &PoolHandle,
+        tried: &[u32],
+        select: Select,
+    ) -> Option<Arc<Backend>> {
+        let picked = self.pick_by(handle, tried, select);
+        if let Some(b) = &picked {
+            b.reserve();
+        }
+        picked
+    }
+
+    fn pick_by(
+        &mut self,
+        handle: &PoolHandle,
+        tried: &[u32],
+        select: Select,
+    ) -> Option<Arc<Backend>> {
+        if select != Select::Policy {
+            return self.pick_local(tried, select);
+        }
         let Self {
             hs,
             backends,
             scratch,
+            ..
         } = self;
         let n = backends.len();
         if n == 0 {
@@ -54,10 +100,7 @@ impl Selector {
                 .filter_map(|b| Some((b.credits_left()?, b)))
                 .filter(|(c, _)| *c > 0)
                 .max_by_key(|(c, b)| (*c, std::cmp::Reverse(b.requests())))
-                .map(|(_, b)| {
-                    b.reserve_credit();
-                    b.clone()
-                });
+                .map(|(_, b)| b.clone());
         }
         let mut k = (1 + tried.len()).min(n);
         loop {
@@ -79,11 +122,50 @@ impl Selector {
             }
             k = n;
         }
-        backends
-            .values()
-            .filter(|b| !tried.contains(&b.id))
-            .min_by_key(|b| b.ejected_until())
-            .cloned()
+        least_recently_ejected(backends, tried)
+    }
+
+    /// The proxy-local selections.
+    fn pick_local(&mut self, tried: &[u32], select: Select) -> Option<Arc<Backend>> {
+        let now = Instant::now();
+        let mut c = std::mem::take(&mut self.candidates);
+        c.clear();
+        c.extend(
+            self.backends
+                .values()
+                .filter(|b| !tried.contains(&b.id) && !b.is_ejected(now))
+                .cloned(),
+        );
+        let picked = match (select, c.len()) {
+            (_, 0) => least_recently_ejected(&self.backends, tried),
+            (_, 1) => c.first().cloned(),
+            (Select::LeastConnections | Select::Policy, _) => c
+                .iter()
+                .min_by_key(|b| (b.in_flight(), b.requests()))
+                .cloned(),
+            (Select::P2c, n) => {
+                self.sample(&mut c, 2.min(n));
+                c[..2]
+                    .iter()
+                    .min_by_key(|b| (b.in_flight(), b.requests()))
+                    .cloned()
+            }
+            (Select::Prequal, n) => {
+                let k = PREQUAL_PROBES.min(n);
+                self.sample(&mut c, k);
+                prequal(&c[..k])
+            }
+        };
+        self.candidates = c;
+        picked
+    }
+
+    /// Moves `k` distinct random elements to the front (a partial Fisher-Yates shuffle).
+    fn sample(&mut self, c: &mut [Arc<Backend>], k: usize) {
+        for i in 0..k.min(c.len()) {
+            let j = i + self.random(c.len() - i);
+            c.swap(i, j);
+        }
     }
 
     /// True for a `credits` pool with untried PEs that have all spent their credit: credit
@@ -163,6 +245,37 @@ impl Selector {
     pub(crate) fn len(&self) -> usize {
         self.backends.len()
     }
+}
+
+fn least_recently_ejected(
+    backends: &HashMap<u32, Arc<Backend>>,
+    tried: &[u32],
+) -> Option<Arc<Backend>> {
+    backends
+        .values()
+        .filter(|b| !tried.contains(&b.id))
+        .min_by_key(|b| b.ejected_until())
+        .cloned()
+}
+
+/// Prequal's hot-cold lexicographic rule over the probed PEs: a PE is hot when its in flight
+/// is above the `PREQUAL_Q_RIF` quantile of the probed; of the cold ones the lowest latency
+/// estimate wins (fewer in flight on a tie), and when all are hot, the fewest in flight.
+fn prequal(probed: &[Arc<Backend>]) -> Option<Arc<Backend>> {
+    let mut all = [0u64; PREQUAL_PROBES];
+    for (r, b) in all.iter_mut().zip(probed) {
+        *r = b.in_flight();
+    }
+    let rif = &mut all[..probed.len().min(PREQUAL_PROBES)];
+    rif.sort_unstable();
+    let at = ((rif.len() as f64 - 1.0) * PREQUAL_Q_RIF).round() as usize;
+    let threshold = rif.get(at).copied().unwrap_or(0);
+    probed
+        .iter()
+        .filter(|b| b.in_flight() <= threshold)
+        .min_by_key(|b| (b.latency_estimate(), b.in_flight()))
+        .or_else(|| probed.iter().min_by_key(|b| b.in_flight()))
+        .cloned()
 }
 
 fn new_handlespace() -> Handlespace {

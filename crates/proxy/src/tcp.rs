@@ -19,8 +19,9 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
     };
     let mut tried = Vec::new();
     let (b, backend) = loop {
-        let Some(b) = pool.pick_or_wait(&tried).await else {
-            debug!("client {peer}: no PE of pool {} reachable", pool.handle);
+        let Ok(b) = pool.pick_or_wait(&tried).await.map_err(|why| {
+            debug!("client {peer}: pool {}: {}", pool.handle, why.text());
+        }) else {
             ctx.log(|| {
                 format!(
                     "{peer} tcp - {} - 0 {}",
@@ -30,10 +31,11 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
             });
             return;
         };
+        let asked = Instant::now();
         let connected = b.connect(ctx.connect_timeout()).await;
         if connected.is_ok() {
-            b.stats.requests.fetch_add(1, Ordering::Relaxed);
-            b.stats.active.fetch_add(1, Ordering::Relaxed);
+            let rif = b.start();
+            b.note_latency(rif, asked.elapsed());
         }
         b.pick_done();
         match connected {

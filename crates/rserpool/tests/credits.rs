@@ -6,10 +6,10 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop, fast_config, free_port, registrar, wait_until};
+use common::{BIN, KillOnDrop, answer_after, fast_config, free_port, id, registrar, wait_until};
 
 use rserpool_asap::{
-    CreditConfig, CreditSource, InFlight, MetricSource, PoolElement, PoolElementConfig, Reporting,
+    CreditConfig, CreditSource, MetricSource, PoolElement, PoolElementConfig, Reporting,
 };
 use rserpool_proxy::client::Client;
 use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
@@ -20,14 +20,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 const POOL: &str = "Credits";
-
-fn id(n: u32) -> String {
-    format!("{n:#010x}")
-}
 
 /// A proxy onto `POOL` that learns of changes only by push.
 async fn proxy(reg: SocketAddr) -> Proxy {
@@ -121,39 +116,10 @@ impl Server {
                 else {
                     continue;
                 };
-                tokio::spawn(serve(s, pe, delay, in_flight.clone()));
+                tokio::spawn(answer_after(s, pe, delay, Some(in_flight.clone())));
             }
         });
         (element, source)
-    }
-}
-
-async fn serve(mut s: TcpStream, pe: u32, delay: Duration, in_flight: InFlight) {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        }
-        let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-        buf.drain(..end);
-        let _work = in_flight.enter();
-        tokio::time::sleep(delay).await;
-        let body = format!("PE {}\n", id(pe));
-        let head = format!(
-            "HTTP/1.1 200 OK\r\nX-Pe-Id: {}\r\nContent-Length: {}\r\n\r\n",
-            id(pe),
-            body.len()
-        );
-        if s.write_all(format!("{head}{body}").as_bytes())
-            .await
-            .is_err()
-        {
-            return;
-        }
     }
 }
 
@@ -256,6 +222,10 @@ async fn with_no_credit_anywhere_a_request_waits_then_gets_503() {
         let started = Instant::now();
         let mut c = Client::connect(front).await.unwrap();
         let r = c.get(path).await.unwrap();
+        if r.code == 503 {
+            let text = String::from_utf8_lossy(&r.body).into_owned();
+            assert!(text.contains("no pool element has credit left"), "{text}");
+        }
         (r.code, started.elapsed())
     };
     // The second request waits for the first one's credit, then is served.

@@ -26,9 +26,10 @@ pub enum Service {
     Daytime,
     /// RFC 864: an endless rotating character pattern.
     Chargen,
-    /// A small HTTP/1.1 server for trying the proxy: `GET /bytes/N` sends N bytes, a PUT or
-    /// POST is answered with the body's length and FNV-1a hash, anything else with the PE's
-    /// identifier. Every response carries `X-Pe-Id`.
+    /// A small HTTP/1.1 server for trying the proxy: `GET /bytes/N` sends N bytes,
+    /// `GET /work?us=T&bytes=N` works T µs (sleeps; at most a minute) and then sends N bytes,
+    /// a PUT or POST is answered with the body's length and FNV-1a hash, anything else with
+    /// the PE's identifier. Every response carries `X-Pe-Id`.
     Http,
 }
 
@@ -38,14 +39,46 @@ pub struct ExampleArgs {
     /// Listening address of the service (port 0 = any free port).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
-    /// Connections at which the reported load is 100%; with policy `credits`, the connections
-    /// (requests for `http`) it takes at once.
-    #[arg(long, default_value_t = 100)]
-    pub capacity: usize,
+    #[command(flatten)]
+    pub shape: ServiceOpts,
     #[command(flatten)]
     pub pe: PeOpts,
     #[command(flatten)]
     pub credits: CreditOpts,
+}
+
+/// How much the service takes at once.
+#[derive(Args, Debug, Clone)]
+pub struct ServiceOpts {
+    /// Connections at which the reported load is 100%; with policy `credits`, the connections
+    /// (requests for `http`) it takes at once [default: the workers, else 100].
+    #[arg(long)]
+    pub capacity: Option<usize>,
+    /// Serve with this many workers, each taking one connection at a time from the listening
+    /// socket and closing it after one request, like a pre-forking server without keep-alive;
+    /// connections beyond them wait in the accept queue [default: a task per connection].
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Length of the listening socket's accept queue (the kernel caps it at
+    /// net.core.somaxconn).
+    #[arg(long, default_value_t = 1024)]
+    pub backlog: u32,
+}
+
+impl Default for ServiceOpts {
+    fn default() -> Self {
+        Self {
+            capacity: None,
+            workers: None,
+            backlog: 1024,
+        }
+    }
+}
+
+impl ServiceOpts {
+    fn capacity(&self) -> usize {
+        self.capacity.or(self.workers).unwrap_or(100).max(1)
+    }
 }
 
 pub fn run(args: ExampleArgs) -> Result<()> {
@@ -54,7 +87,7 @@ pub fn run(args: ExampleArgs) -> Result<()> {
         let ex = start(
             args.service,
             args.listen,
-            args.capacity,
+            &args.shape,
             &args.pe,
             Some(&args.credits),
         )
@@ -86,13 +119,13 @@ pub struct Example {
 pub async fn start(
     service: Service,
     listen: SocketAddr,
-    capacity: usize,
+    shape: &ServiceOpts,
     opts: &PeOpts,
     credit_opts: Option<&CreditOpts>,
 ) -> Result<Example> {
-    let listener = TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("cannot listen on {listen}"))?;
+    let capacity = shape.capacity();
+    let listener =
+        bind(listen, shape.backlog).with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
     let mut cfg = super::pe_config(opts, addr)?;
     let cap = u32::try_from(capacity.max(1)).unwrap_or(u32::MAX);
@@ -117,6 +150,37 @@ pub async fn start(
     };
     let reporter = pe_reporter(&pe, adaptive);
     let id = pe.id();
+    if let Some(workers) = shape.workers {
+        let listener = Arc::new(listener);
+        let task = tokio::spawn(async move {
+            let mut set = tokio::task::JoinSet::new();
+            for _ in 0..workers.max(1) {
+                let (listener, load, reporter, in_flight) = (
+                    listener.clone(),
+                    load.clone(),
+                    reporter.clone(),
+                    in_flight.clone(),
+                );
+                set.spawn(async move {
+                    loop {
+                        let Ok((stream, _)) = listener.accept().await else {
+                            continue;
+                        };
+                        load.change(1, &reporter);
+                        let _ = serve(service, stream, id, in_flight.clone(), true).await;
+                        load.change(-1, &reporter);
+                    }
+                });
+            }
+            while set.join_next().await.is_some() {}
+        });
+        return Ok(Example {
+            addr,
+            pe,
+            task,
+            credits,
+        });
+    }
     let task = tokio::spawn(async move {
         loop {
             let Ok((stream, peer)) = listener.accept().await else {
@@ -128,7 +192,7 @@ pub async fn start(
             let in_flight = in_flight.clone();
             tokio::spawn(async move {
                 load.change(1, &reporter);
-                let _ = serve(service, stream, id, in_flight).await;
+                let _ = serve(service, stream, id, in_flight, false).await;
                 load.change(-1, &reporter);
             });
         }
@@ -182,16 +246,29 @@ impl Load {
     }
 }
 
+/// A listening socket with this accept queue length.
+fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let sock = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    sock.set_reuseaddr(true)?;
+    sock.bind(addr)?;
+    sock.listen(backlog.max(1))
+}
+
 /// `in_flight`: with credits, what counts as work in flight (a request for `http`, the
-/// connection for the others).
+/// connection for the others). `once`: `http` closes after one request.
 async fn serve(
     service: Service,
     mut stream: TcpStream,
     id: u32,
     in_flight: Option<InFlight>,
+    once: bool,
 ) -> std::io::Result<()> {
     if service == Service::Http {
-        return serve_http(stream, id, in_flight).await;
+        return serve_http(stream, id, in_flight, once).await;
     }
     let _work = in_flight.as_ref().map(InFlight::enter);
     match service {
@@ -231,6 +308,7 @@ async fn serve_http(
     mut stream: TcpStream,
     id: u32,
     in_flight: Option<InFlight>,
+    once: bool,
 ) -> std::io::Result<()> {
     use bytes::{Buf, BytesMut};
     use rserpool_proxy::message::{BodyState, Head, framing};
@@ -293,12 +371,17 @@ async fn serve_http(
             tokio::io::copy(&mut r, &mut w).await?;
             return Ok(());
         }
-        let keep = head.wants_keep_alive();
+        let keep = head.wants_keep_alive() && !once;
         let method = String::from_utf8_lossy(head.method()).into_owned();
         let target = String::from_utf8_lossy(head.target()).into_owned();
+        let work = work_of(&target);
+        if let Some((us, _)) = work {
+            tokio::time::sleep(std::time::Duration::from_micros(us)).await;
+        }
         let download = target
             .strip_prefix("/bytes/")
-            .and_then(|n| n.parse::<u64>().ok());
+            .and_then(|n| n.parse::<u64>().ok())
+            .or(work.map(|(_, bytes)| bytes));
         let text = match (&*method, download) {
             (_, Some(_)) => String::new(),
             ("PUT" | "POST", _) => format!("received {len} bytes, fnv1a {:016x}\n", hash.0),
@@ -335,6 +418,20 @@ async fn serve_http(
             return Ok(());
         }
     }
+}
+
+/// `/work?us=T&bytes=N`: (T, N), T capped at a minute and N at 64 MiB.
+fn work_of(target: &str) -> Option<(u64, u64)> {
+    let query = target.strip_prefix("/work?")?;
+    let (mut us, mut bytes) = (0u64, 0u64);
+    for kv in query.split('&') {
+        match kv.split_once('=') {
+            Some(("us", v)) => us = v.parse().ok()?,
+            Some(("bytes", v)) => bytes = v.parse().ok()?,
+            _ => {}
+        }
+    }
+    Some((us.min(60_000_000), bytes.min(64 << 20)))
 }
 
 /// Byte `i` of a `GET /bytes/N` download.

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
-use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
+use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig, Select};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -23,6 +23,11 @@ pub struct ProxyArgs {
     /// One listener: tcp or http.
     #[arg(long, default_value = "http", value_parser = ["tcp", "http"])]
     pub mode: String,
+    /// One listener: how its pool's PEs are chosen: by the pool's own `policy` (as its PEs
+    /// registered it), or by this proxy's own view: `least-connections`, `p2c` (power of two
+    /// choices) or `prequal` (Prequal-style hot-cold selection).
+    #[arg(long, value_name = "HOW", value_parser = Select::NAMES)]
+    pub select: Option<String>,
     /// Registrar ASAP address (repeatable, tried in order); overrides the file's.
     #[arg(long = "registrar", value_name = "ADDR")]
     pub registrars: Vec<SocketAddr>,
@@ -64,14 +69,18 @@ fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
             Mode::Http
         };
         cfg.listeners.retain(|l| l.listen != listen);
+        if let Some(how) = &args.select {
+            let select: Select = how.parse().map_err(|e: String| anyhow!(e))?;
+            cfg.pool_settings.entry(pool.clone()).or_default().select = select;
+        }
         cfg.listeners.push(ListenerConfig {
             listen,
             mode,
             pool: Some(pool),
             routes: Vec::new(),
         });
-    } else if args.pool.is_some() {
-        return Err(anyhow!("--pool needs --listen"));
+    } else if args.pool.is_some() || args.select.is_some() {
+        return Err(anyhow!("--pool and --select need --listen"));
     }
     if !args.registrars.is_empty() {
         cfg.registrars = args.registrars.clone();

@@ -3,7 +3,7 @@
 //! (HTTP onto the WebPool, TCP onto the EchoPool), in one process; prints where everything
 //! listens and how to try it.
 
-use super::example::{self, Service};
+use super::example::{self, Service, ServiceOpts};
 use crate::{PeOpts, RegistrarOpts};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -74,11 +74,29 @@ pub fn run(args: UpArgs) -> Result<()> {
         };
         let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
         for _ in 0..args.pes.max(1) {
-            pes.push(example::start(Service::Echo, loopback, 100, &opts, None).await?);
+            pes.push(
+                example::start(
+                    Service::Echo,
+                    loopback,
+                    &ServiceOpts::default(),
+                    &opts,
+                    None,
+                )
+                .await?,
+            );
         }
         let echo_count = pes.len();
         for _ in 0..args.pes.max(1) {
-            pes.push(example::start(Service::Http, loopback, 100, &web_opts, None).await?);
+            pes.push(
+                example::start(
+                    Service::Http,
+                    loopback,
+                    &ServiceOpts::default(),
+                    &web_opts,
+                    None,
+                )
+                .await?,
+            );
         }
         for ex in &pes {
             ex.pe.wait_registered(Duration::from_secs(5)).await?;

@@ -189,3 +189,47 @@ where
 pub async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) -> Duration {
     wait_for(limit, what, || std::future::ready(cond())).await
 }
+
+/// A PE identifier as the proxy's `X-Pe-Id` shows it.
+pub fn id(n: u32) -> String {
+    format!("{n:#010x}")
+}
+
+/// Serves HTTP requests on `s` as PE `pe`: each is answered with its PE ID after `delay`,
+/// counted in `in_flight` meanwhile.
+pub async fn answer_after(
+    mut s: tokio::net::TcpStream,
+    pe: u32,
+    delay: Duration,
+    in_flight: Option<rserpool_asap::InFlight>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let end = loop {
+            if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        buf.drain(..end);
+        let _work = in_flight.as_ref().map(|f| f.enter());
+        tokio::time::sleep(delay).await;
+        let body = format!("PE {}\n", id(pe));
+        let head = format!(
+            "HTTP/1.1 200 OK\r\nX-Pe-Id: {}\r\nContent-Length: {}\r\n\r\n",
+            id(pe),
+            body.len()
+        );
+        if s.write_all(format!("{head}{body}").as_bytes())
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}
