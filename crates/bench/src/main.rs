@@ -1,6 +1,6 @@
 //! `rserpool-bench`: the benchmarks of rserpool, a binary of their own so that the product
 //! does not ship them. Each writes its results, with command and machine, into docs/:
-//! `cargo run --release -p rserpool-bench -- handlespace|registrar|proxy|push …`, and the chaos soak
+//! `cargo run --release -p rserpool-bench -- handlespace|registrar|proxy|push|trace …`, and the chaos soak
 //! (`chaos`), whose summary goes into docs/RELIABILITY.md.
 
 mod chaos;
@@ -14,6 +14,7 @@ mod proxy;
 mod push;
 mod registrar;
 mod report;
+mod trace;
 mod undo;
 
 use anyhow::Result;
@@ -44,6 +45,10 @@ enum BenchCommand {
     Proxy(proxy::ProxyBenchArgs),
     /// Credit reports to a subscribed pool user: the push path's latency (docs/CREDITS.md).
     Push(push::PushArgs),
+    /// Selection schemes on a replayed Wikipedia-like trace: RR, WRR, LU, least connections,
+    /// P2C, Prequal-style, DPR and DPR-Q credits, HAProxy leastconn and HAProxy with the
+    /// agent-check (docs/CREDITS.md).
+    Trace(trace::TraceArgs),
     /// Chaos soak: registrars, PEs, a proxy and clients in network namespaces under random
     /// kills, link cuts and packet loss; checks that no PE is lost and no request fails.
     Chaos(chaos::ChaosArgs),
@@ -59,6 +64,7 @@ fn main() -> Result<()> {
         BenchCommand::Registrar(a) => registrar::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Proxy(a) => proxy::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Push(a) => push::run(a),
+        BenchCommand::Trace(a) => trace::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
     }

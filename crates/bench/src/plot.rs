@@ -106,12 +106,24 @@ pub fn bars(
         .flat_map(|s| s.1.iter().copied())
         .fold(0.0f64, f64::max)
         .max(1e-9)
-        * 1.2;
+        // Room above the bars for the legend, one line per series.
+        * (1.2 + 0.07 * series.len().saturating_sub(4) as f64);
     let n = series.len().max(1) as f64;
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
         let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
         root.fill(&WHITE)?;
-        let colors = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
+        let colors = [
+            RED,
+            BLUE,
+            GREEN,
+            MAGENTA,
+            CYAN,
+            BLACK,
+            RGBColor(255, 140, 0),
+            RGBColor(128, 0, 128),
+            RGBColor(139, 69, 19),
+            RGBColor(128, 128, 128),
+        ];
         let mut chart = ChartBuilder::on(&root)
             .caption(title, ("sans-serif", 22))
             .margin(15)
