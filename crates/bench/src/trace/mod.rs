@@ -60,7 +60,7 @@ pub struct TraceArgs {
     #[arg(long, default_value_t = 2640.0)]
     pub rate: f64,
     /// Synthetic trace: burst amplitude (rate alternates between 1 ± this times the mean).
-    #[arg(long, default_value_t = 0.4)]
+    #[arg(long, default_value_t = 0.25)]
     pub burst: f64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -198,8 +198,11 @@ pub fn run(args: TraceArgs, bin: &Path) -> Result<()> {
         bail!("the HAProxy schemes need haproxy (apt-get install -y haproxy)");
     }
     raise_nofile_limit(65_536);
-    let dir = std::env::temp_dir().join(format!("rserpool-bench-trace-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
+    let dir = TempDir(
+        std::env::temp_dir().join(format!("rserpool-bench-trace-{}", std::process::id())),
+    );
+    std::fs::create_dir_all(&dir.0)?;
+    let dir = &dir.0;
     let trace = match &args.trace {
         Some(p) => p.clone(),
         None => {
@@ -242,8 +245,16 @@ pub fn run(args: TraceArgs, bin: &Path) -> Result<()> {
         report::write_section(path, "trace", &format!("{}{text}", report::provenance()))?;
         println!("written into {}", path.display());
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// The logs and files of a run, removed at its end (also when it fails).
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn rserpool(bin: &Path) -> Command {
@@ -327,7 +338,7 @@ fn run_scheme(
             servers.push('\n');
         }
         let cfg = format!(
-            "global\n    nbthread 2\n    maxconn 20000\n\
+            "global\n    nbthread 2\n    maxconn 8000\n\
              defaults\n    mode http\n    timeout connect 1s\n    timeout client 30s\n    timeout server 30s\n    retries 3\n    option redispatch\n\
              frontend web\n    bind {front}\n    default_backend pool\n\
              backend pool\n    balance leastconn\n{servers}"
@@ -339,11 +350,19 @@ fn run_scheme(
             &dir.join("haproxy.log"),
         )?);
     } else {
+        // A request may wait for credit as long as a connection may wait in a back end's
+        // accept queue here: until the client's timeout, less a margin.
+        let cfg = format!(
+            "registrars = [\"{reg}\"]\n\
+             [[listener]]\nlisten = \"{front}\"\nmode = \"http\"\npool = \"{pool}\"\n\
+             [pool.{pool}]\nselect = \"{}\"\ncredit-wait-ms = {}\ncredit-queue = 8192\n",
+            scheme.select(),
+            args.timeout_s * 1000 / 2
+        );
+        let path = dir.join("proxy.toml");
+        std::fs::write(&path, cfg)?;
         procs.push(Proc::spawn(
-            rserpool(bin)
-                .args(["proxy", "--listen", &front.to_string(), "--pool", pool])
-                .args(["--registrar", &reg.to_string()])
-                .args(["--select", scheme.select()]),
+            rserpool(bin).arg("proxy").arg("--config").arg(&path),
             &dir.join("proxy.log"),
         )?);
     }
@@ -351,28 +370,17 @@ fn run_scheme(
         .worker_threads(1)
         .enable_all()
         .build()?;
-    // Ready when every back end has answered through the front.
+    // Ready when the front answers (the PEs were registered before it started; a credits
+    // pool at rest sends everything to its largest PE), then a second for HAProxy's agent
+    // polls and the proxy's subscription.
     let ready = Instant::now();
-    let mut seen = std::collections::HashSet::new();
-    while seen.len() < backends.len() {
+    while rt.block_on(pe_of_answer(front)).is_none() {
         if ready.elapsed() > Duration::from_secs(15) {
-            bail!(
-                "only {} of the back ends answer through the front",
-                seen.len()
-            );
+            bail!("the front does not answer");
         }
-        let ids = rt.block_on(async {
-            let mut v = Vec::new();
-            for _ in 0..8 {
-                if let Some(id) = pe_of_answer(front).await {
-                    v.push(id);
-                }
-            }
-            v
-        });
-        seen.extend(ids);
         std::thread::sleep(Duration::from_millis(50));
     }
+    std::thread::sleep(Duration::from_secs(1));
     let mut rows = Vec::new();
     for (name, f) in factors {
         let entries = wiki::read(trace, *f, args.duration_s as f64)?;
@@ -443,8 +451,11 @@ async fn pe_of_answer(front: SocketAddr) -> Option<String> {
         .ok()?
         .ok()?;
     let text = String::from_utf8_lossy(&v);
-    text.lines()
-        .find_map(|l| l.strip_prefix("X-Pe-Id: ").map(str::to_string))
+    // HAProxy sends header names in lower case.
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.eq_ignore_ascii_case("x-pe-id").then(|| v.trim().to_string())
+    })
 }
 
 fn summarise(outcomes: &[replay::Outcome], reports: f64, pe_cpu: f64, late: Duration) -> Row {
