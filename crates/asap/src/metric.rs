@@ -82,6 +82,8 @@ const NLMSG_HDR: usize = 16;
 /// `struct inet_diag_msg`: family, state, timer, retrans, the socket id (48 bytes), expires,
 /// rqueue, wqueue, uid, inode.
 const INET_DIAG_MSG: usize = 72;
+const INET_DIAG_REQ_BYTECODE: u16 = 1;
+const INET_DIAG_BC_S_EQ: u8 = 11;
 
 /// The accept queue and established connections of the TCP port `addr.port()` in this network
 /// namespace, IPv4 and IPv6 (a dual-stack listener serves both); `Ok(None)` when nothing
@@ -109,8 +111,10 @@ fn dump(
     load: &mut PortLoad,
 ) -> io::Result<bool> {
     use rustix::net::{SendFlags, netlink};
-    // nlmsghdr, then inet_diag_req_v2 with an all-zero socket id: every socket, filtered below.
-    let mut req = [0u8; NLMSG_HDR + 56];
+    // nlmsghdr, inet_diag_req_v2 with an all-zero socket id, then an INET_DIAG_REQ_BYTECODE
+    // attribute: a filter the kernel runs on every socket, "source port == port", so that only
+    // the port's sockets are copied out (a busy host has thousands of others).
+    let mut req = [0u8; NLMSG_HDR + 56 + 4 + 8];
     let len = req.len() as u32;
     req[0..4].copy_from_slice(&len.to_ne_bytes());
     req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
@@ -120,6 +124,15 @@ fn dump(
     req[17] = libc::IPPROTO_TCP as u8;
     let states: u32 = (1 << TCP_LISTEN) | (1 << TCP_ESTABLISHED);
     req[20..24].copy_from_slice(&states.to_ne_bytes());
+    let attr = NLMSG_HDR + 56;
+    req[attr..attr + 2].copy_from_slice(&12u16.to_ne_bytes());
+    req[attr + 2..attr + 4].copy_from_slice(&INET_DIAG_REQ_BYTECODE.to_ne_bytes());
+    // inet_diag_bc_op {code, yes, no}: on a match jump 8 (the end: accept), else 12 (past
+    // it: reject); the next op-sized word carries the port.
+    req[attr + 4] = INET_DIAG_BC_S_EQ;
+    req[attr + 5] = 8;
+    req[attr + 6..attr + 8].copy_from_slice(&12u16.to_ne_bytes());
+    req[attr + 10..attr + 12].copy_from_slice(&port.to_ne_bytes());
     rustix::net::sendto(
         sock,
         &req,

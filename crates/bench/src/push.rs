@@ -9,6 +9,7 @@
 //! to the pool user holding the pushed pool with that value. A report that a newer one of the
 //! same PE overtook before a push (coalesced) is counted apart.
 
+use crate::net::{free_port, local};
 use crate::report;
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
@@ -32,6 +33,13 @@ pub struct PushArgs {
     /// How long reports are sent.
     #[arg(long, default_value_t = 10)]
     pub duration_s: u64,
+    /// Through an ENRP peer: the PEs register at one registrar, the pool user subscribes at
+    /// another, which learns each change by ENRP.
+    #[arg(long)]
+    pub via_peer: bool,
+    /// The registrars' `enrp-batch-ms` (at most one ENRP write per peer per interval).
+    #[arg(long, default_value_t = 50)]
+    pub enrp_batch_ms: u64,
     /// Write the results as a Markdown section into this file (e.g. docs/CREDITS.md).
     #[arg(long)]
     pub markdown: Option<PathBuf>,
@@ -45,23 +53,44 @@ pub fn run(args: PushArgs) -> Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let registrar = RegistrarThread::start(Config {
-        asap: "127.0.0.1:0".parse()?,
-        enrp: "127.0.0.1:0".parse()?,
-        status: StatusListen::given(None),
-        ..Config::default()
-    })
-    .context("starting the registrar")?;
-    let out = rt.block_on(measure(&args, registrar.asap_addr()))?;
+    let registrar = |enrp: SocketAddr, peer: Vec<SocketAddr>| -> Result<RegistrarThread> {
+        RegistrarThread::start(Config {
+            asap: "127.0.0.1:0".parse()?,
+            enrp,
+            peer,
+            status: StatusListen::given(None),
+            enrp_batch_ms: args.enrp_batch_ms,
+            ..Config::default()
+        })
+        .context("starting a registrar")
+    };
+    let home_enrp = local(free_port()?);
+    let home = registrar(home_enrp, Vec::new())?;
+    let peer = match args.via_peer {
+        true => Some(registrar(local(free_port()?), vec![home_enrp])?),
+        false => None,
+    };
+    let pu_registrar = peer.as_ref().unwrap_or(&home).asap_addr();
+    let out = rt.block_on(measure(&args, home.asap_addr(), pu_registrar))?;
     print!("{out}");
     if let Some(path) = &args.markdown {
-        report::write_section(path, "push", &format!("{}{out}", report::provenance()))?;
+        let section = if args.via_peer {
+            "push via peer"
+        } else {
+            "push"
+        };
+        report::write_section(path, section, &format!("{}{out}", report::provenance()))?;
         println!("written into {}", path.display());
     }
     Ok(())
 }
 
-async fn measure(args: &PushArgs, registrar: SocketAddr) -> Result<String> {
+/// PEs register at `registrar`, the pool user subscribes at `pu_registrar`.
+async fn measure(
+    args: &PushArgs,
+    registrar: SocketAddr,
+    pu_registrar: SocketAddr,
+) -> Result<String> {
     let handle = PoolHandle::from(POOL);
     let mut pes = Vec::new();
     for i in 0..args.pes.max(1) {
@@ -83,17 +112,24 @@ async fn measure(args: &PushArgs, registrar: SocketAddr) -> Result<String> {
         pes.push(pe);
     }
     let mut pu = PoolUser::new(PoolUserConfig {
-        registrars: vec![registrar],
+        registrars: vec![pu_registrar],
         subscribe: true,
         ..PoolUserConfig::default()
     })?;
-    let (_, first) = pu.pool_elements(&handle).await?;
-    if first.len() != pes.len() {
-        return Err(anyhow!(
-            "the pool has {} PEs, not {}",
-            first.len(),
-            pes.len()
-        ));
+    // A peer registrar learns the pool once it has synchronised with the other.
+    let known = Instant::now();
+    loop {
+        let n = pu.pool_elements(&handle).await.map_or(0, |(_, v)| v.len());
+        if n == pes.len() {
+            break;
+        }
+        if known.elapsed() > Duration::from_secs(20) {
+            return Err(anyhow!(
+                "the pool user's registrar has {n} PEs, not {}",
+                pes.len()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
     // (PE ID, credits) → when it was reported.
@@ -149,11 +185,19 @@ async fn measure(args: &PushArgs, registrar: SocketAddr) -> Result<String> {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{} PEs with policy `credits` report {:.0} credit changes/s in all for {} s (asked: {}/s) to one registrar; one pool user subscribed to the pool.\n",
+        "{} PEs with policy `credits` report {:.0} credit changes/s in all for {} s (asked: {}/s) to one registrar; one pool user subscribed to the pool {}.\n",
         pes.len(),
         reports as f64 / secs,
         args.duration_s,
-        args.rate
+        args.rate,
+        if args.via_peer {
+            format!(
+                "at another registrar, its ENRP peer (enrp-batch-ms {})",
+                args.enrp_batch_ms
+            )
+        } else {
+            "at the same registrar".to_string()
+        }
     );
     let _ = writeln!(out, "| figure | value |\n|---|---|");
     let _ = writeln!(out, "| reports | {reports} |");

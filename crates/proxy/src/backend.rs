@@ -9,9 +9,12 @@
 //!
 //! Credits (policy `credits`, docs/CREDITS.md): the PE reports how much work it can take now,
 //! and that figure already counts the requests this proxy had in flight there. Until the next
-//! report the proxy spends from it locally: each request it starts there takes one; one that
-//! finishes gives nothing back before the PE says so (it may have taken queued work instead).
-//! Nor does the proxy ever have more in flight at a PE than the PE's capacity. A pick reserves
+//! report the proxy spends from it locally: each request it starts there takes one, and each
+//! of its requests there that finishes gives one back — the slot it held is free, and waiting
+//! for the PE to say so would leave it idle for a sampling period and a push. Nor does the
+//! proxy ever have more in flight at a PE than the PE's capacity. (When the PE's accept queue
+//! holds connections of other clients, a finished request's slot goes to one of them, and
+//! the credit given back is one too many until the PE's next report.) A pick reserves
 //! a credit until its request is under way (or its connection failed), so that requests picked
 //! at the same moment do not all spend the same credit.
 //!
@@ -203,7 +206,8 @@ impl Backend {
         let capacity = self.credit_capacity.load(Ordering::Relaxed);
         let active = self.stats.active.load(Ordering::Relaxed) as i64;
         let reserved = self.picking.load(Ordering::Relaxed);
-        let started = (active - base).max(0);
+        // Started since the report less finished since: may be negative.
+        let started = active - base;
         Some((reported - started).min(capacity - active) - reserved)
     }
 
@@ -307,6 +311,8 @@ impl Backend {
             requests: s.requests.load(Ordering::Relaxed),
             connections: s.connections.load(Ordering::Relaxed),
             active: s.active.load(Ordering::Relaxed),
+            in_flight: self.in_flight(),
+            latency_us: self.latency_estimate(),
             credits: self.credits_left(),
             failures: s.failures.load(Ordering::Relaxed),
             ejections: s.ejections.load(Ordering::Relaxed),
@@ -332,6 +338,10 @@ pub struct BackendSnapshot {
     pub requests: u64,
     pub connections: u64,
     pub active: u64,
+    /// Active plus picks not yet under way: what least connections and P2C compare.
+    pub in_flight: u64,
+    /// The Prequal-style latency estimate at the current number in flight (0: none seen).
+    pub latency_us: u64,
     /// Credits left by the proxy's count (policy `credits`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub credits: Option<i64>,

@@ -198,9 +198,8 @@ pub fn run(args: TraceArgs, bin: &Path) -> Result<()> {
         bail!("the HAProxy schemes need haproxy (apt-get install -y haproxy)");
     }
     raise_nofile_limit(65_536);
-    let dir = TempDir(
-        std::env::temp_dir().join(format!("rserpool-bench-trace-{}", std::process::id())),
-    );
+    let dir =
+        TempDir(std::env::temp_dir().join(format!("rserpool-bench-trace-{}", std::process::id())));
     std::fs::create_dir_all(&dir.0)?;
     let dir = &dir.0;
     let trace = match &args.trace {
@@ -454,7 +453,8 @@ async fn pe_of_answer(front: SocketAddr) -> Option<String> {
     // HAProxy sends header names in lower case.
     text.lines().find_map(|l| {
         let (k, v) = l.split_once(':')?;
-        k.eq_ignore_ascii_case("x-pe-id").then(|| v.trim().to_string())
+        k.eq_ignore_ascii_case("x-pe-id")
+            .then(|| v.trim().to_string())
     })
 }
 
