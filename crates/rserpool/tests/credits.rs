@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop, answer_after, fast_config, free_port, id, registrar, wait_until};
+use common::{
+    BIN, KillOnDrop, answer_after, answers, fast_config, free_port, id, registrar, wait_until,
+};
 
 use rserpool_asap::{
     CreditConfig, CreditSource, MetricSource, PoolElement, PoolElementConfig, Reporting,
@@ -144,18 +146,6 @@ async fn example(reg: SocketAddr, pe: u32, cap: u32) -> KillOnDrop {
     })
     .await;
     KillOnDrop(child)
-}
-
-/// Which PE answered each of `n` GETs.
-async fn answers(front: SocketAddr, n: usize) -> Vec<String> {
-    let mut c = Client::connect(front).await.unwrap();
-    let mut v = Vec::new();
-    for _ in 0..n {
-        let r = c.get("/").await.unwrap();
-        assert_eq!(r.code, 200);
-        v.push(r.header("x-pe-id").unwrap());
-    }
-    v
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

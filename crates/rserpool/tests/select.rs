@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop, answer_after, fast_config, free_port, id, registrar, wait_until};
+use common::{
+    BIN, KillOnDrop, answer_after, answers, fast_config, free_port, id, registrar, wait_until,
+};
 use rserpool_asap::{PoolElement, PoolElementConfig};
 use rserpool_proxy::client::Client;
 use rserpool_proxy::{ListenerConfig, Mode, PoolConfig, Proxy, ProxyConfig, Select};
@@ -66,18 +68,6 @@ async fn wait_for_pes(p: &Proxy, n: usize) {
         p.pools().all().iter().map(|pool| pool.len()).sum::<usize>() == n
     })
     .await;
-}
-
-/// Which PE answered each of `n` GETs, one after the other.
-async fn answers(front: SocketAddr, n: usize) -> Vec<String> {
-    let mut c = Client::connect(front).await.unwrap();
-    let mut v = Vec::new();
-    for _ in 0..n {
-        let r = c.get("/").await.unwrap();
-        assert_eq!(r.code, 200);
-        v.push(r.header("x-pe-id").unwrap());
-    }
-    v
 }
 
 /// While one long request holds a PE, every short request goes to the other PE; under the

@@ -233,3 +233,17 @@ pub async fn answer_after(
         }
     }
 }
+
+/// Which PE (its `X-Pe-Id`) answered each of `n` GETs through `front`, one after the other.
+pub async fn answers(front: SocketAddr, n: usize) -> Vec<String> {
+    let mut c = rserpool_proxy::client::Client::connect(front)
+        .await
+        .unwrap();
+    let mut v = Vec::new();
+    for _ in 0..n {
+        let r = c.get("/").await.unwrap();
+        assert_eq!(r.code, 200);
+        v.push(r.header("x-pe-id").unwrap());
+    }
+    v
+}
