@@ -7,7 +7,8 @@
 mod common;
 
 use common::{
-    BIN, KillOnDrop, answer_after, answers, fast_config, free_port, id, registrar, wait_until,
+    KillOnDrop, answer_after, answers, example_http, fast_config, free_port, id, registrar,
+    wait_until,
 };
 
 use rserpool_asap::{
@@ -18,7 +19,6 @@ use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
 use rserpool_wire::Policy;
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -127,25 +127,8 @@ impl Server {
 
 /// `rserpool example http` with credits (capacity `cap`), PE ID `pe`.
 async fn example(reg: SocketAddr, pe: u32, cap: u32) -> KillOnDrop {
-    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let child = Command::new(BIN)
-        .args(["example", "http", "--pool", POOL, "--policy", "credits"])
-        .args(["--capacity", &cap.to_string(), "--id", &pe.to_string()])
-        .args([
-            "--listen",
-            &addr.to_string(),
-            "--registrar",
-            &reg.to_string(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_until(Duration::from_secs(10), "example listening", || {
-        std::net::TcpStream::connect(addr).is_ok()
-    })
-    .await;
-    KillOnDrop(child)
+    let cap = cap.to_string();
+    example_http(reg, POOL, pe, &["--policy", "credits", "--capacity", &cap]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,8 @@
 mod common;
 
 use common::{
-    BIN, KillOnDrop, answer_after, answers, fast_config, free_port, id, registrar, wait_until,
+    KillOnDrop, answer_after, answers, example_http, fast_config, free_port, id, registrar,
+    wait_until,
 };
 use rserpool_asap::{PoolElement, PoolElementConfig};
 use rserpool_proxy::client::Client;
@@ -15,7 +16,6 @@ use rserpool_proxy::{ListenerConfig, Mode, PoolConfig, Proxy, ProxyConfig, Selec
 use rserpool_wire::Policy;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 use tokio::net::TcpListener;
 
@@ -47,20 +47,7 @@ async fn proxy(reg: SocketAddr, select: Select) -> Proxy {
 
 /// `rserpool example http` as PE `pe` with policy round robin.
 async fn example(reg: SocketAddr, pe: u32) -> KillOnDrop {
-    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let child = Command::new(BIN)
-        .args(["example", "http", "--pool", POOL, "--policy", "rr"])
-        .args(["--id", &pe.to_string(), "--listen", &addr.to_string()])
-        .args(["--registrar", &reg.to_string()])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_until(Duration::from_secs(10), "example listening", || {
-        std::net::TcpStream::connect(addr).is_ok()
-    })
-    .await;
-    KillOnDrop(child)
+    example_http(reg, POOL, pe, &["--policy", "rr"]).await
 }
 
 async fn wait_for_pes(p: &Proxy, n: usize) {

@@ -247,3 +247,27 @@ pub async fn answers(front: SocketAddr, n: usize) -> Vec<String> {
     }
     v
 }
+
+/// `rserpool example http` as PE `pe` of `pool`, registered at `reg`, with `extra` flags
+/// (its policy and so on); returns once it listens.
+pub async fn example_http(reg: SocketAddr, pool: &str, pe: u32, extra: &[&str]) -> KillOnDrop {
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let child = Command::new(BIN)
+        .args(["example", "http", "--pool", pool, "--id", &pe.to_string()])
+        .args([
+            "--listen",
+            &addr.to_string(),
+            "--registrar",
+            &reg.to_string(),
+        ])
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until(Duration::from_secs(10), "example listening", || {
+        std::net::TcpStream::connect(addr).is_ok()
+    })
+    .await;
+    KillOnDrop(child)
+}
