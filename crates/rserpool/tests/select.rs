@@ -132,3 +132,24 @@ async fn prequal_sends_little_to_a_slow_pe() {
         }
     }
 }
+
+/// `rserpool proxy --select` as a user types it: the selection lands in the pool's settings
+/// (as `--print-config` shows them), and a name the proxy does not know is refused.
+#[test]
+fn the_select_flag_sets_the_pools_selection() {
+    let run = |extra: &[&str]| {
+        std::process::Command::new(common::BIN)
+            .args(["proxy", "--listen", "127.0.0.1:1", "--pool", "Web"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--select", "p2c", "--print-config"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let cfg = ProxyConfig::from_toml(&text).unwrap();
+    assert_eq!(cfg.pool_config("Web").select, Select::P2c);
+    let out = run(&["--select", "fastest"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("least-connections"));
+}
