@@ -12,10 +12,12 @@ pub mod core;
 pub mod credit_source;
 pub mod credits;
 mod driver;
+pub mod level_gate;
 pub mod metric;
 pub mod pool_element;
 pub mod pool_user;
 pub mod registrars;
+pub mod share;
 
 pub use connection::AsapConnection;
 pub use core::pe::{PeCore, PeEvent};

@@ -22,9 +22,12 @@
 //!
 //! [pool.ApiPool]              # optional, per pool handle
 //! select = "p2c"              # policy (default) | least-connections | p2c | prequal
-//! credit-wait-ms = 1000       # policy `credits`: longest wait for credit, then 503
-//! credit-queue = 1024         # policy `credits`: most requests waiting for credit
+//! max-conn = 32               # most requests in flight per PE; beyond, requests wait
+//! queue = 1024                # most requests waiting (for max-conn, or credits)
+//! queue-timeout-ms = 1000     # longest wait, then 503
 //! ```
+//!
+//! Service levels (`[levels]`) are described in [`crate::levels`].
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -108,19 +111,26 @@ impl std::str::FromStr for Select {
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct PoolConfig {
     pub select: Select,
-    /// Policy `credits`: how long a request waits for credit when every PE has spent its own,
-    /// then 503.
-    pub credit_wait_ms: u64,
-    /// Policy `credits`: most requests waiting for credit at once; beyond it, 503 at once.
-    pub credit_queue: usize,
+    /// Most requests (connections in TCP mode) this proxy has in flight at each PE; none
+    /// when absent. A pool with policy `credits` is limited by its PEs' credits as well.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_conn: Option<u64>,
+    /// How long a request waits when every PE is at its limit (`max-conn`, or out of
+    /// credit), then 503 (`credit-wait-ms`, the older name, is read too).
+    #[serde(alias = "credit-wait-ms")]
+    pub queue_timeout_ms: u64,
+    /// Most requests waiting at once; beyond it the lowest service level is shed (503).
+    #[serde(alias = "credit-queue")]
+    pub queue: usize,
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
         Self {
             select: Select::Policy,
-            credit_wait_ms: 1000,
-            credit_queue: 1024,
+            max_conn: None,
+            queue_timeout_ms: 1000,
+            queue: 1024,
         }
     }
 }
@@ -169,6 +179,9 @@ pub struct ProxyConfig {
     /// Settings per pool handle; a pool not named here has the defaults.
     #[serde(rename = "pool", skip_serializing_if = "BTreeMap::is_empty")]
     pub pool_settings: BTreeMap<String, PoolConfig>,
+    /// Service levels; without the section every request is of one level.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub levels: Option<crate::levels::LevelsConfig>,
 }
 
 impl Default for ProxyConfig {
@@ -193,6 +206,7 @@ impl Default for ProxyConfig {
             access_log: None,
             listeners: Vec::new(),
             pool_settings: BTreeMap::new(),
+            levels: None,
         }
     }
 }
@@ -260,9 +274,15 @@ impl ProxyConfig {
             if !used.contains(name) {
                 return bad(format!("[pool.{name}] names a pool no listener serves"));
             }
-            if p.credit_wait_ms > 60_000 {
-                return bad(format!("pool {name}: credit-wait-ms above a minute"));
+            if p.queue_timeout_ms > 60_000 {
+                return bad(format!("pool {name}: queue-timeout-ms above a minute"));
             }
+            if p.max_conn == Some(0) {
+                return bad(format!("pool {name}: max-conn must be above 0"));
+            }
+        }
+        if let Some(l) = &self.levels {
+            l.validate().map_err(ConfigError::Invalid)?;
         }
         if self.max_head < 1024 {
             return bad("max-head must be at least 1024".into());

@@ -32,6 +32,19 @@ impl Ctx {
     pub(crate) fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.cfg.request_timeout_ms)
     }
+    /// The service level of a request (1 without `[levels]`).
+    pub(crate) fn level(&self, facts: impl FnOnce() -> Option<usize>) -> usize {
+        if self.cfg.levels.is_none() {
+            return 1;
+        }
+        facts().unwrap_or(1)
+    }
+
+    /// The header that carries the level to the PE, when levels are configured.
+    pub(crate) fn level_header(&self) -> Option<&str> {
+        self.cfg.levels.as_ref().map(|l| l.header.as_str())
+    }
+
     /// Writes an access log line, formatted only if there is an access log.
     pub(crate) fn log(&self, line: impl FnOnce() -> String) {
         if let Some(l) = &self.log {

@@ -17,8 +17,10 @@
 use crate::backend::{Backend, BackendConn};
 use crate::client_stream::ClientStream;
 use crate::ctx::{Ctx, until_set};
+use crate::levels::RequestFacts;
 use crate::message::{
-    BodyState, Framing, Head, HeadError, error_response, framing, response_framing,
+    BodyState, Framing, Head, HeadError, error_response, error_response_with, framing,
+    response_framing,
 };
 use crate::pools::{NoPick, Pool};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -148,6 +150,7 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
         let _ = reply(c, 404, "no route").await;
         return Next::Close;
     };
+    r.level = classify(&r, c.peer, ctx);
     let Ok(out) = prepare(c, &mut r, ctx).await else {
         return Next::Close;
     };
@@ -179,6 +182,8 @@ pub(crate) struct Request {
     pub(crate) upgrade: bool,
     idempotent: bool,
     started: Instant,
+    /// Service level (1 without `[levels]`).
+    pub(crate) level: usize,
 }
 
 /// Step parse: the request analysed, or the status and text that refuse it.
@@ -239,6 +244,22 @@ fn analyse(head: Head, started: Instant) -> Result<Request, &'static str> {
         upgrade,
         idempotent,
         started,
+        level: 1,
+    })
+}
+
+/// Step classify: the request's service level by the `[levels]` rules.
+fn classify(r: &Request, peer: SocketAddr, ctx: &Ctx) -> usize {
+    ctx.level(|| {
+        let levels = ctx.cfg.levels.as_ref()?;
+        let target = r.head.target();
+        let header = |name: &str| r.head.get(name).and_then(|v| std::str::from_utf8(v).ok());
+        Some(levels.classify(&RequestFacts {
+            source: peer.ip().to_canonical(),
+            host: std::str::from_utf8(&r.host).ok(),
+            path: std::str::from_utf8(&target[..r.path_end]).ok(),
+            header: &header,
+        }))
     })
 }
 
@@ -257,7 +278,7 @@ struct Outgoing {
 
 /// Step prepare: the head for the PE, and the body read and held if it is small enough.
 async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgoing> {
-    let head = outgoing_head(r, c.peer);
+    let head = outgoing_head_with(r, c.peer, ctx.level_header());
     let held = match r.framing {
         Framing::None => Some(Bytes::new()),
         Framing::Length(n) if !r.expect_continue && n <= ctx.cfg.retry_buffer as u64 => {
@@ -273,6 +294,16 @@ async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgo
 
 /// The request head as sent to a PE: hop-by-hop headers dropped, forwarding headers added.
 pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
+    outgoing_head_with(r, peer, None)
+}
+
+/// [`outgoing_head`], with the service level in `level_header` (a client's own copy of that
+/// header is dropped, never passed on).
+pub(crate) fn outgoing_head_with(
+    r: &Request,
+    peer: SocketAddr,
+    level_header: Option<&str>,
+) -> BytesMut {
     let h = &r.head;
     let mut out = BytesMut::with_capacity(h.raw.len() + 128);
     out.put_slice(h.method());
@@ -288,6 +319,9 @@ pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
     let mut xff: Vec<&[u8]> = Vec::new();
     let mut fwd: Vec<&[u8]> = Vec::new();
     for (n, v) in h.end_to_end() {
+        if level_header.is_some_and(|l| n.eq_ignore_ascii_case(l.as_bytes())) {
+            continue;
+        }
         let prior = if n.eq_ignore_ascii_case(b"x-forwarded-for") {
             &mut xff
         } else if n.eq_ignore_ascii_case(b"forwarded") {
@@ -327,6 +361,12 @@ pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
         out.put_u8(b'"');
     }
     out.put_slice(b";proto=http\r\n");
+    if let Some(name) = level_header {
+        out.put_slice(name.as_bytes());
+        out.put_slice(b": ");
+        out.put_slice(r.level.to_string().as_bytes());
+        out.put_slice(b"\r\n");
+    }
     if r.upgrade {
         out.put_slice(b"Connection: upgrade\r\nUpgrade: ");
         out.put_slice(h.get("upgrade").unwrap_or_default());
@@ -377,6 +417,7 @@ struct Failover {
 
 /// The PE one attempt goes to: the value [`select`] makes, with the connection.
 struct Attempt {
+    pool: Arc<Pool>,
     pe: Arc<Backend>,
     /// The connection was kept alive from an earlier request.
     reused: bool,
@@ -388,14 +429,14 @@ struct Attempt {
 /// Step select: a PE by the pool's policy and a connection to it. A PE that cannot be reached
 /// is reported and the next one tried; `Err` is the answer when none is left.
 async fn select(
-    pool: &Pool,
+    pool: &Arc<Pool>,
     r: &Request,
     f: &mut Failover,
     ctx: &Ctx,
 ) -> Result<(Attempt, BackendConn), (u16, &'static str)> {
     loop {
         f.attempts += 1;
-        let pe = match pool.pick_or_wait(&f.tried).await {
+        let pe = match pool.admit(r.level, &f.tried).await {
             Ok(pe) => pe,
             Err(NoPick::NoPe) if !f.tried.is_empty() => {
                 return Err((502, "no pool element answered"));
@@ -408,6 +449,7 @@ async fn select(
         match conn {
             Ok((conn, reused)) => {
                 let attempt = Attempt {
+                    pool: pool.clone(),
                     pe,
                     reused,
                     rif: rif.unwrap_or(0),
@@ -418,6 +460,7 @@ async fn select(
             Err(e) => {
                 debug!("pool {} PE {:#010x}: connect: {e}", pe.pool, pe.id);
                 ctx.pools.unreachable(&pe);
+                pool.released();
                 f.tried.push(pe.id);
             }
         }
@@ -752,7 +795,7 @@ async fn finish(
     ctx: &Ctx,
 ) -> Option<Next> {
     let b = &attempt.pe;
-    b.stats.active.fetch_sub(1, Ordering::Relaxed);
+    attempt.pool.finished(b, r.level, attempt.sent.elapsed());
     let (code, why) = match outcome {
         Ok(Relayed { code, keep, bytes }) => {
             b.succeeded();
@@ -811,7 +854,14 @@ async fn give_up(
     b: Option<&Arc<Backend>>,
 ) -> Next {
     if let Some(why) = why {
-        let _ = reply(c, code, why).await;
+        let _ = if code == 503 {
+            // No PE had room: say when to come back.
+            let secs = ctx.cfg.levels.as_ref().map_or(1, |l| l.retry_after_s);
+            let resp = error_response_with(code, why, &format!("Retry-After: {secs}\r\n"));
+            c.stream.write_all(&resp).await
+        } else {
+            reply(c, code, why).await
+        };
     }
     log(ctx, c, r, code, b, 0);
     Next::Close

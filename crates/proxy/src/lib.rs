@@ -18,6 +18,7 @@
 //! listener with per-PE counters as JSON.
 
 mod access_log;
+mod admit;
 pub mod backend;
 pub mod client;
 mod client_stream;
@@ -28,6 +29,7 @@ pub mod discovery;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod http;
+pub mod levels;
 pub mod message;
 pub mod pools;
 mod routes;
@@ -35,6 +37,7 @@ mod select;
 pub mod splice;
 pub mod tcp;
 
+pub use admit::LevelStats;
 pub use config::{ListenerConfig, Mode, PoolConfig, ProxyConfig, Route, Select};
 pub use pools::{Pool, PoolSettings, Pools};
 

@@ -149,8 +149,10 @@ impl Head {
             .map(|(_, v)| v)
     }
 
-    pub fn get<'a>(&'a self, name: &'a str) -> Option<&'a [u8]> {
-        self.values(name).next()
+    pub fn get<'a>(&'a self, name: &str) -> Option<&'a [u8]> {
+        self.iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(_, v)| v)
     }
 
     /// The comma-separated tokens of every `name` header, trimmed.
@@ -460,6 +462,11 @@ pub fn is_hop_by_hop(name: &[u8]) -> bool {
 
 /// A short error answer, after which the connection is closed.
 pub(crate) fn error_response(code: u16, text: &str) -> Vec<u8> {
+    error_response_with(code, text, "")
+}
+
+/// [`error_response`] with `extra` header lines (each ending in CRLF).
+pub(crate) fn error_response_with(code: u16, text: &str, extra: &str) -> Vec<u8> {
     let reason = match code {
         400 => "Bad Request",
         404 => "Not Found",
@@ -472,7 +479,7 @@ pub(crate) fn error_response(code: u16, text: &str) -> Vec<u8> {
         _ => "Error",
     };
     format!(
-        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}\n",
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{text}\n",
         text.len() + 1
     )
     .into_bytes()

@@ -5,8 +5,10 @@
 //! [`crate::backend`]) and report the PEs they could not reach, and the stats endpoint reads
 //! a snapshot.
 
+use crate::admit::{Admission, AdmissionConfig, LevelStats};
 use crate::backend::{Backend, BackendSnapshot, HealthSettings};
-use crate::config::{PoolConfig, ProxyConfig, Select};
+use crate::config::{PoolConfig, ProxyConfig};
+use crate::levels::LevelsConfig;
 use crate::select::Selector;
 use rserpool_wire::{PoolElement, PoolHandle};
 use serde::Serialize;
@@ -35,9 +37,9 @@ pub struct PoolSettings {
 pub enum NoPick {
     /// No PE (left to try) in the pool.
     NoPe,
-    /// A `credits` pool whose PEs had no credit within the pool's credit wait.
+    /// Every PE was at its limit (out of credit, or `max-conn`) for the whole queue timeout.
     NoCredit,
-    /// A `credits` pool with its credit queue full.
+    /// The queue was full, or a higher service level pushed the request out of it.
     QueueFull,
 }
 
@@ -46,8 +48,8 @@ impl NoPick {
     pub fn text(self) -> &'static str {
         match self {
             Self::NoPe => "no pool element available",
-            Self::NoCredit => "no pool element has credit left",
-            Self::QueueFull => "too many requests waiting for credit",
+            Self::NoCredit => "no pool element had room within the queue timeout",
+            Self::QueueFull => "too many requests waiting",
         }
     }
 }
@@ -56,28 +58,84 @@ impl NoPick {
 pub struct Pool {
     pub handle: PoolHandle,
     state: Mutex<PoolState>,
-    /// A new copy arrived (a PE may have credit again).
-    changed: tokio::sync::Notify,
-    waiting: std::sync::atomic::AtomicUsize,
 }
 
 struct PoolState {
     selector: Selector,
     refreshed: Option<Instant>,
     config: PoolConfig,
+    admission: Admission,
+}
+
+impl PoolState {
+    fn pick(&mut self, handle: &PoolHandle, tried: &[u32]) -> Option<Arc<Backend>> {
+        self.selector
+            .pick(handle, tried, self.config.select, self.config.max_conn)
+    }
+
+    /// Whether a request that found no PE may wait: PEs are left to try but all are at
+    /// their limit, which frees up, unlike missing PEs.
+    fn may_wait(&self, handle: &PoolHandle, tried: &[u32]) -> bool {
+        self.selector
+            .at_limit(handle, tried, self.config.max_conn.is_some())
+    }
+
+    /// Gives free places to waiting requests, by level, until none is free or none waits.
+    fn dispatch(&mut self, handle: &PoolHandle) {
+        let now = Instant::now();
+        while self.admission.is_waiting() {
+            let Some((front, tried)) = self.admission.front(now) else {
+                break;
+            };
+            let tried = tried.to_vec();
+            let outcome = match self.pick(handle, &tried) {
+                Some(b) => Ok(b),
+                None if self.may_wait(handle, &tried) => break,
+                None => Err(NoPick::NoPe),
+            };
+            if let Err(b) = self.admission.take(front, outcome, now) {
+                b.pick_done();
+            }
+        }
+    }
+}
+
+/// A waiting request's place in its queue; leaving it (timeout, or the client went away)
+/// takes the request out, and a PE handed to it at that moment back.
+struct Queued<'a> {
+    pool: &'a Pool,
+    level: usize,
+    id: u64,
+    rx: tokio::sync::oneshot::Receiver<crate::admit::Outcome>,
+    done: bool,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut st = self.pool.lock();
+        st.admission.remove(self.level, self.id, false);
+        if let Ok(Ok(b)) = self.rx.try_recv() {
+            b.pick_done();
+            st.dispatch(&self.pool.handle);
+        }
+    }
 }
 
 impl Pool {
     fn new(handle: PoolHandle) -> Self {
+        let config = PoolConfig::default();
+        let admission = Admission::new(admission_config(&config, None), seed());
         Self {
             handle,
             state: Mutex::new(PoolState {
                 selector: Selector::new(),
                 refreshed: None,
-                config: PoolConfig::default(),
+                config,
+                admission,
             }),
-            changed: tokio::sync::Notify::new(),
-            waiting: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -85,12 +143,21 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn set_config(&self, config: PoolConfig, levels: Option<&LevelsConfig>) {
+        let st = &mut *self.lock();
+        st.admission
+            .reconfigure(admission_config(&config, levels), seed());
+        st.config = config;
+        st.dispatch(&self.handle);
+    }
+
     /// The next PE by the pool's selection (its policy unless configured otherwise), skipping
-    /// the PEs in `tried` and ejected ones; with every untried PE ejected, the least recently
-    /// ejected. The pick counts in flight at the PE until [`Backend::pick_done`].
+    /// the PEs in `tried`, ejected ones and those at their limit; with every untried PE
+    /// ejected, the least recently ejected. The pick counts in flight at the PE until
+    /// [`Backend::pick_done`]. Ignores the admission queue: [`admit`](Self::admit) does not.
     pub fn pick(&self, tried: &[u32]) -> Option<Arc<Backend>> {
         let st = &mut *self.lock();
-        st.selector.pick(&self.handle, tried, st.config.select)
+        st.pick(&self.handle, tried)
     }
 
     /// The pool's settings.
@@ -98,54 +165,94 @@ impl Pool {
         self.lock().config.clone()
     }
 
-    /// [`pick`](Self::pick), but in a `credits` pool whose untried PEs have all spent their
-    /// credit, waits up to the pool's `credit-wait-ms` for one to have credit again (a new
-    /// report, or a request finishing here), in a queue of at most `credit-queue`.
-    pub async fn pick_or_wait(&self, tried: &[u32]) -> Result<Arc<Backend>, NoPick> {
-        if let Some(b) = self.pick(tried) {
-            return Ok(b);
-        }
-        let (wait, queue) = {
-            let st = self.lock();
-            if st.config.select != Select::Policy || !st.selector.out_of_credit(&self.handle, tried)
-            {
-                return Err(NoPick::NoPe);
+    /// A PE for a request of service level `level` (1-based): at once when nobody waits and
+    /// a PE has room; else, when the pool's PEs are all at their limit (credits, `max-conn`),
+    /// after waiting in the level's queue ([`crate::admit`]) for up to its queue timeout.
+    pub async fn admit(&self, level: usize, tried: &[u32]) -> Result<Arc<Backend>, NoPick> {
+        let (level, id, rx, timeout) = {
+            let st = &mut *self.lock();
+            let level = st.admission.index(level);
+            if !st.admission.is_waiting() {
+                if let Some(b) = st.pick(&self.handle, tried) {
+                    st.admission.admitted(level);
+                    return Ok(b);
+                }
+                if !st.may_wait(&self.handle, tried) {
+                    return Err(NoPick::NoPe);
+                }
             }
-            (
-                Duration::from_millis(st.config.credit_wait_ms),
-                st.config.credit_queue,
-            )
+            let (id, rx) = st.admission.enqueue(level, tried, Instant::now())?;
+            st.dispatch(&self.handle);
+            (level, id, rx, st.admission.timeout(level))
         };
-        if self.waiting.fetch_add(1, Ordering::Relaxed) >= queue {
-            self.waiting.fetch_sub(1, Ordering::Relaxed);
-            return Err(NoPick::QueueFull);
-        }
-        let deadline = tokio::time::Instant::now() + wait;
-        let picked = loop {
-            // Finished requests free credit without a report: look again every millisecond.
-            let next = (tokio::time::Instant::now() + Duration::from_millis(1)).min(deadline);
-            tokio::select! {
-                () = self.changed.notified() => {}
-                () = tokio::time::sleep_until(next) => {}
-            }
-            if let Some(b) = self.pick(tried) {
-                break Ok(b);
-            }
-            if tokio::time::Instant::now() >= deadline {
-                break Err(NoPick::NoCredit);
-            }
+        let mut q = Queued {
+            pool: self,
+            level,
+            id,
+            rx,
+            done: false,
         };
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
-        picked
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            // Places free on events (a request finished, a report, a new copy); a look every
+            // 100 ms covers the rest (an ejection ending).
+            let next = (tokio::time::Instant::now() + Duration::from_millis(100)).min(deadline);
+            match tokio::time::timeout_at(next, &mut q.rx).await {
+                Ok(Ok(outcome)) => {
+                    q.done = true;
+                    return outcome;
+                }
+                Ok(Err(_)) => {
+                    q.done = true;
+                    return Err(NoPick::QueueFull);
+                }
+                Err(_) if tokio::time::Instant::now() < deadline => {
+                    self.lock().dispatch(&self.handle);
+                }
+                Err(_) => {
+                    let mut st = self.lock();
+                    q.done = true;
+                    if st.admission.remove(level, id, true) {
+                        return Err(NoPick::NoCredit);
+                    }
+                    drop(st);
+                    // Handed a PE (or shed) just now.
+                    return match q.rx.try_recv() {
+                        Ok(outcome) => outcome,
+                        Err(_) => Err(NoPick::NoCredit),
+                    };
+                }
+            }
+        }
+    }
+
+    /// A request of `level` (1-based) at `b` is over, after `service` there: its place frees
+    /// (a waiting request gets it) and its level's consumption grows.
+    pub fn finished(&self, b: &Backend, level: usize, service: Duration) {
+        b.stats.active.fetch_sub(1, Ordering::Relaxed);
+        let st = &mut *self.lock();
+        let level = st.admission.index(level);
+        st.admission.finished(level, service, Instant::now());
+        st.dispatch(&self.handle);
+    }
+
+    /// A pick that did not become a request (the connect failed) was released: its place
+    /// may go to a waiting request.
+    pub fn released(&self) {
+        self.lock().dispatch(&self.handle);
+    }
+
+    /// Per service level counters.
+    pub fn level_stats(&self) -> Vec<LevelStats> {
+        self.lock().admission.stats()
     }
 
     /// Replaces the copy with what a registrar reported.
     pub(crate) fn update(&self, pes: Vec<PoolElement>) {
-        let mut st = self.lock();
+        let st = &mut *self.lock();
         st.selector.replace(&self.handle, pes);
         st.refreshed = Some(Instant::now());
-        drop(st);
-        self.changed.notify_waiters();
+        st.dispatch(&self.handle);
     }
 
     pub fn backends(&self) -> Vec<Arc<Backend>> {
@@ -182,8 +289,14 @@ pub struct Pools {
     registrar_ok: AtomicBool,
     /// Wakes the refresh task when a pool is added.
     added: Arc<tokio::sync::Notify>,
-    /// The configuration's `[pool.HANDLE]` settings, for pools added later.
-    configs: Mutex<std::collections::BTreeMap<String, PoolConfig>>,
+    /// The configuration's `[pool.HANDLE]` and `[levels]` settings, for pools added later.
+    configs: Mutex<Configs>,
+}
+
+#[derive(Default)]
+struct Configs {
+    pools: std::collections::BTreeMap<String, PoolConfig>,
+    levels: Option<LevelsConfig>,
 }
 
 impl Pools {
@@ -213,13 +326,12 @@ impl Pools {
             return p.clone();
         }
         let p = Arc::new(Pool::new(handle.clone()));
-        if let Some(c) = self
-            .configs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&handle.to_string())
         {
-            p.lock().config = c.clone();
+            let configs = self.configs.lock().unwrap_or_else(|p| p.into_inner());
+            let c = configs.pools.get(&handle.to_string()).cloned();
+            if c.is_some() || configs.levels.is_some() {
+                p.set_config(c.unwrap_or_default(), configs.levels.as_ref());
+            }
         }
         map.insert(handle, p.clone());
         drop(map);
@@ -230,12 +342,15 @@ impl Pools {
     /// Keeps only the pools the configuration names, with its settings for each (at start
     /// and after a reload).
     pub fn configure(&self, cfg: &ProxyConfig) {
-        *self.configs.lock().unwrap_or_else(|p| p.into_inner()) = cfg.pool_settings.clone();
+        *self.configs.lock().unwrap_or_else(|p| p.into_inner()) = Configs {
+            pools: cfg.pool_settings.clone(),
+            levels: cfg.levels.clone(),
+        };
         let keep = cfg.pools();
         let mut map = self.map();
         map.retain(|h, _| keep.iter().any(|k| k.as_bytes() == h.as_bytes()));
         for (h, p) in map.iter() {
-            p.lock().config = cfg.pool_config(&h.to_string());
+            p.set_config(cfg.pool_config(&h.to_string()), cfg.levels.as_ref());
         }
     }
 
@@ -296,6 +411,11 @@ impl Pools {
                 pool: p.handle.to_string(),
                 refreshed_ms_ago: p.age().map(|a| a.as_millis() as u64),
                 pool_elements: p.backends().iter().map(|b| b.snapshot(now)).collect(),
+                levels: p
+                    .level_stats()
+                    .into_iter()
+                    .filter(|l| l.admitted + l.shed + l.timed_out > 0 || l.waiting > 0)
+                    .collect(),
             })
             .collect()
     }
@@ -306,4 +426,34 @@ pub struct PoolSnapshot {
     pub pool: String,
     pub refreshed_ms_ago: Option<u64>,
     pub pool_elements: Vec<BackendSnapshot>,
+    /// Per service level: the levels that have seen requests.
+    pub levels: Vec<LevelStats>,
+}
+
+/// A pool's admission settings from its `[pool.X]` section and `[levels]`.
+fn admission_config(pool: &PoolConfig, levels: Option<&LevelsConfig>) -> AdmissionConfig {
+    let timeout = Duration::from_millis(pool.queue_timeout_ms);
+    let Some(l) = levels else {
+        return AdmissionConfig::single(pool.queue, timeout);
+    };
+    AdmissionConfig {
+        domains: l.domains(),
+        discipline: l.scheduler.into(),
+        half_life: Duration::from_millis(l.half_life_ms),
+        queue: pool.queue,
+        level_queue: (1..=l.count)
+            .map(|n| l.queue_limit(n).unwrap_or(pool.queue))
+            .collect(),
+        level_timeout: (1..=l.count)
+            .map(|n| l.queue_timeout_ms(n).map_or(timeout, Duration::from_millis))
+            .collect(),
+    }
+}
+
+fn seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ u64::from(std::process::id()).rotate_left(32)
 }

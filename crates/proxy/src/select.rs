@@ -65,8 +65,9 @@ impl Selector {
         handle: &PoolHandle,
         tried: &[u32],
         select: Select,
+        max_conn: Option<u64>,
     ) -> Option<Arc<Backend>> {
-        let picked = self.pick_by(handle, tried, select);
+        let picked = self.pick_by(handle, tried, select, max_conn);
         if let Some(b) = &picked {
             b.reserve();
         }
@@ -78,9 +79,11 @@ impl Selector {
         handle: &PoolHandle,
         tried: &[u32],
         select: Select,
+        max_conn: Option<u64>,
     ) -> Option<Arc<Backend>> {
+        let room = |b: &Backend| max_conn.is_none_or(|m| b.in_flight() < m);
         if select != Select::Policy {
-            return self.pick_local(tried, select);
+            return self.pick_local(tried, select, &room);
         }
         let Self {
             hs,
@@ -96,7 +99,7 @@ impl Selector {
         if hs.pool_policy_type(handle.as_bytes()) == Some(policy_type::CREDITS) {
             return backends
                 .values()
-                .filter(|b| !tried.contains(&b.id) && !b.is_ejected(now))
+                .filter(|b| !tried.contains(&b.id) && !b.is_ejected(now) && room(b))
                 .filter_map(|b| Some((b.credits_left()?, b)))
                 .filter(|(c, _)| *c > 0)
                 .max_by_key(|(c, b)| (*c, std::cmp::Reverse(b.requests())))
@@ -113,6 +116,7 @@ impl Selector {
                 }
                 if let Some(b) = backends.get(&id)
                     && !b.is_ejected(now)
+                    && room(b)
                 {
                     return Some(b.clone());
                 }
@@ -122,22 +126,27 @@ impl Selector {
             }
             k = n;
         }
-        least_recently_ejected(backends, tried)
+        least_recently_ejected(backends, tried, &room)
     }
 
     /// The proxy-local selections.
-    fn pick_local(&mut self, tried: &[u32], select: Select) -> Option<Arc<Backend>> {
+    fn pick_local(
+        &mut self,
+        tried: &[u32],
+        select: Select,
+        room: &dyn Fn(&Backend) -> bool,
+    ) -> Option<Arc<Backend>> {
         let now = Instant::now();
         let mut c = std::mem::take(&mut self.candidates);
         c.clear();
         c.extend(
             self.backends
                 .values()
-                .filter(|b| !tried.contains(&b.id) && !b.is_ejected(now))
+                .filter(|b| !tried.contains(&b.id) && !b.is_ejected(now) && room(b))
                 .cloned(),
         );
         let picked = match (select, c.len()) {
-            (_, 0) => least_recently_ejected(&self.backends, tried),
+            (_, 0) => least_recently_ejected(&self.backends, tried, room),
             (_, 1) => c.first().cloned(),
             (Select::LeastConnections | Select::Policy, _) => c
                 .iter()
@@ -168,10 +177,11 @@ impl Selector {
         }
     }
 
-    /// True for a `credits` pool with untried PEs that have all spent their credit: credit
-    /// may come back, unlike PEs.
-    pub(crate) fn out_of_credit(&self, handle: &PoolHandle, tried: &[u32]) -> bool {
-        self.hs.pool_policy_type(handle.as_bytes()) == Some(policy_type::CREDITS)
+    /// After a pick found nothing: true when untried PEs are left and the pool has a limit
+    /// (policy `credits`, or `limited` by `max-conn`) — they are at it, and room comes back,
+    /// unlike PEs.
+    pub(crate) fn at_limit(&self, handle: &PoolHandle, tried: &[u32], limited: bool) -> bool {
+        (limited || self.hs.pool_policy_type(handle.as_bytes()) == Some(policy_type::CREDITS))
             && self.backends.values().any(|b| !tried.contains(&b.id))
     }
 
@@ -250,10 +260,11 @@ impl Selector {
 fn least_recently_ejected(
     backends: &HashMap<u32, Arc<Backend>>,
     tried: &[u32],
+    room: &dyn Fn(&Backend) -> bool,
 ) -> Option<Arc<Backend>> {
     backends
         .values()
-        .filter(|b| !tried.contains(&b.id))
+        .filter(|b| !tried.contains(&b.id) && room(b))
         .min_by_key(|b| b.ejected_until())
         .cloned()
 }

@@ -3,6 +3,7 @@
 //! Bytes then move with splice(2) (see [`crate::splice`]).
 
 use crate::ctx::Ctx;
+use crate::levels::RequestFacts;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -17,9 +18,18 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
     let Some(pool) = ctx.routes.default_pool().cloned() else {
         return;
     };
+    let level = ctx.level(|| {
+        let levels = ctx.cfg.levels.as_ref()?;
+        Some(levels.classify(&RequestFacts {
+            source: peer.ip().to_canonical(),
+            host: None,
+            path: None,
+            header: &|_| None,
+        }))
+    });
     let mut tried = Vec::new();
-    let (b, backend) = loop {
-        let Ok(b) = pool.pick_or_wait(&tried).await.map_err(|why| {
+    let (b, backend, since) = loop {
+        let Ok(b) = pool.admit(level, &tried).await.map_err(|why| {
             debug!("client {peer}: pool {}: {}", pool.handle, why.text());
         }) else {
             ctx.log(|| {
@@ -41,11 +51,12 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
         match connected {
             Ok(s) => {
                 b.succeeded();
-                break (b, s);
+                break (b, s, asked);
             }
             Err(e) => {
                 debug!("pool {} PE {:#010x}: connect: {e}", b.pool, b.id);
                 ctx.pools.unreachable(&b);
+                pool.released();
                 tried.push(b.id);
                 if tried.len() >= MAX_TRIES {
                     return;
@@ -54,7 +65,7 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
         }
     };
     let moved = crate::splice::forward(&client, &backend, ctx.idle_timeout(), ctx.cfg.splice).await;
-    b.stats.active.fetch_sub(1, Ordering::Relaxed);
+    pool.finished(&b, level, since.elapsed());
     let (up, down) = match &moved {
         Ok(m) => (m.a_to_b, m.b_to_a),
         Err(e) => {

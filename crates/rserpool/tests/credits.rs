@@ -197,7 +197,10 @@ async fn with_no_credit_anywhere_a_request_waits_then_gets_503() {
         let r = c.get(path).await.unwrap();
         if r.code == 503 {
             let text = String::from_utf8_lossy(&r.body).into_owned();
-            assert!(text.contains("no pool element has credit left"), "{text}");
+            assert!(
+                text.contains("no pool element had room within the queue timeout"),
+                "{text}"
+            );
         }
         (r.code, started.elapsed())
     };

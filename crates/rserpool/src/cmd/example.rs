@@ -7,11 +7,14 @@
 use crate::{CreditOpts, PeOpts};
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
+use rserpool_asap::level_gate::LevelGate;
+use rserpool_asap::share::{Discipline, Domain};
 use rserpool_asap::{CreditSource, InFlight, MetricSource, PoolElement};
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info};
@@ -63,6 +66,15 @@ pub struct ServiceOpts {
     /// net.core.somaxconn).
     #[arg(long, default_value_t = 1024)]
     pub backlog: u32,
+    /// `http`: serve requests by service level, levels 1 ..= N from the proxy's level header:
+    /// the workers (`--workers`, else the capacity) go to the waiting requests' levels by
+    /// lottery over their tickets, as the proxy's admission does [default: 0, first come
+    /// first served].
+    #[arg(long, default_value_t = 0)]
+    pub levels: usize,
+    /// The header that carries the level (the proxy's `[levels] header`).
+    #[arg(long, default_value = "x-rserpool-level")]
+    pub level_header: String,
 }
 
 impl Default for ServiceOpts {
@@ -71,6 +83,8 @@ impl Default for ServiceOpts {
             capacity: None,
             workers: None,
             backlog: 1024,
+            levels: 0,
+            level_header: "x-rserpool-level".into(),
         }
     }
 }
@@ -150,7 +164,19 @@ pub async fn start(
     };
     let reporter = pe_reporter(&pe, adaptive);
     let id = pe.id();
-    if let Some(workers) = shape.workers {
+    let levels = (shape.levels > 0 && service == Service::Http).then(|| Levels {
+        gate: LevelGate::new(
+            shape.workers.unwrap_or(capacity),
+            &(1..=shape.levels.min(64))
+                .map(Domain::default_for)
+                .collect::<Vec<_>>(),
+            Discipline::Lottery,
+            Duration::from_secs(1),
+        ),
+        header: shape.level_header.clone(),
+    });
+    let levels = levels.map(Arc::new);
+    if let (Some(workers), None) = (shape.workers, &levels) {
         let listener = Arc::new(listener);
         let task = tokio::spawn(async move {
             let mut set = tokio::task::JoinSet::new();
@@ -167,7 +193,7 @@ pub async fn start(
                             continue;
                         };
                         load.change(1, &reporter);
-                        let _ = serve(service, stream, id, in_flight.clone(), true).await;
+                        let _ = serve(service, stream, id, in_flight.clone(), true, None).await;
                         load.change(-1, &reporter);
                     }
                 });
@@ -190,9 +216,10 @@ pub async fn start(
             let load = load.clone();
             let reporter = reporter.clone();
             let in_flight = in_flight.clone();
+            let levels = levels.clone();
             tokio::spawn(async move {
                 load.change(1, &reporter);
-                let _ = serve(service, stream, id, in_flight, false).await;
+                let _ = serve(service, stream, id, in_flight, false, levels.as_deref()).await;
                 load.change(-1, &reporter);
             });
         }
@@ -258,6 +285,12 @@ fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
     sock.listen(backlog.max(1))
 }
 
+/// `http` by service level: the workers as a gate, and the header that names the level.
+struct Levels {
+    gate: LevelGate,
+    header: String,
+}
+
 /// `in_flight`: with credits, what counts as work in flight (a request for `http`, the
 /// connection for the others). `once`: `http` closes after one request.
 async fn serve(
@@ -266,9 +299,10 @@ async fn serve(
     id: u32,
     in_flight: Option<InFlight>,
     once: bool,
+    levels: Option<&Levels>,
 ) -> std::io::Result<()> {
     if service == Service::Http {
-        return serve_http(stream, id, in_flight, once).await;
+        return serve_http(stream, id, in_flight, once, levels).await;
     }
     let _work = in_flight.as_ref().map(InFlight::enter);
     match service {
@@ -309,6 +343,7 @@ async fn serve_http(
     id: u32,
     in_flight: Option<InFlight>,
     once: bool,
+    levels: Option<&Levels>,
 ) -> std::io::Result<()> {
     use bytes::{Buf, BytesMut};
     use rserpool_proxy::message::{BodyState, Head, framing};
@@ -375,13 +410,31 @@ async fn serve_http(
         let method = String::from_utf8_lossy(head.method()).into_owned();
         let target = String::from_utf8_lossy(head.target()).into_owned();
         let work = work_of(&target);
-        if let Some((us, _)) = work {
-            tokio::time::sleep(std::time::Duration::from_micros(us)).await;
+        // By level: a worker slot first, held while the work is done.
+        let level: Option<usize> = levels.map(|l| {
+            head.get(&l.header)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(1)
+        });
+        let _slot = match (levels, level) {
+            (Some(l), Some(level)) => Some(l.gate.enter(level).await),
+            _ => None,
+        };
+        if let Some(w) = work {
+            if w.cpu_us > 0 {
+                let _ = tokio::task::spawn_blocking(move || spin(Duration::from_micros(w.cpu_us)))
+                    .await;
+            }
+            if w.us > 0 {
+                tokio::time::sleep(Duration::from_micros(w.us)).await;
+            }
         }
+        drop(_slot);
         let download = target
             .strip_prefix("/bytes/")
             .and_then(|n| n.parse::<u64>().ok())
-            .or(work.map(|(_, bytes)| bytes));
+            .or(work.map(|w| w.bytes));
         let text = match (&*method, download) {
             (_, Some(_)) => String::new(),
             ("PUT" | "POST", _) => format!("received {len} bytes, fnv1a {:016x}\n", hash.0),
@@ -392,7 +445,8 @@ async fn serve_http(
         };
         let length = download.unwrap_or(text.len() as u64);
         let mut out = format!(
-            "HTTP/1.1 200 OK\r\nX-Pe-Id: {id:#010x}\r\nContent-Type: text/plain\r\nContent-Length: {length}\r\n{}\r\n",
+            "HTTP/1.1 200 OK\r\nX-Pe-Id: {id:#010x}\r\nContent-Type: text/plain\r\nContent-Length: {length}\r\n{}{}\r\n",
+            level.map_or(String::new(), |l| format!("X-Level: {l}\r\n")),
             match (keep, head.minor) {
                 (false, _) => "Connection: close\r\n",
                 (true, 0) => "Connection: keep-alive\r\n",
@@ -420,18 +474,53 @@ async fn serve_http(
     }
 }
 
-/// `/work?us=T&bytes=N`: (T, N), T capped at a minute and N at 64 MiB.
-fn work_of(target: &str) -> Option<(u64, u64)> {
+/// What `GET /work?…` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Work {
+    /// `us`: wait this long (a worker held, no CPU).
+    us: u64,
+    /// `cpu_us`: spin the CPU this long.
+    cpu_us: u64,
+    /// `bytes`: the response body's length.
+    bytes: u64,
+}
+
+/// `/work?us=T&cpu_us=C&bytes=N`; T and C capped at a minute, N at 64 MiB.
+fn work_of(target: &str) -> Option<Work> {
     let query = target.strip_prefix("/work?")?;
-    let (mut us, mut bytes) = (0u64, 0u64);
+    let (mut us, mut cpu_us, mut bytes) = (0u64, 0u64, 0u64);
     for kv in query.split('&') {
         match kv.split_once('=') {
             Some(("us", v)) => us = v.parse().ok()?,
+            Some(("cpu_us", v)) => cpu_us = v.parse().ok()?,
             Some(("bytes", v)) => bytes = v.parse().ok()?,
             _ => {}
         }
     }
-    Some((us.min(60_000_000), bytes.min(64 << 20)))
+    Some(Work {
+        us: us.min(60_000_000),
+        cpu_us: cpu_us.min(60_000_000),
+        bytes: bytes.min(64 << 20),
+    })
+}
+
+/// Keeps a CPU busy for `d` of this thread's CPU time (wall time if that cannot be read).
+fn spin(d: Duration) {
+    let cpu = || rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    let start = cpu();
+    let wall = std::time::Instant::now();
+    let mut x = 0u64;
+    loop {
+        for _ in 0..1000 {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let now = cpu();
+        let used = i128::from(now.tv_sec - start.tv_sec) * 1_000_000_000
+            + i128::from(now.tv_nsec - start.tv_nsec);
+        if used >= d.as_nanos() as i128 || wall.elapsed() >= d * 50 {
+            return;
+        }
+    }
 }
 
 /// Byte `i` of a `GET /bytes/N` download.
