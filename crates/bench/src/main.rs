@@ -1,10 +1,11 @@
 //! `rserpool-bench`: the benchmarks of rserpool, a binary of their own so that the product
 //! does not ship them. Each writes its results, with command and machine, into docs/:
-//! `cargo run --release -p rserpool-bench -- handlespace|registrar|proxy|push|trace …`, and the chaos soak
+//! `cargo run --release -p rserpool-bench -- handlespace|registrar|proxy|push|trace|levels …`, and the chaos soak
 //! (`chaos`), whose summary goes into docs/RELIABILITY.md.
 
 mod chaos;
 mod handlespace;
+mod levels;
 mod net;
 mod plot;
 mod process;
@@ -49,6 +50,9 @@ enum BenchCommand {
     /// P2C, Prequal-style, DPR and DPR-Q credits, HAProxy leastconn and HAProxy with the
     /// agent-check (docs/CREDITS.md).
     Trace(trace::TraceArgs),
+    /// Service levels: the seed's Figure 3 (two clients overloading a pool, client 1 at
+    /// levels 1-9) beside HAProxy's priority classes and a FIFO queue (docs/LEVELS.md).
+    Levels(levels::LevelsArgs),
     /// Chaos soak: registrars, PEs, a proxy and clients in network namespaces under random
     /// kills, link cuts and packet loss; checks that no PE is lost and no request fails.
     Chaos(chaos::ChaosArgs),
@@ -65,6 +69,7 @@ fn main() -> Result<()> {
         BenchCommand::Proxy(a) => proxy::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Push(a) => push::run(a),
         BenchCommand::Trace(a) => trace::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::Levels(a) => levels::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
     }

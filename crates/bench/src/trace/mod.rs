@@ -354,7 +354,7 @@ fn run_scheme(
         let cfg = format!(
             "registrars = [\"{reg}\"]\n\
              [[listener]]\nlisten = \"{front}\"\nmode = \"http\"\npool = \"{pool}\"\n\
-             [pool.{pool}]\nselect = \"{}\"\ncredit-wait-ms = {}\ncredit-queue = 8192\n",
+             [pool.{pool}]\nselect = \"{}\"\nqueue-timeout-ms = {}\nqueue = 8192\n",
             scheme.select(),
             args.timeout_s * 1000 / 2
         );

@@ -302,6 +302,9 @@ async fn serve(
     levels: Option<&Levels>,
 ) -> std::io::Result<()> {
     if service == Service::Http {
+        // A response is a head and a body written apart: without this, Nagle holds the body
+        // back for the proxy's delayed ACK (40 ms) on a kept-alive connection.
+        let _ = stream.set_nodelay(true);
         return serve_http(stream, id, in_flight, once, levels).await;
     }
     let _work = in_flight.as_ref().map(InFlight::enter);
