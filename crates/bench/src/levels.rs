@@ -37,9 +37,14 @@ pub struct LevelsArgs {
     #[arg(long, default_value_t = 4000)]
     pub cpu_us: u64,
     /// Each client's offered rate as a share of the pool's nominal capacity (2 PEs × 1 /
-    /// cost); 1.0 means either client alone could keep the pool busy, as in the seed.
-    #[arg(long, default_value_t = 1.0)]
+    /// cost). 0.5: together they overload the pool, but level 9's share could carry client
+    /// 1 alone; 1.0: either client alone overloads it (sustained overload).
+    #[arg(long, default_value_t = 0.5)]
     pub load: f64,
+    /// Requests in flight per PE (the proxy's `max-conn`, HAProxy's `maxconn`); the PE's one
+    /// worker serves its own queue by level too.
+    #[arg(long, default_value_t = 2)]
+    pub max_conn: u32,
     /// The proxy's queue timeout (and HAProxy's `timeout queue`), ms.
     #[arg(long, default_value_t = 5000)]
     pub queue_timeout_ms: u64,
@@ -127,9 +132,9 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
     let capacity = 2.0 * 1e6 / args.cpu_us as f64;
     let rate = args.load * capacity;
     println!(
-        "pool: 2 PEs × 1 worker, {} µs CPU per request: {capacity:.0} requests/s nominal; \
+        "pool: 2 PEs × 1 worker, {} in flight each, {} µs CPU per request: {capacity:.0} requests/s nominal; \
          each client offers {rate:.0}/s for {} s",
-        args.cpu_us, args.duration_s
+        args.max_conn, args.cpu_us, args.duration_s
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -183,8 +188,8 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
                 "global\n    nbthread 2\n    maxconn 8000\n\
                  defaults\n    mode http\n    timeout connect 1s\n    timeout client 30s\n    timeout server 30s\n    timeout queue {}ms\n\
                  frontend web\n    bind {front}\n    http-request set-priority-class int(-10) if {{ src {CLIENT1} }}\n    default_backend pool\n\
-                 backend pool\n    balance roundrobin\n    server s1 {} maxconn 1\n    server s2 {} maxconn 1\n",
-                args.queue_timeout_ms, pes[0], pes[1]
+                 backend pool\n    balance roundrobin\n    server s1 {} maxconn {}\n    server s2 {} maxconn {}\n",
+                args.queue_timeout_ms, pes[0], args.max_conn, pes[1], args.max_conn
             ),
         )?;
         let p = Proc::spawn(
@@ -195,14 +200,16 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
         drop(p);
     }
     drop(procs);
-    let cost = admission_cost();
+    let cost = admission_cost()?;
     let text = render(args, capacity, rate, &points, cost);
     print!("{text}");
     if let Some(d) = &args.plots {
-        plot_points(d, &points)?;
+        plot_points(d, &points, args.load)?;
     }
     if let Some(path) = &args.markdown {
-        report::write_section(path, "levels", &format!("{}{text}", report::provenance()))?;
+        // One section per offered load, so that runs at several loads stand side by side.
+        let section = format!("levels load {}", args.load);
+        report::write_section(path, &section, &format!("{}{text}", report::provenance()))?;
         println!("written into {}", path.display());
     }
     Ok(())
@@ -226,8 +233,8 @@ fn proxy(
     let mut cfg = format!(
         "registrars = [\"{reg}\"]\nrefresh-ms = 200\n\
          [[listener]]\nlisten = \"{front}\"\nmode = \"http\"\npool = \"{POOL}\"\n\
-         [pool.{POOL}]\nmax-conn = 1\nqueue = 100000\nqueue-timeout-ms = {}\n",
-        args.queue_timeout_ms
+         [pool.{POOL}]\nmax-conn = {}\nqueue = 100000\nqueue-timeout-ms = {}\n",
+        args.max_conn, args.queue_timeout_ms
     );
     if let Some(l) = level {
         let _ = write!(
@@ -322,15 +329,21 @@ async fn one(front: SocketAddr, src: Ipv4Addr, path: &str) -> Option<(u16, usize
     Some((status, got.len() - head_end))
 }
 
-/// The scheduler's cost per admitted request with every level waiting: set waiting, draw,
-/// serve, charge the service time (ns), for lottery and stride.
-fn admission_cost() -> [(&'static str, f64); 2] {
+/// What admission costs per request: the scheduler alone (9 levels waiting; set waiting,
+/// draw, serve, charge) for lottery and stride, ns; and the proxy's whole admission path on
+/// one thread (50 clients through two PEs, task wakeups included), µs: every request queued
+/// with 9 levels, every request queued in one FIFO, and the fast path (no limit, no queue).
+struct Cost {
+    lottery_ns: f64,
+    stride_ns: f64,
+    queued_levels_us: f64,
+    queued_fifo_us: f64,
+    fast_us: f64,
+}
+
+fn admission_cost() -> Result<Cost> {
     let domains: Vec<Domain> = (1..=9).map(Domain::default_for).collect();
-    [
-        ("lottery", Discipline::Lottery),
-        ("stride", Discipline::Stride),
-    ]
-    .map(|(name, d)| {
+    let [lottery_ns, stride_ns] = [Discipline::Lottery, Discipline::Stride].map(|d| {
         let mut s = Share::new(&domains, d, Duration::from_secs(1), 5);
         let n = 2_000_000u32;
         let t0 = Instant::now();
@@ -347,29 +360,44 @@ fn admission_cost() -> [(&'static str, f64); 2] {
                 s.set_waiting(pick, false);
             }
         }
-        (name, t0.elapsed().as_nanos() as f64 / f64::from(n))
+        t0.elapsed().as_nanos() as f64 / f64::from(n)
+    });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let us = |levels, limited| {
+        let d = rt.block_on(rserpool_proxy::pools::admission_cost(
+            levels, limited, 50, 20_000,
+        ));
+        d.as_nanos() as f64 / 1e3
+    };
+    Ok(Cost {
+        lottery_ns,
+        stride_ns,
+        queued_levels_us: us(Some(9), true),
+        queued_fifo_us: us(None, true),
+        fast_us: us(Some(9), false),
     })
 }
 
-fn render(
-    args: &LevelsArgs,
-    capacity: f64,
-    rate: f64,
-    points: &[Point],
-    cost: [(&str, f64); 2],
-) -> String {
+fn render(args: &LevelsArgs, capacity: f64, rate: f64, points: &[Point], cost: Cost) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
         "Pool: 2 × `rserpool example http --workers 1 --levels 9`, {} µs of CPU per request \
          (`/work?cpu_us={}&bytes=1024`), so {capacity:.0} requests/s nominal. Two open-loop \
          clients (Poisson), {rate:.0} requests/s each for {} s; client 2 (source {CLIENT2}) at \
-         level 1, client 1 (source {CLIENT1}) at the level of the row. One request in flight \
-         per PE (`max-conn = 1`, HAProxy `maxconn 1`); queue timeout {} ms; scheduler {}. \
+         level 1, client 1 (source {CLIENT1}) at the level of the row. Requests in flight \
+         per PE at most {} (`max-conn`, HAProxy `maxconn`); queue timeout {} ms; scheduler {}. \
          Response time is from connect to the last byte, of the requests answered 200; \
          *served/s* counts those answered while both clients were sending (both backlogged); \
          *refused* are 503s (queue timeout).\n",
-        args.cpu_us, args.cpu_us, args.duration_s, args.queue_timeout_ms, args.scheduler
+        args.cpu_us,
+        args.cpu_us,
+        args.duration_s,
+        args.max_conn,
+        args.queue_timeout_ms,
+        args.scheduler
     );
     let _ = writeln!(
         s,
@@ -396,14 +424,16 @@ fn render(
     }
     let _ = writeln!(
         s,
-        "\nScheduler cost per admitted request (9 levels waiting; set waiting, draw, serve, \
-         charge; one thread): lottery {:.0} ns, stride {:.0} ns.\n",
-        cost[0].1, cost[1].1
+        "\nAdmission per request, one thread: the scheduler alone (9 levels waiting) lottery \
+         {:.0} ns, stride {:.0} ns; the proxy's whole admission path (50 clients through two \
+         PEs, task wakeups included) {:.2} µs when every request queues among 9 levels, {:.2} µs \
+         when every request queues in one FIFO, {:.2} µs on the fast path (nobody waits).\n",
+        cost.lottery_ns, cost.stride_ns, cost.queued_levels_us, cost.queued_fifo_us, cost.fast_us
     );
     s
 }
 
-fn plot_points(dir: &Path, points: &[Point]) -> Result<()> {
+fn plot_points(dir: &Path, points: &[Point], load: f64) -> Result<()> {
     let groups: Vec<String> = points.iter().map(|p| p.name.clone()).collect();
     let series = vec![
         (
@@ -416,7 +446,8 @@ fn plot_points(dir: &Path, points: &[Point]) -> Result<()> {
         ),
     ];
     plot::bars(
-        &dir.join("bench-levels-mean.png").to_string_lossy(),
+        &dir.join(format!("bench-levels-mean-{load}.png"))
+            .to_string_lossy(),
         "Mean response time by client",
         "ms",
         &groups,
@@ -433,7 +464,8 @@ fn plot_points(dir: &Path, points: &[Point]) -> Result<()> {
         ),
     ];
     plot::bars(
-        &dir.join("bench-levels-served.png").to_string_lossy(),
+        &dir.join(format!("bench-levels-served-{load}.png"))
+            .to_string_lossy(),
         "Requests served per second by client",
         "requests/s",
         &groups,

@@ -47,7 +47,11 @@ fn invalid(what: impl std::fmt::Debug) -> io::Error {
 
 impl Client {
     pub async fn connect(addr: SocketAddr) -> io::Result<Client> {
-        let stream = TcpStream::connect(addr).await?;
+        Self::over(TcpStream::connect(addr).await?)
+    }
+
+    /// A client over a connection made elsewhere (from a chosen source address, say).
+    pub fn over(stream: TcpStream) -> io::Result<Client> {
         stream.set_nodelay(true)?;
         Ok(Client {
             stream,

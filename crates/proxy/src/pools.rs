@@ -457,3 +457,66 @@ fn seed() -> u64 {
         .unwrap_or(0);
     t ^ u64::from(std::process::id()).rotate_left(32)
 }
+
+/// The admission path's cost per request: `tasks` clients loop (admit at a level of
+/// 1 ..= `levels`, start, finish) through a pool of two PEs. With `limited` (`max-conn = 1`)
+/// every admission queues and every finish hands its place on; without, every admission
+/// takes the fast path. `levels` `None` is a pool without `[levels]`. Returns the time per
+/// request on the current (one) thread, task wakeups included. For the `levels` benchmark;
+/// the PEs are never connected to.
+#[doc(hidden)]
+pub async fn admission_cost(
+    levels: Option<usize>,
+    limited: bool,
+    tasks: usize,
+    per_task: u32,
+) -> Duration {
+    use rserpool_wire::{Policy, Protocol, TransportAddress, UserTransport};
+    let pool = Arc::new(Pool::new(PoolHandle::from("AdmissionCost")));
+    let cfg = PoolConfig {
+        max_conn: limited.then_some(1),
+        queue: tasks * 2,
+        queue_timeout_ms: 60_000,
+        ..PoolConfig::default()
+    };
+    let count = levels.unwrap_or(1).clamp(1, 64);
+    let lv = levels.map(|_| LevelsConfig {
+        count,
+        ..LevelsConfig::default()
+    });
+    pool.set_config(cfg, lv.as_ref());
+    let pes = (1..=2)
+        .map(|id| PoolElement {
+            id,
+            home_registrar: 0,
+            registration_life: -1,
+            user_transport: UserTransport::Address(TransportAddress {
+                protocol: Protocol::TCP,
+                port: 1,
+                addresses: vec![std::net::IpAddr::from([127, 0, 0, 1])].into(),
+            }),
+            policy: Policy::RoundRobin,
+            asap_transport: None,
+        })
+        .collect();
+    pool.update(pes);
+    let started = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for t in 0..tasks {
+        let pool = pool.clone();
+        set.spawn(async move {
+            for i in 0..per_task {
+                let level = 1 + (t + i as usize) % count;
+                let Ok(b) = pool.admit(level, &[]).await else {
+                    continue;
+                };
+                b.start();
+                b.pick_done();
+                tokio::task::yield_now().await;
+                pool.finished(&b, level, Duration::from_micros(100));
+            }
+        });
+    }
+    while set.join_next().await.is_some() {}
+    started.elapsed() / (tasks as u32 * per_task).max(1)
+}

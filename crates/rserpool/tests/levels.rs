@@ -225,3 +225,48 @@ async fn a_full_queue_sheds_the_lowest_level_first() {
     assert_eq!(s1.shed, 2, "{s1:?}");
     assert_eq!(level_stats(&p, 9).unwrap().shed, 0);
 }
+
+/// A TCP listener classifies by the client's source address only (the one rule that can
+/// match a connection); the level shows in the proxy's counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_listener_classifies_by_source_address() {
+    let reg = registrar(fast_config());
+    let r = reg.asap_addr();
+    let _pe = example_http(r, POOL, 1, &["--policy", "rr"]).await;
+    let listen = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let text = format!(
+        r#"
+registrars = ["{r}"]
+[[listener]]
+listen = "{listen}"
+mode = "tcp"
+pool = "{POOL}"
+[levels]
+[[levels.rule]]
+source = "127.0.0.2"
+level = 7
+[[levels.rule]]
+header = "x-client"
+level = 9
+"#
+    );
+    let p = Proxy::start(ProxyConfig::from_toml(&text).unwrap())
+        .await
+        .unwrap();
+    wait_for_pes(&p, 1).await;
+    for src in [[127, 0, 0, 2], [127, 0, 0, 1]] {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(SocketAddr::from((src, 0))).unwrap();
+        let stream = sock.connect(listen).await.unwrap();
+        let mut c = Client::over(stream).unwrap();
+        let r = c.send(&get("/", Some("gold"), "")).await.unwrap();
+        assert_eq!(r.code, 200);
+    }
+    wait_until(Duration::from_secs(5), "both connections counted", || {
+        level_stats(&p, 7).is_some_and(|s| s.finished == 1)
+            && level_stats(&p, 1).is_some_and(|s| s.finished == 1)
+    })
+    .await;
+    // The header rule cannot match a TCP connection.
+    assert_eq!(level_stats(&p, 9).map(|s| s.admitted), Some(0));
+}
