@@ -40,9 +40,13 @@ impl Ctx {
         facts().unwrap_or(1)
     }
 
-    /// The header that carries the level to the PE, when levels are configured.
-    pub(crate) fn level_header(&self) -> Option<&str> {
-        self.cfg.levels.as_ref().map(|l| l.header.as_str())
+    /// The header that carries the level to the PE, and whether it is sent (with `[levels]`);
+    /// a client's copies of it are dropped either way.
+    pub(crate) fn level_header(&self) -> (&str, bool) {
+        match &self.cfg.levels {
+            Some(l) => (&l.header, true),
+            None => (crate::levels::DEFAULT_HEADER, false),
+        }
     }
 
     /// Writes an access log line, formatted only if there is an access log.

@@ -278,7 +278,8 @@ struct Outgoing {
 
 /// Step prepare: the head for the PE, and the body read and held if it is small enough.
 async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgoing> {
-    let head = outgoing_head_with(r, c.peer, ctx.level_header());
+    let (level_header, send_level) = ctx.level_header();
+    let head = outgoing_head_with(r, c.peer, level_header, send_level);
     let held = match r.framing {
         Framing::None => Some(Bytes::new()),
         Framing::Length(n) if !r.expect_continue && n <= ctx.cfg.retry_buffer as u64 => {
@@ -292,17 +293,20 @@ async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgo
     Ok(Outgoing { head, held })
 }
 
-/// The request head as sent to a PE: hop-by-hop headers dropped, forwarding headers added.
+/// The request head as sent to a PE: hop-by-hop headers dropped, forwarding headers added,
+/// a client's copies of the level header (the default name) dropped.
 pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
-    outgoing_head_with(r, peer, None)
+    outgoing_head_with(r, peer, crate::levels::DEFAULT_HEADER, false)
 }
 
-/// [`outgoing_head`], with the service level in `level_header` (a client's own copy of that
-/// header is dropped, never passed on).
+/// [`outgoing_head`] with the level header named `level_header`: a client's own copies are
+/// always dropped (a PE serving by level must not trust them, `[levels]` or not), and with
+/// `send_level` the request's level goes in it.
 pub(crate) fn outgoing_head_with(
     r: &Request,
     peer: SocketAddr,
-    level_header: Option<&str>,
+    level_header: &str,
+    send_level: bool,
 ) -> BytesMut {
     let h = &r.head;
     let mut out = BytesMut::with_capacity(h.raw.len() + 128);
@@ -319,7 +323,7 @@ pub(crate) fn outgoing_head_with(
     let mut xff: Vec<&[u8]> = Vec::new();
     let mut fwd: Vec<&[u8]> = Vec::new();
     for (n, v) in h.end_to_end() {
-        if level_header.is_some_and(|l| n.eq_ignore_ascii_case(l.as_bytes())) {
+        if n.eq_ignore_ascii_case(level_header.as_bytes()) {
             continue;
         }
         let prior = if n.eq_ignore_ascii_case(b"x-forwarded-for") {
@@ -361,8 +365,8 @@ pub(crate) fn outgoing_head_with(
         out.put_u8(b'"');
     }
     out.put_slice(b";proto=http\r\n");
-    if let Some(name) = level_header {
-        out.put_slice(name.as_bytes());
+    if send_level {
+        out.put_slice(level_header.as_bytes());
         out.put_slice(b": ");
         out.put_slice(r.level.to_string().as_bytes());
         out.put_slice(b"\r\n");
@@ -977,6 +981,34 @@ mod tests {
             .unwrap();
         let r = parse(h, "192.0.2.1:1".parse().unwrap(), Instant::now()).unwrap();
         outgoing_head(&r, "192.0.2.1:1".parse().unwrap())
+    }
+
+    #[test]
+    fn a_clients_level_header_never_reaches_the_pe() {
+        let text = "GET / HTTP/1.1\r\nHost: x\r\nX-Rserpool-Level: 9\r\nx-tier: 1\r\n\
+                    x-rserpool-level: 8\r\nX-Tier: 2\r\n\r\n";
+        let h = Head::request(&mut BytesMut::from(text), 1024)
+            .unwrap()
+            .unwrap();
+        let mut r = parse(h, "192.0.2.1:1".parse().unwrap(), Instant::now()).unwrap();
+        r.level = 3;
+        let peer = "192.0.2.1:1".parse().unwrap();
+        let values = |out: BytesMut, name: &str| {
+            let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+                .unwrap()
+                .unwrap();
+            h.values(name).map(<[u8]>::to_vec).collect::<Vec<_>>()
+        };
+        // Without [levels]: dropped, and nothing in its place.
+        assert!(values(outgoing_head(&r, peer), "x-rserpool-level").is_empty());
+        // With a configured header: the client's copies go, the proxy's level comes.
+        let out = outgoing_head_with(&r, peer, "x-tier", true);
+        assert_eq!(values(out.clone(), "x-tier"), [b"3".to_vec()]);
+        assert_eq!(
+            values(out, "x-rserpool-level").len(),
+            2,
+            "other headers pass"
+        );
     }
 
     #[test]

@@ -43,6 +43,9 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::str::FromStr;
 
+/// The level header's default name.
+pub const DEFAULT_HEADER: &str = "x-rserpool-level";
+
 /// The `[levels]` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
@@ -66,7 +69,7 @@ impl Default for LevelsConfig {
             count: 9,
             default: 1,
             scheduler: Scheduler::Lottery,
-            header: "x-rserpool-level".into(),
+            header: DEFAULT_HEADER.into(),
             half_life_ms: 1000,
             retry_after_s: 1,
             rules: Vec::new(),

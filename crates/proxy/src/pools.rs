@@ -38,7 +38,7 @@ pub enum NoPick {
     /// No PE (left to try) in the pool.
     NoPe,
     /// Every PE was at its limit (out of credit, or `max-conn`) for the whole queue timeout.
-    NoCredit,
+    QueueTimeout,
     /// The queue was full, or a higher service level pushed the request out of it.
     QueueFull,
 }
@@ -48,7 +48,7 @@ impl NoPick {
     pub fn text(self) -> &'static str {
         match self {
             Self::NoPe => "no pool element available",
-            Self::NoCredit => "no pool element had room within the queue timeout",
+            Self::QueueTimeout => "no pool element had room within the queue timeout",
             Self::QueueFull => "too many requests waiting",
         }
     }
@@ -90,6 +90,7 @@ impl PoolState {
             let tried = tried.to_vec();
             let outcome = match self.pick(handle, &tried) {
                 Some(b) => Ok(b),
+                // No room for this waiter (its own tried PEs aside): the next event looks again.
                 None if self.may_wait(handle, &tried) => break,
                 None => Err(NoPick::NoPe),
             };
@@ -213,13 +214,13 @@ impl Pool {
                     let mut st = self.lock();
                     q.done = true;
                     if st.admission.remove(level, id, true) {
-                        return Err(NoPick::NoCredit);
+                        return Err(NoPick::QueueTimeout);
                     }
                     drop(st);
                     // Handed a PE (or shed) just now.
                     return match q.rx.try_recv() {
                         Ok(outcome) => outcome,
-                        Err(_) => Err(NoPick::NoCredit),
+                        Err(_) => Err(NoPick::QueueTimeout),
                     };
                 }
             }
