@@ -77,6 +77,8 @@ struct ClientRow {
 
 struct Point {
     name: String,
+    /// The plots' group label.
+    short: String,
     clients: [ClientRow; 2],
     /// The front's CPU per request, µs.
     front_us: f64,
@@ -102,22 +104,13 @@ pub fn run(args: LevelsArgs, bin: &Path) -> Result<()> {
 }
 
 fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()> {
-    let (reg, reg_status) = (local(free_port()?), local(free_port()?));
-    let mut procs = vec![Proc::spawn(
-        rserpool(bin)
-            .args(["registrar", "--asap", &reg.to_string()])
-            .args(["--enrp", &local(free_port()?).to_string()])
-            .args(["--status", &reg_status.to_string()]),
-        &dir.join("registrar.log"),
-    )?];
-    wait_for("the registrar", Duration::from_secs(5), || {
-        std::net::TcpStream::connect(reg).is_ok()
-    })?;
+    let (registrar, reg, reg_status) = crate::product::start_registrar(bin, dir)?;
+    let mut procs = vec![registrar];
     let mut pes = Vec::new();
     for i in 1..=2 {
         let addr = local(free_port()?);
         procs.push(Proc::spawn(
-            rserpool(bin)
+            crate::product::command(bin)
                 .args(["example", "http", "--listen", &addr.to_string()])
                 .args(["--workers", "1", "--levels", "9"])
                 .args(["--pool", POOL, "--id", &i.to_string()])
@@ -141,7 +134,7 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
         .enable_all()
         .build()?;
     let mut points = Vec::new();
-    let mut run_point = |name: String, front: SocketAddr, pid: u32| -> Result<()> {
+    let mut run_point = |name: String, short: &str, front: SocketAddr, pid: u32| -> Result<()> {
         wait_for("the front answers", Duration::from_secs(15), || {
             rt.block_on(one(front, CLIENT2, "/work?bytes=16"))
                 .is_some_and(|r| r.0 == 200)
@@ -153,6 +146,7 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
         let requests = (clients[0].sent + clients[1].sent).max(1);
         let p = Point {
             name,
+            short: short.to_string(),
             front_us: cpu as f64 / requests as f64 / 1e3,
             clients,
         };
@@ -171,12 +165,18 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
     };
     for &level in &args.levels {
         let (front, p) = proxy(bin, dir, reg, args, Some(level))?;
-        run_point(format!("levels, client 1 at {level}"), front, p.id())?;
+        let short = format!("level {level}");
+        run_point(
+            format!("levels, client 1 at {level}"),
+            &short,
+            front,
+            p.id(),
+        )?;
         drop(p);
     }
     if args.compare {
         let (front, p) = proxy(bin, dir, reg, args, None)?;
-        run_point("FIFO (no levels)".into(), front, p.id())?;
+        run_point("FIFO (no levels)".into(), "FIFO", front, p.id())?;
         drop(p);
     }
     if haproxy {
@@ -196,7 +196,7 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
             Command::new("haproxy").arg("-db").arg("-f").arg(&path),
             &dir.join("haproxy.log"),
         )?;
-        run_point("HAProxy priority classes".into(), front, p.id())?;
+        run_point("HAProxy priority classes".into(), "HAProxy", front, p.id())?;
         drop(p);
     }
     drop(procs);
@@ -213,12 +213,6 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
         println!("written into {}", path.display());
     }
     Ok(())
-}
-
-fn rserpool(bin: &Path) -> Command {
-    let mut c = Command::new(bin);
-    c.env("RUST_LOG", "warn");
-    c
 }
 
 /// A proxy in front of the pool, with client 1 at `level` (or without levels).
@@ -246,7 +240,10 @@ fn proxy(
     let path = dir.join("proxy.toml");
     std::fs::write(&path, cfg)?;
     let p = Proc::spawn(
-        rserpool(bin).arg("proxy").arg("--config").arg(&path),
+        crate::product::command(bin)
+            .arg("proxy")
+            .arg("--config")
+            .arg(&path),
         &dir.join("proxy.log"),
     )?;
     Ok((front, p))
@@ -434,7 +431,7 @@ fn render(args: &LevelsArgs, capacity: f64, rate: f64, points: &[Point], cost: C
 }
 
 fn plot_points(dir: &Path, points: &[Point], load: f64) -> Result<()> {
-    let groups: Vec<String> = points.iter().map(|p| p.name.clone()).collect();
+    let groups: Vec<String> = points.iter().map(|p| p.short.clone()).collect();
     let series = vec![
         (
             "client 1".to_string(),

@@ -69,3 +69,35 @@ fn build(cargo: &OsStr, dir: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// A command running the `rserpool` at `bin`, logging warnings only.
+pub fn command(bin: &Path) -> Command {
+    let mut c = Command::new(bin);
+    c.env("RUST_LOG", "warn");
+    c
+}
+
+/// A registrar on free loopback ports, logging into `dir`, once it accepts: the process, its
+/// ASAP address and its status address.
+pub fn start_registrar(
+    bin: &Path,
+    dir: &Path,
+) -> Result<(
+    crate::process::Proc,
+    std::net::SocketAddr,
+    std::net::SocketAddr,
+)> {
+    use crate::net::{free_port, local};
+    let (reg, status) = (local(free_port()?), local(free_port()?));
+    let p = crate::process::Proc::spawn(
+        command(bin)
+            .args(["registrar", "--asap", &reg.to_string()])
+            .args(["--enrp", &local(free_port()?).to_string()])
+            .args(["--status", &status.to_string()]),
+        &dir.join("registrar.log"),
+    )?;
+    crate::process::wait_for("the registrar", std::time::Duration::from_secs(5), || {
+        std::net::TcpStream::connect(reg).is_ok()
+    })?;
+    Ok((p, reg, status))
+}

@@ -313,20 +313,25 @@ impl ProxyConfig {
     }
 }
 
+/// The first TOML example in a module's docs (`src`, the module's source text), for a test
+/// that checks the documented example parses.
+#[cfg(test)]
+pub(crate) fn doc_toml(src: &str) -> String {
+    src.lines()
+        .skip_while(|l| !l.starts_with("//! ```toml"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("//! ```"))
+        .map(|l| format!("{}\n", l.trim_start_matches("//!").trim_start()))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn the_documented_example_parses() {
-        let doc = include_str!("config.rs");
-        let text: String = doc
-            .lines()
-            .skip_while(|l| !l.starts_with("//! ```toml"))
-            .skip(1)
-            .take_while(|l| !l.starts_with("//! ```"))
-            .map(|l| format!("{}\n", l.trim_start_matches("//!").trim_start()))
-            .collect();
+        let text = doc_toml(include_str!("config.rs"));
         let cfg = ProxyConfig::from_toml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
         assert_eq!(cfg.listeners.len(), 2);
         assert_eq!(cfg.listeners[0].routes[0].pool, "ApiPool");

@@ -345,14 +345,7 @@ mod tests {
     use super::*;
 
     fn doc_example() -> LevelsConfig {
-        let doc = include_str!("levels.rs");
-        let text: String = doc
-            .lines()
-            .skip_while(|l| !l.starts_with("//! ```toml"))
-            .skip(1)
-            .take_while(|l| !l.starts_with("//! ```"))
-            .map(|l| format!("{}\n", l.trim_start_matches("//!").trim_start()))
-            .collect();
+        let text = crate::config::doc_toml(include_str!("levels.rs"));
         #[derive(Deserialize)]
         struct Wrap {
             levels: LevelsConfig,

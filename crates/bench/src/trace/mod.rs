@@ -256,12 +256,6 @@ impl Drop for TempDir {
     }
 }
 
-fn rserpool(bin: &Path) -> Command {
-    let mut c = Command::new(bin);
-    c.env("RUST_LOG", "warn");
-    c
-}
-
 fn run_scheme(
     scheme: Scheme,
     args: &TraceArgs,
@@ -271,24 +265,15 @@ fn run_scheme(
     bin: &Path,
     dir: &Path,
 ) -> Result<Vec<Row>> {
-    let (reg, reg_status) = (local(free_port()?), local(free_port()?));
-    let mut procs = vec![Proc::spawn(
-        rserpool(bin)
-            .args(["registrar", "--asap", &reg.to_string()])
-            .args(["--enrp", &local(free_port()?).to_string()])
-            .args(["--status", &reg_status.to_string()]),
-        &dir.join("registrar.log"),
-    )?];
-    wait_for("the registrar", Duration::from_secs(5), || {
-        std::net::TcpStream::connect(reg).is_ok()
-    })?;
+    let (registrar, reg, reg_status) = crate::product::start_registrar(bin, dir)?;
+    let mut procs = vec![registrar];
     let pool = "TracePool";
     let mut backends = Vec::new();
     let mut measured = Vec::new();
     for (i, &w) in args.workers.iter().enumerate() {
         let addr = local(free_port()?);
         let p = Proc::spawn(
-            rserpool(bin)
+            crate::product::command(bin)
                 .args(["example", "http", "--listen", &addr.to_string()])
                 .args(["--workers", &w.to_string()])
                 .args(["--backlog", &args.backlog.to_string()])
@@ -313,7 +298,7 @@ fn run_scheme(
             if scheme == Scheme::HaproxyAgent {
                 let agent = local(free_port()?);
                 let p = Proc::spawn(
-                    rserpool(bin)
+                    crate::product::command(bin)
                         .args(["serve", "--target", &addr.to_string()])
                         .args(["--pool", "TraceAgents", "--policy", "credits"])
                         .args(["--capacity", &w.to_string(), "--credit-reporting", "dpr"])
@@ -361,7 +346,10 @@ fn run_scheme(
         let path = dir.join("proxy.toml");
         std::fs::write(&path, cfg)?;
         procs.push(Proc::spawn(
-            rserpool(bin).arg("proxy").arg("--config").arg(&path),
+            crate::product::command(bin)
+                .arg("proxy")
+                .arg("--config")
+                .arg(&path),
             &dir.join("proxy.log"),
         )?);
     }
