@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+//
+// The kernel splice datapath (issue 21): a TC program that translates the packets of a
+// spliced TCP connection from one leg to the other and forwards them, so that they never
+// reach the proxy's sockets.
+//
+// One map entry per direction, keyed by the packet's 4-tuple as it arrives. It says what the
+// packet becomes on the other leg: addresses and ports, and the offsets added to its sequence
+// and acknowledgement numbers (the two legs' initial sequence numbers differ). SACK blocks are
+// acknowledgement-space numbers and move with the acknowledgement offset. Checksums are fixed
+// incrementally. The packet then leaves by the entry's interface through the kernel's
+// neighbour table (bpf_redirect_neigh).
+//
+// FIN and RST pass through (translated) and are counted; the control plane removes entries.
+
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/pkt_cls.h>
+#include <linux/tcp.h>
+#include <stddef.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
+
+struct flow_key {
+	__u32 saddr;
+	__u32 daddr;
+	__u16 sport;
+	__u16 dport;
+};
+
+struct flow_val {
+	__u32 saddr;
+	__u32 daddr;
+	__u16 sport;
+	__u16 dport;
+	__u32 seq_delta;
+	__u32 ack_delta;
+	__u32 ifindex;
+	__u32 flags;
+};
+
+// Per-CPU counters, index 0: packets, bytes, FINs, RSTs of spliced connections.
+struct counters {
+	__u64 packets;
+	__u64 bytes;
+	__u64 fins;
+	__u64 rsts;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct flow_key);
+	__type(value, struct flow_val);
+} splice_flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct counters);
+} splice_counters SEC(".maps");
+
+#define ETH_OFF 0
+#define IP_OFF (ETH_OFF + sizeof(struct ethhdr))
+#define IP_CSUM_OFF (IP_OFF + offsetof(struct iphdr, check))
+#define IP_SRC_OFF (IP_OFF + offsetof(struct iphdr, saddr))
+#define IP_DST_OFF (IP_OFF + offsetof(struct iphdr, daddr))
+
+// Rewrites a 4-byte field of the TCP header (or options) at `off`, fixing the checksum.
+static __always_inline int set32(struct __sk_buff *skb, __u32 tcp_off, __u32 off, __u32 old_be,
+				 __u32 new_be)
+{
+	if (old_be == new_be)
+		return 0;
+	if (bpf_l4_csum_replace(skb, tcp_off + offsetof(struct tcphdr, check), old_be, new_be, 4))
+		return -1;
+	return bpf_skb_store_bytes(skb, off, &new_be, 4, 0);
+}
+
+static __always_inline int set16(struct __sk_buff *skb, __u32 tcp_off, __u32 off, __u16 old_be,
+				 __u16 new_be)
+{
+	if (old_be == new_be)
+		return 0;
+	if (bpf_l4_csum_replace(skb, tcp_off + offsetof(struct tcphdr, check), old_be, new_be, 2))
+		return -1;
+	return bpf_skb_store_bytes(skb, off, &new_be, 2, 0);
+}
+
+// An address: the IP header checksum and the TCP pseudo-header checksum both change.
+static __always_inline int set_addr(struct __sk_buff *skb, __u32 tcp_off, __u32 off, __u32 old_be,
+				    __u32 new_be)
+{
+	if (old_be == new_be)
+		return 0;
+	if (bpf_l4_csum_replace(skb, tcp_off + offsetof(struct tcphdr, check), old_be, new_be,
+				BPF_F_PSEUDO_HDR | 4))
+		return -1;
+	if (bpf_l3_csum_replace(skb, IP_CSUM_OFF, old_be, new_be, 4))
+		return -1;
+	return bpf_skb_store_bytes(skb, off, &new_be, 4, 0);
+}
+
+// SACK blocks (option 5) hold acknowledgement-space numbers: each edge moves by `delta`. The
+// options are read with bpf_skb_load_bytes at computed offsets (the verifier accepts variable
+// packet offsets through the helper, not variable stack offsets).
+static __always_inline int fix_sack(struct __sk_buff *skb, __u32 tcp_off, __u32 doff, __u32 delta)
+{
+	__u32 start = tcp_off + sizeof(struct tcphdr);
+	__u32 stop = tcp_off + doff;
+	__u32 at = start;
+	if (delta == 0)
+		return 0;
+	for (int n = 0; n < 20; n++) {
+		__u8 kind_len[2];
+		if (at >= stop)
+			break;
+		if (bpf_skb_load_bytes(skb, at, kind_len, 1))
+			return -1;
+		if (kind_len[0] == 0)
+			break;
+		if (kind_len[0] == 1) {
+			at++;
+			continue;
+		}
+		if (at + 2 > stop || bpf_skb_load_bytes(skb, at, kind_len, 2))
+			return -1;
+		__u32 olen = kind_len[1];
+		if (olen < 2 || at + olen > stop)
+			break;
+		if (kind_len[0] == 5) {
+			__u32 edges = (olen - 2) / 4;
+			for (__u32 e = 0; e < 8; e++) {
+				if (e >= edges)
+					break;
+				__u32 off = at + 2 + e * 4;
+				__u32 old_be;
+				if (bpf_skb_load_bytes(skb, off, &old_be, 4))
+					return -1;
+				__u32 new_be = bpf_htonl(bpf_ntohl(old_be) + delta);
+				if (set32(skb, tcp_off, off, old_be, new_be))
+					return -1;
+			}
+		}
+		at += olen;
+	}
+	return 0;
+}
+
+SEC("classifier")
+int splice_tc(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_OK;
+	struct iphdr *ip = (void *)(eth + 1);
+	if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_TCP || ip->ihl != 5)
+		return TC_ACT_OK;
+	if (ip->frag_off & bpf_htons(0x3fff))
+		return TC_ACT_OK;
+	struct tcphdr *tcp = (void *)(ip + 1);
+	if ((void *)(tcp + 1) > end)
+		return TC_ACT_OK;
+
+	struct flow_key key = {
+		.saddr = ip->saddr,
+		.daddr = ip->daddr,
+		.sport = tcp->source,
+		.dport = tcp->dest,
+	};
+	struct flow_val *v = bpf_map_lookup_elem(&splice_flows, &key);
+	if (!v)
+		return TC_ACT_OK;
+
+	__u32 tcp_off = IP_OFF + sizeof(struct iphdr);
+	__u32 doff = tcp->doff * 4;
+	__u32 seq_be = tcp->seq, ack_be = tcp->ack_seq;
+	__u16 sport_be = tcp->source, dport_be = tcp->dest;
+	__u32 saddr_be = ip->saddr, daddr_be = ip->daddr;
+	int is_ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
+	__u32 len = skb->len;
+	// From here on the packet pointers are stale: helpers below may move the data.
+
+	if (set32(skb, tcp_off, tcp_off + offsetof(struct tcphdr, seq), seq_be,
+		  bpf_htonl(bpf_ntohl(seq_be) + v->seq_delta)))
+		return TC_ACT_SHOT;
+	if (is_ack) {
+		if (set32(skb, tcp_off, tcp_off + offsetof(struct tcphdr, ack_seq), ack_be,
+			  bpf_htonl(bpf_ntohl(ack_be) + v->ack_delta)))
+			return TC_ACT_SHOT;
+		if (doff > sizeof(struct tcphdr) && fix_sack(skb, tcp_off, doff, v->ack_delta))
+			return TC_ACT_SHOT;
+	}
+	if (set16(skb, tcp_off, tcp_off + offsetof(struct tcphdr, source), sport_be, v->sport) ||
+	    set16(skb, tcp_off, tcp_off + offsetof(struct tcphdr, dest), dport_be, v->dport) ||
+	    set_addr(skb, tcp_off, IP_SRC_OFF, saddr_be, v->saddr) ||
+	    set_addr(skb, tcp_off, IP_DST_OFF, daddr_be, v->daddr))
+		return TC_ACT_SHOT;
+
+	__u32 zero = 0;
+	struct counters *c = bpf_map_lookup_elem(&splice_counters, &zero);
+	if (c) {
+		c->packets++;
+		c->bytes += len;
+		c->fins += fin;
+		c->rsts += rst;
+	}
+	return bpf_redirect_neigh(v->ifindex, NULL, 0, 0);
+}
+
+char LICENSE[] SEC("license") = "Dual MIT/GPL";

@@ -1,0 +1,377 @@
+//! The kernel splice (issue 21): an eBPF datapath that carries a spliced TCP connection's
+//! packets from one leg to the other inside the kernel, past the proxy's sockets.
+//!
+//! Why: the proxy's user-space path moves every byte through two TCP stacks and a process,
+//! and a proxy crash breaks every connection. Once a connection is routed (the first request
+//! read, the PE chosen and connected), its two legs differ only in addresses, ports and
+//! initial sequence numbers; a TC program can translate each packet and forward it, and the
+//! connection's state becomes two map entries (seed `fault-tolerant-tcp-splice`, §3–6).
+//!
+//! The datapath is C (`bpf/splice.c`), compiled with clang by `build.rs` and loaded with aya
+//! (pure Rust: no C library to link, so the crate builds anywhere). Without clang the crate
+//! builds anyway and [`unavailable`] says why.
+//!
+//! What is here: loading and attaching the program at TC ingress of the proxy's interfaces,
+//! and the flow table ([`Datapath::splice`]: both directions of a connection; SACK blocks
+//! move with the acknowledgement offset). Not yet: the hand-over of live sockets from the
+//! proxy (`TCP_REPAIR`), timestamps, window scale and MSS of legs that negotiated them apart,
+//! expiry of idle entries.
+
+use std::net::SocketAddrV4;
+
+/// Flow table size unless configured.
+pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
+
+/// Why the kernel splice cannot be used by this build, if it cannot.
+pub fn unavailable() -> Option<&'static str> {
+    #[cfg(ksplice_built)]
+    {
+        None
+    }
+    #[cfg(not(ksplice_built))]
+    {
+        Some(env!("KSPLICE_UNAVAILABLE"))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("kernel splice unavailable: {0}")]
+    Unavailable(&'static str),
+    #[error("eBPF: {0}")]
+    Ebpf(String),
+    #[error("no interface {0:?}")]
+    NoInterface(String),
+    #[error("the flow table is full ({0} entries)")]
+    Full(u32),
+}
+
+/// A packet's 4-tuple as it arrives (addresses and ports in network byte order, as the
+/// program reads them).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowKey {
+    saddr: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+}
+
+/// What a packet of a flow becomes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowVal {
+    saddr: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+    seq_delta: u32,
+    ack_delta: u32,
+    ifindex: u32,
+    flags: u32,
+}
+
+#[cfg(ksplice_built)]
+#[allow(unsafe_code)]
+// SAFETY: plain `repr(C)` data without padding holes that matter to the kernel (the program
+// reads the same layout), valid for any bit pattern.
+unsafe impl aya::Pod for FlowKey {}
+#[cfg(ksplice_built)]
+#[allow(unsafe_code)]
+// SAFETY: as for FlowKey.
+unsafe impl aya::Pod for FlowVal {}
+
+impl FlowKey {
+    /// The packets from `src` to `dst`.
+    pub fn new(src: SocketAddrV4, dst: SocketAddrV4) -> Self {
+        Self {
+            saddr: u32::from_ne_bytes(src.ip().octets()),
+            daddr: u32::from_ne_bytes(dst.ip().octets()),
+            sport: u16::from_ne_bytes(src.port().to_be_bytes()),
+            dport: u16::from_ne_bytes(dst.port().to_be_bytes()),
+        }
+    }
+}
+
+/// One spliced connection: the client leg (client ↔ the proxy's address it connected to)
+/// and the server leg (the proxy's address towards the PE ↔ the PE).
+#[derive(Debug, Clone, Copy)]
+pub struct Splice {
+    pub client: SocketAddrV4,
+    pub front: SocketAddrV4,
+    pub back: SocketAddrV4,
+    pub server: SocketAddrV4,
+    /// Added to the client's sequence numbers on their way to the server (the server leg's
+    /// initial sequence number less the client's, as the server saw the proxy's).
+    pub client_seq_delta: u32,
+    /// Added to the server's sequence numbers on their way to the client.
+    pub server_seq_delta: u32,
+    /// Interfaces towards the client and towards the server.
+    pub client_if: u32,
+    pub server_if: u32,
+}
+
+impl Splice {
+    /// The two flow table entries: client → server and server → client.
+    pub fn entries(&self) -> [(FlowKey, FlowVal); 2] {
+        let val = |from: SocketAddrV4, to: SocketAddrV4, seq: u32, ack: u32, ifindex| {
+            let k = FlowKey::new(from, to);
+            FlowVal {
+                saddr: k.saddr,
+                daddr: k.daddr,
+                sport: k.sport,
+                dport: k.dport,
+                seq_delta: seq,
+                ack_delta: ack,
+                ifindex,
+                flags: 0,
+            }
+        };
+        [
+            (
+                FlowKey::new(self.client, self.front),
+                val(
+                    self.back,
+                    self.server,
+                    self.client_seq_delta,
+                    self.server_seq_delta.wrapping_neg(),
+                    self.server_if,
+                ),
+            ),
+            (
+                FlowKey::new(self.server, self.back),
+                val(
+                    self.front,
+                    self.client,
+                    self.server_seq_delta,
+                    self.client_seq_delta.wrapping_neg(),
+                    self.client_if,
+                ),
+            ),
+        ]
+    }
+}
+
+/// The datapath's per-CPU counters, summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub packets: u64,
+    pub bytes: u64,
+    pub fins: u64,
+    pub rsts: u64,
+}
+
+#[cfg(ksplice_built)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct RawCounters {
+    packets: u64,
+    bytes: u64,
+    fins: u64,
+    rsts: u64,
+}
+
+#[cfg(ksplice_built)]
+#[allow(unsafe_code)]
+// SAFETY: plain `repr(C)` u64s.
+unsafe impl aya::Pod for RawCounters {}
+
+/// The interface index of `name` in the calling thread's network namespace.
+pub fn ifindex(name: &str) -> Result<u32, Error> {
+    let c = std::ffi::CString::new(name).map_err(|_| Error::NoInterface(name.into()))?;
+    // SAFETY: a valid NUL-terminated string.
+    #[allow(unsafe_code)]
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    match i {
+        0 => Err(Error::NoInterface(name.into())),
+        i => Ok(i),
+    }
+}
+
+/// The loaded program, attached at TC ingress of some interfaces, and its flow table. Dropping
+/// it detaches the program.
+pub struct Datapath {
+    #[cfg(ksplice_built)]
+    ebpf: aya::Ebpf,
+    max_flows: u32,
+}
+
+#[cfg(ksplice_built)]
+static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("KSPLICE_OBJECT"));
+
+impl Datapath {
+    /// Loads the program with a flow table of `max_flows` entries and attaches it at TC
+    /// ingress of each of `interfaces` (in the calling thread's network namespace). Needs
+    /// root (CAP_BPF and CAP_NET_ADMIN).
+    pub fn load(interfaces: &[&str], max_flows: u32) -> Result<Self, Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            let _ = (interfaces, max_flows);
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            use aya::programs::{SchedClassifier, TcAttachType, tc};
+            let e = |what: &str, err: &dyn std::fmt::Display| Error::Ebpf(format!("{what}: {err}"));
+            let mut ebpf = aya::EbpfLoader::new()
+                .set_max_entries("splice_flows", max_flows.max(1))
+                .load(OBJECT)
+                .map_err(|err| e("loading the object", &err))?;
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut("splice_tc")
+                .ok_or_else(|| Error::Ebpf("no program splice_tc in the object".into()))?
+                .try_into()
+                .map_err(|err| e("program type", &err))?;
+            prog.load()
+                .map_err(|err| e("the verifier refused it", &err))?;
+            for name in interfaces {
+                ifindex(name)?;
+                // Kernels before 6.6 attach through the clsact qdisc; it may exist already.
+                let _ = tc::qdisc_add_clsact(name);
+                prog.attach(name, TcAttachType::Ingress)
+                    .map_err(|err| e(&format!("attaching to {name}"), &err))?;
+            }
+            Ok(Self {
+                ebpf,
+                max_flows: max_flows.max(1),
+            })
+        }
+    }
+
+    /// Installs both directions of a spliced connection.
+    pub fn splice(&mut self, s: &Splice) -> Result<(), Error> {
+        for (k, v) in s.entries() {
+            self.insert(k, v)?;
+        }
+        Ok(())
+    }
+
+    /// Removes both directions of a spliced connection (entries already gone are fine).
+    pub fn unsplice(&mut self, s: &Splice) -> Result<(), Error> {
+        for (k, _) in s.entries() {
+            self.remove(&k)?;
+        }
+        Ok(())
+    }
+
+    fn insert(&mut self, k: FlowKey, v: FlowVal) -> Result<(), Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            let _ = (k, v);
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let mut flows = self.flows()?;
+            flows.insert(k, v, 0).map_err(|err| match err {
+                aya::maps::MapError::SyscallError(s)
+                    if s.io_error.raw_os_error() == Some(libc::E2BIG) =>
+                {
+                    Error::Full(self.max_flows)
+                }
+                other => Error::Ebpf(format!("inserting a flow: {other}")),
+            })
+        }
+    }
+
+    fn remove(&mut self, k: &FlowKey) -> Result<(), Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            let _ = k;
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let mut flows = self.flows()?;
+            match flows.remove(k) {
+                Ok(()) => Ok(()),
+                Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                Err(aya::maps::MapError::SyscallError(s))
+                    if s.io_error.raw_os_error() == Some(libc::ENOENT) =>
+                {
+                    Ok(())
+                }
+                Err(other) => Err(Error::Ebpf(format!("removing a flow: {other}"))),
+            }
+        }
+    }
+
+    #[cfg(ksplice_built)]
+    fn flows(
+        &mut self,
+    ) -> Result<aya::maps::HashMap<&mut aya::maps::MapData, FlowKey, FlowVal>, Error> {
+        let map = self
+            .ebpf
+            .map_mut("splice_flows")
+            .ok_or_else(|| Error::Ebpf("no map splice_flows".into()))?;
+        aya::maps::HashMap::try_from(map).map_err(|err| Error::Ebpf(format!("flow map: {err}")))
+    }
+
+    /// The flow table's size.
+    pub fn max_flows(&self) -> u32 {
+        self.max_flows
+    }
+
+    /// Packets and bytes carried, FINs and RSTs seen, summed over the CPUs.
+    pub fn counters(&self) -> Result<Counters, Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let map = self
+                .ebpf
+                .map("splice_counters")
+                .ok_or_else(|| Error::Ebpf("no map splice_counters".into()))?;
+            let arr: aya::maps::PerCpuArray<&aya::maps::MapData, RawCounters> =
+                aya::maps::PerCpuArray::try_from(map)
+                    .map_err(|err| Error::Ebpf(format!("counter map: {err}")))?;
+            let per_cpu = arr
+                .get(&0, 0)
+                .map_err(|err| Error::Ebpf(format!("reading the counters: {err}")))?;
+            Ok(per_cpu.iter().fold(Counters::default(), |a, c| Counters {
+                packets: a.packets + c.packets,
+                bytes: a.bytes + c.bytes,
+                fins: a.fins + c.fins,
+                rsts: a.rsts + c.rsts,
+            }))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_two_directions_undo_each_others_offsets() {
+        let s = Splice {
+            client: "10.0.1.2:40000".parse().unwrap(),
+            front: "10.0.1.1:8080".parse().unwrap(),
+            back: "10.0.2.1:40001".parse().unwrap(),
+            server: "10.0.2.2:9000".parse().unwrap(),
+            client_seq_delta: 0x8000_0001,
+            server_seq_delta: 7,
+            client_if: 2,
+            server_if: 3,
+        };
+        let [(k1, v1), (k2, v2)] = s.entries();
+        assert_eq!(k1, FlowKey::new(s.client, s.front));
+        assert_eq!(k2, FlowKey::new(s.server, s.back));
+        // What the client sends arrives at the server as from `back`, and back again.
+        assert_eq!((v1.saddr, v1.daddr), (k2.daddr, k2.saddr));
+        assert_eq!((v2.saddr, v2.daddr), (k1.daddr, k1.saddr));
+        assert_eq!((v1.sport, v1.dport), (k2.dport, k2.sport));
+        // A client byte numbered n reaches the server as n + d; the server's ACK of it comes
+        // back as n + d, and reaches the client as n.
+        let n: u32 = 0xffff_fff0;
+        let at_server = n.wrapping_add(v1.seq_delta);
+        assert_eq!(at_server.wrapping_add(v2.ack_delta), n);
+        let m: u32 = 12345;
+        assert_eq!(m.wrapping_add(v2.seq_delta).wrapping_add(v1.ack_delta), m);
+        assert_eq!((v1.ifindex, v2.ifindex), (3, 2));
+        // Ports in network byte order, as the program compares them.
+        assert_eq!(k1.dport.to_ne_bytes(), 8080u16.to_be_bytes());
+    }
+}
