@@ -12,6 +12,8 @@
 // neighbour table (bpf_redirect_neigh).
 //
 // FIN and RST pass through (translated) and are counted; the control plane removes entries.
+// An entry with the HOLD flag drops its packets: the connection is being handed over, and
+// its senders will send them again once the entry is complete.
 
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -38,7 +40,11 @@ struct flow_val {
 	__u32 seq_delta;
 	__u32 ack_delta;
 	__u32 ifindex;
-	__u32 flags;
+	// The window field is in units of 2^wscale_in on arrival and must leave in units of
+	// 2^wscale_out (the two legs negotiated their window scales apart).
+	__u8 wscale_in;
+	__u8 wscale_out;
+	__u16 flags;
 };
 
 // Per-CPU counters, index 0: packets, bytes, FINs, RSTs of spliced connections.
@@ -62,6 +68,8 @@ struct {
 	__type(key, __u32);
 	__type(value, struct counters);
 } splice_counters SEC(".maps");
+
+#define FLAG_HOLD 1
 
 #define ETH_OFF 0
 #define IP_OFF (ETH_OFF + sizeof(struct ethhdr))
@@ -176,10 +184,14 @@ int splice_tc(struct __sk_buff *skb)
 	struct flow_val *v = bpf_map_lookup_elem(&splice_flows, &key);
 	if (!v)
 		return TC_ACT_OK;
+	if (v->flags & FLAG_HOLD)
+		return TC_ACT_SHOT;
 
 	__u32 tcp_off = IP_OFF + sizeof(struct iphdr);
 	__u32 doff = tcp->doff * 4;
 	__u32 seq_be = tcp->seq, ack_be = tcp->ack_seq;
+	__u16 window_be = tcp->window;
+	int syn = tcp->syn;
 	__u16 sport_be = tcp->source, dport_be = tcp->dest;
 	__u32 saddr_be = ip->saddr, daddr_be = ip->daddr;
 	int is_ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
@@ -194,6 +206,16 @@ int splice_tc(struct __sk_buff *skb)
 			  bpf_htonl(bpf_ntohl(ack_be) + v->ack_delta)))
 			return TC_ACT_SHOT;
 		if (doff > sizeof(struct tcphdr) && fix_sack(skb, tcp_off, doff, v->ack_delta))
+			return TC_ACT_SHOT;
+	}
+	// A SYN's window is never scaled.
+	if (!syn && v->wscale_in != v->wscale_out) {
+		__u32 bytes = (__u32)bpf_ntohs(window_be) << (v->wscale_in & 15);
+		__u32 w = bytes >> (v->wscale_out & 15);
+		if (w > 0xffff)
+			w = 0xffff;
+		if (set16(skb, tcp_off, tcp_off + offsetof(struct tcphdr, window), window_be,
+			  bpf_htons((__u16)w)))
 			return TC_ACT_SHOT;
 	}
 	if (set16(skb, tcp_off, tcp_off + offsetof(struct tcphdr, source), sport_be, v->sport) ||

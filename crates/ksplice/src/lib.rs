@@ -17,6 +17,9 @@
 //! proxy (`TCP_REPAIR`), timestamps, window scale and MSS of legs that negotiated them apart,
 //! expiry of idle entries.
 
+mod handover;
+
+pub use handover::{HandOverError, hand_over, pending};
 use std::net::SocketAddrV4;
 
 /// Flow table size unless configured.
@@ -68,7 +71,9 @@ pub struct FlowVal {
     seq_delta: u32,
     ack_delta: u32,
     ifindex: u32,
-    flags: u32,
+    wscale_in: u8,
+    wscale_out: u8,
+    flags: u16,
 }
 
 #[cfg(ksplice_built)]
@@ -109,24 +114,38 @@ pub struct Splice {
     /// Interfaces towards the client and towards the server.
     pub client_if: u32,
     pub server_if: u32,
+    /// Window scale shifts: the client's (its windows' unit), the proxy's towards the client
+    /// (the unit the client reads our windows in), the server's, and the proxy's towards the
+    /// server. 0 where window scaling is off.
+    pub client_wscale: u8,
+    pub front_wscale: u8,
+    pub server_wscale: u8,
+    pub back_wscale: u8,
 }
 
 impl Splice {
     /// The two flow table entries: client → server and server → client.
     pub fn entries(&self) -> [(FlowKey, FlowVal); 2] {
-        let val = |from: SocketAddrV4, to: SocketAddrV4, seq: u32, ack: u32, ifindex| {
-            let k = FlowKey::new(from, to);
-            FlowVal {
-                saddr: k.saddr,
-                daddr: k.daddr,
-                sport: k.sport,
-                dport: k.dport,
-                seq_delta: seq,
-                ack_delta: ack,
-                ifindex,
-                flags: 0,
-            }
-        };
+        self.entries_with(0)
+    }
+
+    fn entries_with(&self, flags: u16) -> [(FlowKey, FlowVal); 2] {
+        let val =
+            |from: SocketAddrV4, to: SocketAddrV4, seq: u32, ack: u32, ifindex, ws: (u8, u8)| {
+                let k = FlowKey::new(from, to);
+                FlowVal {
+                    saddr: k.saddr,
+                    daddr: k.daddr,
+                    sport: k.sport,
+                    dport: k.dport,
+                    seq_delta: seq,
+                    ack_delta: ack,
+                    ifindex,
+                    wscale_in: ws.0,
+                    wscale_out: ws.1,
+                    flags,
+                }
+            };
         [
             (
                 FlowKey::new(self.client, self.front),
@@ -136,6 +155,8 @@ impl Splice {
                     self.client_seq_delta,
                     self.server_seq_delta.wrapping_neg(),
                     self.server_if,
+                    // The client's window, read by the server as the proxy's back socket's.
+                    (self.client_wscale, self.back_wscale),
                 ),
             ),
             (
@@ -146,6 +167,7 @@ impl Splice {
                     self.server_seq_delta,
                     self.client_seq_delta.wrapping_neg(),
                     self.client_if,
+                    (self.server_wscale, self.front_wscale),
                 ),
             ),
         ]
@@ -241,6 +263,17 @@ impl Datapath {
     /// Installs both directions of a spliced connection.
     pub fn splice(&mut self, s: &Splice) -> Result<(), Error> {
         for (k, v) in s.entries() {
+            self.insert(k, v)?;
+        }
+        Ok(())
+    }
+
+    /// Drops the connection's packets in both directions until [`splice`](Self::splice)
+    /// completes its entries: while the proxy's sockets hand over, nothing may reach them.
+    /// Only the addresses of `s` matter.
+    pub fn hold(&mut self, s: &Splice) -> Result<(), Error> {
+        const FLAG_HOLD: u16 = 1;
+        for (k, v) in s.entries_with(FLAG_HOLD) {
             self.insert(k, v)?;
         }
         Ok(())
@@ -355,6 +388,10 @@ mod tests {
             server_seq_delta: 7,
             client_if: 2,
             server_if: 3,
+            client_wscale: 7,
+            front_wscale: 9,
+            server_wscale: 2,
+            back_wscale: 5,
         };
         let [(k1, v1), (k2, v2)] = s.entries();
         assert_eq!(k1, FlowKey::new(s.client, s.front));
@@ -371,6 +408,8 @@ mod tests {
         let m: u32 = 12345;
         assert_eq!(m.wrapping_add(v2.seq_delta).wrapping_add(v1.ack_delta), m);
         assert_eq!((v1.ifindex, v2.ifindex), (3, 2));
+        assert_eq!((v1.wscale_in, v1.wscale_out), (7, 5));
+        assert_eq!((v2.wscale_in, v2.wscale_out), (2, 9));
         // Ports in network byte order, as the program compares them.
         assert_eq!(k1.dport.to_ne_bytes(), 8080u16.to_be_bytes());
     }

@@ -8,7 +8,7 @@
 //! without them the test is skipped, except under `CI`, where that is a failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use rserpool_ksplice::{Datapath, Splice, ifindex, unavailable};
+use rserpool_ksplice::{Datapath, Splice, hand_over, ifindex, pending, unavailable};
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpListener, TcpStream};
 use std::process::Command;
@@ -56,6 +56,24 @@ fn in_ns<T: Send + 'static>(
     })
 }
 
+const N: usize = 8 << 20;
+
+/// Sends N bytes of pattern `seed` and reads everything the other end sends, at once.
+fn exchange(mut conn: TcpStream, seed: u8) -> Vec<u8> {
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut w = conn.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        let buf: Vec<u8> = (0..N).map(|i| pattern(i, seed)).collect();
+        w.write_all(&buf).unwrap();
+        w.shutdown(std::net::Shutdown::Write).unwrap();
+    });
+    let mut got = Vec::with_capacity(N);
+    conn.read_to_end(&mut got).unwrap();
+    writer.join().unwrap();
+    got
+}
+
 fn pattern(i: usize, seed: u8) -> u8 {
     ((i % 251) as u8).wrapping_add(seed)
 }
@@ -73,14 +91,16 @@ fn a_spliced_connection_survives_loss_with_sack() {
     spliced_transfer(2);
 }
 
-fn spliced_transfer(loss_percent: u32) {
+/// client | proxy | server namespaces joined by veth pairs (c0–p0, p1–s0), with `loss_percent`
+/// of TCP packets dropped on input at the client and the server. `None`: skipped.
+fn topology(loss_percent: u32) -> Option<(Netns, String, String, String)> {
     if !rustix::process::geteuid().is_root() {
         skip("the kernel splice test needs root (network namespaces, eBPF)");
-        return;
+        return None;
     }
     if let Some(why) = unavailable() {
         skip(why);
-        return;
+        return None;
     }
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -90,7 +110,7 @@ fn spliced_transfer(loss_percent: u32) {
         format!("ksp{tag}"),
         format!("kss{tag}"),
     );
-    let _ns = Netns(vec![c.clone(), p.clone(), s.clone()]);
+    let ns = Netns(vec![c.clone(), p.clone(), s.clone()]);
     for n in [&c, &p, &s] {
         ip(&format!("netns add {n}"));
         ip(&format!("-n {n} link set lo up"));
@@ -125,11 +145,18 @@ fn spliced_transfer(loss_percent: u32) {
                 .is_ok_and(|st| st.success());
             if !ok {
                 skip("the loss test needs nftables (apt-get install -y nftables)");
-                return;
+                return None;
             }
         }
     }
 
+    Some((ns, c, p, s))
+}
+
+fn spliced_transfer(loss_percent: u32) {
+    let Some((_ns, c, p, s)) = topology(loss_percent) else {
+        return;
+    };
     let client: SocketAddrV4 = "10.77.1.2:40000".parse().unwrap();
     let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
     let back: SocketAddrV4 = "10.77.2.1:40001".parse().unwrap();
@@ -150,6 +177,11 @@ fn spliced_transfer(loss_percent: u32) {
             server_seq_delta: 0x7f4a_7c15,
             client_if: ifindex("p0").unwrap(),
             server_if: ifindex("p1").unwrap(),
+            // End to end: the client and the server negotiated with each other.
+            client_wscale: 0,
+            front_wscale: 0,
+            server_wscale: 0,
+            back_wscale: 0,
         };
         dp.splice(&splice).unwrap();
         ready_tx.send(()).unwrap();
@@ -160,24 +192,12 @@ fn spliced_transfer(loss_percent: u32) {
     });
     ready_rx.recv().unwrap();
 
-    const N: usize = 8 << 20;
     let srv = in_ns(&s, move || {
         let l = TcpListener::bind(server).unwrap();
-        let (mut conn, peer) = l.accept().unwrap();
+        let (conn, peer) = l.accept().unwrap();
         // The server sees the proxy's back address, not the client.
         assert_eq!(peer.to_string(), back.to_string());
-        conn.set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
-        let mut w = conn.try_clone().unwrap();
-        let writer = std::thread::spawn(move || {
-            let buf: Vec<u8> = (0..N).map(|i| pattern(i, 7)).collect();
-            w.write_all(&buf).unwrap();
-            w.shutdown(std::net::Shutdown::Write).unwrap();
-        });
-        let mut got = Vec::with_capacity(N);
-        conn.read_to_end(&mut got).unwrap();
-        writer.join().unwrap();
-        got
+        exchange(conn, 7)
     });
     std::thread::sleep(Duration::from_millis(100));
     let cli = in_ns(&c, move || {
@@ -190,19 +210,8 @@ fn spliced_transfer(loss_percent: u32) {
             Duration::from_secs(5),
         )
         .unwrap();
-        let mut conn: TcpStream = sock.into();
-        conn.set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
-        let mut w = conn.try_clone().unwrap();
-        let writer = std::thread::spawn(move || {
-            let buf: Vec<u8> = (0..N).map(|i| pattern(i, 3)).collect();
-            w.write_all(&buf).unwrap();
-            w.shutdown(std::net::Shutdown::Write).unwrap();
-        });
-        let mut got = Vec::with_capacity(N);
-        conn.read_to_end(&mut got).unwrap();
-        writer.join().unwrap();
-        got
+        let conn: TcpStream = sock.into();
+        exchange(conn, 3)
     });
     let at_client = cli.join().unwrap();
     let at_server = srv.join().unwrap();
@@ -231,4 +240,114 @@ fn spliced_transfer(loss_percent: u32) {
         counters.fins >= 2,
         "both FINs went through the splice: {counters:?}"
     );
+}
+
+/// The hand-over: the proxy accepts the client, reads its first message, connects to the
+/// server, forwards it and the server's answer, and once both sockets are quiet hands the
+/// connection to the datapath and closes its sockets without a FIN or RST. Then 8 MiB go each
+/// way, byte-exact, while the proxy has no socket of the connection left. (The proxy's
+/// namespace runs without TCP timestamps until the datapath translates them.)
+#[test]
+fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
+    let Some((_ns, c, p, s)) = topology(0) else {
+        return;
+    };
+    let ok = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &p,
+            "sysctl",
+            "-qw",
+            "net.ipv4.tcp_timestamps=0",
+        ])
+        .status()
+        .is_ok_and(|st| st.success());
+    assert!(
+        ok,
+        "sysctl net.ipv4.tcp_timestamps=0 in the proxy's namespace"
+    );
+    let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
+    let back: SocketAddrV4 = "10.77.2.1:40001".parse().unwrap();
+    let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let srv = in_ns(&s, move || {
+        let l = TcpListener::bind(server).unwrap();
+        let (mut conn, peer) = l.accept().unwrap();
+        assert_eq!(peer.to_string(), back.to_string());
+        let mut hello = [0u8; 6];
+        conn.read_exact(&mut hello).unwrap();
+        assert_eq!(&hello, b"HELLO\n");
+        conn.write_all(b"WELCOME\n").unwrap();
+        exchange(conn, 7)
+    });
+    let proxy = in_ns(&p, move || {
+        let mut dp = Datapath::load(&["p0", "p1"], 1024).unwrap();
+        let l = TcpListener::bind(front).unwrap();
+        ready_tx.send(()).unwrap();
+        let (mut a, _) = l.accept().unwrap();
+        let mut hello = [0u8; 6];
+        a.read_exact(&mut hello).unwrap();
+        let sock =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        sock.bind(&std::net::SocketAddr::V4(back).into()).unwrap();
+        sock.connect(&std::net::SocketAddr::V4(server).into())
+            .unwrap();
+        let mut b: TcpStream = sock.into();
+        b.write_all(&hello).unwrap();
+        let mut welcome = [0u8; 8];
+        b.read_exact(&mut welcome).unwrap();
+        a.write_all(&welcome).unwrap();
+        let t0 = std::time::Instant::now();
+        while pending(&a).unwrap() + pending(&b).unwrap() > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the sockets never went quiet"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let splice = hand_over(
+            &mut dp,
+            a,
+            b,
+            ifindex("p0").unwrap(),
+            ifindex("p1").unwrap(),
+        )
+        .map_err(|(e, _, _)| e)
+        .unwrap();
+        eprintln!("handed over after {:?}: {splice:?}", t0.elapsed());
+        let _ = done_rx.recv();
+        dp.counters().unwrap()
+    });
+    ready_rx.recv().unwrap();
+    let cli = in_ns(&c, move || {
+        let mut conn = TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
+        conn.write_all(b"HELLO\n").unwrap();
+        let mut welcome = [0u8; 8];
+        conn.read_exact(&mut welcome).unwrap();
+        assert_eq!(&welcome, b"WELCOME\n");
+        exchange(conn, 3)
+    });
+    let at_client = cli.join().unwrap();
+    let at_server = srv.join().unwrap();
+    done_tx.send(()).unwrap();
+    let counters = proxy.join().unwrap();
+    assert_eq!(at_server.len(), N, "client → server length");
+    assert!(
+        at_server
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == pattern(i, 3))
+    );
+    assert_eq!(at_client.len(), N, "server → client length");
+    assert!(
+        at_client
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == pattern(i, 7))
+    );
+    eprintln!("datapath counters: {counters:?}");
+    assert!(counters.bytes >= 2 * N as u64, "{counters:?}");
+    assert!(counters.fins >= 2, "{counters:?}");
 }
