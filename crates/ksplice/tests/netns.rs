@@ -292,6 +292,9 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
         let sock =
             socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
         sock.bind(&std::net::SocketAddr::V4(back).into()).unwrap();
+        // A small receive buffer: the back leg negotiates a smaller window scale than the
+        // front leg, so the datapath must rescale the server's windows.
+        sock.set_recv_buffer_size(16 * 1024).unwrap();
         sock.connect(&std::net::SocketAddr::V4(server).into())
             .unwrap();
         let mut b: TcpStream = sock.into();
@@ -317,6 +320,7 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
         .map_err(|(e, _, _)| e)
         .unwrap();
         eprintln!("handed over after {:?}: {splice:?}", t0.elapsed());
+        assert_ne!(splice.front_wscale, splice.back_wscale, "{splice:?}");
         let _ = done_rx.recv();
         dp.counters().unwrap()
     });
