@@ -60,6 +60,7 @@ struct {
 	__uint(max_entries, 65536);
 	__type(key, struct flow_key);
 	__type(value, struct flow_val);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } splice_flows SEC(".maps");
 
 struct {
@@ -67,6 +68,7 @@ struct {
 	__uint(max_entries, 1);
 	__type(key, __u32);
 	__type(value, struct counters);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } splice_counters SEC(".maps");
 
 #define FLAG_HOLD 1

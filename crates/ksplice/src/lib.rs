@@ -21,6 +21,30 @@ mod handover;
 
 pub use handover::{HandOverError, hand_over, pending};
 use std::net::SocketAddrV4;
+use std::path::Path;
+
+/// Where the maps are pinned unless configured.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/rserpool";
+
+/// Mounts bpffs at /sys/fs/bpf when `dir` is below it and nothing is mounted there yet.
+#[cfg(ksplice_built)]
+fn mount_bpffs(dir: &Path) -> Result<(), Error> {
+    let root = Path::new("/sys/fs/bpf");
+    if !dir.starts_with(root) {
+        return Ok(());
+    }
+    let mounted = std::fs::read_to_string("/proc/self/mounts")
+        .map(|m| {
+            m.lines()
+                .any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf"))
+        })
+        .unwrap_or(false);
+    if mounted {
+        return Ok(());
+    }
+    rustix::mount::mount("bpf", root, "bpf", rustix::mount::MountFlags::empty(), None)
+        .map_err(|err| Error::Ebpf(format!("mounting bpffs at /sys/fs/bpf: {err}")))
+}
 
 /// Flow table size unless configured.
 pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
@@ -225,18 +249,30 @@ impl Datapath {
     /// Loads the program with a flow table of `max_flows` entries and attaches it at TC
     /// ingress of each of `interfaces` (in the calling thread's network namespace). Needs
     /// root (CAP_BPF and CAP_NET_ADMIN).
-    pub fn load(interfaces: &[&str], max_flows: u32) -> Result<Self, Error> {
+    ///
+    /// The spliced connections must outlive the process that spliced them (a proxy that
+    /// crashes or restarts): the maps are pinned by name in `pin_dir` (on bpffs, mounted at
+    /// /sys/fs/bpf if it is not), so a later load finds the same flow table, and the program
+    /// is attached as a classic TC filter, which stays when the process goes. A load replaces
+    /// the filter an earlier one left on the same interface. [`Datapath::remove_all`] undoes
+    /// everything.
+    pub fn load(interfaces: &[&str], max_flows: u32, pin_dir: &Path) -> Result<Self, Error> {
         #[cfg(not(ksplice_built))]
         {
-            let _ = (interfaces, max_flows);
+            let _ = (interfaces, max_flows, pin_dir);
             Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
         }
         #[cfg(ksplice_built)]
         {
+            use aya::programs::tc::{NlOptions, TcAttachOptions};
             use aya::programs::{SchedClassifier, TcAttachType, tc};
             let e = |what: &str, err: &dyn std::fmt::Display| Error::Ebpf(format!("{what}: {err}"));
+            mount_bpffs(pin_dir)?;
+            std::fs::create_dir_all(pin_dir)
+                .map_err(|err| e(&format!("creating {}", pin_dir.display()), &err))?;
             let mut ebpf = aya::EbpfLoader::new()
                 .set_max_entries("splice_flows", max_flows.max(1))
+                .map_pin_path(pin_dir)
                 .load(OBJECT)
                 .map_err(|err| e("loading the object", &err))?;
             let prog: &mut SchedClassifier = ebpf
@@ -248,16 +284,47 @@ impl Datapath {
                 .map_err(|err| e("the verifier refused it", &err))?;
             for name in interfaces {
                 ifindex(name)?;
-                // Kernels before 6.6 attach through the clsact qdisc; it may exist already.
                 let _ = tc::qdisc_add_clsact(name);
-                prog.attach(name, TcAttachType::Ingress)
+                let _ = tc::qdisc_detach_program(name, TcAttachType::Ingress, "splice_tc");
+                let id = prog
+                    .attach_with_options(
+                        name,
+                        TcAttachType::Ingress,
+                        TcAttachOptions::Netlink(NlOptions::default()),
+                    )
                     .map_err(|err| e(&format!("attaching to {name}"), &err))?;
+                // Not detached when this value goes: the filter outlives the process.
+                let link = prog
+                    .take_link(id)
+                    .map_err(|err| e("taking the link", &err))?;
+                std::mem::forget(link);
             }
             Ok(Self {
                 ebpf,
                 max_flows: max_flows.max(1),
             })
         }
+    }
+
+    /// Detaches the program from `interfaces` and removes the pinned maps in `pin_dir`:
+    /// every spliced connection through them ends.
+    pub fn remove_all(interfaces: &[&str], pin_dir: &Path) -> Result<(), Error> {
+        #[cfg(ksplice_built)]
+        for name in interfaces {
+            use aya::programs::{TcAttachType, tc};
+            let _ = tc::qdisc_detach_program(name, TcAttachType::Ingress, "splice_tc");
+        }
+        #[cfg(not(ksplice_built))]
+        let _ = interfaces;
+        for map in ["splice_flows", "splice_counters"] {
+            match std::fs::remove_file(pin_dir.join(map)) {
+                Ok(()) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => return Err(Error::Ebpf(format!("removing the pinned {map}: {err}"))),
+            }
+        }
+        let _ = std::fs::remove_dir(pin_dir);
+        Ok(())
     }
 
     /// Installs both directions of a spliced connection.

@@ -11,6 +11,7 @@
 use rserpool_ksplice::{Datapath, Splice, hand_over, ifindex, pending, unavailable};
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpListener, TcpStream};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -28,14 +29,15 @@ fn ip(args: &str) {
     assert!(ok, "ip {args}");
 }
 
-/// Namespaces that go away with the test.
-struct Netns(Vec<String>);
+/// Namespaces (and the datapath's pinned maps) that go away with the test.
+struct Netns(Vec<String>, PathBuf);
 
 impl Drop for Netns {
     fn drop(&mut self) {
         for n in &self.0 {
             let _ = Command::new("ip").args(["netns", "del", n]).status();
         }
+        let _ = Datapath::remove_all(&[], &self.1);
     }
 }
 
@@ -110,7 +112,10 @@ fn topology(loss_percent: u32) -> Option<(Netns, String, String, String)> {
         format!("ksp{tag}"),
         format!("kss{tag}"),
     );
-    let ns = Netns(vec![c.clone(), p.clone(), s.clone()]);
+    let ns = Netns(
+        vec![c.clone(), p.clone(), s.clone()],
+        PathBuf::from(format!("/sys/fs/bpf/rserpool-test-{tag}")),
+    );
     for n in [&c, &p, &s] {
         ip(&format!("netns add {n}"));
         ip(&format!("-n {n} link set lo up"));
@@ -154,9 +159,10 @@ fn topology(loss_percent: u32) -> Option<(Netns, String, String, String)> {
 }
 
 fn spliced_transfer(loss_percent: u32) {
-    let Some((_ns, c, p, s)) = topology(loss_percent) else {
+    let Some((ns, c, p, s)) = topology(loss_percent) else {
         return;
     };
+    let pins = ns.1.clone();
     let client: SocketAddrV4 = "10.77.1.2:40000".parse().unwrap();
     let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
     let back: SocketAddrV4 = "10.77.2.1:40001".parse().unwrap();
@@ -166,7 +172,7 @@ fn spliced_transfer(loss_percent: u32) {
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let proxy = in_ns(&p, move || {
-        let mut dp = Datapath::load(&["p0", "p1"], 1024).unwrap();
+        let mut dp = Datapath::load(&["p0", "p1"], 1024, &pins).unwrap();
         let splice = Splice {
             client,
             front,
@@ -249,9 +255,10 @@ fn spliced_transfer(loss_percent: u32) {
 /// namespace runs without TCP timestamps until the datapath translates them.)
 #[test]
 fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
-    let Some((_ns, c, p, s)) = topology(0) else {
+    let Some((ns, c, p, s)) = topology(0) else {
         return;
     };
+    let pins = ns.1.clone();
     let ok = Command::new("ip")
         .args([
             "netns",
@@ -283,7 +290,7 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
         exchange(conn, 7)
     });
     let proxy = in_ns(&p, move || {
-        let mut dp = Datapath::load(&["p0", "p1"], 1024).unwrap();
+        let mut dp = Datapath::load(&["p0", "p1"], 1024, &pins).unwrap();
         let l = TcpListener::bind(front).unwrap();
         ready_tx.send(()).unwrap();
         let (mut a, _) = l.accept().unwrap();
