@@ -198,14 +198,16 @@ fn spliced_transfer(loss_percent: u32) {
     });
     ready_rx.recv().unwrap();
 
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
     let srv = in_ns(&s, move || {
         let l = TcpListener::bind(server).unwrap();
+        bound_tx.send(()).unwrap();
         let (conn, peer) = l.accept().unwrap();
         // The server sees the proxy's back address, not the client.
         assert_eq!(peer.to_string(), back.to_string());
         exchange(conn, 7)
     });
-    std::thread::sleep(Duration::from_millis(100));
+    bound_rx.recv().unwrap();
     let cli = in_ns(&c, move || {
         let sock =
             socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
@@ -279,8 +281,10 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
     let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
     let srv = in_ns(&s, move || {
         let l = TcpListener::bind(server).unwrap();
+        bound_tx.send(()).unwrap();
         let (mut conn, peer) = l.accept().unwrap();
         assert_eq!(peer.to_string(), back.to_string());
         let mut hello = [0u8; 6];
@@ -332,6 +336,7 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
         dp.counters().unwrap()
     });
     ready_rx.recv().unwrap();
+    bound_rx.recv().unwrap();
     let cli = in_ns(&c, move || {
         let mut conn = TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
         conn.write_all(b"HELLO\n").unwrap();
@@ -361,4 +366,155 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
     eprintln!("datapath counters: {counters:?}");
     assert!(counters.bytes >= 2 * N as u64, "{counters:?}");
     assert!(counters.fins >= 2, "{counters:?}");
+}
+
+/// The proxy's part in [`the_connections_outlive_a_killed_proxy`], run as a process of its
+/// own (this test binary again, inside the proxy's namespace): accepts `KSPLICE_CONNS`
+/// connections, routes each (reads HELLO, connects to the server, relays WELCOME) and hands it
+/// to the kernel, says "handed N" after each, then waits to be killed.
+#[test]
+#[ignore = "run by the_connections_outlive_a_killed_proxy"]
+fn proxy_role() {
+    let Ok(pins) = std::env::var("KSPLICE_PINS") else {
+        return;
+    };
+    let n: usize = std::env::var("KSPLICE_CONNS").unwrap().parse().unwrap();
+    let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
+    let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
+    let mut dp = Datapath::load(&["p0", "p1"], 1024, std::path::Path::new(&pins)).unwrap();
+    let l = TcpListener::bind(front).unwrap();
+    println!("listening");
+    for i in 0..n {
+        let (mut a, _) = l.accept().unwrap();
+        let mut hello = [0u8; 6];
+        a.read_exact(&mut hello).unwrap();
+        let back = SocketAddrV4::new([10, 77, 2, 1].into(), 40100 + i as u16);
+        let sock =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        sock.bind(&std::net::SocketAddr::V4(back).into()).unwrap();
+        sock.connect(&std::net::SocketAddr::V4(server).into())
+            .unwrap();
+        let mut b: TcpStream = sock.into();
+        b.write_all(&hello).unwrap();
+        let mut welcome = [0u8; 8];
+        b.read_exact(&mut welcome).unwrap();
+        a.write_all(&welcome).unwrap();
+        while pending(&a).unwrap() + pending(&b).unwrap() > 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        hand_over(
+            &mut dp,
+            a,
+            b,
+            ifindex("p0").unwrap(),
+            ifindex("p1").unwrap(),
+        )
+        .map_err(|(e, _, _)| e)
+        .unwrap();
+        println!("handed {}", i + 1);
+    }
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// The proxy process is killed (SIGKILL) while its spliced connections are moving data: every
+/// transfer completes byte-exact, because the connections now live in the kernel.
+#[test]
+fn the_connections_outlive_a_killed_proxy() {
+    use std::io::BufRead;
+    let Some((ns, c, p, s)) = topology(0) else {
+        return;
+    };
+    let ok = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &p,
+            "sysctl",
+            "-qw",
+            "net.ipv4.tcp_timestamps=0",
+        ])
+        .status()
+        .is_ok_and(|st| st.success());
+    assert!(
+        ok,
+        "sysctl net.ipv4.tcp_timestamps=0 in the proxy's namespace"
+    );
+    const CONNS: usize = 4;
+    let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
+    let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
+    let mut proxy = Command::new("ip")
+        .args(["netns", "exec", &p])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "proxy_role", "--nocapture"])
+        .env("KSPLICE_PINS", &ns.1)
+        .env("KSPLICE_CONNS", CONNS.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(proxy.stdout.take().unwrap()).lines();
+    let mut wait_for = |what: &str| {
+        for l in lines.by_ref() {
+            if l.unwrap().contains(what) {
+                return;
+            }
+        }
+        panic!("the proxy ended before {what:?}");
+    };
+    wait_for("listening");
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    let srv = in_ns(&s, move || {
+        let l = TcpListener::bind(server).unwrap();
+        bound_tx.send(()).unwrap();
+        let mut handles = Vec::new();
+        for _ in 0..CONNS {
+            let (mut conn, _) = l.accept().unwrap();
+            let mut hello = [0u8; 6];
+            conn.read_exact(&mut hello).unwrap();
+            conn.write_all(b"WELCOME\n").unwrap();
+            handles.push(std::thread::spawn(move || exchange(conn, 7)));
+        }
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    bound_rx.recv().unwrap();
+    let cli = in_ns(&c, move || {
+        let mut handles = Vec::new();
+        for _ in 0..CONNS {
+            let mut conn =
+                TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
+            conn.write_all(b"HELLO\n").unwrap();
+            let mut welcome = [0u8; 8];
+            conn.read_exact(&mut welcome).unwrap();
+            handles.push(std::thread::spawn(move || {
+                (exchange(conn, 3), std::time::Instant::now())
+            }));
+        }
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    wait_for(&format!("handed {CONNS}"));
+    // Mid-transfer: 8 MiB each way per connection take far longer than this.
+    std::thread::sleep(Duration::from_millis(20));
+    proxy.kill().unwrap();
+    proxy.wait().unwrap();
+    let killed = std::time::Instant::now();
+    let done = cli.join().unwrap();
+    assert!(
+        done.iter().any(|(_, at)| *at > killed),
+        "every transfer ended before the kill: the test proved nothing"
+    );
+    for (got, _) in done {
+        assert_eq!(got.len(), N);
+        assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(i, 7)));
+    }
+    for got in srv.join().unwrap() {
+        assert_eq!(got.len(), N);
+        assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(i, 3)));
+    }
 }
