@@ -80,9 +80,13 @@ fn get_tcp<T: Copy + Default>(fd: RawFd, opt: libc::c_int) -> std::io::Result<T>
 }
 
 /// Bytes unread plus bytes sent and not yet acknowledged on `s`.
-pub fn pending(s: &TcpStream) -> std::io::Result<u32> {
-    let fd = s.as_raw_fd();
-    Ok(ioctl_u32(fd, libc::FIONREAD)? + ioctl_u32(fd, libc::TIOCOUTQ)?)
+pub fn pending(s: &impl AsRawFd) -> std::io::Result<u32> {
+    Ok(unread(s)? + ioctl_u32(s.as_raw_fd(), libc::TIOCOUTQ)?)
+}
+
+/// Bytes received on `s` and not read yet.
+pub fn unread(s: &impl AsRawFd) -> std::io::Result<u32> {
+    ioctl_u32(s.as_raw_fd(), libc::FIONREAD)
 }
 
 /// The window scale shifts of a connection: (ours, the peer's), 0 without window scaling.
@@ -143,6 +147,17 @@ pub fn hand_over(
         let _ = set_tcp(back.as_raw_fd(), libc::TCP_REPAIR, 0);
         let _ = dp.unsplice(&addrs);
     };
+    // A packet may have reached a socket between the first look and the hold: look again,
+    // now that nothing more can arrive.
+    let again = pending(&front).and_then(|f| Ok(f + pending(&back)?));
+    if !matches!(again, Ok(0)) {
+        let _ = dp.unsplice(&addrs);
+        let e = match again {
+            Ok(n) => HandOverError::NotQuiet(n),
+            Err(e) => HandOverError::Socket("queue sizes", e),
+        };
+        return Err((e, front, back));
+    }
     match prepare(&front, &back, addrs) {
         Err(e) => {
             undo(dp, &front, &back);
@@ -209,4 +224,57 @@ fn prepare(front: &TcpStream, back: &TcpStream, s: Splice) -> Result<Splice, Han
         server_seq_delta: front_snd.wrapping_sub(back_rcv),
         ..s
     })
+}
+
+/// The interface index the kernel would send packets to `peer` through (in the calling
+/// thread's network namespace): the route's source address, found by connecting a UDP
+/// socket (which sends nothing), and the interface that holds it.
+pub fn interface_towards(peer: std::net::Ipv4Addr) -> std::io::Result<u32> {
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0")?;
+    probe.connect((peer, 9))?;
+    let local = match probe.local_addr()? {
+        SocketAddr::V4(a) => *a.ip(),
+        SocketAddr::V6(_) => return Err(std::io::Error::other("no IPv4 route")),
+    };
+    interface_with(local)?.ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("no interface holds {local}"),
+        )
+    })
+}
+
+/// The index of the interface that holds `addr`.
+#[allow(unsafe_code)]
+fn interface_with(addr: std::net::Ipv4Addr) -> std::io::Result<Option<u32>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list freed below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut found = None;
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, not yet freed.
+        let ifa = unsafe { &*cur };
+        if !ifa.ifa_addr.is_null()
+            // SAFETY: ifa_addr points at a sockaddr of at least its family's size.
+            && i32::from(unsafe { (*ifa.ifa_addr).sa_family }) == libc::AF_INET
+        {
+            // SAFETY: an AF_INET address is a sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            if u32::from_be(sin.sin_addr.s_addr) == u32::from(addr) {
+                // SAFETY: ifa_name is a NUL-terminated interface name.
+                let i = unsafe { libc::if_nametoindex(ifa.ifa_name) };
+                if i != 0 {
+                    found = Some(i);
+                    break;
+                }
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: the list getifaddrs returned, freed once.
+    unsafe { libc::freeifaddrs(head) };
+    Ok(found)
 }

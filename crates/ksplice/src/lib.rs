@@ -18,8 +18,10 @@
 //! expiry of idle entries.
 
 mod handover;
+#[doc(hidden)]
+pub mod testbed;
 
-pub use handover::{HandOverError, hand_over, pending};
+pub use handover::{HandOverError, hand_over, interface_towards, pending, unread};
 use std::net::SocketAddrV4;
 use std::path::Path;
 

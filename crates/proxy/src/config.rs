@@ -68,6 +68,43 @@ pub struct ListenerConfig {
     pub pool: Option<String>,
     #[serde(default, rename = "route")]
     pub routes: Vec<Route>,
+    /// `"kernel"`: a TCP listener hands each connection, once connected to its PE, to the
+    /// kernel splice (`[kernel-splice]`); `"user"` (the default) relays it in this process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub splice: Option<SpliceMode>,
+}
+
+/// Who carries a connection's bytes once it is routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SpliceMode {
+    /// This process: splice(2) between the two sockets.
+    User,
+    /// The kernel splice's eBPF datapath; the proxy's sockets are gone (docs/KSPLICE.md).
+    Kernel,
+}
+
+/// The `[kernel-splice]` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct KernelSpliceConfig {
+    /// The interfaces the datapath is attached to: those the clients' and the PEs' packets
+    /// arrive on.
+    pub interfaces: Vec<String>,
+    /// Spliced connections at most (two flow entries each).
+    pub max_flows: u32,
+    /// Where the flow table is pinned (on bpffs), so that it outlives the proxy.
+    pub pin_dir: PathBuf,
+}
+
+impl Default for KernelSpliceConfig {
+    fn default() -> Self {
+        Self {
+            interfaces: Vec::new(),
+            max_flows: 65_536,
+            pin_dir: PathBuf::from("/sys/fs/bpf/rserpool"),
+        }
+    }
 }
 
 /// How the proxy chooses among a pool's PEs.
@@ -182,6 +219,9 @@ pub struct ProxyConfig {
     /// Service levels; without the section every request is of one level.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub levels: Option<crate::levels::LevelsConfig>,
+    /// The kernel splice, for listeners with `splice = "kernel"`.
+    #[serde(rename = "kernel-splice")]
+    pub kernel_splice: KernelSpliceConfig,
 }
 
 impl Default for ProxyConfig {
@@ -207,6 +247,7 @@ impl Default for ProxyConfig {
             listeners: Vec::new(),
             pool_settings: BTreeMap::new(),
             levels: None,
+            kernel_splice: KernelSpliceConfig::default(),
         }
     }
 }
@@ -249,6 +290,20 @@ impl ProxyConfig {
                     return bad(format!("HTTP listener {} needs a pool or routes", l.listen));
                 }
                 _ => {}
+            }
+            if l.splice == Some(SpliceMode::Kernel) {
+                if l.mode != Mode::Tcp {
+                    return bad(format!(
+                        "listener {}: splice = \"kernel\" needs mode = \"tcp\" for now",
+                        l.listen
+                    ));
+                }
+                if self.kernel_splice.interfaces.is_empty() {
+                    return bad(format!(
+                        "listener {}: splice = \"kernel\" needs [kernel-splice] interfaces",
+                        l.listen
+                    ));
+                }
             }
             for r in &l.routes {
                 if !r.prefix.starts_with('/') {

@@ -29,6 +29,7 @@ pub mod discovery;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod http;
+mod kernel;
 pub mod levels;
 pub mod message;
 pub mod pools;
@@ -73,6 +74,8 @@ struct Inner {
     max_conns: usize,
     draining: watch::Sender<bool>,
     log: RwLock<Option<AccessLog>>,
+    /// The kernel splice's datapath, loaded at start when a listener asks for it.
+    kernel: Option<Arc<Mutex<rserpool_ksplice::Datapath>>>,
 }
 
 /// A running proxy. Its tasks run on the tokio runtime it was started on.
@@ -108,6 +111,7 @@ impl Proxy {
             idle_timeout: Duration::from_millis(cfg.idle_timeout_ms.min(30_000)),
         });
         let log = open_log(&cfg)?;
+        let kernel = load_kernel_splice(&cfg);
         let (draining, _) = watch::channel(false);
         let proxy = Proxy {
             inner: Arc::new(Inner {
@@ -118,6 +122,7 @@ impl Proxy {
                 listeners: Mutex::new(HashMap::new()),
                 draining,
                 log: RwLock::new(log),
+                kernel,
             }),
         };
         proxy.inner.pools.configure(&cfg);
@@ -153,10 +158,19 @@ impl Proxy {
             routes: Arc::new(Routes::new(l, &i.pools)),
             log: i.log.read().unwrap_or_else(|p| p.into_inner()).clone(),
             draining: i.draining.subscribe(),
+            kernel: (l.splice == Some(config::SpliceMode::Kernel))
+                .then(|| i.kernel.clone())
+                .flatten(),
         }
     }
 
     async fn add_listener(&self, l: ListenerConfig) -> Result<(), StartError> {
+        if l.splice == Some(config::SpliceMode::Kernel) && self.inner.kernel.is_none() {
+            warn!(
+                "proxy: listener {} relays in user space: the kernel splice is not loaded",
+                l.listen
+            );
+        }
         let sock = bind(l.listen).map_err(|e| StartError::Bind(l.listen, e))?;
         let local = sock
             .get_ref()
@@ -414,5 +428,36 @@ async fn accept_loop(
             }
             drop(permit);
         });
+    }
+}
+
+/// Loads the kernel splice when a listener asks for it; says once why not when it cannot.
+fn load_kernel_splice(cfg: &ProxyConfig) -> Option<Arc<Mutex<rserpool_ksplice::Datapath>>> {
+    if !cfg
+        .listeners
+        .iter()
+        .any(|l| l.splice == Some(config::SpliceMode::Kernel))
+    {
+        if let Some(why) = rserpool_ksplice::unavailable() {
+            info!("proxy: kernel splice unavailable in this build: {why}");
+        }
+        return None;
+    }
+    let k = &cfg.kernel_splice;
+    let names: Vec<&str> = k.interfaces.iter().map(String::as_str).collect();
+    match rserpool_ksplice::Datapath::load(&names, k.max_flows, &k.pin_dir) {
+        Ok(dp) => {
+            info!(
+                "proxy: kernel splice on {} ({} flows, pinned in {})",
+                k.interfaces.join(", "),
+                k.max_flows,
+                k.pin_dir.display()
+            );
+            Some(Arc::new(Mutex::new(dp)))
+        }
+        Err(e) => {
+            warn!("proxy: {e}; spliced listeners relay in user space");
+            None
+        }
     }
 }

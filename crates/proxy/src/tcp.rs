@@ -64,6 +64,24 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
             }
         }
     };
+    let (client, backend) = match &ctx.kernel {
+        Some(dp) => match crate::kernel::try_hand_over(client, backend, dp).await {
+            crate::kernel::Handed::Kernel => {
+                pool.finished(&b, level, since.elapsed());
+                ctx.log(|| {
+                    format!(
+                        "{peer} tcp 0 {} {:#010x} 0 {} kernel",
+                        b.pool,
+                        b.id,
+                        started.elapsed().as_micros()
+                    )
+                });
+                return;
+            }
+            crate::kernel::Handed::Back(c, s) => (c, s),
+        },
+        None => (client, backend),
+    };
     let moved = crate::splice::forward(&client, &backend, ctx.idle_timeout(), ctx.cfg.splice).await;
     pool.finished(&b, level, since.elapsed());
     let (up, down) = match &moved {

@@ -36,6 +36,7 @@ async fn proxy(reg: SocketAddr) -> Proxy {
             mode: Mode::Http,
             pool: Some(POOL.into()),
             routes: Vec::new(),
+            splice: None,
         }],
         ..ProxyConfig::default()
     })

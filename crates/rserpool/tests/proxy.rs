@@ -73,6 +73,7 @@ fn proxy_config(reg: SocketAddr, listeners: Vec<(Mode, &str)>) -> ProxyConfig {
                 mode,
                 pool: Some(pool.into()),
                 routes: Vec::new(),
+                splice: None,
             })
             .collect(),
         ..ProxyConfig::default()

@@ -29,6 +29,7 @@ async fn proxy(reg: SocketAddr, select: Select) -> Proxy {
             mode: Mode::Http,
             pool: Some(POOL.into()),
             routes: Vec::new(),
+            splice: None,
         }],
         pool_settings: BTreeMap::from([(
             POOL.to_string(),

@@ -78,6 +78,7 @@ fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
             mode,
             pool: Some(pool),
             routes: Vec::new(),
+            splice: None,
         });
     } else if args.pool.is_some() || args.select.is_some() {
         return Err(anyhow!("--pool and --select need --listen"));

@@ -109,12 +109,14 @@ pub fn run(args: UpArgs) -> Result<()> {
                     mode: Mode::Http,
                     pool: Some(WEB_POOL.into()),
                     routes: Vec::new(),
+                    splice: None,
                 },
                 ListenerConfig {
                     listen: args.proxy_tcp,
                     mode: Mode::Tcp,
                     pool: Some(args.pool.clone()),
                     routes: Vec::new(),
+                    splice: None,
                 },
             ],
             ..ProxyConfig::default()

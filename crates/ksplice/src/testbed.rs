@@ -1,0 +1,144 @@
+//! Test support, shared by this crate's tests and the proxy's: a client | proxy | server
+//! topology of network namespaces joined by veth pairs, threads inside a namespace, and a
+//! byte-exact exchange. Not for production use.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::missing_panics_doc)]
+
+use crate::{Datapath, unavailable};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+/// Says why a test cannot run and whether to skip it: never under `CI`, where it fails.
+pub fn skip(why: &str) -> bool {
+    assert!(std::env::var_os("CI").is_none(), "{why}");
+    eprintln!("SKIPPED: {why}");
+    true
+}
+
+/// Runs `ip` with `args`; panics when it fails.
+pub fn ip(args: &str) {
+    let ok = Command::new("ip")
+        .args(args.split_whitespace())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "ip {args}");
+}
+
+/// Namespaces (and the datapath's pinned maps) that go away with the test.
+pub struct Netns(pub Vec<String>, pub PathBuf);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.0 {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+        let _ = Datapath::remove_all(&[], &self.1);
+    }
+}
+
+/// Runs `f` on a thread inside namespace `ns`.
+pub fn in_ns<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::thread::JoinHandle<T> {
+    let path = format!("/var/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let fd = std::fs::File::open(&path).unwrap();
+        rustix::thread::move_into_link_name_space(
+            std::os::fd::AsFd::as_fd(&fd),
+            Some(rustix::thread::LinkNameSpaceType::Network),
+        )
+        .unwrap();
+        f()
+    })
+}
+
+pub const N: usize = 8 << 20;
+
+/// Sends N bytes of pattern `seed` and reads everything the other end sends, at once.
+pub fn exchange(mut conn: TcpStream, seed: u8) -> Vec<u8> {
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut w = conn.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        let buf: Vec<u8> = (0..N).map(|i| pattern(i, seed)).collect();
+        w.write_all(&buf).unwrap();
+        w.shutdown(std::net::Shutdown::Write).unwrap();
+    });
+    let mut got = Vec::with_capacity(N);
+    conn.read_to_end(&mut got).unwrap();
+    writer.join().unwrap();
+    got
+}
+
+/// Byte `i` of the pattern `seed`.
+pub fn pattern(i: usize, seed: u8) -> u8 {
+    ((i % 251) as u8).wrapping_add(seed)
+}
+
+/// client | proxy | server namespaces joined by veth pairs (c0–p0, p1–s0), with `loss_percent`
+/// of TCP packets dropped on input at the client and the server. `None`: skipped.
+pub fn topology(loss_percent: u32) -> Option<(Netns, String, String, String)> {
+    if !rustix::process::geteuid().is_root() {
+        skip("the kernel splice test needs root (network namespaces, eBPF)");
+        return None;
+    }
+    if let Some(why) = unavailable() {
+        skip(why);
+        return None;
+    }
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tag = format!("{}x{n}", std::process::id() % 100_000);
+    let (c, p, s) = (
+        format!("ksc{tag}"),
+        format!("ksp{tag}"),
+        format!("kss{tag}"),
+    );
+    let ns = Netns(
+        vec![c.clone(), p.clone(), s.clone()],
+        PathBuf::from(format!("/sys/fs/bpf/rserpool-test-{tag}")),
+    );
+    for n in [&c, &p, &s] {
+        ip(&format!("netns add {n}"));
+        ip(&format!("-n {n} link set lo up"));
+    }
+    ip(&format!(
+        "-n {c} link add c0 type veth peer name p0 netns {p}"
+    ));
+    ip(&format!(
+        "-n {s} link add s0 type veth peer name p1 netns {p}"
+    ));
+    ip(&format!("-n {c} addr add 10.77.1.2/24 dev c0"));
+    ip(&format!("-n {p} addr add 10.77.1.1/24 dev p0"));
+    ip(&format!("-n {p} addr add 10.77.2.1/24 dev p1"));
+    ip(&format!("-n {s} addr add 10.77.2.2/24 dev s0"));
+    for (n, d) in [(&c, "c0"), (&p, "p0"), (&p, "p1"), (&s, "s0")] {
+        ip(&format!("-n {n} link set {d} up"));
+    }
+    if loss_percent > 0 {
+        for n in [&c, &s] {
+            let rules = format!(
+                "table inet loss {{\n chain input {{\n  type filter hook input priority 0;\n  \
+                 meta l4proto tcp numgen random mod 100 < {loss_percent} drop\n }}\n}}\n"
+            );
+            let ok = Command::new("ip")
+                .args(["netns", "exec", n, "nft", "-f", "-"])
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .and_then(|mut ch| {
+                    ch.stdin.take().unwrap().write_all(rules.as_bytes())?;
+                    ch.wait()
+                })
+                .is_ok_and(|st| st.success());
+            if !ok {
+                skip("the loss test needs nftables (apt-get install -y nftables)");
+                return None;
+            }
+        }
+    }
+
+    Some((ns, c, p, s))
+}
