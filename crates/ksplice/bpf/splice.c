@@ -79,26 +79,24 @@ struct {
 #define IP_SRC_OFF (IP_OFF + offsetof(struct iphdr, saddr))
 #define IP_DST_OFF (IP_OFF + offsetof(struct iphdr, daddr))
 
-// Rewrites a 4-byte field of the TCP header (or options) at `off`, fixing the checksum.
-static __always_inline int set32(struct __sk_buff *skb, __u32 tcp_off, __u32 off, __u32 old_be,
-				 __u32 new_be)
+// Rewrites a 4- or 2-byte field of the TCP header (or options) at `off`, fixing the checksum.
+// The values are in network byte order; a 2-byte one in the low half.
+static __always_inline int set_field(struct __sk_buff *skb, __u32 tcp_off, __u32 off, __u32 old_be,
+				     __u32 new_be, int size)
 {
 	if (old_be == new_be)
 		return 0;
-	if (bpf_l4_csum_replace(skb, tcp_off + offsetof(struct tcphdr, check), old_be, new_be, 4))
+	if (bpf_l4_csum_replace(skb, tcp_off + offsetof(struct tcphdr, check), old_be, new_be, size))
 		return -1;
+	if (size == 2) {
+		__u16 v = new_be;
+		return bpf_skb_store_bytes(skb, off, &v, 2, 0);
+	}
 	return bpf_skb_store_bytes(skb, off, &new_be, 4, 0);
 }
 
-static __always_inline int set16(struct __sk_buff *skb, __u32 tcp_off, __u32 off, __u16 old_be,
-				 __u16 new_be)
-{
-	if (old_be == new_be)
-		return 0;
-	if (bpf_l4_csum_replace(skb, tcp_off + offsetof(struct tcphdr, check), old_be, new_be, 2))
-		return -1;
-	return bpf_skb_store_bytes(skb, off, &new_be, 2, 0);
-}
+#define set32(skb, tcp_off, off, o, n) set_field(skb, tcp_off, off, o, n, 4)
+#define set16(skb, tcp_off, off, o, n) set_field(skb, tcp_off, off, o, n, 2)
 
 // An address: the IP header checksum and the TCP pseudo-header checksum both change.
 static __always_inline int set_addr(struct __sk_buff *skb, __u32 tcp_off, __u32 off, __u32 old_be,

@@ -142,3 +142,32 @@ pub fn topology(loss_percent: u32) -> Option<(Netns, String, String, String)> {
 
     Some((ns, c, p, s))
 }
+
+/// Turns TCP timestamps off in namespace `ns` (the proxy's): both legs then agree, as the
+/// datapath does not translate timestamps yet.
+pub fn without_timestamps(ns: &str) {
+    let ok = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            ns,
+            "sysctl",
+            "-qw",
+            "net.ipv4.tcp_timestamps=0",
+        ])
+        .status()
+        .is_ok_and(|st| st.success());
+    assert!(ok, "sysctl net.ipv4.tcp_timestamps=0 in {ns}");
+}
+
+/// Asserts that `got` is `len` bytes of pattern `seed`.
+pub fn assert_pattern(got: &[u8], len: usize, seed: u8, what: &str) {
+    assert_eq!(got.len(), len, "{what}: length");
+    if let Some(i) = got
+        .iter()
+        .enumerate()
+        .position(|(i, &b)| b != pattern(i, seed))
+    {
+        panic!("{what}: byte {i} differs");
+    }
+}

@@ -8,7 +8,7 @@
 //! without them the test is skipped, except under `CI`, where that is a failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use rserpool_ksplice::testbed::{N, exchange, in_ns, pattern, topology};
+use rserpool_ksplice::testbed::{N, assert_pattern, exchange, in_ns, topology, without_timestamps};
 use rserpool_ksplice::{Datapath, Splice, hand_over, ifindex, pending};
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddrV4, TcpListener, TcpStream};
@@ -95,20 +95,8 @@ fn spliced_transfer(loss_percent: u32) {
     let at_server = srv.join().unwrap();
     done_tx.send(()).unwrap();
     let counters = proxy.join().unwrap();
-    assert_eq!(at_server.len(), N, "client → server length");
-    assert!(
-        at_server
-            .iter()
-            .enumerate()
-            .all(|(i, &b)| b == pattern(i, 3))
-    );
-    assert_eq!(at_client.len(), N, "server → client length");
-    assert!(
-        at_client
-            .iter()
-            .enumerate()
-            .all(|(i, &b)| b == pattern(i, 7))
-    );
+    assert_pattern(&at_server, N, 3, "client → server");
+    assert_pattern(&at_client, N, 7, "server → client");
     eprintln!("datapath counters: {counters:?}");
     assert!(
         counters.packets > 0 && counters.bytes >= 2 * N as u64,
@@ -131,21 +119,7 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
         return;
     };
     let pins = ns.1.clone();
-    let ok = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &p,
-            "sysctl",
-            "-qw",
-            "net.ipv4.tcp_timestamps=0",
-        ])
-        .status()
-        .is_ok_and(|st| st.success());
-    assert!(
-        ok,
-        "sysctl net.ipv4.tcp_timestamps=0 in the proxy's namespace"
-    );
+    without_timestamps(&p);
     let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
     let back: SocketAddrV4 = "10.77.2.1:40001".parse().unwrap();
     let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
@@ -219,20 +193,8 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
     let at_server = srv.join().unwrap();
     done_tx.send(()).unwrap();
     let counters = proxy.join().unwrap();
-    assert_eq!(at_server.len(), N, "client → server length");
-    assert!(
-        at_server
-            .iter()
-            .enumerate()
-            .all(|(i, &b)| b == pattern(i, 3))
-    );
-    assert_eq!(at_client.len(), N, "server → client length");
-    assert!(
-        at_client
-            .iter()
-            .enumerate()
-            .all(|(i, &b)| b == pattern(i, 7))
-    );
+    assert_pattern(&at_server, N, 3, "client → server");
+    assert_pattern(&at_client, N, 7, "server → client");
     eprintln!("datapath counters: {counters:?}");
     assert!(counters.bytes >= 2 * N as u64, "{counters:?}");
     assert!(counters.fins >= 2, "{counters:?}");
@@ -295,21 +257,7 @@ fn the_connections_outlive_a_killed_proxy() {
     let Some((ns, c, p, s)) = topology(0) else {
         return;
     };
-    let ok = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &p,
-            "sysctl",
-            "-qw",
-            "net.ipv4.tcp_timestamps=0",
-        ])
-        .status()
-        .is_ok_and(|st| st.success());
-    assert!(
-        ok,
-        "sysctl net.ipv4.tcp_timestamps=0 in the proxy's namespace"
-    );
+    without_timestamps(&p);
     const CONNS: usize = 4;
     let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
     let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
@@ -379,11 +327,9 @@ fn the_connections_outlive_a_killed_proxy() {
         "every transfer ended before the kill: the test proved nothing"
     );
     for (got, _) in done {
-        assert_eq!(got.len(), N);
-        assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(i, 7)));
+        assert_pattern(&got, N, 7, "transfer");
     }
     for got in srv.join().unwrap() {
-        assert_eq!(got.len(), N);
-        assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(i, 3)));
+        assert_pattern(&got, N, 3, "transfer");
     }
 }

@@ -10,7 +10,7 @@
 mod common;
 
 use common::{BIN, KillOnDrop};
-use rserpool_ksplice::testbed::{in_ns, pattern, topology};
+use rserpool_ksplice::testbed::{assert_pattern, in_ns, pattern, topology, without_timestamps};
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
 use std::process::{Command, Stdio};
@@ -73,19 +73,7 @@ fn spliced_connections_outlive_a_killed_proxy() {
     let Some((ns, c, p, s)) = topology(0) else {
         return;
     };
-    // Both legs without TCP timestamps: the datapath does not translate them yet.
-    let ok = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &p,
-            "sysctl",
-            "-qw",
-            "net.ipv4.tcp_timestamps=0",
-        ])
-        .status()
-        .is_ok_and(|st| st.success());
-    assert!(ok);
+    without_timestamps(&p);
     let _registrar = spawn_in(
         &p,
         &["registrar", "--asap", "10.77.2.1:3863", "--status", "off"],
@@ -197,8 +185,7 @@ pin-dir = "{}"
         "every transfer ended before the kill: the test proved nothing"
     );
     for (got, _) in done {
-        assert_eq!(got.len(), BYTES);
-        assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(i, 5)));
+        assert_pattern(&got, BYTES, 5, "transfer");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
