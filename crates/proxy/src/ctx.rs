@@ -34,14 +34,6 @@ impl Ctx {
     pub(crate) fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.cfg.request_timeout_ms)
     }
-    /// The service level of a request (1 without `[levels]`).
-    pub(crate) fn level(&self, facts: impl FnOnce() -> Option<usize>) -> usize {
-        if self.cfg.levels.is_none() {
-            return 1;
-        }
-        facts().unwrap_or(1)
-    }
-
     /// The header that carries the level to the PE, and whether it is sent (with `[levels]`);
     /// a client's copies of it are dropped either way.
     pub(crate) fn level_header(&self) -> (&str, bool) {

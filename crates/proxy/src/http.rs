@@ -250,16 +250,16 @@ fn analyse(head: Head, started: Instant) -> Result<Request, &'static str> {
 
 /// Step classify: the request's service level by the `[levels]` rules.
 fn classify(r: &Request, peer: SocketAddr, ctx: &Ctx) -> usize {
-    ctx.level(|| {
-        let levels = ctx.cfg.levels.as_ref()?;
-        let target = r.head.target();
-        let header = |name: &str| r.head.get(name).and_then(|v| std::str::from_utf8(v).ok());
-        Some(levels.classify(&RequestFacts {
-            source: peer.ip().to_canonical(),
-            host: std::str::from_utf8(&r.host).ok(),
-            path: std::str::from_utf8(&target[..r.path_end]).ok(),
-            header: &header,
-        }))
+    let Some(levels) = &ctx.cfg.levels else {
+        return 1;
+    };
+    let target = r.head.target();
+    let header = |name: &str| r.head.get(name).and_then(|v| std::str::from_utf8(v).ok());
+    levels.classify(&RequestFacts {
+        source: peer.ip().to_canonical(),
+        host: std::str::from_utf8(&r.host).ok(),
+        path: std::str::from_utf8(&target[..r.path_end]).ok(),
+        header: &header,
     })
 }
 

@@ -18,14 +18,14 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
     let Some(pool) = ctx.routes.default_pool().cloned() else {
         return;
     };
-    let level = ctx.level(|| {
-        let levels = ctx.cfg.levels.as_ref()?;
-        Some(levels.classify(&RequestFacts {
+    // A connection shows only its source to the `[levels]` rules.
+    let level = ctx.cfg.levels.as_ref().map_or(1, |levels| {
+        levels.classify(&RequestFacts {
             source: peer.ip().to_canonical(),
             host: None,
             path: None,
             header: &|_| None,
-        }))
+        })
     });
     let mut tried = Vec::new();
     let (b, backend, since) = loop {
