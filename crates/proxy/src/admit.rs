@@ -20,6 +20,7 @@ use rserpool_asap::share::{Discipline, Domain, Share};
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
@@ -85,7 +86,10 @@ pub(crate) struct Admission {
     cfg: AdmissionConfig,
     share: Share,
     queues: Vec<VecDeque<Waiter>>,
-    queued: usize,
+    /// Requests waiting, shared with the pool so that a finishing request can see without
+    /// the lock whether anyone waits. Changed only under the pool's lock, before any
+    /// dispatch that must see it.
+    queued: Arc<AtomicUsize>,
     next_id: u64,
     stats: Vec<LevelStats>,
 }
@@ -96,7 +100,8 @@ pub(crate) struct Front {
 }
 
 impl Admission {
-    pub fn new(cfg: AdmissionConfig, seed: u64) -> Self {
+    pub fn new(cfg: AdmissionConfig, seed: u64, queued: Arc<AtomicUsize>) -> Self {
+        queued.store(0, Ordering::SeqCst);
         let n = cfg.domains.len().max(1);
         let share = Share::new(&cfg.domains, cfg.discipline, cfg.half_life, seed);
         Self {
@@ -109,7 +114,7 @@ impl Admission {
                 .collect(),
             share,
             cfg,
-            queued: 0,
+            queued,
             next_id: 0,
         }
     }
@@ -117,12 +122,12 @@ impl Admission {
     /// Keeps the waiting requests (they stay in their levels, as far as those exist) and the
     /// counters when the settings change.
     pub fn reconfigure(&mut self, cfg: AdmissionConfig, seed: u64) {
-        let mut next = Self::new(cfg, seed);
+        let mut next = Self::new(cfg, seed, self.queued.clone());
         let top = next.queues.len() - 1;
         for (l, q) in self.queues.drain(..).enumerate() {
             for w in q {
                 next.queues[l.min(top)].push_back(w);
-                next.queued += 1;
+                next.queued.fetch_add(1, Ordering::SeqCst);
             }
         }
         for l in 0..next.queues.len() {
@@ -146,7 +151,7 @@ impl Admission {
     }
 
     pub fn is_waiting(&self) -> bool {
-        self.queued > 0
+        self.queued.load(Ordering::SeqCst) > 0
     }
 
     pub fn timeout(&self, level: usize) -> Duration {
@@ -169,13 +174,13 @@ impl Admission {
             self.stats[level].shed += 1;
             return Err(NoPick::QueueFull);
         }
-        if self.queued >= self.cfg.queue {
+        if self.queued.load(Ordering::SeqCst) >= self.cfg.queue {
             let Some(lowest) = (0..level).find(|&l| !self.queues[l].is_empty()) else {
                 self.stats[level].shed += 1;
                 return Err(NoPick::QueueFull);
             };
             if let Some(w) = self.queues[lowest].pop_back() {
-                self.queued -= 1;
+                self.queued.fetch_sub(1, Ordering::SeqCst);
                 self.stats[lowest].shed += 1;
                 let _ = w.tx.send(Err(NoPick::QueueFull));
             }
@@ -192,7 +197,7 @@ impl Admission {
             tried: tried.to_vec(),
             since: now,
         });
-        self.queued += 1;
+        self.queued.fetch_add(1, Ordering::SeqCst);
         self.share.set_waiting(level, true);
         Ok((id, rx))
     }
@@ -204,7 +209,7 @@ impl Admission {
             return false;
         };
         q.remove(i);
-        self.queued -= 1;
+        self.queued.fetch_sub(1, Ordering::SeqCst);
         if q.is_empty() {
             self.share.set_waiting(level, false);
         }
@@ -231,7 +236,7 @@ impl Admission {
                 Err(_) => Ok(()),
             };
         };
-        self.queued -= 1;
+        self.queued.fetch_sub(1, Ordering::SeqCst);
         if self.queues[level].is_empty() {
             self.share.set_waiting(level, false);
         }

@@ -58,6 +58,10 @@ impl NoPick {
 pub struct Pool {
     pub handle: PoolHandle,
     state: Mutex<PoolState>,
+    /// Requests waiting in the admission queue (the admission's own count).
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
+    /// Whether finished requests are charged to their level (`[levels]` configured).
+    charges: AtomicBool,
 }
 
 struct PoolState {
@@ -128,9 +132,12 @@ impl Drop for Queued<'_> {
 impl Pool {
     fn new(handle: PoolHandle) -> Self {
         let config = PoolConfig::default();
-        let admission = Admission::new(admission_config(&config, None), seed());
+        let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let admission = Admission::new(admission_config(&config, None), seed(), waiting.clone());
         Self {
             handle,
+            waiting,
+            charges: AtomicBool::new(false),
             state: Mutex::new(PoolState {
                 selector: Selector::new(),
                 refreshed: None,
@@ -148,6 +155,7 @@ impl Pool {
         let st = &mut *self.lock();
         st.admission
             .reconfigure(admission_config(&config, levels), seed());
+        self.charges.store(levels.is_some(), Ordering::Relaxed);
         st.config = config;
         st.dispatch(&self.handle);
     }
@@ -230,7 +238,13 @@ impl Pool {
     /// A request of `level` (1-based) at `b` is over, after `service` there: its place frees
     /// (a waiting request gets it) and its level's consumption grows.
     pub fn finished(&self, b: &Backend, level: usize, service: Duration) {
-        b.stats.active.fetch_sub(1, Ordering::Relaxed);
+        b.stats.active.fetch_sub(1, Ordering::SeqCst);
+        // The common case takes no lock: nobody waits and no level is charged. A request
+        // queueing now counts itself as waiting before it looks for room, so either it sees
+        // the place freed above or this sees it waiting.
+        if self.waiting.load(Ordering::SeqCst) == 0 && !self.charges.load(Ordering::Relaxed) {
+            return;
+        }
         let st = &mut *self.lock();
         let level = st.admission.index(level);
         st.admission.finished(level, service, Instant::now());
