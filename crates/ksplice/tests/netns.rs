@@ -15,6 +15,24 @@ use std::net::{SocketAddrV4, TcpListener, TcpStream};
 use std::process::Command;
 use std::time::Duration;
 
+/// Joins the client and the server, checks what each received, then lets the proxy go and
+/// returns its datapath counters.
+fn finish(
+    cli: std::thread::JoinHandle<Vec<u8>>,
+    srv: std::thread::JoinHandle<Vec<u8>>,
+    done: std::sync::mpsc::Sender<()>,
+    proxy: std::thread::JoinHandle<rserpool_ksplice::Counters>,
+) -> rserpool_ksplice::Counters {
+    let at_client = cli.join().unwrap();
+    let at_server = srv.join().unwrap();
+    done.send(()).unwrap();
+    let counters = proxy.join().unwrap();
+    assert_pattern(&at_server, N, 3, "client → server");
+    assert_pattern(&at_client, N, 7, "server → client");
+    eprintln!("datapath counters: {counters:?}");
+    counters
+}
+
 #[test]
 fn a_spliced_connection_carries_bytes_exactly_both_ways_with_sequence_offsets() {
     spliced_transfer(0);
@@ -91,13 +109,7 @@ fn spliced_transfer(loss_percent: u32) {
         let conn: TcpStream = sock.into();
         exchange(conn, 3)
     });
-    let at_client = cli.join().unwrap();
-    let at_server = srv.join().unwrap();
-    done_tx.send(()).unwrap();
-    let counters = proxy.join().unwrap();
-    assert_pattern(&at_server, N, 3, "client → server");
-    assert_pattern(&at_client, N, 7, "server → client");
-    eprintln!("datapath counters: {counters:?}");
+    let counters = finish(cli, srv, done_tx, proxy);
     assert!(
         counters.packets > 0 && counters.bytes >= 2 * N as u64,
         "{counters:?}"
@@ -189,13 +201,7 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
         assert_eq!(&welcome, b"WELCOME\n");
         exchange(conn, 3)
     });
-    let at_client = cli.join().unwrap();
-    let at_server = srv.join().unwrap();
-    done_tx.send(()).unwrap();
-    let counters = proxy.join().unwrap();
-    assert_pattern(&at_server, N, 3, "client → server");
-    assert_pattern(&at_client, N, 7, "server → client");
-    eprintln!("datapath counters: {counters:?}");
+    let counters = finish(cli, srv, done_tx, proxy);
     assert!(counters.bytes >= 2 * N as u64, "{counters:?}");
     assert!(counters.fins >= 2, "{counters:?}");
 }
