@@ -49,6 +49,17 @@ async fn resolve_ids(reg: SocketAddr, pool: &str, items: u32) -> Vec<u32> {
     }
 }
 
+/// Runs the `rserpool` binary to completion off the test's runtime: the pool elements of
+/// these tests run on that (single-threaded) runtime and must keep answering keep-alives
+/// (300 ms in `fast_config`) while the command runs.
+async fn run_bin(args: &[&str]) -> std::process::Output {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    tokio::task::spawn_blocking(move || Command::new(BIN).args(&args).output())
+        .await
+        .expect("command thread")
+        .expect("spawn rserpool")
+}
+
 fn spawn(args: &[&str]) -> KillOnDrop {
     KillOnDrop(
         Command::new(BIN)
@@ -640,15 +651,8 @@ async fn status_shows_the_handlespace() {
         },
     );
     a.wait_registered(Duration::from_secs(5)).await.unwrap();
-    let out = Command::new(BIN)
-        .args([
-            "status",
-            "--json",
-            "--status",
-            &r.status_addr().unwrap().to_string(),
-        ])
-        .output()
-        .unwrap();
+    let status = r.status_addr().unwrap().to_string();
+    let out = run_bin(&["status", "--json", "--status", &status]).await;
     assert!(
         out.status.success(),
         "{}",
@@ -704,10 +708,7 @@ async fn status_has_a_listener_of_its_own_and_asap_does_not_speak_http() {
         String::from_utf8_lossy(&reply)
     );
     // The old way of asking gets a pointer to the new one.
-    let out = Command::new(BIN)
-        .args(["status", "--registrar", &r.asap_addr().to_string()])
-        .output()
-        .unwrap();
+    let out = run_bin(&["status", "--registrar", &r.asap_addr().to_string()]).await;
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--status ADDR"));
     assert_eq!(resolve_ids(r.asap_addr(), "Own", 5).await.len(), 1);
@@ -756,10 +757,7 @@ async fn a_pool_user_that_does_not_read_is_disconnected() {
     );
     // Everyone else is still served.
     assert_eq!(resolve_ids(reg, "Slow", 30).await.len(), 30);
-    let out = Command::new(BIN)
-        .args(["status", "--json", "--status", &status.to_string()])
-        .output()
-        .unwrap();
+    let out = run_bin(&["status", "--json", "--status", &status.to_string()]).await;
     let st: rserpool_registrar::Status = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(st.counters.slow_connections_closed, 1);
     assert_eq!(st.pools[0].pes.len(), 30);
