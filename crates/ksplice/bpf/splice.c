@@ -6,14 +6,19 @@
 //
 // One map entry per direction, keyed by the packet's 4-tuple as it arrives. It says what the
 // packet becomes on the other leg: addresses and ports, and the offsets added to its sequence
-// and acknowledgement numbers (the two legs' initial sequence numbers differ). SACK blocks are
-// acknowledgement-space numbers and move with the acknowledgement offset. Checksums are fixed
-// incrementally. The packet then leaves by the entry's interface through the kernel's
-// neighbour table (bpf_redirect_neigh).
+// and acknowledgement numbers (the two legs' initial sequence numbers differ) and to its
+// timestamps (each leg's clocks differ). SACK blocks are acknowledgement-space numbers and
+// move with the acknowledgement offset. Checksums are fixed incrementally. The packet then
+// leaves by the entry's interface through the kernel's neighbour table (bpf_redirect_neigh).
 //
-// FIN and RST pass through (translated) and are counted; the control plane removes entries.
-// An entry with the HOLD flag drops its packets: the connection is being handed over, and
-// its senders will send them again once the entry is complete.
+// Entry states (flags):
+// - WATCH: the connection still runs through the proxy's sockets; packets pass untouched and
+//   the program records the sender's latest TSval, which the hand-over needs (no socket
+//   option exposes it).
+// - HOLD: the connection is being handed over; its packets are dropped (and recorded), and
+//   their senders send them again once the entry is complete.
+// - neither: spliced. A FIN marks its direction (user space expires the pair once both are
+//   marked and quiet); an RST ends the connection: both entries go at once.
 
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -39,12 +44,21 @@ struct flow_val {
 	__u16 dport;
 	__u32 seq_delta;
 	__u32 ack_delta;
+	// Added to TSval and to TSecr of the timestamp option (FLAG_TS).
+	__u32 tsval_delta;
+	__u32 tsecr_delta;
 	__u32 ifindex;
 	// The window field is in units of 2^wscale_in on arrival and must leave in units of
 	// 2^wscale_out (the two legs negotiated their window scales apart).
 	__u8 wscale_in;
 	__u8 wscale_out;
 	__u16 flags;
+	// Written by the program: the sender's latest TSval (FLAG_SAW_TS), when the latest
+	// packet came (bpf_ktime_get_ns), packets and bytes carried.
+	__u32 ts_recent;
+	__u64 last_ns;
+	__u64 packets;
+	__u64 bytes;
 };
 
 // Per-CPU counters, index 0: packets, bytes, FINs, RSTs of spliced connections.
@@ -72,6 +86,13 @@ struct {
 } splice_counters SEC(".maps");
 
 #define FLAG_HOLD 1
+#define FLAG_WATCH 2
+#define FLAG_TS 4
+#define FLAG_SAW_TS 8
+#define FLAG_FIN 16
+
+#define TCPOPT_SACK 5
+#define TCPOPT_TIMESTAMP 8
 
 #define ETH_OFF 0
 #define IP_OFF (ETH_OFF + sizeof(struct ethhdr))
@@ -112,16 +133,19 @@ static __always_inline int set_addr(struct __sk_buff *skb, __u32 tcp_off, __u32 
 	return bpf_skb_store_bytes(skb, off, &new_be, 4, 0);
 }
 
-// SACK blocks (option 5) hold acknowledgement-space numbers: each edge moves by `delta`. The
-// options are read with bpf_skb_load_bytes at computed offsets (the verifier accepts variable
-// packet offsets through the helper, not variable stack offsets).
-static __always_inline int fix_sack(struct __sk_buff *skb, __u32 tcp_off, __u32 doff, __u32 delta)
+// Walks the TCP options. With `rewrite`, SACK edges (acknowledgement-space numbers) move by
+// `sack_delta`, TSval by `tsval_delta` and TSecr by `tsecr_delta`. Without, it only finds the
+// TSval. Returns the TSval found (or 0 with *found = 0), or -1 on error. The options are read
+// with bpf_skb_load_bytes at computed offsets (the verifier accepts variable packet offsets
+// through the helper, not variable stack offsets).
+static __always_inline int walk_options(struct __sk_buff *skb, __u32 tcp_off, __u32 doff,
+					int rewrite, __u32 sack_delta, __u32 tsval_delta,
+					__u32 tsecr_delta, __u32 *tsval, int *found)
 {
 	__u32 start = tcp_off + sizeof(struct tcphdr);
 	__u32 stop = tcp_off + doff;
 	__u32 at = start;
-	if (delta == 0)
-		return 0;
+	*found = 0;
 	for (int n = 0; n < 20; n++) {
 		__u8 kind_len[2];
 		if (at >= stop)
@@ -139,7 +163,22 @@ static __always_inline int fix_sack(struct __sk_buff *skb, __u32 tcp_off, __u32 
 		__u32 olen = kind_len[1];
 		if (olen < 2 || at + olen > stop)
 			break;
-		if (kind_len[0] == 5) {
+		if (kind_len[0] == TCPOPT_TIMESTAMP && olen == 10) {
+			__u32 ts[2];
+			if (bpf_skb_load_bytes(skb, at + 2, ts, 8))
+				return -1;
+			*tsval = bpf_ntohl(ts[0]);
+			*found = 1;
+			if (rewrite) {
+				if (set32(skb, tcp_off, at + 2, ts[0],
+					  bpf_htonl(bpf_ntohl(ts[0]) + tsval_delta)))
+					return -1;
+				if (tsecr_delta &&
+				    set32(skb, tcp_off, at + 6, ts[1],
+					  bpf_htonl(bpf_ntohl(ts[1]) + tsecr_delta)))
+					return -1;
+			}
+		} else if (kind_len[0] == TCPOPT_SACK && rewrite && sack_delta) {
 			__u32 edges = (olen - 2) / 4;
 			for (__u32 e = 0; e < 8; e++) {
 				if (e >= edges)
@@ -148,7 +187,7 @@ static __always_inline int fix_sack(struct __sk_buff *skb, __u32 tcp_off, __u32 
 				__u32 old_be;
 				if (bpf_skb_load_bytes(skb, off, &old_be, 4))
 					return -1;
-				__u32 new_be = bpf_htonl(bpf_ntohl(old_be) + delta);
+				__u32 new_be = bpf_htonl(bpf_ntohl(old_be) + sack_delta);
 				if (set32(skb, tcp_off, off, old_be, new_be))
 					return -1;
 			}
@@ -156,6 +195,21 @@ static __always_inline int fix_sack(struct __sk_buff *skb, __u32 tcp_off, __u32 
 		at += olen;
 	}
 	return 0;
+}
+
+// Records the sender's TSval in the entry of a watched or held connection.
+static __always_inline void record_ts(struct __sk_buff *skb, struct flow_val *v, __u32 tcp_off,
+				      __u32 doff)
+{
+	__u32 tsval = 0;
+	int found = 0;
+	v->last_ns = bpf_ktime_get_ns();
+	if (doff <= sizeof(struct tcphdr))
+		return;
+	if (walk_options(skb, tcp_off, doff, 0, 0, 0, 0, &tsval, &found) == 0 && found) {
+		v->ts_recent = tsval;
+		v->flags |= FLAG_SAW_TS;
+	}
 }
 
 SEC("classifier")
@@ -184,11 +238,12 @@ int splice_tc(struct __sk_buff *skb)
 	struct flow_val *v = bpf_map_lookup_elem(&splice_flows, &key);
 	if (!v)
 		return TC_ACT_OK;
-	if (v->flags & FLAG_HOLD)
-		return TC_ACT_SHOT;
-
 	__u32 tcp_off = IP_OFF + sizeof(struct iphdr);
 	__u32 doff = tcp->doff * 4;
+	if (v->flags & (FLAG_HOLD | FLAG_WATCH)) {
+		record_ts(skb, v, tcp_off, doff);
+		return (v->flags & FLAG_HOLD) ? TC_ACT_SHOT : TC_ACT_OK;
+	}
 	__u32 seq_be = tcp->seq, ack_be = tcp->ack_seq;
 	__u16 window_be = tcp->window;
 	int syn = tcp->syn;
@@ -205,7 +260,15 @@ int splice_tc(struct __sk_buff *skb)
 		if (set32(skb, tcp_off, tcp_off + offsetof(struct tcphdr, ack_seq), ack_be,
 			  bpf_htonl(bpf_ntohl(ack_be) + v->ack_delta)))
 			return TC_ACT_SHOT;
-		if (doff > sizeof(struct tcphdr) && fix_sack(skb, tcp_off, doff, v->ack_delta))
+	}
+	__u16 flags = v->flags;
+	if (doff > sizeof(struct tcphdr) && ((is_ack && v->ack_delta) || (flags & FLAG_TS))) {
+		__u32 tsval = 0;
+		int found = 0;
+		__u32 tsval_delta = (flags & FLAG_TS) ? v->tsval_delta : 0;
+		__u32 tsecr_delta = (flags & FLAG_TS) && is_ack ? v->tsecr_delta : 0;
+		if (walk_options(skb, tcp_off, doff, 1, is_ack ? v->ack_delta : 0, tsval_delta,
+				 tsecr_delta, &tsval, &found))
 			return TC_ACT_SHOT;
 	}
 	// A SYN's window is never scaled.
@@ -224,6 +287,24 @@ int splice_tc(struct __sk_buff *skb)
 	    set_addr(skb, tcp_off, IP_DST_OFF, daddr_be, v->daddr))
 		return TC_ACT_SHOT;
 
+	__u32 ifindex = v->ifindex;
+	v->last_ns = bpf_ktime_get_ns();
+	__sync_fetch_and_add(&v->packets, 1);
+	__sync_fetch_and_add(&v->bytes, len);
+	if (fin)
+		v->flags |= FLAG_FIN;
+	if (rst) {
+		// Nothing answers an RST: the connection is over in both directions.
+		struct flow_key back = {
+			.saddr = v->daddr,
+			.daddr = v->saddr,
+			.sport = v->dport,
+			.dport = v->sport,
+		};
+		bpf_map_delete_elem(&splice_flows, &back);
+		bpf_map_delete_elem(&splice_flows, &key);
+	}
+
 	__u32 zero = 0;
 	struct counters *c = bpf_map_lookup_elem(&splice_counters, &zero);
 	if (c) {
@@ -232,7 +313,7 @@ int splice_tc(struct __sk_buff *skb)
 		c->fins += fin;
 		c->rsts += rst;
 	}
-	return bpf_redirect_neigh(v->ifindex, NULL, 0, 0);
+	return bpf_redirect_neigh(ifindex, NULL, 0, 0);
 }
 
 char LICENSE[] SEC("license") = "Dual MIT/GPL";

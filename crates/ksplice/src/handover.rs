@@ -9,9 +9,19 @@
 //! between the read and the install is never acknowledged by it, so its sender sends it again,
 //! through the splice.
 //!
-//! Not handled yet: TCP timestamps (both legs must agree; today the proxy's namespace runs
-//! with `net.ipv4.tcp_timestamps = 0`) and MSS (the back leg should be clamped to the client's
-//! before connecting).
+//! TCP timestamps: each leg has its own clocks, so the datapath adds an offset to every TSval
+//! and takes the other direction's off every echo (TSecr). The offset maps a peer's latest
+//! TSval to the proxy's current one on the other leg, so that the receiver's PAWS check (a
+//! TSval never goes back) holds. No socket option tells a peer's latest TSval: the datapath
+//! records it while the connection is watched ([`Datapath::watch`], installed before the
+//! proxy connects to the PE), and for the client the SYN the listener saved
+//! ([`save_syn`]) gives an older one, which is as good (the translated clock then jumps
+//! ahead, which PAWS allows). Legs of which one uses timestamps and one does not are not
+//! spliced.
+//!
+//! MSS: the proxy connects to the PE with its MSS clamped to the client's ([`clamp_mss`]),
+//! so the PE sends nothing larger than the client takes; a PE that takes less than the
+//! proxy told the client is not spliced.
 
 use crate::{Datapath, Error, Splice};
 use std::net::{SocketAddr, SocketAddrV4, TcpStream};
@@ -24,6 +34,10 @@ pub enum HandOverError {
     NotQuiet(u32),
     #[error("only IPv4 connections are spliced")]
     NotIpv4,
+    #[error("the legs differ: {0}")]
+    Mismatch(&'static str),
+    #[error("no TCP timestamp seen from the {0} yet")]
+    NoTimestamp(&'static str),
     #[error("{0}: {1}")]
     Socket(&'static str, std::io::Error),
     #[error(transparent)]
@@ -89,16 +103,98 @@ pub fn unread(s: &impl AsRawFd) -> std::io::Result<u32> {
     ioctl_u32(s.as_raw_fd(), libc::FIONREAD)
 }
 
-/// The window scale shifts of a connection: (ours, the peer's), 0 without window scaling.
-fn wscales(fd: RawFd) -> std::io::Result<(u8, u8)> {
-    // The kernel's struct tcp_info starts with eight one-byte fields; the seventh holds the
-    // two 4-bit shifts (snd in the low bits: the peer's; rcv in the high bits: ours).
-    let head: [u8; 8] = get_tcp(fd, libc::TCP_INFO)?;
+/// What a hand-over needs of a socket's `struct tcp_info`.
+#[derive(Debug, Clone, Copy)]
+struct Info {
+    /// Window scale shifts: (ours, the peer's), 0 without window scaling.
+    wscales: (u8, u8),
+    timestamps: bool,
+    /// The largest segment this socket sends (the peer's MSS less options).
+    snd_mss: u32,
+    /// The MSS this socket advertised.
+    advmss: u32,
+}
+
+fn info(fd: RawFd) -> std::io::Result<Info> {
+    // The kernel's struct tcp_info: eight one-byte fields, then u32s; the getsockopt copies
+    // as much as the buffer holds.
+    let raw: [u32; 22] = get_tcp(fd, libc::TCP_INFO)?;
+    let [_backoff, options, ws, _] = raw[1].to_ne_bytes();
+    const TCPI_OPT_TIMESTAMPS: u8 = 1;
     const TCPI_OPT_WSCALE: u8 = 4;
-    if head[5] & TCPI_OPT_WSCALE == 0 {
-        return Ok((0, 0));
+    Ok(Info {
+        // The seventh byte holds the two 4-bit shifts: snd (the peer's) low, rcv (ours) high.
+        wscales: if options & TCPI_OPT_WSCALE == 0 {
+            (0, 0)
+        } else {
+            (ws >> 4, ws & 0x0f)
+        },
+        timestamps: options & TCPI_OPT_TIMESTAMPS != 0,
+        snd_mss: raw[4],
+        advmss: raw[21],
+    })
+}
+
+/// Has `listener` keep each connection's SYN, whose timestamp a hand-over may need
+/// (`TCP_SAVE_SYN`; a connection's copy is freed when it is read or the socket closes).
+pub fn save_syn(listener: &impl AsRawFd) -> std::io::Result<()> {
+    set_tcp(listener.as_raw_fd(), libc::TCP_SAVE_SYN, 1)
+}
+
+/// Clamps the MSS a socket not yet connected advertises to that of `client` (an accepted
+/// connection): the PE then sends no segment larger than the client takes.
+pub fn clamp_mss(socket: &impl AsRawFd, client: &impl AsRawFd) -> std::io::Result<()> {
+    let mss: u32 = get_tcp(client.as_raw_fd(), libc::TCP_MAXSEG)?;
+    set_tcp(
+        socket.as_raw_fd(),
+        libc::TCP_MAXSEG,
+        mss.clamp(536, 65_535) as libc::c_int,
+    )
+}
+
+/// The TSval of the SYN that opened `s`, if its listener saved it ([`save_syn`]) and the
+/// SYN had one. Reading it frees the saved copy.
+fn saved_syn_tsval(s: &impl AsRawFd) -> Option<u32> {
+    let syn: [u8; 120] = get_tcp_bytes(s.as_raw_fd(), libc::TCP_SAVED_SYN)?;
+    tsval_of_syn(&syn)
+}
+
+/// The TSval in an IPv4 SYN's headers.
+fn tsval_of_syn(h: &[u8]) -> Option<u32> {
+    let ihl = usize::from(h.first()? & 0x0f) * 4;
+    if h.first()? >> 4 != 4 || ihl < 20 {
+        return None;
     }
-    Ok((head[6] >> 4, head[6] & 0x0f))
+    let tcp = h.get(ihl..)?;
+    let doff = usize::from(tcp.get(12)? >> 4) * 4;
+    let mut opts = tcp.get(20..doff)?;
+    while let Some(&kind) = opts.first() {
+        match kind {
+            0 => break,
+            1 => opts = &opts[1..],
+            _ => {
+                let len = usize::from(*opts.get(1)?);
+                if len < 2 || len > opts.len() {
+                    return None;
+                }
+                if kind == 8 && len == 10 {
+                    return Some(u32::from_be_bytes(opts[2..6].try_into().ok()?));
+                }
+                opts = &opts[len..];
+            }
+        }
+    }
+    None
+}
+
+#[allow(unsafe_code)]
+fn get_tcp_bytes<const N: usize>(fd: RawFd, opt: libc::c_int) -> Option<[u8; N]> {
+    let mut v = [0u8; N];
+    let mut len = N as libc::socklen_t;
+    // SAFETY: `v` is a buffer of `len` bytes.
+    let r =
+        unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, opt, v.as_mut_ptr().cast(), &mut len) };
+    (r == 0 && len > 0).then_some(v)
 }
 
 /// The next sequence numbers of a socket in repair mode: (to send, to receive).
@@ -133,7 +229,7 @@ pub fn hand_over(
     client_if: u32,
     server_if: u32,
 ) -> Result<Splice, (HandOverError, TcpStream, TcpStream)> {
-    let addrs = match addresses(&front, &back, client_if, server_if) {
+    let (addrs, ts) = match addresses(dp, &front, &back, client_if, server_if) {
         Ok(a) => a,
         Err(e) => return Err((e, front, back)),
     };
@@ -142,25 +238,31 @@ pub fn hand_over(
     if let Err(e) = dp.hold(&addrs) {
         return Err((e.into(), front, back));
     }
-    let undo = |dp: &mut Datapath, front: &TcpStream, back: &TcpStream| {
+    // Back to watching (the timestamps seen so far kept) or, on failure, to nothing.
+    let undo = |dp: &mut Datapath, front: &TcpStream, back: &TcpStream, watch: bool| {
         let _ = set_tcp(front.as_raw_fd(), libc::TCP_REPAIR, 0);
         let _ = set_tcp(back.as_raw_fd(), libc::TCP_REPAIR, 0);
         let _ = dp.unsplice(&addrs);
+        if watch {
+            let seen = ts.map(|(c, s)| (Some(c), Some(s))).unwrap_or_default();
+            let _ = dp.watch(addrs.client, addrs.front, seen.0);
+            let _ = dp.watch(addrs.server, addrs.back, seen.1);
+        }
     };
     // A packet may have reached a socket between the first look and the hold: look again,
     // now that nothing more can arrive.
     let again = pending(&front).and_then(|f| Ok(f + pending(&back)?));
     if !matches!(again, Ok(0)) {
-        let _ = dp.unsplice(&addrs);
+        undo(dp, &front, &back, true);
         let e = match again {
             Ok(n) => HandOverError::NotQuiet(n),
             Err(e) => HandOverError::Socket("queue sizes", e),
         };
         return Err((e, front, back));
     }
-    match prepare(&front, &back, addrs) {
+    match prepare(&front, &back, addrs, ts) {
         Err(e) => {
-            undo(dp, &front, &back);
+            undo(dp, &front, &back, false);
             Err((e, front, back))
         }
         Ok(splice) => match dp.splice(&splice) {
@@ -170,31 +272,31 @@ pub fn hand_over(
                 Ok(splice)
             }
             Err(e) => {
-                undo(dp, &front, &back);
+                undo(dp, &front, &back, false);
                 Err((e.into(), front, back))
             }
         },
     }
 }
 
-/// The connection's addresses and window scales, once both sockets are quiet.
+/// The connection's addresses, window scales and the peers' latest timestamps (client's,
+/// server's) when the legs use them, once both sockets are quiet.
 fn addresses(
+    dp: &Datapath,
     front: &TcpStream,
     back: &TcpStream,
     client_if: u32,
     server_if: u32,
-) -> Result<Splice, HandOverError> {
+) -> Result<(Splice, Option<(u32, u32)>), HandOverError> {
     for s in [front, back] {
         let n = pending(s).map_err(|e| HandOverError::Socket("queue sizes", e))?;
         if n != 0 {
             return Err(HandOverError::NotQuiet(n));
         }
     }
-    let (front_ws, client_ws) =
-        wscales(front.as_raw_fd()).map_err(|e| HandOverError::Socket("TCP_INFO", e))?;
-    let (back_ws, server_ws) =
-        wscales(back.as_raw_fd()).map_err(|e| HandOverError::Socket("TCP_INFO", e))?;
-    Ok(Splice {
+    let fi = info(front.as_raw_fd()).map_err(|e| HandOverError::Socket("TCP_INFO", e))?;
+    let bi = info(back.as_raw_fd()).map_err(|e| HandOverError::Socket("TCP_INFO", e))?;
+    let s = Splice {
         client: v4(front.peer_addr(), "client address")?,
         front: v4(front.local_addr(), "front address")?,
         back: v4(back.local_addr(), "back address")?,
@@ -203,25 +305,70 @@ fn addresses(
         server_seq_delta: 0,
         client_if,
         server_if,
-        client_wscale: client_ws,
-        front_wscale: front_ws,
-        server_wscale: server_ws,
-        back_wscale: back_ws,
-    })
+        client_wscale: fi.wscales.1,
+        front_wscale: fi.wscales.0,
+        server_wscale: bi.wscales.1,
+        back_wscale: bi.wscales.0,
+        timestamps: None,
+    };
+    // The client may send segments as large as the proxy advertised; the PE must take them.
+    let options = if bi.timestamps { 12 } else { 0 };
+    if bi.snd_mss + options < fi.advmss {
+        return Err(HandOverError::Mismatch(
+            "the PE's MSS is below the client leg's",
+        ));
+    }
+    let ts = match (fi.timestamps, bi.timestamps) {
+        (false, false) => None,
+        (true, true) => {
+            let client = dp
+                .seen_tsval(s.client, s.front)
+                .or_else(|| saved_syn_tsval(front))
+                .ok_or(HandOverError::NoTimestamp("client"))?;
+            let server = dp
+                .seen_tsval(s.server, s.back)
+                .ok_or(HandOverError::NoTimestamp("server"))?;
+            Some((client, server))
+        }
+        _ => return Err(HandOverError::Mismatch("TCP timestamps on one leg only")),
+    };
+    Ok((s, ts))
 }
 
-/// Puts both sockets into repair mode and reads their sequence numbers into `s`.
-fn prepare(front: &TcpStream, back: &TcpStream, s: Splice) -> Result<Splice, HandOverError> {
+/// Puts both sockets into repair mode and reads their sequence numbers and timestamp clocks
+/// into `s`. `ts` holds the peers' latest TSvals (client's, server's).
+fn prepare(
+    front: &TcpStream,
+    back: &TcpStream,
+    s: Splice,
+    ts: Option<(u32, u32)>,
+) -> Result<Splice, HandOverError> {
     let (ffd, bfd) = (front.as_raw_fd(), back.as_raw_fd());
     set_tcp(ffd, libc::TCP_REPAIR, 1).map_err(|e| HandOverError::Socket("TCP_REPAIR", e))?;
     set_tcp(bfd, libc::TCP_REPAIR, 1).map_err(|e| HandOverError::Socket("TCP_REPAIR", e))?;
     let (front_snd, front_rcv) =
         seqs(ffd).map_err(|e| HandOverError::Socket("TCP_QUEUE_SEQ", e))?;
     let (back_snd, back_rcv) = seqs(bfd).map_err(|e| HandOverError::Socket("TCP_QUEUE_SEQ", e))?;
+    let timestamps = match ts {
+        None => None,
+        Some((client, server)) => {
+            // The proxy's current TSval on each leg: what the peer there last saw, or more.
+            let clock = |fd| -> Result<u32, HandOverError> {
+                get_tcp::<u32>(fd, libc::TCP_TIMESTAMP)
+                    .map_err(|e| HandOverError::Socket("TCP_TIMESTAMP", e))
+            };
+            let (front_now, back_now) = (clock(ffd)?, clock(bfd)?);
+            Some((
+                back_now.wrapping_add(1).wrapping_sub(client),
+                front_now.wrapping_add(1).wrapping_sub(server),
+            ))
+        }
+    };
     Ok(Splice {
         // The client's next byte (front_rcv) is the server's next from us (back_snd).
         client_seq_delta: back_snd.wrapping_sub(front_rcv),
         server_seq_delta: front_snd.wrapping_sub(back_rcv),
+        timestamps,
         ..s
     })
 }
@@ -230,18 +377,24 @@ fn prepare(front: &TcpStream, back: &TcpStream, s: Splice) -> Result<Splice, Han
 /// thread's network namespace): the route's source address, found by connecting a UDP
 /// socket (which sends nothing), and the interface that holds it.
 pub fn interface_towards(peer: std::net::Ipv4Addr) -> std::io::Result<u32> {
-    let probe = std::net::UdpSocket::bind("0.0.0.0:0")?;
-    probe.connect((peer, 9))?;
-    let local = match probe.local_addr()? {
-        SocketAddr::V4(a) => *a.ip(),
-        SocketAddr::V6(_) => return Err(std::io::Error::other("no IPv4 route")),
-    };
+    let local = source_towards(peer)?;
     interface_with(local)?.ok_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::NotFound,
             format!("no interface holds {local}"),
         )
     })
+}
+
+/// The source address the kernel would use towards `peer` (in the calling thread's network
+/// namespace).
+pub fn source_towards(peer: std::net::Ipv4Addr) -> std::io::Result<std::net::Ipv4Addr> {
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0")?;
+    probe.connect((peer, 9))?;
+    match probe.local_addr()? {
+        SocketAddr::V4(a) => Ok(*a.ip()),
+        SocketAddr::V6(_) => Err(std::io::Error::other("no IPv4 route")),
+    }
 }
 
 /// The index of the interface that holds `addr`.
@@ -277,4 +430,27 @@ fn interface_with(addr: std::net::Ipv4Addr) -> std::io::Result<Option<u32>> {
     // SAFETY: the list getifaddrs returned, freed once.
     unsafe { libc::freeifaddrs(head) };
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timestamp_of_a_saved_syn() {
+        // IPv4 (20 bytes), TCP with MSS, SACK-permitted, timestamps, NOP, window scale.
+        let mut h = vec![0x45u8];
+        h.resize(20, 0);
+        let mut tcp = vec![0u8; 20];
+        tcp[12] = 10 << 4;
+        h.extend_from_slice(&tcp);
+        h.extend_from_slice(&[2, 4, 0x05, 0xb4, 4, 2, 8, 10]);
+        h.extend_from_slice(&0x1234_5678u32.to_be_bytes());
+        h.extend_from_slice(&[0, 0, 0, 0, 1, 3, 3, 7]);
+        assert_eq!(tsval_of_syn(&h), Some(0x1234_5678));
+        // Without the option, or cut short: nothing, and no panic.
+        assert_eq!(tsval_of_syn(&h[..44]), None);
+        assert_eq!(tsval_of_syn(&[]), None);
+        assert_eq!(tsval_of_syn(&[0x60; 60]), None);
+    }
 }

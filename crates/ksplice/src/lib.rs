@@ -11,19 +11,23 @@
 //! (pure Rust: no C library to link, so the crate builds anywhere). Without clang the crate
 //! builds anyway and [`unavailable`] says why.
 //!
-//! What is here: loading and attaching the program at TC ingress of the proxy's interfaces,
-//! and the flow table ([`Datapath::splice`]: both directions of a connection; SACK blocks
-//! move with the acknowledgement offset). Not yet: the hand-over of live sockets from the
-//! proxy (`TCP_REPAIR`), timestamps, window scale and MSS of legs that negotiated them apart,
-//! expiry of idle entries.
+//! What is here: loading and attaching the program at TC ingress of the proxy's interfaces;
+//! the flow table ([`Datapath::splice`]: both directions of a connection, with offsets for
+//! sequence numbers, SACK blocks and timestamps, and window rescaling); the hand-over of the
+//! proxy's live sockets ([`hand_over`]); and expiry of ended and idle entries
+//! ([`Datapath::expire`]).
 
 mod handover;
 #[doc(hidden)]
 pub mod testbed;
 
-pub use handover::{HandOverError, hand_over, interface_towards, pending, unread};
+pub use handover::{
+    HandOverError, clamp_mss, hand_over, interface_towards, pending, save_syn, source_towards,
+    unread,
+};
 use std::net::SocketAddrV4;
 use std::path::Path;
+use std::time::Duration;
 
 /// Where the maps are pinned unless configured.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/rserpool";
@@ -78,7 +82,7 @@ pub enum Error {
 /// A packet's 4-tuple as it arrives (addresses and ports in network byte order, as the
 /// program reads them).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FlowKey {
     saddr: u32,
     daddr: u32,
@@ -86,9 +90,10 @@ pub struct FlowKey {
     dport: u16,
 }
 
-/// What a packet of a flow becomes.
+/// What a packet of a flow becomes, and what the program saw of it (the layout of
+/// `struct flow_val` in `bpf/splice.c`).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FlowVal {
     saddr: u32,
     daddr: u32,
@@ -96,10 +101,35 @@ pub struct FlowVal {
     dport: u16,
     seq_delta: u32,
     ack_delta: u32,
+    tsval_delta: u32,
+    tsecr_delta: u32,
     ifindex: u32,
     wscale_in: u8,
     wscale_out: u8,
     flags: u16,
+    ts_recent: u32,
+    last_ns: u64,
+    packets: u64,
+    bytes: u64,
+}
+
+/// Entry flags, as in `bpf/splice.c`.
+const FLAG_HOLD: u16 = 1;
+const FLAG_WATCH: u16 = 2;
+const FLAG_TS: u16 = 4;
+const FLAG_SAW_TS: u16 = 8;
+const FLAG_FIN: u16 = 16;
+
+impl FlowVal {
+    /// The key of the other direction's entry (this entry's output, reversed).
+    fn reverse_key(&self) -> FlowKey {
+        FlowKey {
+            saddr: self.daddr,
+            daddr: self.saddr,
+            sport: self.dport,
+            dport: self.sport,
+        }
+    }
 }
 
 #[cfg(ksplice_built)]
@@ -147,6 +177,10 @@ pub struct Splice {
     pub front_wscale: u8,
     pub server_wscale: u8,
     pub back_wscale: u8,
+    /// Timestamp offsets when both legs use TCP timestamps: added to the client's TSvals on
+    /// their way to the server, and to the server's on their way to the client. Each
+    /// receiver's echoes (TSecr) move back by the other's.
+    pub timestamps: Option<(u32, u32)>,
 }
 
 impl Splice {
@@ -156,30 +190,46 @@ impl Splice {
     }
 
     fn entries_with(&self, flags: u16) -> [(FlowKey, FlowVal); 2] {
-        let val =
-            |from: SocketAddrV4, to: SocketAddrV4, seq: u32, ack: u32, ifindex, ws: (u8, u8)| {
-                let k = FlowKey::new(from, to);
-                FlowVal {
-                    saddr: k.saddr,
-                    daddr: k.daddr,
-                    sport: k.sport,
-                    dport: k.dport,
-                    seq_delta: seq,
-                    ack_delta: ack,
-                    ifindex,
-                    wscale_in: ws.0,
-                    wscale_out: ws.1,
-                    flags,
-                }
-            };
+        let (flags, (client_ts, server_ts)) = match self.timestamps {
+            Some(d) => (flags | FLAG_TS, d),
+            None => (flags, (0, 0)),
+        };
+        let now = monotonic_ns();
+        let val = |from: SocketAddrV4,
+                   to: SocketAddrV4,
+                   delta: (u32, u32, u32, u32),
+                   ifindex,
+                   ws: (u8, u8)| {
+            let k = FlowKey::new(from, to);
+            FlowVal {
+                saddr: k.saddr,
+                daddr: k.daddr,
+                sport: k.sport,
+                dport: k.dport,
+                seq_delta: delta.0,
+                ack_delta: delta.1,
+                tsval_delta: delta.2,
+                tsecr_delta: delta.3,
+                ifindex,
+                wscale_in: ws.0,
+                wscale_out: ws.1,
+                flags,
+                last_ns: now,
+                ..FlowVal::default()
+            }
+        };
         [
             (
                 FlowKey::new(self.client, self.front),
                 val(
                     self.back,
                     self.server,
-                    self.client_seq_delta,
-                    self.server_seq_delta.wrapping_neg(),
+                    (
+                        self.client_seq_delta,
+                        self.server_seq_delta.wrapping_neg(),
+                        client_ts,
+                        server_ts.wrapping_neg(),
+                    ),
                     self.server_if,
                     // The client's window, read by the server as the proxy's back socket's.
                     (self.client_wscale, self.back_wscale),
@@ -190,14 +240,40 @@ impl Splice {
                 val(
                     self.front,
                     self.client,
-                    self.server_seq_delta,
-                    self.client_seq_delta.wrapping_neg(),
+                    (
+                        self.server_seq_delta,
+                        self.client_seq_delta.wrapping_neg(),
+                        server_ts,
+                        client_ts.wrapping_neg(),
+                    ),
                     self.client_if,
                     (self.server_wscale, self.front_wscale),
                 ),
             ),
         ]
     }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of the program's bpf_ktime_get_ns.
+fn monotonic_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    (t.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(t.tv_nsec as u64)
+}
+
+/// What one [`Datapath::expire`] pass found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Expired {
+    /// Entries left (two per spliced connection, one per watched or held direction).
+    pub entries: usize,
+    /// Entries removed: connections closed by FIN in both directions and quiet since.
+    pub closed: usize,
+    /// Entries removed for idling longer than the idle timeout.
+    pub idle: usize,
+    /// Watch and hold entries removed because their hand-over never finished (a proxy that
+    /// died in the middle of one).
+    pub stale: usize,
 }
 
 /// The datapath's per-CPU counters, summed.
@@ -341,7 +417,6 @@ impl Datapath {
     /// completes its entries: while the proxy's sockets hand over, nothing may reach them.
     /// Only the addresses of `s` matter.
     pub fn hold(&mut self, s: &Splice) -> Result<(), Error> {
-        const FLAG_HOLD: u16 = 1;
         for (k, v) in s.entries_with(FLAG_HOLD) {
             self.insert(k, v)?;
         }
@@ -354,6 +429,105 @@ impl Datapath {
             self.remove(&k)?;
         }
         Ok(())
+    }
+
+    /// Watches the packets from `from` to `to` (they still reach the proxy's socket): the
+    /// program records the sender's latest timestamp, which a hand-over needs. `seen` presets
+    /// it (a watch restored after a hand-over that did not happen).
+    pub fn watch(
+        &mut self,
+        from: SocketAddrV4,
+        to: SocketAddrV4,
+        seen: Option<u32>,
+    ) -> Result<(), Error> {
+        let v = FlowVal {
+            flags: FLAG_WATCH | if seen.is_some() { FLAG_SAW_TS } else { 0 },
+            ts_recent: seen.unwrap_or(0),
+            last_ns: monotonic_ns(),
+            ..FlowVal::default()
+        };
+        self.insert(FlowKey::new(from, to), v)
+    }
+
+    /// The latest TSval seen from `from` to `to` while watched or held, if any.
+    pub fn seen_tsval(&self, from: SocketAddrV4, to: SocketAddrV4) -> Option<u32> {
+        let v = self.get(&FlowKey::new(from, to))?;
+        (v.flags & FLAG_SAW_TS != 0).then_some(v.ts_recent)
+    }
+
+    /// Stops watching the packets from `from` to `to`.
+    pub fn unwatch(&mut self, from: SocketAddrV4, to: SocketAddrV4) -> Result<(), Error> {
+        self.remove(&FlowKey::new(from, to))
+    }
+
+    /// Packets and bytes the program carried for `s`: (client → server, server → client),
+    /// or `None` once its entries are gone.
+    pub fn carried(&self, s: &Splice) -> Option<[(u64, u64); 2]> {
+        let [(k1, _), (k2, _)] = s.entries();
+        let (a, b) = (self.get(&k1)?, self.get(&k2)?);
+        Some([(a.packets, a.bytes), (b.packets, b.bytes)])
+    }
+
+    /// Removes the entries of connections that ended (FIN seen in both directions, then
+    /// `closing` without a packet: late retransmissions and the last ACK still get through),
+    /// of connections idle longer than `idle`, and watch or hold entries older than `closing`
+    /// (their hand-over never finished). An RST has the program remove its entries at once.
+    pub fn expire(&mut self, idle: Duration, closing: Duration) -> Result<Expired, Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            let _ = (idle, closing);
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let now = monotonic_ns();
+            let older = |v: &FlowVal, d: Duration| {
+                now.saturating_sub(v.last_ns) > d.as_nanos().min(u64::MAX as u128) as u64
+            };
+            let entries: Vec<(FlowKey, FlowVal)> = {
+                let flows = self.flows()?;
+                flows.iter().filter_map(Result::ok).collect()
+            };
+            let by_key: std::collections::HashMap<FlowKey, FlowVal> =
+                entries.iter().copied().collect();
+            let mut out = Expired::default();
+            for (k, v) in &entries {
+                let reason = if v.flags & (FLAG_WATCH | FLAG_HOLD) != 0 {
+                    older(v, closing).then_some(&mut out.stale)
+                } else if older(v, idle) {
+                    Some(&mut out.idle)
+                } else {
+                    let other = by_key.get(&v.reverse_key());
+                    let both_fin =
+                        v.flags & FLAG_FIN != 0 && other.is_none_or(|o| o.flags & FLAG_FIN != 0);
+                    let quiet = older(v, closing) && other.is_none_or(|o| older(o, closing));
+                    (both_fin && quiet).then_some(&mut out.closed)
+                };
+                match reason {
+                    Some(n) => {
+                        self.remove(k)?;
+                        *n += 1;
+                    }
+                    None => out.entries += 1,
+                }
+            }
+            Ok(out)
+        }
+    }
+
+    fn get(&self, k: &FlowKey) -> Option<FlowVal> {
+        #[cfg(not(ksplice_built))]
+        {
+            let _ = k;
+            None
+        }
+        #[cfg(ksplice_built)]
+        {
+            let map = self.ebpf.map("splice_flows")?;
+            let flows: aya::maps::HashMap<&aya::maps::MapData, FlowKey, FlowVal> =
+                aya::maps::HashMap::try_from(map).ok()?;
+            flows.get(k, 0).ok()
+        }
     }
 
     fn insert(&mut self, k: FlowKey, v: FlowVal) -> Result<(), Error> {
@@ -461,6 +635,7 @@ mod tests {
             front_wscale: 9,
             server_wscale: 2,
             back_wscale: 5,
+            timestamps: Some((1000, 0xffff_ff00)),
         };
         let [(k1, v1), (k2, v2)] = s.entries();
         assert_eq!(k1, FlowKey::new(s.client, s.front));
@@ -479,6 +654,18 @@ mod tests {
         assert_eq!((v1.ifindex, v2.ifindex), (3, 2));
         assert_eq!((v1.wscale_in, v1.wscale_out), (7, 5));
         assert_eq!((v2.wscale_in, v2.wscale_out), (2, 9));
+        // A client TSval t reaches the server as t + 1000; the server's echo of it comes back
+        // to the client as t. Likewise for the server's clock.
+        let t: u32 = 5;
+        assert_eq!(
+            t.wrapping_add(v1.tsval_delta).wrapping_add(v2.tsecr_delta),
+            t
+        );
+        assert_eq!(
+            t.wrapping_add(v2.tsval_delta).wrapping_add(v1.tsecr_delta),
+            t
+        );
+        assert_ne!(v1.flags & FLAG_TS, 0);
         // Ports in network byte order, as the program compares them.
         assert_eq!(k1.dport.to_ne_bytes(), 8080u16.to_be_bytes());
     }

@@ -3,9 +3,9 @@
 //! byte-exact exchange. Not for production use.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::missing_panics_doc)]
 
-use crate::{Datapath, unavailable};
+use crate::{Datapath, Splice, clamp_mss, hand_over, ifindex, pending, save_syn, unavailable};
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddrV4, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -143,21 +143,73 @@ pub fn topology(loss_percent: u32) -> Option<(Netns, String, String, String)> {
     Some((ns, c, p, s))
 }
 
-/// Turns TCP timestamps off in namespace `ns` (the proxy's): both legs then agree, as the
-/// datapath does not translate timestamps yet.
-pub fn without_timestamps(ns: &str) {
-    let ok = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            ns,
-            "sysctl",
-            "-qw",
-            "net.ipv4.tcp_timestamps=0",
-        ])
-        .status()
-        .is_ok_and(|st| st.success());
-    assert!(ok, "sysctl net.ipv4.tcp_timestamps=0 in {ns}");
+/// A listener as the proxy's: it saves each connection's SYN for the hand-over.
+pub fn listener(addr: SocketAddrV4) -> TcpListener {
+    let l = TcpListener::bind(addr).unwrap();
+    save_syn(&l).unwrap();
+    l
+}
+
+/// The proxy's part in a test, as `rserpool proxy` does it: accepts one connection on `l`
+/// (from [`listener`]), reads the client's `HELLO\n`, connects from `back` to `server` (the
+/// server's packets watched from before the SYN, the MSS clamped to the client's, a receive
+/// buffer of `rcvbuf` if given), relays the HELLO and the server's `WELCOME\n`, waits until
+/// both sockets are quiet and hands the connection to `dp` on interfaces p0 and p1.
+pub fn route_and_hand_over(
+    dp: &mut Datapath,
+    l: &TcpListener,
+    back: SocketAddrV4,
+    server: SocketAddrV4,
+    rcvbuf: Option<usize>,
+) -> Splice {
+    let (mut a, _) = l.accept().unwrap();
+    let mut hello = [0u8; 6];
+    a.read_exact(&mut hello).unwrap();
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.set_reuse_address(true).unwrap();
+    sock.bind(&std::net::SocketAddr::V4(back).into()).unwrap();
+    if let Some(n) = rcvbuf {
+        sock.set_recv_buffer_size(n).unwrap();
+    }
+    clamp_mss(&sock, &a).unwrap();
+    dp.watch(server, back, None).unwrap();
+    sock.connect(&std::net::SocketAddr::V4(server).into())
+        .unwrap();
+    let mut b: TcpStream = sock.into();
+    b.write_all(&hello).unwrap();
+    let mut welcome = [0u8; 8];
+    b.read_exact(&mut welcome).unwrap();
+    a.write_all(&welcome).unwrap();
+    let t0 = std::time::Instant::now();
+    while pending(&a).unwrap() + pending(&b).unwrap() > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the sockets never went quiet"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (p0, p1) = (ifindex("p0").unwrap(), ifindex("p1").unwrap());
+    let splice = hand_over(dp, a, b, p0, p1).map_err(|(e, _, _)| e).unwrap();
+    eprintln!("handed over after {:?}: {splice:?}", t0.elapsed());
+    splice
+}
+
+/// The client's part: connects to `front`, says `HELLO\n` and reads the `WELCOME\n`.
+pub fn greet(front: SocketAddrV4) -> TcpStream {
+    let mut conn = TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
+    conn.write_all(b"HELLO\n").unwrap();
+    let mut welcome = [0u8; 8];
+    conn.read_exact(&mut welcome).unwrap();
+    assert_eq!(&welcome, b"WELCOME\n");
+    conn
+}
+
+/// The server's part: reads `HELLO\n` and says `WELCOME\n`.
+pub fn welcome(conn: &mut TcpStream) {
+    let mut hello = [0u8; 6];
+    conn.read_exact(&mut hello).unwrap();
+    assert_eq!(&hello, b"HELLO\n");
+    conn.write_all(b"WELCOME\n").unwrap();
 }
 
 /// Asserts that `got` is `len` bytes of pattern `seed`.

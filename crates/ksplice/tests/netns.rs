@@ -8,8 +8,11 @@
 //! without them the test is skipped, except under `CI`, where that is a failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use rserpool_ksplice::testbed::{N, assert_pattern, exchange, in_ns, topology, without_timestamps};
-use rserpool_ksplice::{Datapath, Splice, hand_over, ifindex, pending};
+use rserpool_ksplice::testbed::{
+    N, assert_pattern, exchange, greet, in_ns, listener, pattern, route_and_hand_over, topology,
+    welcome,
+};
+use rserpool_ksplice::{Datapath, Splice, ifindex};
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddrV4, TcpListener, TcpStream};
 use std::process::Command;
@@ -76,6 +79,7 @@ fn spliced_transfer(loss_percent: u32) {
             front_wscale: 0,
             server_wscale: 0,
             back_wscale: 0,
+            timestamps: None,
         };
         dp.splice(&splice).unwrap();
         ready_tx.send(()).unwrap();
@@ -123,15 +127,26 @@ fn spliced_transfer(loss_percent: u32) {
 /// The hand-over: the proxy accepts the client, reads its first message, connects to the
 /// server, forwards it and the server's answer, and once both sockets are quiet hands the
 /// connection to the datapath and closes its sockets without a FIN or RST. Then 8 MiB go each
-/// way, byte-exact, while the proxy has no socket of the connection left. (The proxy's
-/// namespace runs without TCP timestamps until the datapath translates them.)
+/// way, byte-exact, while the proxy has no socket of the connection left. The legs use TCP
+/// timestamps (the namespaces' default), each with its own clocks: the datapath translates
+/// them. Once both FINs have passed, expiry removes the entries.
 #[test]
 fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
-    let Some((ns, c, p, s)) = topology(0) else {
+    handed_over_transfer(0);
+}
+
+/// The same with 2 % of the packets into the client and into the server dropped: SACK and
+/// timestamps in use on both legs, retransmissions through the splice.
+#[test]
+fn a_handed_over_connection_survives_loss_with_sack_and_timestamps() {
+    handed_over_transfer(2);
+}
+
+fn handed_over_transfer(loss_percent: u32) {
+    let Some((ns, c, p, s)) = topology(loss_percent) else {
         return;
     };
     let pins = ns.1.clone();
-    without_timestamps(&p);
     let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
     let back: SocketAddrV4 = "10.77.2.1:40001".parse().unwrap();
     let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
@@ -143,67 +158,143 @@ fn the_proxy_hands_a_routed_connection_to_the_kernel_and_leaves_it() {
         bound_tx.send(()).unwrap();
         let (mut conn, peer) = l.accept().unwrap();
         assert_eq!(peer.to_string(), back.to_string());
-        let mut hello = [0u8; 6];
-        conn.read_exact(&mut hello).unwrap();
-        assert_eq!(&hello, b"HELLO\n");
-        conn.write_all(b"WELCOME\n").unwrap();
+        welcome(&mut conn);
         exchange(conn, 7)
     });
     let proxy = in_ns(&p, move || {
         let mut dp = Datapath::load(&["p0", "p1"], 1024, &pins).unwrap();
-        let l = TcpListener::bind(front).unwrap();
+        let l = listener(front);
         ready_tx.send(()).unwrap();
-        let (mut a, _) = l.accept().unwrap();
-        let mut hello = [0u8; 6];
-        a.read_exact(&mut hello).unwrap();
-        let sock =
-            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-        sock.bind(&std::net::SocketAddr::V4(back).into()).unwrap();
         // A small receive buffer: the back leg negotiates a smaller window scale than the
         // front leg, so the datapath must rescale the server's windows.
-        sock.set_recv_buffer_size(16 * 1024).unwrap();
-        sock.connect(&std::net::SocketAddr::V4(server).into())
-            .unwrap();
-        let mut b: TcpStream = sock.into();
-        b.write_all(&hello).unwrap();
-        let mut welcome = [0u8; 8];
-        b.read_exact(&mut welcome).unwrap();
-        a.write_all(&welcome).unwrap();
-        let t0 = std::time::Instant::now();
-        while pending(&a).unwrap() + pending(&b).unwrap() > 0 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(5),
-                "the sockets never went quiet"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let splice = hand_over(
-            &mut dp,
-            a,
-            b,
-            ifindex("p0").unwrap(),
-            ifindex("p1").unwrap(),
-        )
-        .map_err(|(e, _, _)| e)
-        .unwrap();
-        eprintln!("handed over after {:?}: {splice:?}", t0.elapsed());
+        let splice = route_and_hand_over(&mut dp, &l, back, server, Some(16 * 1024));
         assert_ne!(splice.front_wscale, splice.back_wscale, "{splice:?}");
+        assert!(splice.timestamps.is_some(), "{splice:?}");
         let _ = done_rx.recv();
+        let carried = dp.carried(&splice).expect("the entries until expiry");
+        eprintln!("carried (packets, bytes) each way: {carried:?}");
+        assert!(
+            carried.iter().all(|&(_, bytes)| bytes >= N as u64),
+            "{carried:?}"
+        );
+        // Both FINs passed: nothing younger than zero seconds keeps them.
+        let kept = dp
+            .expire(Duration::from_secs(3600), Duration::from_secs(3600))
+            .unwrap();
+        assert_eq!((kept.entries, kept.closed), (2, 0), "{kept:?}");
+        let gone = dp
+            .expire(Duration::from_secs(3600), Duration::ZERO)
+            .unwrap();
+        assert_eq!((gone.entries, gone.closed), (0, 2), "{gone:?}");
         dp.counters().unwrap()
     });
     ready_rx.recv().unwrap();
     bound_rx.recv().unwrap();
-    let cli = in_ns(&c, move || {
-        let mut conn = TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
-        conn.write_all(b"HELLO\n").unwrap();
-        let mut welcome = [0u8; 8];
-        conn.read_exact(&mut welcome).unwrap();
-        assert_eq!(&welcome, b"WELCOME\n");
-        exchange(conn, 3)
-    });
+    let cli = in_ns(&c, move || exchange(greet(front), 3));
     let counters = finish(cli, srv, done_tx, proxy);
     assert!(counters.bytes >= 2 * N as u64, "{counters:?}");
     assert!(counters.fins >= 2, "{counters:?}");
+}
+
+/// Ends of spliced connections: a half close from the client (the server goes on sending),
+/// a half close from the server (the client goes on sending), and an RST from the client,
+/// which has the datapath remove that connection's entries at once.
+#[test]
+fn half_closes_carry_on_and_a_reset_ends_the_entries() {
+    let Some((ns, c, p, s)) = topology(0) else {
+        return;
+    };
+    let pins = ns.1.clone();
+    let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
+    let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
+    const MORE: usize = 1 << 20;
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (handed_tx, handed_rx) = std::sync::mpsc::channel();
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    let send = |conn: &mut TcpStream, seed: u8| {
+        let buf: Vec<u8> = (0..MORE).map(|i| pattern(i, seed)).collect();
+        conn.write_all(&buf).unwrap();
+    };
+    let read_all = |conn: &mut TcpStream| {
+        let mut got = Vec::new();
+        conn.read_to_end(&mut got).map(|_| got)
+    };
+    let srv = in_ns(&s, move || {
+        let l = TcpListener::bind(server).unwrap();
+        bound_tx.send(()).unwrap();
+        let mut conns: Vec<TcpStream> = (0..3)
+            .map(|_| {
+                let (mut c, _) = l.accept().unwrap();
+                c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                welcome(&mut c);
+                c
+            })
+            .collect();
+        // 1: the client has half closed; answer after its EOF.
+        let got = read_all(&mut conns[0]).unwrap();
+        assert!(got.is_empty());
+        send(&mut conns[0], 1);
+        conns[0].shutdown(std::net::Shutdown::Write).unwrap();
+        // 2: half close first, then read what the client still sends.
+        conns[1].shutdown(std::net::Shutdown::Write).unwrap();
+        let got = read_all(&mut conns[1]).unwrap();
+        assert_pattern(&got, MORE, 2, "after the server's half close");
+        // 3: the client resets.
+        let reset = read_all(&mut conns[2]);
+        assert_eq!(
+            reset.map_err(|e| e.kind()).err(),
+            Some(std::io::ErrorKind::ConnectionReset)
+        );
+    });
+    let proxy = in_ns(&p, move || {
+        let mut dp = Datapath::load(&["p0", "p1"], 1024, &pins).unwrap();
+        let l = listener(front);
+        ready_tx.send(()).unwrap();
+        let splices: Vec<Splice> = (0..3)
+            .map(|i| {
+                let back = SocketAddrV4::new([10, 77, 2, 1].into(), 40200 + i);
+                let s = route_and_hand_over(&mut dp, &l, back, server, None);
+                handed_tx.send(()).unwrap();
+                s
+            })
+            .collect();
+        let _ = done_rx.recv();
+        splices
+            .iter()
+            .map(|s| dp.carried(s).is_some())
+            .collect::<Vec<_>>()
+    });
+    ready_rx.recv().unwrap();
+    bound_rx.recv().unwrap();
+    let cli = in_ns(&c, move || {
+        let mut conns = Vec::new();
+        for _ in 0..3 {
+            let conn = greet(front);
+            conn.set_read_timeout(Some(Duration::from_secs(20)))
+                .unwrap();
+            conns.push(conn);
+            handed_rx.recv().unwrap();
+        }
+        conns[0].shutdown(std::net::Shutdown::Write).unwrap();
+        let got = read_all(&mut conns[0]).unwrap();
+        assert_pattern(&got, MORE, 1, "after the client's half close");
+        let got = read_all(&mut conns[1]).unwrap();
+        assert!(got.is_empty());
+        send(&mut conns[1], 2);
+        conns[1].shutdown(std::net::Shutdown::Write).unwrap();
+        socket2::SockRef::from(&conns[2])
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(conns.pop());
+        conns
+    });
+    let _open = cli.join().unwrap();
+    srv.join().unwrap();
+    done_tx.send(()).unwrap();
+    // The two half-closed connections keep their entries until expiry; the reset one's are
+    // gone.
+    assert_eq!(proxy.join().unwrap(), [true, true, false]);
 }
 
 /// The proxy's part in [`the_connections_outlive_a_killed_proxy`], run as a process of its
@@ -220,35 +311,11 @@ fn proxy_role() {
     let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
     let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
     let mut dp = Datapath::load(&["p0", "p1"], 1024, std::path::Path::new(&pins)).unwrap();
-    let l = TcpListener::bind(front).unwrap();
+    let l = listener(front);
     println!("listening");
     for i in 0..n {
-        let (mut a, _) = l.accept().unwrap();
-        let mut hello = [0u8; 6];
-        a.read_exact(&mut hello).unwrap();
         let back = SocketAddrV4::new([10, 77, 2, 1].into(), 40100 + i as u16);
-        let sock =
-            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-        sock.bind(&std::net::SocketAddr::V4(back).into()).unwrap();
-        sock.connect(&std::net::SocketAddr::V4(server).into())
-            .unwrap();
-        let mut b: TcpStream = sock.into();
-        b.write_all(&hello).unwrap();
-        let mut welcome = [0u8; 8];
-        b.read_exact(&mut welcome).unwrap();
-        a.write_all(&welcome).unwrap();
-        while pending(&a).unwrap() + pending(&b).unwrap() > 0 {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        hand_over(
-            &mut dp,
-            a,
-            b,
-            ifindex("p0").unwrap(),
-            ifindex("p1").unwrap(),
-        )
-        .map_err(|(e, _, _)| e)
-        .unwrap();
+        route_and_hand_over(&mut dp, &l, back, server, None);
         println!("handed {}", i + 1);
     }
     loop {
@@ -263,7 +330,6 @@ fn the_connections_outlive_a_killed_proxy() {
     let Some((ns, c, p, s)) = topology(0) else {
         return;
     };
-    without_timestamps(&p);
     const CONNS: usize = 4;
     let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
     let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
@@ -293,9 +359,7 @@ fn the_connections_outlive_a_killed_proxy() {
         let mut handles = Vec::new();
         for _ in 0..CONNS {
             let (mut conn, _) = l.accept().unwrap();
-            let mut hello = [0u8; 6];
-            conn.read_exact(&mut hello).unwrap();
-            conn.write_all(b"WELCOME\n").unwrap();
+            welcome(&mut conn);
             handles.push(std::thread::spawn(move || exchange(conn, 7)));
         }
         handles
@@ -307,11 +371,7 @@ fn the_connections_outlive_a_killed_proxy() {
     let cli = in_ns(&c, move || {
         let mut handles = Vec::new();
         for _ in 0..CONNS {
-            let mut conn =
-                TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
-            conn.write_all(b"HELLO\n").unwrap();
-            let mut welcome = [0u8; 8];
-            conn.read_exact(&mut welcome).unwrap();
+            let conn = greet(front);
             handles.push(std::thread::spawn(move || {
                 (exchange(conn, 3), std::time::Instant::now())
             }));
