@@ -34,6 +34,8 @@ pub enum HandOverError {
     NotQuiet(u32),
     #[error("only IPv4 connections are spliced")]
     NotIpv4,
+    #[error("a side has closed its half of the connection")]
+    Closing,
     #[error("the legs differ: {0}")]
     Mismatch(&'static str),
     #[error("no TCP timestamp seen from the {0} yet")]
@@ -106,6 +108,8 @@ pub fn unread(s: &impl AsRawFd) -> std::io::Result<u32> {
 /// What a hand-over needs of a socket's `struct tcp_info`.
 #[derive(Debug, Clone, Copy)]
 struct Info {
+    /// The TCP state (1: established).
+    state: u8,
     /// Window scale shifts: (ours, the peer's), 0 without window scaling.
     wscales: (u8, u8),
     timestamps: bool,
@@ -119,10 +123,12 @@ fn info(fd: RawFd) -> std::io::Result<Info> {
     // The kernel's struct tcp_info: eight one-byte fields, then u32s; the getsockopt copies
     // as much as the buffer holds.
     let raw: [u32; 22] = get_tcp(fd, libc::TCP_INFO)?;
+    let state = raw[0].to_ne_bytes()[0];
     let [_backoff, options, ws, _] = raw[1].to_ne_bytes();
     const TCPI_OPT_TIMESTAMPS: u8 = 1;
     const TCPI_OPT_WSCALE: u8 = 4;
     Ok(Info {
+        state,
         // The seventh byte holds the two 4-bit shifts: snd (the peer's) low, rcv (ours) high.
         wscales: if options & TCPI_OPT_WSCALE == 0 {
             (0, 0)
@@ -251,13 +257,8 @@ pub fn hand_over(
     };
     // A packet may have reached a socket between the first look and the hold: look again,
     // now that nothing more can arrive.
-    let again = pending(&front).and_then(|f| Ok(f + pending(&back)?));
-    if !matches!(again, Ok(0)) {
-        undo(dp, &front, &back, true);
-        let e = match again {
-            Ok(n) => HandOverError::NotQuiet(n),
-            Err(e) => HandOverError::Socket("queue sizes", e),
-        };
+    if let Err(e) = quiet(&front).and_then(|()| quiet(&back)) {
+        undo(dp, &front, &back, matches!(e, HandOverError::NotQuiet(_)));
         return Err((e, front, back));
     }
     match prepare(&front, &back, addrs, ts) {
@@ -279,6 +280,21 @@ pub fn hand_over(
     }
 }
 
+/// Nothing unread, nothing unacknowledged, and no FIN received or sent: a FIN the socket took
+/// would never reach the other end (and its sequence number is in the socket's).
+fn quiet(s: &TcpStream) -> Result<(), HandOverError> {
+    let n = pending(s).map_err(|e| HandOverError::Socket("queue sizes", e))?;
+    if n != 0 {
+        return Err(HandOverError::NotQuiet(n));
+    }
+    let i = info(s.as_raw_fd()).map_err(|e| HandOverError::Socket("TCP_INFO", e))?;
+    const TCP_ESTABLISHED: u8 = 1;
+    if i.state != TCP_ESTABLISHED {
+        return Err(HandOverError::Closing);
+    }
+    Ok(())
+}
+
 /// The connection's addresses, window scales and the peers' latest timestamps (client's,
 /// server's) when the legs use them, once both sockets are quiet.
 fn addresses(
@@ -288,12 +304,8 @@ fn addresses(
     client_if: u32,
     server_if: u32,
 ) -> Result<(Splice, Option<(u32, u32)>), HandOverError> {
-    for s in [front, back] {
-        let n = pending(s).map_err(|e| HandOverError::Socket("queue sizes", e))?;
-        if n != 0 {
-            return Err(HandOverError::NotQuiet(n));
-        }
-    }
+    quiet(front)?;
+    quiet(back)?;
     let fi = info(front.as_raw_fd()).map_err(|e| HandOverError::Socket("TCP_INFO", e))?;
     let bi = info(back.as_raw_fd()).map_err(|e| HandOverError::Socket("TCP_INFO", e))?;
     let s = Splice {

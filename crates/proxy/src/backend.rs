@@ -284,9 +284,20 @@ impl Backend {
 
     /// Connects to the PE (each of its addresses in turn) within the connect timeout.
     pub async fn connect(&self, timeout: Duration) -> std::io::Result<TcpStream> {
+        self.connect_with(timeout, &plain_socket).await
+    }
+
+    /// [`connect`](Self::connect) from sockets that `socket` makes for each address (the
+    /// kernel splice binds and watches them first).
+    pub(crate) async fn connect_with(
+        &self,
+        timeout: Duration,
+        socket: &(dyn Fn(SocketAddr) -> std::io::Result<tokio::net::TcpSocket> + Sync),
+    ) -> std::io::Result<TcpStream> {
         let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "PE has no address");
         for &a in &self.addrs {
-            match tokio::time::timeout(timeout, TcpStream::connect(a)).await {
+            let attempt = async { socket(a)?.connect(a).await };
+            match tokio::time::timeout(timeout, attempt).await {
                 Ok(Ok(s)) => {
                     let _ = s.set_nodelay(true);
                     self.stats.connections.fetch_add(1, Ordering::Relaxed);
@@ -350,4 +361,12 @@ pub struct BackendSnapshot {
     pub responses_5xx: u64,
     pub bytes_in: u64,
     pub bytes_out: u64,
+}
+
+/// A socket of `addr`'s family, as `TcpStream::connect` makes it.
+pub(crate) fn plain_socket(addr: SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
+    match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    }
 }

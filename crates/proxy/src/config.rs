@@ -95,6 +95,11 @@ pub struct KernelSpliceConfig {
     pub max_flows: u32,
     /// Where the flow table is pinned (on bpffs), so that it outlives the proxy.
     pub pin_dir: PathBuf,
+    /// A spliced connection without a packet for this long is removed.
+    pub idle_timeout_ms: u64,
+    /// A spliced connection closed in both directions (FIN) is removed once quiet this long
+    /// (late retransmissions and the last ACK still get through).
+    pub fin_timeout_ms: u64,
 }
 
 impl Default for KernelSpliceConfig {
@@ -103,6 +108,8 @@ impl Default for KernelSpliceConfig {
             interfaces: Vec::new(),
             max_flows: 65_536,
             pin_dir: PathBuf::from("/sys/fs/bpf/rserpool"),
+            idle_timeout_ms: 3_600_000,
+            fin_timeout_ms: 10_000,
         }
     }
 }
@@ -303,6 +310,14 @@ impl ProxyConfig {
                         "listener {}: splice = \"kernel\" needs [kernel-splice] interfaces",
                         l.listen
                     ));
+                }
+                let k = &self.kernel_splice;
+                if k.idle_timeout_ms == 0 || k.fin_timeout_ms == 0 || k.max_flows == 0 {
+                    return bad(
+                        "[kernel-splice] idle-timeout-ms, fin-timeout-ms and max-flows must be \
+                         above 0"
+                            .into(),
+                    );
                 }
             }
             for r in &l.routes {

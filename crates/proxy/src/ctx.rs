@@ -21,7 +21,7 @@ pub(crate) struct Ctx {
     pub(crate) log: Option<AccessLog>,
     pub(crate) draining: watch::Receiver<bool>,
     /// The kernel splice, for a listener with `splice = "kernel"` when it could be loaded.
-    pub(crate) kernel: Option<Arc<std::sync::Mutex<rserpool_ksplice::Datapath>>>,
+    pub(crate) kernel: Option<Arc<crate::kernel::KernelSplice>>,
 }
 
 impl Ctx {

@@ -1,22 +1,201 @@
 //! TCP mode's hand-over to the kernel splice (`splice = "kernel"`, crate `rserpool-ksplice`).
 //!
-//! Once a client's connection is connected to its PE, whatever either side sent first is
-//! relayed here until both sockets are quiet (nothing unread, nothing unacknowledged); then
-//! the connection goes to the eBPF datapath and the proxy's sockets close without a trace on
-//! the wire. From then on the proxy can stop, crash or restart: the connection does not
-//! notice. If the sockets do not go quiet within a second, or the hand-over fails, the
-//! connection stays on the user-space path.
+//! The proxy connects to the PE from a socket bound beforehand, so that the datapath can
+//! watch the PE's packets from its SYN-ACK on (a hand-over needs the PE's latest TCP
+//! timestamp, which no socket option tells), with the MSS clamped to the client's. Whatever
+//! either side sends first is relayed here until both sockets are quiet (nothing unread,
+//! nothing unacknowledged); then the connection goes to the eBPF datapath and the proxy's
+//! sockets close without a trace on the wire. From then on the proxy can stop, crash or
+//! restart: the connection does not notice. If the sockets do not go quiet within a second,
+//! or the hand-over fails, the connection stays on the user-space path.
+//!
+//! [`expire_loop`] removes the entries of connections that ended or idle; the datapath
+//! itself removes those an RST ended.
 
-use rserpool_ksplice::{Datapath, HandOverError, hand_over, interface_towards, pending, unread};
+use crate::config::KernelSpliceConfig;
+use rserpool_ksplice::{
+    Datapath, Error, Expired, HandOverError, clamp_mss, hand_over, interface_towards, pending,
+    source_towards, unread,
+};
+use serde::Serialize;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// Longest relaying before a connection is handed over.
 const QUIET_WITHIN: Duration = Duration::from_secs(1);
+/// How often ended and idle entries are looked for, at most (and twice per fin-timeout).
+const EXPIRE_EVERY: Duration = Duration::from_secs(1);
+
+/// The loaded datapath and what the proxy counts of it.
+pub(crate) struct KernelSplice {
+    dp: Mutex<Datapath>,
+    idle: Duration,
+    closing: Duration,
+    handed_over: AtomicU64,
+    user_space: AtomicU64,
+    table_full: AtomicU64,
+    entries: AtomicUsize,
+    closed: AtomicU64,
+    idled: AtomicU64,
+    stale: AtomicU64,
+}
+
+/// The status listener's view (`kernel_splice` in the proxy's stats).
+#[derive(Debug, Serialize)]
+struct Snapshot {
+    /// Flow table entries at the last expiry pass (two per spliced connection).
+    entries: usize,
+    max_flows: u32,
+    /// Connections handed to the kernel, and those that stayed in user space.
+    handed_over: u64,
+    user_space: u64,
+    /// Hand-overs refused because the flow table was full.
+    table_full: u64,
+    /// Entries removed: both directions closed, idle, abandoned hand-overs.
+    expired_closed: u64,
+    expired_idle: u64,
+    expired_stale: u64,
+    /// The datapath's counters: spliced packets and bytes, FINs and RSTs seen.
+    packets: u64,
+    bytes: u64,
+    fins: u64,
+    rsts: u64,
+}
+
+impl KernelSplice {
+    pub(crate) fn new(dp: Datapath, cfg: &KernelSpliceConfig) -> Self {
+        Self {
+            dp: Mutex::new(dp),
+            idle: Duration::from_millis(cfg.idle_timeout_ms),
+            closing: Duration::from_millis(cfg.fin_timeout_ms),
+            handed_over: AtomicU64::new(0),
+            user_space: AtomicU64::new(0),
+            table_full: AtomicU64::new(0),
+            entries: AtomicUsize::new(0),
+            closed: AtomicU64::new(0),
+            idled: AtomicU64::new(0),
+            stale: AtomicU64::new(0),
+        }
+    }
+
+    fn dp(&self) -> MutexGuard<'_, Datapath> {
+        self.dp.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn snapshot(&self) -> serde_json::Value {
+        let dp = self.dp();
+        let c = dp.counters().unwrap_or_default();
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        serde_json::to_value(Snapshot {
+            entries: self.entries.load(Ordering::Relaxed),
+            max_flows: dp.max_flows(),
+            handed_over: n(&self.handed_over),
+            user_space: n(&self.user_space),
+            table_full: n(&self.table_full),
+            expired_closed: n(&self.closed),
+            expired_idle: n(&self.idled),
+            expired_stale: n(&self.stale),
+            packets: c.packets,
+            bytes: c.bytes,
+            fins: c.fins,
+            rsts: c.rsts,
+        })
+        .unwrap_or_default()
+    }
+
+    /// A socket to connect to the PE at `peer` from: bound to the route's source address,
+    /// its MSS clamped to the client's, and the PE's packets to it watched from the first
+    /// (the SYN-ACK's timestamp). Plain when any of that fails: the hand-over then says why.
+    pub(crate) fn socket_towards(
+        &self,
+        peer: SocketAddr,
+        client: &TcpStream,
+    ) -> std::io::Result<tokio::net::TcpSocket> {
+        let sock = crate::backend::plain_socket(peer)?;
+        let SocketAddr::V4(peer) = peer else {
+            return Ok(sock);
+        };
+        if let Err(e) = clamp_mss(&sock, client) {
+            debug!("kernel splice: clamping the MSS: {e}");
+        }
+        let source = source_towards(*peer.ip())?;
+        sock.bind(SocketAddr::from((source, 0)))?;
+        if let Ok(SocketAddr::V4(local)) = sock.local_addr()
+            && let Err(e) = self.dp().watch(peer, local, None)
+        {
+            self.note(&e);
+        }
+        Ok(sock)
+    }
+
+    fn note(&self, e: &Error) {
+        if matches!(e, Error::Full(_)) {
+            // Counted, and logged at most once per expiry pass (see expire_loop).
+            self.table_full.fetch_add(1, Ordering::Relaxed);
+        } else {
+            debug!("kernel splice: {e}");
+        }
+    }
+
+    /// Stops watching the PE's packets of a connection that stays in user space.
+    fn unwatch(&self, backend: &TcpStream) {
+        if let (Ok(SocketAddr::V4(server)), Ok(SocketAddr::V4(back))) =
+            (backend.peer_addr(), backend.local_addr())
+        {
+            let _ = self.dp().unwatch(server, back);
+        }
+    }
+
+    fn expire(&self) -> Result<Expired, Error> {
+        let x = self.dp().expire(self.idle, self.closing)?;
+        self.entries.store(x.entries, Ordering::Relaxed);
+        self.closed.fetch_add(x.closed as u64, Ordering::Relaxed);
+        self.idled.fetch_add(x.idle as u64, Ordering::Relaxed);
+        self.stale.fetch_add(x.stale as u64, Ordering::Relaxed);
+        Ok(x)
+    }
+}
+
+/// Removes ended and idle entries every second while the proxy lives; a full flow table is
+/// reported here, once per pass, not once per refused connection.
+pub(crate) async fn expire_loop(ks: Weak<KernelSplice>) {
+    let mut full_seen = 0;
+    loop {
+        let every = match ks.upgrade() {
+            Some(ks) => EXPIRE_EVERY.min(ks.closing / 2),
+            None => return,
+        };
+        tokio::time::sleep(every).await;
+        let Some(ks) = ks.upgrade() else {
+            return;
+        };
+        let pass = tokio::task::spawn_blocking({
+            let ks = ks.clone();
+            move || ks.expire()
+        })
+        .await;
+        match pass {
+            Ok(Ok(x)) => debug!("kernel splice: {x:?}"),
+            Ok(Err(e)) => warn!("kernel splice: expiring entries: {e}"),
+            Err(_) => return,
+        }
+        let full = ks.table_full.load(Ordering::Relaxed);
+        if full > full_seen {
+            warn!(
+                "kernel splice: the flow table is full ({} entries): {} connections stayed in \
+                 user space; raise [kernel-splice] max-flows",
+                ks.dp().max_flows(),
+                full - full_seen
+            );
+            full_seen = full;
+        }
+    }
+}
 
 pub(crate) enum Handed {
     /// The kernel carries the connection now.
@@ -26,9 +205,25 @@ pub(crate) enum Handed {
 }
 
 pub(crate) async fn try_hand_over(
+    client: TcpStream,
+    backend: TcpStream,
+    ks: &Arc<KernelSplice>,
+) -> Handed {
+    let handed = hand_over_when_quiet(client, backend, ks).await;
+    match &handed {
+        Handed::Kernel => ks.handed_over.fetch_add(1, Ordering::Relaxed),
+        Handed::Back(_, backend) => {
+            ks.unwatch(backend);
+            ks.user_space.fetch_add(1, Ordering::Relaxed)
+        }
+    };
+    handed
+}
+
+async fn hand_over_when_quiet(
     mut client: TcpStream,
     mut backend: TcpStream,
-    dp: &Arc<Mutex<Datapath>>,
+    ks: &KernelSplice,
 ) -> Handed {
     let towards = |a: std::io::Result<SocketAddr>| match a.map(|a| a.ip().to_canonical()) {
         Ok(IpAddr::V4(ip)) => interface_towards(ip).ok(),
@@ -49,10 +244,7 @@ pub(crate) async fn try_hand_over(
                 // into_std only fails to deregister from the reactor: both are gone.
                 return Handed::Kernel;
             };
-            let handed = {
-                let mut dp = dp.lock().unwrap_or_else(|p| p.into_inner());
-                hand_over(&mut dp, a, b, client_if, server_if)
-            };
+            let handed = hand_over(&mut ks.dp(), a, b, client_if, server_if);
             let (e, a, b) = match handed {
                 Ok(s) => {
                     debug!("kernel splice: {} ↔ {} handed over", s.client, s.server);
@@ -65,9 +257,16 @@ pub(crate) async fn try_hand_over(
                 _ => return Handed::Kernel,
             }
             // Bytes arrived between the look and the hand-over: relay them and look again.
-            if !matches!(e, HandOverError::NotQuiet(_)) {
-                debug!("kernel splice: {e}; relaying in user space");
-                return Handed::Back(client, backend);
+            match e {
+                HandOverError::NotQuiet(_) => {}
+                HandOverError::Datapath(e) => {
+                    ks.note(&e);
+                    return Handed::Back(client, backend);
+                }
+                e => {
+                    debug!("kernel splice: {e}; relaying in user space");
+                    return Handed::Back(client, backend);
+                }
             }
         }
         if tokio::time::Instant::now() >= deadline {

@@ -75,7 +75,7 @@ struct Inner {
     draining: watch::Sender<bool>,
     log: RwLock<Option<AccessLog>>,
     /// The kernel splice's datapath, loaded at start when a listener asks for it.
-    kernel: Option<Arc<Mutex<rserpool_ksplice::Datapath>>>,
+    kernel: Option<Arc<kernel::KernelSplice>>,
 }
 
 /// A running proxy. Its tasks run on the tokio runtime it was started on.
@@ -172,6 +172,12 @@ impl Proxy {
             );
         }
         let sock = bind(l.listen).map_err(|e| StartError::Bind(l.listen, e))?;
+        if l.splice == Some(config::SpliceMode::Kernel) && self.inner.kernel.is_some() {
+            // The hand-over reads the client's first timestamp from its SYN.
+            if let Err(e) = rserpool_ksplice::save_syn(sock.get_ref()) {
+                warn!("proxy: listener {}: TCP_SAVE_SYN: {e}", l.listen);
+            }
+        }
         let local = sock
             .get_ref()
             .local_addr()
@@ -329,6 +335,7 @@ impl Proxy {
             "active_connections": self.active_connections(),
             "listeners": listeners,
             "pools": self.inner.pools.snapshot(),
+            "kernel_splice": self.inner.kernel.as_ref().map(|k| k.snapshot()),
         })
     }
 }
@@ -432,7 +439,7 @@ async fn accept_loop(
 }
 
 /// Loads the kernel splice when a listener asks for it; says once why not when it cannot.
-fn load_kernel_splice(cfg: &ProxyConfig) -> Option<Arc<Mutex<rserpool_ksplice::Datapath>>> {
+fn load_kernel_splice(cfg: &ProxyConfig) -> Option<Arc<kernel::KernelSplice>> {
     if !cfg
         .listeners
         .iter()
@@ -453,7 +460,9 @@ fn load_kernel_splice(cfg: &ProxyConfig) -> Option<Arc<Mutex<rserpool_ksplice::D
                 k.max_flows,
                 k.pin_dir.display()
             );
-            Some(Arc::new(Mutex::new(dp)))
+            let ks = Arc::new(kernel::KernelSplice::new(dp, k));
+            tokio::spawn(kernel::expire_loop(Arc::downgrade(&ks)));
+            Some(ks)
         }
         Err(e) => {
             warn!("proxy: {e}; spliced listeners relay in user space");

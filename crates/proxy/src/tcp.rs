@@ -42,7 +42,13 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
             return;
         };
         let asked = Instant::now();
-        let connected = b.connect(ctx.connect_timeout()).await;
+        let connected = match &ctx.kernel {
+            Some(ks) => {
+                let socket = |peer| ks.socket_towards(peer, &client);
+                b.connect_with(ctx.connect_timeout(), &socket).await
+            }
+            None => b.connect(ctx.connect_timeout()).await,
+        };
         if connected.is_ok() {
             let rif = b.start();
             b.note_latency(rif, asked.elapsed());
@@ -65,7 +71,7 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
         }
     };
     let (client, backend) = match &ctx.kernel {
-        Some(dp) => match crate::kernel::try_hand_over(client, backend, dp).await {
+        Some(ks) => match crate::kernel::try_hand_over(client, backend, ks).await {
             crate::kernel::Handed::Kernel => {
                 pool.finished(&b, level, since.elapsed());
                 ctx.log(|| {
