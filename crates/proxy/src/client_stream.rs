@@ -70,6 +70,16 @@ impl ClientStream {
         }
     }
 
+    /// Takes the tokio stream out (registering it if need be): the connection leaves HTTP
+    /// (pinned to a PE); this value is then spent, and closing it does nothing.
+    pub(crate) fn take_stream(&mut self) -> io::Result<TcpStream> {
+        self.registered()?;
+        match std::mem::replace(&mut self.socket, Socket::Lost) {
+            Socket::Registered(t) => Ok(t),
+            _ => Err(lost()),
+        }
+    }
+
     /// Writes the last bytes of the connection and ends its sending side. `MSG_MORE` holds
     /// the bytes back until the shutdown, which sends them with the FIN in one segment: one
     /// packet less per connection (as many as `Connection: close` requests).

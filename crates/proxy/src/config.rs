@@ -52,6 +52,11 @@ pub struct Route {
     #[serde(default = "slash")]
     pub prefix: String,
     pub pool: String,
+    /// `"kernel"`: a request on this route pins its connection to the PE chosen for it; the
+    /// rest of the connection (this request's body and response, later requests) goes to
+    /// that PE unchanged, through the kernel splice. Default: the listener's `splice`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub splice: Option<SpliceMode>,
 }
 
 fn slash() -> String {
@@ -69,9 +74,22 @@ pub struct ListenerConfig {
     #[serde(default, rename = "route")]
     pub routes: Vec<Route>,
     /// `"kernel"`: a TCP listener hands each connection, once connected to its PE, to the
-    /// kernel splice (`[kernel-splice]`); `"user"` (the default) relays it in this process.
+    /// kernel splice (`[kernel-splice]`); on an HTTP listener, each route (unless it says
+    /// otherwise) pins a connection to the PE of its first request and hands it over.
+    /// `"user"` (the default) relays in this process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub splice: Option<SpliceMode>,
+}
+
+impl ListenerConfig {
+    /// Whether any connection of this listener may go to the kernel splice.
+    pub fn kernel_splice(&self) -> bool {
+        self.splice == Some(SpliceMode::Kernel)
+            || self
+                .routes
+                .iter()
+                .any(|r| r.splice == Some(SpliceMode::Kernel))
+    }
 }
 
 /// Who carries a connection's bytes once it is routed.
@@ -298,13 +316,7 @@ impl ProxyConfig {
                 }
                 _ => {}
             }
-            if l.splice == Some(SpliceMode::Kernel) {
-                if l.mode != Mode::Tcp {
-                    return bad(format!(
-                        "listener {}: splice = \"kernel\" needs mode = \"tcp\" for now",
-                        l.listen
-                    ));
-                }
+            if l.kernel_splice() {
                 if self.kernel_splice.interfaces.is_empty() {
                     return bad(format!(
                         "listener {}: splice = \"kernel\" needs [kernel-splice] interfaces",

@@ -23,6 +23,7 @@ use crate::message::{
     response_framing,
 };
 use crate::pools::{NoPick, Pool};
+use crate::routes::Target;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::io;
 use std::net::SocketAddr;
@@ -146,11 +147,15 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
             return Next::Close;
         }
     };
-    let Some(pool) = route(&r, ctx) else {
+    let Some(target) = route(&r, ctx) else {
         let _ = reply(c, 404, "no route").await;
         return Next::Close;
     };
+    let pool = &target.pool;
     r.level = classify(&r, c.peer, ctx);
+    if target.kernel && ctx.kernel.is_some() {
+        return pin(c, r, pool, ctx).await;
+    }
     let Ok(out) = prepare(c, &mut r, ctx).await else {
         return Next::Close;
     };
@@ -264,8 +269,34 @@ fn classify(r: &Request, peer: SocketAddr, ctx: &Ctx) -> usize {
 }
 
 /// Step route: the pool that serves the request.
-fn route<'c>(r: &Request, ctx: &'c Ctx) -> Option<&'c Arc<Pool>> {
+fn route<'c>(r: &Request, ctx: &'c Ctx) -> Option<&'c Target> {
     ctx.routes.route(&r.host, &r.head.target()[..r.path_end])
+}
+
+/// A request on a route that pins its connection (`splice = "kernel"`): it goes to a PE as
+/// any request, and so does the rest of the connection, unchanged, through the kernel
+/// splice once the sockets are quiet (or relayed here when it cannot be handed over).
+async fn pin(c: &mut Client, r: Request, pool: &Arc<Pool>, ctx: &Ctx) -> Next {
+    let Ok(client) = c.stream.registered() else {
+        return Next::Close;
+    };
+    let pe = match crate::tcp::connect_pe(client, c.peer, pool, r.level, true, r.started, ctx).await
+    {
+        Ok(pe) => pe,
+        Err(why) => {
+            let _ = reply(c, 503, why).await;
+            return Next::Close;
+        }
+    };
+    let (level_header, send_level) = ctx.level_header();
+    let mut first = outgoing_head_with(&r, c.peer, level_header, send_level);
+    // What the client sent after the head (body, pipelined requests) follows it unchanged.
+    first.extend_from_slice(&c.buf.split());
+    let Ok(client) = c.stream.take_stream() else {
+        return Next::Close;
+    };
+    crate::tcp::carry(client, c.peer, pe, &first, r.started, ctx).await;
+    Next::Close
 }
 
 /// The request as it goes to a PE: the value [`prepare`] makes.

@@ -158,21 +158,19 @@ impl Proxy {
             routes: Arc::new(Routes::new(l, &i.pools)),
             log: i.log.read().unwrap_or_else(|p| p.into_inner()).clone(),
             draining: i.draining.subscribe(),
-            kernel: (l.splice == Some(config::SpliceMode::Kernel))
-                .then(|| i.kernel.clone())
-                .flatten(),
+            kernel: l.kernel_splice().then(|| i.kernel.clone()).flatten(),
         }
     }
 
     async fn add_listener(&self, l: ListenerConfig) -> Result<(), StartError> {
-        if l.splice == Some(config::SpliceMode::Kernel) && self.inner.kernel.is_none() {
+        if l.kernel_splice() && self.inner.kernel.is_none() {
             warn!(
                 "proxy: listener {} relays in user space: the kernel splice is not loaded",
                 l.listen
             );
         }
         let sock = bind(l.listen).map_err(|e| StartError::Bind(l.listen, e))?;
-        if l.splice == Some(config::SpliceMode::Kernel) && self.inner.kernel.is_some() {
+        if l.kernel_splice() && self.inner.kernel.is_some() {
             // The hand-over reads the client's first timestamp from its SYN.
             if let Err(e) = rserpool_ksplice::save_syn(sock.get_ref()) {
                 warn!("proxy: listener {}: TCP_SAVE_SYN: {e}", l.listen);
@@ -440,11 +438,7 @@ async fn accept_loop(
 
 /// Loads the kernel splice when a listener asks for it; says once why not when it cannot.
 fn load_kernel_splice(cfg: &ProxyConfig) -> Option<Arc<kernel::KernelSplice>> {
-    if !cfg
-        .listeners
-        .iter()
-        .any(|l| l.splice == Some(config::SpliceMode::Kernel))
-    {
+    if !cfg.listeners.iter().any(ListenerConfig::kernel_splice) {
         if let Some(why) = rserpool_ksplice::unavailable() {
             info!("proxy: kernel splice unavailable in this build: {why}");
         }

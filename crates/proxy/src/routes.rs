@@ -4,23 +4,32 @@
 //! in the configuration), else to the listener's own pool. A reload builds new routes for new
 //! connections; open ones keep theirs.
 
-use crate::config::ListenerConfig;
+use crate::config::{ListenerConfig, SpliceMode};
 use crate::pools::{Pool, Pools};
 use std::sync::Arc;
 
 /// A listener's routing table.
 pub(crate) struct Routes {
     /// The pool for TCP connections and for requests no route matches.
-    default: Option<Arc<Pool>>,
+    default: Option<Target>,
     /// Longest prefix first.
     routes: Vec<RouteEntry>,
 }
 
-/// (host, path prefix, pool).
-type RouteEntry = (Option<Vec<u8>>, Vec<u8>, Arc<Pool>);
+/// Where a route sends a request.
+#[derive(Clone)]
+pub(crate) struct Target {
+    pub(crate) pool: Arc<Pool>,
+    /// Pin the connection to the request's PE and hand it to the kernel splice.
+    pub(crate) kernel: bool,
+}
+
+/// (host, path prefix, target).
+type RouteEntry = (Option<Vec<u8>>, Vec<u8>, Target);
 
 impl Routes {
     pub(crate) fn new(l: &ListenerConfig, pools: &Pools) -> Self {
+        let kernel = |s: Option<SpliceMode>| s.or(l.splice) == Some(SpliceMode::Kernel);
         let mut routes: Vec<_> = l
             .routes
             .iter()
@@ -28,7 +37,10 @@ impl Routes {
                 (
                     r.host.as_ref().map(|h| h.to_ascii_lowercase().into_bytes()),
                     r.prefix.as_bytes().to_vec(),
-                    pools.pool(&r.pool),
+                    Target {
+                        pool: pools.pool(&r.pool),
+                        kernel: kernel(r.splice),
+                    },
                 )
             })
             .collect();
@@ -38,18 +50,21 @@ impl Routes {
                 .then(b.0.is_some().cmp(&a.0.is_some()))
         });
         Self {
-            default: l.pool.as_ref().map(|p| pools.pool(p)),
+            default: l.pool.as_ref().map(|p| Target {
+                pool: pools.pool(p),
+                kernel: kernel(None),
+            }),
             routes,
         }
     }
 
     /// The pool for TCP connections.
     pub(crate) fn default_pool(&self) -> Option<&Arc<Pool>> {
-        self.default.as_ref()
+        self.default.as_ref().map(|t| &t.pool)
     }
 
-    /// The pool for a request to `host` (a Host header value, port allowed) and `path`.
-    pub(crate) fn route(&self, host: &[u8], path: &[u8]) -> Option<&Arc<Pool>> {
+    /// Where a request to `host` (a Host header value, port allowed) and `path` goes.
+    pub(crate) fn route(&self, host: &[u8], path: &[u8]) -> Option<&Target> {
         let host = strip_port(host);
         self.routes
             .iter()

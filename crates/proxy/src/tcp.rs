@@ -1,10 +1,14 @@
 //! TCP mode: each client connection is forwarded to one PE of the pool, chosen by the pool's
 //! policy; a PE that refuses the connection is reported and ejected, and the next is tried.
-//! Bytes then move with splice(2) (see [`crate::splice`]).
+//! Bytes then move with splice(2) (see [`crate::splice`]), or the connection goes to the
+//! kernel splice ([`crate::kernel`]). HTTP routes that pin a connection to its PE end here too.
 
+use crate::backend::Backend;
 use crate::ctx::Ctx;
 use crate::levels::RequestFacts;
+use crate::pools::Pool;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 use tokio::net::TcpStream;
@@ -27,24 +31,57 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
             header: &|_| None,
         })
     });
+    let kernel = ctx.kernel.is_some();
+    let Ok(pe) = connect_pe(&client, peer, &pool, level, kernel, started, &ctx).await else {
+        return;
+    };
+    carry(client, peer, pe, &[], started, &ctx).await;
+}
+
+/// A connection's PE, connected: the PE, the socket, when it was asked.
+pub(crate) struct Connected {
+    b: Arc<Backend>,
+    pool: Arc<Pool>,
+    level: usize,
+    backend: TcpStream,
+    since: Instant,
+    kernel: bool,
+}
+
+/// Admits a connection at `pool` (service level `level`) and connects it to a PE, trying
+/// others when one refuses; from a socket the kernel splice watches when `kernel` (and the
+/// splice is loaded). Logs a connection that gets none. Shared by TCP mode and HTTP routes
+/// that pin a connection to a PE.
+pub(crate) async fn connect_pe(
+    client: &TcpStream,
+    peer: SocketAddr,
+    pool: &Arc<Pool>,
+    level: usize,
+    kernel: bool,
+    started: Instant,
+    ctx: &Ctx,
+) -> Result<Connected, &'static str> {
+    let ks = ctx.kernel.as_ref().filter(|_| kernel);
     let mut tried = Vec::new();
-    let (b, backend, since) = loop {
-        let Ok(b) = pool.admit(level, &tried).await.map_err(|why| {
-            debug!("client {peer}: pool {}: {}", pool.handle, why.text());
-        }) else {
-            ctx.log(|| {
-                format!(
-                    "{peer} tcp - {} - 0 {}",
-                    pool.handle,
-                    started.elapsed().as_micros()
-                )
-            });
-            return;
+    loop {
+        let b = match pool.admit(level, &tried).await {
+            Ok(b) => b,
+            Err(why) => {
+                debug!("client {peer}: pool {}: {}", pool.handle, why.text());
+                ctx.log(|| {
+                    format!(
+                        "{peer} tcp - {} - 0 {}",
+                        pool.handle,
+                        started.elapsed().as_micros()
+                    )
+                });
+                return Err(why.text());
+            }
         };
         let asked = Instant::now();
-        let connected = match &ctx.kernel {
+        let connected = match ks {
             Some(ks) => {
-                let socket = |peer| ks.socket_towards(peer, &client);
+                let socket = |pe| ks.socket_towards(pe, client);
                 b.connect_with(ctx.connect_timeout(), &socket).await
             }
             None => b.connect(ctx.connect_timeout()).await,
@@ -55,9 +92,16 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
         }
         b.pick_done();
         match connected {
-            Ok(s) => {
+            Ok(backend) => {
                 b.succeeded();
-                break (b, s, asked);
+                return Ok(Connected {
+                    b,
+                    pool: pool.clone(),
+                    level,
+                    backend,
+                    since: asked,
+                    kernel: ks.is_some(),
+                });
             }
             Err(e) => {
                 debug!("pool {} PE {:#010x}: connect: {e}", b.pool, b.id);
@@ -65,18 +109,51 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
                 pool.released();
                 tried.push(b.id);
                 if tried.len() >= MAX_TRIES {
-                    return;
+                    return Err("no pool element could be connected");
                 }
             }
         }
-    };
-    let (client, backend) = match &ctx.kernel {
+    }
+}
+
+/// Sends the PE `first` (what the proxy read of the connection already) and carries the
+/// connection to its end: handed to the kernel splice when it was connected for it, else
+/// relayed here. Logs it.
+pub(crate) async fn carry(
+    client: TcpStream,
+    peer: SocketAddr,
+    pe: Connected,
+    first: &[u8],
+    started: Instant,
+    ctx: &Ctx,
+) {
+    let Connected {
+        b,
+        pool,
+        level,
+        mut backend,
+        since,
+        kernel,
+    } = pe;
+    if !first.is_empty() {
+        use tokio::io::AsyncWriteExt;
+        if let Err(e) = backend.write_all(first).await {
+            debug!("pool {} PE {:#010x}: {e}", b.pool, b.id);
+            pool.finished(&b, level, since.elapsed());
+            return;
+        }
+        b.stats
+            .bytes_in
+            .fetch_add(first.len() as u64, Ordering::Relaxed);
+    }
+    let (client, backend) = match ctx.kernel.as_ref().filter(|_| kernel) {
         Some(ks) => match crate::kernel::try_hand_over(client, backend, ks).await {
             crate::kernel::Handed::Kernel => {
                 pool.finished(&b, level, since.elapsed());
                 ctx.log(|| {
                     format!(
-                        "{peer} tcp 0 {} {:#010x} 0 {} kernel",
+                        "{peer} tcp {} {} {:#010x} 0 {} kernel",
+                        first.len(),
                         b.pool,
                         b.id,
                         started.elapsed().as_micros()
@@ -99,6 +176,7 @@ pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
     };
     b.stats.bytes_in.fetch_add(up, Ordering::Relaxed);
     b.stats.bytes_out.fetch_add(down, Ordering::Relaxed);
+    let up = up + first.len() as u64;
     ctx.log(|| {
         format!(
             "{peer} tcp {up} {} {:#010x} {down} {}",

@@ -35,8 +35,13 @@ fn spawn_in(ns: &str, args: &[&str]) -> KillOnDrop {
     )
 }
 
-/// Established connections on the proxy's front port, in its namespace.
+/// Established connections on the proxy's front port (TCP listener), in its namespace.
 fn front_sockets(ns: &str) -> usize {
+    sockets_on(ns, 7000)
+}
+
+/// Established connections on local port `port` in namespace `ns`.
+fn sockets_on(ns: &str, port: u16) -> usize {
     let out = Command::new("ip")
         .args([
             "netns",
@@ -46,7 +51,7 @@ fn front_sockets(ns: &str) -> usize {
             "-Htn",
             "state",
             "established",
-            "( sport = :7000 )",
+            &format!("( sport = :{port} )"),
         ])
         .output()
         .unwrap();
@@ -75,13 +80,14 @@ struct Setup {
     _ns: Netns,
     c: String,
     p: String,
-    _processes: [KillOnDrop; 2],
+    _processes: [KillOnDrop; 3],
     proxy: KillOnDrop,
     dir: std::path::PathBuf,
 }
 
 const FRONT: &str = "10.77.1.1:7000";
 const STATUS: &str = "10.77.2.1:8404";
+const HTTP_FRONT: &str = "10.77.1.1:7080";
 
 impl Drop for Setup {
     fn drop(&mut self) {
@@ -109,6 +115,19 @@ fn setup(extra: &str) -> Option<Setup> {
             "10.77.2.1:3863",
         ],
     );
+    let web = spawn_in(
+        &s,
+        &[
+            "example",
+            "http",
+            "--listen",
+            "10.77.2.2:9080",
+            "--pool",
+            "HPool",
+            "--registrar",
+            "10.77.2.1:3863",
+        ],
+    );
     let cfg = format!(
         r#"
 registrars = ["10.77.2.1:3863"]
@@ -119,6 +138,15 @@ listen = "{FRONT}"
 mode = "tcp"
 pool = "KPool"
 splice = "kernel"
+[[listener]]
+listen = "{HTTP_FRONT}"
+mode = "http"
+pool = "HPool"
+splice = "kernel"
+[[listener.route]]
+prefix = "/user/"
+pool = "HPool"
+splice = "user"
 [kernel-splice]
 interfaces = ["p0", "p1"]
 pin-dir = "{}"
@@ -165,7 +193,7 @@ pin-dir = "{}"
         _ns: ns,
         c,
         p,
-        _processes: [registrar, pe],
+        _processes: [registrar, pe, web],
         proxy,
         dir,
     })
@@ -306,4 +334,110 @@ fn a_thousand_short_connections_leave_no_entries() {
     assert!(handed >= (CLIENTS * EACH / 10) as u64, "{stats}");
     assert_eq!(stats["table_full"], 0, "{stats}");
     assert!(stats["fins"].as_u64() >= Some(2 * handed), "{stats}");
+}
+
+/// One HTTP/1.1 GET on `s`: the status and the body.
+fn get(s: &mut TcpStream, path: &str) -> (u16, Vec<u8>) {
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: k\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        s.read_exact(&mut b).unwrap();
+        head.push(b[0]);
+    }
+    let head = String::from_utf8(head).unwrap();
+    let code = head[9..12].parse().unwrap();
+    let len: usize = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().ok())?
+        })
+        .unwrap_or(0);
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).unwrap();
+    (code, body)
+}
+
+/// An HTTP listener with `splice = "kernel"`: the first request of a connection is routed
+/// (and gets its forwarding headers), then the connection is pinned to that PE and handed to
+/// the kernel. Its later requests reach the same PE unchanged — even after the proxy is
+/// killed. A route with `splice = "user"` keeps its connections in the proxy: each request is
+/// rewritten.
+#[test]
+fn an_http_route_pins_its_connection_and_hands_it_to_the_kernel() {
+    let Some(mut setup) = setup("") else {
+        return;
+    };
+    let front: SocketAddrV4 = HTTP_FRONT.parse().unwrap();
+    let connect = move || {
+        let s = TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    };
+    // The web PE registers on its own time.
+    in_ns(&setup.c, move || {
+        let t0 = Instant::now();
+        while get(&mut connect(), "/user/ready").0 != 200 {
+            assert!(t0.elapsed() < Duration::from_secs(15), "no web PE");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    })
+    .join()
+    .unwrap();
+    let (asked_tx, asked_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let client = in_ns(&setup.c, move || {
+        // Not pinned: every request is the proxy's, forwarding headers and all.
+        let mut u = connect();
+        for path in ["/user/a", "/user/b"] {
+            let (code, body) = get(&mut u, path);
+            assert_eq!(code, 200);
+            let body = String::from_utf8(body).unwrap();
+            assert!(
+                body.ends_with(&format!("GET {path} for 10.77.1.2\n")),
+                "{body}"
+            );
+        }
+        drop(u);
+        // Pinned: the first request is routed, the rest goes by the kernel.
+        let mut k = connect();
+        let (code, body) = get(&mut k, "/first");
+        assert_eq!(code, 200);
+        let first = String::from_utf8(body).unwrap();
+        assert!(first.ends_with("GET /first for 10.77.1.2\n"), "{first}");
+        asked_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        let (code, body) = get(&mut k, "/bytes/8388608");
+        assert_eq!(code, 200);
+        assert_pattern(&body, 8 << 20, 0, "download");
+        asked_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        // The proxy is gone: the same PE answers, and no proxy added headers.
+        let (code, body) = get(&mut k, "/after");
+        assert_eq!(code, 200);
+        let after = String::from_utf8(body).unwrap();
+        assert_eq!(after[..13], first[..13], "the same PE");
+        assert!(after.ends_with("GET /after for -\n"), "{after}");
+    });
+    asked_rx.recv().unwrap();
+    let t0 = Instant::now();
+    while sockets_on(&setup.p, 7080) > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the proxy kept its sockets: no hand-over"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    go_tx.send(()).unwrap();
+    asked_rx.recv().unwrap();
+    let stats = kernel_stats(&setup.p);
+    assert_eq!(stats["handed_over"], 1, "{stats}");
+    assert!(stats["bytes"].as_u64() > Some(8 << 20), "{stats}");
+    setup.proxy.0.kill().unwrap();
+    setup.proxy.0.wait().unwrap();
+    go_tx.send(()).unwrap();
+    client.join().unwrap();
 }
