@@ -18,7 +18,8 @@
 // - HOLD: the connection is being handed over; its packets are dropped (and recorded), and
 //   their senders send them again once the entry is complete.
 // - neither: spliced. A FIN marks its direction (user space expires the pair once both are
-//   marked and quiet); an RST ends the connection: both entries go at once.
+//   marked and quiet); an RST ends the connection: both entries go at once, as they do when
+//   a SYN opens a new connection on the same addresses and ports.
 
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -243,6 +244,20 @@ int splice_tc(struct __sk_buff *skb)
 	if (v->flags & (FLAG_HOLD | FLAG_WATCH)) {
 		record_ts(skb, v, tcp_off, doff);
 		return (v->flags & FLAG_HOLD) ? TC_ACT_SHOT : TC_ACT_OK;
+	}
+	if (tcp->syn && !tcp->ack) {
+		// A new connection on the 4-tuple of a spliced one (a client that reused its port
+		// after the old one ended): the old one is over. Its entries go, and the SYN goes
+		// up to the proxy's listener.
+		struct flow_key back = {
+			.saddr = v->daddr,
+			.daddr = v->saddr,
+			.sport = v->dport,
+			.dport = v->sport,
+		};
+		bpf_map_delete_elem(&splice_flows, &back);
+		bpf_map_delete_elem(&splice_flows, &key);
+		return TC_ACT_OK;
 	}
 	__u32 seq_be = tcp->seq, ack_be = tcp->ack_seq;
 	__u16 window_be = tcp->window;

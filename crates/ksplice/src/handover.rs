@@ -27,6 +27,11 @@ use crate::{Datapath, Error, Splice};
 use std::net::{SocketAddr, SocketAddrV4, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 
+/// How long a hand-over waits, once the connection's packets are held, for those that passed
+/// the program just before to reach their socket (the receive path runs in a softirq and
+/// takes microseconds).
+const IN_FLIGHT_GRACE: std::time::Duration = std::time::Duration::from_micros(20);
+
 /// Why a hand-over did not happen; the sockets are then as they were.
 #[derive(Debug, thiserror::Error)]
 pub enum HandOverError {
@@ -255,15 +260,25 @@ pub fn hand_over(
             let _ = dp.watch(addrs.server, addrs.back, seen.1);
         }
     };
-    // A packet may have reached a socket between the first look and the hold: look again,
-    // now that nothing more can arrive.
-    if let Err(e) = quiet(&front).and_then(|()| quiet(&back)) {
+    // A packet that passed the program just before the hold may still be on its way up the
+    // stack (in a softirq on another CPU): give it a moment, then look again.
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < IN_FLIGHT_GRACE {
+        std::hint::spin_loop();
+    }
+    let quiet_both = || quiet(&front).and_then(|()| quiet(&back));
+    if let Err(e) = quiet_both() {
         undo(dp, &front, &back, matches!(e, HandOverError::NotQuiet(_)));
         return Err((e, front, back));
     }
-    match prepare(&front, &back, addrs, ts) {
+    let prepared = prepare(&front, &back, addrs, ts).and_then(|s| {
+        // Once more now that the sequence numbers are read: a byte that reached a socket
+        // since would be lost with it.
+        quiet_both().map(|()| s)
+    });
+    match prepared {
         Err(e) => {
-            undo(dp, &front, &back, false);
+            undo(dp, &front, &back, matches!(e, HandOverError::NotQuiet(_)));
             Err((e, front, back))
         }
         Ok(splice) => match dp.splice(&splice) {

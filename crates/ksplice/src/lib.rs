@@ -455,6 +455,12 @@ impl Datapath {
         (v.flags & FLAG_SAW_TS != 0).then_some(v.ts_recent)
     }
 
+    /// Whether the flow table has an entry for the packets from `from` to `to`: a spliced
+    /// connection's, which lives on in the kernel while no socket holds its ports.
+    pub fn contains(&self, from: SocketAddrV4, to: SocketAddrV4) -> bool {
+        self.get(&FlowKey::new(from, to)).is_some()
+    }
+
     /// Stops watching the packets from `from` to `to`.
     pub fn unwatch(&mut self, from: SocketAddrV4, to: SocketAddrV4) -> Result<(), Error> {
         self.remove(&FlowKey::new(from, to))

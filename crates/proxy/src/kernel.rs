@@ -15,7 +15,7 @@
 use crate::config::KernelSpliceConfig;
 use rserpool_ksplice::{
     Datapath, Error, Expired, HandOverError, clamp_mss, hand_over, interface_towards, pending,
-    source_towards, unread,
+    source_towards,
 };
 use serde::Serialize;
 use std::net::{IpAddr, SocketAddr};
@@ -28,6 +28,9 @@ use tracing::{debug, warn};
 
 /// Longest relaying before a connection is handed over.
 const QUIET_WITHIN: Duration = Duration::from_secs(1);
+/// Ports tried for a connection to a PE before giving up (each one in use by a spliced
+/// connection to the same PE).
+const PORT_TRIES: usize = 64;
 /// How often ended and idle entries are looked for, at most (and twice per fin-timeout).
 const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 
@@ -40,6 +43,9 @@ pub(crate) struct KernelSplice {
     user_space: AtomicU64,
     table_full: AtomicU64,
     entries: AtomicUsize,
+    /// Time spent in successful hand-overs (hold to entries complete), total and longest.
+    handover_ns: AtomicU64,
+    handover_max_ns: AtomicU64,
     closed: AtomicU64,
     idled: AtomicU64,
     stale: AtomicU64,
@@ -56,6 +62,9 @@ struct Snapshot {
     user_space: u64,
     /// Hand-overs refused because the flow table was full.
     table_full: u64,
+    /// How long a hand-over takes (the connection's packets held meanwhile), µs.
+    handover_mean_us: f64,
+    handover_max_us: f64,
     /// Entries removed: both directions closed, idle, abandoned hand-overs.
     expired_closed: u64,
     expired_idle: u64,
@@ -77,6 +86,8 @@ impl KernelSplice {
             user_space: AtomicU64::new(0),
             table_full: AtomicU64::new(0),
             entries: AtomicUsize::new(0),
+            handover_ns: AtomicU64::new(0),
+            handover_max_ns: AtomicU64::new(0),
             closed: AtomicU64::new(0),
             idled: AtomicU64::new(0),
             stale: AtomicU64::new(0),
@@ -97,6 +108,10 @@ impl KernelSplice {
             handed_over: n(&self.handed_over),
             user_space: n(&self.user_space),
             table_full: n(&self.table_full),
+            handover_mean_us: n(&self.handover_ns) as f64
+                / 1e3
+                / n(&self.handed_over).max(1) as f64,
+            handover_max_us: n(&self.handover_max_ns) as f64 / 1e3,
             expired_closed: n(&self.closed),
             expired_idle: n(&self.idled),
             expired_stale: n(&self.stale),
@@ -108,26 +123,48 @@ impl KernelSplice {
         .unwrap_or_default()
     }
 
-    /// A socket to connect to the PE at `peer` from: bound to the route's source address,
-    /// its MSS clamped to the client's, and the PE's packets to it watched from the first
-    /// (the SYN-ACK's timestamp). Plain when any of that fails: the hand-over then says why.
+    /// A socket to connect to the PE at `peer` from: bound to the route's source address and
+    /// a port no spliced connection to `peer` uses, its MSS clamped to the client's, and the
+    /// PE's packets to it watched from the first (the SYN-ACK's timestamp). Plain when any of
+    /// that fails: the hand-over then says why.
+    ///
+    /// The port: a spliced connection's sockets are gone, so the kernel would give its port
+    /// to a new connection, whose SYN would reach the PE's end of the spliced one (and the
+    /// PE's challenge ACK would have the new socket reset it). The flow table knows them.
     pub(crate) fn socket_towards(
         &self,
         peer: SocketAddr,
         client: &TcpStream,
     ) -> std::io::Result<tokio::net::TcpSocket> {
-        let sock = crate::backend::plain_socket(peer)?;
-        let SocketAddr::V4(peer) = peer else {
-            return Ok(sock);
+        let SocketAddr::V4(peer4) = peer else {
+            return crate::backend::plain_socket(peer);
         };
+        let source = source_towards(*peer4.ip())?;
+        // Sockets on ports in use by spliced connections, kept until a free one is found so
+        // that the kernel does not offer the same port again.
+        let mut taken = Vec::new();
+        let (sock, local) = loop {
+            let sock = crate::backend::plain_socket(peer)?;
+            sock.bind(SocketAddr::from((source, 0)))?;
+            let SocketAddr::V4(local) = sock.local_addr()? else {
+                return Ok(sock);
+            };
+            if !self.dp().contains(peer4, local) {
+                break (sock, local);
+            }
+            if taken.len() >= PORT_TRIES {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    "no local port free of spliced connections to the PE",
+                ));
+            }
+            taken.push(sock);
+        };
+        drop(taken);
         if let Err(e) = clamp_mss(&sock, client) {
             debug!("kernel splice: clamping the MSS: {e}");
         }
-        let source = source_towards(*peer.ip())?;
-        sock.bind(SocketAddr::from((source, 0)))?;
-        if let Ok(SocketAddr::V4(local)) = sock.local_addr()
-            && let Err(e) = self.dp().watch(peer, local, None)
-        {
+        if let Err(e) = self.dp().watch(peer4, local, None) {
             self.note(&e);
         }
         Ok(sock)
@@ -244,9 +281,13 @@ async fn hand_over_when_quiet(
                 // into_std only fails to deregister from the reactor: both are gone.
                 return Handed::Kernel;
             };
+            let t0 = std::time::Instant::now();
             let handed = hand_over(&mut ks.dp(), a, b, client_if, server_if);
             let (e, a, b) = match handed {
                 Ok(s) => {
+                    let ns = t0.elapsed().as_nanos() as u64;
+                    ks.handover_ns.fetch_add(ns, Ordering::Relaxed);
+                    ks.handover_max_ns.fetch_max(ns, Ordering::Relaxed);
                     debug!("kernel splice: {} ↔ {} handed over", s.client, s.server);
                     return Handed::Kernel;
                 }
@@ -273,21 +314,24 @@ async fn hand_over_when_quiet(
             debug!("kernel splice: the sockets did not go quiet; relaying in user space");
             return Handed::Back(client, backend);
         }
-        if !relay_unread(&client, &mut backend, &mut buf).await
-            || !relay_unread(&backend, &mut client, &mut buf).await
+        if !relay(&client, &mut backend, &mut buf).await
+            || !relay(&backend, &mut client, &mut buf).await
         {
             return Handed::Back(client, backend);
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        // Data is relayed as soon as it comes (the first response must not wait); the ACKs
+        // that make the sockets quiet have no readiness event: look again in a millisecond.
+        tokio::select! {
+            _ = client.readable() => {}
+            _ = backend.readable() => {}
+            () = tokio::time::sleep(Duration::from_millis(1)) => {}
+        }
     }
 }
 
-/// Relays what `from` has received and not read to `to`; false when a side has closed or
-/// failed (the connection then stays in user space, which sees it).
-async fn relay_unread(from: &TcpStream, to: &mut TcpStream, buf: &mut [u8]) -> bool {
-    if unread(from).unwrap_or(0) == 0 {
-        return true;
-    }
+/// Relays what `from` has received to `to`; false when a side has closed or failed (the
+/// connection then stays in user space, which sees it).
+async fn relay(from: &TcpStream, to: &mut TcpStream, buf: &mut [u8]) -> bool {
     match from.try_read(buf) {
         Ok(0) => false,
         Ok(n) => to.write_all(&buf[..n]).await.is_ok(),
