@@ -19,7 +19,7 @@
 //   their senders send them again once the entry is complete.
 // - neither: spliced. A FIN marks its direction (user space expires the pair once both are
 //   marked and quiet); an RST ends the connection: both entries go at once, as they do when
-//   a SYN opens a new connection on the same addresses and ports.
+//   a SYN opens a new connection on the addresses and ports of one that was closing.
 
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -245,10 +245,10 @@ int splice_tc(struct __sk_buff *skb)
 		record_ts(skb, v, tcp_off, doff);
 		return (v->flags & FLAG_HOLD) ? TC_ACT_SHOT : TC_ACT_OK;
 	}
-	if (tcp->syn && !tcp->ack) {
-		// A new connection on the 4-tuple of a spliced one (a client that reused its port
-		// after the old one ended): the old one is over. Its entries go, and the SYN goes
-		// up to the proxy's listener.
+	if (tcp->syn && !tcp->ack && (v->flags & FLAG_FIN)) {
+		// A new connection on the 4-tuple of a spliced one that was closing (a client that
+		// reused its port): the old one is over. Its entries go, and the SYN goes up to the
+		// proxy's listener.
 		struct flow_key back = {
 			.saddr = v->daddr,
 			.daddr = v->saddr,

@@ -58,19 +58,35 @@ pub fn in_ns<T: Send + 'static>(
 pub const N: usize = 8 << 20;
 
 /// Sends N bytes of pattern `seed` and reads everything the other end sends, at once.
-pub fn exchange(mut conn: TcpStream, seed: u8) -> Vec<u8> {
+pub fn exchange(conn: TcpStream, seed: u8) -> Vec<u8> {
+    exchange_n(conn, seed, N)
+}
+
+/// Sends `n` bytes of pattern `seed` and reads everything the other end sends, at once.
+pub fn exchange_n(mut conn: TcpStream, seed: u8, n: usize) -> Vec<u8> {
     conn.set_read_timeout(Some(Duration::from_secs(20)))
         .unwrap();
     let mut w = conn.try_clone().unwrap();
     let writer = std::thread::spawn(move || {
-        let buf: Vec<u8> = (0..N).map(|i| pattern(i, seed)).collect();
+        let buf = patterned(n, seed);
         w.write_all(&buf).unwrap();
         w.shutdown(std::net::Shutdown::Write).unwrap();
     });
-    let mut got = Vec::with_capacity(N);
+    let mut got = Vec::with_capacity(n);
     conn.read_to_end(&mut got).unwrap();
     writer.join().unwrap();
     got
+}
+
+/// `n` bytes of the pattern `seed` (a period of 251 bytes, copied: fast in debug builds).
+pub fn patterned(n: usize, seed: u8) -> Vec<u8> {
+    let period: Vec<u8> = (0..251).map(|i| pattern(i, seed)).collect();
+    let mut buf = Vec::with_capacity(n + 251);
+    while buf.len() < n {
+        buf.extend_from_slice(&period);
+    }
+    buf.truncate(n);
+    buf
 }
 
 /// Byte `i` of the pattern `seed`.
@@ -215,11 +231,9 @@ pub fn welcome(conn: &mut TcpStream) {
 /// Asserts that `got` is `len` bytes of pattern `seed`.
 pub fn assert_pattern(got: &[u8], len: usize, seed: u8, what: &str) {
     assert_eq!(got.len(), len, "{what}: length");
-    if let Some(i) = got
-        .iter()
-        .enumerate()
-        .position(|(i, &b)| b != pattern(i, seed))
-    {
+    let want = patterned(len, seed);
+    if got != want.as_slice() {
+        let i = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
         panic!("{what}: byte {i} differs");
     }
 }

@@ -1,8 +1,8 @@
 //! `rserpool proxy` with a TCP listener `splice = "kernel"` (issue 21), in network namespaces:
 //! client | proxy (with the registrar) | server (an echo PE), TCP timestamps on as by
 //! default. Each connection is handed to the eBPF datapath once routed; the proxy process is
-//! then killed with SIGKILL in the middle of the transfers, and every transfer completes
-//! byte-exact. A thousand short connections leave no flow entries behind.
+//! then killed with SIGKILL in the middle of 20 transfers of 50 MiB each way, and every
+//! transfer completes byte-exact. A thousand short connections leave no flow entries behind.
 //!
 //! Needs root, iproute2 and a build with clang (`.ci/run` installs them); without them the
 //! test is skipped, except under `CI`, where that is a failure.
@@ -11,14 +11,14 @@
 mod common;
 
 use common::{BIN, KillOnDrop};
-use rserpool_ksplice::testbed::{Netns, assert_pattern, in_ns, pattern, topology};
+use rserpool_ksplice::testbed::{Netns, assert_pattern, in_ns, patterned, topology};
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const CONNS: usize = 4;
-const BYTES: usize = 8 << 20;
+const CONNS: usize = 20;
+const BYTES: usize = 50 << 20;
 
 fn spawn_in(ns: &str, args: &[&str]) -> KillOnDrop {
     KillOnDrop(
@@ -64,7 +64,7 @@ fn echo_transfer(mut conn: TcpStream) -> Vec<u8> {
         .unwrap();
     let mut w = conn.try_clone().unwrap();
     let writer = std::thread::spawn(move || {
-        let buf: Vec<u8> = (0..BYTES).map(|i| pattern(i, 5)).collect();
+        let buf = patterned(BYTES, 5);
         w.write_all(&buf).unwrap();
         w.shutdown(std::net::Shutdown::Write).unwrap();
     });
