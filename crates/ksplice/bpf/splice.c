@@ -15,8 +15,9 @@
 // - WATCH: the connection still runs through the proxy's sockets; packets pass untouched and
 //   the program records the sender's latest TSval, which the hand-over needs (no socket
 //   option exposes it).
-// - HOLD: the connection is being handed over; its packets are dropped (and recorded), and
-//   their senders send them again once the entry is complete.
+// - HOLD: the connection is being handed over; its data, SYN and FIN packets are dropped
+//   (and recorded), and their senders send them again once the entry is complete. Pure
+//   ACKs pass, so that the proxy's sockets can drain while held.
 // - neither: spliced. A FIN marks its direction (user space expires the pair once both are
 //   marked and quiet); an RST ends the connection: both entries go at once, as they do when
 //   a SYN opens a new connection on the addresses and ports of one that was closing.
@@ -242,8 +243,13 @@ int splice_tc(struct __sk_buff *skb)
 	__u32 tcp_off = IP_OFF + sizeof(struct iphdr);
 	__u32 doff = tcp->doff * 4;
 	if (v->flags & (FLAG_HOLD | FLAG_WATCH)) {
+		// Held: what would move a socket's sequence numbers (data, SYN, FIN) is dropped,
+		// to be sent again through the splice; pure ACKs (and RSTs) pass, so that the
+		// proxy's sockets can drain what they sent.
+		int moves = bpf_ntohs(ip->tot_len) > sizeof(struct iphdr) + doff || tcp->syn ||
+			    tcp->fin;
 		record_ts(skb, v, tcp_off, doff);
-		return (v->flags & FLAG_HOLD) ? TC_ACT_SHOT : TC_ACT_OK;
+		return (v->flags & FLAG_HOLD) && moves ? TC_ACT_SHOT : TC_ACT_OK;
 	}
 	if (tcp->syn && !tcp->ack && (v->flags & FLAG_FIN)) {
 		// A new connection on the 4-tuple of a spliced one that was closing (a client that

@@ -246,18 +246,17 @@ pub fn hand_over(
     };
     // From here until the entries are complete the connection's packets are dropped, so
     // none reaches (and is acknowledged by) a socket about to be closed.
-    if let Err(e) = dp.hold(&addrs) {
+    if let Err(e) = dp.hold(&addrs, ts) {
         return Err((e.into(), front, back));
     }
     // Back to watching (the timestamps seen so far kept) or, on failure, to nothing.
     let undo = |dp: &mut Datapath, front: &TcpStream, back: &TcpStream, watch: bool| {
         let _ = set_tcp(front.as_raw_fd(), libc::TCP_REPAIR, 0);
         let _ = set_tcp(back.as_raw_fd(), libc::TCP_REPAIR, 0);
-        let _ = dp.unsplice(&addrs);
         if watch {
-            let seen = ts.map(|(c, s)| (Some(c), Some(s))).unwrap_or_default();
-            let _ = dp.watch(addrs.client, addrs.front, seen.0);
-            let _ = dp.watch(addrs.server, addrs.back, seen.1);
+            let _ = dp.release(&addrs);
+        } else {
+            let _ = dp.unsplice(&addrs);
         }
     };
     // A packet that passed the program just before the hold may still be on its way up the

@@ -184,6 +184,30 @@ pub struct Splice {
 }
 
 impl Splice {
+    /// A connection's addresses, nothing translated yet (what [`Datapath::hold`] needs).
+    pub fn between(
+        client: SocketAddrV4,
+        front: SocketAddrV4,
+        back: SocketAddrV4,
+        server: SocketAddrV4,
+    ) -> Self {
+        Self {
+            client,
+            front,
+            back,
+            server,
+            client_seq_delta: 0,
+            server_seq_delta: 0,
+            client_if: 0,
+            server_if: 0,
+            client_wscale: 0,
+            front_wscale: 0,
+            server_wscale: 0,
+            back_wscale: 0,
+            timestamps: None,
+        }
+    }
+
     /// The two flow table entries: client → server and server → client.
     pub fn entries(&self) -> [(FlowKey, FlowVal); 2] {
         self.entries_with(0)
@@ -413,14 +437,43 @@ impl Datapath {
         Ok(())
     }
 
-    /// Drops the connection's packets in both directions until [`splice`](Self::splice)
-    /// completes its entries: while the proxy's sockets hand over, nothing may reach them.
-    /// Only the addresses of `s` matter.
-    pub fn hold(&mut self, s: &Splice) -> Result<(), Error> {
-        for (k, v) in s.entries_with(FLAG_HOLD) {
+    /// Holds the connection until [`splice`](Self::splice) completes its entries: its
+    /// packets that carry data (or SYN or FIN) are dropped in both directions, to be sent
+    /// again by their senders through the splice; pure ACKs still reach the proxy's sockets,
+    /// which can so drain what they sent. Only the addresses of `s` matter. The timestamps
+    /// seen while watched are kept, or set to `seen` (the client's and the server's latest)
+    /// when given.
+    pub fn hold(&mut self, s: &Splice, seen: Option<(u32, u32)>) -> Result<(), Error> {
+        let seen = seen.map(|(c, v)| [c, v]);
+        for (i, (k, mut v)) in s.entries_with(FLAG_HOLD).into_iter().enumerate() {
+            let ts = match seen {
+                Some(ts) => Some(ts[i]),
+                None => self
+                    .get(&k)
+                    .filter(|o| o.flags & FLAG_SAW_TS != 0)
+                    .map(|o| o.ts_recent),
+            };
+            if let Some(ts) = ts {
+                v.ts_recent = ts;
+                v.flags |= FLAG_SAW_TS;
+            }
             self.insert(k, v)?;
         }
         Ok(())
+    }
+
+    /// Ends a [`hold`](Self::hold) that did not lead to a splice: back to watching, with the
+    /// timestamps seen kept.
+    pub fn release(&mut self, s: &Splice) -> Result<(), Error> {
+        let [(k1, _), (k2, _)] = s.entries();
+        let seen = |k: &FlowKey| {
+            self.get(k)
+                .filter(|v| v.flags & FLAG_SAW_TS != 0)
+                .map(|v| v.ts_recent)
+        };
+        let (c, v) = (seen(&k1), seen(&k2));
+        self.watch(s.client, s.front, c)?;
+        self.watch(s.server, s.back, v)
     }
 
     /// Removes both directions of a spliced connection (entries already gone are fine).

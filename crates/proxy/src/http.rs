@@ -290,6 +290,20 @@ async fn pin(c: &mut Client, r: Request, pool: &Arc<Pool>, ctx: &Ctx) -> Next {
     };
     let (level_header, send_level) = ctx.level_header();
     let mut first = outgoing_head_with(&r, c.peer, level_header, send_level);
+    // The connection is the client's and the PE's alone from here: what the client says of
+    // it (Connection: close, an Upgrade) goes through.
+    if first.ends_with(b"\r\n\r\n") {
+        first.truncate(first.len() - 2);
+        for name in ["Connection", "Upgrade"] {
+            if let Some(v) = r.head.get(name) {
+                first.put_slice(name.as_bytes());
+                first.put_slice(b": ");
+                first.put_slice(v);
+                first.put_slice(b"\r\n");
+            }
+        }
+        first.put_slice(b"\r\n");
+    }
     // What the client sent after the head (body, pipelined requests) follows it unchanged.
     first.extend_from_slice(&c.buf.split());
     let Ok(client) = c.stream.take_stream() else {

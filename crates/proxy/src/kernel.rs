@@ -5,7 +5,9 @@
 //! timestamp, which no socket option tells), with the MSS clamped to the client's. Whatever
 //! either side sends first is relayed here until both sockets are quiet (nothing unread,
 //! nothing unacknowledged); then the connection goes to the eBPF datapath and the proxy's
-//! sockets close without a trace on the wire. From then on the proxy can stop, crash or
+//! sockets close without a trace on the wire. A connection that stays busy (a download) is
+//! held after [`HOLD_AFTER`]: the datapath drops its new data (the senders send it again,
+//! through the splice) and lets ACKs through, so the sockets drain and go quiet. From then on the proxy can stop, crash or
 //! restart: the connection does not notice. If the sockets do not go quiet within a second,
 //! or the hand-over fails, the connection stays on the user-space path.
 //!
@@ -14,11 +16,11 @@
 
 use crate::config::KernelSpliceConfig;
 use rserpool_ksplice::{
-    Datapath, Error, Expired, HandOverError, clamp_mss, hand_over, interface_towards, pending,
-    source_towards,
+    Datapath, Error, Expired, HandOverError, Splice, clamp_mss, hand_over, interface_towards,
+    pending, source_towards,
 };
 use serde::Serialize;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
@@ -26,8 +28,16 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
-/// Longest relaying before a connection is handed over.
-const QUIET_WITHIN: Duration = Duration::from_secs(1);
+/// A connection not quiet this long after it is connected (a stream, a download) is held:
+/// its new data dropped, to be sent again through the splice, while the proxy's sockets
+/// drain. Long enough for a request and response and the client's delayed ACK.
+const HOLD_AFTER: Duration = Duration::from_millis(50);
+/// Longest drain under hold without progress (less pending on the sockets); then the
+/// connection stays in user space. A connection that streams both ways at once does not
+/// drain: the ACKs ride on the data that the hold drops.
+const DRAIN_STALL: Duration = Duration::from_millis(100);
+/// Longest drain under hold in all.
+const DRAIN_WITHIN: Duration = Duration::from_secs(2);
 /// Ports tried for a connection to a PE before giving up (each one in use by a spliced
 /// connection to the same PE).
 const PORT_TRIES: usize = 64;
@@ -41,6 +51,7 @@ pub(crate) struct KernelSplice {
     closing: Duration,
     handed_over: AtomicU64,
     user_space: AtomicU64,
+    held_to_drain: AtomicU64,
     table_full: AtomicU64,
     entries: AtomicUsize,
     /// Time spent in successful hand-overs (hold to entries complete), total and longest.
@@ -60,6 +71,8 @@ struct Snapshot {
     /// Connections handed to the kernel, and those that stayed in user space.
     handed_over: u64,
     user_space: u64,
+    /// Connections busy past `HOLD_AFTER`, held (new data dropped) to drain.
+    held_to_drain: u64,
     /// Hand-overs refused because the flow table was full.
     table_full: u64,
     /// How long a hand-over takes (the connection's packets held meanwhile), µs.
@@ -84,6 +97,7 @@ impl KernelSplice {
             closing: Duration::from_millis(cfg.fin_timeout_ms),
             handed_over: AtomicU64::new(0),
             user_space: AtomicU64::new(0),
+            held_to_drain: AtomicU64::new(0),
             table_full: AtomicU64::new(0),
             entries: AtomicUsize::new(0),
             handover_ns: AtomicU64::new(0),
@@ -107,6 +121,7 @@ impl KernelSplice {
             max_flows: dp.max_flows(),
             handed_over: n(&self.handed_over),
             user_space: n(&self.user_space),
+            held_to_drain: n(&self.held_to_drain),
             table_full: n(&self.table_full),
             handover_mean_us: n(&self.handover_ns) as f64
                 / 1e3
@@ -272,10 +287,26 @@ async fn hand_over_when_quiet(
         debug!("kernel splice: no IPv4 interface towards both ends; relaying in user space");
         return Handed::Back(client, backend);
     };
-    let deadline = tokio::time::Instant::now() + QUIET_WITHIN;
+    let started = tokio::time::Instant::now();
+    let mut deadline = started + HOLD_AFTER + DRAIN_WITHIN;
+    // The hold that drains a busy connection, once it is on.
+    let mut held: Option<Splice> = None;
+    let unhold = |held: &Option<Splice>| {
+        if let Some(s) = held {
+            let _ = ks.dp().unsplice(s);
+        }
+    };
     let mut buf = vec![0u8; 64 * 1024];
+    // Under hold: the least pending seen, and until when it may take to go lower.
+    let mut least = u32::MAX;
+    let mut stall = deadline;
     loop {
         let busy = pending(&client).unwrap_or(1) + pending(&backend).unwrap_or(1);
+        let now = tokio::time::Instant::now();
+        if held.is_some() && busy < least {
+            least = busy;
+            stall = now + DRAIN_STALL;
+        }
         if busy == 0 {
             let (Ok(a), Ok(b)) = (client.into_std(), backend.into_std()) else {
                 // into_std only fails to deregister from the reactor: both are gone.
@@ -299,24 +330,47 @@ async fn hand_over_when_quiet(
             }
             // Bytes arrived between the look and the hand-over: relay them and look again.
             match e {
-                HandOverError::NotQuiet(_) => {}
+                HandOverError::NotQuiet(_) => {
+                    // The failed hand-over let go of the hold; it goes on.
+                    if let Some(s) = &held {
+                        let _ = ks.dp().hold(s, None);
+                    }
+                }
                 HandOverError::Datapath(e) => {
                     ks.note(&e);
+                    unhold(&held);
                     return Handed::Back(client, backend);
                 }
                 e => {
                     debug!("kernel splice: {e}; relaying in user space");
+                    unhold(&held);
                     return Handed::Back(client, backend);
                 }
             }
         }
-        if tokio::time::Instant::now() >= deadline {
+        if now >= deadline || (held.is_some() && now >= stall) {
             debug!("kernel splice: the sockets did not go quiet; relaying in user space");
+            unhold(&held);
             return Handed::Back(client, backend);
+        }
+        if held.is_none() && now >= started + HOLD_AFTER {
+            // Busy all along (a stream, a download): hold new data back until the sockets
+            // have drained what they have.
+            if let Some(s) = addresses(&client, &backend) {
+                match ks.dp().hold(&s, None) {
+                    Ok(()) => {
+                        held = Some(s);
+                        deadline = now + DRAIN_WITHIN;
+                        ks.held_to_drain.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => ks.note(&e),
+                }
+            }
         }
         if !relay(&client, &mut backend, &mut buf).await
             || !relay(&backend, &mut client, &mut buf).await
         {
+            unhold(&held);
             return Handed::Back(client, backend);
         }
         // Data is relayed as soon as it comes (the first response must not wait); the ACKs
@@ -327,6 +381,20 @@ async fn hand_over_when_quiet(
             () = tokio::time::sleep(Duration::from_millis(1)) => {}
         }
     }
+}
+
+/// The connection's four addresses, if all are IPv4.
+fn addresses(client: &TcpStream, backend: &TcpStream) -> Option<Splice> {
+    let v4 = |a: std::io::Result<SocketAddr>| match a.ok()? {
+        SocketAddr::V4(a) => Some(a),
+        SocketAddr::V6(a) => Some(SocketAddrV4::new(a.ip().to_ipv4_mapped()?, a.port())),
+    };
+    Some(Splice::between(
+        v4(client.peer_addr())?,
+        v4(client.local_addr())?,
+        v4(backend.local_addr())?,
+        v4(backend.peer_addr())?,
+    ))
 }
 
 /// Relays what `from` has received to `to`; false when a side has closed or failed (the

@@ -59,12 +59,16 @@ fn sockets_on(ns: &str, port: u16) -> usize {
 }
 
 /// Sends `BYTES` of a pattern and reads the echo, at once.
-fn echo_transfer(mut conn: TcpStream) -> Vec<u8> {
+fn echo_transfer(conn: TcpStream) -> Vec<u8> {
+    echo(conn, patterned(BYTES, 5))
+}
+
+/// Sends `buf` and reads the echo, at once.
+fn echo(mut conn: TcpStream, buf: Vec<u8>) -> Vec<u8> {
     conn.set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
     let mut w = conn.try_clone().unwrap();
     let writer = std::thread::spawn(move || {
-        let buf = patterned(BYTES, 5);
         w.write_all(&buf).unwrap();
         w.shutdown(std::net::Shutdown::Write).unwrap();
     });
@@ -336,6 +340,25 @@ fn a_thousand_short_connections_leave_no_entries() {
     assert!(stats["fins"].as_u64() >= Some(2 * handed), "{stats}");
 }
 
+/// Waits until the web PE answers through the proxy's HTTP listener (it registers on its
+/// own time).
+fn wait_for_web_pe(c: &str, front: SocketAddrV4) {
+    in_ns(c, move || {
+        let t0 = Instant::now();
+        loop {
+            let mut s = TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            if get(&mut s, "/user/ready").0 == 200 {
+                return;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(15), "no web PE");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    })
+    .join()
+    .unwrap();
+}
+
 /// One HTTP/1.1 GET on `s`: the status and the body.
 fn get(s: &mut TcpStream, path: &str) -> (u16, Vec<u8>) {
     s.write_all(format!("GET {path} HTTP/1.1\r\nHost: k\r\n\r\n").as_bytes())
@@ -364,7 +387,7 @@ fn get(s: &mut TcpStream, path: &str) -> (u16, Vec<u8>) {
 /// An HTTP listener with `splice = "kernel"`: the first request of a connection is routed
 /// (and gets its forwarding headers), then the connection is pinned to that PE and handed to
 /// the kernel. Its later requests reach the same PE unchanged — even after the proxy is
-/// killed. A route with `splice = "user"` keeps its connections in the proxy: each request is
+/// killed. A long download as a connection's first request goes by the kernel too. A route with `splice = "user"` keeps its connections in the proxy: each request is
 /// rewritten.
 #[test]
 fn an_http_route_pins_its_connection_and_hands_it_to_the_kernel() {
@@ -377,16 +400,7 @@ fn an_http_route_pins_its_connection_and_hands_it_to_the_kernel() {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s
     };
-    // The web PE registers on its own time.
-    in_ns(&setup.c, move || {
-        let t0 = Instant::now();
-        while get(&mut connect(), "/user/ready").0 != 200 {
-            assert!(t0.elapsed() < Duration::from_secs(15), "no web PE");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    })
-    .join()
-    .unwrap();
+    wait_for_web_pe(&setup.c, front);
     // The TCP listener's readiness probe may have been handed over too.
     let before = kernel_stats(&setup.p)["handed_over"].as_u64().unwrap();
     let (asked_tx, asked_rx) = std::sync::mpsc::channel();
@@ -417,6 +431,14 @@ fn an_http_route_pins_its_connection_and_hands_it_to_the_kernel() {
         assert_pattern(&body, 8 << 20, 0, "download");
         asked_tx.send(()).unwrap();
         go_rx.recv().unwrap();
+        // A long download as the first request: handed over at the first quiet moment
+        // (before the response, or held and drained in its middle).
+        let mut d = connect();
+        let (code, body) = get(&mut d, "/bytes/268435456");
+        assert_eq!(code, 200);
+        assert_pattern(&body, 256 << 20, 0, "long download");
+        asked_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
         // The proxy is gone: the same PE answers, and no proxy added headers.
         let (code, body) = get(&mut k, "/after");
         assert_eq!(code, 200);
@@ -435,11 +457,66 @@ fn an_http_route_pins_its_connection_and_hands_it_to_the_kernel() {
     }
     go_tx.send(()).unwrap();
     asked_rx.recv().unwrap();
+    go_tx.send(()).unwrap();
+    asked_rx.recv().unwrap();
     let stats = kernel_stats(&setup.p);
-    assert_eq!(stats["handed_over"].as_u64(), Some(before + 1), "{stats}");
-    assert!(stats["bytes"].as_u64() > Some(8 << 20), "{stats}");
+    eprintln!("kernel splice stats: {stats}");
+    assert_eq!(stats["handed_over"].as_u64(), Some(before + 2), "{stats}");
+    // Most of the long download went by the kernel.
+    assert!(stats["bytes"].as_u64() > Some((8 + 128) << 20), "{stats}");
     setup.proxy.0.kill().unwrap();
     setup.proxy.0.wait().unwrap();
     go_tx.send(()).unwrap();
     client.join().unwrap();
+}
+
+/// A connection busy from its first byte (a PUT of 32 MiB through an HTTP route that pins
+/// its connection) is never quiet by itself: it is held (the client's new data dropped, to
+/// be sent again through the splice; the PE's ACKs let through) until the proxy's sockets
+/// drain, then handed over mid-upload. The PE receives every byte.
+#[test]
+fn a_busy_upload_is_held_drained_and_handed_over() {
+    let Some(setup) = setup("") else {
+        return;
+    };
+    const UPLOAD: usize = 32 << 20;
+    let front: SocketAddrV4 = HTTP_FRONT.parse().unwrap();
+    wait_for_web_pe(&setup.c, front);
+    let before = kernel_stats(&setup.p);
+    let answer = in_ns(&setup.c, move || {
+        let mut request = format!(
+            "PUT /up HTTP/1.1\r\nHost: k\r\nConnection: close\r\nContent-Length: {UPLOAD}\r\n\r\n"
+        )
+        .into_bytes();
+        request.extend_from_slice(&patterned(UPLOAD, 1));
+        let mut s = TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(&request).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer
+    })
+    .join()
+    .unwrap();
+    assert!(
+        answer.contains(&format!("received {UPLOAD} bytes")),
+        "{answer}"
+    );
+    let after = kernel_stats(&setup.p);
+    eprintln!("kernel splice stats: {after}");
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    assert_eq!(
+        n(&after, "handed_over"),
+        n(&before, "handed_over") + 1,
+        "{after}"
+    );
+    assert_eq!(
+        n(&after, "held_to_drain"),
+        n(&before, "held_to_drain") + 1,
+        "{after}"
+    );
+    assert!(
+        n(&after, "bytes") - n(&before, "bytes") > (UPLOAD / 2) as u64,
+        "{after}"
+    );
 }
