@@ -5,6 +5,7 @@
 
 mod chaos;
 mod handlespace;
+mod ksplice;
 mod levels;
 mod net;
 mod plot;
@@ -53,6 +54,10 @@ enum BenchCommand {
     /// Service levels: the seed's Figure 3 (two clients overloading a pool, client 1 at
     /// levels 1-9) beside HAProxy's priority classes and a FIFO queue (docs/LEVELS.md).
     Levels(levels::LevelsArgs),
+    /// The kernel splice beside the user-space proxy, HAProxy and direct forwarding in
+    /// network namespaces: bulk throughput and CPU per GiB, the seed's 100 concurrent PUTs,
+    /// first-response latency (docs/KSPLICE.md). Needs root.
+    Ksplice(ksplice::KspliceArgs),
     /// Chaos soak: registrars, PEs, a proxy and clients in network namespaces under random
     /// kills, link cuts and packet loss; checks that no PE is lost and no request fails.
     Chaos(chaos::ChaosArgs),
@@ -70,6 +75,7 @@ fn main() -> Result<()> {
         BenchCommand::Push(a) => push::run(a),
         BenchCommand::Trace(a) => trace::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Levels(a) => levels::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::Ksplice(a) => ksplice::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
     }

@@ -403,13 +403,19 @@ fn prepare(
 /// thread's network namespace): the route's source address, found by connecting a UDP
 /// socket (which sends nothing), and the interface that holds it.
 pub fn interface_towards(peer: std::net::Ipv4Addr) -> std::io::Result<u32> {
+    route_towards(peer).map(|(_, i)| i)
+}
+
+/// The source address and the interface index the kernel would use towards `peer`.
+pub fn route_towards(peer: std::net::Ipv4Addr) -> std::io::Result<(std::net::Ipv4Addr, u32)> {
     let local = source_towards(peer)?;
-    interface_with(local)?.ok_or_else(|| {
+    let i = interface_with(local)?.ok_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::NotFound,
             format!("no interface holds {local}"),
         )
-    })
+    })?;
+    Ok((local, i))
 }
 
 /// The source address the kernel would use towards `peer` (in the calling thread's network

@@ -22,8 +22,8 @@ mod handover;
 pub mod testbed;
 
 pub use handover::{
-    HandOverError, clamp_mss, hand_over, interface_towards, pending, save_syn, source_towards,
-    unread,
+    HandOverError, clamp_mss, hand_over, interface_towards, pending, route_towards, save_syn,
+    source_towards, unread,
 };
 use std::net::SocketAddrV4;
 use std::path::Path;

@@ -16,14 +16,14 @@
 
 use crate::config::KernelSpliceConfig;
 use rserpool_ksplice::{
-    Datapath, Error, Expired, HandOverError, Splice, clamp_mss, hand_over, interface_towards,
-    pending, source_towards,
+    Datapath, Error, Expired, HandOverError, Splice, clamp_mss, hand_over, pending, route_towards,
 };
 use serde::Serialize;
-use std::net::{IpAddr, SocketAddr, SocketAddrV4};
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
@@ -41,6 +41,9 @@ const DRAIN_WITHIN: Duration = Duration::from_secs(2);
 /// Ports tried for a connection to a PE before giving up (each one in use by a spliced
 /// connection to the same PE).
 const PORT_TRIES: usize = 64;
+/// How long a route lookup is trusted, and how many are kept.
+const ROUTE_FOR: Duration = Duration::from_secs(1);
+const MAX_ROUTES: usize = 65_536;
 /// How often ended and idle entries are looked for, at most (and twice per fin-timeout).
 const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 
@@ -60,6 +63,8 @@ pub(crate) struct KernelSplice {
     closed: AtomicU64,
     idled: AtomicU64,
     stale: AtomicU64,
+    /// Routes looked up lately: peer → (source address, interface, when).
+    routes: Mutex<HashMap<Ipv4Addr, (Ipv4Addr, u32, Instant)>>,
 }
 
 /// The status listener's view (`kernel_splice` in the proxy's stats).
@@ -105,7 +110,26 @@ impl KernelSplice {
             closed: AtomicU64::new(0),
             idled: AtomicU64::new(0),
             stale: AtomicU64::new(0),
+            routes: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The source address and interface towards `peer`, from the kernel's routes (a route
+    /// lookup costs a socket and an interface list: looked up once a second per peer).
+    fn route(&self, peer: Ipv4Addr) -> std::io::Result<(Ipv4Addr, u32)> {
+        let now = Instant::now();
+        let mut routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&(src, i, at)) = routes.get(&peer)
+            && now.duration_since(at) < ROUTE_FOR
+        {
+            return Ok((src, i));
+        }
+        let (src, i) = route_towards(peer)?;
+        if routes.len() >= MAX_ROUTES {
+            routes.clear();
+        }
+        routes.insert(peer, (src, i, now));
+        Ok((src, i))
     }
 
     fn dp(&self) -> MutexGuard<'_, Datapath> {
@@ -154,7 +178,7 @@ impl KernelSplice {
         let SocketAddr::V4(peer4) = peer else {
             return crate::backend::plain_socket(peer);
         };
-        let source = source_towards(*peer4.ip())?;
+        let (source, _) = self.route(*peer4.ip())?;
         // Sockets on ports in use by spliced connections, kept until a free one is found so
         // that the kernel does not offer the same port again.
         let mut taken = Vec::new();
@@ -256,12 +280,15 @@ pub(crate) enum Handed {
     Back(TcpStream, TcpStream),
 }
 
+/// Hands the connection to the kernel at its first quiet moment. `asked`: the proxy has just
+/// sent the PE something (a request) that it will answer.
 pub(crate) async fn try_hand_over(
     client: TcpStream,
     backend: TcpStream,
+    asked: bool,
     ks: &Arc<KernelSplice>,
 ) -> Handed {
-    let handed = hand_over_when_quiet(client, backend, ks).await;
+    let handed = hand_over_when_quiet(client, backend, asked, ks).await;
     match &handed {
         Handed::Kernel => ks.handed_over.fetch_add(1, Ordering::Relaxed),
         Handed::Back(_, backend) => {
@@ -275,18 +302,12 @@ pub(crate) async fn try_hand_over(
 async fn hand_over_when_quiet(
     mut client: TcpStream,
     mut backend: TcpStream,
+    mut asked: bool,
     ks: &KernelSplice,
 ) -> Handed {
-    let towards = |a: std::io::Result<SocketAddr>| match a.map(|a| a.ip().to_canonical()) {
-        Ok(IpAddr::V4(ip)) => interface_towards(ip).ok(),
-        _ => None,
-    };
-    let (Some(client_if), Some(server_if)) =
-        (towards(client.peer_addr()), towards(backend.peer_addr()))
-    else {
-        debug!("kernel splice: no IPv4 interface towards both ends; relaying in user space");
-        return Handed::Back(client, backend);
-    };
+    // The interfaces towards both ends, looked up when first needed: not before the first
+    // response is relayed.
+    let mut interfaces: Option<(u32, u32)> = None;
     let started = tokio::time::Instant::now();
     let mut deadline = started + HOLD_AFTER + DRAIN_WITHIN;
     // The hold that drains a busy connection, once it is on.
@@ -307,7 +328,26 @@ async fn hand_over_when_quiet(
             least = busy;
             stall = now + DRAIN_STALL;
         }
-        if busy == 0 {
+        // Between a request and its answer is no time to hand over: the answer would come
+        // while the connection is held, be dropped and wait for its sender's retransmission.
+        // (Unless the connection is held already: it is busy one way, as with an upload.)
+        let quiet = busy == 0 && (!asked || held.is_some());
+        if quiet && interfaces.is_none() {
+            let towards = |a: std::io::Result<SocketAddr>| match a.map(|a| a.ip().to_canonical()) {
+                Ok(IpAddr::V4(ip)) => ks.route(ip).ok().map(|(_, i)| i),
+                _ => None,
+            };
+            let (Some(c), Some(s)) = (towards(client.peer_addr()), towards(backend.peer_addr()))
+            else {
+                debug!(
+                    "kernel splice: no IPv4 interface towards both ends; relaying in user space"
+                );
+                unhold(&held);
+                return Handed::Back(client, backend);
+            };
+            interfaces = Some((c, s));
+        }
+        if let (true, Some((client_if, server_if))) = (quiet, interfaces) {
             let (Ok(a), Ok(b)) = (client.into_std(), backend.into_std()) else {
                 // into_std only fails to deregister from the reactor: both are gone.
                 return Handed::Kernel;
@@ -367,11 +407,18 @@ async fn hand_over_when_quiet(
                 }
             }
         }
-        if !relay(&client, &mut backend, &mut buf).await
-            || !relay(&backend, &mut client, &mut buf).await
-        {
+        let (Some(up), Some(down)) = (
+            relay(&client, &mut backend, &mut buf).await,
+            relay(&backend, &mut client, &mut buf).await,
+        ) else {
             unhold(&held);
             return Handed::Back(client, backend);
+        };
+        if down > 0 {
+            asked = false;
+        }
+        if up > 0 {
+            asked = true;
         }
         // Data is relayed as soon as it comes (the first response must not wait); the ACKs
         // that make the sockets quiet have no readiness event: look again in a millisecond.
@@ -397,12 +444,13 @@ fn addresses(client: &TcpStream, backend: &TcpStream) -> Option<Splice> {
     ))
 }
 
-/// Relays what `from` has received to `to`; false when a side has closed or failed (the
-/// connection then stays in user space, which sees it).
-async fn relay(from: &TcpStream, to: &mut TcpStream, buf: &mut [u8]) -> bool {
+/// Relays what `from` has received to `to`: the bytes moved, `None` when a side has closed or
+/// failed (the connection then stays in user space, which sees it).
+async fn relay(from: &TcpStream, to: &mut TcpStream, buf: &mut [u8]) -> Option<usize> {
     match from.try_read(buf) {
-        Ok(0) => false,
-        Ok(n) => to.write_all(&buf[..n]).await.is_ok(),
-        Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+        Ok(0) => None,
+        Ok(n) => to.write_all(&buf[..n]).await.ok().map(|()| n),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Some(0),
+        Err(_) => None,
     }
 }

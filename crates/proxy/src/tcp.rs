@@ -147,22 +147,24 @@ pub(crate) async fn carry(
             .fetch_add(first.len() as u64, Ordering::Relaxed);
     }
     let (client, backend) = match ctx.kernel.as_ref().filter(|_| kernel) {
-        Some(ks) => match crate::kernel::try_hand_over(client, backend, ks).await {
-            crate::kernel::Handed::Kernel => {
-                pool.finished(&b, level, since.elapsed());
-                ctx.log(|| {
-                    format!(
-                        "{peer} tcp {} {} {:#010x} 0 {} kernel",
-                        first.len(),
-                        b.pool,
-                        b.id,
-                        started.elapsed().as_micros()
-                    )
-                });
-                return;
+        Some(ks) => {
+            match crate::kernel::try_hand_over(client, backend, !first.is_empty(), ks).await {
+                crate::kernel::Handed::Kernel => {
+                    pool.finished(&b, level, since.elapsed());
+                    ctx.log(|| {
+                        format!(
+                            "{peer} tcp {} {} {:#010x} 0 {} kernel",
+                            first.len(),
+                            b.pool,
+                            b.id,
+                            started.elapsed().as_micros()
+                        )
+                    });
+                    return;
+                }
+                crate::kernel::Handed::Back(c, s) => (c, s),
             }
-            crate::kernel::Handed::Back(c, s) => (c, s),
-        },
+        }
         None => (client, backend),
     };
     let moved = crate::splice::forward(&client, &backend, ctx.idle_timeout(), ctx.cfg.splice).await;

@@ -231,7 +231,7 @@ pub fn run(args: TraceArgs, bin: &Path) -> Result<()> {
     }
     for &scheme in &schemes {
         println!("== {}", scheme.name());
-        let rows = run_scheme(scheme, &args, &factors, &trace, scale, bin, &dir)
+        let rows = run_scheme(scheme, &args, &factors, &trace, scale, bin, dir)
             .with_context(|| format!("scheme {}", scheme.name()))?;
         results.push((scheme, rows));
     }
