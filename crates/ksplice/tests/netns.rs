@@ -321,8 +321,9 @@ fn handed_over_transfer(loss_percent: u32, bytes: usize, capture: bool) {
 }
 
 /// Ends of spliced connections: a half close from the client (the server goes on sending),
-/// a half close from the server (the client goes on sending), and an RST from the client,
-/// which has the datapath remove that connection's entries at once.
+/// a half close from the server (the client goes on sending), and an RST from the client and
+/// one from the server, each of which has the datapath remove its connection's entries at
+/// once.
 #[test]
 fn half_closes_carry_on_and_a_reset_ends_the_entries() {
     let Some((ns, c, p, s)) = topology(0) else {
@@ -347,7 +348,7 @@ fn half_closes_carry_on_and_a_reset_ends_the_entries() {
     let srv = in_ns(&s, move || {
         let l = TcpListener::bind(server).unwrap();
         bound_tx.send(()).unwrap();
-        let mut conns: Vec<TcpStream> = (0..3)
+        let mut conns: Vec<TcpStream> = (0..4)
             .map(|_| {
                 let (mut c, _) = l.accept().unwrap();
                 c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -370,12 +371,16 @@ fn half_closes_carry_on_and_a_reset_ends_the_entries() {
             reset.map_err(|e| e.kind()).err(),
             Some(std::io::ErrorKind::ConnectionReset)
         );
+        // 4: the server resets.
+        socket2::SockRef::from(&conns[3])
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
     });
     let proxy = in_ns(&p, move || {
         let mut dp = Datapath::load(&["p0", "p1"], 1024, &pins).unwrap();
         let l = listener(front);
         ready_tx.send(()).unwrap();
-        let splices: Vec<Splice> = (0..3)
+        let splices: Vec<Splice> = (0..4)
             .map(|i| {
                 let back = SocketAddrV4::new([10, 77, 2, 1].into(), 40200 + i);
                 let s = route_and_hand_over(&mut dp, &l, back, server, None);
@@ -393,7 +398,7 @@ fn half_closes_carry_on_and_a_reset_ends_the_entries() {
     bound_rx.recv().unwrap();
     let cli = in_ns(&c, move || {
         let mut conns = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..4 {
             let conn = greet(front);
             conn.set_read_timeout(Some(Duration::from_secs(20)))
                 .unwrap();
@@ -410,15 +415,20 @@ fn half_closes_carry_on_and_a_reset_ends_the_entries() {
         socket2::SockRef::from(&conns[2])
             .set_linger(Some(Duration::ZERO))
             .unwrap();
-        drop(conns.pop());
+        drop(conns.remove(2));
+        let reset = read_all(&mut conns[2]);
+        assert_eq!(
+            reset.map_err(|e| e.kind()).err(),
+            Some(std::io::ErrorKind::ConnectionReset)
+        );
         conns
     });
     let _open = cli.join().unwrap();
     srv.join().unwrap();
     done_tx.send(()).unwrap();
-    // The two half-closed connections keep their entries until expiry; the reset one's are
+    // The two half-closed connections keep their entries until expiry; the reset ones' are
     // gone.
-    assert_eq!(proxy.join().unwrap(), [true, true, false]);
+    assert_eq!(proxy.join().unwrap(), [true, true, false, false]);
 }
 
 /// The proxy's part in [`the_connections_outlive_a_killed_proxy`], run as a process of its

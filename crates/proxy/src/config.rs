@@ -118,6 +118,10 @@ pub struct KernelSpliceConfig {
     /// A spliced connection closed in both directions (FIN) is removed once quiet this long
     /// (late retransmissions and the last ACK still get through).
     pub fin_timeout_ms: u64,
+    /// A connection busy this long without a quiet moment (a download, an upload) is held
+    /// so that it drains and can be handed over; its senders then retransmit what the hold
+    /// dropped, a stall of a retransmission timeout once. 0: never held.
+    pub hold_after_ms: u64,
 }
 
 impl Default for KernelSpliceConfig {
@@ -128,6 +132,7 @@ impl Default for KernelSpliceConfig {
             pin_dir: PathBuf::from("/sys/fs/bpf/rserpool"),
             idle_timeout_ms: 3_600_000,
             fin_timeout_ms: 10_000,
+            hold_after_ms: 500,
         }
     }
 }

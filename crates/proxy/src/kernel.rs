@@ -6,7 +6,7 @@
 //! either side sends first is relayed here until both sockets are quiet (nothing unread,
 //! nothing unacknowledged); then the connection goes to the eBPF datapath and the proxy's
 //! sockets close without a trace on the wire. A connection that stays busy (a download) is
-//! held after [`HOLD_AFTER`]: the datapath drops its new data (the senders send it again,
+//! held after `hold-after-ms`: the datapath drops its new data (the senders send it again,
 //! through the splice) and lets ACKs through, so the sockets drain and go quiet. From then on the proxy can stop, crash or
 //! restart: the connection does not notice. If the sockets do not go quiet within a second,
 //! or the hand-over fails, the connection stays on the user-space path.
@@ -28,10 +28,6 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
-/// A connection not quiet this long after it is connected (a stream, a download) is held:
-/// its new data dropped, to be sent again through the splice, while the proxy's sockets
-/// drain. Long enough for a request and response and the client's delayed ACK.
-const HOLD_AFTER: Duration = Duration::from_millis(50);
 /// Longest drain under hold without progress (less pending on the sockets); then the
 /// connection stays in user space. A connection that streams both ways at once does not
 /// drain: the ACKs ride on the data that the hold drops.
@@ -52,6 +48,10 @@ pub(crate) struct KernelSplice {
     dp: Mutex<Datapath>,
     idle: Duration,
     closing: Duration,
+    /// A connection not quiet this long after it is connected (a stream, a download) is
+    /// held: its new data dropped, to be sent again through the splice, while the proxy's
+    /// sockets drain (`hold-after-ms`; `None`: never).
+    hold_after: Option<Duration>,
     handed_over: AtomicU64,
     user_space: AtomicU64,
     held_to_drain: AtomicU64,
@@ -76,7 +76,7 @@ struct Snapshot {
     /// Connections handed to the kernel, and those that stayed in user space.
     handed_over: u64,
     user_space: u64,
-    /// Connections busy past `HOLD_AFTER`, held (new data dropped) to drain.
+    /// Connections busy past `hold-after-ms`, held (new data dropped) to drain.
     held_to_drain: u64,
     /// Hand-overs refused because the flow table was full.
     table_full: u64,
@@ -100,6 +100,7 @@ impl KernelSplice {
             dp: Mutex::new(dp),
             idle: Duration::from_millis(cfg.idle_timeout_ms),
             closing: Duration::from_millis(cfg.fin_timeout_ms),
+            hold_after: (cfg.hold_after_ms > 0).then(|| Duration::from_millis(cfg.hold_after_ms)),
             handed_over: AtomicU64::new(0),
             user_space: AtomicU64::new(0),
             held_to_drain: AtomicU64::new(0),
@@ -309,7 +310,8 @@ async fn hand_over_when_quiet(
     // response is relayed.
     let mut interfaces: Option<(u32, u32)> = None;
     let started = tokio::time::Instant::now();
-    let mut deadline = started + HOLD_AFTER + DRAIN_WITHIN;
+    let hold_at = ks.hold_after.map(|d| started + d);
+    let mut deadline = hold_at.unwrap_or(started) + DRAIN_WITHIN;
     // The hold that drains a busy connection, once it is on.
     let mut held: Option<Splice> = None;
     let unhold = |held: &Option<Splice>| {
@@ -393,7 +395,7 @@ async fn hand_over_when_quiet(
             unhold(&held);
             return Handed::Back(client, backend);
         }
-        if held.is_none() && now >= started + HOLD_AFTER {
+        if held.is_none() && hold_at.is_some_and(|at| now >= at) {
             // Busy all along (a stream, a download): hold new data back until the sockets
             // have drained what they have.
             if let Some(s) = addresses(&client, &backend) {

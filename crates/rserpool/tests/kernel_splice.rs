@@ -476,7 +476,7 @@ fn an_http_route_pins_its_connection_and_hands_it_to_the_kernel() {
 /// drain, then handed over mid-upload. The PE receives every byte.
 #[test]
 fn a_busy_upload_is_held_drained_and_handed_over() {
-    let Some(setup) = setup("") else {
+    let Some(setup) = setup("hold-after-ms = 50") else {
         return;
     };
     const UPLOAD: usize = 32 << 20;
