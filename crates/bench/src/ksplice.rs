@@ -4,7 +4,7 @@
 //! client | proxy | server namespaces joined by veth pairs (the kernel splice tests'
 //! topology). The server runs `rserpool example http` as the pool's one PE; the proxy's
 //! namespace runs the registrar, `rserpool proxy` (a TCP listener relaying in user space, one
-//! with `splice = "kernel"`, and HTTP listeners of both kinds) and HAProxy in TCP mode; it
+//! with `splice = "kernel"`) and HAProxy in TCP mode; it
 //! also routes, so that the client can reach the server directly through it — the baseline,
 //! the same hops without a proxy.
 //!
@@ -77,7 +77,7 @@ impl System {
         }
     }
 
-    /// The TCP address for bulk and PUTs.
+    /// Where the client connects.
     fn tcp(self) -> SocketAddr {
         match self {
             Self::Direct => PE,
@@ -86,16 +86,6 @@ impl System {
             Self::Haproxy => "10.77.1.1:7002",
         }
         .parse()
-        .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)))
-    }
-
-    /// The HTTP address for first responses (HAProxy: its TCP listener).
-    fn http(self) -> SocketAddr {
-        match self {
-            Self::User => "10.77.1.1:7080".parse(),
-            Self::Kernel => "10.77.1.1:7081".parse(),
-            _ => Ok(self.tcp()),
-        }
         .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)))
     }
 }
@@ -114,6 +104,8 @@ struct Row {
     machine_cpu_gib: f64,
     proxy_cpu_gib: Option<f64>,
     limited_mib_s: Option<f64>,
+    /// Bulk throughput as a share of direct's in the same round: lowest and highest.
+    vs_direct: (f64, f64),
     /// Per PUT size: mean and longest transfer time, s, and the whole batch's.
     puts: Vec<(f64, f64, f64)>,
     /// First response byte of a fresh connection: median and p99, µs.
@@ -140,7 +132,7 @@ pub fn run(args: KspliceArgs, bin: &Path) -> Result<()> {
     }
     let dir = std::env::temp_dir().join(format!("ksplice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let bed = Bed::start(&args, bin, &dir, &ns.1, (&c, &p, &s), haproxy)?;
+    let bed = Bed::start(bin, &dir, &ns.1, (&c, &p, &s), haproxy)?;
     let systems: Vec<System> = System::ALL
         .into_iter()
         .filter(|&s| haproxy || s != System::Haproxy)
@@ -173,6 +165,15 @@ pub fn run(args: KspliceArgs, bin: &Path) -> Result<()> {
         row.bulk_mib_s = report::median(r.iter().map(|x| x.0).collect()).unwrap_or(0.0);
         row.machine_cpu_gib = report::median(r.iter().map(|x| x.1).collect()).unwrap_or(0.0);
         row.proxy_cpu_gib = report::median(r.iter().filter_map(|x| x.2).collect());
+        let ratios: Vec<f64> = r
+            .iter()
+            .zip(&runs[0])
+            .map(|(x, d)| x.0 / d.0.max(1e-9))
+            .collect();
+        row.vs_direct = (
+            ratios.iter().copied().fold(f64::INFINITY, f64::min),
+            ratios.iter().copied().fold(0.0, f64::max),
+        );
         row.first_us = first_responses(&c, sys, args.first_responses)?;
         println!(
             "{}: first response median {:.0} µs, p99 {:.0} µs",
@@ -230,14 +231,12 @@ struct Bed {
 
 impl Bed {
     fn start(
-        args: &KspliceArgs,
         bin: &Path,
         dir: &Path,
         pins: &Path,
         (c, p, s): (&str, &str, &str),
         haproxy: bool,
     ) -> Result<Bed> {
-        let _ = args;
         // The proxy's namespace routes too: the direct path.
         sh(&[
             "ip",
@@ -248,26 +247,12 @@ impl Bed {
             "-qw",
             "net.ipv4.ip_forward=1",
         ])?;
-        sh(&[
-            "ip",
-            "-n",
-            c,
-            "route",
-            "add",
-            "10.77.2.0/24",
-            "via",
-            "10.77.1.1",
-        ])?;
-        sh(&[
-            "ip",
-            "-n",
-            s,
-            "route",
-            "add",
-            "10.77.1.0/24",
-            "via",
-            "10.77.2.1",
-        ])?;
+        for (ns, net, via) in [
+            (c, "10.77.2.0/24", "10.77.1.1"),
+            (s, "10.77.1.0/24", "10.77.2.1"),
+        ] {
+            sh(&["ip", "-n", ns, "route", "add", net, "via", via])?;
+        }
         let spawn = |ns: &str, args: &[&str], log: &str| {
             let mut cmd = Command::new("ip");
             cmd.args(["netns", "exec", ns]).arg(bin).args(args);
@@ -305,15 +290,6 @@ pool = "BPool"
 [[listener]]
 listen = "10.77.1.1:7001"
 mode = "tcp"
-pool = "BPool"
-splice = "kernel"
-[[listener]]
-listen = "10.77.1.1:7080"
-mode = "http"
-pool = "BPool"
-[[listener]]
-listen = "10.77.1.1:7081"
-mode = "http"
 pool = "BPool"
 splice = "kernel"
 [kernel-splice]
@@ -446,7 +422,9 @@ fn bulk(
                 let deadline = Instant::now() + d;
                 let mut total = 0;
                 while Instant::now() < deadline {
-                    total += download(sys.tcp(), 1 << 30, Some(deadline))?;
+                    // One long download per connection: a long-lived bulk connection (the
+                    // kernel splice takes over once, early in it).
+                    total += download(sys.tcp(), 1 << 40, Some(deadline))?;
                 }
                 Ok(total)
             })
@@ -512,13 +490,16 @@ fn puts(c: &str, sys: System, n: usize, size: usize) -> Result<(f64, f64, f64)> 
 }
 
 /// `n` fresh connections, one after another, each `GET /bytes/100`: the time from connect to
-/// the first response byte, median and p99 in µs.
+/// the first response byte, median and p99 in µs. Every system connects to the PE afresh
+/// for each (TCP listeners), so the difference between the proxy's two rows is what the
+/// kernel splice adds: the watched connect (the hand-over never stands between a request and
+/// its answer).
 fn first_responses(c: &str, sys: System, n: usize) -> Result<(f64, f64)> {
     let mut us = in_ns(c, move || -> std::io::Result<Vec<f64>> {
         let mut us = Vec::with_capacity(n);
         for _ in 0..n {
             let t = Instant::now();
-            let mut s = TcpStream::connect_timeout(&sys.http(), Duration::from_secs(5))?;
+            let mut s = TcpStream::connect_timeout(&sys.tcp(), Duration::from_secs(5))?;
             s.set_nodelay(true)?;
             s.set_read_timeout(Some(Duration::from_secs(5)))?;
             s.write_all(b"GET /bytes/100 HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")?;
@@ -615,10 +596,10 @@ fn markdown(
     );
     let _ = writeln!(
         md,
-        "| system | bulk MiB/s | × direct | machine CPU s/GiB | proxy CPU s/GiB | × user space | \
-         limited MiB/s | first response median / p99 µs |"
+        "| system | bulk MiB/s | × direct | × direct, rounds | machine CPU s/GiB | proxy CPU \
+         s/GiB | × user space | limited MiB/s | first response median / p99 µs |"
     );
-    let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (s, r) in systems.iter().zip(rows) {
         let proxy = r.proxy_cpu_gib.map_or("-".into(), |v| format!("{v:.3}"));
         let vs_user = match (r.proxy_cpu_gib, user_cpu) {
@@ -627,10 +608,12 @@ fn markdown(
         };
         let _ = writeln!(
             md,
-            "| {} | {:.0} | {:.2} | {:.2} | {proxy} | {vs_user} | {} | {:.0} / {:.0} |",
+            "| {} | {:.0} | {:.2} | {:.2}–{:.2} | {:.2} | {proxy} | {vs_user} | {} | {:.0} / {:.0} |",
             s.name(),
             r.bulk_mib_s,
             r.bulk_mib_s / direct,
+            r.vs_direct.0,
+            r.vs_direct.1,
             r.machine_cpu_gib,
             r.limited_mib_s.map_or("-".into(), |v| format!("{v:.0}")),
             r.first_us.0,

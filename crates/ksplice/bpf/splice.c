@@ -214,6 +214,19 @@ static __always_inline void record_ts(struct __sk_buff *skb, struct flow_val *v,
 	}
 }
 
+// Removes both entries of the connection whose entry `v` (keyed `key`) is.
+static __always_inline void forget(struct flow_val *v, struct flow_key *key)
+{
+	struct flow_key back = {
+		.saddr = v->daddr,
+		.daddr = v->saddr,
+		.sport = v->dport,
+		.dport = v->sport,
+	};
+	bpf_map_delete_elem(&splice_flows, &back);
+	bpf_map_delete_elem(&splice_flows, key);
+}
+
 SEC("classifier")
 int splice_tc(struct __sk_buff *skb)
 {
@@ -255,14 +268,7 @@ int splice_tc(struct __sk_buff *skb)
 		// A new connection on the 4-tuple of a spliced one that was closing (a client that
 		// reused its port): the old one is over. Its entries go, and the SYN goes up to the
 		// proxy's listener.
-		struct flow_key back = {
-			.saddr = v->daddr,
-			.daddr = v->saddr,
-			.sport = v->dport,
-			.dport = v->sport,
-		};
-		bpf_map_delete_elem(&splice_flows, &back);
-		bpf_map_delete_elem(&splice_flows, &key);
+		forget(v, &key);
 		return TC_ACT_OK;
 	}
 	__u32 seq_be = tcp->seq, ack_be = tcp->ack_seq;
@@ -314,17 +320,9 @@ int splice_tc(struct __sk_buff *skb)
 	__sync_fetch_and_add(&v->bytes, len);
 	if (fin)
 		v->flags |= FLAG_FIN;
-	if (rst) {
-		// Nothing answers an RST: the connection is over in both directions.
-		struct flow_key back = {
-			.saddr = v->daddr,
-			.daddr = v->saddr,
-			.sport = v->dport,
-			.dport = v->sport,
-		};
-		bpf_map_delete_elem(&splice_flows, &back);
-		bpf_map_delete_elem(&splice_flows, &key);
-	}
+	// Nothing answers an RST: the connection is over in both directions.
+	if (rst)
+		forget(v, &key);
 
 	__u32 zero = 0;
 	struct counters *c = bpf_map_lookup_elem(&splice_counters, &zero);
