@@ -219,12 +219,16 @@ impl KernelSplice {
         }
     }
 
-    /// Stops watching the PE's packets of a connection that stays in user space.
-    fn unwatch(&self, backend: &TcpStream) {
-        if let (Ok(SocketAddr::V4(server)), Ok(SocketAddr::V4(back))) =
-            (backend.peer_addr(), backend.local_addr())
-        {
-            let _ = self.dp().unwatch(server, back);
+    /// Stops watching the packets of a connection that stays in user space (the PE's, and
+    /// the client's too after a hand-over that did not happen).
+    fn unwatch(&self, client: &TcpStream, backend: &TcpStream) {
+        let mut dp = self.dp();
+        for s in [client, backend] {
+            if let (Ok(SocketAddr::V4(from)), Ok(SocketAddr::V4(to))) =
+                (s.peer_addr(), s.local_addr())
+            {
+                let _ = dp.unwatch(from, to);
+            }
         }
     }
 
@@ -292,8 +296,8 @@ pub(crate) async fn try_hand_over(
     let handed = hand_over_when_quiet(client, backend, asked, ks).await;
     match &handed {
         Handed::Kernel => ks.handed_over.fetch_add(1, Ordering::Relaxed),
-        Handed::Back(_, backend) => {
-            ks.unwatch(backend);
+        Handed::Back(client, backend) => {
+            ks.unwatch(client, backend);
             ks.user_space.fetch_add(1, Ordering::Relaxed)
         }
     };
