@@ -64,6 +64,8 @@ struct Listener {
     config: ListenerConfig,
     ctx: Arc<RwLock<Ctx>>,
     stop: watch::Sender<bool>,
+    /// The listening socket (a second descriptor of it), for options a reload sets.
+    socket: Option<std::net::TcpListener>,
 }
 
 struct Inner {
@@ -74,8 +76,9 @@ struct Inner {
     max_conns: usize,
     draining: watch::Sender<bool>,
     log: RwLock<Option<AccessLog>>,
-    /// The kernel splice's datapath, loaded at start when a listener asks for it.
-    kernel: Option<Arc<kernel::KernelSplice>>,
+    /// The kernel splice's datapath, loaded when a listener first asks for it (at start or
+    /// on a reload).
+    kernel: RwLock<Option<Arc<kernel::KernelSplice>>>,
 }
 
 /// A running proxy. Its tasks run on the tokio runtime it was started on.
@@ -122,7 +125,7 @@ impl Proxy {
                 listeners: Mutex::new(HashMap::new()),
                 draining,
                 log: RwLock::new(log),
-                kernel,
+                kernel: RwLock::new(kernel),
             }),
         };
         proxy.inner.pools.configure(&cfg);
@@ -158,24 +161,38 @@ impl Proxy {
             routes: Arc::new(Routes::new(l, &i.pools)),
             log: i.log.read().unwrap_or_else(|p| p.into_inner()).clone(),
             draining: i.draining.subscribe(),
-            kernel: l.kernel_splice().then(|| i.kernel.clone()).flatten(),
+            kernel: l.kernel_splice().then(|| self.kernel()).flatten(),
+        }
+    }
+
+    fn kernel(&self) -> Option<Arc<kernel::KernelSplice>> {
+        self.inner
+            .kernel
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Has `l`'s socket save each SYN when `l` hands connections to a loaded kernel splice:
+    /// the hand-over reads the client's first timestamp from it.
+    fn save_syn(&self, l: &ListenerConfig, socket: Option<&std::net::TcpListener>) {
+        if let (true, Some(_), Some(socket)) = (l.kernel_splice(), self.kernel(), socket)
+            && let Err(e) = rserpool_ksplice::save_syn(socket)
+        {
+            warn!("proxy: listener {}: TCP_SAVE_SYN: {e}", l.listen);
         }
     }
 
     async fn add_listener(&self, l: ListenerConfig) -> Result<(), StartError> {
-        if l.kernel_splice() && self.inner.kernel.is_none() {
+        if l.kernel_splice() && self.kernel().is_none() {
             warn!(
                 "proxy: listener {} relays in user space: the kernel splice is not loaded",
                 l.listen
             );
         }
         let sock = bind(l.listen).map_err(|e| StartError::Bind(l.listen, e))?;
-        if l.kernel_splice() && self.inner.kernel.is_some() {
-            // The hand-over reads the client's first timestamp from its SYN.
-            if let Err(e) = rserpool_ksplice::save_syn(sock.get_ref()) {
-                warn!("proxy: listener {}: TCP_SAVE_SYN: {e}", l.listen);
-            }
-        }
+        let socket = sock.get_ref().try_clone().ok();
+        self.save_syn(&l, socket.as_ref());
         let local = sock
             .get_ref()
             .local_addr()
@@ -198,6 +215,7 @@ impl Proxy {
                 config: l,
                 ctx,
                 stop,
+                socket,
             },
         );
         Ok(())
@@ -267,6 +285,16 @@ impl Proxy {
         if old.access_log != new.access_log {
             *self.inner.log.write().unwrap_or_else(|p| p.into_inner()) = open_log(&new)?;
         }
+        match self.kernel() {
+            None if new.listeners.iter().any(ListenerConfig::kernel_splice) => {
+                let loaded = load_kernel_splice(&new);
+                *self.inner.kernel.write().unwrap_or_else(|p| p.into_inner()) = loaded;
+            }
+            Some(_) if old.kernel_splice != new.kernel_splice => {
+                ignored.push("[kernel-splice] changes only with a restart".into());
+            }
+            _ => {}
+        }
         *self.inner.cfg.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new.clone());
         // Removed listeners stop accepting.
         let gone: Vec<SocketAddr> = self
@@ -289,9 +317,11 @@ impl Proxy {
             match existing {
                 Some((mode, ctx)) if mode == l.mode => {
                     *ctx.write().unwrap_or_else(|p| p.into_inner()) = self.ctx(l);
-                    if let Some(x) = self.listeners().get_mut(&l.listen) {
+                    let socket = self.listeners().get_mut(&l.listen).and_then(|x| {
                         x.config = l.clone();
-                    }
+                        x.socket.as_ref().and_then(|s| s.try_clone().ok())
+                    });
+                    self.save_syn(l, socket.as_ref());
                 }
                 Some(_) => {
                     if let Some(x) = self.listeners().remove(&l.listen) {
@@ -333,7 +363,7 @@ impl Proxy {
             "active_connections": self.active_connections(),
             "listeners": listeners,
             "pools": self.inner.pools.snapshot(),
-            "kernel_splice": self.inner.kernel.as_ref().map(|k| k.snapshot()),
+            "kernel_splice": self.kernel().map(|k| k.snapshot()),
         })
     }
 }

@@ -99,7 +99,42 @@ impl Drop for Setup {
     }
 }
 
+/// The proxy's configuration: its listeners with `splice = "{splice}"`, and `extra` in its
+/// `[kernel-splice]` section.
+fn proxy_config(pins: &std::path::Path, splice: &str, extra: &str) -> String {
+    format!(
+        r#"
+registrars = ["10.77.2.1:3863"]
+refresh-ms = 200
+status = "{STATUS}"
+[[listener]]
+listen = "{FRONT}"
+mode = "tcp"
+pool = "KPool"
+splice = "{splice}"
+[[listener]]
+listen = "{HTTP_FRONT}"
+mode = "http"
+pool = "HPool"
+splice = "{splice}"
+[[listener.route]]
+prefix = "/user/"
+pool = "HPool"
+splice = "user"
+[kernel-splice]
+interfaces = ["p0", "p1"]
+pin-dir = "{}"
+{extra}
+"#,
+        pins.display()
+    )
+}
+
 fn setup(extra: &str) -> Option<Setup> {
+    setup_with("kernel", extra)
+}
+
+fn setup_with(splice: &str, extra: &str) -> Option<Setup> {
     let (ns, c, p, s) = topology(0)?;
     let registrar = spawn_in(
         &p,
@@ -132,32 +167,7 @@ fn setup(extra: &str) -> Option<Setup> {
             "10.77.2.1:3863",
         ],
     );
-    let cfg = format!(
-        r#"
-registrars = ["10.77.2.1:3863"]
-refresh-ms = 200
-status = "{STATUS}"
-[[listener]]
-listen = "{FRONT}"
-mode = "tcp"
-pool = "KPool"
-splice = "kernel"
-[[listener]]
-listen = "{HTTP_FRONT}"
-mode = "http"
-pool = "HPool"
-splice = "kernel"
-[[listener.route]]
-prefix = "/user/"
-pool = "HPool"
-splice = "user"
-[kernel-splice]
-interfaces = ["p0", "p1"]
-pin-dir = "{}"
-{extra}
-"#,
-        ns.1.display()
-    );
+    let cfg = proxy_config(&ns.1, splice, extra);
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let dir = std::env::temp_dir().join(format!(
         "ksplice-proxy-{}-{}",
@@ -519,4 +529,58 @@ fn a_busy_upload_is_held_drained_and_handed_over() {
         n(&after, "bytes") - n(&before, "bytes") > (UPLOAD / 2) as u64,
         "{after}"
     );
+}
+
+/// A proxy started without the kernel splice loads it on a reload (SIGHUP) that asks for it:
+/// the listener it already had hands its connections over from then on.
+#[test]
+fn a_reload_turns_the_kernel_splice_on() {
+    let Some(setup) = setup_with("user", "") else {
+        return;
+    };
+    assert!(
+        kernel_stats(&setup.p).is_null(),
+        "loaded before it was asked for"
+    );
+    std::fs::write(
+        setup.dir.join("proxy.toml"),
+        proxy_config(&setup._ns.1, "kernel", ""),
+    )
+    .unwrap();
+    let pid = rustix::process::Pid::from_raw(setup.proxy.0.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
+    let t0 = Instant::now();
+    while kernel_stats(&setup.p).is_null() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "not loaded on reload"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let front: SocketAddrV4 = FRONT.parse().unwrap();
+    let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let client = in_ns(&setup.c, move || {
+        let mut s = TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(b"HELLO").unwrap();
+        let mut b = [0u8; 5];
+        s.read_exact(&mut b).unwrap();
+        opened_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        echo(s, patterned(1 << 20, 5))
+    });
+    opened_rx.recv().unwrap();
+    let t0 = Instant::now();
+    while front_sockets(&setup.p) > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the proxy kept its sockets: no hand-over after the reload"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    go_tx.send(()).unwrap();
+    assert_pattern(&client.join().unwrap(), 1 << 20, 5, "after the reload");
+    let stats = kernel_stats(&setup.p);
+    assert!(stats["handed_over"].as_u64() >= Some(1), "{stats}");
 }
