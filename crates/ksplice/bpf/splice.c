@@ -56,7 +56,7 @@ struct flow_val {
 	__u8 wscale_out;
 	__u16 flags;
 	// Written by the program: the sender's latest TSval (FLAG_SAW_TS), when the latest
-	// packet came (bpf_ktime_get_ns), packets and bytes carried.
+	// packet came (bpf_ktime_get_ns), packets and payload bytes carried.
 	__u32 ts_recent;
 	__u64 last_ns;
 	__u64 packets;
@@ -278,6 +278,7 @@ int splice_tc(struct __sk_buff *skb)
 	__u32 saddr_be = ip->saddr, daddr_be = ip->daddr;
 	int is_ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
 	__u32 len = skb->len;
+	__u32 payload = bpf_ntohs(ip->tot_len) - sizeof(struct iphdr) - doff;
 	// From here on the packet pointers are stale: helpers below may move the data.
 
 	if (set32(skb, tcp_off, tcp_off + offsetof(struct tcphdr, seq), seq_be,
@@ -317,7 +318,7 @@ int splice_tc(struct __sk_buff *skb)
 	__u32 ifindex = v->ifindex;
 	v->last_ns = bpf_ktime_get_ns();
 	__sync_fetch_and_add(&v->packets, 1);
-	__sync_fetch_and_add(&v->bytes, len);
+	__sync_fetch_and_add(&v->bytes, payload);
 	if (fin)
 		v->flags |= FLAG_FIN;
 	// Nothing answers an RST: the connection is over in both directions.

@@ -519,8 +519,8 @@ impl Datapath {
         self.remove(&FlowKey::new(from, to))
     }
 
-    /// Packets and bytes the program carried for `s`: (client → server, server → client),
-    /// or `None` once its entries are gone.
+    /// Packets and payload bytes the program carried for `s`: (client → server, server →
+    /// client), or `None` once its entries are gone.
     pub fn carried(&self, s: &Splice) -> Option<[(u64, u64); 2]> {
         let [(k1, _), (k2, _)] = s.entries();
         let (a, b) = (self.get(&k1)?, self.get(&k2)?);

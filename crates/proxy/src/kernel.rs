@@ -14,6 +14,7 @@
 //! [`expire_loop`] removes the entries of connections that ended or idle; the datapath
 //! itself removes those an RST ended.
 
+use crate::backend::Backend;
 use crate::config::KernelSpliceConfig;
 use rserpool_ksplice::{
     Datapath, Error, Expired, HandOverError, Splice, clamp_mss, hand_over, pending, route_towards,
@@ -65,6 +66,16 @@ pub(crate) struct KernelSplice {
     stale: AtomicU64,
     /// Routes looked up lately: peer → (source address, interface, when).
     routes: Mutex<HashMap<Ipv4Addr, (Ipv4Addr, u32, Instant)>>,
+    /// The connections this process handed over, by client address, with their PE: their
+    /// bytes go to the PE's counters at each expiry pass.
+    tracked: Mutex<HashMap<SocketAddrV4, Tracked>>,
+}
+
+struct Tracked {
+    splice: Splice,
+    pe: Arc<Backend>,
+    /// Bytes counted so far: client → PE, PE → client.
+    counted: [u64; 2],
 }
 
 /// The status listener's view (`kernel_splice` in the proxy's stats).
@@ -112,6 +123,7 @@ impl KernelSplice {
             idled: AtomicU64::new(0),
             stale: AtomicU64::new(0),
             routes: Mutex::new(HashMap::new()),
+            tracked: Mutex::new(HashMap::new()),
         }
     }
 
@@ -232,7 +244,43 @@ impl KernelSplice {
         }
     }
 
+    /// Counts a connection just handed over towards its PE's bytes from now on.
+    pub(crate) fn track(&self, splice: Splice, pe: Arc<Backend>) {
+        let mut tracked = self.tracked.lock().unwrap_or_else(|p| p.into_inner());
+        tracked.insert(
+            splice.client,
+            Tracked {
+                splice,
+                pe,
+                counted: [0; 2],
+            },
+        );
+    }
+
+    /// Adds what the datapath carried since the last pass to the PEs' byte counters, and
+    /// forgets connections whose entries are gone (what an RST-ended one carried in its last
+    /// second is lost).
+    fn account(&self) {
+        let mut tracked = self.tracked.lock().unwrap_or_else(|p| p.into_inner());
+        let dp = self.dp();
+        tracked.retain(|_, t| match dp.carried(&t.splice) {
+            Some([(_, up), (_, down)]) => {
+                let stats = &t.pe.stats;
+                stats
+                    .bytes_in
+                    .fetch_add(up.saturating_sub(t.counted[0]), Ordering::Relaxed);
+                stats
+                    .bytes_out
+                    .fetch_add(down.saturating_sub(t.counted[1]), Ordering::Relaxed);
+                t.counted = [up, down];
+                true
+            }
+            None => false,
+        });
+    }
+
     fn expire(&self) -> Result<Expired, Error> {
+        self.account();
         let x = self.dp().expire(self.idle, self.closing)?;
         self.entries.store(x.entries, Ordering::Relaxed);
         self.closed.fetch_add(x.closed as u64, Ordering::Relaxed);
@@ -279,8 +327,8 @@ pub(crate) async fn expire_loop(ks: Weak<KernelSplice>) {
 }
 
 pub(crate) enum Handed {
-    /// The kernel carries the connection now.
-    Kernel,
+    /// The kernel carries the connection now (its entries, if the hand-over got that far).
+    Kernel(Option<Splice>),
     /// It stays here: the sockets, unchanged.
     Back(TcpStream, TcpStream),
 }
@@ -291,11 +339,12 @@ pub(crate) async fn try_hand_over(
     client: TcpStream,
     backend: TcpStream,
     asked: bool,
+    pe: &Backend,
     ks: &Arc<KernelSplice>,
 ) -> Handed {
-    let handed = hand_over_when_quiet(client, backend, asked, ks).await;
+    let handed = hand_over_when_quiet(client, backend, asked, pe, ks).await;
     match &handed {
-        Handed::Kernel => ks.handed_over.fetch_add(1, Ordering::Relaxed),
+        Handed::Kernel(_) => ks.handed_over.fetch_add(1, Ordering::Relaxed),
         Handed::Back(client, backend) => {
             ks.unwatch(client, backend);
             ks.user_space.fetch_add(1, Ordering::Relaxed)
@@ -308,6 +357,7 @@ async fn hand_over_when_quiet(
     mut client: TcpStream,
     mut backend: TcpStream,
     mut asked: bool,
+    pe: &Backend,
     ks: &KernelSplice,
 ) -> Handed {
     // The interfaces towards both ends, looked up when first needed: not before the first
@@ -356,7 +406,7 @@ async fn hand_over_when_quiet(
         if let (true, Some((client_if, server_if))) = (quiet, interfaces) {
             let (Ok(a), Ok(b)) = (client.into_std(), backend.into_std()) else {
                 // into_std only fails to deregister from the reactor: both are gone.
-                return Handed::Kernel;
+                return Handed::Kernel(None);
             };
             let t0 = std::time::Instant::now();
             let handed = hand_over(&mut ks.dp(), a, b, client_if, server_if);
@@ -366,13 +416,13 @@ async fn hand_over_when_quiet(
                     ks.handover_ns.fetch_add(ns, Ordering::Relaxed);
                     ks.handover_max_ns.fetch_max(ns, Ordering::Relaxed);
                     debug!("kernel splice: {} ↔ {} handed over", s.client, s.server);
-                    return Handed::Kernel;
+                    return Handed::Kernel(Some(s));
                 }
                 Err(v) => v,
             };
             match (TcpStream::from_std(a), TcpStream::from_std(b)) {
                 (Ok(a), Ok(b)) => (client, backend) = (a, b),
-                _ => return Handed::Kernel,
+                _ => return Handed::Kernel(None),
             }
             // Bytes arrived between the look and the hand-over: relay them and look again.
             match e {
@@ -420,6 +470,8 @@ async fn hand_over_when_quiet(
             unhold(&held);
             return Handed::Back(client, backend);
         };
+        pe.stats.bytes_in.fetch_add(up as u64, Ordering::Relaxed);
+        pe.stats.bytes_out.fetch_add(down as u64, Ordering::Relaxed);
         if down > 0 {
             asked = false;
         }

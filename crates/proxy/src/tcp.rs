@@ -148,8 +148,11 @@ pub(crate) async fn carry(
     }
     let (client, backend) = match ctx.kernel.as_ref().filter(|_| kernel) {
         Some(ks) => {
-            match crate::kernel::try_hand_over(client, backend, !first.is_empty(), ks).await {
-                crate::kernel::Handed::Kernel => {
+            match crate::kernel::try_hand_over(client, backend, !first.is_empty(), &b, ks).await {
+                crate::kernel::Handed::Kernel(splice) => {
+                    if let Some(s) = splice {
+                        ks.track(s, b.clone());
+                    }
                     pool.finished(&b, level, since.elapsed());
                     ctx.log(|| {
                         format!(

@@ -213,19 +213,36 @@ fn setup_with(splice: &str, extra: &str) -> Option<Setup> {
     })
 }
 
-/// The proxy's `kernel_splice` stats, read from inside its namespace.
-fn kernel_stats(p: &str) -> serde_json::Value {
+/// The proxy's status, read from inside its namespace.
+fn status(p: &str) -> serde_json::Value {
     in_ns(p, || {
         let mut s = TcpStream::connect(STATUS).unwrap();
         s.write_all(b"GET /status HTTP/1.0\r\n\r\n").unwrap();
         let mut reply = String::new();
         s.read_to_string(&mut reply).unwrap();
         let body = reply.split("\r\n\r\n").nth(1).unwrap_or_default();
-        let v: serde_json::Value = serde_json::from_str(body).unwrap();
-        v["kernel_splice"].clone()
+        serde_json::from_str(body).unwrap()
     })
     .join()
     .unwrap()
+}
+
+/// The proxy's `kernel_splice` stats.
+fn kernel_stats(p: &str) -> serde_json::Value {
+    status(p)["kernel_splice"].clone()
+}
+
+/// Bytes the proxy counts from clients to the PEs of `pool`.
+fn bytes_in(p: &str, pool: &str) -> u64 {
+    let st = status(p);
+    st["pools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|x| x["pool"] == pool)
+        .flat_map(|x| x["pool_elements"].as_array().cloned().unwrap_or_default())
+        .filter_map(|pe| pe["bytes_in"].as_u64())
+        .sum()
 }
 
 #[test]
@@ -529,6 +546,16 @@ fn a_busy_upload_is_held_drained_and_handed_over() {
         n(&after, "bytes") - n(&before, "bytes") > (UPLOAD / 2) as u64,
         "{after}"
     );
+    // The bytes the kernel carried count for the PE too (at the next expiry pass).
+    let t0 = Instant::now();
+    while bytes_in(&setup.p, "HPool") < UPLOAD as u64 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the PE's bytes_in stayed at {}",
+            bytes_in(&setup.p, "HPool")
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// A proxy started without the kernel splice loads it on a reload (SIGHUP) that asks for it:
