@@ -102,12 +102,8 @@ fn get_tcp<T: Copy + Default>(fd: RawFd, opt: libc::c_int) -> std::io::Result<T>
 
 /// Bytes unread plus bytes sent and not yet acknowledged on `s`.
 pub fn pending(s: &impl AsRawFd) -> std::io::Result<u32> {
-    Ok(unread(s)? + ioctl_u32(s.as_raw_fd(), libc::TIOCOUTQ)?)
-}
-
-/// Bytes received on `s` and not read yet.
-pub fn unread(s: &impl AsRawFd) -> std::io::Result<u32> {
-    ioctl_u32(s.as_raw_fd(), libc::FIONREAD)
+    let fd = s.as_raw_fd();
+    Ok(ioctl_u32(fd, libc::FIONREAD)? + ioctl_u32(fd, libc::TIOCOUTQ)?)
 }
 
 /// What a hand-over needs of a socket's `struct tcp_info`.
@@ -399,14 +395,9 @@ fn prepare(
     })
 }
 
-/// The interface index the kernel would send packets to `peer` through (in the calling
-/// thread's network namespace): the route's source address, found by connecting a UDP
-/// socket (which sends nothing), and the interface that holds it.
-pub fn interface_towards(peer: std::net::Ipv4Addr) -> std::io::Result<u32> {
-    route_towards(peer).map(|(_, i)| i)
-}
-
-/// The source address and the interface index the kernel would use towards `peer`.
+/// The source address and the interface index the kernel would use towards `peer` (in the
+/// calling thread's network namespace): the route's source address, found by connecting a
+/// UDP socket (which sends nothing), and the interface that holds it.
 pub fn route_towards(peer: std::net::Ipv4Addr) -> std::io::Result<(std::net::Ipv4Addr, u32)> {
     let local = source_towards(peer)?;
     let i = interface_with(local)?.ok_or_else(|| {
@@ -418,9 +409,8 @@ pub fn route_towards(peer: std::net::Ipv4Addr) -> std::io::Result<(std::net::Ipv
     Ok((local, i))
 }
 
-/// The source address the kernel would use towards `peer` (in the calling thread's network
-/// namespace).
-pub fn source_towards(peer: std::net::Ipv4Addr) -> std::io::Result<std::net::Ipv4Addr> {
+/// The source address the kernel would use towards `peer`.
+fn source_towards(peer: std::net::Ipv4Addr) -> std::io::Result<std::net::Ipv4Addr> {
     let probe = std::net::UdpSocket::bind("0.0.0.0:0")?;
     probe.connect((peer, 9))?;
     match probe.local_addr()? {

@@ -21,10 +21,7 @@ mod handover;
 #[doc(hidden)]
 pub mod testbed;
 
-pub use handover::{
-    HandOverError, clamp_mss, hand_over, interface_towards, pending, route_towards, save_syn,
-    source_towards, unread,
-};
+pub use handover::{HandOverError, clamp_mss, hand_over, pending, route_towards, save_syn};
 use std::net::SocketAddrV4;
 use std::path::Path;
 use std::time::Duration;

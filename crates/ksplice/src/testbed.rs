@@ -57,25 +57,51 @@ pub fn in_ns<T: Send + 'static>(
 
 pub const N: usize = 8 << 20;
 
+/// Where the tests' proxy listens (towards the client), and where their server does.
+pub const FRONT: SocketAddrV4 = SocketAddrV4::new(std::net::Ipv4Addr::new(10, 77, 1, 1), 8080);
+pub const SERVER: SocketAddrV4 = SocketAddrV4::new(std::net::Ipv4Addr::new(10, 77, 2, 2), 9000);
+
 /// Sends N bytes of pattern `seed` and reads everything the other end sends, at once.
 pub fn exchange(conn: TcpStream, seed: u8) -> Vec<u8> {
     exchange_n(conn, seed, N)
 }
 
 /// Sends `n` bytes of pattern `seed` and reads everything the other end sends, at once.
-pub fn exchange_n(mut conn: TcpStream, seed: u8, n: usize) -> Vec<u8> {
-    conn.set_read_timeout(Some(Duration::from_secs(20)))
+pub fn exchange_n(conn: TcpStream, seed: u8, n: usize) -> Vec<u8> {
+    send_and_read(conn, patterned(n, seed))
+}
+
+/// Sends `buf` (then ends the sending side) and reads everything the other end sends, at
+/// once.
+pub fn send_and_read(mut conn: TcpStream, buf: Vec<u8>) -> Vec<u8> {
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
     let mut w = conn.try_clone().unwrap();
     let writer = std::thread::spawn(move || {
-        let buf = patterned(n, seed);
         w.write_all(&buf).unwrap();
         w.shutdown(std::net::Shutdown::Write).unwrap();
     });
-    let mut got = Vec::with_capacity(n);
+    let mut got = Vec::new();
     conn.read_to_end(&mut got).unwrap();
     writer.join().unwrap();
     got
+}
+
+/// Checks transfers that ran across a proxy's kill at `killed`: at least one still ran then
+/// (else the test proved nothing), and each is `len` bytes of pattern `seed`.
+pub fn assert_outlived(
+    done: Vec<(Vec<u8>, std::time::Instant)>,
+    killed: std::time::Instant,
+    len: usize,
+    seed: u8,
+) {
+    assert!(
+        done.iter().any(|(_, at)| *at > killed),
+        "every transfer ended before the kill: the test proved nothing"
+    );
+    for (got, _) in done {
+        assert_pattern(&got, len, seed, "transfer");
+    }
 }
 
 /// `n` bytes of the pattern `seed` (a period of 251 bytes, copied: fast in debug builds).

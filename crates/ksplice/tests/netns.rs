@@ -9,8 +9,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use rserpool_ksplice::testbed::{
-    N, assert_pattern, exchange, exchange_n, greet, in_ns, listener, pattern, route_and_hand_over,
-    topology, welcome,
+    FRONT, N, SERVER, assert_outlived, assert_pattern, exchange, exchange_n, greet, in_ns,
+    listener, pattern, route_and_hand_over, topology, welcome,
 };
 use rserpool_ksplice::{Datapath, Splice, ifindex};
 use std::io::{BufRead, Read, Write};
@@ -56,9 +56,9 @@ fn spliced_transfer(loss_percent: u32) {
     };
     let pins = ns.1.clone();
     let client: SocketAddrV4 = "10.77.1.2:40000".parse().unwrap();
-    let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
+    let front = FRONT;
     let back: SocketAddrV4 = "10.77.2.1:40001".parse().unwrap();
-    let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
+    let server = SERVER;
     // The proxy: the program on both interfaces, the connection's entries. It stays loaded
     // while the thread waits for the word to go.
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -219,9 +219,9 @@ fn handed_over_transfer(loss_percent: u32, bytes: usize, capture: bool) {
         return;
     };
     let pins = ns.1.clone();
-    let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
+    let front = FRONT;
     let back: SocketAddrV4 = "10.77.2.1:40001".parse().unwrap();
-    let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
+    let server = SERVER;
     let dir = std::env::temp_dir().join(format!("ksplice-cap-{}", ns.0[0]));
     let mut captures = Vec::new();
     if capture {
@@ -330,8 +330,8 @@ fn half_closes_carry_on_and_a_reset_ends_the_entries() {
         return;
     };
     let pins = ns.1.clone();
-    let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
-    let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
+    let front = FRONT;
+    let server = SERVER;
     const MORE: usize = 1 << 20;
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -442,8 +442,8 @@ fn proxy_role() {
         return;
     };
     let n: usize = std::env::var("KSPLICE_CONNS").unwrap().parse().unwrap();
-    let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
-    let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
+    let front = FRONT;
+    let server = SERVER;
     let mut dp = Datapath::load(&["p0", "p1"], 1024, std::path::Path::new(&pins)).unwrap();
     let l = listener(front);
     println!("listening");
@@ -465,8 +465,8 @@ fn the_connections_outlive_a_killed_proxy() {
         return;
     };
     const CONNS: usize = 4;
-    let front: SocketAddrV4 = "10.77.1.1:8080".parse().unwrap();
-    let server: SocketAddrV4 = "10.77.2.2:9000".parse().unwrap();
+    let front = FRONT;
+    let server = SERVER;
     let mut proxy = Command::new("ip")
         .args(["netns", "exec", &p])
         .arg(std::env::current_exe().unwrap())
@@ -521,14 +521,7 @@ fn the_connections_outlive_a_killed_proxy() {
     proxy.kill().unwrap();
     proxy.wait().unwrap();
     let killed = std::time::Instant::now();
-    let done = cli.join().unwrap();
-    assert!(
-        done.iter().any(|(_, at)| *at > killed),
-        "every transfer ended before the kill: the test proved nothing"
-    );
-    for (got, _) in done {
-        assert_pattern(&got, N, 7, "transfer");
-    }
+    assert_outlived(cli.join().unwrap(), killed, N, 7);
     for got in srv.join().unwrap() {
         assert_pattern(&got, N, 3, "transfer");
     }
