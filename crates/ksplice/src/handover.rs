@@ -25,7 +25,7 @@
 
 use crate::{Datapath, Error, Splice};
 use std::net::{SocketAddr, SocketAddrV4, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 
 /// How long a hand-over waits, once the connection's packets are held, for those that passed
 /// the program just before to reach their socket (the receive path runs in a softirq and
@@ -215,13 +215,33 @@ fn seqs(fd: RawFd) -> std::io::Result<(u32, u32)> {
     Ok((snd, rcv))
 }
 
-fn v4(a: std::io::Result<SocketAddr>, what: &'static str) -> Result<SocketAddrV4, HandOverError> {
-    match a.map_err(|e| HandOverError::Socket(what, e))? {
-        SocketAddr::V4(a) => Ok(a),
-        SocketAddr::V6(a) => match a.ip().to_ipv4_mapped() {
+impl Splice {
+    /// The addresses of the connection of `front` (the client's socket, accepted by the
+    /// proxy) and `back` (the proxy's to the PE), nothing translated yet: what
+    /// [`Datapath::hold`] needs.
+    pub fn of(front: &impl AsFd, back: &impl AsFd) -> Result<Splice, HandOverError> {
+        let (front, back) = (socket2::SockRef::from(front), socket2::SockRef::from(back));
+        Ok(Splice::between(
+            v4(front.peer_addr(), "client address")?,
+            v4(front.local_addr(), "front address")?,
+            v4(back.local_addr(), "back address")?,
+            v4(back.peer_addr(), "server address")?,
+        ))
+    }
+}
+
+fn v4(
+    a: std::io::Result<socket2::SockAddr>,
+    what: &'static str,
+) -> Result<SocketAddrV4, HandOverError> {
+    let a = a.map_err(|e| HandOverError::Socket(what, e))?;
+    match a.as_socket() {
+        Some(SocketAddr::V4(a)) => Ok(a),
+        Some(SocketAddr::V6(a)) => match a.ip().to_ipv4_mapped() {
             Some(ip) => Ok(SocketAddrV4::new(ip, a.port())),
             None => Err(HandOverError::NotIpv4),
         },
+        None => Err(HandOverError::NotIpv4),
     }
 }
 
@@ -319,19 +339,13 @@ fn addresses(
     let fi = info(front.as_raw_fd()).map_err(|e| HandOverError::Socket("TCP_INFO", e))?;
     let bi = info(back.as_raw_fd()).map_err(|e| HandOverError::Socket("TCP_INFO", e))?;
     let s = Splice {
-        client: v4(front.peer_addr(), "client address")?,
-        front: v4(front.local_addr(), "front address")?,
-        back: v4(back.local_addr(), "back address")?,
-        server: v4(back.peer_addr(), "server address")?,
-        client_seq_delta: 0,
-        server_seq_delta: 0,
         client_if,
         server_if,
         client_wscale: fi.wscales.1,
         front_wscale: fi.wscales.0,
         server_wscale: bi.wscales.1,
         back_wscale: bi.wscales.0,
-        timestamps: None,
+        ..Splice::of(front, back)?
     };
     // The client may send segments as large as the proxy advertised; the PE must take them.
     let options = if bi.timestamps { 12 } else { 0 };

@@ -182,7 +182,7 @@ pub struct Splice {
 
 impl Splice {
     /// A connection's addresses, nothing translated yet (what [`Datapath::hold`] needs).
-    pub fn between(
+    fn between(
         client: SocketAddrV4,
         front: SocketAddrV4,
         back: SocketAddrV4,

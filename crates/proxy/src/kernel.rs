@@ -452,7 +452,7 @@ async fn hand_over_when_quiet(
         if held.is_none() && hold_at.is_some_and(|at| now >= at) {
             // Busy all along (a stream, a download): hold new data back until the sockets
             // have drained what they have.
-            if let Some(s) = addresses(&client, &backend) {
+            if let Ok(s) = Splice::of(&client, &backend) {
                 match ks.dp().hold(&s, None) {
                     Ok(()) => {
                         held = Some(s);
@@ -486,20 +486,6 @@ async fn hand_over_when_quiet(
             () = tokio::time::sleep(Duration::from_millis(1)) => {}
         }
     }
-}
-
-/// The connection's four addresses, if all are IPv4.
-fn addresses(client: &TcpStream, backend: &TcpStream) -> Option<Splice> {
-    let v4 = |a: std::io::Result<SocketAddr>| match a.ok()? {
-        SocketAddr::V4(a) => Some(a),
-        SocketAddr::V6(a) => Some(SocketAddrV4::new(a.ip().to_ipv4_mapped()?, a.port())),
-    };
-    Some(Splice::between(
-        v4(client.peer_addr())?,
-        v4(client.local_addr())?,
-        v4(backend.local_addr())?,
-        v4(backend.peer_addr())?,
-    ))
 }
 
 /// Relays what `from` has received to `to`: the bytes moved, `None` when a side has closed or
