@@ -196,7 +196,9 @@ pub fn listener(addr: SocketAddrV4) -> TcpListener {
 /// (from [`listener`]), reads the client's `HELLO\n`, connects from `back` to `server` (the
 /// server's packets watched from before the SYN, the MSS clamped to the client's, a receive
 /// buffer of `rcvbuf` if given), relays the HELLO and the server's `WELCOME\n`, waits until
-/// both sockets are quiet and hands the connection to `dp` on interfaces p0 and p1.
+/// both sockets are quiet and hands the connection to `dp` on interfaces p0 and p1. Unlike
+/// the proxy it relays nothing meanwhile: the test's client and server must not send more
+/// until it returns.
 pub fn route_and_hand_over(
     dp: &mut Datapath,
     l: &TcpListener,

@@ -241,12 +241,17 @@ fn handed_over_transfer(loss_percent: u32, bytes: usize, capture: bool) {
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    // Client and server start their transfers once the connection is handed over: the
+    // helper hands over quiet sockets only.
+    let gate = std::sync::Arc::new(std::sync::Barrier::new(3));
+    let (server_gate, proxy_gate) = (gate.clone(), gate.clone());
     let srv = in_ns(&s, move || {
         let l = TcpListener::bind(server).unwrap();
         bound_tx.send(()).unwrap();
         let (mut conn, peer) = l.accept().unwrap();
         assert_eq!(peer.to_string(), back.to_string());
         welcome(&mut conn);
+        server_gate.wait();
         exchange_n(conn, 7, bytes)
     });
     let proxy = in_ns(&p, move || {
@@ -256,6 +261,7 @@ fn handed_over_transfer(loss_percent: u32, bytes: usize, capture: bool) {
         // A small receive buffer: the back leg negotiates a smaller window scale than the
         // front leg, so the datapath must rescale the server's windows.
         let splice = route_and_hand_over(&mut dp, &l, back, server, Some(16 * 1024));
+        proxy_gate.wait();
         assert_ne!(splice.front_wscale, splice.back_wscale, "{splice:?}");
         assert!(splice.timestamps.is_some(), "{splice:?}");
         let _ = done_rx.recv();
@@ -278,7 +284,11 @@ fn handed_over_transfer(loss_percent: u32, bytes: usize, capture: bool) {
     });
     ready_rx.recv().unwrap();
     bound_rx.recv().unwrap();
-    let cli = in_ns(&c, move || exchange_n(greet(front), 3, bytes));
+    let cli = in_ns(&c, move || {
+        let conn = greet(front);
+        gate.wait();
+        exchange_n(conn, 3, bytes)
+    });
     let counters = finish(cli, srv, done_tx, proxy, bytes);
     assert!(counters.bytes >= 2 * bytes as u64, "{counters:?}");
     assert!(counters.fins >= 2, "{counters:?}");
@@ -487,15 +497,24 @@ fn the_connections_outlive_a_killed_proxy() {
     };
     wait_for("listening");
     let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    // Client and server start their transfers once every connection is handed over: the
+    // helper hands over quiet sockets only.
+    let (server_go_tx, server_go_rx) = std::sync::mpsc::channel::<()>();
+    let (client_go_tx, client_go_rx) = std::sync::mpsc::channel::<()>();
     let srv = in_ns(&s, move || {
         let l = TcpListener::bind(server).unwrap();
         bound_tx.send(()).unwrap();
-        let mut handles = Vec::new();
+        let mut conns = Vec::new();
         for _ in 0..CONNS {
             let (mut conn, _) = l.accept().unwrap();
             welcome(&mut conn);
-            handles.push(std::thread::spawn(move || exchange(conn, 7)));
+            conns.push(conn);
         }
+        server_go_rx.recv().unwrap();
+        let handles: Vec<_> = conns
+            .into_iter()
+            .map(|conn| std::thread::spawn(move || exchange(conn, 7)))
+            .collect();
         handles
             .into_iter()
             .map(|h| h.join().unwrap())
@@ -503,19 +522,20 @@ fn the_connections_outlive_a_killed_proxy() {
     });
     bound_rx.recv().unwrap();
     let cli = in_ns(&c, move || {
-        let mut handles = Vec::new();
-        for _ in 0..CONNS {
-            let conn = greet(front);
-            handles.push(std::thread::spawn(move || {
-                (exchange(conn, 3), std::time::Instant::now())
-            }));
-        }
+        let conns: Vec<TcpStream> = (0..CONNS).map(|_| greet(front)).collect();
+        client_go_rx.recv().unwrap();
+        let handles: Vec<_> = conns
+            .into_iter()
+            .map(|conn| std::thread::spawn(move || (exchange(conn, 3), std::time::Instant::now())))
+            .collect();
         handles
             .into_iter()
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     });
     wait_for(&format!("handed {CONNS}"));
+    server_go_tx.send(()).unwrap();
+    client_go_tx.send(()).unwrap();
     // Mid-transfer: 8 MiB each way per connection take far longer than this.
     std::thread::sleep(Duration::from_millis(20));
     proxy.kill().unwrap();
