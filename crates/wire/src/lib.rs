@@ -15,6 +15,7 @@ pub mod checksum;
 pub mod enrp;
 pub mod error;
 pub mod framer;
+pub mod mapping;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod message;
