@@ -2,6 +2,9 @@
 //! service in a pool and keeps it registered; a [`PoolUser`] resolves a pool handle and connects
 //! to a pool element, failing over to the next one and reporting the failed one.
 //!
+//! A [`session::Session`] goes further: a pool user's conversation with a pool that survives
+//! the failure of its pool element, its state carried in cookies (the ASAP session layer).
+//!
 //! Both find registrars in a configured list and in SERVER_ANNOUNCEs ([`RegistrarSet`]) and move
 //! to another registrar when theirs fails. Their protocol logic is sans-IO ([`core`]: state
 //! machines with events and time in and actions out, which a simulation can drive too); the
@@ -17,6 +20,7 @@ pub mod metric;
 pub mod pool_element;
 pub mod pool_user;
 pub mod registrars;
+pub mod session;
 pub mod share;
 
 pub use connection::AsapConnection;
@@ -53,6 +57,8 @@ pub enum Error {
     UnknownPool(String),
     #[error("no pool element of pool {0} could be reached")]
     NoPoolElement(String),
+    #[error("cookie refused: {0}")]
+    Cookie(#[from] session::CookieError),
 }
 
 /// A generator seeded from the operating system, for a core's randomness (PE identifiers,

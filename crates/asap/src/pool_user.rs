@@ -69,11 +69,24 @@ impl PoolUser {
         &mut self,
         handle: &PoolHandle,
     ) -> Result<(TcpStream, PoolElement), Error> {
+        self.connect_avoiding(handle, &[]).await
+    }
+
+    /// Like [`connect`](Self::connect), but never to the PEs in `avoid` (ones that just
+    /// failed, while the registrar may still list them).
+    pub async fn connect_avoiding(
+        &mut self,
+        handle: &PoolHandle,
+        avoid: &[u32],
+    ) -> Result<(TcpStream, PoolElement), Error> {
         for attempt in 0..2 {
             let res = self.resolve(handle).await?;
             let from_cache = res.registrar.is_none();
             for pe in res.pool_elements {
-                if let Some(s) = self.try_connect(&pe).await {
+                if avoid.contains(&pe.id) {
+                    continue;
+                }
+                if let Some(s) = self.connect_to(&pe).await {
                     return Ok((s, pe));
                 }
                 debug!("PE {:#010x} of pool {handle} unreachable", pe.id);
@@ -88,7 +101,9 @@ impl PoolUser {
         Err(Error::NoPoolElement(handle.to_string()))
     }
 
-    async fn try_connect(&self, pe: &PoolElement) -> Option<TcpStream> {
+    /// Connects to one PE's user transport (each of its addresses in turn, each within the
+    /// connect timeout).
+    pub async fn connect_to(&self, pe: &PoolElement) -> Option<TcpStream> {
         let UserTransport::Address(t) = &pe.user_transport else {
             return None;
         };

@@ -15,9 +15,9 @@ pub mod checksum;
 pub mod enrp;
 pub mod error;
 pub mod framer;
-pub mod mapping;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod mapping;
 pub mod message;
 pub mod param;
 pub mod policy;
