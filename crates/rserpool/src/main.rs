@@ -82,12 +82,16 @@ enum Command {
     Registrar(Box<cmd::registrar::RegistrarArgs>),
     /// Register an existing TCP service as a pool element and keep it registered while healthy.
     Serve(cmd::serve::ServeArgs),
-    /// Run a small example service (echo, discard, daytime, chargen) as a pool element.
+    /// Run a small example service (echo, discard, daytime, chargen, http, calc) as a pool
+    /// element.
     Example(cmd::example::ExampleArgs),
     /// Resolve a pool handle at a registrar.
     Resolve(cmd::client::ResolveArgs),
     /// Connect to a pool element of a pool and relay stdin/stdout (fails over to the next PE).
     Connect(cmd::client::ConnectArgs),
+    /// Run a job on a calculator pool (`example calc`) in a session that survives the failure
+    /// of its pool element (the ASAP session layer); prints each failover and where it resumed.
+    Session(cmd::calc::SessionArgs),
     /// Front-end proxy: TCP or HTTP load balancing onto pools, with failover.
     Proxy(Box<cmd::proxy::ProxyArgs>),
     /// Show a registrar's handlespace.
@@ -103,6 +107,7 @@ fn main() -> Result<()> {
         Command::Example(a) => cmd::example::run(a),
         Command::Resolve(a) => cmd::client::resolve(a),
         Command::Connect(a) => cmd::client::connect(a),
+        Command::Session(a) => cmd::calc::run_session(a),
         Command::Status(a) => cmd::client::status(a),
         Command::Proxy(a) => cmd::proxy::run(*a),
     }

@@ -223,6 +223,10 @@ impl Session {
                     self.fail_over(FailoverCause::ProtocolError(e.to_string()))
                         .await?
                 }
+                Err(Error::Closed) => {
+                    self.fail_over(FailoverCause::ConnectionLost("closed by the PE".into()))
+                        .await?
+                }
                 Err(e) => {
                     self.fail_over(FailoverCause::ConnectionLost(e.to_string()))
                         .await?

@@ -34,6 +34,9 @@ pub enum Service {
     /// a PUT or POST is answered with the body's length and FNV-1a hash, anything else with
     /// the PE's identifier. Every response carries `X-Pe-Id`.
     Http,
+    /// A stateful calculator whose sessions survive the failure of their PE (counts primes;
+    /// state in cookies; the pool user is `rserpool session`).
+    Calc,
 }
 
 #[derive(Args, Debug)]
@@ -48,6 +51,8 @@ pub struct ExampleArgs {
     pub pe: PeOpts,
     #[command(flatten)]
     pub credits: CreditOpts,
+    #[command(flatten)]
+    pub calc: super::calc::CalcOpts,
 }
 
 /// How much the service takes at once.
@@ -96,6 +101,9 @@ impl ServiceOpts {
 }
 
 pub fn run(args: ExampleArgs) -> Result<()> {
+    if args.service == Service::Calc {
+        return super::calc::run_pe(args);
+    }
     super::init_logging();
     super::runtime()?.block_on(async move {
         let ex = start(
@@ -137,6 +145,9 @@ pub async fn start(
     opts: &PeOpts,
     credit_opts: Option<&CreditOpts>,
 ) -> Result<Example> {
+    if service == Service::Calc {
+        anyhow::bail!("calc is started by its own module (it serves sessions)");
+    }
     let capacity = shape.capacity();
     let listener =
         bind(listen, shape.backlog).with_context(|| format!("cannot listen on {listen}"))?;
@@ -309,7 +320,7 @@ async fn serve(
     }
     let _work = in_flight.as_ref().map(InFlight::enter);
     match service {
-        Service::Http => {}
+        Service::Http | Service::Calc => {}
         Service::Echo => {
             let (mut r, mut w) = stream.split();
             tokio::io::copy(&mut r, &mut w).await?;
