@@ -1,6 +1,7 @@
 //! The ASAP session layer end to end: `rserpool example calc` PEs (real processes, killed
 //! with SIGKILL) and `rserpool session` pool users on loopback with a registrar; a forged
 //! cookie; the business card; and the session messages on the wire, dissected by Wireshark.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
@@ -122,7 +123,9 @@ impl SessionRun {
 /// The hexadecimal number after `marker` in `line`.
 fn hex_in(line: &str, marker: &str) -> u32 {
     let hex = &line[line.find(marker).unwrap() + marker.len() + 2..];
-    let end = hex.find(|c: char| !c.is_ascii_hexdigit()).unwrap_or(hex.len());
+    let end = hex
+        .find(|c: char| !c.is_ascii_hexdigit())
+        .unwrap_or(hex.len());
     u32::from_str_radix(&hex[..end], 16).unwrap()
 }
 
@@ -155,7 +158,8 @@ async fn a_session_survives_sigkill_of_its_pe_and_resumes_from_the_last_cookie()
     .await;
     let s = SessionRun::start(reg, &[]);
     let first = s.first_pe().await;
-    s.wait_line("progress 30/100", Duration::from_secs(20)).await;
+    s.wait_line("progress 30/100", Duration::from_secs(20))
+        .await;
     let victim = &pes[first as usize - 1];
     signal(&victim.proc, rustix::process::Signal::KILL);
     let out = s.finish(Duration::from_secs(30)).await;
@@ -277,10 +281,7 @@ async fn a_forged_cookie_is_refused_and_other_sessions_go_on() {
     }
     // Not the TCP mapping at all: closed.
     let mut plain = TcpStream::connect(addr).await.unwrap();
-    plain
-        .write_all(b"GET / HTTP/1.0\r\n\r\n")
-        .await
-        .unwrap();
+    plain.write_all(b"GET / HTTP/1.0\r\n\r\n").await.unwrap();
     let mut r = ChunkReader::new();
     let closed = tokio::time::timeout(Duration::from_secs(5), next_asap(&mut plain, &mut r)).await;
     assert!(matches!(closed, Ok(None)), "{closed:?}");
@@ -314,7 +315,8 @@ async fn the_business_card_names_the_pe_to_fail_over_to() {
     })
     .await;
     let _pe3 = calc_pe(reg, 3, a3, &[]).await;
-    s.wait_line("progress 30/100", Duration::from_secs(20)).await;
+    s.wait_line("progress 30/100", Duration::from_secs(20))
+        .await;
     signal(&pe1.proc, rustix::process::Signal::KILL);
     let text = s.finish(Duration::from_secs(30)).await.join("\n");
     assert!(
@@ -322,4 +324,257 @@ async fn the_business_card_names_the_pe_to_fail_over_to() {
         "{text}"
     );
     assert!(text.contains(PRIMES_BELOW_1E6), "{text}");
+}
+
+/// Copies `r` to `w`, recording what passed in `log`.
+async fn pump(
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    log: Arc<Mutex<Vec<u8>>>,
+) {
+    let mut buf = vec![0u8; 65536];
+    loop {
+        let n = r.read(&mut buf).await.unwrap_or(0);
+        if n == 0 || w.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+        log.lock().unwrap().extend_from_slice(&buf[..n]);
+    }
+}
+
+/// A TCP relay in front of `backend` that records what flows each way; [`cut`](Self::cut)
+/// breaks every connection through it, like a PE that dies.
+struct Recorder {
+    addr: SocketAddr,
+    /// Bytes towards the PE, and back towards the PU.
+    up: Arc<Mutex<Vec<u8>>>,
+    down: Arc<Mutex<Vec<u8>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Recorder {
+    async fn start(backend: SocketAddr) -> Self {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let up: Arc<Mutex<Vec<u8>>> = Arc::default();
+        let down: Arc<Mutex<Vec<u8>>> = Arc::default();
+        let (u, d) = (up.clone(), down.clone());
+        let task = tokio::spawn(async move {
+            // Dropped with the task: every relayed connection ends with it.
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let (client, _) = l.accept().await.unwrap();
+                let server = TcpStream::connect(backend).await.unwrap();
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                conns.spawn(pump(cr, sw, u.clone()));
+                conns.spawn(pump(sr, cw, d.clone()));
+            }
+        });
+        Self {
+            addr,
+            up,
+            down,
+            task,
+        }
+    }
+
+    fn cut(&self) {
+        self.task.abort();
+    }
+
+    /// The ASAP messages (PPID 11) recorded in one direction, as sent.
+    fn asap(&self, towards_pe: bool) -> Vec<Vec<u8>> {
+        let bytes = if towards_pe { &self.up } else { &self.down };
+        let mut r = ChunkReader::new();
+        r.buffer_mut().extend_from_slice(&bytes.lock().unwrap());
+        let mut out = Vec::new();
+        while let Some(c) = r.next_chunk().unwrap() {
+            if let Chunk::Data { ppid, payload, .. } = c {
+                if ppid == ASAP_PPID {
+                    out.push(payload.to_vec());
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A library PE of the pool behind a [`Recorder`], registered at the recorder's address.
+async fn recorded_pe(
+    reg: SocketAddr,
+    id: u32,
+) -> (
+    rserpool_asap::PoolElement,
+    Recorder,
+    tokio::net::TcpListener,
+) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let rec = Recorder::start(l.local_addr().unwrap()).await;
+    let mut cfg =
+        rserpool_asap::PoolElementConfig::new(POOL, rec.addr, rserpool_wire::Policy::RoundRobin);
+    cfg.id = Some(id);
+    cfg.registrars = vec![reg];
+    let pe = rserpool_asap::PoolElement::start(cfg).unwrap();
+    pe.wait_registered(Duration::from_secs(5)).await.unwrap();
+    (pe, rec, l)
+}
+
+/// The tools, or `false` after saying why not (an error under CI).
+fn wireshark_available() -> bool {
+    let ok = ["tshark", "text2pcap"].iter().all(|t| {
+        Command::new(t)
+            .arg("-v")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok()
+    });
+    let ci = std::env::var_os("CI").is_some_and(|v| !v.is_empty());
+    assert!(
+        ok || !ci,
+        "CI is set but tshark/text2pcap are not installed"
+    );
+    if !ok {
+        eprintln!("SKIPPED: tshark not installed (apt-get install tshark)");
+    }
+    ok
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cookie_echo_and_business_card_on_the_data_channel_decode_in_wireshark() {
+    use rserpool_asap::session::*;
+    if !wireshark_available() {
+        return;
+    }
+    let r = registrar(fast_config());
+    let reg = r.asap_addr();
+    let (_pe_a, rec_a, l_a) = recorded_pe(reg, 0xa).await;
+    let sealer = CookieSealer::new(POOL.into(), vec![SECRET.as_bytes().to_vec()]);
+    let acceptor = SessionAcceptor::new(sealer);
+
+    // PE A: a business card naming PE B, a cookie, a greeting; then it "dies" (cut).
+    let acc = acceptor.clone();
+    let card_target = rserpool_wire::PoolElement {
+        id: 0xb,
+        home_registrar: 0,
+        registration_life: -1,
+        user_transport: rserpool_wire::UserTransport::Address(
+            rserpool_wire::TransportAddress::tcp("127.0.0.1:9".parse().unwrap()),
+        ),
+        policy: rserpool_wire::Policy::RoundRobin,
+        asap_transport: None,
+    };
+    let card = vec![card_target];
+    let a = tokio::spawn(async move {
+        let (stream, _) = l_a.accept().await.unwrap();
+        let s = acc.accept(stream);
+        s.send_business_card(POOL.into(), Some(rserpool_wire::Policy::RoundRobin), card)
+            .await
+            .unwrap();
+        s.send_cookie(b"state 1").await.unwrap();
+        s.send(b"hello").await.unwrap();
+        s
+    });
+    let pu_cfg = rserpool_asap::PoolUserConfig {
+        registrars: vec![reg],
+        ..Default::default()
+    };
+    let pu = rserpool_asap::PoolUser::new(pu_cfg).unwrap();
+    let mut session = Session::connect(pu, SessionConfig::new(POOL))
+        .await
+        .unwrap();
+    let SessionEvent::Message { data, .. } = session.recv().await.unwrap() else {
+        panic!("expected the greeting");
+    };
+    assert_eq!(&data[..], b"hello");
+    let (_pe_b, rec_b, l_b) = recorded_pe(reg, 0xb).await;
+    let b = tokio::spawn(async move {
+        let (stream, _) = l_b.accept().await.unwrap();
+        let mut s = acceptor.accept(stream);
+        let Some(PeSessionEvent::Resume(state)) = s.recv().await.unwrap() else {
+            panic!("expected COOKIE_ECHO first");
+        };
+        assert_eq!(&state[..], b"state 1");
+        s.send(b"resumed").await.unwrap();
+        s
+    });
+    let _a = a.await.unwrap();
+    rec_a.cut();
+    // The card names B at a port where nothing listens: the pool (by the registrar) is next.
+    let SessionEvent::FailedOver(f) = session.recv().await.unwrap() else {
+        panic!("expected a failover");
+    };
+    assert!(f.cookie_echoed);
+    assert_eq!((f.from, f.to), (0xa, 0xb));
+    let SessionEvent::Message { data, .. } = session.recv().await.unwrap() else {
+        panic!("expected B's answer");
+    };
+    assert_eq!(&data[..], b"resumed");
+    let _b = b.await.unwrap();
+
+    // What went over the wire: BUSINESS_CARD and COOKIE from A, COOKIE_ECHO to B.
+    let mut messages = rec_a.asap(false);
+    messages.extend(rec_b.asap(true));
+    assert_eq!(messages.len(), 3, "{messages:?}");
+    let dir = std::env::temp_dir().join(format!("rserpool-session-wire-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let hex: String = messages
+        .iter()
+        .map(|m| {
+            let bytes: Vec<String> = m.iter().map(|b| format!("{b:02x}")).collect();
+            format!("0000  {}\n", bytes.join(" "))
+        })
+        .collect();
+    std::fs::write(dir.join("session.txt"), hex).unwrap();
+    // In SCTP with PPID 11, as over SCTP; Wireshark has no dissector for the TCP mapping.
+    let st = Command::new("text2pcap")
+        .args(["-q", "-S", "3863,3863,11"])
+        .arg(dir.join("session.txt"))
+        .arg(dir.join("session.pcap"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let fields = Command::new("tshark")
+        .args(["-n", "-r"])
+        .arg(dir.join("session.pcap"))
+        .args([
+            "-T",
+            "fields",
+            "-e",
+            "asap.message_type",
+            "-e",
+            "asap.pool_handle_pool_handle",
+            "-e",
+            "asap.pool_element_pe_identifier",
+            "-e",
+            "asap.cookie",
+            "-e",
+            "_ws.malformed",
+            "-e",
+            "_ws.expert",
+        ])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = String::from_utf8_lossy(&fields.stdout);
+    let rows: Vec<Vec<&str>> = out.lines().map(|l| l.split('\t').collect()).collect();
+    assert_eq!(rows.len(), 3, "{out}");
+    // BUSINESS_CARD (13) for the pool, naming PE 0xb.
+    assert_eq!(rows[0][0], "13", "{out}");
+    assert_eq!(rows[0][1], hex_of(POOL.as_bytes()), "{out}");
+    assert_eq!(rows[0][2], "0x0000000b", "{out}");
+    // COOKIE (11) from A and COOKIE_ECHO (12) to B carry the same bytes.
+    assert_eq!((rows[1][0], rows[2][0]), ("11", "12"), "{out}");
+    assert!(!rows[1][3].is_empty() && rows[1][3] == rows[2][3], "{out}");
+    for row in &rows {
+        assert!(
+            row[4..].iter().all(|f| f.is_empty()),
+            "malformed or expert info: {out}"
+        );
+    }
+}
+
+fn hex_of(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }

@@ -198,12 +198,12 @@ fn is_prime(k: u64) -> bool {
     if k < 2 {
         return false;
     }
-    if k.is_multiple_of(2) {
+    if k % 2 == 0 {
         return k == 2;
     }
     let mut d = 3;
     while d * d <= k {
-        if k.is_multiple_of(d) {
+        if k % d == 0 {
             return false;
         }
         d += 2;
@@ -269,7 +269,7 @@ async fn serve(mut s: PeSession, calc: &Calc) -> Result<()> {
             job.step();
             s.send(format!("PROGRESS {} {}", job.done, job.steps()).as_bytes())
                 .await?;
-            if job.done.is_multiple_of(calc.cookie_every) || job.done == job.steps() {
+            if job.done % calc.cookie_every == 0 || job.done == job.steps() {
                 s.send_cookie(job.state().as_bytes()).await?;
             }
         }
