@@ -210,6 +210,42 @@ async fn without_a_cookie_yet_the_job_starts_over_on_the_next_pe() {
     assert!(text.contains("result: 25997 primes below 300000"), "{text}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_pe_is_left_after_the_response_timeout_and_a_slow_one_is_not() {
+    let r = registrar(fast_config());
+    let reg = r.asap_addr();
+    let status = r.status_addr().unwrap();
+    // Steps of 700 ms: the pool user hears nothing for longer than its heartbeat interval,
+    // so only the PE's heartbeat answers keep the session where it is.
+    let slow = ["--step-ms", "700", "--cookie-every", "1"];
+    let mut pes = Vec::new();
+    for id in 1..=2 {
+        pes.push(calc_pe(reg, id, local(free_port()), &slow).await);
+    }
+    wait_for(Duration::from_secs(10), "2 PEs registered", || async {
+        pool_size(status).await == 2
+    })
+    .await;
+    let timeouts = ["--heartbeat-ms", "100", "--response-timeout-ms", "400"];
+    let mut args = vec!["--job", "40000"];
+    args.extend(timeouts);
+    let s = SessionRun::start(reg, &args);
+    let first = s.first_pe().await;
+    s.wait_line("progress 2/4", Duration::from_secs(20)).await;
+    // Stopped, not dead: its connection stays open and silent.
+    let hung = &pes[first as usize - 1].proc;
+    signal(hung, rustix::process::Signal::STOP);
+    let text = s.finish(Duration::from_secs(30)).await.join("\n");
+    signal(hung, rustix::process::Signal::CONT);
+    assert!(
+        text.contains("after no answer within the response timeout"),
+        "{text}"
+    );
+    assert!(text.contains("1 failover,"), "{text}");
+    // π(40000) = 4203.
+    assert!(text.contains("result: 4203 primes below 40000"), "{text}");
+}
+
 /// Reads chunks from `s` until an ASAP message arrives (or the stream ends: `None`).
 async fn next_asap(s: &mut TcpStream, r: &mut ChunkReader) -> Option<AsapMessage> {
     loop {
