@@ -6,6 +6,7 @@
 mod chaos;
 mod handlespace;
 mod ksplice;
+mod session;
 mod levels;
 mod net;
 mod plot;
@@ -58,6 +59,9 @@ enum BenchCommand {
     /// network namespaces: bulk throughput and CPU per GiB, the seed's 100 concurrent PUTs,
     /// first-response latency (docs/KSPLICE.md). Needs root.
     Ksplice(ksplice::KspliceArgs),
+    /// The ASAP session layer: failover time of a session after SIGKILL and SIGSTOP of its
+    /// PE, and the cost of cookies (docs/SESSION.md).
+    Session(session::SessionArgs),
     /// Chaos soak: registrars, PEs, a proxy and clients in network namespaces under random
     /// kills, link cuts and packet loss; checks that no PE is lost and no request fails.
     Chaos(chaos::ChaosArgs),
@@ -76,6 +80,7 @@ fn main() -> Result<()> {
         BenchCommand::Trace(a) => trace::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Levels(a) => levels::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Ksplice(a) => ksplice::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::Session(a) => session::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
     }

@@ -2,11 +2,13 @@
 //! the committed seed corpora through the same code as the fuzzer (`fuzz/`, docs/FUZZING.md).
 //! A property fails by panicking, which is what libFuzzer looks for. Not an API.
 
+use crate::mapping::{Chunk, ChunkReader, Reassembly};
 use crate::{AsapMessage, EnrpMessage, Framer, Message};
 use std::path::Path;
 
 /// The `decode` target: arbitrary bytes go to both decoders and, cut into 7-byte pieces, to the
-/// stream framer. No panic, and every message that decodes re-encodes and decodes to itself.
+/// stream framer and to the data channel's chunk reader (after an INIT whose flags are the first
+/// byte). No panic, and every message that decodes re-encodes and decodes to itself.
 pub fn decode(data: &[u8]) {
     if let Ok(m) = AsapMessage::decode(data)
         && let Ok(bytes) = m.to_bytes()
@@ -24,6 +26,24 @@ pub fn decode(data: &[u8]) {
         while let Ok(Some(msg)) = framer.next_message() {
             let _ = AsapMessage::decode(&msg);
             let _ = EnrpMessage::decode(&msg);
+        }
+    }
+    let (flags, rest) = data.split_first().map_or((0, data), |(f, r)| (*f, r));
+    let mut chunks = ChunkReader::new();
+    let mut reassembly = Reassembly::new(4096);
+    chunks.buffer_mut().extend_from_slice(&[1, flags, 0, 4]);
+    for piece in rest.chunks(7) {
+        chunks.buffer_mut().extend_from_slice(piece);
+        while let Ok(Some(c)) = chunks.next_chunk() {
+            if let Chunk::Data {
+                flags,
+                ppid,
+                payload,
+            } = c
+                && let Ok(Some((_, m))) = reassembly.push(flags, ppid, payload)
+            {
+                let _ = AsapMessage::decode(&m);
+            }
         }
     }
 }
