@@ -6,7 +6,6 @@
 mod chaos;
 mod handlespace;
 mod ksplice;
-mod session;
 mod levels;
 mod net;
 mod plot;
@@ -17,6 +16,7 @@ mod proxy;
 mod push;
 mod registrar;
 mod report;
+mod session;
 mod trace;
 mod undo;
 

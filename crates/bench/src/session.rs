@@ -71,7 +71,12 @@ fn start_pe(bin: &Path, dir: &Path, reg: SocketAddr, id: u32, addr: SocketAddr) 
     let p = Proc::spawn(
         crate::product::command(bin)
             .args(["example", "calc", "--pool", POOL, "--id", &id.to_string()])
-            .args(["--listen", &addr.to_string(), "--registrar", &reg.to_string()])
+            .args([
+                "--listen",
+                &addr.to_string(),
+                "--registrar",
+                &reg.to_string(),
+            ])
             .args(["--pool-secret", "bench secret", "--step-ms", "5"])
             .args(["--cookie-every", "4"]),
         &dir.join(format!("pe{id}.log")),
@@ -121,6 +126,11 @@ fn run_in(args: &SessionArgs, bin: &Path, dir: &Path) -> Result<String> {
         wait_pool(&rt, status, 3)?;
     }
     let cookies = cookie_cost(args.cookie_ops);
+    let worst = kills
+        .iter()
+        .chain(&stops)
+        .map(|x| x.resume)
+        .fold(0.0, f64::max);
 
     let mut s = report::provenance();
     let _ = writeln!(
@@ -163,6 +173,13 @@ fn run_in(args: &SessionArgs, bin: &Path, dir: &Path) -> Result<String> {
             pct(&r, 1.0)
         );
     }
+    let _ = writeln!(
+        s,
+        "\nTarget, resumed within 100 ms of the failure being visible to the pool user: {} \
+         (slowest {worst:.1} ms of {} failovers).",
+        if worst <= 100.0 { "met" } else { "missed" },
+        kills.len() + stops.len()
+    );
     let _ = writeln!(
         s,
         "\nCookies of the calculator (state `calc1 N done count`, {} bytes): {} bytes sealed, \
