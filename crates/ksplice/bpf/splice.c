@@ -87,6 +87,39 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } splice_counters SEC(".maps");
 
+// The proxy tier (issue 16): proxies share the server-facing address, and the router may
+// hand a PE's packet for a connection that is not spliced yet (still on a proxy's sockets) to
+// any of them. Each proxy connects from ports of its own range; a packet to a shared address
+// and a port in another member's range, with no entry here, goes to that member's MAC on the
+// interface it came in by. The member's own range is not in the map.
+struct tier_member {
+	__u32 addr; // the shared address, network byte order; 0: an empty slot
+	__u16 port_lo; // host byte order
+	__u16 port_hi;
+	__u8 mac[6]; // the member's
+	__u8 src[6]; // this proxy's on the shared segment: a bridge must not learn the router's MAC
+		     // from the redirected frame
+};
+
+#define TIER_MAX 16
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, TIER_MAX);
+	__type(key, __u32);
+	__type(value, struct tier_member);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} splice_tier SEC(".maps");
+
+// Per-CPU, index 0: packets sent on to another member of the tier.
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} splice_tier_redirects SEC(".maps");
+
 #define FLAG_HOLD 1
 #define FLAG_WATCH 2
 #define FLAG_TS 4
@@ -227,6 +260,29 @@ static __always_inline void forget(struct flow_val *v, struct flow_key *key)
 	bpf_map_delete_elem(&splice_flows, key);
 }
 
+// A packet without an entry: to the member of the tier whose port it is addressed to, if any.
+static __always_inline int tier_redirect(struct __sk_buff *skb, __u32 daddr, __u16 dport_be)
+{
+	__u16 port = bpf_ntohs(dport_be);
+	for (__u32 i = 0; i < TIER_MAX; i++) {
+		__u32 slot = i;
+		struct tier_member *m = bpf_map_lookup_elem(&splice_tier, &slot);
+		if (!m || m->addr == 0)
+			break;
+		if (m->addr != daddr || port < m->port_lo || port > m->port_hi)
+			continue;
+		if (bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_dest), m->mac, ETH_ALEN, 0) ||
+		    bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_source), m->src, ETH_ALEN, 0))
+			return TC_ACT_SHOT;
+		__u32 zero = 0;
+		__u64 *n = bpf_map_lookup_elem(&splice_tier_redirects, &zero);
+		if (n)
+			*n += 1;
+		return bpf_redirect(skb->ifindex, 0);
+	}
+	return TC_ACT_OK;
+}
+
 SEC("classifier")
 int splice_tc(struct __sk_buff *skb)
 {
@@ -252,7 +308,7 @@ int splice_tc(struct __sk_buff *skb)
 	};
 	struct flow_val *v = bpf_map_lookup_elem(&splice_flows, &key);
 	if (!v)
-		return TC_ACT_OK;
+		return tier_redirect(skb, key.daddr, key.dport);
 	__u32 tcp_off = IP_OFF + sizeof(struct iphdr);
 	__u32 doff = tcp->doff * 4;
 	if (v->flags & (FLAG_HOLD | FLAG_WATCH)) {

@@ -22,7 +22,7 @@ mod handover;
 pub mod testbed;
 
 pub use handover::{HandOverError, clamp_mss, hand_over, pending, route_towards, save_syn};
-use std::net::SocketAddrV4;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::Path;
 use std::time::Duration;
 
@@ -140,6 +140,20 @@ unsafe impl aya::Pod for FlowKey {}
 unsafe impl aya::Pod for FlowVal {}
 
 impl FlowKey {
+    fn from(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(
+            Ipv4Addr::from(self.saddr.to_ne_bytes()),
+            u16::from_be_bytes(self.sport.to_ne_bytes()),
+        )
+    }
+
+    fn to(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(
+            Ipv4Addr::from(self.daddr.to_ne_bytes()),
+            u16::from_be_bytes(self.dport.to_ne_bytes()),
+        )
+    }
+
     /// The packets from `src` to `dst`.
     pub fn new(src: SocketAddrV4, dst: SocketAddrV4) -> Self {
         Self {
@@ -274,6 +288,74 @@ impl Splice {
         ]
     }
 }
+
+/// A spliced connection as the flow table holds it, with what the program saw of each
+/// direction (client → server first).
+#[derive(Debug, Clone, Copy)]
+pub struct SpliceState {
+    pub splice: Splice,
+    /// A FIN passed in that direction.
+    pub fin: [bool; 2],
+    /// When the latest packet passed (CLOCK_MONOTONIC ns).
+    pub last_ns: [u64; 2],
+}
+
+impl Splice {
+    /// The connection whose two entries these are, if they are one spliced connection's.
+    fn from_entries(e1: (&FlowKey, &FlowVal), e2: (&FlowKey, &FlowVal)) -> Option<Self> {
+        let ((k1, v1), (k2, v2)) = (e1, e2);
+        if v1.reverse_key() != *k2 || v2.reverse_key() != *k1 {
+            return None;
+        }
+        let ts = v1.flags & FLAG_TS != 0;
+        Some(Self {
+            client: k1.from(),
+            front: k1.to(),
+            back: k2.to(),
+            server: k2.from(),
+            client_seq_delta: v1.seq_delta,
+            server_seq_delta: v2.seq_delta,
+            client_if: v2.ifindex,
+            server_if: v1.ifindex,
+            client_wscale: v1.wscale_in,
+            front_wscale: v2.wscale_out,
+            server_wscale: v2.wscale_in,
+            back_wscale: v1.wscale_out,
+            timestamps: ts.then_some((v1.tsval_delta, v2.tsval_delta)),
+        })
+    }
+}
+
+/// A member of a proxy tier, as the datapath forwards to it: packets to `shared` with a
+/// destination port in `ports` and no flow entry go to `mac`, from `src` (this proxy's MAC on
+/// the same segment).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierMember {
+    pub shared: Ipv4Addr,
+    pub ports: std::ops::RangeInclusive<u16>,
+    pub mac: [u8; 6],
+    pub src: [u8; 6],
+}
+
+/// Most other members a tier's datapath forwards to.
+pub const TIER_MAX: usize = 16;
+
+/// The layout of `struct tier_member` in `bpf/splice.c`.
+#[cfg(ksplice_built)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct RawTierMember {
+    addr: u32,
+    port_lo: u16,
+    port_hi: u16,
+    mac: [u8; 6],
+    src: [u8; 6],
+}
+
+#[cfg(ksplice_built)]
+#[allow(unsafe_code)]
+// SAFETY: plain `repr(C)` data of 20 bytes without padding, as the program reads it.
+unsafe impl aya::Pod for RawTierMember {}
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock of the program's bpf_ktime_get_ns.
 fn monotonic_ns() -> u64 {
@@ -415,7 +497,12 @@ impl Datapath {
         }
         #[cfg(not(ksplice_built))]
         let _ = interfaces;
-        for map in ["splice_flows", "splice_counters"] {
+        for map in [
+            "splice_flows",
+            "splice_counters",
+            "splice_tier",
+            "splice_tier_redirects",
+        ] {
             match std::fs::remove_file(pin_dir.join(map)) {
                 Ok(()) => {}
                 Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
@@ -571,6 +658,129 @@ impl Datapath {
         }
     }
 
+    /// Every spliced connection in the flow table (not the watched or held ones): what a proxy
+    /// joining a tier is sent.
+    pub fn splices(&mut self) -> Result<Vec<SpliceState>, Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let entries: std::collections::HashMap<FlowKey, FlowVal> = {
+                let flows = self.flows()?;
+                flows.iter().filter_map(Result::ok).collect()
+            };
+            let mut out = Vec::new();
+            for (k, v) in &entries {
+                if v.flags & (FLAG_WATCH | FLAG_HOLD) != 0 {
+                    continue;
+                }
+                let rk = v.reverse_key();
+                let Some(rv) = entries.get(&rk) else { continue };
+                // Each connection once, from the entry whose key sorts first. Which one is the
+                // client's is not recorded, and need not be: a splice read backwards (its
+                // server as the client) installs the same two entries.
+                if (k.saddr, k.sport, k.daddr, k.dport) > (rk.saddr, rk.sport, rk.daddr, rk.dport)
+                {
+                    continue;
+                }
+                if let Some(splice) = Splice::from_entries((k, v), (&rk, rv)) {
+                    out.push(SpliceState {
+                        splice,
+                        fin: [v.flags & FLAG_FIN != 0, rv.flags & FLAG_FIN != 0],
+                        last_ns: [v.last_ns, rv.last_ns],
+                    });
+                }
+            }
+            Ok(out)
+        }
+    }
+
+    /// Marks the direction from `from` to `to` as closed by a FIN (one another member of a
+    /// tier saw), so that the pair expires here too.
+    pub fn mark_fin(&mut self, from: SocketAddrV4, to: SocketAddrV4) -> Result<(), Error> {
+        let k = FlowKey::new(from, to);
+        match self.get(&k) {
+            Some(mut v) if v.flags & FLAG_FIN == 0 => {
+                v.flags |= FLAG_FIN;
+                self.insert(k, v)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Counts the direction from `from` to `to` as active now (another member of a tier
+    /// carried it), so that it does not idle out here.
+    pub fn touch(&mut self, from: SocketAddrV4, to: SocketAddrV4) -> Result<(), Error> {
+        let k = FlowKey::new(from, to);
+        match self.get(&k) {
+            Some(mut v) => {
+                v.last_ns = v.last_ns.max(monotonic_ns());
+                self.insert(k, v)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// The other members of this proxy's tier (at most [`TIER_MAX`]).
+    pub fn set_tier(&mut self, members: &[TierMember]) -> Result<(), Error> {
+        if members.len() > TIER_MAX {
+            return Err(Error::Ebpf(format!(
+                "a tier of more than {} other members",
+                TIER_MAX
+            )));
+        }
+        #[cfg(not(ksplice_built))]
+        {
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let map = self
+                .ebpf
+                .map_mut("splice_tier")
+                .ok_or_else(|| Error::Ebpf("no map splice_tier".into()))?;
+            let mut arr: aya::maps::Array<&mut aya::maps::MapData, RawTierMember> =
+                aya::maps::Array::try_from(map)
+                    .map_err(|err| Error::Ebpf(format!("tier map: {err}")))?;
+            for i in 0..TIER_MAX {
+                let raw = members.get(i).map_or_else(RawTierMember::default, |m| RawTierMember {
+                    addr: u32::from_ne_bytes(m.shared.octets()),
+                    port_lo: *m.ports.start(),
+                    port_hi: *m.ports.end(),
+                    mac: m.mac,
+                    src: m.src,
+                });
+                arr.set(i as u32, raw, 0)
+                    .map_err(|err| Error::Ebpf(format!("writing the tier map: {err}")))?;
+            }
+            Ok(())
+        }
+    }
+
+    /// Packets sent on to another member of the tier (summed over the CPUs).
+    pub fn tier_redirects(&self) -> Result<u64, Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let map = self
+                .ebpf
+                .map("splice_tier_redirects")
+                .ok_or_else(|| Error::Ebpf("no map splice_tier_redirects".into()))?;
+            let arr: aya::maps::PerCpuArray<&aya::maps::MapData, u64> =
+                aya::maps::PerCpuArray::try_from(map)
+                    .map_err(|err| Error::Ebpf(format!("redirect counter: {err}")))?;
+            let per_cpu = arr
+                .get(&0, 0)
+                .map_err(|err| Error::Ebpf(format!("reading the redirect counter: {err}")))?;
+            Ok(per_cpu.iter().sum())
+        }
+    }
+
     fn get(&self, k: &FlowKey) -> Option<FlowVal> {
         #[cfg(not(ksplice_built))]
         {
@@ -675,6 +885,35 @@ impl Datapath {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_splice_is_read_back_from_its_entries_either_way_round() {
+        let s = Splice {
+            client: "10.0.1.2:40000".parse().unwrap(),
+            front: "10.0.1.1:8080".parse().unwrap(),
+            back: "10.0.2.1:40001".parse().unwrap(),
+            server: "10.0.2.2:9000".parse().unwrap(),
+            client_seq_delta: 17,
+            server_seq_delta: 0xffff_0000,
+            client_if: 2,
+            server_if: 3,
+            client_wscale: 7,
+            front_wscale: 9,
+            server_wscale: 2,
+            back_wscale: 5,
+            timestamps: Some((1000, 0xffff_ff00)),
+        };
+        // The entries but for when they were made.
+        let timeless = |s: &Splice| s.entries().map(|(k, v)| (k, FlowVal { last_ns: 0, ..v }));
+        let [(k1, v1), (k2, v2)] = s.entries();
+        let read = Splice::from_entries((&k1, &v1), (&k2, &v2)).unwrap();
+        assert_eq!(timeless(&read), timeless(&s));
+        let backwards = Splice::from_entries((&k2, &v2), (&k1, &v1)).unwrap();
+        let [a, b] = timeless(&backwards);
+        assert_eq!([b, a], timeless(&s));
+        // Not a pair.
+        assert!(Splice::from_entries((&k1, &v1), (&k1, &v1)).is_none());
+    }
 
     #[test]
     fn the_two_directions_undo_each_others_offsets() {
