@@ -298,6 +298,8 @@ pub struct SpliceState {
     pub fin: [bool; 2],
     /// When the latest packet passed (CLOCK_MONOTONIC ns).
     pub last_ns: [u64; 2],
+    /// Packets carried here.
+    pub packets: [u64; 2],
 }
 
 impl Splice {
@@ -681,8 +683,7 @@ impl Datapath {
                 // Each connection once, from the entry whose key sorts first. Which one is the
                 // client's is not recorded, and need not be: a splice read backwards (its
                 // server as the client) installs the same two entries.
-                if (k.saddr, k.sport, k.daddr, k.dport) > (rk.saddr, rk.sport, rk.daddr, rk.dport)
-                {
+                if (k.saddr, k.sport, k.daddr, k.dport) > (rk.saddr, rk.sport, rk.daddr, rk.dport) {
                     continue;
                 }
                 if let Some(splice) = Splice::from_entries((k, v), (&rk, rv)) {
@@ -690,6 +691,7 @@ impl Datapath {
                         splice,
                         fin: [v.flags & FLAG_FIN != 0, rv.flags & FLAG_FIN != 0],
                         last_ns: [v.last_ns, rv.last_ns],
+                        packets: [v.packets, rv.packets],
                     });
                 }
             }
@@ -745,13 +747,15 @@ impl Datapath {
                 aya::maps::Array::try_from(map)
                     .map_err(|err| Error::Ebpf(format!("tier map: {err}")))?;
             for i in 0..TIER_MAX {
-                let raw = members.get(i).map_or_else(RawTierMember::default, |m| RawTierMember {
-                    addr: u32::from_ne_bytes(m.shared.octets()),
-                    port_lo: *m.ports.start(),
-                    port_hi: *m.ports.end(),
-                    mac: m.mac,
-                    src: m.src,
-                });
+                let raw = members
+                    .get(i)
+                    .map_or_else(RawTierMember::default, |m| RawTierMember {
+                        addr: u32::from_ne_bytes(m.shared.octets()),
+                        port_lo: *m.ports.start(),
+                        port_hi: *m.ports.end(),
+                        mac: m.mac,
+                        src: m.src,
+                    });
                 arr.set(i as u32, raw, 0)
                     .map_err(|err| Error::Ebpf(format!("writing the tier map: {err}")))?;
             }

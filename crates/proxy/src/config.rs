@@ -252,6 +252,10 @@ pub struct ProxyConfig {
     /// The kernel splice, for listeners with `splice = "kernel"`.
     #[serde(rename = "kernel-splice")]
     pub kernel_splice: KernelSpliceConfig,
+    /// Membership of a fault-tolerant proxy tier (docs/TIER.md): spliced connections are
+    /// replicated to the other members.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier: Option<crate::tier::TierConfig>,
 }
 
 impl Default for ProxyConfig {
@@ -278,6 +282,7 @@ impl Default for ProxyConfig {
             pool_settings: BTreeMap::new(),
             levels: None,
             kernel_splice: KernelSpliceConfig::default(),
+            tier: None,
         }
     }
 }
@@ -335,6 +340,12 @@ impl ProxyConfig {
                          above 0"
                             .into(),
                     );
+                }
+            }
+            if let Some(t) = &self.tier {
+                t.port_range().map_err(ConfigError::Invalid)?;
+                if self.kernel_splice.interfaces.is_empty() && t.interface.is_none() {
+                    return bad("[tier] needs [kernel-splice] interfaces".into());
                 }
             }
             for r in &l.routes {

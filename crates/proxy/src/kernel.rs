@@ -17,7 +17,8 @@
 use crate::backend::Backend;
 use crate::config::KernelSpliceConfig;
 use rserpool_ksplice::{
-    Datapath, Error, Expired, HandOverError, Splice, clamp_mss, hand_over, pending, route_towards,
+    Datapath, Error, Expired, HandOverError, Splice, SpliceState, TierMember, clamp_mss, hand_over,
+    pending, route_towards,
 };
 use serde::Serialize;
 use std::collections::HashMap;
@@ -69,6 +70,11 @@ pub(crate) struct KernelSplice {
     /// The connections this process handed over, by client address, with their PE: their
     /// bytes go to the PE's counters at each expiry pass.
     tracked: Mutex<HashMap<SocketAddrV4, Tracked>>,
+    /// The proxy tier this proxy is a member of, if any: each hand-over is sent to the other
+    /// members, and connections to PEs come from the tier's address and ports.
+    tier: std::sync::OnceLock<Weak<crate::tier::Tier>>,
+    /// Where the next search for a free tier port starts.
+    next_port: AtomicUsize,
 }
 
 struct Tracked {
@@ -124,7 +130,60 @@ impl KernelSplice {
             stale: AtomicU64::new(0),
             routes: Mutex::new(HashMap::new()),
             tracked: Mutex::new(HashMap::new()),
+            tier: std::sync::OnceLock::new(),
+            next_port: AtomicUsize::new(0),
         }
+    }
+
+    /// Makes this datapath a member of `tier`.
+    pub(crate) fn join(&self, tier: &Arc<crate::tier::Tier>) {
+        let _ = self.tier.set(Arc::downgrade(tier));
+    }
+
+    fn tier(&self) -> Option<Arc<crate::tier::Tier>> {
+        self.tier.get().and_then(Weak::upgrade)
+    }
+
+    /// Installs a splice another member of the tier made, with this host's interfaces towards
+    /// both ends; one already here is left as it is.
+    pub(crate) fn install_replica(&self, mut s: Splice) -> Result<(), String> {
+        let (_, client_if) = self.route(*s.client.ip()).map_err(|e| e.to_string())?;
+        let (_, server_if) = self.route(*s.server.ip()).map_err(|e| e.to_string())?;
+        s.client_if = client_if;
+        s.server_if = server_if;
+        let mut dp = self.dp();
+        if dp.contains(s.client, s.front) && dp.contains(s.server, s.back) {
+            return Ok(());
+        }
+        dp.splice(&s).map_err(|e| e.to_string())
+    }
+
+    pub(crate) fn remove_replica(&self, s: &Splice) {
+        let _ = self.dp().unsplice(s);
+    }
+
+    pub(crate) fn mark_fin(&self, from: SocketAddrV4, to: SocketAddrV4) {
+        let _ = self.dp().mark_fin(from, to);
+    }
+
+    pub(crate) fn touch(&self, flows: &[(SocketAddrV4, SocketAddrV4)]) {
+        let mut dp = self.dp();
+        for (from, to) in flows {
+            let _ = dp.touch(*from, *to);
+        }
+    }
+
+    pub(crate) fn set_tier(&self, members: &[TierMember]) -> Result<(), Error> {
+        self.dp().set_tier(members)
+    }
+
+    pub(crate) fn tier_redirects(&self) -> u64 {
+        self.dp().tier_redirects().unwrap_or(0)
+    }
+
+    /// The spliced connections in the flow table (empty when it cannot be read).
+    pub(crate) fn splices(&self) -> Vec<SpliceState> {
+        self.dp().splices().unwrap_or_default()
     }
 
     /// The source address and interface towards `peer`, from the kernel's routes (a route
@@ -191,6 +250,9 @@ impl KernelSplice {
         let SocketAddr::V4(peer4) = peer else {
             return crate::backend::plain_socket(peer);
         };
+        if let Some(tier) = self.tier() {
+            return self.tier_socket(peer4, client, &tier);
+        }
         let (source, _) = self.route(*peer4.ip())?;
         // Sockets on ports in use by spliced connections, kept until a free one is found so
         // that the kernel does not offer the same port again.
@@ -220,6 +282,43 @@ impl KernelSplice {
             self.note(&e);
         }
         Ok(sock)
+    }
+
+    /// A member of a tier connects from the shared server-facing address and a port of its
+    /// own range (so that a PE's answer reaching another member is forwarded here), one that
+    /// no spliced connection to `peer` uses.
+    fn tier_socket(
+        &self,
+        peer: SocketAddrV4,
+        client: &TcpStream,
+        tier: &crate::tier::Tier,
+    ) -> std::io::Result<tokio::net::TcpSocket> {
+        let ports = tier.ports();
+        let span = usize::from(*ports.end() - *ports.start()) + 1;
+        let start = self.next_port.fetch_add(1, Ordering::Relaxed);
+        for i in 0..span {
+            let port = *ports.start() + ((start + i) % span) as u16;
+            let local = SocketAddrV4::new(tier.server_address(), port);
+            if self.dp().contains(peer, local) {
+                continue;
+            }
+            let sock = crate::backend::plain_socket(SocketAddr::V4(peer))?;
+            if sock.bind(SocketAddr::V4(local)).is_err() {
+                continue;
+            }
+            self.next_port.store(start + i + 1, Ordering::Relaxed);
+            if let Err(e) = clamp_mss(&sock, client) {
+                debug!("kernel splice: clamping the MSS: {e}");
+            }
+            if let Err(e) = self.dp().watch(peer, local, None) {
+                self.note(&e);
+            }
+            return Ok(sock);
+        }
+        Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            "no port of the tier's range is free",
+        ))
     }
 
     fn note(&self, e: &Error) {
@@ -412,6 +511,9 @@ async fn hand_over_when_quiet(
             let handed = hand_over(&mut ks.dp(), a, b, client_if, server_if);
             let (e, a, b) = match handed {
                 Ok(s) => {
+                    if let Some(tier) = ks.tier() {
+                        tier.spliced(&s);
+                    }
                     let ns = t0.elapsed().as_nanos() as u64;
                     ks.handover_ns.fetch_add(ns, Ordering::Relaxed);
                     ks.handover_max_ns.fetch_max(ns, Ordering::Relaxed);

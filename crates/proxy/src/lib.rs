@@ -37,6 +37,7 @@ mod routes;
 mod select;
 pub mod splice;
 pub mod tcp;
+pub mod tier;
 
 pub use admit::LevelStats;
 pub use config::{ListenerConfig, Mode, PoolConfig, ProxyConfig, Route, Select};
@@ -79,6 +80,8 @@ struct Inner {
     /// The kernel splice's datapath, loaded when a listener first asks for it (at start or
     /// on a reload).
     kernel: RwLock<Option<Arc<kernel::KernelSplice>>>,
+    /// Membership of a proxy tier (`[tier]`), once joined.
+    tier: RwLock<Option<Arc<tier::Tier>>>,
 }
 
 /// A running proxy. Its tasks run on the tokio runtime it was started on.
@@ -126,8 +129,12 @@ impl Proxy {
                 draining,
                 log: RwLock::new(log),
                 kernel: RwLock::new(kernel),
+                tier: RwLock::new(None),
             }),
         };
+        if let Some(t) = &cfg.tier {
+            proxy.join_tier(t.clone(), &cfg).await?;
+        }
         proxy.inner.pools.configure(&cfg);
         for l in &cfg.listeners {
             proxy.add_listener(l.clone()).await?;
@@ -151,6 +158,29 @@ impl Proxy {
             ));
         }
         Ok(proxy)
+    }
+
+    /// Joins the proxy tier of `[tier]`: needs the kernel splice.
+    async fn join_tier(&self, t: tier::TierConfig, cfg: &ProxyConfig) -> Result<(), StartError> {
+        let Some(ks) = self.kernel() else {
+            return Err(StartError::Config(config::ConfigError::Invalid(
+                "[tier] needs the kernel splice (a listener with splice = \"kernel\", loaded)"
+                    .into(),
+            )));
+        };
+        let interface = t
+            .interface
+            .clone()
+            .or_else(|| cfg.kernel_splice.interfaces.first().cloned())
+            .unwrap_or_default();
+        let (conns, max) = (self.inner.conns.clone(), self.inner.max_conns.max(1));
+        let free = Box::new(move || conns.available_permits() as f64 / max as f64);
+        let joined = tier::Tier::start(t, cfg.registrars.clone(), ks.clone(), &interface, free)
+            .await
+            .map_err(|e| StartError::Config(config::ConfigError::Invalid(e)))?;
+        ks.join(&joined);
+        *self.inner.tier.write().unwrap_or_else(|p| p.into_inner()) = Some(joined);
+        Ok(())
     }
 
     fn ctx(&self, l: &ListenerConfig) -> Ctx {
@@ -364,6 +394,13 @@ impl Proxy {
             "listeners": listeners,
             "pools": self.inner.pools.snapshot(),
             "kernel_splice": self.kernel().map(|k| k.snapshot()),
+            "tier": self
+                .inner
+                .tier
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .map(|t| t.snapshot()),
         })
     }
 }
