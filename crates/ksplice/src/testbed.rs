@@ -265,3 +265,160 @@ pub fn assert_pattern(got: &[u8], len: usize, seed: u8, what: &str) {
         panic!("{what}: byte {i} differs");
     }
 }
+
+/// The proxy tier's test network (issue 16): a client, a router, proxies and servers in
+/// namespaces. The router joins the client (10.88.0.2 ↔ .1), the proxies on one bridged
+/// segment (10.88.1.1, proxy i at 10.88.1.{10 + i}) and the servers on another (10.88.2.1,
+/// server j at 10.88.2.{10 + j}); it forwards with layer-4 ECMP hashing. Every proxy has the
+/// clients' address [`TIER_VIP`] and the shared server-facing address [`TIER_SHARED`] on its
+/// loopback; the routes towards them (a nexthop group of the proxies) are the distributor's
+/// to make. Each namespace's interface to the router is `t0`.
+pub struct TierNet {
+    pub ns: Netns,
+    pub client: String,
+    pub router: String,
+    pub proxies: Vec<String>,
+    pub servers: Vec<String>,
+    /// Where each proxy pins its datapath's maps (one directory per proxy).
+    pub pins: Vec<PathBuf>,
+}
+
+pub const TIER_VIP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 88, 9, 1);
+pub const TIER_SHARED: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 88, 9, 2);
+
+impl Drop for TierNet {
+    fn drop(&mut self) {
+        for pin in &self.pins {
+            let _ = Datapath::remove_all(&[], pin);
+        }
+    }
+}
+
+impl TierNet {
+    /// Proxy `i`'s (1-based) own address.
+    pub fn proxy_addr(i: usize) -> std::net::Ipv4Addr {
+        std::net::Ipv4Addr::new(10, 88, 1, 10 + i as u8)
+    }
+
+    /// Server `j`'s (1-based) address.
+    pub fn server_addr(j: usize) -> std::net::Ipv4Addr {
+        std::net::Ipv4Addr::new(10, 88, 2, 10 + j as u8)
+    }
+
+    /// The router's address on the proxies' segment (where the registrar runs).
+    pub const ROUTER: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 88, 1, 1);
+    pub const CLIENT: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 88, 0, 2);
+
+    /// Cuts proxy `i` (1-based) off: its interface goes down (as a dead host's would).
+    pub fn cut_proxy(&self, i: usize) {
+        ip(&format!("-n {} link set t0 down", self.proxies[i - 1]));
+    }
+
+    /// Brings proxy `i`'s interface back.
+    pub fn restore_proxy(&self, i: usize) {
+        ip(&format!("-n {} link set t0 up", self.proxies[i - 1]));
+        ip(&format!(
+            "-n {} route add default via {}",
+            self.proxies[i - 1],
+            Self::ROUTER
+        ));
+    }
+}
+
+/// Builds a [`TierNet`] of `proxies` proxies and `servers` servers. `None`: skipped (not root,
+/// or no datapath in this build).
+pub fn tier_topology(proxies: usize, servers: usize) -> Option<TierNet> {
+    if !rustix::process::geteuid().is_root() {
+        skip("the proxy tier test needs root (network namespaces, eBPF)");
+        return None;
+    }
+    if let Some(why) = unavailable() {
+        skip(why);
+        return None;
+    }
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tag = format!("{}y{n}", std::process::id() % 100_000);
+    let client = format!("tc{tag}");
+    let router = format!("tr{tag}");
+    let px: Vec<String> = (1..=proxies).map(|i| format!("tp{i}{tag}")).collect();
+    let sv: Vec<String> = (1..=servers).map(|j| format!("ts{j}{tag}")).collect();
+    let mut all = vec![client.clone(), router.clone()];
+    all.extend(px.iter().cloned());
+    all.extend(sv.iter().cloned());
+    let pins: Vec<PathBuf> = (1..=proxies)
+        .map(|i| PathBuf::from(format!("/sys/fs/bpf/rserpool-tier-{tag}-p{i}")))
+        .collect();
+    let net = TierNet {
+        ns: Netns(
+            all.clone(),
+            PathBuf::from(format!("/sys/fs/bpf/rserpool-tier-{tag}")),
+        ),
+        client: client.clone(),
+        router: router.clone(),
+        proxies: px.clone(),
+        servers: sv.clone(),
+        pins,
+    };
+    for n in &all {
+        ip(&format!("netns add {n}"));
+        ip(&format!("-n {n} link set lo up"));
+    }
+    let sysctl = |ns: &str, kv: &str| {
+        let ok = Command::new("ip")
+            .args(["netns", "exec", ns, "sysctl", "-qw", kv])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "sysctl {kv} in {ns}");
+    };
+    sysctl(&router, "net.ipv4.ip_forward=1");
+    sysctl(&router, "net.ipv4.fib_multipath_hash_policy=1");
+    ip(&format!(
+        "-n {client} link add t0 type veth peer name rc netns {router}"
+    ));
+    ip(&format!("-n {client} addr add 10.88.0.2/24 dev t0"));
+    ip(&format!("-n {router} addr add 10.88.0.1/24 dev rc"));
+    for (bridge, addr) in [("brp", "10.88.1.1/24"), ("brs", "10.88.2.1/24")] {
+        ip(&format!("-n {router} link add {bridge} type bridge"));
+        ip(&format!("-n {router} addr add {addr} dev {bridge}"));
+        ip(&format!("-n {router} link set {bridge} up"));
+    }
+    for (i, p) in px.iter().enumerate() {
+        let port = format!("rp{}", i + 1);
+        ip(&format!(
+            "-n {p} link add t0 type veth peer name {port} netns {router}"
+        ));
+        ip(&format!("-n {router} link set {port} master brp"));
+        ip(&format!("-n {router} link set {port} up"));
+        ip(&format!(
+            "-n {p} addr add {}/24 dev t0",
+            TierNet::proxy_addr(i + 1)
+        ));
+        ip(&format!("-n {p} addr add {TIER_VIP}/32 dev lo"));
+        ip(&format!("-n {p} addr add {TIER_SHARED}/32 dev lo"));
+    }
+    for (j, s) in sv.iter().enumerate() {
+        let port = format!("rs{}", j + 1);
+        ip(&format!(
+            "-n {s} link add t0 type veth peer name {port} netns {router}"
+        ));
+        ip(&format!("-n {router} link set {port} master brs"));
+        ip(&format!("-n {router} link set {port} up"));
+        ip(&format!(
+            "-n {s} addr add {}/24 dev t0",
+            TierNet::server_addr(j + 1)
+        ));
+    }
+    ip(&format!("-n {router} link set rc up"));
+    for n in px.iter().chain(&sv).chain([&client]) {
+        ip(&format!("-n {n} link set t0 up"));
+    }
+    ip(&format!("-n {client} route add default via 10.88.0.1"));
+    for p in &px {
+        ip(&format!("-n {p} route add default via {}", TierNet::ROUTER));
+    }
+    for s in &sv {
+        ip(&format!("-n {s} route add default via 10.88.2.1"));
+    }
+    Some(net)
+}

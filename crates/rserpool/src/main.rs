@@ -94,6 +94,10 @@ enum Command {
     Session(cmd::calc::SessionArgs),
     /// Front-end proxy: TCP or HTTP load balancing onto pools, with failover.
     Proxy(Box<cmd::proxy::ProxyArgs>),
+    /// The front of a proxy tier: keeps a resilient nexthop group of the router equal to the
+    /// live proxies of the tier pool (heartbeats, workload weights; docs/TIER.md). Needs root
+    /// and iproute2.
+    Distributor(cmd::distributor::DistributorArgs),
     /// Show a registrar's handlespace.
     Status(cmd::client::StatusArgs),
 }
@@ -110,5 +114,6 @@ fn main() -> Result<()> {
         Command::Session(a) => cmd::calc::run_session(a),
         Command::Status(a) => cmd::client::status(a),
         Command::Proxy(a) => cmd::proxy::run(*a),
+        Command::Distributor(a) => cmd::distributor::run(a),
     }
 }

@@ -3,6 +3,7 @@
 pub mod agent;
 pub mod calc;
 pub mod client;
+pub mod distributor;
 pub mod example;
 pub mod proxy;
 pub mod registrar;

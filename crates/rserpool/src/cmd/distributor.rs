@@ -1,0 +1,332 @@
+//! `rserpool distributor`: the stateless front of a proxy tier (docs/TIER.md; the TCP splice
+//! seed's load balancer). It runs beside the router and keeps a resilient nexthop group equal
+//! to the live proxies of the tier pool, weighted by their workload factors. The router's ECMP
+//! hash then spreads the clients' packets (and the PEs' answers to the shared server-facing
+//! address) over them. A resilient group moves only the buckets of a member that went (and,
+//! for one that came or a weight that changed, only buckets idle for `--idle-timer-s`): the
+//! connections on the other members keep their member.
+//!
+//! A proxy is dead after `--misses` heartbeats in a row without an answer (every
+//! `--heartbeat-ms`), or as soon as it leaves the tier pool (the registrars' own
+//! supervision), whichever comes first. The group is changed with iproute2 (`ip nexthop`),
+//! which every Linux router has.
+
+use crate::RegistrarOpts;
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use rserpool_asap::PoolUser;
+use rserpool_wire::{PoolHandle, UserTransport};
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+use tokio::net::UdpSocket;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+#[derive(Args, Debug)]
+pub struct DistributorArgs {
+    /// The tier's pool handle (the proxies' `[tier] pool`).
+    #[arg(long)]
+    pub pool: String,
+    /// The nexthop group to keep (its ID); the members' nexthops get IDs from `--first-id`.
+    #[arg(long, default_value_t = 100)]
+    pub group: u32,
+    #[arg(long, default_value_t = 1000)]
+    pub first_id: u32,
+    /// Routes to point at the group, e.g. the clients' address and the shared server-facing
+    /// address (`10.9.0.1/32`; repeatable).
+    #[arg(long = "route", value_name = "PREFIX")]
+    pub routes: Vec<String>,
+    /// Heartbeat interval.
+    #[arg(long, default_value_t = 200)]
+    pub heartbeat_ms: u64,
+    /// Heartbeats in a row without an answer that make a proxy dead.
+    #[arg(long, default_value_t = 3)]
+    pub misses: u32,
+    /// Buckets of the resilient group.
+    #[arg(long, default_value_t = 128)]
+    pub buckets: u32,
+    /// A bucket idle this long may move to rebalance (a member that came, a new weight).
+    #[arg(long, default_value_t = 1)]
+    pub idle_timer_s: u32,
+    /// Weight levels from the workload factor: a proxy's weight is 1 + its free capacity ×
+    /// (levels − 1), rounded; a weight changes only when it moves by 2 or more. 1: equal
+    /// weights.
+    #[arg(long, default_value_t = 8)]
+    pub weight_levels: u32,
+    /// Print the `ip` commands instead of running them.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[command(flatten)]
+    pub registrars: RegistrarOpts,
+}
+
+/// What the distributor knows of one proxy.
+#[derive(Debug)]
+struct Proxy {
+    addr: SocketAddr,
+    /// Its nexthop's ID.
+    nh: u32,
+    /// Heartbeats sent since the last answer.
+    missed: u32,
+    answered: bool,
+    /// The free fraction of its capacity, from its last answer.
+    free: f64,
+    weight: u32,
+    /// In the group now.
+    live: bool,
+    sent_at: Option<Instant>,
+}
+
+pub fn run(args: DistributorArgs) -> Result<()> {
+    super::init_logging();
+    if args.misses == 0 || args.heartbeat_ms == 0 {
+        bail!("--misses and --heartbeat-ms must be above 0");
+    }
+    let cfg = super::pu_config(&args.registrars);
+    super::runtime()?.block_on(async move {
+        let mut pu = PoolUser::new(rserpool_asap::PoolUserConfig {
+            subscribe: true,
+            ..cfg
+        })?;
+        let udp = UdpSocket::bind("0.0.0.0:0")
+            .await
+            .context("binding the heartbeat socket")?;
+        let handle = PoolHandle::from(args.pool.as_str());
+        let mut proxies: BTreeMap<u32, Proxy> = BTreeMap::new();
+        let mut next_nh = args.first_id;
+        let mut applied: Option<Vec<(u32, u32)>> = None;
+        let mut routed = false;
+        let mut beat = tokio::time::interval(Duration::from_millis(args.heartbeat_ms));
+        let mut resolve_at = Instant::now();
+        let mut seq = 0u32;
+        let mut buf = [0u8; 64];
+        info!(
+            "distributor: tier pool {}, nexthop group {}, heartbeat {} ms × {}",
+            args.pool, args.group, args.heartbeat_ms, args.misses
+        );
+        let shutdown = super::shutdown_signal();
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => return Ok(()),
+                _ = beat.tick() => {
+                    seq = seq.wrapping_add(1);
+                    let mut hb = [0u8; 8];
+                    hb[..4].copy_from_slice(rserpool_proxy::tier::HEARTBEAT_MAGIC);
+                    hb[4..].copy_from_slice(&seq.to_be_bytes());
+                    for (id, p) in proxies.iter_mut() {
+                        if p.sent_at.is_some() {
+                            p.missed += 1;
+                        }
+                        if p.live && p.missed >= args.misses {
+                            warn!(
+                                "distributor: proxy {id:#010x} at {} is dead: {} heartbeats \
+                                 without an answer",
+                                p.addr, p.missed
+                            );
+                            p.live = false;
+                        }
+                        let _ = udp.send_to(&hb, p.addr).await;
+                        p.sent_at = Some(Instant::now());
+                    }
+                }
+                got = udp.recv_from(&mut buf) => {
+                    let Ok((n, from)) = got else { continue };
+                    if n < 16 || &buf[..4] != rserpool_proxy::tier::HEARTBEAT_MAGIC {
+                        continue;
+                    }
+                    let id = u32::from_be_bytes([buf[8], buf[9], buf[10], buf[11]]);
+                    let free = u32::from_be_bytes([buf[12], buf[13], buf[14], buf[15]]);
+                    if let Some(p) = proxies.get_mut(&id).filter(|p| p.addr == from) {
+                        p.missed = 0;
+                        p.sent_at = None;
+                        p.free = f64::from(free.min(1_000_000)) / 1e6;
+                        if !p.answered || !p.live {
+                            info!("distributor: proxy {id:#010x} at {} is alive", p.addr);
+                        }
+                        p.answered = true;
+                        p.live = true;
+                    }
+                }
+                _ = pu.next_push(), if Instant::now() < resolve_at => {
+                    resolve_at = Instant::now();
+                }
+                () = tokio::time::sleep_until(resolve_at) => {
+                    resolve_at = Instant::now() + Duration::from_secs(1);
+                    match pu.pool_elements(&handle).await {
+                        Ok((_, pes)) => {
+                            let listed: HashMap<u32, SocketAddr> = pes
+                                .iter()
+                                .filter_map(|pe| match &pe.user_transport {
+                                    UserTransport::Address(a) => {
+                                        a.socket_addrs().next().map(|s| (pe.id, s))
+                                    }
+                                    _ => None,
+                                })
+                                .collect();
+                            for (id, p) in proxies.iter_mut() {
+                                if p.live && !listed.contains_key(id) {
+                                    warn!(
+                                        "distributor: proxy {id:#010x} at {} left the tier pool",
+                                        p.addr
+                                    );
+                                    p.live = false;
+                                }
+                            }
+                            proxies.retain(|id, _| listed.contains_key(id));
+                            for (id, addr) in listed {
+                                proxies.entry(id).or_insert_with(|| {
+                                    info!("distributor: proxy {id:#010x} at {addr} in the tier pool");
+                                    let nh = next_nh;
+                                    next_nh += 1;
+                                    Proxy {
+                                        addr,
+                                        nh,
+                                        missed: 0,
+                                        answered: false,
+                                        free: 1.0,
+                                        weight: 1,
+                                        live: false,
+                                        sent_at: None,
+                                    }
+                                });
+                            }
+                        }
+                        Err(e) => warn!("distributor: resolving {}: {e}", args.pool),
+                    }
+                }
+            }
+            // The group the live proxies make, with weights that move only by 2 or more.
+            let levels = args.weight_levels.max(1);
+            for p in proxies.values_mut() {
+                let w = 1 + (p.free * f64::from(levels - 1)).round() as u32;
+                if w.abs_diff(p.weight) >= 2 || levels == 1 {
+                    p.weight = w;
+                }
+            }
+            let want: Vec<(u32, u32)> = proxies
+                .values()
+                .filter(|p| p.live)
+                .map(|p| (p.nh, if levels == 1 { 1 } else { p.weight }))
+                .collect();
+            if applied.as_ref() != Some(&want) {
+                if want.is_empty() {
+                    warn!("distributor: no proxy of the tier is alive; the group stays as it was");
+                    applied = Some(want);
+                    continue;
+                }
+                let live: Vec<&Proxy> = proxies.values().filter(|p| p.live).collect();
+                if let Err(e) = apply(&args, &live, &want, !routed) {
+                    warn!("distributor: updating the nexthop group: {e:#}");
+                    continue;
+                }
+                routed = true;
+                info!(
+                    "distributor: group {} = {}",
+                    args.group,
+                    want.iter()
+                        .map(|(nh, w)| format!("{nh}×{w}"))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                );
+                applied = Some(want);
+            }
+        }
+    })
+}
+
+/// Makes the group (and, the first time, the routes) what `want` says.
+fn apply(args: &DistributorArgs, live: &[&Proxy], want: &[(u32, u32)], first: bool) -> Result<()> {
+    for p in live {
+        let IpAddr::V4(v4) = p.addr.ip() else {
+            bail!("proxy at {}: IPv4 only", p.addr);
+        };
+        let dev = device_towards(&v4.to_string(), args.dry_run)?;
+        ip(
+            args.dry_run,
+            &[
+                "nexthop",
+                "replace",
+                "id",
+                &p.nh.to_string(),
+                "via",
+                &v4.to_string(),
+                "dev",
+                &dev,
+            ],
+        )?;
+    }
+    let group = want
+        .iter()
+        .map(|(nh, w)| format!("{nh},{w}"))
+        .collect::<Vec<_>>()
+        .join("/");
+    ip(
+        args.dry_run,
+        &[
+            "nexthop",
+            "replace",
+            "id",
+            &args.group.to_string(),
+            "group",
+            &group,
+            "type",
+            "resilient",
+            "buckets",
+            &args.buckets.to_string(),
+            "idle_timer",
+            &args.idle_timer_s.to_string(),
+        ],
+    )?;
+    if first {
+        for r in &args.routes {
+            ip(
+                args.dry_run,
+                &["route", "replace", r, "nhid", &args.group.to_string()],
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// The interface of the route towards `ip`.
+fn device_towards(ip: &str, dry_run: bool) -> Result<String> {
+    if dry_run {
+        return Ok("DEV".into());
+    }
+    let out = std::process::Command::new("ip")
+        .args(["-o", "route", "get", ip])
+        .output()
+        .context("running ip (iproute2)")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut words = text.split_whitespace();
+    while let Some(w) = words.next() {
+        if w == "dev" {
+            return words
+                .next()
+                .map(str::to_string)
+                .context("`ip route get` named no device");
+        }
+    }
+    bail!("no route towards {ip}")
+}
+
+fn ip(dry_run: bool, args: &[&str]) -> Result<()> {
+    if dry_run {
+        println!("ip {}", args.join(" "));
+        return Ok(());
+    }
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .context("running ip (iproute2)")?;
+    if !out.status.success() {
+        bail!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
