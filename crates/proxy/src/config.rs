@@ -122,6 +122,10 @@ pub struct KernelSpliceConfig {
     /// so that it drains and can be handed over; its senders then retransmit what the hold
     /// dropped, a stall of a retransmission timeout once. 0: never held.
     pub hold_after_ms: u64,
+    /// A held connection whose sockets drain nothing for this long stays in user space.
+    pub drain_stall_ms: u64,
+    /// A held connection not drained within this stays in user space.
+    pub drain_timeout_ms: u64,
 }
 
 impl Default for KernelSpliceConfig {
@@ -133,6 +137,8 @@ impl Default for KernelSpliceConfig {
             idle_timeout_ms: 3_600_000,
             fin_timeout_ms: 10_000,
             hold_after_ms: 500,
+            drain_stall_ms: 100,
+            drain_timeout_ms: 2000,
         }
     }
 }

@@ -30,12 +30,6 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
-/// Longest drain under hold without progress (less pending on the sockets); then the
-/// connection stays in user space. A connection that streams both ways at once does not
-/// drain: the ACKs ride on the data that the hold drops.
-const DRAIN_STALL: Duration = Duration::from_millis(100);
-/// Longest drain under hold in all.
-const DRAIN_WITHIN: Duration = Duration::from_secs(2);
 /// Ports tried for a connection to a PE before giving up (each one in use by a spliced
 /// connection to the same PE).
 const PORT_TRIES: usize = 64;
@@ -54,6 +48,11 @@ pub(crate) struct KernelSplice {
     /// held: its new data dropped, to be sent again through the splice, while the proxy's
     /// sockets drain (`hold-after-ms`; `None`: never).
     hold_after: Option<Duration>,
+    /// Longest drain under hold without progress (less pending on the sockets), and in all;
+    /// then the connection stays in user space. A connection that streams both ways at once
+    /// does not drain: the ACKs ride on the data that the hold drops.
+    drain_stall: Duration,
+    drain_within: Duration,
     handed_over: AtomicU64,
     user_space: AtomicU64,
     held_to_drain: AtomicU64,
@@ -118,6 +117,8 @@ impl KernelSplice {
             idle: Duration::from_millis(cfg.idle_timeout_ms),
             closing: Duration::from_millis(cfg.fin_timeout_ms),
             hold_after: (cfg.hold_after_ms > 0).then(|| Duration::from_millis(cfg.hold_after_ms)),
+            drain_stall: Duration::from_millis(cfg.drain_stall_ms.max(1)),
+            drain_within: Duration::from_millis(cfg.drain_timeout_ms.max(1)),
             handed_over: AtomicU64::new(0),
             user_space: AtomicU64::new(0),
             held_to_drain: AtomicU64::new(0),
@@ -464,7 +465,7 @@ async fn hand_over_when_quiet(
     let mut interfaces: Option<(u32, u32)> = None;
     let started = tokio::time::Instant::now();
     let hold_at = ks.hold_after.map(|d| started + d);
-    let mut deadline = hold_at.unwrap_or(started) + DRAIN_WITHIN;
+    let mut deadline = hold_at.unwrap_or(started) + ks.drain_within;
     // The hold that drains a busy connection, once it is on.
     let mut held: Option<Splice> = None;
     let unhold = |held: &Option<Splice>| {
@@ -481,7 +482,7 @@ async fn hand_over_when_quiet(
         let now = tokio::time::Instant::now();
         if held.is_some() && busy < least {
             least = busy;
-            stall = now + DRAIN_STALL;
+            stall = now + ks.drain_stall;
         }
         // Between a request and its answer is no time to hand over: the answer would come
         // while the connection is held, be dropped and wait for its sender's retransmission.
@@ -558,7 +559,7 @@ async fn hand_over_when_quiet(
                 match ks.dp().hold(&s, None) {
                     Ok(()) => {
                         held = Some(s);
-                        deadline = now + DRAIN_WITHIN;
+                        deadline = now + ks.drain_within;
                         ks.held_to_drain.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(e) => ks.note(&e),
