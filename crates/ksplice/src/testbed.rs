@@ -373,6 +373,13 @@ pub fn tier_topology(proxies: usize, servers: usize) -> Option<TierNet> {
     };
     sysctl(&router, "net.ipv4.ip_forward=1");
     sysctl(&router, "net.ipv4.fib_multipath_hash_policy=1");
+    // Over veth a packet keeps its sender's socket hash (skb->hash), which the router's
+    // multipath hash then takes as the flow's; TCP draws a new one after a retransmission
+    // timeout (to route around a failure), and the flow would move to another proxy. On
+    // real links the router hashes the headers. So the ends keep theirs.
+    for n in sv.iter().chain([&client]) {
+        sysctl(n, "net.core.txrehash=0");
+    }
     ip(&format!(
         "-n {client} link add t0 type veth peer name rc netns {router}"
     ));

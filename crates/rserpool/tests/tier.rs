@@ -279,7 +279,7 @@ fn upload(
             s.read_to_string(&mut answer)
         })();
         if let Err(e) = sent_all {
-            answer = format!("{local}: {e} after {:?}", t0.elapsed());
+            answer = format!("{local}: {e} {:?} after it connected", t0.elapsed());
         }
         (answer, Instant::now())
     })
@@ -328,7 +328,7 @@ fn a_proxy_killed_mid_upload_breaks_none_of_100_connections_and_comes_back() {
                     "tshark",
                     "-q",
                     "-i",
-                    "any",
+                    "brp",
                     "-s",
                     "128",
                 ])
@@ -386,7 +386,10 @@ fn a_proxy_killed_mid_upload_breaks_none_of_100_connections_and_comes_back() {
     );
     let killed = Instant::now();
     t.kill_proxy(1);
-    eprintln!("proxy 1 killed");
+    eprintln!(
+        "proxy 1 killed {:?} after the uploads started",
+        t0.elapsed()
+    );
     check_uploads(uploads, &body, killed);
     assert!(
         t.number(2, &["tier", "forwarded_packets"]) > 0
