@@ -311,105 +311,178 @@ fn check_uploads(
     );
 }
 
-#[test]
-fn a_proxy_killed_mid_upload_breaks_none_of_100_connections_and_comes_back() {
-    let Some(mut t) = Tier::start(2, 2) else {
-        return;
-    };
-    t.wait_ready(2, Duration::from_secs(30));
-    // TIER_TEST_CAPTURE=FILE: the router's packets, to look into a failure.
-    let _capture = std::env::var("TIER_TEST_CAPTURE").ok().map(|f| {
+/// Uploads under way through the tier.
+struct Uploads {
+    body: Arc<Vec<u8>>,
+    sent: Arc<AtomicU64>,
+    threads: Vec<std::thread::JoinHandle<(String, Instant)>>,
+    started: Instant,
+    /// Hand-overs counted before they started (the GETs that saw the tier up).
+    base: u64,
+}
+
+impl Tier {
+    /// Connections handed to the kernel by the running proxies so far.
+    fn handed(&self) -> u64 {
+        (1..=self.proxies.len())
+            .filter(|i| self.proxies[i - 1].is_some())
+            .map(|i| self.number(i, &["kernel_splice", "handed_over"]))
+            .sum()
+    }
+
+    /// `n` uploads of 10 MB, each paced at 64 KiB per `pace`.
+    fn uploads(&self, n: usize, pace: Duration) -> Uploads {
+        let body: Arc<Vec<u8>> = Arc::new((0..10_000_000u32).map(|i| (i % 251) as u8).collect());
+        let sent = Arc::new(AtomicU64::new(0));
+        let base = self.handed();
+        let threads = (0..n)
+            .map(|_| upload(&self.net.client, body.clone(), sent.clone(), Some(pace)))
+            .collect();
+        Uploads {
+            body,
+            sent,
+            threads,
+            started: Instant::now(),
+            base,
+        }
+    }
+
+    /// Waits until every upload is handed to the kernel and `fraction` of the bytes are sent.
+    fn wait_handed(&self, u: &Uploads, fraction: f64) {
+        let n = u.threads.len() as u64;
+        let total = n * u.body.len() as u64;
+        loop {
+            let handed = self.handed() - u.base;
+            let sent = u.sent.load(Ordering::Relaxed);
+            if handed >= n && sent as f64 >= total as f64 * fraction {
+                return;
+            }
+            assert!(
+                u.started.elapsed() < Duration::from_secs(60),
+                "{handed} of {n} connections handed over, {sent} of {total} bytes sent; \
+                 proxies: {:?}",
+                (1..=self.proxies.len())
+                    .map(|i| self
+                        .status(i)
+                        .map(|s| (s["kernel_splice"].clone(), s["tier"].clone())))
+                    .collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The router's packets on the proxies' segment into FILE, while the value lives.
+    fn capture(&self, file: &str) -> KillOnDrop {
         let c = KillOnDrop(
             Command::new("ip")
                 .args([
                     "netns",
                     "exec",
-                    &t.net.router,
+                    &self.net.router,
                     "tshark",
                     "-q",
                     "-i",
                     "brp",
+                ])
+                .args([
                     "-s",
                     "128",
+                    "-f",
+                    "tcp port 7000 or tcp portrange 20000-29999",
                 ])
-                .args(["-f", "tcp port 7000 or tcp portrange 20000-29999", "-w", &f])
+                .args(["-w", file])
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap(),
         );
         std::thread::sleep(Duration::from_secs(2));
         c
-    });
+    }
+}
+
+/// TIER_TEST_CAPTURE=FILE records the proxies' segment, to look into a failure.
+fn maybe_capture(t: &Tier) -> Option<KillOnDrop> {
+    std::env::var("TIER_TEST_CAPTURE")
+        .ok()
+        .map(|f| t.capture(&f))
+}
+
+#[test]
+fn a_proxy_killed_mid_upload_breaks_none_of_100_connections_and_comes_back() {
+    let Some(mut t) = Tier::start(2, 2) else {
+        return;
+    };
+    t.wait_ready(2, Duration::from_secs(30));
+    let _capture = maybe_capture(&t);
     // TIER_TEST_N: fewer connections, to look into a failure.
     let n: usize = std::env::var("TIER_TEST_N")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
-    let body: Arc<Vec<u8>> = Arc::new((0..10_000_000u32).map(|i| (i % 251) as u8).collect());
-    let sent = Arc::new(AtomicU64::new(0));
-    let handed = |t: &Tier| {
-        t.number(1, &["kernel_splice", "handed_over"])
-            + t.number(2, &["kernel_splice", "handed_over"])
-    };
-    // The GETs that saw the tier up were handed over too.
-    let base = handed(&t);
     // Each client sends at about 3 MB/s (64 KiB every 20 ms), 300 MB/s in all: the clients of
     // the seed's testbed were behind 100 Mbit/s links.
-    let pace = Some(Duration::from_millis(20));
-    let uploads: Vec<_> = (0..n)
-        .map(|_| upload(&t.net.client, body.clone(), sent.clone(), pace))
-        .collect();
+    let u = t.uploads(n, Duration::from_millis(20));
     // Every connection handed to the kernel, and half the bytes sent: proxy 1 dies.
-    let t0 = Instant::now();
-    let total = (n * body.len()) as u64;
-    loop {
-        let handed = handed(&t) - base;
-        if handed >= n as u64 && sent.load(Ordering::Relaxed) >= total / 2 {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "{handed} of {n} connections handed over, {} of {total} bytes sent; proxies: {:?} \
-             {:?}",
-            sent.load(Ordering::Relaxed),
-            t.status(1)
-                .map(|s| (s["kernel_splice"].clone(), s["tier"].clone())),
-            t.status(2)
-                .map(|s| (s["kernel_splice"].clone(), s["tier"].clone()))
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let replicated = t.number(2, &["tier", "splices_received"]);
+    t.wait_handed(&u, 0.5);
     assert!(
-        t.number(1, &["kernel_splice", "handed_over"]) > 0 && replicated > 0,
+        t.number(1, &["kernel_splice", "handed_over"]) > 0
+            && t.number(2, &["tier", "splices_received"]) > 0,
         "proxy 1 spliced nothing, or proxy 2 received none of its splices"
     );
     let killed = Instant::now();
     t.kill_proxy(1);
     eprintln!(
         "proxy 1 killed {:?} after the uploads started",
-        t0.elapsed()
+        u.started.elapsed()
     );
-    check_uploads(uploads, &body, killed);
-    assert!(
-        t.number(2, &["tier", "forwarded_packets"]) > 0
-            || t.number(2, &["kernel_splice", "packets"]) > 0,
-        "proxy 2 carried nothing"
-    );
+    check_uploads(u.threads, &u.body, killed);
 
     // Proxy 1 comes back and takes new connections.
     t.net.restore_proxy(1);
     t.start_proxy(1);
     t.wait_ready(2, Duration::from_secs(30));
-    let before = t.number(1, &["kernel_splice", "handed_over"])
-        + t.number(1, &["kernel_splice", "user_space"]);
+    let taken = |t: &Tier| {
+        t.number(1, &["kernel_splice", "handed_over"])
+            + t.number(1, &["kernel_splice", "user_space"])
+    };
+    let before = taken(&t);
     for _ in 0..40 {
         assert!(
             get_through(&t.net.client).is_some(),
             "a GET through the tier failed"
         );
     }
-    let after = t.number(1, &["kernel_splice", "handed_over"])
-        + t.number(1, &["kernel_splice", "user_space"]);
-    assert!(after > before, "proxy 1 took none of 40 new connections");
+    assert!(
+        taken(&t) > before,
+        "proxy 1 took none of 40 new connections"
+    );
+}
+
+#[test]
+fn a_proxy_that_joined_late_carries_the_connections_of_one_that_dies() {
+    let Some(mut t) = Tier::start(3, 2) else {
+        return;
+    };
+    t.wait_ready(2, Duration::from_secs(30));
+    let _capture = maybe_capture(&t);
+    // 20 uploads of about 6 s each (64 KiB every 40 ms).
+    let u = t.uploads(20, Duration::from_millis(40));
+    t.wait_handed(&u, 0.1);
+    // Proxy 3 joins: it is sent every splice the others know.
+    t.start_proxy(3);
+    t.wait_ready(3, Duration::from_secs(30));
+    let synced = t.number(3, &["tier", "splices_received"]);
+    assert!(
+        synced >= 20,
+        "proxy 3 received {synced} splices on joining, not the 20 uploads"
+    );
+    let carried_before = t.number(3, &["kernel_splice", "packets"]);
+    let killed = Instant::now();
+    t.kill_proxy(1);
+    check_uploads(u.threads, &u.body, killed);
+    let carried = t.number(3, &["kernel_splice", "packets"]) - carried_before;
+    assert!(
+        carried > 0,
+        "proxy 3 carried no packet after proxy 1 died: the test proved nothing"
+    );
 }
