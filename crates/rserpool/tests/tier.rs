@@ -21,6 +21,10 @@ use std::time::{Duration, Instant};
 
 const FRONT_PORT: u16 = 7000;
 
+/// One tier at a time: each keeps both cores busy, and a proxy starved of CPU for long drains
+/// its held connections too slowly to hand them over.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn spawn_in(ns: &str, args: &[String]) -> KillOnDrop {
     KillOnDrop(
         Command::new("ip")
@@ -50,6 +54,7 @@ fn strings(a: &[&str]) -> Vec<String> {
 /// The tier: its network, the registrar, servers and distributor, and the proxies (by
 /// number, 1-based; `None` while one is down).
 struct Tier {
+    _one: std::sync::MutexGuard<'static, ()>,
     net: TierNet,
     dir: std::path::PathBuf,
     _fixed: Vec<KillOnDrop>,
@@ -65,6 +70,7 @@ impl Drop for Tier {
 impl Tier {
     /// `proxies` proxies (only the first `running` started) and two servers.
     fn start(proxies: usize, running: usize) -> Option<Tier> {
+        let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let net = tier_topology(proxies, 2)?;
         let dir = std::env::temp_dir().join(format!("rserpool-tier-test-{}", net.router));
         std::fs::create_dir_all(&dir).unwrap();
@@ -111,6 +117,7 @@ impl Tier {
             ]),
         ));
         let mut t = Tier {
+            _one: guard,
             net,
             dir,
             _fixed: fixed,
