@@ -685,12 +685,12 @@ async fn pass_loop(tier: std::sync::Weak<Tier>) {
                 (s.splice.client, s.splice.front),
                 (s.splice.server, s.splice.back),
             ];
-            for i in 0..2 {
+            for (i, (from, to)) in dirs.into_iter().enumerate() {
                 if s.fin[i] && !before.is_some_and(|b| b.fin[i]) {
-                    t.broadcast(&Message::Fin(dirs[i].0, dirs[i].1));
+                    t.broadcast(&Message::Fin(from, to));
                 }
                 if s.packets[i] > before.map_or(0, |b| b.packets[i]) {
-                    touched.push(dirs[i]);
+                    touched.push((from, to));
                 }
             }
         }
