@@ -277,8 +277,11 @@ pub(crate) struct Tier {
     me: Member,
     ks: Arc<KernelSplice>,
     links: Mutex<HashMap<u32, Link>>,
-    /// The other members as their HELLOs described them.
+    /// The other members as their HELLOs described them (kept: a HELLO comes once per link).
     members: Mutex<HashMap<u32, Member>>,
+    /// The members the tier pool lists now. The datapath forwards to those listed that said
+    /// HELLO, whichever came first.
+    listed: Mutex<HashSet<u32>>,
     counters: Counters,
     /// The free fraction of this proxy's capacity (the workload factor), 0..=1.
     free: Box<dyn Fn() -> f64 + Send + Sync>,
@@ -326,6 +329,7 @@ impl Tier {
             ks,
             links: Mutex::new(HashMap::new()),
             members: Mutex::new(HashMap::new()),
+            listed: Mutex::new(HashSet::new()),
             counters: Counters::default(),
             free,
         });
@@ -407,13 +411,19 @@ impl Tier {
         }
     }
 
-    /// The datapath forwards to the members known now.
+    /// The datapath forwards to the members listed now that said HELLO.
     fn update_datapath(&self) {
+        let listed = self
+            .listed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let members: Vec<TierMember> = self
             .members
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
+            .filter(|m| listed.contains(&m.id))
             .map(|m| TierMember {
                 shared: m.shared,
                 ports: m.lo..=m.hi,
@@ -426,15 +436,16 @@ impl Tier {
         }
     }
 
-    /// A member that left the pool: no more forwarding to it.
-    fn forget(&self, id: u32) {
-        let gone = self
-            .members
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id)
-            .is_some();
-        if gone {
+    /// The members the pool lists now: forwarding follows.
+    fn set_listed(&self, now: HashSet<u32>) {
+        let old = std::mem::replace(
+            &mut *self.listed.lock().unwrap_or_else(|p| p.into_inner()),
+            now.clone(),
+        );
+        if old != now {
+            for gone in old.difference(&now) {
+                info!("proxy: tier member {gone:#010x} left the pool");
+            }
             self.update_datapath();
         }
     }
@@ -442,7 +453,19 @@ impl Tier {
     pub(crate) fn snapshot(&self) -> serde_json::Value {
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let links = self.links.lock().unwrap_or_else(|p| p.into_inner()).len();
-        let members = self.members.lock().unwrap_or_else(|p| p.into_inner()).len();
+        // Members forwarded to: listed in the pool, and their HELLO received.
+        let listed = self
+            .listed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let members = self
+            .members
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .filter(|id| listed.contains(id))
+            .count();
         serde_json::json!({
             "pool": self.cfg.pool,
             "member": format!("{:#010x}", self.me.id),
@@ -602,18 +625,7 @@ async fn discovery_loop(tier: std::sync::Weak<Tier>, registrars: Vec<SocketAddr>
                 tokio::spawn(link(tier.clone(), *id, *addr, rx));
             }
         }
-        let gone: Vec<u32> = t
-            .members
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .filter(|id| !now.contains_key(id))
-            .copied()
-            .collect();
-        for id in gone {
-            info!("proxy: tier member {id:#010x} left the pool");
-            t.forget(id);
-        }
+        t.set_listed(now.keys().copied().collect());
         drop(t);
         // A push (a member came or went) or the next second, whichever is first.
         tokio::select! {

@@ -215,9 +215,12 @@ ports = "{lo}-{hi}"
             let running: Vec<usize> = (1..=self.proxies.len())
                 .filter(|i| self.proxies[i - 1].is_some())
                 .collect();
-            let linked = running
-                .iter()
-                .all(|&i| self.number(i, &["tier", "links"]) as usize + 1 >= running.len());
+            // Each running proxy links to the others and forwards to them.
+            let linked = running.iter().all(|&i| {
+                let others = running.len() - 1;
+                self.number(i, &["tier", "links"]) as usize >= others
+                    && self.number(i, &["tier", "members_known"]) as usize >= others
+            });
             if members == n && linked && get_through(&self.net.client).is_some() {
                 return;
             }
