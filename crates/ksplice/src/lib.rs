@@ -417,6 +417,15 @@ pub fn ifindex(name: &str) -> Result<u32, Error> {
     }
 }
 
+/// Where the program sees packets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    /// As they arrive (a proxy).
+    Ingress,
+    /// As they leave (a server answering the clients of a split splice directly).
+    Egress,
+}
+
 /// The loaded program, attached at TC ingress of some interfaces, and its flow table. Dropping
 /// it detaches the program.
 pub struct Datapath {
@@ -440,9 +449,20 @@ impl Datapath {
     /// the filter an earlier one left on the same interface. [`Datapath::remove_all`] undoes
     /// everything.
     pub fn load(interfaces: &[&str], max_flows: u32, pin_dir: &Path) -> Result<Self, Error> {
+        Self::load_at(interfaces, max_flows, pin_dir, Hook::Ingress)
+    }
+
+    /// [`load`](Self::load), attached at `hook`: at egress on a server of a split splice
+    /// (its answers leave rewritten for the client).
+    pub fn load_at(
+        interfaces: &[&str],
+        max_flows: u32,
+        pin_dir: &Path,
+        hook: Hook,
+    ) -> Result<Self, Error> {
         #[cfg(not(ksplice_built))]
         {
-            let _ = (interfaces, max_flows, pin_dir);
+            let _ = (interfaces, max_flows, pin_dir, hook);
             Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
         }
         #[cfg(ksplice_built)]
@@ -465,16 +485,16 @@ impl Datapath {
                 .map_err(|err| e("program type", &err))?;
             prog.load()
                 .map_err(|err| e("the verifier refused it", &err))?;
+            let at = match hook {
+                Hook::Ingress => TcAttachType::Ingress,
+                Hook::Egress => TcAttachType::Egress,
+            };
             for name in interfaces {
                 ifindex(name)?;
                 let _ = tc::qdisc_add_clsact(name);
-                let _ = tc::qdisc_detach_program(name, TcAttachType::Ingress, "splice_tc");
+                let _ = tc::qdisc_detach_program(name, at, "splice_tc");
                 let id = prog
-                    .attach_with_options(
-                        name,
-                        TcAttachType::Ingress,
-                        TcAttachOptions::Netlink(NlOptions::default()),
-                    )
+                    .attach_with_options(name, at, TcAttachOptions::Netlink(NlOptions::default()))
                     .map_err(|err| e(&format!("attaching to {name}"), &err))?;
                 // Not detached when this value goes: the filter outlives the process.
                 let link = prog
@@ -496,6 +516,7 @@ impl Datapath {
         for name in interfaces {
             use aya::programs::{TcAttachType, tc};
             let _ = tc::qdisc_detach_program(name, TcAttachType::Ingress, "splice_tc");
+            let _ = tc::qdisc_detach_program(name, TcAttachType::Egress, "splice_tc");
         }
         #[cfg(not(ksplice_built))]
         let _ = interfaces;
@@ -560,6 +581,33 @@ impl Datapath {
         let (c, v) = (seen(&k1), seen(&k2));
         self.watch(s.client, s.front, c)?;
         self.watch(s.server, s.back, v)
+    }
+
+    /// The server's half of a split splice: the server's packets to `back` leave as the
+    /// proxy's to the client, straight from the server (`client_if`: the server's interface
+    /// towards the client).
+    pub fn splice_server_side(&mut self, s: &Splice) -> Result<(), Error> {
+        let [_, (k, v)] = s.entries();
+        self.insert(k, v)
+    }
+
+    /// Directions in the flow table that are not watched or held, with their FIN mark and
+    /// packet count: what a split splice's server reports to the proxies.
+    pub fn directions(&mut self) -> Result<Vec<(SocketAddrV4, SocketAddrV4, bool, u64)>, Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let flows = self.flows()?;
+            Ok(flows
+                .iter()
+                .filter_map(Result::ok)
+                .filter(|(_, v)| v.flags & (FLAG_WATCH | FLAG_HOLD) == 0)
+                .map(|(k, v)| (k.from(), k.to(), v.flags & FLAG_FIN != 0, v.packets))
+                .collect())
+        }
     }
 
     /// Removes both directions of a spliced connection (entries already gone are fine).
