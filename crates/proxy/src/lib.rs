@@ -36,6 +36,7 @@ pub mod pools;
 mod routes;
 mod select;
 pub mod splice;
+pub mod split;
 pub mod tcp;
 pub mod tier;
 

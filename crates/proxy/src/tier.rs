@@ -25,6 +25,7 @@
 use crate::kernel::KernelSplice;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
+use rserpool_ksplice::Error as DatapathError;
 use rserpool_ksplice::{Splice, SpliceState, TierMember};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
@@ -74,6 +75,11 @@ impl TierConfig {
             )),
         }
     }
+}
+
+/// The pool the servers of split splices register in: the tier's, with `.split`.
+pub(crate) fn split_pool(tier: &str) -> rserpool_wire::PoolHandle {
+    rserpool_wire::PoolHandle::from(format!("{tier}.split").as_str())
 }
 
 /// Longest message between members.
@@ -271,11 +277,59 @@ struct Link {
     tx: mpsc::Sender<Bytes>,
 }
 
+/// What a member does with the splices of the tier: a proxy carries them whole; a server of
+/// a split splice carries the answers of its own connections ([`crate::split::ServerSide`]).
+pub(crate) trait Side: Send + Sync {
+    /// Installs a splice another member made.
+    fn install(&self, s: Splice) -> Result<(), String>;
+    fn remove(&self, s: &Splice);
+    fn mark_fin(&self, from: SocketAddrV4, to: SocketAddrV4);
+    fn touch(&self, flows: &[(SocketAddrV4, SocketAddrV4)]);
+    /// The other members to forward to by port (a proxy's datapath).
+    fn set_tier(&self, _members: &[TierMember]) -> Result<(), DatapathError> {
+        Ok(())
+    }
+    fn forwarded(&self) -> u64 {
+        0
+    }
+    /// What the once-a-second pass compares, per connection: the splice, and what passed
+    /// here in each direction.
+    fn state(&self) -> Vec<SpliceState>;
+    /// Sends splices to a member that links here (a proxy: all it knows).
+    fn shares(&self) -> bool {
+        true
+    }
+}
+
+impl Side for KernelSplice {
+    fn install(&self, s: Splice) -> Result<(), String> {
+        self.install_replica(s)
+    }
+    fn remove(&self, s: &Splice) {
+        self.remove_replica(s);
+    }
+    fn mark_fin(&self, from: SocketAddrV4, to: SocketAddrV4) {
+        KernelSplice::mark_fin(self, from, to);
+    }
+    fn touch(&self, flows: &[(SocketAddrV4, SocketAddrV4)]) {
+        KernelSplice::touch(self, flows);
+    }
+    fn set_tier(&self, members: &[TierMember]) -> Result<(), DatapathError> {
+        KernelSplice::set_tier(self, members)
+    }
+    fn forwarded(&self) -> u64 {
+        self.tier_redirects()
+    }
+    fn state(&self) -> Vec<SpliceState> {
+        self.splices()
+    }
+}
+
 /// A running tier membership.
 pub(crate) struct Tier {
     cfg: TierConfig,
     me: Member,
-    ks: Arc<KernelSplice>,
+    side: Arc<dyn Side>,
     links: Mutex<HashMap<u32, Link>>,
     /// The other members as their HELLOs described them (kept: a HELLO comes once per link).
     members: Mutex<HashMap<u32, Member>>,
@@ -298,6 +352,21 @@ impl Tier {
         free: Box<dyn Fn() -> f64 + Send + Sync>,
     ) -> Result<Arc<Tier>, String> {
         let ports = cfg.port_range()?;
+        let pool = cfg.pool.clone();
+        Self::start_as(cfg, pool, registrars, ks, interface, Some(ports), free).await
+    }
+
+    /// A member of the tier `cfg.pool` registered in `register_in`: with `ports`, a proxy;
+    /// without, a server of a split splice.
+    pub(crate) async fn start_as(
+        cfg: TierConfig,
+        register_in: String,
+        registrars: Vec<SocketAddr>,
+        side: Arc<dyn Side>,
+        interface: &str,
+        ports: Option<std::ops::RangeInclusive<u16>>,
+        free: Box<dyn Fn() -> f64 + Send + Sync>,
+    ) -> Result<Arc<Tier>, String> {
         let mac = mac_of(interface)?;
         let tcp = TcpListener::bind(cfg.listen)
             .await
@@ -306,7 +375,7 @@ impl Tier {
             .await
             .map_err(|e| format!("[tier] listen {} (UDP): {e}", cfg.listen))?;
         let mut pe_cfg = PoolElementConfig::new(
-            cfg.pool.as_str(),
+            register_in.as_str(),
             cfg.listen,
             rserpool_wire::Policy::LeastUsed { load: 0 },
         );
@@ -316,8 +385,8 @@ impl Tier {
             id: pe.id(),
             mac,
             shared: cfg.server_address,
-            lo: *ports.start(),
-            hi: *ports.end(),
+            lo: ports.as_ref().map_or(0, |p| *p.start()),
+            hi: ports.as_ref().map_or(0, |p| *p.end()),
         };
         info!(
             "proxy: tier {}: member {:#010x} at {}, ports {}-{} on {}",
@@ -326,7 +395,7 @@ impl Tier {
         let tier = Arc::new(Tier {
             cfg,
             me,
-            ks,
+            side,
             links: Mutex::new(HashMap::new()),
             members: Mutex::new(HashMap::new()),
             listed: Mutex::new(HashSet::new()),
@@ -334,7 +403,9 @@ impl Tier {
             free,
         });
         tokio::spawn(accept_loop(Arc::downgrade(&tier), tcp));
-        tokio::spawn(heartbeat_loop(Arc::downgrade(&tier), udp));
+        if ports.is_some() {
+            tokio::spawn(heartbeat_loop(Arc::downgrade(&tier), udp));
+        }
         tokio::spawn(discovery_loop(Arc::downgrade(&tier), registrars, pe));
         tokio::spawn(pass_loop(Arc::downgrade(&tier)));
         Ok(tier)
@@ -401,13 +472,13 @@ impl Tier {
             }
             Message::Add(s) => {
                 self.counters.splices_in.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = self.ks.install_replica(s) {
+                if let Err(e) = self.side.install(s) {
                     debug!("proxy: tier: a splice from {from}: {e}");
                 }
             }
-            Message::Del(s) => self.ks.remove_replica(&s),
-            Message::Fin(a, b) => self.ks.mark_fin(a, b),
-            Message::Touch(flows) => self.ks.touch(&flows),
+            Message::Del(s) => self.side.remove(&s),
+            Message::Fin(a, b) => self.side.mark_fin(a, b),
+            Message::Touch(flows) => self.side.touch(&flows),
         }
     }
 
@@ -423,7 +494,8 @@ impl Tier {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .filter(|m| listed.contains(&m.id))
+            // A server of a split splice has no ports: nothing is forwarded to it.
+            .filter(|m| listed.contains(&m.id) && m.hi > 0)
             .map(|m| TierMember {
                 shared: m.shared,
                 ports: m.lo..=m.hi,
@@ -431,7 +503,7 @@ impl Tier {
                 src: self.me.mac,
             })
             .collect();
-        if let Err(e) = self.ks.set_tier(&members) {
+        if let Err(e) = self.side.set_tier(&members) {
             warn!("proxy: tier: {e}");
         }
     }
@@ -476,7 +548,7 @@ impl Tier {
             "splices_received": n(&self.counters.splices_in),
             "links_dropped": n(&self.counters.links_dropped),
             "heartbeats": n(&self.counters.heartbeats),
-            "forwarded_packets": self.ks.tier_redirects(),
+            "forwarded_packets": self.side.forwarded(),
         })
     }
 }
@@ -589,8 +661,10 @@ async fn discovery_loop(tier: std::sync::Weak<Tier>, registrars: Vec<SocketAddr>
         };
         pe.update_load(1.0 - (t.free)().clamp(0.0, 1.0));
         let handle = rserpool_wire::PoolHandle::from(t.cfg.pool.as_str());
+        // A proxy also links to the servers of split splices, which register apart.
+        let split = (t.me.hi > 0).then(|| split_pool(&t.cfg.pool));
         drop(t);
-        let listed = match pu.pool_elements(&handle).await {
+        let mut listed = match pu.pool_elements(&handle).await {
             Ok((_, pes)) => pes,
             Err(e) => {
                 debug!("proxy: tier: resolving the tier pool: {e}");
@@ -598,6 +672,11 @@ async fn discovery_loop(tier: std::sync::Weak<Tier>, registrars: Vec<SocketAddr>
                 continue;
             }
         };
+        if let Some(split) = split
+            && let Ok((_, pes)) = pu.pool_elements(&split).await
+        {
+            listed.extend(pes);
+        }
         let Some(t) = tier.upgrade() else {
             pe.stop().await;
             return;
@@ -655,7 +734,11 @@ async fn link(
     let Some(t) = tier.upgrade() else { return };
     let mut first = BytesMut::new();
     first.extend_from_slice(&Message::Hello(t.me).encode());
-    let known = t.ks.splices();
+    let known = if t.side.shares() {
+        t.side.state()
+    } else {
+        Vec::new()
+    };
     for st in &known {
         first.extend_from_slice(&Message::Add(st.splice).encode());
     }
@@ -682,8 +765,8 @@ async fn pass_loop(tier: std::sync::Weak<Tier>) {
     loop {
         tokio::time::sleep(PASS).await;
         let Some(t) = tier.upgrade() else { return };
-        let ks = t.ks.clone();
-        let Ok(now) = tokio::task::spawn_blocking(move || ks.splices()).await else {
+        let side = t.side.clone();
+        let Ok(now) = tokio::task::spawn_blocking(move || side.state()).await else {
             return;
         };
         let now: HashMap<_, _> = now

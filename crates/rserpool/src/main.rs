@@ -98,6 +98,9 @@ enum Command {
     /// live proxies of the tier pool (heartbeats, workload weights; docs/TIER.md). Needs root
     /// and iproute2.
     Distributor(cmd::distributor::DistributorArgs),
+    /// A server of a proxy tier's pool that answers the clients of its spliced connections
+    /// directly (split splice; docs/TIER.md). Needs root.
+    SplitSplice(cmd::split::SplitArgs),
     /// Show a registrar's handlespace.
     Status(cmd::client::StatusArgs),
 }
@@ -115,5 +118,6 @@ fn main() -> Result<()> {
         Command::Status(a) => cmd::client::status(a),
         Command::Proxy(a) => cmd::proxy::run(*a),
         Command::Distributor(a) => cmd::distributor::run(a),
+        Command::SplitSplice(a) => cmd::split::run(a),
     }
 }

@@ -64,6 +64,9 @@ struct Tier {
 impl Drop for Tier {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+        for j in 1..=self.net.servers.len() {
+            let _ = std::fs::remove_dir_all(self.split_pins(j));
+        }
     }
 }
 
@@ -164,6 +167,35 @@ ports = "{lo}-{hi}"
         self.proxies[i - 1] = Some(spawn_in(
             &self.net.proxies[i - 1],
             &strings(&["proxy", "--config", path.to_str().unwrap()]),
+        ));
+    }
+
+    /// Where server `j`'s split splice pins its maps.
+    fn split_pins(&self, j: usize) -> std::path::PathBuf {
+        let mut p = self.net.pins[0].clone().into_os_string();
+        p.push(format!("-s{j}"));
+        p.into()
+    }
+
+    /// Server `j` answers its spliced clients directly (`rserpool split-splice`).
+    fn start_split(&mut self, j: usize) {
+        let listen = format!("{}:9960", TierNet::server_addr(j));
+        let pins = self.split_pins(j);
+        self._fixed.push(spawn_in(
+            &self.net.servers[j - 1],
+            &strings(&[
+                "split-splice",
+                "--tier",
+                "ProxyTier",
+                "--listen",
+                &listen,
+                "--interface",
+                "t0",
+                "--pin-dir",
+                pins.to_str().unwrap(),
+                "--registrar",
+                &format!("{}:3863", TierNet::ROUTER),
+            ]),
         ));
     }
 
@@ -291,6 +323,58 @@ fn upload(
         if let Err(e) = sent_all {
             answer = format!("{local}: {e} {:?} after it connected", t0.elapsed());
         }
+        (answer, Instant::now())
+    })
+}
+
+/// Downloads `len` bytes (`GET /bytes/len`) through the tier, reading 64 KiB per `pace` and
+/// counting into `got`; checks the pattern as it comes. Returns "ok" or what went wrong, and
+/// when it ended.
+fn download(
+    client: &str,
+    len: usize,
+    got: Arc<AtomicU64>,
+    pace: Duration,
+) -> std::thread::JoinHandle<(String, Instant)> {
+    in_ns(client, move || {
+        let addr = SocketAddrV4::new(TIER_VIP, FRONT_PORT);
+        let result = (|| -> std::io::Result<String> {
+            let mut s = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5))?;
+            s.set_read_timeout(Some(Duration::from_secs(60)))?;
+            let req = format!("GET /bytes/{len} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n");
+            s.write_all(req.as_bytes())?;
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                if s.read(&mut byte)? == 0 {
+                    return Ok(format!(
+                        "closed in the head: {}",
+                        String::from_utf8_lossy(&head)
+                    ));
+                }
+                head.push(byte[0]);
+            }
+            let mut buf = vec![0u8; 64 << 10];
+            let mut at = 0usize;
+            loop {
+                let n = s.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                if let Some(bad) = (0..n).find(|&k| buf[k] != ((at + k) % 251) as u8) {
+                    return Ok(format!("byte {} differs", at + bad));
+                }
+                at += n;
+                got.fetch_add(n as u64, Ordering::Relaxed);
+                std::thread::sleep(pace);
+            }
+            Ok(if at == len {
+                "ok".into()
+            } else {
+                format!("{at} of {len} bytes")
+            })
+        })();
+        let answer = result.unwrap_or_else(|e| format!("{e}"));
         (answer, Instant::now())
     })
 }
@@ -494,5 +578,82 @@ fn a_proxy_that_joined_late_carries_the_connections_of_one_that_dies() {
     assert!(
         carried > 0,
         "proxy 3 carried no packet after proxy 1 died: the test proved nothing"
+    );
+}
+
+#[test]
+fn with_a_split_splice_a_server_answers_directly_and_a_proxy_kill_breaks_no_download() {
+    let Some(mut t) = Tier::start(2, 2) else {
+        return;
+    };
+    // Server 1 answers its clients directly; server 2 through the proxies: a mixed pool.
+    t.start_split(1);
+    t.wait_ready(2, Duration::from_secs(30));
+    let _capture = maybe_capture(&t);
+    const N: usize = 40;
+    const LEN: usize = 10_000_000;
+    let base = t.handed();
+    let got = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let downloads: Vec<_> = (0..N)
+        .map(|_| download(&t.net.client, LEN, got.clone(), Duration::from_millis(20)))
+        .collect();
+    let total = (N * LEN) as u64;
+    loop {
+        let handed = t.handed() - base;
+        let bytes = got.load(Ordering::Relaxed);
+        if handed >= N as u64 && bytes >= total / 2 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{handed} of {N} handed over, {bytes} of {total} bytes received"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let killed = Instant::now();
+    t.kill_proxy(1);
+    let done: Vec<(String, Instant)> = downloads.into_iter().map(|d| d.join().unwrap()).collect();
+    assert!(
+        done.iter().any(|(_, at)| *at > killed),
+        "every download ended before the kill"
+    );
+    let broken: Vec<&String> = done.iter().map(|(a, _)| a).filter(|a| *a != "ok").collect();
+    assert!(
+        broken.is_empty(),
+        "{} of {N} downloads broken: {broken:?}",
+        broken.len()
+    );
+    // Proxy 2's own connections: those to server 1 carried little of the answers (they left
+    // server 1 for the client directly), those to server 2 all of them.
+    let st = t.status(2).unwrap();
+    let ratio = |pe: &str| {
+        let e = st["pools"][0]["pool_elements"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["id"] == pe)
+            .unwrap()
+            .clone();
+        let conns = e["connections"].as_u64().unwrap_or(0);
+        let out = e["bytes_out"].as_u64().unwrap_or(0);
+        (conns, out as f64 / (conns.max(1) as f64 * LEN as f64))
+    };
+    let (c1, r1) = ratio("0x00000001");
+    let (c2, r2) = ratio("0x00000002");
+    assert!(
+        c1 > 0 && c2 > 0,
+        "proxy 2 connected to each server: {c1}, {c2}"
+    );
+    eprintln!("proxy 2 carried {r1:.3} of server 1's answers and {r2:.3} of server 2's");
+    // Without the split, proxy 2 carries the answers of its own connections that the router
+    // hashes to it (proxy 1's share moves to it at the kill): about half, or more.
+    assert!(
+        r1 < 0.1,
+        "server 1's answers went through proxy 2 ({r1:.2} of them)"
+    );
+    assert!(
+        r2 > 0.25,
+        "server 2's answers did not go through proxy 2 ({r2:.2} of them)"
     );
 }

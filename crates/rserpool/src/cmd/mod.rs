@@ -8,6 +8,7 @@ pub mod example;
 pub mod proxy;
 pub mod registrar;
 pub mod serve;
+pub mod split;
 pub mod up;
 
 use crate::{PeOpts, RegistrarOpts};
