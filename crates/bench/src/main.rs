@@ -17,6 +17,7 @@ mod push;
 mod registrar;
 mod report;
 mod session;
+mod tier;
 mod trace;
 mod undo;
 
@@ -62,6 +63,10 @@ enum BenchCommand {
     /// The ASAP session layer: failover time of a session after SIGKILL and SIGSTOP of its
     /// PE, and the cost of cookies (docs/SESSION.md).
     Session(session::SessionArgs),
+    /// The fault-tolerant proxy tier in namespaces with every hop rate-limited: direct, one
+    /// and two proxies, a proxy failure for each heartbeat interval, split splice (the TCP
+    /// splice seed's Tables 2-7; docs/TIER.md). Needs root.
+    Tier(tier::TierArgs),
     /// Chaos soak: registrars, PEs, a proxy and clients in network namespaces under random
     /// kills, link cuts and packet loss; checks that no PE is lost and no request fails.
     Chaos(chaos::ChaosArgs),
@@ -80,6 +85,7 @@ fn main() -> Result<()> {
         BenchCommand::Trace(a) => trace::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Levels(a) => levels::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Ksplice(a) => ksplice::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::Tier(a) => tier::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Session(a) => session::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),

@@ -1,0 +1,582 @@
+//! `rserpool-bench tier`: the fault-tolerant proxy tier (issue 16) measured as in the TCP
+//! splice seed's Tables 2–7, with every hop limited by `tc` (htb) to the seed's 100 Mbit/s and
+//! to 1 Gbit/s. Needs root.
+//!
+//! The tier's test network (client | router with registrar and distributor | proxies |
+//! servers, `rserpool_ksplice::testbed::tier_topology`) is built afresh for every run. N
+//! concurrent clients each upload (PUT) or download (GET) one object; a run reports the
+//! average, shortest and longest transfer time, the time for all, the throughput, and the
+//! longest stall a client saw (the longest wait for one write or read to make progress).
+//!
+//! - C-S: the clients talk to the servers directly (through the router).
+//! - C-LB-P-S and C-LB-2P-S: through the distributor and one or two proxies (kernel splice).
+//! - A failure: two proxies, one cut off (link down, then SIGKILL: a machine that dies, so only
+//!   the distributor's heartbeats find it) at half the no-failure time, for each heartbeat
+//!   interval (3 misses = dead).
+//! - C-LB-P-S*: one proxy with a split splice at both servers, for downloads (the answers
+//!   bypass the proxy).
+
+use crate::process::Proc;
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use rserpool_ksplice::testbed::{TIER_SHARED, TIER_VIP, TierNet, in_ns, tier_topology};
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, SocketAddrV4, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct TierArgs {
+    /// Rate of every hop (each veth's egress), Mbit/s.
+    #[arg(long, value_delimiter = ',', default_values_t = [100u64, 1000])]
+    pub link_mbit: Vec<u64>,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 100)]
+    pub clients: usize,
+    /// Size of each upload or download, KB.
+    #[arg(long, default_value_t = 10_000)]
+    pub size_kb: usize,
+    /// Heartbeat intervals of the failure runs, ms.
+    #[arg(long, value_delimiter = ',', default_values_t = [5000u64, 1000, 200, 100])]
+    pub heartbeats_ms: Vec<u64>,
+    /// Write the results section into this Markdown file (docs/TIER.md).
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+}
+
+/// One measured run.
+#[derive(Debug, Clone)]
+struct Run {
+    name: String,
+    mean: f64,
+    min: f64,
+    max: f64,
+    all: f64,
+    mbit: f64,
+    /// The longest time one client waited for progress, s.
+    stall: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Path3 {
+    Direct,
+    Proxies { proxies: usize, split: bool },
+}
+
+pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
+    if !rustix::process::geteuid().is_root() {
+        bail!("the tier benchmark needs root (network namespaces, eBPF, tc)");
+    }
+    let size = args.size_kb * 1000;
+    let mut s = crate::report::provenance();
+    let _ = writeln!(
+        s,
+        "{} concurrent clients, {} KB each, every hop limited to the rate shown (tc htb on each \
+         veth). Times in seconds; throughput = all bytes / time for all; stall = the longest \
+         a client waited for one write (read) to make progress. Failure: proxy 1's link cut \
+         and the process killed at half the no-failure time; the distributor finds it after 3 \
+         missed heartbeats.\n",
+        args.clients, args.size_kb
+    );
+    for &mbit in &args.link_mbit {
+        let mut ups = Vec::new();
+        for (name, path) in [
+            ("C-S (direct)", Path3::Direct),
+            (
+                "C-LB-P-S",
+                Path3::Proxies {
+                    proxies: 1,
+                    split: false,
+                },
+            ),
+            (
+                "C-LB-2P-S",
+                Path3::Proxies {
+                    proxies: 2,
+                    split: false,
+                },
+            ),
+        ] {
+            ups.push(measure(
+                bin,
+                mbit,
+                path,
+                true,
+                args.clients,
+                size,
+                None,
+                name,
+            )?);
+        }
+        let half = ups[2].mean / 2.0;
+        for &hb in &args.heartbeats_ms {
+            let name = format!("C-LB-2P-S, failure, heartbeat {hb} ms");
+            ups.push(measure(
+                bin,
+                mbit,
+                Path3::Proxies {
+                    proxies: 2,
+                    split: false,
+                },
+                true,
+                args.clients,
+                size,
+                Some((hb, Duration::from_secs_f64(half))),
+                &name,
+            )?);
+        }
+        let mut downs = Vec::new();
+        for (name, path) in [
+            ("C-S (direct)", Path3::Direct),
+            (
+                "C-LB-P-S",
+                Path3::Proxies {
+                    proxies: 1,
+                    split: false,
+                },
+            ),
+            (
+                "C-LB-P-S* (split splice)",
+                Path3::Proxies {
+                    proxies: 1,
+                    split: true,
+                },
+            ),
+        ] {
+            downs.push(measure(
+                bin,
+                mbit,
+                path,
+                false,
+                args.clients,
+                size,
+                None,
+                name,
+            )?);
+        }
+        table(&mut s, &format!("Uploads (PUT), {mbit} Mbit/s hops"), &ups);
+        table(
+            &mut s,
+            &format!("Downloads (GET), {mbit} Mbit/s hops"),
+            &downs,
+        );
+    }
+    print!("{s}");
+    if let Some(path) = &args.markdown {
+        crate::report::write_section(path, "tier", &s)?;
+        eprintln!("results written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn table(s: &mut String, title: &str, runs: &[Run]) {
+    let base = runs.first().map_or(1.0, |r| r.mean);
+    let _ = writeln!(s, "**{title}**\n");
+    let _ = writeln!(
+        s,
+        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    for r in runs {
+        let _ = writeln!(
+            s,
+            "| {} | {:.2} | {:.3}× | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} |",
+            r.name,
+            r.mean,
+            r.mean / base,
+            r.min,
+            r.max,
+            r.all,
+            r.mbit,
+            r.stall
+        );
+    }
+    let _ = writeln!(s);
+}
+
+/// The processes of one run, killed when dropped (before the namespaces go).
+struct Bed {
+    procs: Vec<Proc>,
+    proxies: Vec<Option<Proc>>,
+    net: TierNet,
+    dir: PathBuf,
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        self.proxies.clear();
+        self.procs.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        for j in 1..=2 {
+            let _ = std::fs::remove_dir_all(split_pins(&self.net, j));
+        }
+    }
+}
+
+fn split_pins(net: &TierNet, j: usize) -> PathBuf {
+    let mut p = net.pins[0].clone().into_os_string();
+    p.push(format!("-s{j}"));
+    p.into()
+}
+
+fn spawn(bin: &Path, ns: &str, dir: &Path, log: &str, args: &[&str]) -> Result<Proc> {
+    let mut c = std::process::Command::new("ip");
+    c.args(["netns", "exec", ns])
+        .arg(bin)
+        .args(args)
+        .env("RUST_LOG", "warn");
+    Proc::spawn(&mut c, &dir.join(format!("{log}.log")))
+}
+
+fn sh(words: &[&str]) -> Result<()> {
+    let st = std::process::Command::new(words[0])
+        .args(&words[1..])
+        .status()
+        .with_context(|| format!("running {words:?}"))?;
+    if !st.success() {
+        bail!("{words:?} failed");
+    }
+    Ok(())
+}
+
+impl Bed {
+    fn start(bin: &Path, mbit: u64, path: Path3, heartbeat_ms: u64) -> Result<Bed> {
+        let net = tier_topology(2, 2).context("the tier network (root, clang)")?;
+        let dir = std::env::temp_dir().join(format!("rserpool-bench-tier-{}", net.router));
+        std::fs::create_dir_all(&dir)?;
+        let mut bed = Bed {
+            procs: Vec::new(),
+            proxies: vec![None, None],
+            net,
+            dir,
+        };
+        let reg = format!("{}:3863", TierNet::ROUTER);
+        let router = bed.net.router.clone();
+        bed.procs.push(spawn(
+            bin,
+            &router,
+            &bed.dir,
+            "registrar",
+            &["registrar", "--asap", &reg, "--status", "off"],
+        )?);
+        std::thread::sleep(Duration::from_millis(200));
+        for j in 1..=2 {
+            let ns = bed.net.servers[j - 1].clone();
+            let listen = format!("{}:8080", TierNet::server_addr(j));
+            let id = j.to_string();
+            bed.procs.push(spawn(
+                bin,
+                &ns,
+                &bed.dir,
+                &format!("server{j}"),
+                &[
+                    "example",
+                    "http",
+                    "--pool",
+                    "WebPool",
+                    "--id",
+                    &id,
+                    "--listen",
+                    &listen,
+                    "--registrar",
+                    &reg,
+                ],
+            )?);
+        }
+        // Every hop limited: both ends of every veth.
+        let mut devs: Vec<(String, String)> = vec![
+            (bed.net.client.clone(), "t0".into()),
+            (router.clone(), "rc".into()),
+        ];
+        for i in 1..=2 {
+            devs.push((bed.net.proxies[i - 1].clone(), "t0".into()));
+            devs.push((router.clone(), format!("rp{i}")));
+            devs.push((bed.net.servers[i - 1].clone(), "t0".into()));
+            devs.push((router.clone(), format!("rs{i}")));
+        }
+        for (ns, dev) in &devs {
+            sh(&[
+                "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle",
+                "1:", "htb", "default", "1",
+            ])?;
+            sh(&[
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "class",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:",
+                "classid",
+                "1:1",
+                "htb",
+                "rate",
+                &format!("{mbit}mbit"),
+                "quantum",
+                "60000",
+            ])?;
+        }
+        let Path3::Proxies { proxies, split } = path else {
+            wait_for_get(
+                &bed.net.client,
+                SocketAddr::from((TierNet::server_addr(1), 8080)),
+            )?;
+            return Ok(bed);
+        };
+        if split {
+            for j in 1..=2 {
+                let ns = bed.net.servers[j - 1].clone();
+                let listen = format!("{}:9960", TierNet::server_addr(j));
+                let pins = split_pins(&bed.net, j);
+                bed.procs.push(spawn(
+                    bin,
+                    &ns,
+                    &bed.dir,
+                    &format!("split{j}"),
+                    &[
+                        "split-splice",
+                        "--tier",
+                        "ProxyTier",
+                        "--listen",
+                        &listen,
+                        "--interface",
+                        "t0",
+                        "--pin-dir",
+                        pins.to_str().unwrap_or_default(),
+                        "--registrar",
+                        &reg,
+                    ],
+                )?);
+            }
+        }
+        for i in 1..=proxies {
+            let me = TierNet::proxy_addr(i);
+            let cfg = format!(
+                "registrars = [\"{reg}\"]\nstatus = \"{me}:8404\"\n[[listener]]\nlisten = \
+                 \"{TIER_VIP}:7000\"\nmode = \"tcp\"\npool = \"WebPool\"\nsplice = \"kernel\"\n\
+                 [kernel-splice]\ninterfaces = [\"t0\"]\npin-dir = \"{}\"\nhold-after-ms = 50\n\
+                 [tier]\npool = \"ProxyTier\"\nlisten = \"{me}:9950\"\nserver-address = \
+                 \"{TIER_SHARED}\"\nports = \"{}-{}\"\n",
+                bed.net.pins[i - 1].display(),
+                20_000 + 1000 * i,
+                20_999 + 1000 * i
+            );
+            let file = bed.dir.join(format!("proxy{i}.toml"));
+            std::fs::write(&file, cfg)?;
+            let ns = bed.net.proxies[i - 1].clone();
+            bed.proxies[i - 1] = Some(spawn(
+                bin,
+                &ns,
+                &bed.dir,
+                &format!("proxy{i}"),
+                &["proxy", "--config", file.to_str().unwrap_or_default()],
+            )?);
+        }
+        let hb = heartbeat_ms.to_string();
+        bed.procs.push(spawn(
+            bin,
+            &router,
+            &bed.dir,
+            "distributor",
+            &[
+                "distributor",
+                "--pool",
+                "ProxyTier",
+                "--registrar",
+                &reg,
+                "--group",
+                "100",
+                "--heartbeat-ms",
+                &hb,
+                "--route",
+                &format!("{TIER_VIP}/32"),
+                "--route",
+                &format!("{TIER_SHARED}/32"),
+            ],
+        )?);
+        // Up: the group has every proxy and a GET goes through.
+        let t0 = Instant::now();
+        loop {
+            let out = std::process::Command::new("ip")
+                .args(["-n", &router, "nexthop", "show", "id", "100"])
+                .output()?;
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            let members = text
+                .split_whitespace()
+                .skip_while(|w| *w != "group")
+                .nth(1)
+                .map_or(0, |g| g.split('/').count());
+            if members == proxies
+                && wait_for_get(
+                    &bed.net.client,
+                    SocketAddr::V4(SocketAddrV4::new(TIER_VIP, 7000)),
+                )
+                .is_ok()
+            {
+                // The members' links (and the split servers') settle.
+                std::thread::sleep(Duration::from_secs(2));
+                return Ok(bed);
+            }
+            if t0.elapsed() > Duration::from_secs(60) {
+                bail!("the tier did not come up: {text}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+/// A GET through `to` answers (within a few seconds).
+fn wait_for_get(client: &str, to: SocketAddr) -> Result<()> {
+    let t0 = Instant::now();
+    loop {
+        let ok = in_ns(client, move || {
+            let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(1)).ok()?;
+            s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+            s.write_all(b"GET / HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n")
+                .ok()?;
+            let mut t = String::new();
+            s.read_to_string(&mut t).ok()?;
+            t.starts_with("HTTP/1.1 200").then_some(())
+        })
+        .join()
+        .ok()
+        .flatten();
+        if ok.is_some() {
+            return Ok(());
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            bail!("no answer through {to}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// One run: `clients` concurrent transfers of `size` bytes (uploads or downloads) along
+/// `path`; with `failure` (heartbeat ms, when), proxy 1 dies during it.
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    bin: &Path,
+    mbit: u64,
+    path: Path3,
+    upload: bool,
+    clients: usize,
+    size: usize,
+    failure: Option<(u64, Duration)>,
+    name: &str,
+) -> Result<Run> {
+    let hb = failure.map_or(200, |(hb, _)| hb);
+    let mut bed = Bed::start(bin, mbit, path, hb)?;
+    eprintln!("{mbit} Mbit/s, {name}: running");
+    let body = Arc::new(vec![b'x'; if upload { size } else { 0 }]);
+    let start = Arc::new(std::sync::Barrier::new(clients + 1));
+    let handles: Vec<_> = (0..clients)
+        .map(|k| {
+            let to = match path {
+                Path3::Direct => SocketAddr::from((TierNet::server_addr(1 + k % 2), 8080)),
+                Path3::Proxies { .. } => SocketAddr::V4(SocketAddrV4::new(TIER_VIP, 7000)),
+            };
+            let (body, start) = (body.clone(), start.clone());
+            in_ns(&bed.net.client, move || {
+                transfer(to, upload, size, body, start)
+            })
+        })
+        .collect();
+    start.wait();
+    let t0 = Instant::now();
+    if let Some((_, at)) = failure {
+        std::thread::sleep(at);
+        // A machine that dies: its link first, so nothing it sends on the way out is seen.
+        bed.net.cut_proxy(1);
+        if let Some(mut p) = bed.proxies[0].take() {
+            p.kill();
+        }
+    }
+    let mut times = Vec::new();
+    let mut stall: f64 = 0.0;
+    for h in handles {
+        let (t, s) = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("a client panicked"))?
+            .with_context(|| format!("{name}: a transfer failed"))?;
+        times.push(t);
+        stall = stall.max(s);
+    }
+    let all = t0.elapsed().as_secs_f64();
+    let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+    let run = Run {
+        name: name.to_string(),
+        mean,
+        min: times.iter().copied().fold(f64::INFINITY, f64::min),
+        max: times.iter().copied().fold(0.0, f64::max),
+        all,
+        mbit: (clients * size) as f64 * 8.0 / all / 1e6,
+        stall,
+    };
+    eprintln!(
+        "  average {:.2} s, longest {:.2} s, all {:.2} s, longest stall {:.2} s",
+        run.mean, run.max, run.all, run.stall
+    );
+    Ok(run)
+}
+
+/// One client's transfer: its time and its longest wait for progress, s.
+fn transfer(
+    to: SocketAddr,
+    upload: bool,
+    size: usize,
+    body: Arc<Vec<u8>>,
+    start: Arc<std::sync::Barrier>,
+) -> std::io::Result<(f64, f64)> {
+    start.wait();
+    let t = Instant::now();
+    let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(10))?;
+    s.set_read_timeout(Some(Duration::from_secs(300)))?;
+    let mut last = Instant::now();
+    let mut stall: f64 = 0.0;
+    let mut note = |last: &mut Instant| {
+        let now = Instant::now();
+        stall = stall.max((now - *last).as_secs_f64());
+        *last = now;
+    };
+    if upload {
+        write!(
+            s,
+            "PUT /up HTTP/1.1\r\nHost: bench\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )?;
+        for piece in body.chunks(16 << 10) {
+            s.write_all(piece)?;
+            note(&mut last);
+        }
+        let mut answer = String::new();
+        s.read_to_string(&mut answer)?;
+        if !answer.contains(&format!("received {size} bytes")) {
+            return Err(std::io::Error::other(format!("bad answer: {answer}")));
+        }
+    } else {
+        write!(
+            s,
+            "GET /bytes/{size} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut buf = vec![0u8; 64 << 10];
+        let mut got = 0usize;
+        loop {
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+            note(&mut last);
+        }
+        if got < size {
+            return Err(std::io::Error::other(format!("{got} of {size} bytes")));
+        }
+    }
+    Ok((t.elapsed().as_secs_f64(), stall))
+}
