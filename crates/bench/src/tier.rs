@@ -10,9 +10,9 @@
 //!
 //! - C-S: the clients talk to the servers directly (through the router).
 //! - C-LB-P-S and C-LB-2P-S: through the distributor and one or two proxies (kernel splice).
-//! - A failure: two proxies, one cut off (link down, then SIGKILL: a machine that dies, so only
-//!   the distributor's heartbeats find it) at half the no-failure time, for each heartbeat
-//!   interval (3 misses = dead).
+//! - A failure: two proxies, one cut off (the router's bridge drops its frames, then SIGKILL:
+//!   a machine that dies, so only the distributor's heartbeats find it) at half the
+//!   no-failure time, for each heartbeat interval (3 misses = dead).
 //! - C-LB-P-S*: one proxy with a split splice at both servers, for downloads (the answers
 //!   bypass the proxy).
 
@@ -491,8 +491,44 @@ fn measure(
     let t0 = Instant::now();
     if let Some((_, at)) = failure {
         std::thread::sleep(at);
-        // A machine that dies: its link first, so nothing it sends on the way out is seen.
-        bed.net.cut_proxy(1);
+        let out = std::process::Command::new("ip")
+            .args([
+                "-n",
+                &bed.net.router,
+                "nexthop",
+                "bucket",
+                "show",
+                "id",
+                "100",
+            ])
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let on_first = text.lines().filter(|l| l.contains("nhid 1000")).count();
+        eprintln!(
+            "  proxy 1 dies; {on_first} of {} buckets on nexthop 1000",
+            text.lines().count()
+        );
+        // A machine that dies: the router's bridge drops every frame to and from it, its link
+        // staying up (a link that goes down has the bridge flood the frames for its MAC to
+        // the other proxies, which carry them at once: see docs/TIER.md), then its process.
+        let rules = "table bridge dead {\n \
+                     chain fwd_cut {\n  type filter hook forward priority 0;\n  \
+                     iifname \"rp1\" drop\n  oifname \"rp1\" drop\n }\n \
+                     chain in_cut {\n  type filter hook input priority 0;\n  \
+                     iifname \"rp1\" drop\n }\n \
+                     chain out_cut {\n  type filter hook output priority 0;\n  \
+                     oifname \"rp1\" drop\n }\n}\n";
+        let mut nft = std::process::Command::new("ip")
+            .args(["netns", "exec", &bed.net.router, "nft", "-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .context("nft (apt-get install nftables)")?;
+        if let Some(mut stdin) = nft.stdin.take() {
+            stdin.write_all(rules.as_bytes())?;
+        }
+        if !nft.wait()?.success() {
+            bail!("nft refused the rule that cuts proxy 1 off");
+        }
         if let Some(mut p) = bed.proxies[0].take() {
             p.kill();
         }
