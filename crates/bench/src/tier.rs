@@ -75,9 +75,9 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
         s,
         "{} concurrent clients, {} KB each, every hop limited to the rate shown (tc htb on each \
          veth). Times in seconds; throughput = all bytes / time for all; stall = the longest \
-         a client waited for one write (read) to make progress. Failure: proxy 1's link cut \
-         and the process killed at half the no-failure time; the distributor finds it after 3 \
-         missed heartbeats.\n",
+         a client waited for one write (read) to make progress. Failure: proxy 1 cut off \
+         by the router's bridge (its link up) and its process killed at half the no-failure \
+         time; the distributor finds it after 3 missed heartbeats.\n",
         args.clients, args.size_kb
     );
     for &mbit in &args.link_mbit {
