@@ -523,10 +523,10 @@ fn first_responses(c: &str, sys: System, n: usize) -> Result<(f64, f64)> {
 }
 
 /// Rate limits on the veths' egress (htb), removed on drop (with the namespaces at worst).
-struct Links(Vec<(String, String)>);
+pub(crate) struct Links(Vec<(String, String)>);
 
 impl Links {
-    fn limit<'a>(
+    pub(crate) fn limit<'a>(
         mbit: u64,
         devs: impl IntoIterator<Item = (&'a String, &'a str)>,
     ) -> Result<Links> {

@@ -16,6 +16,7 @@
 //! - C-LB-P-S*: one proxy with a split splice at both servers, for downloads (the answers
 //!   bypass the proxy).
 
+use crate::ksplice::Links;
 use crate::process::Proc;
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -57,6 +58,8 @@ struct Run {
     mbit: f64,
     /// The longest time one client waited for progress, s.
     stall: f64,
+    /// Transfers that failed (a connection broken).
+    broken: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -176,13 +179,13 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
     let _ = writeln!(s, "**{title}**\n");
     let _ = writeln!(
         s,
-        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall |"
+        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall | broken |"
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in runs {
         let _ = writeln!(
             s,
-            "| {} | {:.2} | {:.3}× | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} |",
+            "| {} | {:.2} | {:.3}× | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} | {} |",
             r.name,
             r.mean,
             r.mean / base,
@@ -190,7 +193,8 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
             r.max,
             r.all,
             r.mbit,
-            r.stall
+            r.stall,
+            r.broken
         );
     }
     let _ = writeln!(s);
@@ -200,6 +204,8 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
 struct Bed {
     procs: Vec<Proc>,
     proxies: Vec<Option<Proc>>,
+    /// The rate limits, removed before the namespaces go.
+    links: Option<Links>,
     net: TierNet,
     dir: PathBuf,
 }
@@ -230,17 +236,6 @@ fn spawn(bin: &Path, ns: &str, dir: &Path, log: &str, args: &[&str]) -> Result<P
     Proc::spawn(&mut c, &dir.join(format!("{log}.log")))
 }
 
-fn sh(words: &[&str]) -> Result<()> {
-    let st = std::process::Command::new(words[0])
-        .args(&words[1..])
-        .status()
-        .with_context(|| format!("running {words:?}"))?;
-    if !st.success() {
-        bail!("{words:?} failed");
-    }
-    Ok(())
-}
-
 impl Bed {
     fn start(bin: &Path, mbit: u64, path: Path3, heartbeat_ms: u64) -> Result<Bed> {
         let net = tier_topology(2, 2).context("the tier network (root, clang)")?;
@@ -249,6 +244,7 @@ impl Bed {
         let mut bed = Bed {
             procs: Vec::new(),
             proxies: vec![None, None],
+            links: None,
             net,
             dir,
         };
@@ -296,32 +292,10 @@ impl Bed {
             devs.push((bed.net.servers[i - 1].clone(), "t0".into()));
             devs.push((router.clone(), format!("rs{i}")));
         }
-        for (ns, dev) in &devs {
-            sh(&[
-                "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle",
-                "1:", "htb", "default", "1",
-            ])?;
-            sh(&[
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "tc",
-                "class",
-                "add",
-                "dev",
-                dev,
-                "parent",
-                "1:",
-                "classid",
-                "1:1",
-                "htb",
-                "rate",
-                &format!("{mbit}mbit"),
-                "quantum",
-                "60000",
-            ])?;
-        }
+        bed.links = Some(Links::limit(
+            mbit,
+            devs.iter().map(|(ns, dev)| (ns, dev.as_str())),
+        )?);
         let Path3::Proxies { proxies, split } = path else {
             wait_for_get(
                 &bed.net.client,
@@ -403,15 +377,7 @@ impl Bed {
         // Up: the group has every proxy and a GET goes through.
         let t0 = Instant::now();
         loop {
-            let out = std::process::Command::new("ip")
-                .args(["-n", &router, "nexthop", "show", "id", "100"])
-                .output()?;
-            let text = String::from_utf8_lossy(&out.stdout).to_string();
-            let members = text
-                .split_whitespace()
-                .skip_while(|w| *w != "group")
-                .nth(1)
-                .map_or(0, |g| g.split('/').count());
+            let members = bed.net.group_members(100);
             if members == proxies
                 && wait_for_get(
                     &bed.net.client,
@@ -424,7 +390,7 @@ impl Bed {
                 return Ok(bed);
             }
             if t0.elapsed() > Duration::from_secs(60) {
-                bail!("the tier did not come up: {text}");
+                bail!("the tier did not come up: {members} of {proxies} proxies in the group");
             }
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -535,13 +501,20 @@ fn measure(
     }
     let mut times = Vec::new();
     let mut stall: f64 = 0.0;
+    let mut broken = 0;
     for h in handles {
-        let (t, s) = h
-            .join()
-            .map_err(|_| anyhow::anyhow!("a client panicked"))?
-            .with_context(|| format!("{name}: a transfer failed"))?;
-        times.push(t);
-        stall = stall.max(s);
+        match h.join().map_err(|_| anyhow::anyhow!("a client panicked"))? {
+            Ok((t, s)) => {
+                times.push(t);
+                stall = stall.max(s);
+            }
+            Err(e) => {
+                if broken == 0 {
+                    eprintln!("  {name}: a transfer broke: {e}");
+                }
+                broken += 1;
+            }
+        }
     }
     let all = t0.elapsed().as_secs_f64();
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
@@ -551,12 +524,13 @@ fn measure(
         min: times.iter().copied().fold(f64::INFINITY, f64::min),
         max: times.iter().copied().fold(0.0, f64::max),
         all,
-        mbit: (clients * size) as f64 * 8.0 / all / 1e6,
+        mbit: (times.len() * size) as f64 * 8.0 / all / 1e6,
         stall,
+        broken,
     };
     eprintln!(
-        "  average {:.2} s, longest {:.2} s, all {:.2} s, longest stall {:.2} s",
-        run.mean, run.max, run.all, run.stall
+        "  average {:.2} s, longest {:.2} s, all {:.2} s, longest stall {:.2} s, {} broken",
+        run.mean, run.max, run.all, run.stall, run.broken
     );
     Ok(run)
 }

@@ -819,18 +819,24 @@ impl Datapath {
         }
         #[cfg(ksplice_built)]
         {
-            let map = self
-                .ebpf
-                .map("splice_tier_redirects")
-                .ok_or_else(|| Error::Ebpf("no map splice_tier_redirects".into()))?;
-            let arr: aya::maps::PerCpuArray<&aya::maps::MapData, u64> =
-                aya::maps::PerCpuArray::try_from(map)
-                    .map_err(|err| Error::Ebpf(format!("redirect counter: {err}")))?;
-            let per_cpu = arr
-                .get(&0, 0)
-                .map_err(|err| Error::Ebpf(format!("reading the redirect counter: {err}")))?;
-            Ok(per_cpu.iter().sum())
+            Ok(self.per_cpu::<u64>("splice_tier_redirects")?.iter().sum())
         }
+    }
+
+    /// Index 0 of the per-CPU array `name`, one value per CPU.
+    #[cfg(ksplice_built)]
+    fn per_cpu<T: aya::Pod>(&self, name: &str) -> Result<Vec<T>, Error> {
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or_else(|| Error::Ebpf(format!("no map {name}")))?;
+        let arr: aya::maps::PerCpuArray<&aya::maps::MapData, T> =
+            aya::maps::PerCpuArray::try_from(map)
+                .map_err(|err| Error::Ebpf(format!("{name}: {err}")))?;
+        let values = arr
+            .get(&0, 0)
+            .map_err(|err| Error::Ebpf(format!("reading {name}: {err}")))?;
+        Ok(values.iter().copied().collect())
     }
 
     fn get(&self, k: &FlowKey) -> Option<FlowVal> {
@@ -914,16 +920,7 @@ impl Datapath {
         }
         #[cfg(ksplice_built)]
         {
-            let map = self
-                .ebpf
-                .map("splice_counters")
-                .ok_or_else(|| Error::Ebpf("no map splice_counters".into()))?;
-            let arr: aya::maps::PerCpuArray<&aya::maps::MapData, RawCounters> =
-                aya::maps::PerCpuArray::try_from(map)
-                    .map_err(|err| Error::Ebpf(format!("counter map: {err}")))?;
-            let per_cpu = arr
-                .get(&0, 0)
-                .map_err(|err| Error::Ebpf(format!("reading the counters: {err}")))?;
+            let per_cpu = self.per_cpu::<RawCounters>("splice_counters")?;
             Ok(per_cpu.iter().fold(Counters::default(), |a, c| Counters {
                 packets: a.packets + c.packets,
                 bytes: a.bytes + c.bytes,

@@ -309,6 +309,20 @@ impl TierNet {
     pub const ROUTER: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 88, 1, 1);
     pub const CLIENT: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 88, 0, 2);
 
+    /// How many members nexthop group `id` of the router has (0: none, or no group yet).
+    pub fn group_members(&self, id: u32) -> usize {
+        let out = Command::new("ip")
+            .args(["-n", &self.router, "nexthop", "show", "id", &id.to_string()])
+            .output();
+        let text = out
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default();
+        text.split_whitespace()
+            .skip_while(|w| *w != "group")
+            .nth(1)
+            .map_or(0, |g| g.split('/').count())
+    }
+
     /// Cuts proxy `i` (1-based) off: its interface goes down (as a dead host's would).
     pub fn cut_proxy(&self, i: usize) {
         ip(&format!("-n {} link set t0 down", self.proxies[i - 1]));
@@ -390,31 +404,28 @@ pub fn tier_topology(proxies: usize, servers: usize) -> Option<TierNet> {
         ip(&format!("-n {router} addr add {addr} dev {bridge}"));
         ip(&format!("-n {router} link set {bridge} up"));
     }
-    for (i, p) in px.iter().enumerate() {
-        let port = format!("rp{}", i + 1);
+    // Each proxy and server: a veth from its t0 to a port of its segment's bridge.
+    let hosts = px
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p, "rp", "brp", TierNet::proxy_addr(i + 1), i));
+    let hosts = hosts.chain(
+        sv.iter()
+            .enumerate()
+            .map(|(j, s)| (s, "rs", "brs", TierNet::server_addr(j + 1), j)),
+    );
+    for (n, prefix, bridge, addr, k) in hosts {
+        let port = format!("{prefix}{}", k + 1);
         ip(&format!(
-            "-n {p} link add t0 type veth peer name {port} netns {router}"
+            "-n {n} link add t0 type veth peer name {port} netns {router}"
         ));
-        ip(&format!("-n {router} link set {port} master brp"));
+        ip(&format!("-n {router} link set {port} master {bridge}"));
         ip(&format!("-n {router} link set {port} up"));
-        ip(&format!(
-            "-n {p} addr add {}/24 dev t0",
-            TierNet::proxy_addr(i + 1)
-        ));
+        ip(&format!("-n {n} addr add {addr}/24 dev t0"));
+    }
+    for p in &px {
         ip(&format!("-n {p} addr add {TIER_VIP}/32 dev lo"));
         ip(&format!("-n {p} addr add {TIER_SHARED}/32 dev lo"));
-    }
-    for (j, s) in sv.iter().enumerate() {
-        let port = format!("rs{}", j + 1);
-        ip(&format!(
-            "-n {s} link add t0 type veth peer name {port} netns {router}"
-        ));
-        ip(&format!("-n {router} link set {port} master brs"));
-        ip(&format!("-n {router} link set {port} up"));
-        ip(&format!(
-            "-n {s} addr add {}/24 dev t0",
-            TierNet::server_addr(j + 1)
-        ));
     }
     ip(&format!("-n {router} link set rc up"));
     for n in px.iter().chain(&sv).chain([&client]) {

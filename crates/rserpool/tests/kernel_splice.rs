@@ -10,31 +10,20 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop};
+use common::KillOnDrop;
 use rserpool_ksplice::testbed::{
     Netns, assert_outlived, assert_pattern, in_ns, patterned, send_and_read, topology,
 };
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const CONNS: usize = 20;
 const BYTES: usize = 50 << 20;
 
 fn spawn_in(ns: &str, args: &[&str]) -> KillOnDrop {
-    KillOnDrop(
-        Command::new("ip")
-            .args(["netns", "exec", ns, BIN])
-            .args(args)
-            .env(
-                "RUST_LOG",
-                std::env::var("KSPLICE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
+    common::spawn_in(ns, args, "KSPLICE_TEST_LOG")
 }
 
 /// Established connections on the proxy's front port (TCP listener), in its namespace.

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop};
+use common::KillOnDrop;
 use rserpool_ksplice::testbed::{TIER_SHARED, TIER_VIP, TierNet, in_ns, tier_topology};
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
@@ -26,18 +26,7 @@ const FRONT_PORT: u16 = 7000;
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn spawn_in(ns: &str, args: &[String]) -> KillOnDrop {
-    KillOnDrop(
-        Command::new("ip")
-            .args(["netns", "exec", ns, BIN])
-            .args(args)
-            .env(
-                "RUST_LOG",
-                std::env::var("TIER_TEST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
+    common::spawn_in(ns, args, "TIER_TEST_LOG")
 }
 
 /// FNV-1a, 64 bits, as `example http` answers a PUT with.
@@ -239,11 +228,7 @@ ports = "{lo}-{hi}"
         let t0 = Instant::now();
         loop {
             let group = self.group();
-            let members = group
-                .split_whitespace()
-                .skip_while(|w| *w != "group")
-                .nth(1)
-                .map_or(0, |g| g.split('/').count());
+            let members = self.net.group_members(100);
             let running: Vec<usize> = (1..=self.proxies.len())
                 .filter(|i| self.proxies[i - 1].is_some())
                 .collect();

@@ -113,6 +113,23 @@ impl Logged {
     }
 }
 
+/// `rserpool ARGS` in network namespace `ns`, logging at the level in the environment
+/// variable `log_var` (default warn) to the test's stderr.
+pub fn spawn_in<S: AsRef<std::ffi::OsStr>>(ns: &str, args: &[S], log_var: &str) -> KillOnDrop {
+    KillOnDrop(
+        Command::new("ip")
+            .args(["netns", "exec", ns, BIN])
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var(log_var).unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn rserpool in a namespace"),
+    )
+}
+
 /// Sends `sig` to `child`.
 pub fn signal(child: &Child, sig: rustix::process::Signal) {
     let pid = rustix::process::Pid::from_child(child);
