@@ -215,16 +215,7 @@ impl Drop for Bed {
         self.proxies.clear();
         self.procs.clear();
         let _ = std::fs::remove_dir_all(&self.dir);
-        for j in 1..=2 {
-            let _ = std::fs::remove_dir_all(split_pins(&self.net, j));
-        }
     }
-}
-
-fn split_pins(net: &TierNet, j: usize) -> PathBuf {
-    let mut p = net.pins[0].clone().into_os_string();
-    p.push(format!("-s{j}"));
-    p.into()
 }
 
 fn spawn(bin: &Path, ns: &str, dir: &Path, log: &str, args: &[&str]) -> Result<Proc> {
@@ -306,43 +297,15 @@ impl Bed {
         if split {
             for j in 1..=2 {
                 let ns = bed.net.servers[j - 1].clone();
-                let listen = format!("{}:9960", TierNet::server_addr(j));
-                let pins = split_pins(&bed.net, j);
-                bed.procs.push(spawn(
-                    bin,
-                    &ns,
-                    &bed.dir,
-                    &format!("split{j}"),
-                    &[
-                        "split-splice",
-                        "--tier",
-                        "ProxyTier",
-                        "--listen",
-                        &listen,
-                        "--interface",
-                        "t0",
-                        "--pin-dir",
-                        pins.to_str().unwrap_or_default(),
-                        "--registrar",
-                        &reg,
-                    ],
-                )?);
+                let args = bed.net.split_splice_args(j);
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                bed.procs
+                    .push(spawn(bin, &ns, &bed.dir, &format!("split{j}"), &args)?);
             }
         }
         for i in 1..=proxies {
-            let me = TierNet::proxy_addr(i);
-            let cfg = format!(
-                "registrars = [\"{reg}\"]\nstatus = \"{me}:8404\"\n[[listener]]\nlisten = \
-                 \"{TIER_VIP}:7000\"\nmode = \"tcp\"\npool = \"WebPool\"\nsplice = \"kernel\"\n\
-                 [kernel-splice]\ninterfaces = [\"t0\"]\npin-dir = \"{}\"\nhold-after-ms = 50\n\
-                 [tier]\npool = \"ProxyTier\"\nlisten = \"{me}:9950\"\nserver-address = \
-                 \"{TIER_SHARED}\"\nports = \"{}-{}\"\n",
-                bed.net.pins[i - 1].display(),
-                20_000 + 1000 * i,
-                20_999 + 1000 * i
-            );
             let file = bed.dir.join(format!("proxy{i}.toml"));
-            std::fs::write(&file, cfg)?;
+            std::fs::write(&file, bed.net.proxy_config(i, ""))?;
             let ns = bed.net.proxies[i - 1].clone();
             bed.proxies[i - 1] = Some(spawn(
                 bin,

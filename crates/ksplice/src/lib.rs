@@ -935,15 +935,15 @@ impl Datapath {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_splice_is_read_back_from_its_entries_either_way_round() {
-        let s = Splice {
+    /// A splice with every field set, the offsets wrapping.
+    fn sample() -> Splice {
+        Splice {
             client: "10.0.1.2:40000".parse().unwrap(),
             front: "10.0.1.1:8080".parse().unwrap(),
             back: "10.0.2.1:40001".parse().unwrap(),
             server: "10.0.2.2:9000".parse().unwrap(),
-            client_seq_delta: 17,
-            server_seq_delta: 0xffff_0000,
+            client_seq_delta: 0x8000_0001,
+            server_seq_delta: 7,
             client_if: 2,
             server_if: 3,
             client_wscale: 7,
@@ -951,6 +951,15 @@ mod tests {
             server_wscale: 2,
             back_wscale: 5,
             timestamps: Some((1000, 0xffff_ff00)),
+        }
+    }
+
+    #[test]
+    fn a_splice_is_read_back_from_its_entries_either_way_round() {
+        let s = Splice {
+            client_seq_delta: 17,
+            server_seq_delta: 0xffff_0000,
+            ..sample()
         };
         // The entries but for when they were made.
         let timeless = |s: &Splice| s.entries().map(|(k, v)| (k, FlowVal { last_ns: 0, ..v }));
@@ -966,21 +975,7 @@ mod tests {
 
     #[test]
     fn the_two_directions_undo_each_others_offsets() {
-        let s = Splice {
-            client: "10.0.1.2:40000".parse().unwrap(),
-            front: "10.0.1.1:8080".parse().unwrap(),
-            back: "10.0.2.1:40001".parse().unwrap(),
-            server: "10.0.2.2:9000".parse().unwrap(),
-            client_seq_delta: 0x8000_0001,
-            server_seq_delta: 7,
-            client_if: 2,
-            server_if: 3,
-            client_wscale: 7,
-            front_wscale: 9,
-            server_wscale: 2,
-            back_wscale: 5,
-            timestamps: Some((1000, 0xffff_ff00)),
-        };
+        let s = sample();
         let [(k1, v1), (k2, v2)] = s.entries();
         assert_eq!(k1, FlowKey::new(s.client, s.front));
         assert_eq!(k2, FlowKey::new(s.server, s.back));

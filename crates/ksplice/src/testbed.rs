@@ -120,11 +120,11 @@ pub fn pattern(i: usize, seed: u8) -> u8 {
     ((i % 251) as u8).wrapping_add(seed)
 }
 
-/// client | proxy | server namespaces joined by veth pairs (c0–p0, p1–s0), with `loss_percent`
-/// of TCP packets dropped on input at the client and the server. `None`: skipped.
-pub fn topology(loss_percent: u32) -> Option<(Netns, String, String, String)> {
+/// Whether namespace tests can run here (root, a datapath in this build), and a tag that
+/// makes this call's namespace names unique. `None`: skipped (says why; fails under `CI`).
+fn namespaces_tag(what: &str, kind: char) -> Option<String> {
     if !rustix::process::geteuid().is_root() {
-        skip("the kernel splice test needs root (network namespaces, eBPF)");
+        skip(&format!("{what} needs root (network namespaces, eBPF)"));
         return None;
     }
     if let Some(why) = unavailable() {
@@ -133,7 +133,13 @@ pub fn topology(loss_percent: u32) -> Option<(Netns, String, String, String)> {
     }
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tag = format!("{}x{n}", std::process::id() % 100_000);
+    Some(format!("{}{kind}{n}", std::process::id() % 100_000))
+}
+
+/// client | proxy | server namespaces joined by veth pairs (c0–p0, p1–s0), with `loss_percent`
+/// of TCP packets dropped on input at the client and the server. `None`: skipped.
+pub fn topology(loss_percent: u32) -> Option<(Netns, String, String, String)> {
+    let tag = namespaces_tag("the kernel splice test", 'x')?;
     let (c, p, s) = (
         format!("ksc{tag}"),
         format!("ksp{tag}"),
@@ -291,6 +297,9 @@ impl Drop for TierNet {
         for pin in &self.pins {
             let _ = Datapath::remove_all(&[], pin);
         }
+        for j in 1..=self.servers.len() {
+            let _ = Datapath::remove_all(&[], &self.split_pins(j));
+        }
     }
 }
 
@@ -308,6 +317,53 @@ impl TierNet {
     /// The router's address on the proxies' segment (where the registrar runs).
     pub const ROUTER: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 88, 1, 1);
     pub const CLIENT: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 88, 0, 2);
+
+    /// `rserpool proxy`'s configuration for proxy `i` (1-based): a TCP listener on
+    /// [`TIER_VIP`]:7000 onto pool WebPool handed to the kernel splice, member of tier
+    /// ProxyTier with ports 2i000–2i999; `extra` goes into its `[kernel-splice]` section.
+    pub fn proxy_config(&self, i: usize, extra: &str) -> String {
+        let me = Self::proxy_addr(i);
+        format!(
+            "registrars = [\"{router}:3863\"]\nrefresh-ms = 200\nstatus = \"{me}:8404\"\n\
+             [[listener]]\nlisten = \"{TIER_VIP}:7000\"\nmode = \"tcp\"\npool = \"WebPool\"\n\
+             splice = \"kernel\"\n[kernel-splice]\ninterfaces = [\"t0\"]\npin-dir = \"{pins}\"\n\
+             hold-after-ms = 50\n{extra}\n[tier]\npool = \"ProxyTier\"\nlisten = \"{me}:9950\"\n\
+             server-address = \"{TIER_SHARED}\"\nports = \"{lo}-{hi}\"\n",
+            router = Self::ROUTER,
+            pins = self.pins[i - 1].display(),
+            lo = 20_000 + 1000 * i,
+            hi = 20_999 + 1000 * i,
+        )
+    }
+
+    /// Where server `j`'s split splice pins its maps.
+    pub fn split_pins(&self, j: usize) -> PathBuf {
+        let mut p = self.ns.1.clone().into_os_string();
+        p.push(format!("-s{j}"));
+        p.into()
+    }
+
+    /// `rserpool split-splice`'s arguments on server `j` (1-based).
+    pub fn split_splice_args(&self, j: usize) -> Vec<String> {
+        let listen = format!("{}:9960", Self::server_addr(j));
+        let pins = self.split_pins(j).display().to_string();
+        let reg = format!("{}:3863", Self::ROUTER);
+        [
+            "split-splice",
+            "--tier",
+            "ProxyTier",
+            "--listen",
+            &listen,
+            "--interface",
+            "t0",
+            "--pin-dir",
+            &pins,
+            "--registrar",
+            &reg,
+        ]
+        .map(String::from)
+        .to_vec()
+    }
 
     /// How many members nexthop group `id` of the router has (0: none, or no group yet).
     pub fn group_members(&self, id: u32) -> usize {
@@ -342,17 +398,7 @@ impl TierNet {
 /// Builds a [`TierNet`] of `proxies` proxies and `servers` servers. `None`: skipped (not root,
 /// or no datapath in this build).
 pub fn tier_topology(proxies: usize, servers: usize) -> Option<TierNet> {
-    if !rustix::process::geteuid().is_root() {
-        skip("the proxy tier test needs root (network namespaces, eBPF)");
-        return None;
-    }
-    if let Some(why) = unavailable() {
-        skip(why);
-        return None;
-    }
-    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tag = format!("{}y{n}", std::process::id() % 100_000);
+    let tag = namespaces_tag("the proxy tier test", 'y')?;
     let client = format!("tc{tag}");
     let router = format!("tr{tag}");
     let px: Vec<String> = (1..=proxies).map(|i| format!("tp{i}{tag}")).collect();

@@ -53,9 +53,6 @@ struct Tier {
 impl Drop for Tier {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
-        for j in 1..=self.net.servers.len() {
-            let _ = std::fs::remove_dir_all(self.split_pins(j));
-        }
     }
 }
 
@@ -122,35 +119,11 @@ impl Tier {
     }
 
     fn start_proxy(&mut self, i: usize) {
-        let me = TierNet::proxy_addr(i);
-        let cfg = format!(
-            r#"
-registrars = ["{router}:3863"]
-refresh-ms = 200
-status = "{me}:8404"
-[[listener]]
-listen = "{TIER_VIP}:{FRONT_PORT}"
-mode = "tcp"
-pool = "WebPool"
-splice = "kernel"
-[kernel-splice]
-interfaces = ["t0"]
-pin-dir = "{pins}"
-hold-after-ms = 50
-# The servers of this test are debug builds on a shared CPU: they may not read for a while.
-drain-stall-ms = 1000
-drain-timeout-ms = 10000
-[tier]
-pool = "ProxyTier"
-listen = "{me}:9950"
-server-address = "{TIER_SHARED}"
-ports = "{lo}-{hi}"
-"#,
-            router = TierNet::ROUTER,
-            pins = self.net.pins[i - 1].display(),
-            lo = 20_000 + 1000 * i,
-            hi = 20_999 + 1000 * i,
-        );
+        // The servers of this test are debug builds on a shared CPU: they may not read for a
+        // while.
+        let cfg = self
+            .net
+            .proxy_config(i, "drain-stall-ms = 1000\ndrain-timeout-ms = 10000");
         let path = self.dir.join(format!("proxy{i}.toml"));
         std::fs::write(&path, cfg).unwrap();
         self.proxies[i - 1] = Some(spawn_in(
@@ -159,33 +132,10 @@ ports = "{lo}-{hi}"
         ));
     }
 
-    /// Where server `j`'s split splice pins its maps.
-    fn split_pins(&self, j: usize) -> std::path::PathBuf {
-        let mut p = self.net.pins[0].clone().into_os_string();
-        p.push(format!("-s{j}"));
-        p.into()
-    }
-
     /// Server `j` answers its spliced clients directly (`rserpool split-splice`).
     fn start_split(&mut self, j: usize) {
-        let listen = format!("{}:9960", TierNet::server_addr(j));
-        let pins = self.split_pins(j);
-        self._fixed.push(spawn_in(
-            &self.net.servers[j - 1],
-            &strings(&[
-                "split-splice",
-                "--tier",
-                "ProxyTier",
-                "--listen",
-                &listen,
-                "--interface",
-                "t0",
-                "--pin-dir",
-                pins.to_str().unwrap(),
-                "--registrar",
-                &format!("{}:3863", TierNet::ROUTER),
-            ]),
-        ));
+        let args = self.net.split_splice_args(j);
+        self._fixed.push(spawn_in(&self.net.servers[j - 1], &args));
     }
 
     /// Proxy `i`'s status document (`None` while it does not answer).
