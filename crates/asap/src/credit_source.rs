@@ -78,6 +78,7 @@ pub enum MetricSource {
 pub struct CreditGauge {
     credits: Arc<AtomicU32>,
     capacity: u32,
+    reports: Arc<AtomicU64>,
 }
 
 impl CreditGauge {
@@ -87,6 +88,11 @@ impl CreditGauge {
 
     pub fn capacity(&self) -> u32 {
         self.capacity
+    }
+
+    /// Credit reports sent so far (re-registrations).
+    pub fn reports(&self) -> u64 {
+        self.reports.load(Ordering::Relaxed)
     }
 }
 
@@ -111,6 +117,7 @@ impl CreditSource {
         let gauge = CreditGauge {
             credits: Arc::new(AtomicU32::new(cfg.capacity)),
             capacity: cfg.capacity,
+            reports: reports.clone(),
         };
         let task = tokio::spawn(sample_task(
             updater,

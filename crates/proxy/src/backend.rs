@@ -89,6 +89,10 @@ pub struct BackendStats {
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     pub responses_5xx: AtomicU64,
+    /// Requests or connections moved on to another PE after this one failed them.
+    pub failovers: AtomicU64,
+    /// Time to the response head (HTTP) or to the connection (TCP).
+    pub latency: rserpool_status::metrics::LatencyHistogram,
 }
 
 /// A connection to a PE with the bytes read from it but not used yet.
@@ -144,6 +148,7 @@ impl Backend {
 
     /// A request sent with `rif` others in flight got its answer after `latency`.
     pub(crate) fn note_latency(&self, rif: u64, latency: Duration) {
+        self.stats.latency.observe(latency);
         let cell = &self.latency_us[(rif as usize).min(LATENCY_BUCKETS - 1)];
         let new = (latency.as_micros() as u64).max(1);
         let old = cell.load(Ordering::Relaxed);
@@ -328,6 +333,7 @@ impl Backend {
             failures: s.failures.load(Ordering::Relaxed),
             ejections: s.ejections.load(Ordering::Relaxed),
             responses_5xx: s.responses_5xx.load(Ordering::Relaxed),
+            failovers: s.failovers.load(Ordering::Relaxed),
             bytes_in: s.bytes_in.load(Ordering::Relaxed),
             bytes_out: s.bytes_out.load(Ordering::Relaxed),
         }
@@ -359,6 +365,7 @@ pub struct BackendSnapshot {
     pub failures: u64,
     pub ejections: u64,
     pub responses_5xx: u64,
+    pub failovers: u64,
     pub bytes_in: u64,
     pub bytes_out: u64,
 }

@@ -209,11 +209,11 @@ impl KernelSplice {
         self.dp.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn snapshot(&self) -> serde_json::Value {
+    fn counts(&self) -> Snapshot {
         let dp = self.dp();
         let c = dp.counters().unwrap_or_default();
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        serde_json::to_value(Snapshot {
+        Snapshot {
             entries: self.entries.load(Ordering::Relaxed),
             max_flows: dp.max_flows(),
             handed_over: n(&self.handed_over),
@@ -231,8 +231,51 @@ impl KernelSplice {
             bytes: c.bytes,
             fins: c.fins,
             rsts: c.rsts,
-        })
-        .unwrap_or_default()
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> serde_json::Value {
+        serde_json::to_value(self.counts()).unwrap_or_default()
+    }
+
+    pub(crate) fn metrics(&self, m: &mut rserpool_status::metrics::Exposition) {
+        let s = self.counts();
+        m.gauge(
+            "rserpool_proxy_kernel_splice_flows",
+            "Flow table entries of the kernel splice (two per spliced connection).",
+            &[],
+            s.entries as f64,
+        );
+        let counters = [
+            (
+                "rserpool_proxy_kernel_splice_handed_over",
+                "Connections handed to the kernel splice.",
+                s.handed_over,
+            ),
+            (
+                "rserpool_proxy_kernel_splice_user_space",
+                "Connections that stayed in user space.",
+                s.user_space,
+            ),
+            (
+                "rserpool_proxy_kernel_splice_table_full",
+                "Hand-overs refused because the flow table was full.",
+                s.table_full,
+            ),
+            (
+                "rserpool_proxy_kernel_splice_packets",
+                "Packets spliced in the kernel.",
+                s.packets,
+            ),
+            (
+                "rserpool_proxy_kernel_splice_bytes",
+                "Bytes spliced in the kernel.",
+                s.bytes,
+            ),
+        ];
+        for (name, help, v) in counters {
+            m.counter(name, help, &[], v);
+        }
     }
 
     /// A socket to connect to the PE at `peer` from: bound to the route's source address and

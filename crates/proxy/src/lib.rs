@@ -32,6 +32,7 @@ pub mod http;
 mod kernel;
 pub mod levels;
 pub mod message;
+pub mod metrics;
 pub mod pools;
 mod routes;
 mod select;
@@ -58,7 +59,7 @@ use tokio::sync::{Semaphore, watch};
 use tracing::{info, warn};
 
 /// What the status listener serves: the same JSON under each (`/stats` is the older name).
-const STATUS_PATHS: &[&str] = &["/status", "/stats", "/"];
+const STATUS_PATHS: &[&str] = &["/status", "/stats", "/", "/events", "/metrics"];
 
 struct Listener {
     local: SocketAddr,
@@ -152,9 +153,12 @@ impl Proxy {
             tokio::spawn(rserpool_status::serve(
                 sock,
                 STATUS_PATHS,
-                move |_| match inner.upgrade() {
-                    Some(inner) => rserpool_status::Reply::json(&Proxy { inner }.stats_json()),
-                    None => rserpool_status::Reply::text(503, "the proxy is stopping"),
+                move |path| match (inner.upgrade(), path) {
+                    (Some(inner), "/metrics") => {
+                        rserpool_status::Reply::metrics(Proxy { inner }.metrics())
+                    }
+                    (Some(inner), _) => rserpool_status::Reply::json(&Proxy { inner }.stats_json()),
+                    (None, _) => rserpool_status::Reply::text(503, "the proxy is stopping"),
                 },
             ));
         }

@@ -381,7 +381,9 @@ impl Pools {
     }
 
     /// A PE could not be reached: eject it locally (per passive health) and tell a registrar.
+    /// `b` failed a request or connection, which now goes to another PE (or gets an error).
     pub fn unreachable(&self, b: &Backend) {
+        b.stats.failovers.fetch_add(1, Ordering::Relaxed);
         b.failed(&self.settings.health);
         let _ = self.reports.send(Unreachable {
             pool: b.pool.clone(),

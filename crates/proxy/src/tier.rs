@@ -522,6 +522,47 @@ impl Tier {
         }
     }
 
+    pub(crate) fn metrics(&self, m: &mut rserpool_status::metrics::Exposition) {
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let links = self.links.lock().unwrap_or_else(|p| p.into_inner()).len();
+        m.gauge(
+            "rserpool_proxy_tier_links",
+            "Links to other members of the proxy tier.",
+            &[],
+            links as f64,
+        );
+        let counters = [
+            (
+                "rserpool_proxy_tier_messages_sent",
+                "Messages sent to other members of the tier.",
+                n(&self.counters.sent),
+            ),
+            (
+                "rserpool_proxy_tier_messages_received",
+                "Messages received from other members of the tier.",
+                n(&self.counters.received),
+            ),
+            (
+                "rserpool_proxy_tier_splices_received",
+                "Splices installed from other members of the tier.",
+                n(&self.counters.splices_in),
+            ),
+            (
+                "rserpool_proxy_tier_links_dropped",
+                "Links to other members dropped.",
+                n(&self.counters.links_dropped),
+            ),
+            (
+                "rserpool_proxy_tier_forwarded_packets",
+                "Packets forwarded to the member owning their port range.",
+                self.side.forwarded(),
+            ),
+        ];
+        for (name, help, v) in counters {
+            m.counter(name, help, &[], v);
+        }
+    }
+
     pub(crate) fn snapshot(&self) -> serde_json::Value {
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let links = self.links.lock().unwrap_or_else(|p| p.into_inner()).len();

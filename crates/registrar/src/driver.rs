@@ -382,6 +382,9 @@ impl EventLoop {
             if let Some(t) = self.accept_retry_at {
                 next = next.min(t);
             }
+            if let Some(t) = self.status.as_ref().and_then(StatusListener::next_event) {
+                next = next.min(t);
+            }
             if !self.deferred.is_empty() {
                 next = next.min(self.last_flush + self.enrp_batch());
             }
@@ -428,6 +431,10 @@ impl EventLoop {
             }
             if let Some(s) = self.status.as_mut().filter(|s| s.has_conns()) {
                 s.expire(now, self.poll.registry());
+                let core = &self.core;
+                s.tick(self.poll.registry(), now, || {
+                    serde_json::to_vec(&core.status(now)).unwrap_or_default()
+                });
             }
             let now = self.now();
             if !self.deferred.is_empty() && self.last_flush + self.enrp_batch() <= now {
@@ -773,9 +780,16 @@ impl EventLoop {
         };
         let now = elapsed(self.epoch);
         let core = &self.core;
-        status.on_event(slot, self.poll.registry(), &mut self.read_buf, now, |_| {
-            rserpool_status::Reply::json(&core.status(now))
-        });
+        status.on_event(
+            slot,
+            self.poll.registry(),
+            &mut self.read_buf,
+            now,
+            |path| match path {
+                "/metrics" => rserpool_status::Reply::metrics(core.status(now).metrics()),
+                _ => rserpool_status::Reply::json(&core.status(now)),
+            },
+        );
     }
 }
 

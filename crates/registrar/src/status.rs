@@ -67,6 +67,9 @@ pub struct Counters {
     pub protocol_errors: u64,
     pub connections_refused: u64,
     pub slow_connections_closed: u64,
+    /// Error causes sent in ERRORs and refusing responses, by cause code (`0x9`, …).
+    #[serde(default)]
+    pub errors_sent: std::collections::BTreeMap<String, u64>,
 }
 
 /// ENRP event counters (part of `rserpool status`).
@@ -95,4 +98,274 @@ pub struct PeerStatus {
     /// Whether that matches this registrar's view of the peer's PEs.
     pub checksum_agrees: Option<bool>,
     pub pes_owned: usize,
+}
+
+/// Pool series at most; the PEs of the remaining pools are summed under `pool="other"`.
+pub const MAX_POOL_SERIES: usize = 1000;
+
+impl Status {
+    /// The registrar's `GET /metrics`, from this one moment of its handlespace. Cardinality:
+    /// one series per pool (up to [`MAX_POOL_SERIES`]), per ENRP peer and per error cause
+    /// sent; none per PE.
+    pub fn metrics(&self) -> rserpool_status::metrics::Exposition {
+        let mut m = rserpool_status::metrics::Exposition::default();
+        let id = format!("{:#010x}", self.server_id);
+        m.gauge(
+            "rserpool_registrar_info",
+            "The registrar's server identifier (always 1).",
+            &[("server_id", &id)],
+            1.0,
+        );
+        m.gauge(
+            "rserpool_registrar_connections",
+            "ASAP and ENRP connections open now.",
+            &[],
+            self.connections as f64,
+        );
+        m.gauge(
+            "rserpool_registrar_pools",
+            "Pools in the handlespace.",
+            &[],
+            self.pools.len() as f64,
+        );
+        let home = self
+            .pools
+            .iter()
+            .flat_map(|p| &p.pes)
+            .filter(|pe| pe.home_registrar == self.server_id)
+            .count();
+        m.gauge(
+            "rserpool_registrar_home_pool_elements",
+            "PEs whose home registrar this is.",
+            &[],
+            home as f64,
+        );
+        let help = "PEs registered in the pool (all registrars' PEs).";
+        let (named, rest) = self.pools.split_at(self.pools.len().min(MAX_POOL_SERIES));
+        for p in named {
+            let labels = [("pool", p.handle.as_str())];
+            m.gauge(
+                "rserpool_registrar_pool_elements",
+                help,
+                &labels,
+                p.pes.len() as f64,
+            );
+        }
+        if !rest.is_empty() {
+            let n: usize = rest.iter().map(|p| p.pes.len()).sum();
+            m.gauge(
+                "rserpool_registrar_pool_elements",
+                help,
+                &[("pool", "other")],
+                n as f64,
+            );
+        }
+        self.counters.metrics(&mut m);
+        self.enrp.metrics(&mut m);
+        let peers = "ENRP peers";
+        for p in &self.peers {
+            let peer = format!("{:#010x}", p.id);
+            let labels = [("peer", peer.as_str())];
+            m.gauge(
+                "rserpool_enrp_peer_connected",
+                &format!("{peers}: 1 while connected."),
+                &labels,
+                f64::from(u8::from(p.connected)),
+            );
+            m.gauge(
+                "rserpool_enrp_peer_last_heard_seconds",
+                &format!("{peers}: time since the peer was last heard."),
+                &labels,
+                p.ms_since_heard as f64 / 1e3,
+            );
+            m.gauge(
+                "rserpool_enrp_peer_pool_elements",
+                &format!("{peers}: PEs the peer is home registrar of."),
+                &labels,
+                p.pes_owned as f64,
+            );
+            if let Some(agrees) = p.checksum_agrees {
+                m.gauge(
+                    "rserpool_enrp_peer_checksum_agrees",
+                    &format!("{peers}: 1 when the peer's checksum matches our view of its PEs."),
+                    &labels,
+                    f64::from(u8::from(agrees)),
+                );
+            }
+        }
+        rserpool_status::metrics::process(&mut m);
+        m
+    }
+}
+
+impl Counters {
+    fn metrics(&self, m: &mut rserpool_status::metrics::Exposition) {
+        let counters = [
+            (
+                "rserpool_registrar_registrations",
+                "Registrations accepted (first ones).",
+                self.registrations,
+            ),
+            (
+                "rserpool_registrar_reregistrations",
+                "Re-registrations accepted (updates of a registered PE).",
+                self.reregistrations,
+            ),
+            (
+                "rserpool_registrar_registrations_rejected",
+                "Registrations refused.",
+                self.registrations_rejected,
+            ),
+            (
+                "rserpool_registrar_deregistrations",
+                "Deregistrations accepted.",
+                self.deregistrations,
+            ),
+            (
+                "rserpool_registrar_deregistrations_rejected",
+                "Deregistrations refused.",
+                self.deregistrations_rejected,
+            ),
+            (
+                "rserpool_registrar_resolutions",
+                "Handle resolutions answered.",
+                self.resolutions,
+            ),
+            (
+                "rserpool_registrar_resolutions_unknown_pool",
+                "Handle resolutions of a pool that does not exist.",
+                self.resolutions_unknown_pool,
+            ),
+            (
+                "rserpool_registrar_resolutions_rate_limited",
+                "Handle resolutions refused by the rate limit.",
+                self.resolutions_rate_limited,
+            ),
+            (
+                "rserpool_registrar_subscription_pushes",
+                "Pools pushed to subscribed pool users.",
+                self.subscription_pushes,
+            ),
+            (
+                "rserpool_registrar_keep_alives_sent",
+                "ENDPOINT_KEEP_ALIVEs sent to PEs.",
+                self.keep_alives_sent,
+            ),
+            (
+                "rserpool_registrar_keep_alive_acks",
+                "ENDPOINT_KEEP_ALIVE_ACKs received.",
+                self.keep_alive_acks,
+            ),
+            (
+                "rserpool_registrar_unreachable_reports",
+                "ENDPOINT_UNREACHABLE reports received.",
+                self.unreachable_reports,
+            ),
+            (
+                "rserpool_registrar_unreachable_rate_limited",
+                "ENDPOINT_UNREACHABLE reports ignored by the rate limit.",
+                self.unreachable_rate_limited,
+            ),
+            (
+                "rserpool_registrar_protocol_errors",
+                "Malformed or unexpected messages received.",
+                self.protocol_errors,
+            ),
+            (
+                "rserpool_registrar_connections_refused",
+                "Connections refused at the connection limit.",
+                self.connections_refused,
+            ),
+            (
+                "rserpool_registrar_slow_connections_closed",
+                "Connections closed because they took none of our bytes in time.",
+                self.slow_connections_closed,
+            ),
+        ];
+        for (name, help, v) in counters {
+            m.counter(name, help, &[], v);
+        }
+        let removals = [
+            ("keep_alive_timeout", self.removed_keep_alive_timeout),
+            ("connection_closed", self.removed_connection_closed),
+            ("unreachable", self.removed_unreachable),
+            ("lifetime_expired", self.removed_lifetime_expired),
+        ];
+        for (reason, v) in removals {
+            m.counter(
+                "rserpool_registrar_pool_element_removals",
+                "PEs removed from the handlespace, by reason.",
+                &[("reason", reason)],
+                v,
+            );
+        }
+        m.gauge(
+            "rserpool_registrar_subscriptions",
+            "Pool users subscribed to a pool's changes now.",
+            &[],
+            self.subscriptions as f64,
+        );
+        for (cause, v) in &self.errors_sent {
+            let name = u16::from_str_radix(cause.trim_start_matches("0x"), 16)
+                .ok()
+                .and_then(|c| rserpool_wire::CauseCode(c).name())
+                .unwrap_or("unknown");
+            m.counter(
+                "rserpool_registrar_errors_sent",
+                "Error causes sent in ERRORs and refusing responses, by RFC 5354 cause code.",
+                &[("cause", cause), ("name", name)],
+                *v,
+            );
+        }
+    }
+}
+
+impl EnrpCounters {
+    fn metrics(&self, m: &mut rserpool_status::metrics::Exposition) {
+        let counters = [
+            (
+                "rserpool_enrp_handle_updates_sent",
+                "HANDLE_UPDATEs sent to peers.",
+                self.updates_sent,
+            ),
+            (
+                "rserpool_enrp_handle_updates_received",
+                "HANDLE_UPDATEs received from peers.",
+                self.updates_received,
+            ),
+            (
+                "rserpool_enrp_audits",
+                "Checksum audits that found a disagreement and synchronised.",
+                self.audits,
+            ),
+            (
+                "rserpool_enrp_takeovers",
+                "Takeovers of a dead peer's PEs completed by this registrar.",
+                self.takeovers,
+            ),
+            (
+                "rserpool_enrp_pool_elements_taken_over",
+                "PEs taken over from dead peers.",
+                self.pes_taken_over,
+            ),
+            (
+                "rserpool_enrp_takeovers_aborted",
+                "Takeovers given up (the peer answered, or another won).",
+                self.takeovers_aborted,
+            ),
+            (
+                "rserpool_enrp_handle_table_blocks_sent",
+                "HANDLE_TABLE_RESPONSE blocks sent.",
+                self.handle_table_blocks_sent,
+            ),
+            (
+                "rserpool_enrp_handle_table_entries_received",
+                "PEs received in HANDLE_TABLE_RESPONSEs.",
+                self.handle_table_entries_received,
+            ),
+        ];
+        for (name, help, v) in counters {
+            m.counter(name, help, &[], v);
+        }
+    }
 }

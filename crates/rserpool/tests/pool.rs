@@ -674,14 +674,11 @@ async fn status_has_a_listener_of_its_own_and_asap_does_not_speak_http() {
     let status = r.status_addr().unwrap();
     let a = pe(r.asap_addr(), "Own", 8150, Policy::RoundRobin);
     a.wait_registered(Duration::from_secs(5)).await.unwrap();
-    let (code, body) = rserpool_status::get(status, "/").await.unwrap();
+    let (code, body) = rserpool_status::get(status, "/status").await.unwrap();
     assert_eq!(code, 200);
     let st: rserpool_registrar::Status = serde_json::from_slice(&body).unwrap();
     assert_eq!(st.pool_elements, 1);
-    assert_eq!(
-        rserpool_status::get(status, "/metrics").await.unwrap().0,
-        404
-    );
+    assert_eq!(rserpool_status::get(status, "/nope").await.unwrap().0, 404);
     // A request with a body it does not read still gets its whole answer, not a reset.
     let mut s = tokio::net::TcpStream::connect(status).await.unwrap();
     s.write_all(b"POST /status HTTP/1.1\r\nContent-Length: 5000\r\n\r\n")

@@ -49,7 +49,15 @@ async fn up_then_the_suggested_commands_work_on_defaults() {
         "{banner}"
     );
     assert!(
-        banner.contains("curl http://127.0.0.1:8863/status"),
+        banner.contains("curl http://127.0.0.1:8863/metrics"),
+        "{banner}"
+    );
+    assert!(
+        banner.contains("registrar: http://127.0.0.1:8863/"),
+        "{banner}"
+    );
+    assert!(
+        banner.contains("proxy:     http://127.0.0.1:8864/"),
         "{banner}"
     );
 
@@ -92,6 +100,22 @@ async fn up_then_the_suggested_commands_work_on_defaults() {
         .unwrap()
         .unwrap();
     assert_eq!(&got, b"hello\n");
+
+    // The metrics of both, and the dashboards, on the addresses the banner gave.
+    for status in ["127.0.0.1:8863", "127.0.0.1:8864"] {
+        let m = common::scrape(status.parse().unwrap()).await;
+        assert!(
+            m.iter().any(|s| s.name == "process_cpu_seconds_total"),
+            "{status}"
+        );
+        let (code, page) = rserpool_status::get(status.parse().unwrap(), "/")
+            .await
+            .unwrap();
+        assert_eq!(code, 200);
+        assert!(page.starts_with(b"<!doctype html>"));
+    }
+    let m = common::scrape("127.0.0.1:8864".parse().unwrap()).await;
+    assert!(common::metric(&m, "rserpool_proxy_requests_total", &[("pool", "WebPool")]) >= 1.0);
 
     drop((c, echo));
     signal(&up, rustix::process::Signal::INT);

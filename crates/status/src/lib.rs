@@ -22,6 +22,16 @@ pub const IO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 pub const LINGER: std::time::Duration = std::time::Duration::from_secs(1);
 /// Status connections served at once; more are closed at once.
 pub const MAX_CONNS: usize = 64;
+/// The dashboard's path: the page itself (HTML, CSS and script in one, embedded in the binary).
+pub const DASHBOARD_PATH: &str = "/";
+/// The path of the live stream (server-sent events) of what `/status` gives.
+pub const EVENTS_PATH: &str = "/events";
+/// How often the stream sends the status.
+pub const EVENT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The dashboard: one page that renders whichever status document it finds at `/status` (a
+/// registrar's or a proxy's) and follows [`EVENTS_PATH`].
+const DASHBOARD: &str = include_str!("dashboard.html");
 
 /// A request head, as far as a status listener cares.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,6 +111,15 @@ impl Reply {
         }
     }
 
+    /// A scrape's answer.
+    pub fn metrics(m: metrics::Exposition) -> Self {
+        Self {
+            status: 200,
+            content_type: metrics::CONTENT_TYPE,
+            body: m.encode().into_bytes(),
+        }
+    }
+
     /// A one-line plain-text answer.
     pub fn text(status: u16, text: &str) -> Self {
         Self {
@@ -145,10 +164,17 @@ fn reason(status: u16) -> &'static str {
 }
 
 /// Answers `req`: `paths` are the paths this listener serves, and `handler` is called with one
-/// of them (never with another path, nor for a method other than GET or HEAD).
+/// of them (never with another path, nor for a method other than GET or HEAD). The dashboard
+/// ([`DASHBOARD_PATH`]) is answered here when `paths` has it.
 pub fn respond(req: &Request, paths: &[&str], handler: impl FnOnce(&str) -> Reply) -> Vec<u8> {
     let reply = if !req.allowed {
         Reply::text(405, "only GET and HEAD")
+    } else if req.path == DASHBOARD_PATH && paths.contains(&DASHBOARD_PATH) {
+        Reply {
+            status: 200,
+            content_type: "text/html; charset=utf-8",
+            body: DASHBOARD.as_bytes().to_vec(),
+        }
     } else if let Some(path) = paths.iter().find(|p| **p == req.path) {
         handler(path)
     } else {
@@ -159,6 +185,32 @@ pub fn respond(req: &Request, paths: &[&str], handler: impl FnOnce(&str) -> Repl
         Reply::text(404, &hint)
     };
     reply.encode(req.head_only)
+}
+
+pub mod metrics;
+
+/// Whether `req` asks for the event stream (and this listener, by `paths`, offers it): then the
+/// answer is [`event_stream_head`] and, every [`EVENT_INTERVAL`], an [`event`] of the status.
+pub fn is_event_stream(req: &Request, paths: &[&str]) -> bool {
+    req.allowed && !req.head_only && req.path == EVENTS_PATH && paths.contains(&EVENTS_PATH)
+}
+
+/// The head of an event stream: no length, the connection stays open.
+pub fn event_stream_head() -> Vec<u8> {
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n"
+        .to_vec()
+}
+
+/// One server-sent event carrying `data` (each of its lines a `data:` line).
+pub fn event(data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(data.len() + 16);
+    for line in data.split(|b| *b == b'\n') {
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(line.strip_suffix(b"\r").unwrap_or(line));
+        out.push(b'\n');
+    }
+    out.push(b'\n');
+    out
 }
 
 #[cfg(feature = "tokio")]

@@ -1,7 +1,10 @@
 //! The status listener over tokio: the accept loop for processes that run tokio (the proxy), and
 //! the client that `rserpool status`, the benchmarks and the tests read a status with.
 
-use crate::{IO_TIMEOUT, LINGER, MAX_CONNS, MAX_HEAD, Parse, Reply, parse_request, respond};
+use crate::{
+    EVENT_INTERVAL, IO_TIMEOUT, LINGER, MAX_CONNS, MAX_HEAD, Parse, Reply, event,
+    event_stream_head, is_event_stream, parse_request, respond,
+};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,7 +15,8 @@ use tokio::sync::Semaphore;
 use tokio::time::timeout;
 
 /// Serves `paths` on `listener` until the task is dropped: `handler` makes the reply for a path.
-/// Each connection gets one answer and is closed.
+/// Each connection gets one answer and is closed; but [`EVENTS_PATH`](crate::EVENTS_PATH), when
+/// in `paths`, streams `handler("/status")` every [`EVENT_INTERVAL`] until the client goes.
 pub async fn serve<F>(listener: TcpListener, paths: &'static [&'static str], handler: F)
 where
     F: Fn(&str) -> Reply + Send + Sync + 'static,
@@ -51,18 +55,21 @@ async fn answer(
             let mut chunk = [0u8; 2048];
             let n = s.read(&mut chunk).await?;
             if n == 0 {
-                return Ok::<_, io::Error>(None);
+                return Ok::<_, io::Error>(Head::Closed);
             }
             buf.extend_from_slice(&chunk[..n]);
             match parse_request(&buf) {
                 Parse::Incomplete => {}
-                Parse::Complete(req) => return Ok(Some(respond(&req, paths, handler))),
-                Parse::Invalid(reply) => return Ok(Some(reply)),
+                Parse::Complete(req) if is_event_stream(&req, paths) => return Ok(Head::Stream),
+                Parse::Complete(req) => return Ok(Head::Answer(respond(&req, paths, handler))),
+                Parse::Invalid(reply) => return Ok(Head::Answer(reply)),
             }
         }
     };
-    let Some(out) = timeout(IO_TIMEOUT, read_head).await.map_err(timed_out)?? else {
-        return Ok(());
+    let out = match timeout(IO_TIMEOUT, read_head).await.map_err(timed_out)?? {
+        Head::Closed => return Ok(()),
+        Head::Stream => return stream_events(s, handler).await,
+        Head::Answer(out) => out,
     };
     for part in out.chunks(64 * 1024) {
         timeout(IO_TIMEOUT, s.write_all(part))
@@ -77,6 +84,37 @@ async fn answer(
     };
     let _ = timeout(LINGER, drain).await;
     Ok(())
+}
+
+enum Head {
+    Closed,
+    Answer(Vec<u8>),
+    Stream,
+}
+
+/// The event stream: the status now and every [`EVENT_INTERVAL`], until the client closes or
+/// stops taking it.
+async fn stream_events(
+    mut s: TcpStream,
+    handler: &(dyn Fn(&str) -> Reply + Send + Sync),
+) -> io::Result<()> {
+    timeout(IO_TIMEOUT, s.write_all(&event_stream_head()))
+        .await
+        .map_err(timed_out)??;
+    let (mut rd, mut wr) = s.split();
+    let mut tick = tokio::time::interval(EVENT_INTERVAL);
+    let mut sink = [0u8; 512];
+    loop {
+        tokio::select! {
+            r = rd.read(&mut sink) => if r? == 0 { return Ok(()) },
+            _ = tick.tick() => {
+                let reply = handler("/status");
+                timeout(IO_TIMEOUT, wr.write_all(&event(&reply.body)))
+                    .await
+                    .map_err(timed_out)??;
+            }
+        }
+    }
 }
 
 fn timed_out(_: tokio::time::error::Elapsed) -> io::Error {

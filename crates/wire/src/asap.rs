@@ -110,6 +110,17 @@ pub enum AsapMessage {
 }
 
 impl AsapMessage {
+    /// The error this message carries: an ERROR's, or a response's that says why it refuses.
+    pub fn operation_error(&self) -> Option<&OperationError> {
+        match self {
+            Self::RegistrationResponse { error, .. }
+            | Self::DeregistrationResponse { error, .. }
+            | Self::HandleResolutionResponse { error, .. } => error.as_ref(),
+            Self::Error { error } => Some(error),
+            _ => None,
+        }
+    }
+
     pub fn msg_type(&self) -> u8 {
         match self {
             Self::Registration { .. } => mt::REGISTRATION,

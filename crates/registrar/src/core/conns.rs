@@ -20,7 +20,7 @@ use rserpool_wire::{
     AsapMessage, DecodeError, EncodeError, EnrpBody, EnrpMessage, ErrorCause, Framer,
     OperationError, PoolHandle,
 };
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tracing::warn;
@@ -98,6 +98,8 @@ pub(super) struct Conns {
     refused: u64,
     slow_closed: u64,
     protocol_errors: u64,
+    /// Error causes sent (in ERRORs and refusing responses), by code.
+    errors_sent: BTreeMap<u16, u64>,
 }
 
 impl Conns {
@@ -113,6 +115,7 @@ impl Conns {
             refused: 0,
             slow_closed: 0,
             protocol_errors: 0,
+            errors_sent: BTreeMap::new(),
         }
     }
 
@@ -281,6 +284,9 @@ impl Conns {
     }
 
     pub(super) fn send_asap(&mut self, id: ConnId, msg: &AsapMessage, now: Instant) {
+        if let Some(error) = msg.operation_error() {
+            self.count_causes(error);
+        }
         let Some(out) = self.buffer(id) else { return };
         // Most answers are small: one allocation instead of a chain of doublings.
         out.reserve(64);
@@ -292,12 +298,21 @@ impl Conns {
     }
 
     pub(super) fn send_enrp(&mut self, id: ConnId, msg: &EnrpMessage, now: Instant) {
+        if let EnrpBody::Error { error } = &msg.body {
+            self.count_causes(error);
+        }
         let Some(out) = self.buffer(id) else { return };
         if let Err(e) = msg.encode(out) {
             warn!("cannot encode {}: {e}", msg.body.name());
             return;
         }
         self.written(id, now);
+    }
+
+    fn count_causes(&mut self, error: &OperationError) {
+        for c in &error.causes {
+            *self.errors_sent.entry(c.code.0).or_default() += 1;
+        }
     }
 
     /// Queues bytes encoded once for several connections.
@@ -380,5 +395,10 @@ impl Conns {
         c.connections_refused = self.refused;
         c.slow_connections_closed = self.slow_closed;
         c.protocol_errors = self.protocol_errors;
+        c.errors_sent = self
+            .errors_sent
+            .iter()
+            .map(|(code, n)| (format!("0x{code:x}"), *n))
+            .collect();
     }
 }

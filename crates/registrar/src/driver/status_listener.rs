@@ -5,19 +5,23 @@
 //!
 //! Status connections are few and short: at most [`MAX_CONNS`] at a time (more are closed at
 //! once); each gets [`IO_TIMEOUT`] to send its request and for each part of the answer it takes,
-//! then [`LINGER`] to close its side before this one does.
+//! then [`LINGER`] to close its side before this one does. The dashboard's event stream
+//! (`/events`) stays open: every [`EVENT_INTERVAL`] the loop [`tick`](StatusListener::tick)s
+//! and each stream gets the status, one serialisation for all; a stream that has not taken
+//! the previous one within [`IO_TIMEOUT`] is closed.
 
 use crate::config::Config;
 use crate::core::Instant;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Interest, Registry, Token};
-use rserpool_status::{IO_TIMEOUT, LINGER, MAX_CONNS, Parse, Reply};
+use rserpool_status::{EVENT_INTERVAL, IO_TIMEOUT, LINGER, MAX_CONNS, Parse, Reply};
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use tracing::warn;
 
-/// The paths served; each gives the status document.
-const PATHS: &[&str] = &["/status", "/"];
+/// The paths served: the status document (JSON), the dashboard, its event stream and the
+/// metrics (Prometheus).
+const PATHS: &[&str] = &["/status", "/", "/events", "/metrics"];
 /// The listener's token; its connections use the tokens just below it.
 pub(super) const LISTENER: Token = Token(usize::MAX - 16);
 
@@ -35,6 +39,8 @@ struct Conn {
     written: usize,
     /// The answer is out and our side shut: reading what the client still sends until it closes.
     lingering: bool,
+    /// An event stream: after its head, an event every [`EVENT_INTERVAL`] from [`StatusListener::tick`].
+    events: Option<Instant>,
     /// Reading the request, each write's progress and the linger each have this long.
     deadline: Instant,
 }
@@ -118,6 +124,7 @@ impl StatusListener {
                 reply: Vec::new(),
                 written: 0,
                 lingering: false,
+                events: None,
                 deadline: now + IO_TIMEOUT,
             });
         }
@@ -145,8 +152,11 @@ impl StatusListener {
         let Some(conn) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
             return;
         };
-        if conn.lingering {
-            return self.linger(slot, registry, buf);
+        if conn.lingering || conn.events.is_some() {
+            // A stream's client sends nothing more; reading finds its close.
+            self.linger(slot, registry, buf);
+            self.flush(slot, registry, now);
+            return;
         }
         while conn.reply.is_empty() {
             let n = match conn.stream.read(buf) {
@@ -159,6 +169,10 @@ impl StatusListener {
             conn.head.extend_from_slice(&buf[..n]);
             conn.reply = match rserpool_status::parse_request(&conn.head) {
                 Parse::Incomplete => continue,
+                Parse::Complete(req) if rserpool_status::is_event_stream(&req, PATHS) => {
+                    conn.events = Some(now);
+                    rserpool_status::event_stream_head()
+                }
                 Parse::Complete(req) => rserpool_status::respond(&req, PATHS, status),
                 Parse::Invalid(reply) => reply,
             };
@@ -166,16 +180,14 @@ impl StatusListener {
             conn.deadline = now + IO_TIMEOUT;
             break;
         }
-        while conn.written < conn.reply.len() {
-            match conn.stream.write(&conn.reply[conn.written..]) {
-                Ok(n) => {
-                    conn.written += n;
-                    conn.deadline = now + IO_TIMEOUT;
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(_) => return self.close(slot, registry),
-            }
+        if !self.flush(slot, registry, now) {
+            return;
+        }
+        let Some(conn) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
+            return;
+        };
+        if conn.events.is_some() {
+            return;
         }
         // Answered: shut our side and read off whatever the client still sends, so that the
         // close does not reset the connection under the answer.
@@ -184,6 +196,66 @@ impl StatusListener {
         conn.lingering = true;
         conn.deadline = now + LINGER;
         self.linger(slot, registry, buf);
+    }
+
+    /// Writes what is pending on a connection: true when all of it is out.
+    fn flush(&mut self, slot: usize, registry: &Registry, now: Instant) -> bool {
+        let Some(conn) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
+            return false;
+        };
+        while conn.written < conn.reply.len() {
+            match conn.stream.write(&conn.reply[conn.written..]) {
+                Ok(n) => {
+                    conn.written += n;
+                    conn.deadline = now + IO_TIMEOUT;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+                Err(_) => {
+                    self.close(slot, registry);
+                    return false;
+                }
+            }
+        }
+        if conn.events.is_some() {
+            conn.reply.clear();
+            conn.written = 0;
+        }
+        true
+    }
+
+    /// When the next event is due on a stream, if any stream is open.
+    pub(super) fn next_event(&self) -> Option<Instant> {
+        self.conns.iter().flatten().filter_map(|c| c.events).min()
+    }
+
+    /// Sends the streams whose event is due the status `make` gives (made once, if at all).
+    pub(super) fn tick(
+        &mut self,
+        registry: &Registry,
+        now: Instant,
+        make: impl FnOnce() -> Vec<u8>,
+    ) {
+        let mut event: Option<Vec<u8>> = None;
+        let mut make = Some(make);
+        for slot in 0..self.conns.len() {
+            let Some(conn) = self.conns[slot].as_mut() else {
+                continue;
+            };
+            // A stream still writing the previous event skips this one (and is closed by
+            // `expire` when it makes no progress).
+            if conn.events.is_none_or(|at| at > now) || !conn.reply.is_empty() {
+                continue;
+            }
+            let ev = event.get_or_insert_with(|| {
+                rserpool_status::event(&make.take().map(|m| m()).unwrap_or_default())
+            });
+            conn.reply.extend_from_slice(ev);
+            conn.written = 0;
+            conn.events = Some(now + EVENT_INTERVAL);
+            conn.deadline = now + IO_TIMEOUT;
+            self.flush(slot, registry, now);
+        }
     }
 
     /// Reads and drops what a lingering connection sends; closes it at its end.
@@ -202,10 +274,12 @@ impl StatusListener {
         }
     }
 
-    /// Closes the connections whose time is up.
+    /// Closes the connections whose time is up (a stream's only while it has bytes pending).
     pub(super) fn expire(&mut self, now: Instant, registry: &Registry) {
         for slot in 0..self.conns.len() {
-            if self.conns[slot].as_ref().is_some_and(|c| c.deadline <= now) {
+            let due =
+                |c: &Conn| c.deadline <= now && (c.events.is_none() || c.written < c.reply.len());
+            if self.conns[slot].as_ref().is_some_and(due) {
                 self.close(slot, registry);
             }
         }

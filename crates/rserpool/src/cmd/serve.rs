@@ -8,13 +8,16 @@
 //! capacity when it moved by at least the threshold, at most once per load interval. With
 //! policy `credits` it samples the same figures every few milliseconds and pushes credits
 //! (docs/CREDITS.md). With `--agent ADDR` it also answers HAProxy's agent-check there
-//! ([`super::agent`]).
+//! ([`super::agent`]). With `--status ADDR` it serves its state as JSON (`/status`) and its
+//! metrics (`/metrics`).
 
 use crate::{CreditOpts, PeOpts};
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
 use rserpool_asap::metric::port_load;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -54,6 +57,10 @@ pub struct ServeArgs {
     /// credits or the load, `down` while the target does not answer.
     #[arg(long)]
     pub agent: Option<SocketAddr>,
+    /// Status listener (HOST:PORT): the sidecar's state as JSON on `/status`, its metrics in
+    /// the Prometheus format on `/metrics`. Off by default (one sidecar per service).
+    #[arg(long)]
+    pub status: Option<SocketAddr>,
     #[command(flatten)]
     pub pe: PeOpts,
     #[command(flatten)]
@@ -92,6 +99,30 @@ async fn serve(args: ServeArgs) -> Result<()> {
         info!("answering HAProxy's agent-check on {addr}");
         tokio::spawn(super::agent::run(listener, agent.clone()));
     }
+    let seen = Arc::new(Seen::default());
+    seen.target_up.store(healthy, Ordering::Relaxed);
+    if let Some(addr) = args.status {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen for status on {addr}"))?;
+        info!("status on http://{}/status", listener.local_addr()?);
+        let view = StatusView {
+            pool: args.pe.pool.clone(),
+            pe: pe.id(),
+            target,
+            state: pe.watch_state(),
+            seen: seen.clone(),
+            credits: credits.as_ref().map(|c| c.gauge()),
+        };
+        tokio::spawn(rserpool_status::serve(
+            listener,
+            &["/status", "/", "/metrics"],
+            move |path| match path {
+                "/metrics" => rserpool_status::Reply::metrics(view.metrics()),
+                _ => rserpool_status::Reply::json(&view.status()),
+            },
+        ));
+    }
     info!(
         "serving {target} as PE {:#010x} of pool {} (target {})",
         pe.id(),
@@ -116,7 +147,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
             () = &mut shutdown => break,
             _ = ticker.tick() => {}
         }
-        if check(target, check_timeout).await {
+        let up = check(target, check_timeout).await;
+        seen.checks.fetch_add(1, Ordering::Relaxed);
+        seen.target_up.store(up, Ordering::Relaxed);
+        if up {
             oks += 1;
             fails = 0;
             if !healthy && oks >= args.rise.max(1) {
@@ -128,6 +162,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         } else {
             fails += 1;
             oks = 0;
+            seen.check_failures.fetch_add(1, Ordering::Relaxed);
             if healthy && fails >= args.fall.max(1) {
                 healthy = false;
                 agent.set_healthy(false);
@@ -144,6 +179,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
                     if reported.is_none_or(|r| (r - f).abs() >= args.load_threshold) {
                         agent.set_percent(((1.0 - f) * 100.0).round() as u32);
                         pe.update_load(f);
+                        seen.load_reports.fetch_add(1, Ordering::Relaxed);
+                        seen.load_permille
+                            .store((f * 1000.0).round() as u64, Ordering::Relaxed);
                         reported = Some(f);
                         last_report = Instant::now();
                     }
@@ -173,4 +211,126 @@ async fn check(target: SocketAddr, timeout: Duration) -> bool {
         tokio::time::timeout(timeout, TcpStream::connect(target)).await,
         Ok(Ok(_))
     )
+}
+
+/// What the sidecar saw, for its status listener.
+#[derive(Default)]
+struct Seen {
+    target_up: AtomicBool,
+    checks: AtomicU64,
+    check_failures: AtomicU64,
+    load_reports: AtomicU64,
+    /// The last load reported, in thousandths.
+    load_permille: AtomicU64,
+}
+
+struct StatusView {
+    pool: String,
+    pe: u32,
+    target: SocketAddr,
+    state: tokio::sync::watch::Receiver<rserpool_asap::PeState>,
+    seen: Arc<Seen>,
+    credits: Option<rserpool_asap::CreditGauge>,
+}
+
+impl StatusView {
+    fn status(&self) -> serde_json::Value {
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let s = &self.seen;
+        let state = self.state.borrow().clone();
+        let (home, registrar) = match &state {
+            rserpool_asap::PeState::Registered { registrar, home } => {
+                (Some(format!("{home:#010x}")), Some(registrar.to_string()))
+            }
+            _ => (None, None),
+        };
+        serde_json::json!({
+            "pool": self.pool,
+            "pe": format!("{:#010x}", self.pe),
+            "target": self.target.to_string(),
+            "target_up": s.target_up.load(Ordering::Relaxed),
+            "state": format!("{state:?}"),
+            "registered": home.is_some(),
+            "home_registrar": home,
+            "registrar": registrar,
+            "checks": n(&s.checks),
+            "check_failures": n(&s.check_failures),
+            "load_reports": n(&s.load_reports),
+            "load": n(&s.load_permille) as f64 / 1000.0,
+            "credits": self.credits.as_ref().map(|g| g.credits()),
+            "capacity": self.credits.as_ref().map(|g| g.capacity()),
+            "credit_reports": self.credits.as_ref().map(|g| g.reports()),
+        })
+    }
+
+    fn metrics(&self) -> rserpool_status::metrics::Exposition {
+        let mut m = rserpool_status::metrics::Exposition::default();
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let s = &self.seen;
+        let pe = format!("{:#010x}", self.pe);
+        let labels = [("pool", self.pool.as_str()), ("pe", pe.as_str())];
+        let registered = matches!(
+            *self.state.borrow(),
+            rserpool_asap::PeState::Registered { .. }
+        );
+        let bit = |b: bool| f64::from(u8::from(b));
+        m.gauge(
+            "rserpool_serve_registered",
+            "1 while the PE is registered with a registrar.",
+            &labels,
+            bit(registered),
+        );
+        m.gauge(
+            "rserpool_serve_target_up",
+            "1 when the last health check of the target succeeded.",
+            &labels,
+            bit(s.target_up.load(Ordering::Relaxed)),
+        );
+        m.counter(
+            "rserpool_serve_health_checks",
+            "Health checks (TCP connects) of the target.",
+            &labels,
+            n(&s.checks),
+        );
+        m.counter(
+            "rserpool_serve_health_check_failures",
+            "Health checks of the target that failed.",
+            &labels,
+            n(&s.check_failures),
+        );
+        m.counter(
+            "rserpool_serve_load_reports",
+            "Load reports (re-registrations) sent.",
+            &labels,
+            n(&s.load_reports),
+        );
+        m.gauge(
+            "rserpool_serve_load_ratio",
+            "The last load reported, 0 to 1.",
+            &labels,
+            n(&s.load_permille) as f64 / 1000.0,
+        );
+        if let Some(g) = &self.credits {
+            m.gauge(
+                "rserpool_serve_credits",
+                "Credits the target has left (the last pushed).",
+                &labels,
+                f64::from(g.credits()),
+            );
+            m.gauge(
+                "rserpool_serve_credit_capacity",
+                "Requests the target takes at once.",
+                &labels,
+                f64::from(g.capacity()),
+            );
+            m.counter(
+                "rserpool_serve_credit_reports",
+                "Credit reports sent.",
+                &labels,
+                g.reports(),
+            );
+        }
+        rserpool_status::metrics::process(&mut m);
+        m
+    }
 }

@@ -29,6 +29,9 @@ pub struct UpArgs {
     /// Where the proxy takes TCP connections for the EchoPool.
     #[arg(long, default_value = "127.0.0.1:7000")]
     pub proxy_tcp: SocketAddr,
+    /// The proxy's status listener: its dashboard, `/status` and `/metrics`.
+    #[arg(long, default_value = "127.0.0.1:8864")]
+    pub proxy_status: SocketAddr,
 }
 
 const WEB_POOL: &str = "WebPool";
@@ -119,10 +122,14 @@ pub fn run(args: UpArgs) -> Result<()> {
                     splice: None,
                 },
             ],
+            status: Some(args.proxy_status),
             ..ProxyConfig::default()
         })
         .await
-        .context("cannot start the proxy (choose other ports with --proxy-http / --proxy-tcp)")?;
+        .context(
+            "cannot start the proxy (choose other ports with --proxy-http / --proxy-tcp / \
+             --proxy-status)",
+        )?;
         let proxied = proxy.local_addrs();
         let flag = if asap.port() == rserpool_wire::ASAP_PORT {
             String::new()
@@ -181,8 +188,14 @@ pub fn run(args: UpArgs) -> Result<()> {
             proxied[1].port()
         );
         if let Some(a) = status {
-            say!("  curl http://{a}/status");
+            say!("  curl http://{a}/metrics");
         }
+        say!();
+        say!("Dashboards (live, in a browser):");
+        if let Some(a) = status {
+            say!("  registrar: http://{a}/");
+        }
+        say!("  proxy:     http://{}/", args.proxy_status);
         say!();
         say!("Ctrl-C stops everything.");
         super::shutdown_signal().await;

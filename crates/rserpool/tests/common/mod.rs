@@ -288,3 +288,59 @@ pub async fn example_http(reg: SocketAddr, pool: &str, pe: u32, extra: &[&str]) 
     .await;
     KillOnDrop(child)
 }
+
+/// One sample of a scrape: its name (with `_total`, `_bucket`, …), labels and value.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct MetricSample {
+    pub name: String,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub value: f64,
+}
+
+/// `GET /metrics` from a status listener, checked by the reference OpenMetrics parser (the
+/// Python `prometheus_client`'s, strict: it refuses what Prometheus would refuse) and returned
+/// as samples. The content type must be OpenMetrics.
+pub async fn scrape(status: SocketAddr) -> Vec<MetricSample> {
+    let (code, body) = rserpool_status::get(status, "/metrics").await.unwrap();
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    const CHECK: &str = "
+import json, sys
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+out = []
+for f in text_string_to_metric_families(sys.stdin.read()):
+    for s in f.samples:
+        out.append({'name': s.name, 'labels': s.labels, 'value': float(s.value)})
+print(json.dumps(out))
+";
+    let mut child = Command::new("/usr/bin/python3")
+        .args(["-c", CHECK])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("/usr/bin/python3 with python3-prometheus-client (.ci/run installs it)");
+    use std::io::Write as _;
+    child.stdin.take().unwrap().write_all(&body).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the metrics of {status} are not valid OpenMetrics: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&body)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The sum of the samples named `name` whose labels include `labels`.
+pub fn metric(samples: &[MetricSample], name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples
+        .iter()
+        .filter(|s| s.name == name)
+        .filter(|s| {
+            labels
+                .iter()
+                .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|s| s.value)
+        .sum()
+}
