@@ -18,10 +18,23 @@ use std::net::SocketAddr;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Print the command's effective settings as TOML (a config file's for `registrar` and
+    /// `proxy`, the options with their defaults for the others) and exit.
+    #[arg(long, global = true)]
+    print_config: bool,
+    /// Log lines as text, or as JSON objects (one per line, for a log collector).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "text",
+        env = "RSERPOOL_LOG_FORMAT"
+    )]
+    log_format: cmd::LogFormat,
 }
 
 /// Where to find registrars (pool element and pool user commands).
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, serde::Serialize)]
 pub struct RegistrarOpts {
     /// Registrar ASAP address (repeatable; tried in order, then announced ones).
     #[arg(
@@ -37,7 +50,7 @@ pub struct RegistrarOpts {
 }
 
 /// A pool element's registration settings.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, serde::Serialize)]
 pub struct PeOpts {
     /// Pool handle to register in.
     #[arg(long)]
@@ -60,7 +73,7 @@ pub struct PeOpts {
 }
 
 /// How a PE with policy `credits` reports them (docs/CREDITS.md).
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, serde::Serialize)]
 pub struct CreditOpts {
     /// Reporting algorithm: dpr (every change) or dpr-q (only across a quantum of an eighth of
     /// the capacity, or at 0 and full).
@@ -103,10 +116,16 @@ enum Command {
     SplitSplice(cmd::split::SplitArgs),
     /// Show a registrar's handlespace.
     Status(cmd::client::StatusArgs),
+    /// Check a registrar's or a proxy's config file: every error, with its line.
+    CheckConfig(cmd::check::CheckArgs),
 }
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    cmd::set_log_format(cli.log_format);
+    if cli.print_config {
+        return print_config(&cli.command);
+    }
     match cli.command {
         Command::Up(a) => cmd::up::run(a),
         Command::Registrar(a) => cmd::registrar::run(*a),
@@ -119,5 +138,26 @@ fn main() -> Result<()> {
         Command::Proxy(a) => cmd::proxy::run(*a),
         Command::Distributor(a) => cmd::distributor::run(a),
         Command::SplitSplice(a) => cmd::split::run(a),
+        Command::CheckConfig(a) => cmd::check::run(a),
     }
+}
+
+/// `--print-config`: what the command would run with.
+fn print_config(command: &Command) -> Result<()> {
+    let text = match command {
+        Command::Registrar(a) => toml::to_string(&cmd::registrar::load_config(a)?)?,
+        Command::Proxy(a) => toml::to_string(&cmd::proxy::load(a)?)?,
+        Command::Up(a) => toml::to_string(a)?,
+        Command::Serve(a) => toml::to_string(a)?,
+        Command::Example(a) => toml::to_string(a)?,
+        Command::Resolve(a) => toml::to_string(a)?,
+        Command::Connect(a) => toml::to_string(a)?,
+        Command::Session(a) => toml::to_string(a)?,
+        Command::Status(a) => toml::to_string(a)?,
+        Command::Distributor(a) => toml::to_string(a)?,
+        Command::SplitSplice(a) => toml::to_string(a)?,
+        Command::CheckConfig(a) => toml::to_string(a)?,
+    };
+    print!("{text}");
+    Ok(())
 }

@@ -30,7 +30,7 @@ pub const STEP: u64 = 10_000;
 const MAX_JOB: u64 = 1_000_000_000;
 
 /// The calculator PE's settings (`rserpool example calc`).
-#[derive(Args, Debug, Clone, Default)]
+#[derive(Args, Debug, Clone, Default, serde::Serialize)]
 pub struct CalcOpts {
     /// calc: the pool secret that seals session cookies (HMAC-SHA256); every PE of the pool
     /// needs the same. Without one, cookies are not sealed and a pool user could forge its
@@ -279,7 +279,7 @@ async fn serve(mut s: PeSession, calc: &Calc) -> Result<()> {
 }
 
 /// `rserpool session`.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct SessionArgs {
     /// Pool handle of the calculator pool.
     pub pool: String,

@@ -9,7 +9,7 @@ use serde::Serialize;
 use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct ResolveArgs {
     /// Pool handle.
     pub pool: String,
@@ -84,7 +84,7 @@ pub fn resolve(args: ResolveArgs) -> Result<()> {
     Ok(())
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct ConnectArgs {
     /// Pool handle.
     pub pool: String,
@@ -133,7 +133,7 @@ pub fn connect(args: ConnectArgs) -> Result<()> {
     })
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,

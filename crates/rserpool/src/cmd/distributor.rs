@@ -23,7 +23,7 @@ use tokio::net::UdpSocket;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct DistributorArgs {
     /// The tier's pool handle (the proxies' `[tier] pool`).
     #[arg(long)]

@@ -19,7 +19,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info};
 
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Service {
     /// RFC 862: send back what arrives.
     Echo,
@@ -39,7 +40,7 @@ pub enum Service {
     Calc,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct ExampleArgs {
     pub service: Service,
     /// Listening address of the service (port 0 = any free port).
@@ -56,7 +57,7 @@ pub struct ExampleArgs {
 }
 
 /// How much the service takes at once.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, serde::Serialize)]
 pub struct ServiceOpts {
     /// Connections at which the reported load is 100%; with policy `credits`, the connections
     /// (requests for `http`) it takes at once [default: the workers, else 100].

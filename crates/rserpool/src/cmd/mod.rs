@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod calc;
+pub mod check;
 pub mod client;
 pub mod distributor;
 pub mod example;
@@ -21,13 +22,33 @@ use std::time::Duration;
 pub use rserpool::util::{Shutdown, runtime};
 
 /// Logs to stderr; `RUST_LOG` overrides the level (default info).
+/// How log lines are written (`--log-format`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    /// One JSON object per line: timestamp, level, target, fields (the message among them).
+    Json,
+}
+
+static LOG_FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
+
+/// Chosen once, from the command line, before any command logs.
+pub fn set_log_format(f: LogFormat) {
+    let _ = LOG_FORMAT.set(f);
+}
+
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match LOG_FORMAT.get().copied().unwrap_or_default() {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
 }
 
 /// Completes on Ctrl-C or SIGTERM.

@@ -43,12 +43,9 @@ pub struct ProxyArgs {
     /// How often the pools are fetched from a registrar.
     #[arg(long)]
     pub refresh_ms: Option<u64>,
-    /// Print the effective settings as TOML and exit.
-    #[arg(long)]
-    pub print_config: bool,
 }
 
-fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
+pub fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
     let mut cfg = match &args.config {
         Some(p) => {
             let text = std::fs::read_to_string(p)
@@ -125,10 +122,6 @@ pub fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
 
 pub fn run(args: ProxyArgs) -> Result<()> {
     let cfg = load(&args)?;
-    if args.print_config {
-        print!("{}", toml::to_string(&cfg)?);
-        return Ok(());
-    }
     super::init_logging();
     runtime(cfg.threads)?.block_on(async move {
         let drain = Duration::from_millis(cfg.drain_timeout_ms);

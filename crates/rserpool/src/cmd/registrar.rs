@@ -10,9 +10,6 @@ pub struct RegistrarArgs {
     /// TOML file with settings (keys as the flags, e.g. `keep-alive-interval-ms = 5000`).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Print the effective settings as TOML and exit.
-    #[arg(long)]
-    pub print_config: bool,
     #[command(flatten)]
     pub flags: ConfigFlags,
 }
@@ -32,10 +29,6 @@ pub fn load_config(args: &RegistrarArgs) -> Result<Config> {
 
 pub fn run(args: RegistrarArgs) -> Result<()> {
     let cfg = load_config(&args)?;
-    if args.print_config {
-        print!("{}", toml::to_string(&cfg)?);
-        return Ok(());
-    }
     super::init_logging();
     let server = Server::bind(cfg)?;
     let stop = server.stop_handle();

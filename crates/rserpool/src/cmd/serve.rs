@@ -23,7 +23,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct ServeArgs {
     /// The service to register, HOST:PORT.
     #[arg(long)]

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct SplitArgs {
     /// The proxy tier's pool handle (the proxies' `[tier] pool`).
     #[arg(long)]

@@ -12,7 +12,7 @@ use rserpool_registrar::{Config, RegistrarThread};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct UpArgs {
     /// Registrar ASAP address.
     #[arg(long, default_value = "127.0.0.1:3863")]

@@ -1,0 +1,234 @@
+//! `rserpool check-config FILE`: every error of a registrar's or a proxy's config file, each
+//! with its line, before a deployment finds them one restart at a time.
+//!
+//! A TOML deserializer stops at the first error. So after each error the lines it points at
+//! are blanked (a whole table when the error is the table's, e.g. a missing key) and the file
+//! is read again, with the line numbers unchanged, until it reads; then the settings are
+//! checked as a whole (those errors have no line of their own).
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde::de::DeserializeOwned;
+use std::path::PathBuf;
+
+#[derive(Args, Debug, serde::Serialize)]
+pub struct CheckArgs {
+    /// The config file to check.
+    pub file: PathBuf,
+    /// What it configures: `registrar` or `proxy` (by default, what reads with fewer errors).
+    #[arg(long, value_parser = ["registrar", "proxy"])]
+    pub kind: Option<String>,
+}
+
+/// One error: its 1-based line (none for an error of the settings as a whole) and message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+/// At most this many errors are reported (and as many rereads made).
+const MAX_ERRORS: usize = 100;
+
+pub fn run(args: CheckArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("cannot read {}", args.file.display()))?;
+    let (kind, problems) = check(&text, args.kind.as_deref());
+    let name = args.file.display();
+    if problems.is_empty() {
+        println!("{name}: ok ({kind} config)");
+        return Ok(());
+    }
+    for p in &problems {
+        match p.line {
+            Some(l) => println!("{name}:{l}: {}", p.message),
+            None => println!("{name}: {}", p.message),
+        }
+    }
+    bail!(
+        "{name}: {} error{} in this {kind} config",
+        problems.len(),
+        if problems.len() == 1 { "" } else { "s" }
+    )
+}
+
+/// The kind checked and its problems.
+pub fn check(text: &str, kind: Option<&str>) -> (&'static str, Vec<ConfigProblem>) {
+    let registrar = || problems::<rserpool_registrar::Config>(text, |_| Ok(()));
+    let proxy = || {
+        problems::<rserpool_proxy::ProxyConfig>(text, |c| c.validate().map_err(|e| e.to_string()))
+    };
+    match kind {
+        Some("registrar") => ("registrar", registrar()),
+        Some(_) => ("proxy", proxy()),
+        None => {
+            let (r, p) = (registrar(), proxy());
+            if p.len() < r.len() {
+                ("proxy", p)
+            } else {
+                ("registrar", r)
+            }
+        }
+    }
+}
+
+fn problems<T: DeserializeOwned>(
+    text: &str,
+    validate: impl Fn(&T) -> Result<(), String>,
+) -> Vec<ConfigProblem> {
+    let mut text = text.to_owned();
+    let mut out: Vec<ConfigProblem> = Vec::new();
+    // Tables a line was blanked in: a key missing there now may be one we blanked.
+    let mut touched: Vec<usize> = Vec::new();
+    for _ in 0..MAX_ERRORS {
+        match toml::from_str::<T>(&text) {
+            Ok(cfg) => {
+                if let Err(message) = validate(&cfg) {
+                    out.push(ConfigProblem {
+                        line: None,
+                        message,
+                    });
+                }
+                break;
+            }
+            Err(e) => {
+                let span = e.span();
+                let message = e.message().trim().to_owned();
+                let table = span.as_ref().map(|s| table_of(&text, s.start));
+                let cascade = message.starts_with("missing field")
+                    && table.is_some_and(|t| touched.contains(&t));
+                if !cascade {
+                    out.push(ConfigProblem {
+                        line: span.as_ref().map(|s| line_of(&text, s.start)),
+                        message,
+                    });
+                }
+                touched.extend(table);
+                if !span.is_some_and(|s| blank(&mut text, s)) {
+                    break;
+                }
+            }
+        }
+    }
+    out
+}
+
+fn line_of(text: &str, at: usize) -> usize {
+    text.as_bytes()[..at.min(text.len())]
+        .iter()
+        .filter(|b| **b == b'\n')
+        .count()
+        + 1
+}
+
+/// Where the table holding `at` starts: its header's offset (0 for the root table).
+fn table_of(text: &str, at: usize) -> usize {
+    let mut start = 0;
+    let mut offset = 0;
+    for line in text.split_inclusive('\n') {
+        if offset > at {
+            break;
+        }
+        if is_header(line) {
+            start = offset;
+        }
+        offset += line.len();
+    }
+    start
+}
+
+fn is_header(line: &str) -> bool {
+    line.trim_start().starts_with('[')
+}
+
+/// Blanks the lines of `span` (the whole table when it starts at a table's header), keeping
+/// every newline; false when there was nothing left to blank.
+fn blank(text: &mut String, span: std::ops::Range<usize>) -> bool {
+    let start = text[..span.start.min(text.len())]
+        .rfind('\n')
+        .map_or(0, |i| i + 1);
+    let mut end = text[span.end.min(text.len())..]
+        .find('\n')
+        .map_or(text.len(), |i| span.end + i);
+    let first = text[start..].lines().next().unwrap_or("");
+    if is_header(first) {
+        // Up to the next table's header.
+        let mut at = text[start..]
+            .find('\n')
+            .map_or(text.len(), |i| start + i + 1);
+        while at < text.len() {
+            let line = text[at..].lines().next().unwrap_or("");
+            if is_header(line) {
+                break;
+            }
+            at += line.len() + 1;
+        }
+        end = end.max(at.min(text.len()));
+    }
+    let blanked: String = text[start..end]
+        .chars()
+        .map(|c| if c == '\n' { '\n' } else { ' ' })
+        .collect();
+    if blanked == text[start..end] {
+        return false;
+    }
+    text.replace_range(start..end, &blanked);
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_is_reported_with_its_line() {
+        let text = "\
+registrars = [\"127.0.0.1:3863\"]
+refresh-ms = \"soon\"
+no-such-key = 1
+
+[[listener]]
+listen = \"127.0.0.1:8080\"
+mode = \"http\"
+pool = \"Web\"
+
+[[listener]]
+mode = \"tcp\"
+pool = \"Echo\"
+
+[[listener]]
+listen = \"127.0.0.1:7001\"
+mode = \"carrier-pigeon\"
+pool = \"Echo\"
+";
+        let (kind, p) = check(text, None);
+        assert_eq!(kind, "proxy");
+        let lines: Vec<Option<usize>> = p.iter().map(|p| p.line).collect();
+        assert_eq!(lines, [Some(2), Some(3), Some(10), Some(16)], "{p:#?}");
+        assert!(p[0].message.contains("invalid type"), "{p:#?}");
+        assert!(p[1].message.contains("no-such-key"), "{p:#?}");
+        assert!(p[2].message.contains("listen"), "{p:#?}");
+        assert!(p[3].message.contains("carrier-pigeon"), "{p:#?}");
+    }
+
+    #[test]
+    fn a_good_file_has_none_and_settings_errors_have_no_line() {
+        let good = "registrars = [\"127.0.0.1:3863\"]\n[[listener]]\nlisten = \"127.0.0.1:8080\"\npool = \"Web\"\nmode = \"http\"\n";
+        assert_eq!(check(good, Some("proxy")), ("proxy", vec![]));
+        let twice = format!(
+            "{good}[[listener]]\nlisten = \"127.0.0.1:8080\"\npool = \"X\"\nmode = \"tcp\"\n"
+        );
+        let (_, p) = check(&twice, Some("proxy"));
+        assert_eq!(p.len(), 1, "{p:#?}");
+        assert_eq!(p[0].line, None);
+        assert!(p[0].message.contains("twice"), "{p:#?}");
+        assert_eq!(check("", Some("registrar")), ("registrar", vec![]));
+        let (kind, p) = check(
+            "keep-alive-interval-ms = -5\nmax-connections = 10\n= broken\n",
+            None,
+        );
+        assert_eq!(kind, "registrar");
+        let lines: Vec<Option<usize>> = p.iter().map(|p| p.line).collect();
+        assert_eq!(lines, [Some(3), Some(1)], "{p:#?}");
+    }
+}

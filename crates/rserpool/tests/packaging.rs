@@ -1,0 +1,209 @@
+//! What an operator deploys with: `--print-config` on every command, `check-config`, JSON logs,
+//! and the systemd units and example configs of `dist/` (verified by `systemd-analyze`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{BIN, KillOnDrop, free_port, wait_until};
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+fn rserpool(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().unwrap()
+}
+
+fn dist() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../dist")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The commands `rserpool --help` lists.
+fn commands() -> Vec<String> {
+    let help = text(&rserpool(&["--help"]).stdout);
+    help.lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn every_command_prints_its_config_as_toml() {
+    let file = std::env::temp_dir().join(format!("rserpool-print-{}.toml", free_port()));
+    std::fs::write(&file, "").unwrap();
+    let file = file.to_str().unwrap();
+    // The required arguments of each command.
+    let required: &[(&str, &[&str])] = &[
+        ("up", &[]),
+        ("registrar", &[]),
+        ("serve", &["--target", "127.0.0.1:8080", "--pool", "Web"]),
+        ("example", &["echo", "--pool", "Echo"]),
+        ("resolve", &["Web"]),
+        ("connect", &["Web"]),
+        ("session", &["Calc"]),
+        ("proxy", &["--listen", "127.0.0.1:8080", "--pool", "Web"]),
+        ("distributor", &["--pool", "Tier"]),
+        (
+            "split-splice",
+            &[
+                "--tier",
+                "Tier",
+                "--listen",
+                "10.0.0.1:80",
+                "--interface",
+                "eth0",
+            ],
+        ),
+        ("status", &[]),
+        ("check-config", &[file]),
+    ];
+    let listed = commands();
+    assert!(listed.len() >= 12, "{listed:?}");
+    for c in &listed {
+        let (_, args) = required
+            .iter()
+            .find(|(name, _)| name == c)
+            .unwrap_or_else(|| panic!("`{c}`: add its required arguments here"));
+        let mut all = vec![c.as_str()];
+        all.extend_from_slice(args);
+        all.push("--print-config");
+        let out = rserpool(&all);
+        assert!(out.status.success(), "{all:?}: {}", text(&out.stderr));
+        let printed = text(&out.stdout);
+        let doc: toml::Table = printed
+            .parse()
+            .unwrap_or_else(|e| panic!("{all:?} printed no TOML: {e}\n{printed}"));
+        assert!(!doc.is_empty(), "{all:?}");
+    }
+    // The registrar's and the proxy's are config files: read back, they print the same.
+    for (cmd, extra) in [
+        ("registrar", vec![]),
+        ("proxy", vec!["--listen", "127.0.0.1:8080", "--pool", "Web"]),
+    ] {
+        let mut args = vec![cmd, "--print-config"];
+        args.extend(&extra);
+        let first = text(&rserpool(&args).stdout);
+        std::fs::write(file, &first).unwrap();
+        let again = text(&rserpool(&[cmd, "--config", file, "--print-config"]).stdout);
+        assert_eq!(first, again, "{cmd}");
+        let out = rserpool(&["check-config", "--kind", cmd, file]);
+        assert!(out.status.success(), "{cmd}: {}", text(&out.stdout));
+    }
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn check_config_reports_every_error_with_its_line() {
+    let file = std::env::temp_dir().join(format!("rserpool-check-{}.toml", free_port()));
+    std::fs::write(
+        &file,
+        "registrars = [\"127.0.0.1:3863\"]\nrefresh-ms = \"soon\"\n\n[[listener]]\nlisten = \
+         \"127.0.0.1:80\"\nmode = \"http\"\npool = \"Web\"\ntimeout = 5\n\n[[listener]]\nlisten = \
+         \"nowhere\"\nmode = \"tcp\"\npool = \"Echo\"\n",
+    )
+    .unwrap();
+    let out = rserpool(&["check-config", file.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let report = text(&out.stdout);
+    let name = file.display().to_string();
+    for line in [2, 8, 11] {
+        assert!(report.contains(&format!("{name}:{line}: ")), "{report}");
+    }
+    assert_eq!(report.lines().count(), 3, "{report}");
+    assert!(text(&out.stderr).contains("3 errors in this proxy config"));
+    let _ = std::fs::remove_file(&file);
+
+    // The examples shipped in dist/ are good ones.
+    for (f, kind) in [("registrar.toml", "registrar"), ("proxy.toml", "proxy")] {
+        let path = dist().join(f);
+        let out = rserpool(&["check-config", path.to_str().unwrap()]);
+        assert!(out.status.success(), "{f}: {}", text(&out.stdout));
+        assert!(text(&out.stdout).contains(&format!("ok ({kind} config)")));
+    }
+}
+
+#[tokio::test]
+async fn json_logs_are_one_object_per_line() {
+    let asap = format!("127.0.0.1:{}", free_port());
+    let enrp = format!("127.0.0.1:{}", free_port());
+    let mut child = KillOnDrop(
+        Command::new(BIN)
+            .args(["--log-format", "json", "registrar", "--asap", &asap])
+            .args(["--status", "off", "--enrp", &enrp])
+            .env("RUST_LOG", "info")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = child.stderr.take().unwrap();
+    let first = tokio::task::spawn_blocking(move || {
+        std::io::BufReader::new(stderr)
+            .lines()
+            .next()
+            .unwrap()
+            .unwrap()
+    });
+    let line = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .unwrap()
+        .unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert_eq!(v["level"], "INFO", "{v}");
+    assert!(
+        v["fields"]["message"].as_str().unwrap().contains(&asap),
+        "{v}"
+    );
+    assert!(v["timestamp"].is_string(), "{v}");
+    common::signal(&child, rustix::process::Signal::TERM);
+    wait_until(Duration::from_secs(5), "the registrar exits", || {
+        matches!(child.try_wait(), Ok(Some(_)))
+    })
+    .await;
+}
+
+#[test]
+fn the_systemd_units_verify() {
+    let Ok(out) = Command::new("systemd-analyze").arg("--version").output() else {
+        panic!("systemd-analyze (Debian's systemd; .ci/run installs it)");
+    };
+    assert!(out.status.success());
+    // The units point at /usr/bin/rserpool; verified here against the binary under test.
+    let dir = std::env::temp_dir().join(format!("rserpool-units-{}", free_port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut units = Vec::new();
+    for e in std::fs::read_dir(dist()).unwrap() {
+        let path = e.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_owned();
+        if !name.ends_with(".service") {
+            continue;
+        }
+        let unit = std::fs::read_to_string(&path)
+            .unwrap()
+            .replace("/usr/bin/rserpool", BIN);
+        // A template is verified as an instance.
+        let name = name.replace("@.service", "@web.service");
+        std::fs::write(dir.join(&name), unit).unwrap();
+        units.push(dir.join(name));
+    }
+    assert_eq!(units.len(), 3, "{units:?}");
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .args(&units)
+        .output()
+        .unwrap();
+    let complaints = text(&out.stderr);
+    assert!(
+        out.status.success() && complaints.trim().is_empty(),
+        "{complaints}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
