@@ -1,13 +1,16 @@
 //! What the tokio drivers of the pool element and pool user cores share: every connection a core
 //! names runs in a task of its own that reports to one channel, the driver carries out the
 //! core's [`Action`]s on them, SERVER_ANNOUNCEs are heard on a socket of their own, and the
-//! core's time is the milliseconds since the driver began.
+//! core's time is the milliseconds since the driver began. With TLS, a connection's task runs
+//! the handshake first (as the client towards a registrar, as the server for a registrar
+//! taking over), and a failed one is a failed connection.
 
 use crate::core::{Action, ConnId, Instant};
 use crate::registrars::AnnounceListener;
+use rserpool_tls::Tls;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
@@ -68,11 +71,15 @@ pub(crate) struct Conns {
     events: mpsc::UnboundedReceiver<ConnEvent>,
     announce: Option<AnnounceListener>,
     epoch: std::time::Instant,
+    tls: Option<std::sync::Arc<Tls>>,
 }
 
 impl Conns {
-    /// Listens for SERVER_ANNOUNCE at `announce_listen`, if given.
-    pub(crate) fn new(announce_listen: Option<SocketAddr>) -> std::io::Result<Self> {
+    /// Listens for SERVER_ANNOUNCE at `announce_listen`, if given; speaks TLS when `tls`.
+    pub(crate) fn new(
+        announce_listen: Option<SocketAddr>,
+        tls: Option<std::sync::Arc<Tls>>,
+    ) -> std::io::Result<Self> {
         let (events_tx, events) = mpsc::unbounded_channel();
         Ok(Self {
             out: HashMap::new(),
@@ -80,6 +87,7 @@ impl Conns {
             events,
             announce: announce_listen.map(AnnounceListener::start).transpose()?,
             epoch: std::time::Instant::now(),
+            tls,
         })
     }
 
@@ -168,7 +176,13 @@ impl Conns {
     fn spawn(&mut self, id: ConnId, target: Target) {
         let (tx, rx) = mpsc::unbounded_channel();
         self.out.insert(id, tx);
-        tokio::spawn(serve(id, target, rx, self.events_tx.clone()));
+        tokio::spawn(serve(
+            id,
+            target,
+            rx,
+            self.events_tx.clone(),
+            self.tls.clone(),
+        ));
     }
 }
 
@@ -177,17 +191,50 @@ enum Target {
     Stream(TcpStream),
 }
 
-/// One connection: connects if asked to, then reads and writes until either end closes.
+/// One connection: connects if asked to (with TLS: and shakes hands), then reads and writes
+/// until either end closes.
 async fn serve(
     id: ConnId,
     target: Target,
     mut rx: mpsc::UnboundedReceiver<Out>,
     events: mpsc::UnboundedSender<ConnEvent>,
+    tls: Option<std::sync::Arc<Tls>>,
 ) {
     let stream = match target {
-        Target::Stream(s) => s,
+        Target::Stream(s) => {
+            let Some(tls) = tls else {
+                return relay(id, s, rx, events).await;
+            };
+            // A registrar taking over: it must present a certificate from the CA.
+            let peer = s.peer_addr().ok();
+            let handshake = tls.accept_stream(true, s);
+            let r = tokio::select! {
+                r = handshake => r,
+                _ = rx.recv() => return,
+            };
+            match r {
+                Ok(s) => return relay(id, s, rx, events).await,
+                Err(e) => {
+                    tracing::warn!(
+                        "TLS handshake with {} refused: {e}",
+                        peer.map_or_else(|| "a registrar".into(), |p| p.to_string())
+                    );
+                    let _ = events.send(ConnEvent::Closed(id));
+                    return;
+                }
+            }
+        }
         Target::Connect(addr) => {
-            let connect = crate::connection::connect_stream(addr);
+            let connect = async {
+                let s = crate::connection::connect_stream(addr).await?;
+                match &tls {
+                    Some(tls) => tls
+                        .connect_stream(addr.ip(), s)
+                        .await
+                        .map(|s| Stream::Tls(Box::new(s))),
+                    None => Ok(Stream::Plain(s)),
+                }
+            };
             tokio::pin!(connect);
             // The core sends nothing before it is told the connection is up; a close (or the
             // core's end) abandons the attempt.
@@ -207,7 +254,25 @@ async fn serve(
             }
         }
     };
-    let (mut rd, mut wr) = stream.into_split();
+    match stream {
+        Stream::Plain(s) => relay(id, s, rx, events).await,
+        Stream::Tls(s) => relay(id, *s, rx, events).await,
+    }
+}
+
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<rserpool_tls::tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+/// Reads and writes a connection until either end closes.
+async fn relay<S: AsyncRead + AsyncWrite>(
+    id: ConnId,
+    stream: S,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    events: mpsc::UnboundedSender<ConnEvent>,
+) {
+    let (mut rd, mut wr) = tokio::io::split(stream);
     let mut buf = vec![0u8; 8192];
     loop {
         tokio::select! {

@@ -86,7 +86,7 @@ impl PoolElement {
             }
         });
         let asap_transport = listener.as_ref().and_then(|l| l.local_addr().ok());
-        let conns = Conns::new(cfg.announce_listen)?;
+        let conns = Conns::new(cfg.announce_listen, cfg.tls.clone())?;
         let desired = Desired {
             active: cfg.initially_active,
             policy: cfg.policy.clone(),

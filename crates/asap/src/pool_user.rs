@@ -26,7 +26,7 @@ pub struct PoolUser {
 impl PoolUser {
     pub fn new(cfg: PoolUserConfig) -> std::io::Result<Self> {
         Ok(Self {
-            conns: Conns::new(cfg.announce_listen)?,
+            conns: Conns::new(cfg.announce_listen, cfg.tls.clone())?,
             core: PuCore::new(cfg),
             pushed: std::collections::VecDeque::new(),
         })

@@ -6,6 +6,7 @@
 //! on the command line.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 macro_rules! settings {
     ($( $(#[doc = $doc:literal])* $name:ident : $ty:ty = $default:expr; )*) => {
@@ -107,6 +108,14 @@ settings! {
     enrp_batch_ms: u64 = 50;
     /// PEs per HANDLE_TABLE_RESPONSE (MaxElementsPerHTRequest).
     max_elements_per_ht_request: usize = 128;
+    /// TLS (RFC 5355): this registrar's certificate (PEM). With `tls-key` and `tls-ca`, ASAP
+    /// and ENRP are TLS only: peers and PEs must present a certificate from the CA (pool
+    /// users may come without one, but cannot register).
+    tls_cert: Option<PathBuf> = None;
+    /// TLS: the private key of `tls-cert` (PEM).
+    tls_key: Option<PathBuf> = None;
+    /// TLS: the CA certificate(s) that peers', PEs' and pool users' certificates chain to.
+    tls_ca: Option<PathBuf> = None;
 }
 
 /// Where the status listener listens: an address, or `off`. Whether it was given (in the file
@@ -184,6 +193,19 @@ impl<'de> serde::Deserialize<'de> for StatusListen {
 }
 
 impl Config {
+    /// The TLS files, when TLS is on: all three of `tls-cert`, `tls-key` and `tls-ca`, or none.
+    pub fn tls_files(&self) -> Result<Option<rserpool_tls::TlsFiles>, String> {
+        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (None, None, None) => Ok(None),
+            (Some(cert), Some(key), Some(ca)) => Ok(Some(rserpool_tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            })),
+            _ => Err("TLS needs all three of tls-cert, tls-key and tls-ca".into()),
+        }
+    }
+
     /// Reads a TOML file; missing keys keep their defaults, unknown keys are an error.
     pub fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
         toml::from_str(text)

@@ -148,6 +148,20 @@ impl Registrar {
         }
     }
 
+    /// The connection's peer presented a certificate from the CA (its TLS handshake is done):
+    /// it may register PEs.
+    pub fn authenticated(&mut self, id: ConnId) {
+        if let Some(c) = self.conns.get_mut(id) {
+            c.authenticated = true;
+        }
+    }
+
+    /// The connection's TLS handshake failed (`why`): counted and logged (rate-limited); the
+    /// driver closes it.
+    pub fn tls_refused(&mut self, id: ConnId, why: &str, now: Instant) {
+        self.conns.tls_refused(id, why, now);
+    }
+
     /// The connection closed: by the peer, an error, a failed [`Action::Connect`], or after
     /// [`Action::Close`]. Its PEs leave the handlespace.
     pub fn handle_close(&mut self, id: ConnId, now: Instant) {

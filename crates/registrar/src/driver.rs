@@ -18,6 +18,7 @@ use crate::config::Config;
 use crate::core::{Action, ConnId, Instant, Registrar};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
+use rserpool_tls::rustls;
 use status_listener::StatusListener;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, UdpSocket};
@@ -51,6 +52,7 @@ pub struct Server {
     listener: TcpListener,
     enrp: Option<Enrp>,
     status: Option<StatusListener>,
+    tls: Option<rserpool_tls::Tls>,
     cfg: Config,
     id: u32,
     local: SocketAddr,
@@ -117,6 +119,12 @@ impl Server {
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let tls = cfg
+            .tls_files()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?
+            .map(|f| rserpool_tls::Tls::load(&f))
+            .transpose()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let enrp = Enrp::bind(&cfg, &poll)?;
         let status = StatusListener::bind(&cfg, poll.registry())?;
         let id = if cfg.server_id != 0 {
@@ -129,6 +137,7 @@ impl Server {
             listener,
             enrp,
             status,
+            tls,
             cfg,
             id,
             local,
@@ -193,8 +202,13 @@ impl Server {
             Some(sock)
         };
         info!(
-            "registrar {:#010x} listening for ASAP on {}{}",
+            "registrar {:#010x} listening for ASAP{} on {}{}",
             self.id,
+            if self.tls.is_some() {
+                " and ENRP over TLS (client certificates from the CA)"
+            } else {
+                ""
+            },
             self.local,
             match self.status_addr() {
                 Some(a) => format!(", status on http://{a}/status"),
@@ -219,6 +233,7 @@ impl Server {
             listener: self.listener,
             enrp: self.enrp,
             status: self.status,
+            tls: self.tls,
             core,
             epoch,
             socks: Vec::new(),
@@ -244,6 +259,10 @@ impl Server {
 /// One accepted connection.
 struct Sock {
     stream: TcpStream,
+    /// TLS over the stream, when the registrar runs with TLS.
+    tls: Option<Box<rustls::Connection>>,
+    /// Its peer's certificate was reported to the core.
+    authenticated: bool,
     /// When a stalled write or a connection attempt is given up.
     deadline: Option<Instant>,
     /// An outgoing connection still being set up.
@@ -302,6 +321,36 @@ impl Enrp {
     }
 }
 
+/// Writes a TLS connection: the records rustls holds, then the core's output through it.
+fn flush_tls(
+    tls: &mut rustls::Connection,
+    stream: &mut TcpStream,
+    core: &mut Registrar,
+    id: ConnId,
+    progress: &mut bool,
+) -> Flush {
+    loop {
+        while tls.wants_write() {
+            match tls.write_tls(stream) {
+                Ok(n) => *progress |= n > 0,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Flush::Blocked,
+                Err(_) => return Flush::Failed,
+            }
+        }
+        let data = core.output(id);
+        if data.is_empty() {
+            return Flush::Done;
+        }
+        // rustls takes plaintext up to its buffer limit (during the handshake it holds it).
+        match tls.writer().write(data) {
+            Ok(0) => return Flush::Blocked,
+            Ok(n) => core.consume_output(id, n),
+            Err(_) => return Flush::Failed,
+        }
+    }
+}
+
 /// The core's time: milliseconds since the event loop started.
 fn elapsed(epoch: std::time::Instant) -> Instant {
     Instant::since(epoch, std::time::Instant::now())
@@ -332,6 +381,7 @@ struct EventLoop {
     listener: TcpListener,
     enrp: Option<Enrp>,
     status: Option<StatusListener>,
+    tls: Option<rserpool_tls::Tls>,
     core: Registrar,
     epoch: std::time::Instant,
     /// The open connections, indexed by [`ConnId::index`] (also their epoll token).
@@ -360,6 +410,14 @@ enum Flush {
     Done,
     Blocked,
     Failed,
+}
+
+/// What reading a TLS connection's socket brought.
+enum TlsRead {
+    Records,
+    Empty,
+    Closed,
+    Refused(rustls::Error),
 }
 
 impl EventLoop {
@@ -488,12 +546,29 @@ impl EventLoop {
             let Some(id) = id else {
                 continue; // Over the connection limit; the core logged it. Dropping closes.
             };
-            self.add_sock(id, stream, false);
+            // ENRP peers must present a certificate; on ASAP, pool users may come without.
+            let tls = match self.tls.as_ref().map(|t| t.accept(enrp)) {
+                None => None,
+                Some(Ok(c)) => Some(Box::new(rustls::Connection::Server(c))),
+                Some(Err(e)) => {
+                    warn!("cannot start TLS with {peer}: {e}");
+                    let now = self.now();
+                    self.core.handle_close(id, now);
+                    continue;
+                }
+            };
+            self.add_sock(id, stream, tls, false);
         }
     }
 
     /// Watches a connection the core knows as `id`.
-    fn add_sock(&mut self, id: ConnId, mut stream: TcpStream, connecting: bool) {
+    fn add_sock(
+        &mut self,
+        id: ConnId,
+        mut stream: TcpStream,
+        tls: Option<Box<rustls::Connection>>,
+        connecting: bool,
+    ) {
         stream.set_nodelay(true).ok();
         let registered = self.poll.registry().register(
             &mut stream,
@@ -511,6 +586,8 @@ impl EventLoop {
         }
         self.socks[id.index()] = Some(Sock {
             stream,
+            tls,
+            authenticated: false,
             deadline: None,
             connecting,
             closing: false,
@@ -523,8 +600,18 @@ impl EventLoop {
 
     /// Opens an outgoing connection the core asked for (a peer registrar, a PE taken over).
     fn connect(&mut self, id: ConnId, addr: SocketAddr) {
+        let tls = match self.tls.as_ref().map(|t| t.connect(addr.ip())) {
+            None => None,
+            Some(Ok(c)) => Some(Box::new(rustls::Connection::Client(c))),
+            Some(Err(e)) => {
+                warn!("cannot start TLS towards {addr}: {e}");
+                let now = self.now();
+                self.core.handle_close(id, now);
+                return;
+            }
+        };
         match TcpStream::connect(addr) {
-            Ok(stream) => self.add_sock(id, stream, true),
+            Ok(stream) => self.add_sock(id, stream, tls, true),
             Err(e) => {
                 tracing::debug!("connect to {addr}: {e}");
                 let now = self.now();
@@ -574,6 +661,9 @@ impl EventLoop {
     }
 
     fn on_readable(&mut self, i: usize) {
+        if self.sock(i).is_some_and(|s| s.tls.is_some()) {
+            return self.on_readable_tls(i);
+        }
         let id = ConnId::from_index(i);
         loop {
             let Some(sock) = self.socks.get_mut(i).and_then(Option::as_mut) else {
@@ -593,6 +683,96 @@ impl EventLoop {
                 // A short read emptied the socket; epoll reports the next arrival.
                 return;
             }
+        }
+    }
+
+    /// Reads a TLS connection: records into rustls, the handshake's answers out, the
+    /// plaintext to the core.
+    fn on_readable_tls(&mut self, i: usize) {
+        let id = ConnId::from_index(i);
+        loop {
+            let read = {
+                let Some(sock) = self.socks.get_mut(i).and_then(Option::as_mut) else {
+                    return;
+                };
+                let Some(tls) = sock.tls.as_deref_mut() else {
+                    return;
+                };
+                match tls.read_tls(&mut sock.stream) {
+                    Ok(0) => TlsRead::Closed,
+                    Ok(_) => match tls.process_new_packets() {
+                        Ok(_) => TlsRead::Records,
+                        Err(e) => {
+                            // The alert saying why, as far as the socket takes it.
+                            let _ = tls.write_tls(&mut sock.stream);
+                            TlsRead::Refused(e)
+                        }
+                    },
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => TlsRead::Empty,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(_) => TlsRead::Closed,
+                }
+            };
+            match read {
+                TlsRead::Refused(e) => {
+                    let now = self.now();
+                    self.core.tls_refused(id, &rserpool_tls::describe(&e), now);
+                    return self.close(id);
+                }
+                TlsRead::Closed => {
+                    self.tls_plaintext(id);
+                    return self.close(id);
+                }
+                TlsRead::Empty => {
+                    if self.tls_plaintext(id) {
+                        self.flush(id);
+                    }
+                    return;
+                }
+                TlsRead::Records => {
+                    if !self.tls_plaintext(id) {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Hands the core what rustls decrypted (and, once, that the peer has a certificate);
+    /// false when the connection is gone.
+    fn tls_plaintext(&mut self, id: ConnId) -> bool {
+        loop {
+            let Some(sock) = self.socks.get_mut(id.index()).and_then(Option::as_mut) else {
+                return false;
+            };
+            let Some(tls) = sock.tls.as_deref_mut() else {
+                return false;
+            };
+            let certified = !sock.authenticated
+                && !tls.is_handshaking()
+                && tls.peer_certificates().is_some_and(|c| !c.is_empty());
+            sock.authenticated |= certified;
+            let n = match tls.reader().read(&mut self.read_buf) {
+                Ok(0) => {
+                    self.close(id); // close_notify
+                    return false;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+                Err(_) => {
+                    self.close(id);
+                    return false;
+                }
+            };
+            if certified {
+                self.core.authenticated(id);
+            }
+            if n == 0 {
+                return true;
+            }
+            let now = self.now();
+            self.core.handle_data(id, &self.read_buf[..n], now);
+            self.after_core();
         }
     }
 
@@ -664,6 +844,9 @@ impl EventLoop {
         }
         let mut progress = false;
         let outcome = loop {
+            if let Some(tls) = sock.tls.as_deref_mut() {
+                break flush_tls(tls, &mut sock.stream, &mut self.core, id, &mut progress);
+            }
             let data = self.core.output(id);
             if data.is_empty() {
                 break Flush::Done;

@@ -67,6 +67,9 @@ pub struct Counters {
     pub protocol_errors: u64,
     pub connections_refused: u64,
     pub slow_connections_closed: u64,
+    /// TLS handshakes refused (no or a foreign certificate, or not TLS at all).
+    #[serde(default)]
+    pub tls_refused: u64,
     /// Error causes sent in ERRORs and refusing responses, by cause code (`0x9`, …).
     #[serde(default)]
     pub errors_sent: std::collections::BTreeMap<String, u64>,
@@ -280,6 +283,11 @@ impl Counters {
                 "rserpool_registrar_slow_connections_closed",
                 "Connections closed because they took none of our bytes in time.",
                 self.slow_connections_closed,
+            ),
+            (
+                "rserpool_registrar_tls_refused",
+                "TLS handshakes refused (no or a foreign certificate, or not TLS).",
+                self.tls_refused,
             ),
         ];
         for (name, help, v) in counters {

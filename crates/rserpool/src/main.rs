@@ -47,6 +47,32 @@ pub struct RegistrarOpts {
     /// (e.g. 0.0.0.0:3863, or 239.0.0.1:3863 to join the multicast group).
     #[arg(long, value_name = "ADDR")]
     pub announce_listen: Option<SocketAddr>,
+    /// TLS with the registrars (RFC 5355): this process's certificate, PEM (with --tls-key and
+    /// --tls-ca; `rserpool cert` makes some to try).
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// TLS: the private key of --tls-cert, PEM.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// TLS: the CA certificate the registrars' certificates chain to, PEM.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<std::path::PathBuf>,
+}
+
+impl RegistrarOpts {
+    /// The TLS identity given, loaded.
+    pub fn tls(&self) -> Result<Option<std::sync::Arc<rserpool_tls::Tls>>> {
+        let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca)
+        else {
+            return Ok(None);
+        };
+        let files = rserpool_tls::TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            ca: ca.clone(),
+        };
+        Ok(Some(std::sync::Arc::new(rserpool_tls::Tls::load(&files)?)))
+    }
 }
 
 /// A pool element's registration settings.
@@ -118,10 +144,14 @@ enum Command {
     Status(cmd::client::StatusArgs),
     /// Check a registrar's or a proxy's config file: every error, with its line.
     CheckConfig(cmd::check::CheckArgs),
+    /// Make a test CA and certificates (ECDSA P-256) for trying TLS between registrars, pool
+    /// elements, pool users and the proxy.
+    Cert(cmd::cert::CertArgs),
 }
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    rserpool_tls::install_provider();
     cmd::set_log_format(cli.log_format);
     if cli.print_config {
         return print_config(&cli.command);
@@ -139,6 +169,7 @@ fn main() -> Result<()> {
         Command::Distributor(a) => cmd::distributor::run(a),
         Command::SplitSplice(a) => cmd::split::run(a),
         Command::CheckConfig(a) => cmd::check::run(a),
+        Command::Cert(a) => cmd::cert::run(a),
     }
 }
 
@@ -157,6 +188,7 @@ fn print_config(command: &Command) -> Result<()> {
         Command::Distributor(a) => toml::to_string(a)?,
         Command::SplitSplice(a) => toml::to_string(a)?,
         Command::CheckConfig(a) => toml::to_string(a)?,
+        Command::Cert(a) => toml::to_string(a)?,
     };
     print!("{text}");
     Ok(())

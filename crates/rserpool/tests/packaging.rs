@@ -64,6 +64,7 @@ fn every_command_prints_its_config_as_toml() {
         ),
         ("status", &[]),
         ("check-config", &[file]),
+        ("cert", &["registrar"]),
     ];
     let listed = commands();
     assert!(listed.len() >= 12, "{listed:?}");

@@ -58,6 +58,9 @@ pub struct PoolElementConfig {
     /// After losing its home registrar, time to wait for a takeover before registering with
     /// another one (only when another one is known). A takeover is adopted at any time.
     pub takeover_wait: Duration,
+    /// TLS with the registrars (RFC 5355): this process's certificate and the CA; `None`:
+    /// plain TCP.
+    pub tls: Option<std::sync::Arc<rserpool_tls::Tls>>,
 }
 
 impl PoolElementConfig {
@@ -77,6 +80,7 @@ impl PoolElementConfig {
             initially_active: true,
             takeover_listen: Some(SocketAddr::from(([0, 0, 0, 0], 0))),
             takeover_wait: Duration::from_secs(5),
+            tls: None,
         }
     }
 

@@ -43,6 +43,9 @@ pub struct PoolUserConfig {
     /// registrar. A pool user that keeps its own copy of a pool (the proxy) sees new PEs,
     /// departures and policy information (credits) within a registrar hop.
     pub subscribe: bool,
+    /// TLS with the registrars (RFC 5355): this process's certificate and the CA; `None`:
+    /// plain TCP.
+    pub tls: Option<std::sync::Arc<rserpool_tls::Tls>>,
 }
 
 impl Default for PoolUserConfig {
@@ -55,6 +58,7 @@ impl Default for PoolUserConfig {
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(3),
             subscribe: false,
+            tls: None,
         }
     }
 }

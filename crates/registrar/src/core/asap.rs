@@ -316,6 +316,12 @@ impl Asap {
         let peer = c.peer;
         let pes_here = c.pes.len();
         let pe_id = pe.id;
+        if self.cfg.tls_cert.is_some() && !c.authenticated {
+            let cause = ErrorCause::new(CauseCode::REJECTED_SECURITY);
+            let why = "no client certificate (with TLS on, a PE needs one from the CA)";
+            self.reject_registration(id, pool_handle, pe_id, cause, &why, out, now);
+            return;
+        }
         let existing = self.hs.find(pool_handle.as_bytes(), pe_id);
         // Bound to this association already (a re-registration over it).
         let mut bound = false;

@@ -82,6 +82,8 @@ pub(super) struct Conn {
     closing: bool,
     /// An [`Action::Transmit`] is out and the buffer has not been emptied since.
     dirty: bool,
+    /// The peer presented a certificate from the CA (TLS).
+    pub(super) authenticated: bool,
 }
 
 /// The connection table and the outbox.
@@ -98,6 +100,7 @@ pub(super) struct Conns {
     refused: u64,
     slow_closed: u64,
     protocol_errors: u64,
+    tls_refused: u64,
     /// Error causes sent (in ERRORs and refusing responses), by code.
     errors_sent: BTreeMap<u16, u64>,
 }
@@ -115,6 +118,7 @@ impl Conns {
             refused: 0,
             slow_closed: 0,
             protocol_errors: 0,
+            tls_refused: 0,
             errors_sent: BTreeMap::new(),
         }
     }
@@ -142,6 +146,7 @@ impl Conns {
             eu_bucket: TokenBucket::full(self.cfg.max_eu_rate, now),
             closing: false,
             dirty: false,
+            authenticated: false,
         };
         let idx = match self.free.pop() {
             Some(i) => {
@@ -309,6 +314,16 @@ impl Conns {
         self.written(id, now);
     }
 
+    pub(super) fn tls_refused(&mut self, id: ConnId, why: &str, now: Instant) {
+        self.tls_refused += 1;
+        if self.peer_log.allow(now)
+            && let Some(peer) = self.peer(id)
+        {
+            let what = if self.is_enrp(id) { "ENRP" } else { "ASAP" };
+            warn!("{peer}: {what} TLS handshake refused: {why}");
+        }
+    }
+
     fn count_causes(&mut self, error: &OperationError) {
         for c in &error.causes {
             *self.errors_sent.entry(c.code.0).or_default() += 1;
@@ -395,6 +410,7 @@ impl Conns {
         c.connections_refused = self.refused;
         c.slow_connections_closed = self.slow_closed;
         c.protocol_errors = self.protocol_errors;
+        c.tls_refused = self.tls_refused;
         c.errors_sent = self
             .errors_sent
             .iter()

@@ -308,7 +308,7 @@ pub fn run_session(args: SessionArgs) -> Result<()> {
     cfg.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));
     cfg.response_timeout = Duration::from_millis(args.response_timeout_ms.max(1));
     cfg.failover_timeout = Duration::from_millis(args.failover_timeout_ms);
-    let pu_cfg = super::pu_config(&args.registrars);
+    let pu_cfg = super::pu_config(&args.registrars)?;
     super::runtime()?.block_on(async move {
         let start = Instant::now();
         let pu = PoolUser::new(pu_cfg)?;

@@ -39,7 +39,7 @@ struct Resolved {
 }
 
 pub fn resolve(args: ResolveArgs) -> Result<()> {
-    let mut cfg = super::pu_config(&args.registrars);
+    let mut cfg = super::pu_config(&args.registrars)?;
     cfg.items = args.items;
     let handle = PoolHandle::from(args.pool.as_str());
     let res = super::runtime()?.block_on(async move {
@@ -94,7 +94,7 @@ pub struct ConnectArgs {
 
 pub fn connect(args: ConnectArgs) -> Result<()> {
     super::init_logging();
-    let cfg = super::pu_config(&args.registrars);
+    let cfg = super::pu_config(&args.registrars)?;
     let handle = PoolHandle::from(args.pool.as_str());
     super::runtime()?.block_on(async move {
         let mut pu = PoolUser::new(cfg)?;

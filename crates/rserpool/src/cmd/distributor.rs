@@ -83,7 +83,7 @@ pub fn run(args: DistributorArgs) -> Result<()> {
     if args.misses == 0 || args.heartbeat_ms == 0 {
         bail!("--misses and --heartbeat-ms must be above 0");
     }
-    let cfg = super::pu_config(&args.registrars);
+    let cfg = super::pu_config(&args.registrars)?;
     super::runtime()?.block_on(async move {
         let mut pu = PoolUser::new(rserpool_asap::PoolUserConfig {
             subscribe: true,

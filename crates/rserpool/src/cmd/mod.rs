@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod calc;
+pub mod cert;
 pub mod check;
 pub mod client;
 pub mod distributor;
@@ -89,6 +90,7 @@ pub fn pe_config(opts: &PeOpts, transport: SocketAddr) -> Result<PoolElementConf
     cfg.registrars = opts.registrars.registrars.clone();
     cfg.announce_listen = opts.registrars.announce_listen;
     cfg.reregistration_interval = Duration::from_millis(opts.reregistration_interval_ms.max(100));
+    cfg.tls = opts.registrars.tls()?;
     Ok(cfg)
 }
 
@@ -133,10 +135,11 @@ pub fn credit_source(
     )))
 }
 
-pub fn pu_config(opts: &RegistrarOpts) -> PoolUserConfig {
-    PoolUserConfig {
+pub fn pu_config(opts: &RegistrarOpts) -> Result<PoolUserConfig> {
+    Ok(PoolUserConfig {
         registrars: opts.registrars.clone(),
         announce_listen: opts.announce_listen,
+        tls: opts.tls()?,
         ..PoolUserConfig::default()
-    }
+    })
 }

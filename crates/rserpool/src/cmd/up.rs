@@ -68,6 +68,9 @@ pub fn run(args: UpArgs) -> Result<()> {
             registrars: RegistrarOpts {
                 registrars: vec![asap],
                 announce_listen: None,
+                tls_cert: None,
+                tls_key: None,
+                tls_ca: None,
             },
         };
         let mut pes = Vec::new();

@@ -1,0 +1,286 @@
+//! TLS with mutual authentication (RFC 5355) between real processes on loopback: a cluster of
+//! two registrars over ENRP-over-TLS, a PE and a pool user with certificates from the CA made
+//! by `rserpool cert`; then everything that must be refused (a PE and a registrar with a
+//! foreign CA's certificate, a PE over TLS without a certificate, a plaintext client on the
+//! TLS port), each with a clear log line, while the good PE stays registered and resolvable.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{BIN, Logged, free_port, metric, scrape, wait_for};
+use rserpool_wire::{AsapMessage, CauseCode, Message, PoolHandle};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+/// `rserpool cert --dir DIR NAMES…`: a CA (made once) and a certificate per name.
+fn certs(dir: &Path, names: &[&str]) {
+    let out = Command::new(BIN)
+        .args(["cert", "--dir", dir.to_str().unwrap()])
+        .args(names)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The TLS flags of `name`'s identity in `dir`.
+fn tls(dir: &Path, name: &str) -> Vec<String> {
+    tls_trusting(dir, name, dir)
+}
+
+/// The TLS flags of `name`'s identity in `dir`, trusting the CA of `ca_dir`.
+fn tls_trusting(dir: &Path, name: &str, ca_dir: &Path) -> Vec<String> {
+    let f = |d: &Path, x: &str| d.join(x).to_str().unwrap().to_owned();
+    vec![
+        "--tls-cert".into(),
+        f(dir, &format!("{name}.pem")),
+        "--tls-key".into(),
+        f(dir, &format!("{name}.key")),
+        "--tls-ca".into(),
+        f(ca_dir, "ca.pem"),
+    ]
+}
+
+struct Reg {
+    asap: SocketAddr,
+    status: SocketAddr,
+    enrp: SocketAddr,
+    proc: Logged,
+}
+
+fn registrar(name: &str, dir: &Path, peers: &[SocketAddr]) -> Reg {
+    registrar_with(name, tls(dir, name), peers)
+}
+
+fn registrar_with(name: &str, tls_args: Vec<String>, peers: &[SocketAddr]) -> Reg {
+    let (asap, status, enrp) = (addr(), addr(), addr());
+    let mut args: Vec<String> = ["registrar", "--asap", &asap.to_string()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend([
+        "--status".into(),
+        status.to_string(),
+        "--enrp".into(),
+        enrp.to_string(),
+    ]);
+    args.extend(["--keep-alive-interval-ms".into(), "500".into()]);
+    for p in peers {
+        args.extend(["--peer".into(), p.to_string()]);
+    }
+    args.extend(tls_args);
+    Reg {
+        asap,
+        status,
+        enrp,
+        proc: Logged::spawn(name, &args, "info"),
+    }
+}
+
+fn example_pe(name: &str, reg: SocketAddr, id: u32, tls_args: Vec<String>) -> Logged {
+    let mut args: Vec<String> = [
+        "example",
+        "echo",
+        "--pool",
+        "Secure",
+        "--id",
+        &id.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(["--listen".into(), addr().to_string()]);
+    args.extend(["--registrar".into(), reg.to_string()]);
+    args.extend(tls_args);
+    Logged::spawn(name, &args, "info")
+}
+
+/// The PEs of pool Secure that `reg`'s status shows.
+async fn pes(status: SocketAddr) -> Vec<u32> {
+    common::registrar_status(status)
+        .await
+        .map(|s| {
+            s.pools
+                .iter()
+                .filter(|p| p.handle == "Secure")
+                .flat_map(|p| p.pes.iter().map(|pe| pe.id))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn resolve(reg: SocketAddr, tls_args: &[String]) -> std::process::Output {
+    Command::new(BIN)
+        .args(["resolve", "Secure", "--registrar", &reg.to_string()])
+        .args(tls_args)
+        .output()
+        .unwrap()
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rserpool-tls-{tag}-{}", free_port()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_admits_the_ca_s_own_and_refuses_everyone_else() {
+    let dir = tempdir("ca");
+    let foreign = tempdir("foreign");
+    certs(&dir, &["registrar1", "registrar2", "pe", "user"]);
+    certs(&foreign, &["registrar3", "pe"]);
+
+    // A cluster of two over ENRP with TLS; a PE registers at the first, the second has it.
+    let r1 = registrar("registrar1", &dir, &[]);
+    let r2 = registrar("registrar2", &dir, &[r1.enrp]);
+    let _pe = example_pe("pe", r1.asap, 0x51, tls(&dir, "pe"));
+    wait_for(
+        Duration::from_secs(15),
+        "the PE on both registrars",
+        || async { pes(r1.status).await == [0x51] && pes(r2.status).await == [0x51] },
+    )
+    .await;
+    let out = resolve(r2.asap, &tls(&dir, "user"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("0x00000051"));
+
+    // A PE with a foreign CA's certificate never registers (it trusts the registrar; the
+    // registrar does not trust it).
+    let _bad_pe = example_pe(
+        "foreign-pe",
+        r1.asap,
+        0x66,
+        tls_trusting(&foreign, "pe", &dir),
+    );
+    // Nor can a registrar with a foreign certificate join the cluster.
+    let r3 = registrar_with(
+        "registrar3",
+        tls_trusting(&foreign, "registrar3", &dir),
+        &[r1.enrp],
+    );
+    wait_for(
+        Duration::from_secs(10),
+        "both handshakes refused",
+        || async {
+            let refused = |what: &str| {
+                !r1.proc
+                    .lines_with(&format!(
+                        "{what} TLS handshake refused: certificate refused"
+                    ))
+                    .is_empty()
+            };
+            refused("ASAP") && refused("ENRP")
+        },
+    )
+    .await;
+
+    // A client over TLS without a certificate may resolve but not register: cause 0xa.
+    let client = {
+        let mut roots = rserpool_tls::rustls::RootCertStore::empty();
+        for c in rserpool_tls::load_certs(&dir.join("ca.pem")).unwrap() {
+            roots.add(c).unwrap();
+        }
+        rserpool_tls::rustls::ClientConfig::builder_with_provider(rserpool_tls::provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth()
+    };
+    let tcp = tokio::net::TcpStream::connect(r1.asap).await.unwrap();
+    let mut s = rserpool_tls::tokio_rustls::TlsConnector::from(Arc::new(client))
+        .connect(rserpool_tls::Tls::server_name(r1.asap.ip()), tcp)
+        .await
+        .unwrap();
+    let pe = rserpool_wire::PoolElement {
+        id: 0x77,
+        home_registrar: 0,
+        registration_life: 30,
+        user_transport: rserpool_wire::UserTransport::Address(
+            rserpool_wire::TransportAddress::tcp(addr()),
+        ),
+        policy: rserpool_wire::Policy::RoundRobin,
+        asap_transport: None,
+    };
+    let mut buf = Vec::new();
+    AsapMessage::Registration {
+        pool_handle: PoolHandle::from("Secure"),
+        pool_element: pe,
+    }
+    .encode(&mut buf)
+    .unwrap();
+    s.write_all(&buf).await.unwrap();
+    let mut framer = rserpool_wire::Framer::new(65536);
+    let answer = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Some(m) = framer.next_message().unwrap() {
+                return AsapMessage::decode(&m).unwrap();
+            }
+            assert!(s.read_buf(framer.buffer_mut()).await.unwrap() > 0, "closed");
+        }
+    })
+    .await
+    .unwrap();
+    let AsapMessage::RegistrationResponse { reject, error, .. } = answer else {
+        panic!("{answer:?}");
+    };
+    assert!(reject);
+    assert_eq!(error.unwrap().causes[0].code, CauseCode::REJECTED_SECURITY);
+
+    // A plaintext client on the TLS port is closed, with a log line that says so.
+    let mut plain = tokio::net::TcpStream::connect(r1.asap).await.unwrap();
+    plain.write_all(&buf).await.unwrap();
+    let mut sink = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), plain.read_to_end(&mut sink)).await;
+    assert!(closed.is_ok(), "the plaintext client was not closed");
+    wait_for(Duration::from_secs(5), "the plaintext log line", || async {
+        !r1.proc
+            .lines_with("a plaintext client on a TLS port?")
+            .is_empty()
+    })
+    .await;
+
+    // Nobody else was disturbed: the good PE is still the only one, on both registrars; the
+    // foreign registrar has none of it; the refusals are counted.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(pes(r1.status).await, [0x51]);
+    assert_eq!(pes(r2.status).await, [0x51]);
+    assert!(pes(r3.status).await.is_empty());
+    let st = common::registrar_status(r1.status).await.unwrap();
+    assert!(
+        st.peers
+            .iter()
+            .all(|p| p.address != r3.enrp.to_string() || p.state != "alive")
+    );
+    let m = scrape(r1.status).await;
+    assert!(metric(&m, "rserpool_registrar_tls_refused_total", &[]) >= 3.0);
+    assert!(
+        metric(
+            &m,
+            "rserpool_registrar_errors_sent_total",
+            &[("cause", "0xa")]
+        ) >= 1.0
+    );
+    let out = resolve(r1.asap, &tls(&dir, "user"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(foreign);
+}

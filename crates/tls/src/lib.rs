@@ -1,0 +1,227 @@
+//! TLS with mutual authentication for ASAP and ENRP (RFC 5355 §3), on rustls.
+//!
+//! Why it exists: RFC 5355 asks that registrars and pool elements authenticate each other
+//! with certificates, so that nobody on the path can register a PE, forge a handle update or
+//! take over a pool. Every rserpool process that speaks ASAP or ENRP loads the same three
+//! files ([`TlsFiles`]: its certificate chain, its key and the CA that signs its peers) into
+//! one [`Tls`], which gives the rustls configurations for both sides of a connection:
+//! - a registrar's ENRP port and a PE's takeover port *require* a client certificate from the
+//!   CA ([`Tls::server`] with `require_client = true`);
+//! - a registrar's ASAP port asks for one but lets a pool user without one in; the registrar
+//!   then refuses that connection's registrations (cause 0xa, Rejected due to security
+//!   considerations), so a PE without a valid certificate cannot register;
+//! - every client presents its certificate and checks the server's against the CA, by the IP
+//!   address it connected to (certificates carry their IP addresses as SANs; `rserpool cert`
+//!   makes them so).
+//!
+//! One crypto provider, *ring*, is named explicitly for every configuration ([`provider`]);
+//! rustls refuses to pick one by itself when two are compiled in.
+
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use rustls;
+#[cfg(feature = "tokio")]
+pub use tokio_rustls;
+
+#[cfg(feature = "issue")]
+pub mod issue;
+
+/// The files of a TLS identity, as a config file or the command line names them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct TlsFiles {
+    /// This process's certificate (PEM; its chain may follow it).
+    pub cert: PathBuf,
+    /// Its private key (PEM: PKCS#8, SEC1 or PKCS#1).
+    pub key: PathBuf,
+    /// The CA certificate(s) its peers' certificates must chain to (PEM).
+    pub ca: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {0}: {1}")]
+    Read(PathBuf, String),
+    #[error("{0}: no certificate in it")]
+    NoCertificate(PathBuf),
+    #[error("{0}: {1}")]
+    Config(String, String),
+}
+
+/// The crypto provider of every configuration made here.
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Installs [`provider`] as the process default, for any rustls user that does not name one.
+/// Call once at start; later calls change nothing.
+pub fn install_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// One process's TLS identity and trust, ready to make connections with.
+#[derive(Clone)]
+pub struct Tls {
+    server_required: Arc<ServerConfig>,
+    server_optional: Arc<ServerConfig>,
+    client: Arc<ClientConfig>,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tls { .. }")
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|e| TlsError::Read(path.to_owned(), e.to_string()))
+}
+
+/// The certificates of a PEM file.
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = read(path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Read(path.to_owned(), e.to_string()))?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate(path.to_owned()));
+    }
+    Ok(certs)
+}
+
+/// The private key of a PEM file.
+pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let pem = read(path)?;
+    PrivateKeyDer::from_pem_slice(&pem).map_err(|e| TlsError::Read(path.to_owned(), e.to_string()))
+}
+
+impl Tls {
+    /// Loads the files and checks that they make a usable identity.
+    pub fn load(files: &TlsFiles) -> Result<Self, TlsError> {
+        let certs = load_certs(&files.cert)?;
+        let key = load_key(&files.key)?;
+        let mut roots = RootCertStore::empty();
+        for ca in load_certs(&files.ca)? {
+            roots.add(ca).map_err(|e| {
+                TlsError::Config(files.ca.display().to_string(), format!("not a CA: {e}"))
+            })?;
+        }
+        let roots = Arc::new(roots);
+        let bad = |what: &str, e: &dyn std::fmt::Display| {
+            TlsError::Config(files.cert.display().to_string(), format!("{what}: {e}"))
+        };
+        let server = |verifier| {
+            ServerConfig::builder_with_provider(provider())
+                .with_safe_default_protocol_versions()
+                .map_err(|e| bad("protocol versions", &e))?
+                .with_client_cert_verifier(verifier)
+                .with_single_cert(certs.clone(), key.clone_key())
+                .map(Arc::new)
+                .map_err(|e| bad("certificate and key", &e))
+        };
+        let verifier = |optional: bool| {
+            let b = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider());
+            let b = if optional {
+                b.allow_unauthenticated()
+            } else {
+                b
+            };
+            b.build().map_err(|e| bad("client verifier", &e))
+        };
+        let client = ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad("protocol versions", &e))?
+            .with_root_certificates(roots.clone())
+            .with_client_auth_cert(certs.clone(), key.clone_key())
+            .map_err(|e| bad("certificate and key", &e))?;
+        Ok(Self {
+            server_required: server(verifier(false)?)?,
+            server_optional: server(verifier(true)?)?,
+            client: Arc::new(client),
+        })
+    }
+
+    /// The configuration of the accepting side; `require_client`: a peer without a
+    /// certificate from the CA fails the handshake (else it may come in unauthenticated).
+    pub fn server(&self, require_client: bool) -> Arc<ServerConfig> {
+        if require_client {
+            self.server_required.clone()
+        } else {
+            self.server_optional.clone()
+        }
+    }
+
+    /// The configuration of the connecting side: it presents this identity and checks the
+    /// server's certificate for the address connected to.
+    pub fn client(&self) -> Arc<ClientConfig> {
+        self.client.clone()
+    }
+
+    /// The name a server at `ip` is checked for: its IP address.
+    pub fn server_name(ip: IpAddr) -> ServerName<'static> {
+        ServerName::IpAddress(ip.into())
+    }
+
+    /// A rustls server connection for an accepted socket.
+    pub fn accept(&self, require_client: bool) -> Result<rustls::ServerConnection, rustls::Error> {
+        rustls::ServerConnection::new(self.server(require_client))
+    }
+
+    /// A rustls client connection towards `ip`.
+    pub fn connect(&self, ip: IpAddr) -> Result<rustls::ClientConnection, rustls::Error> {
+        rustls::ClientConnection::new(self.client(), Self::server_name(ip))
+    }
+}
+
+/// A short, stable description of why a handshake failed, for a log line.
+pub fn describe(e: &rustls::Error) -> String {
+    match e {
+        rustls::Error::InvalidMessage(_) | rustls::Error::InappropriateHandshakeMessage { .. } => {
+            format!("not TLS, or broken TLS ({e}); a plaintext client on a TLS port?")
+        }
+        rustls::Error::NoCertificatesPresented => {
+            "no client certificate presented (one from the configured CA is required)".into()
+        }
+        rustls::Error::InvalidCertificate(c) => format!("certificate refused: {c:?}"),
+        rustls::Error::AlertReceived(a) => {
+            format!("the peer refused the handshake (alert {a:?}): does it trust our CA?")
+        }
+        other => other.to_string(),
+    }
+}
+
+#[cfg(feature = "tokio")]
+mod stream {
+    use super::Tls;
+    use std::net::IpAddr;
+    use tokio::net::TcpStream;
+
+    impl Tls {
+        /// The TLS handshake as a client over `stream`, towards `ip`.
+        pub async fn connect_stream(
+            &self,
+            ip: IpAddr,
+            stream: TcpStream,
+        ) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+            tokio_rustls::TlsConnector::from(self.client())
+                .connect(Self::server_name(ip), stream)
+                .await
+        }
+
+        /// The TLS handshake as a server over an accepted `stream`.
+        pub async fn accept_stream(
+            &self,
+            require_client: bool,
+            stream: TcpStream,
+        ) -> std::io::Result<tokio_rustls::server::TlsStream<TcpStream>> {
+            tokio_rustls::TlsAcceptor::from(self.server(require_client))
+                .accept(stream)
+                .await
+        }
+    }
+}
