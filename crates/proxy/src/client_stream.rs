@@ -6,6 +6,9 @@
 //! saves the two `epoll_ctl` calls (add, delete) that registering costs per connection, as
 //! HAProxy's speculative I/O does. The first read or write that would block registers the
 //! socket; from then on it is an ordinary tokio stream.
+//!
+//! An HTTPS client's connection is a TLS stream from the start (its handshake needed the
+//! reactor anyway); it has no plain socket to splice or hand over.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream as StdStream};
@@ -35,9 +38,13 @@ enum Socket {
     /// Non-blocking, not known to the reactor.
     Unregistered(StdStream),
     Registered(TcpStream),
+    /// HTTPS, terminated here.
+    Tls(Box<TlsStream>),
     /// Registration failed; every further operation fails.
     Lost,
 }
+
+type TlsStream = rserpool_tls::tokio_rustls::server::TlsStream<TcpStream>;
 
 fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock
@@ -55,6 +62,19 @@ impl ClientStream {
             write_shut: false,
             linger: false,
         }
+    }
+
+    /// An HTTPS client, its handshake done.
+    pub(crate) fn tls(s: TlsStream) -> Self {
+        Self {
+            socket: Socket::Tls(Box::new(s)),
+            write_shut: false,
+            linger: false,
+        }
+    }
+
+    pub(crate) fn is_tls(&self) -> bool {
+        matches!(self.socket, Socket::Tls(_))
     }
 
     /// The tokio stream, registering the socket now if need be.
@@ -84,6 +104,12 @@ impl ClientStream {
     /// the bytes back until the shutdown, which sends them with the FIN in one segment: one
     /// packet less per connection (as many as `Connection: close` requests).
     pub(crate) async fn write_last(&mut self, mut data: &[u8]) -> io::Result<()> {
+        if let Socket::Tls(t) = &mut self.socket {
+            use tokio::io::AsyncWriteExt;
+            t.write_all(data).await?;
+            self.write_shut = true;
+            return t.shutdown().await;
+        }
         while !data.is_empty() {
             match self.try_send_more(data) {
                 Ok(n) => data = &data[n..],
@@ -104,7 +130,7 @@ impl ClientStream {
             Socket::Registered(t) => t.try_io(tokio::io::Interest::WRITABLE, || {
                 send(socket2::SockRef::from(t))
             }),
-            Socket::Lost => Err(lost()),
+            Socket::Tls(_) | Socket::Lost => Err(lost()),
         }
     }
 
@@ -112,7 +138,8 @@ impl ClientStream {
         let r = match &self.socket {
             Socket::Unregistered(s) => s.shutdown(Shutdown::Write),
             Socket::Registered(t) => socket2::SockRef::from(t).shutdown(Shutdown::Write),
-            Socket::Lost => Ok(()),
+            // TLS ends with its close_notify, in `poll_shutdown` and `close`.
+            Socket::Tls(_) | Socket::Lost => Ok(()),
         };
         self.write_shut = true;
         r
@@ -129,6 +156,13 @@ impl ClientStream {
     /// more, that is read and dropped until the client closes, for at most [`LINGER`]. The
     /// usual case costs one `recv` that finds nothing.
     pub(crate) async fn close(mut self) {
+        if let Socket::Tls(t) = &mut self.socket {
+            use tokio::io::AsyncWriteExt;
+            if !self.write_shut {
+                let _ = tokio::time::timeout(LINGER, t.shutdown()).await;
+            }
+            return;
+        }
         if !self.write_shut && self.shutdown_write().is_err() {
             return;
         }
@@ -141,7 +175,7 @@ impl ClientStream {
                     .map(|(n, _)| n)
                     .map_err(io::Error::from)
             }
-            Socket::Lost => return,
+            Socket::Tls(_) | Socket::Lost => return,
         };
         match pending {
             Ok(n) if n > 0 => {}
@@ -165,6 +199,9 @@ impl AsyncRead for ClientStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if let Socket::Tls(t) = &mut this.socket {
+            return Pin::new(t.as_mut()).poll_read(cx, buf);
+        }
         if let Socket::Unregistered(s) = &mut this.socket {
             let want = buf.remaining().min(SPECULATIVE_READ);
             match s.read(buf.initialize_unfilled_to(want)) {
@@ -190,6 +227,9 @@ impl AsyncWrite for ClientStream {
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if let Socket::Tls(t) = &mut this.socket {
+            return Pin::new(t.as_mut()).poll_write(cx, data);
+        }
         if let Socket::Unregistered(s) = &mut this.socket {
             match s.write(data) {
                 Ok(n) => return Poll::Ready(Ok(n)),
@@ -206,11 +246,17 @@ impl AsyncWrite for ClientStream {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match &mut self.get_mut().socket {
             Socket::Registered(t) => Pin::new(t).poll_flush(cx),
+            Socket::Tls(t) => Pin::new(t.as_mut()).poll_flush(cx),
             _ => Poll::Ready(Ok(())),
         }
     }
 
-    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(self.get_mut().shutdown_write())
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Socket::Tls(t) = &mut this.socket {
+            this.write_shut = true;
+            return Pin::new(t.as_mut()).poll_shutdown(cx);
+        }
+        Poll::Ready(this.shutdown_write())
     }
 }

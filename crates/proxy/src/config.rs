@@ -79,6 +79,10 @@ pub struct ListenerConfig {
     /// `"user"` (the default) relays in this process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub splice: Option<SpliceMode>,
+    /// HTTPS: the certificates this HTTP listener offers (`[[listener.certificate]]`: `cert`,
+    /// `key`, `names`), picked by the name the client asks for (SNI); none: plain HTTP.
+    #[serde(default, rename = "certificate", skip_serializing_if = "Vec::is_empty")]
+    pub certificates: Vec<rserpool_tls::Certificate>,
 }
 
 impl ListenerConfig {
@@ -262,6 +266,10 @@ pub struct ProxyConfig {
     /// replicated to the other members.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tier: Option<crate::tier::TierConfig>,
+    /// TLS with the registrars (RFC 5355; `[registrar-tls]`: `cert`, `key`, `ca`), when they
+    /// run with TLS.
+    #[serde(rename = "registrar-tls", skip_serializing_if = "Option::is_none")]
+    pub registrar_tls: Option<rserpool_tls::TlsFiles>,
 }
 
 impl Default for ProxyConfig {
@@ -289,6 +297,7 @@ impl Default for ProxyConfig {
             levels: None,
             kernel_splice: KernelSpliceConfig::default(),
             tier: None,
+            registrar_tls: None,
         }
     }
 }
@@ -331,6 +340,21 @@ impl ProxyConfig {
                     return bad(format!("HTTP listener {} needs a pool or routes", l.listen));
                 }
                 _ => {}
+            }
+            if !l.certificates.is_empty() {
+                if l.mode != Mode::Http {
+                    return bad(format!(
+                        "listener {}: certificates (HTTPS) need mode = \"http\"",
+                        l.listen
+                    ));
+                }
+                if l.kernel_splice() {
+                    return bad(format!(
+                        "listener {}: HTTPS cannot use the kernel splice (it carries TCP, not \
+                         TLS)",
+                        l.listen
+                    ));
+                }
             }
             if l.kernel_splice() {
                 if self.kernel_splice.interfaces.is_empty() {

@@ -22,6 +22,8 @@ pub(crate) struct Ctx {
     pub(crate) draining: watch::Receiver<bool>,
     /// The kernel splice, for a listener with `splice = "kernel"` when it could be loaded.
     pub(crate) kernel: Option<Arc<crate::kernel::KernelSplice>>,
+    /// HTTPS: the listener's TLS (its certificates by SNI).
+    pub(crate) tls: Option<Arc<rserpool_tls::rustls::ServerConfig>>,
 }
 
 impl Ctx {

@@ -39,6 +39,7 @@ async fn refresh_task(
         connect_timeout: s.connect_timeout.max(Duration::from_millis(500)),
         request_timeout: s.refresh.max(Duration::from_secs(1)),
         subscribe: true,
+        tls: s.registrar_tls.clone(),
         ..Default::default()
     }) {
         Ok(pu) => pu,

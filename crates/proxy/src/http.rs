@@ -52,8 +52,34 @@ enum Next {
 
 /// Serves one client connection until it closes, errs, times out or the proxy drains.
 pub(crate) async fn serve(stream: std::net::TcpStream, peer: SocketAddr, ctx: Ctx) {
+    serve_stream(ClientStream::new(stream), peer, ctx).await;
+}
+
+/// Time for an HTTPS client's TLS handshake.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves an HTTPS client: the TLS handshake (the certificate by SNI), then as [`serve`].
+pub(crate) async fn serve_tls(
+    stream: std::net::TcpStream,
+    peer: SocketAddr,
+    ctx: Ctx,
+    tls: Arc<rserpool_tls::rustls::ServerConfig>,
+) {
+    let Ok(s) = tokio::net::TcpStream::from_std(stream) else {
+        return;
+    };
+    let accept = rserpool_tls::tokio_rustls::TlsAcceptor::from(tls).accept(s);
+    let limit = HANDSHAKE_TIMEOUT.min(ctx.request_timeout());
+    match tokio::time::timeout(limit, accept).await {
+        Ok(Ok(t)) => serve_stream(ClientStream::tls(t), peer, ctx).await,
+        Ok(Err(e)) => debug!("client {peer}: TLS handshake failed: {e}"),
+        Err(_) => debug!("client {peer}: no TLS handshake within {limit:?}"),
+    }
+}
+
+async fn serve_stream(stream: ClientStream, peer: SocketAddr, ctx: Ctx) {
     let mut c = Client {
-        stream: ClientStream::new(stream),
+        stream,
         buf: BytesMut::with_capacity(16 * 1024),
         peer,
     };
@@ -822,11 +848,15 @@ async fn tunnel(c: &mut Client, mut bc: BackendConn, b: &Arc<Backend>, ctx: &Ctx
         return;
     }
     c.buf.clear();
-    let Ok(cs) = c.stream.registered() else {
-        return;
+    let moved = if c.stream.is_tls() {
+        crate::splice::forward_streams(&mut c.stream, &mut bc.stream, ctx.idle_timeout()).await
+    } else {
+        let Ok(cs) = c.stream.registered() else {
+            return;
+        };
+        crate::splice::forward(cs, &bc.stream, ctx.idle_timeout(), ctx.cfg.splice).await
     };
-    if let Ok(m) = crate::splice::forward(cs, &bc.stream, ctx.idle_timeout(), ctx.cfg.splice).await
-    {
+    if let Ok(m) = moved {
         b.stats.bytes_in.fetch_add(m.a_to_b, Ordering::Relaxed);
         b.stats.bytes_out.fetch_add(m.b_to_a, Ordering::Relaxed);
     }

@@ -100,13 +100,26 @@ pub enum StartError {
     Log(String, std::io::Error),
     #[error("{0}")]
     Config(#[from] config::ConfigError),
+    #[error("listener {0}: {1}")]
+    Tls(SocketAddr, rserpool_tls::TlsError),
 }
 
 impl Proxy {
     /// Binds every listener (and the status listener) and starts serving.
     pub async fn start(cfg: ProxyConfig) -> Result<Proxy, StartError> {
         cfg.validate()?;
+        let registrar_tls = cfg
+            .registrar_tls
+            .as_ref()
+            .map(|f| rserpool_tls::Tls::load(f).map(Arc::new))
+            .transpose()
+            .map_err(|e| {
+                StartError::Config(config::ConfigError::Invalid(format!(
+                    "[registrar-tls]: {e}"
+                )))
+            })?;
         let pools = discovery::start(PoolSettings {
+            registrar_tls,
             registrars: cfg.registrars.clone(),
             refresh: Duration::from_millis(cfg.refresh_ms),
             connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
@@ -188,16 +201,22 @@ impl Proxy {
         Ok(())
     }
 
-    fn ctx(&self, l: &ListenerConfig) -> Ctx {
+    /// What the connections of `l` are served with; its certificates are (re)read here.
+    fn ctx(&self, l: &ListenerConfig) -> Result<Ctx, StartError> {
         let i = &self.inner;
-        Ctx {
+        let tls = (!l.certificates.is_empty())
+            .then(|| rserpool_tls::https_server(&l.certificates))
+            .transpose()
+            .map_err(|e| StartError::Tls(l.listen, e))?;
+        Ok(Ctx {
             cfg: i.cfg.read().unwrap_or_else(|p| p.into_inner()).clone(),
             pools: i.pools.clone(),
             routes: Arc::new(Routes::new(l, &i.pools)),
             log: i.log.read().unwrap_or_else(|p| p.into_inner()).clone(),
             draining: i.draining.subscribe(),
             kernel: l.kernel_splice().then(|| self.kernel()).flatten(),
-        }
+            tls,
+        })
     }
 
     fn kernel(&self) -> Option<Arc<kernel::KernelSplice>> {
@@ -232,9 +251,17 @@ impl Proxy {
             .get_ref()
             .local_addr()
             .map_err(|e| StartError::Bind(l.listen, e))?;
-        let ctx = Arc::new(RwLock::new(self.ctx(&l)));
+        let ctx = Arc::new(RwLock::new(self.ctx(&l)?));
         let (stop, stopped) = watch::channel(false);
-        info!("proxy: {:?} listener on {local}", l.mode);
+        info!(
+            "proxy: {:?}{} listener on {local}",
+            l.mode,
+            if l.certificates.is_empty() {
+                ""
+            } else {
+                " (TLS)"
+            }
+        );
         tokio::spawn(accept_loop(
             sock,
             l.mode,
@@ -351,7 +378,7 @@ impl Proxy {
                 .map(|x| (x.mode, x.ctx.clone()));
             match existing {
                 Some((mode, ctx)) if mode == l.mode => {
-                    *ctx.write().unwrap_or_else(|p| p.into_inner()) = self.ctx(l);
+                    *ctx.write().unwrap_or_else(|p| p.into_inner()) = self.ctx(l)?;
                     let socket = self.listeners().get_mut(&l.listen).and_then(|x| {
                         x.config = l.clone();
                         x.socket.as_ref().and_then(|s| s.try_clone().ok())
@@ -501,7 +528,10 @@ async fn accept_loop(
                     Ok(s) => tcp::serve(s, peer, ctx).await,
                     Err(e) => warn!("proxy: cannot register a connection: {e}"),
                 },
-                Mode::Http => http::serve(stream, peer, ctx).await,
+                Mode::Http => match ctx.tls.clone() {
+                    Some(tls) => http::serve_tls(stream, peer, ctx, tls).await,
+                    None => http::serve(stream, peer, ctx).await,
+                },
             }
             drop(permit);
         });

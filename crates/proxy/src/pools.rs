@@ -30,6 +30,8 @@ pub struct PoolSettings {
     pub max_idle_per_pe: usize,
     /// Idle connections older than this are not reused.
     pub idle_timeout: Duration,
+    /// TLS with the registrars (`[registrar-tls]`).
+    pub registrar_tls: Option<Arc<rserpool_tls::Tls>>,
 }
 
 /// Why no PE was picked.

@@ -40,7 +40,53 @@ pub async fn forward(
     let last = AtomicU64::new(0);
     let ab = pump(a, b, zero_copy, start, &last);
     let ba = pump(b, a, zero_copy, start, &last);
-    let both = async { tokio::try_join!(ab, ba) };
+    until_idle(async { tokio::try_join!(ab, ba) }, start, &last, idle).await
+}
+
+/// [`forward`] for streams that are not plain sockets (a TLS client's), through buffers.
+pub async fn forward_streams<A, B>(a: A, b: B, idle: Duration) -> io::Result<Moved>
+where
+    A: tokio::io::AsyncRead + tokio::io::AsyncWrite,
+    B: tokio::io::AsyncRead + tokio::io::AsyncWrite,
+{
+    let start = Instant::now();
+    let last = AtomicU64::new(0);
+    let (ar, aw) = tokio::io::split(a);
+    let (br, bw) = tokio::io::split(b);
+    let ab = pump_stream(ar, bw, start, &last);
+    let ba = pump_stream(br, aw, start, &last);
+    until_idle(async { tokio::try_join!(ab, ba) }, start, &last, idle).await
+}
+
+/// One direction of [`forward_streams`]; returns the bytes moved.
+async fn pump_stream(
+    mut src: impl tokio::io::AsyncRead + Unpin,
+    mut dst: impl tokio::io::AsyncWrite + Unpin,
+    start: Instant,
+    last: &AtomicU64,
+) -> io::Result<u64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; CHUNK];
+    let mut total = 0u64;
+    loop {
+        let n = src.read(&mut buf).await?;
+        if n == 0 {
+            let _ = dst.shutdown().await;
+            return Ok(total);
+        }
+        last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        dst.write_all(&buf[..n]).await?;
+        total += n as u64;
+    }
+}
+
+/// Runs both directions until they end, or until nothing moved for `idle`.
+async fn until_idle(
+    both: impl std::future::Future<Output = io::Result<(u64, u64)>>,
+    start: Instant,
+    last: &AtomicU64,
+    idle: Duration,
+) -> io::Result<Moved> {
     let watchdog = async {
         loop {
             let quiet = start

@@ -37,6 +37,7 @@ async fn proxy(reg: SocketAddr) -> Proxy {
             pool: Some(POOL.into()),
             routes: Vec::new(),
             splice: None,
+            certificates: Vec::new(),
         }],
         ..ProxyConfig::default()
     })

@@ -74,6 +74,7 @@ fn proxy_config(reg: SocketAddr, listeners: Vec<(Mode, &str)>) -> ProxyConfig {
                 pool: Some(pool.into()),
                 routes: Vec::new(),
                 splice: None,
+                certificates: Vec::new(),
             })
             .collect(),
         ..ProxyConfig::default()

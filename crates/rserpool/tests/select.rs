@@ -30,6 +30,7 @@ async fn proxy(reg: SocketAddr, select: Select) -> Proxy {
             pool: Some(POOL.into()),
             routes: Vec::new(),
             splice: None,
+            certificates: Vec::new(),
         }],
         pool_settings: BTreeMap::from([(
             POOL.to_string(),

@@ -284,3 +284,128 @@ async fn mutual_tls_admits_the_ca_s_own_and_refuses_everyone_else() {
     let _ = std::fs::remove_dir_all(dir);
     let _ = std::fs::remove_dir_all(foreign);
 }
+
+/// An HTTPS request to `front` asking for `name` (SNI), trusting the CA of `dir`: the answer.
+async fn https_get(front: SocketAddr, name: &str, dir: &Path) -> std::io::Result<String> {
+    let mut roots = rserpool_tls::rustls::RootCertStore::empty();
+    for c in rserpool_tls::load_certs(&dir.join("ca.pem")).unwrap() {
+        roots.add(c).unwrap();
+    }
+    let cfg = rserpool_tls::rustls::ClientConfig::builder_with_provider(rserpool_tls::provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(front).await?;
+    let server = rserpool_tls::rustls::pki_types::ServerName::try_from(name.to_owned()).unwrap();
+    let mut s = rserpool_tls::tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(server, tcp)
+        .await?;
+    let req = format!("GET /hello HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await?;
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_terminates_https_by_sni_and_speaks_tls_to_the_registrar() {
+    let dir = tempdir("https");
+    certs(&dir, &["registrar1", "pe", "proxy", "a.test", "b.test"]);
+    let r1 = registrar("registrar1", &dir, &[]);
+    let mut pe_args: Vec<String> = ["example", "http", "--pool", "Web", "--id", "9"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    pe_args.extend(["--listen".into(), addr().to_string()]);
+    pe_args.extend(["--registrar".into(), r1.asap.to_string()]);
+    pe_args.extend(tls(&dir, "pe"));
+    let _pe = Logged::spawn("pe", &pe_args, "warn");
+    let (front, status) = (addr(), addr());
+    let d = dir.display();
+    let conf = format!(
+        r#"registrars = ["{reg}"]
+refresh-ms = 200
+status = "{status}"
+
+[registrar-tls]
+cert = "{d}/proxy.pem"
+key = "{d}/proxy.key"
+ca = "{d}/ca.pem"
+
+[[listener]]
+listen = "{front}"
+mode = "http"
+pool = "Web"
+
+[[listener.certificate]]
+cert = "{d}/a.test.pem"
+key = "{d}/a.test.key"
+names = ["a.test"]
+
+[[listener.certificate]]
+cert = "{d}/b.test.pem"
+key = "{d}/b.test.key"
+names = ["b.test"]
+"#,
+        reg = r1.asap
+    );
+    let conf_path = dir.join("proxy.toml");
+    std::fs::write(&conf_path, conf).unwrap();
+    let check = Command::new(BIN)
+        .args(["check-config", conf_path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+    let proxy = Logged::spawn(
+        "proxy",
+        &[
+            "proxy".into(),
+            "--config".into(),
+            conf_path.to_str().unwrap().into(),
+        ],
+        "info",
+    );
+    wait_for(Duration::from_secs(15), "the proxy has the PE", || async {
+        https_get(front, "a.test", &dir)
+            .await
+            .is_ok_and(|r| r.starts_with("HTTP/1.1 200"))
+    })
+    .await;
+    // Each name gets its own certificate: the handshake checks the name against it.
+    for name in ["a.test", "b.test"] {
+        let r = https_get(front, name, &dir).await.unwrap();
+        assert!(r.starts_with("HTTP/1.1 200"), "{name}: {r}");
+    }
+    // A name without a certificate of its own gets the first one, which is not valid for it.
+    assert!(https_get(front, "c.test", &dir).await.is_err());
+    // Plain HTTP on the HTTPS port is closed; the proxy serves on.
+    let mut plain = tokio::net::TcpStream::connect(front).await.unwrap();
+    plain
+        .write_all(b"GET /hello HTTP/1.1\r\nHost: a.test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut sink = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(5), plain.read_to_end(&mut sink)).await;
+    assert!(r.is_ok(), "not closed");
+    assert!(!String::from_utf8_lossy(&sink).contains("200 OK"));
+    assert!(
+        https_get(front, "b.test", &dir)
+            .await
+            .unwrap()
+            .starts_with("HTTP/1.1 200")
+    );
+    let m = scrape(status).await;
+    assert!(metric(&m, "rserpool_proxy_requests_total", &[("pool", "Web")]) >= 3.0);
+    assert!(
+        proxy
+            .lines_with("listener on")
+            .iter()
+            .any(|l| l.contains("(TLS)"))
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -243,11 +243,27 @@ mod tests {
 
     #[test]
     fn head_has_no_body_but_the_length() {
-        let req = complete(b"HEAD / HTTP/1.0\r\n\r\n");
-        let out = respond(&req, &["/"], |_| Reply::text(200, "hello"));
+        let req = complete(b"HEAD /status HTTP/1.0\r\n\r\n");
+        let out = respond(&req, &["/status"], |_| Reply::text(200, "hello"));
         let text = String::from_utf8_lossy(&out);
         assert!(text.contains("Content-Length: 6\r\n"), "{text}");
         assert!(text.ends_with("\r\n\r\n"), "{text}");
+    }
+
+    #[test]
+    fn the_dashboard_is_answered_here_and_the_event_stream_is_recognised() {
+        let req = complete(b"GET / HTTP/1.1\r\n\r\n");
+        let out = respond(&req, &["/status", "/"], |_| unreachable!());
+        let text = String::from_utf8_lossy(&out);
+        assert!(text.contains("Content-Type: text/html"), "{text}");
+        assert!(text.contains("EventSource"), "{text}");
+        let ev = complete(b"GET /events HTTP/1.1\r\n\r\n");
+        assert!(is_event_stream(&ev, &["/events"]));
+        assert!(!is_event_stream(&ev, &["/status"]));
+        assert_eq!(
+            event(b"{\n\"a\": 1\n}"),
+            b"data: {\ndata: \"a\": 1\ndata: }\n\n"
+        );
     }
 
     #[test]

@@ -225,3 +225,78 @@ mod stream {
         }
     }
 }
+
+/// One certificate a TLS listener offers, and the names (SNI) it is offered for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Certificate {
+    /// The certificate chain (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// The server names it is for (`www.example.org`, `*.example.org`); a client asking for
+    /// none of the names configured gets the first certificate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub names: Vec<String>,
+}
+
+/// Picks a listener's certificate by the name the client asks for (SNI): an exact name, then
+/// a wildcard one level up, then the first certificate.
+#[derive(Debug)]
+struct BySni {
+    by_name: std::collections::HashMap<String, Arc<rustls::sign::CertifiedKey>>,
+    default: Arc<rustls::sign::CertifiedKey>,
+}
+
+impl rustls::server::ResolvesServerCert for BySni {
+    fn resolve(
+        &self,
+        hello: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        let Some(name) = hello.server_name() else {
+            return Some(self.default.clone());
+        };
+        let name = name.to_ascii_lowercase();
+        let wildcard = name.split_once('.').map(|(_, up)| format!("*.{up}"));
+        self.by_name
+            .get(&name)
+            .or_else(|| wildcard.and_then(|w| self.by_name.get(&w)))
+            .or(Some(&self.default))
+            .cloned()
+    }
+}
+
+/// The configuration of a TLS listener terminating HTTPS: its certificates by SNI, HTTP/1.1
+/// by ALPN, no client certificates.
+pub fn https_server(certs: &[Certificate]) -> Result<Arc<ServerConfig>, TlsError> {
+    let provider = provider();
+    let mut by_name = std::collections::HashMap::new();
+    let mut default = None;
+    for c in certs {
+        let chain = load_certs(&c.cert)?;
+        let key = provider
+            .key_provider
+            .load_private_key(load_key(&c.key)?)
+            .map_err(|e| TlsError::Config(c.key.display().to_string(), e.to_string()))?;
+        let ck = Arc::new(rustls::sign::CertifiedKey::new(chain, key));
+        ck.keys_match()
+            .map_err(|e| TlsError::Config(c.cert.display().to_string(), e.to_string()))?;
+        for n in &c.names {
+            by_name.insert(n.to_ascii_lowercase(), ck.clone());
+        }
+        default.get_or_insert(ck);
+    }
+    let Some(default) = default else {
+        return Err(TlsError::Config(
+            "listener".into(),
+            "TLS needs at least one certificate".into(),
+        ));
+    };
+    let mut cfg = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config("listener".into(), e.to_string()))?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(BySni { by_name, default }));
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}

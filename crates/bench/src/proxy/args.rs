@@ -36,6 +36,10 @@ pub enum Part {
     Transfer,
     /// A backend killed with SIGKILL under load.
     Failover,
+    /// HTTPS terminated by the proxy (ECDSA P-256), keep-alive (wrk): requests/s.
+    HttpsKeepalive,
+    /// HTTPS, a new connection (and TLS handshake) per request: connections/s.
+    HttpsConnect,
 }
 
 #[derive(Args, Debug)]
@@ -84,7 +88,7 @@ pub struct ProxyBenchArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "keepalive,connect,bulk,transfer,failover"
+        default_value = "keepalive,connect,https-keepalive,https-connect,bulk,transfer,failover"
     )]
     pub parts: Vec<Part>,
     /// One JSON object per system and round on stdout.

@@ -22,6 +22,8 @@ pub(super) struct Bed {
     /// The registrar's status listener.
     registrar_status: SocketAddr,
     pub(super) backends: Vec<SocketAddr>,
+    /// The certificate the proxies terminate HTTPS with.
+    pub(super) tls: config::TlsFiles,
     backend_procs: Vec<Option<Proc>>,
     others: Vec<Proc>,
     _tmp: TempDir,
@@ -47,6 +49,7 @@ impl Bed {
         for d in [&dir, &www, &www.join("up")] {
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777))?;
         }
+        let tls = config::TlsFiles::make(&dir)?;
         let registrar = local(free_port()?);
         let registrar_status = local(free_port()?);
         let mut others = vec![Proc::spawn(
@@ -66,6 +69,7 @@ impl Bed {
             registrar,
             registrar_status,
             backends: Vec::new(),
+            tls,
             backend_procs: Vec::new(),
             others: Vec::new(),
             _tmp: tmp,

@@ -48,12 +48,44 @@ http {{
     )
 }
 
-/// rserpool's proxy: one HTTP and one TCP listener onto the pool, `threads` worker threads.
+/// The bed's HTTPS certificate (ECDSA P-256, for 127.0.0.1 and localhost): the certificate,
+/// its key, and both in one file (HAProxy's `crt`).
+pub(crate) struct TlsFiles {
+    pub(crate) cert: std::path::PathBuf,
+    pub(crate) key: std::path::PathBuf,
+    pub(crate) both: std::path::PathBuf,
+}
+
+impl TlsFiles {
+    /// Makes them under `dir` (a test CA of their own).
+    pub(crate) fn make(dir: &Path) -> anyhow::Result<TlsFiles> {
+        let ca = rserpool_tls::issue::new_ca("rserpool-bench CA")?;
+        let sans = ["127.0.0.1".to_string(), "localhost".to_string()];
+        let c = rserpool_tls::issue::issue(&ca, "localhost", &sans)?;
+        let f = TlsFiles {
+            cert: dir.join("https.pem"),
+            key: dir.join("https.key"),
+            both: dir.join("https-both.pem"),
+        };
+        std::fs::write(&f.cert, format!("{}{}", c.cert_pem, ca.cert_pem))?;
+        std::fs::write(&f.key, &c.key_pem)?;
+        std::fs::write(
+            &f.both,
+            format!("{}{}{}", c.cert_pem, ca.cert_pem, c.key_pem),
+        )?;
+        Ok(f)
+    }
+}
+
+/// rserpool's proxy: one HTTP, one HTTPS and one TCP listener onto the pool, `threads`
+/// worker threads.
 pub(super) fn rserpool_proxy(
     registrar: SocketAddr,
     threads: usize,
     http: SocketAddr,
     tcp: SocketAddr,
+    https: SocketAddr,
+    tls: &TlsFiles,
 ) -> String {
     format!(
         r#"registrars = ["{reg}"]
@@ -69,17 +101,30 @@ pool = "{POOL}"
 listen = "{tcp}"
 mode = "tcp"
 pool = "{POOL}"
+
+[[listener]]
+listen = "{https}"
+mode = "http"
+pool = "{POOL}"
+[[listener.certificate]]
+cert = "{cert}"
+key = "{key}"
 "#,
-        reg = registrar
+        reg = registrar,
+        cert = tls.cert.display(),
+        key = tls.key.display(),
     )
 }
 
-/// HAProxy with the same two listeners, round robin, connection reuse and its default checks.
+/// HAProxy with the same three listeners, round robin, connection reuse and its default
+/// checks.
 pub(super) fn haproxy(
     threads: usize,
     http: SocketAddr,
     tcp: SocketAddr,
+    https: SocketAddr,
     backends: &[SocketAddr],
+    tls: &TlsFiles,
 ) -> String {
     format!(
         r#"global
@@ -101,6 +146,11 @@ frontend web
     http-reuse always
     default_backend pool
 
+frontend webs
+    bind {https} ssl crt {both} alpn http/1.1
+    option forwardfor
+    default_backend pool
+
 backend pool
     balance roundrobin
     http-reuse always
@@ -111,6 +161,7 @@ listen tcp
     balance roundrobin
 {servers}"#,
         servers = servers(backends, &|i, b| format!("    server b{i} {b} check")),
+        both = tls.both.display(),
     )
 }
 
@@ -120,8 +171,10 @@ pub(super) fn nginx_proxy(
     threads: usize,
     http: SocketAddr,
     tcp: SocketAddr,
+    https: SocketAddr,
     backends: &[SocketAddr],
     dir: &Path,
+    tls: &TlsFiles,
 ) -> String {
     let dd = dir.display();
     format!(
@@ -145,6 +198,9 @@ http {{
     }}
     server {{
         listen {http} backlog=4096;
+        listen {https} ssl backlog=4096;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
         client_max_body_size 0;
         location / {{
             proxy_pass http://pool;
@@ -168,6 +224,8 @@ stream {{
 }}
 "#,
         servers = servers(backends, &|_, b| format!("        server {b};")),
+        cert = tls.cert.display(),
+        key = tls.key.display(),
     )
 }
 

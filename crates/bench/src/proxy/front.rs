@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 pub(super) struct Front {
     pub(super) http: Vec<SocketAddr>,
     pub(super) tcp: Vec<SocketAddr>,
+    /// HTTPS terminated by the proxy (the bed's certificate).
+    pub(super) https: Option<SocketAddr>,
     pub(super) proc: Option<Proc>,
 }
 
@@ -35,18 +37,20 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
         return Ok(Front {
             http: bed.backends.clone(),
             tcp: bed.backends.clone(),
+            https: None,
             proc: None,
         });
     }
     let http = local(free_port()?);
     let tcp = local(free_port()?);
+    let https = local(free_port()?);
     let d = &bed.dir;
     let name = system.label().to_lowercase();
     let conf_path = d.join(format!("{name}.conf"));
     let mut cmd = match system {
         System::Direct => unreachable!("handled above"),
         System::Rserpool => {
-            let conf = config::rserpool_proxy(bed.registrar, threads, http, tcp);
+            let conf = config::rserpool_proxy(bed.registrar, threads, http, tcp, https, &bed.tls);
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new(&bed.rserpool);
             c.args(["proxy", "--config"])
@@ -55,14 +59,14 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
             c
         }
         System::Haproxy => {
-            let conf = config::haproxy(threads, http, tcp, &bed.backends);
+            let conf = config::haproxy(threads, http, tcp, https, &bed.backends, &bed.tls);
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new("haproxy");
             c.args(["-db", "-f"]).arg(&conf_path);
             c
         }
         System::Nginx => {
-            let conf = config::nginx_proxy(threads, http, tcp, &bed.backends, d);
+            let conf = config::nginx_proxy(threads, http, tcp, https, &bed.backends, d, &bed.tls);
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new("nginx");
             c.arg("-e")
@@ -76,6 +80,7 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
     let front = Front {
         http: vec![http],
         tcp: vec![tcp],
+        https: Some(https),
         proc: Some(proc),
     };
     // Ready when every backend has answered through it.

@@ -55,6 +55,8 @@ struct Sample {
     round: usize,
     keepalive: Option<Wrk>,
     connect: Option<Wrk>,
+    https_keepalive: Option<Wrk>,
+    https_connect: Option<Wrk>,
     bulk_mib_s: Option<f64>,
     /// The share of the machine's CPU (all cores) that was busy during the loopback bulk run.
     bulk_busy: Option<f64>,
@@ -125,6 +127,8 @@ impl Sample {
             round,
             keepalive: None,
             connect: None,
+            https_keepalive: None,
+            https_connect: None,
             bulk_mib_s: None,
             bulk_busy: None,
             bulk_link_mib_s: None,
@@ -136,6 +140,8 @@ impl Sample {
     fn merge(&mut self, o: Sample) {
         self.keepalive = self.keepalive.or(o.keepalive);
         self.connect = self.connect.or(o.connect);
+        self.https_keepalive = self.https_keepalive.or(o.https_keepalive);
+        self.https_connect = self.https_connect.or(o.https_connect);
         self.bulk_mib_s = self.bulk_mib_s.or(o.bulk_mib_s);
         self.bulk_busy = self.bulk_busy.or(o.bulk_busy);
         self.bulk_link_mib_s = self.bulk_link_mib_s.or(o.bulk_link_mib_s);
@@ -152,7 +158,8 @@ fn measure(
     sizes: &[usize],
     args: &ProxyBenchArgs,
 ) -> Result<()> {
-    if part == Part::Failover && s.system == System::Direct {
+    let https = matches!(part, Part::HttpsKeepalive | Part::HttpsConnect);
+    if (part == Part::Failover || https) && s.system == System::Direct {
         return Ok(());
     }
     let front = front::start(bed, s.system, args.threads)?;
@@ -161,6 +168,19 @@ fn measure(
     match part {
         Part::Keepalive => s.keepalive = Some(wrk::run(&url, args, false, &front)?),
         Part::Connect => s.connect = Some(wrk::run(&url, args, true, &front)?),
+        Part::HttpsKeepalive | Part::HttpsConnect => {
+            let Some(addr) = front.https else {
+                return Ok(());
+            };
+            let url = format!("https://{addr}{SMALL}");
+            let close = part == Part::HttpsConnect;
+            let w = Some(wrk::run(&url, args, close, &front)?);
+            if close {
+                s.https_connect = w;
+            } else {
+                s.https_keepalive = w;
+            }
+        }
         Part::Bulk => {
             let run = || {
                 rt.block_on(load::bulk(

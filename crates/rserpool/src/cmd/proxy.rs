@@ -76,6 +76,7 @@ pub fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
             pool: Some(pool),
             routes: Vec::new(),
             splice: None,
+            certificates: Vec::new(),
         });
     } else if args.pool.is_some() || args.select.is_some() {
         return Err(anyhow!("--pool and --select need --listen"));

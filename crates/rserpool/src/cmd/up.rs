@@ -116,6 +116,7 @@ pub fn run(args: UpArgs) -> Result<()> {
                     pool: Some(WEB_POOL.into()),
                     routes: Vec::new(),
                     splice: None,
+                    certificates: Vec::new(),
                 },
                 ListenerConfig {
                     listen: args.proxy_tcp,
@@ -123,6 +124,7 @@ pub fn run(args: UpArgs) -> Result<()> {
                     pool: Some(args.pool.clone()),
                     routes: Vec::new(),
                     splice: None,
+                    certificates: Vec::new(),
                 },
             ],
             status: Some(args.proxy_status),
