@@ -1,4 +1,4 @@
-//! One ASAP association with a registrar: a TCP stream with message framing.
+//! One ASAP association with a registrar: a TCP stream (or TLS over one) with message framing.
 
 use crate::Error;
 use crate::core::MAX_MESSAGE;
@@ -6,11 +6,15 @@ use rserpool_wire::Message;
 use rserpool_wire::{AsapMessage, Framer};
 use std::net::SocketAddr;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// What an association runs over: a TCP stream, or TLS over one.
+pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
 pub struct AsapConnection {
-    stream: TcpStream,
+    stream: Box<dyn Io>,
     framer: Framer,
     wbuf: Vec<u8>,
     peer: SocketAddr,
@@ -23,19 +27,20 @@ impl AsapConnection {
             Ok(r) => r?,
             Err(_) => return Err(Error::Timeout),
         };
-        Ok(Self {
-            stream,
-            framer: Framer::new(MAX_MESSAGE),
-            wbuf: Vec::with_capacity(256),
-            peer: addr,
-        })
+        Ok(Self::from_io(stream, addr))
     }
 
     /// Wraps an already connected stream (e.g. one bound to a chosen source address).
     pub fn from_stream(stream: TcpStream, peer: SocketAddr) -> Self {
         stream.set_nodelay(true).ok();
+        Self::from_io(stream, peer)
+    }
+
+    /// Wraps an association's stream that is ready to carry ASAP (a TLS stream whose
+    /// handshake is done, say).
+    pub fn from_io(stream: impl Io + 'static, peer: SocketAddr) -> Self {
         Self {
-            stream,
+            stream: Box::new(stream),
             framer: Framer::new(MAX_MESSAGE),
             wbuf: Vec::with_capacity(256),
             peer,

@@ -112,6 +112,10 @@ impl TempDir {
         TempDir(dir)
     }
 
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+
     /// Leaves the directory in place (to be read after a failed run).
     pub fn keep(self) -> PathBuf {
         lock().remove_dir(&self.0);

@@ -321,6 +321,20 @@ impl Enrp {
     }
 }
 
+/// The socket as rustls reads it, noting a read shorter than asked (the socket is empty).
+struct Drained<'a> {
+    stream: &'a mut TcpStream,
+    short: bool,
+}
+
+impl Read for Drained<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.stream.read(buf)?;
+        self.short = n < buf.len();
+        Ok(n)
+    }
+}
+
 /// Writes a TLS connection: the records rustls holds, then the core's output through it.
 fn flush_tls(
     tls: &mut rustls::Connection,
@@ -415,6 +429,8 @@ enum Flush {
 /// What reading a TLS connection's socket brought.
 enum TlsRead {
     Records,
+    /// Records, and the socket is empty now.
+    Last,
     Empty,
     Closed,
     Refused(rustls::Error),
@@ -698,9 +714,15 @@ impl EventLoop {
                 let Some(tls) = sock.tls.as_deref_mut() else {
                     return;
                 };
-                match tls.read_tls(&mut sock.stream) {
+                let mut reader = Drained {
+                    stream: &mut sock.stream,
+                    short: false,
+                };
+                match tls.read_tls(&mut reader) {
                     Ok(0) => TlsRead::Closed,
                     Ok(_) => match tls.process_new_packets() {
+                        // A short read emptied the socket: no read that finds nothing next.
+                        Ok(_) if reader.short => TlsRead::Last,
                         Ok(_) => TlsRead::Records,
                         Err(e) => {
                             // The alert saying why, as far as the socket takes it.
@@ -723,7 +745,7 @@ impl EventLoop {
                     self.tls_plaintext(id);
                     return self.close(id);
                 }
-                TlsRead::Empty => {
+                TlsRead::Empty | TlsRead::Last => {
                     if self.tls_plaintext(id) {
                         self.flush(id);
                     }

@@ -31,6 +31,23 @@ pub(super) fn print_sample(s: &Sample) {
             w.cpu_us.unwrap_or(0.0)
         );
     }
+    if let Some(w) = s.https_keepalive {
+        line += &format!(
+            " HTTPS keep-alive {:.0} req/s p99 {:.2} ms ({} errors), {:.1} µs CPU/req;",
+            w.rps,
+            w.p99_ms,
+            w.errors,
+            w.cpu_us.unwrap_or(0.0)
+        );
+    }
+    if let Some(w) = s.https_connect {
+        line += &format!(
+            " HTTPS {:.0} conn/s ({} errors), {:.1} µs CPU/conn;",
+            w.rps,
+            w.errors,
+            w.cpu_us.unwrap_or(0.0)
+        );
+    }
     if let Some(b) = s.bulk_mib_s {
         line += &format!(" TCP bulk {b:.0} MiB/s");
         if let Some(busy) = s.bulk_busy {
@@ -81,6 +98,13 @@ struct Row {
     conn_s: Option<f64>,
     conn_cpu: Option<f64>,
     conn_errors: u64,
+    tls_ka_rps: Option<f64>,
+    tls_ka_p99: Option<f64>,
+    tls_ka_cpu: Option<f64>,
+    tls_ka_errors: u64,
+    tls_conn_s: Option<f64>,
+    tls_conn_cpu: Option<f64>,
+    tls_conn_errors: u64,
     bulk: Option<f64>,
     bulk_busy: Option<f64>,
     bulk_link: Option<f64>,
@@ -136,6 +160,21 @@ impl Report {
                     conn_s: m(&|s| s.connect.map(|w| w.rps)),
                     conn_cpu: m(&|s| s.connect.and_then(|w| w.cpu_us)),
                     conn_errors: of.iter().filter_map(|s| s.connect).map(|w| w.errors).sum(),
+                    tls_ka_rps: m(&|s| s.https_keepalive.map(|w| w.rps)),
+                    tls_ka_p99: m(&|s| s.https_keepalive.map(|w| w.p99_ms)),
+                    tls_ka_cpu: m(&|s| s.https_keepalive.and_then(|w| w.cpu_us)),
+                    tls_ka_errors: of
+                        .iter()
+                        .filter_map(|s| s.https_keepalive)
+                        .map(|w| w.errors)
+                        .sum(),
+                    tls_conn_s: m(&|s| s.https_connect.map(|w| w.rps)),
+                    tls_conn_cpu: m(&|s| s.https_connect.and_then(|w| w.cpu_us)),
+                    tls_conn_errors: of
+                        .iter()
+                        .filter_map(|s| s.https_connect)
+                        .map(|w| w.errors)
+                        .sum(),
                     bulk: m(&|s| s.bulk_mib_s),
                     bulk_busy: m(&|s| s.bulk_busy),
                     bulk_link: m(&|s| s.bulk_link_mib_s),
@@ -226,6 +265,30 @@ impl Report {
             "new connection per request, proxy CPU µs per connection",
             &|r| num(r.conn_cpu, 1),
         );
+        if cols
+            .iter()
+            .any(|r| r.tls_ka_rps.is_some() || r.tls_conn_s.is_some())
+        {
+            md += &line("HTTPS keep-alive, req/s", &|r| num(r.tls_ka_rps, 0));
+            md += &line("HTTPS keep-alive, p99 ms", &|r| num(r.tls_ka_p99, 2));
+            md += &line("HTTPS keep-alive, proxy CPU µs per request", &|r| {
+                num(r.tls_ka_cpu, 1)
+            });
+            md += &line("HTTPS keep-alive, errors (all rounds)", &|r| {
+                r.tls_ka_errors.to_string()
+            });
+            md += &line("HTTPS new connection per request, conn/s", &|r| {
+                num(r.tls_conn_s, 0)
+            });
+            md += &line(
+                "HTTPS new connection per request, proxy CPU µs per connection",
+                &|r| num(r.tls_conn_cpu, 1),
+            );
+            md += &line(
+                "HTTPS new connection per request, errors (all rounds)",
+                &|r| r.tls_conn_errors.to_string(),
+            );
+        }
         md += &line(
             &format!(
                 "TCP mode bulk, {} connections, MiB/s",
@@ -254,7 +317,7 @@ impl Report {
         };
         let get = |s: System, f: &dyn Fn(&Row) -> Option<f64>| self.row(s).and_then(f);
         md += "| ratio | rserpool / HAProxy | rserpool / nginx | rserpool / direct | HAProxy / direct | nginx / direct |\n|---|---|---|---|---|---|\n";
-        let metrics: [Metric; 7] = [
+        let metrics: [Metric; 10] = [
             ("keep-alive req/s", &|r: &Row| r.ka_rps),
             ("keep-alive p99 (lower is better)", &|r: &Row| r.ka_p99),
             (
@@ -264,6 +327,11 @@ impl Report {
             ("conn/s", &|r: &Row| r.conn_s),
             ("CPU per connection (lower is better)", &|r: &Row| {
                 r.conn_cpu
+            }),
+            ("HTTPS keep-alive req/s", &|r: &Row| r.tls_ka_rps),
+            ("HTTPS conn/s", &|r: &Row| r.tls_conn_s),
+            ("HTTPS CPU per connection (lower is better)", &|r: &Row| {
+                r.tls_conn_cpu
             }),
             ("TCP bulk MiB/s", &|r: &Row| r.bulk),
             ("TCP bulk over rate-limited hops", &|r: &Row| r.bulk_link),

@@ -36,6 +36,9 @@ pub struct LoadGenArgs {
     pub warmup_ms: u64,
     #[arg(long)]
     pub duration_ms: u64,
+    /// TLS: the PEs and PUs present DIR/pe.pem (key DIR/pe.key) and trust DIR/ca.pem.
+    #[arg(long, value_name = "DIR")]
+    pub tls_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -79,13 +82,20 @@ pub fn run(args: LoadGenArgs) -> Result<()> {
         });
         // Connect and register everyone first, a bounded number at a time.
         let gate = Arc::new(tokio::sync::Semaphore::new(256));
+        let tls = args
+            .tls_dir
+            .as_deref()
+            .map(tls_of)
+            .transpose()?
+            .map(Arc::new);
         let mut setup = tokio::task::JoinSet::new();
         for i in 0..args.pes + args.pus {
             let gate = gate.clone();
             let reg = args.registrar;
+            let tls = tls.clone();
             setup.spawn(async move {
                 let _permit = gate.acquire().await;
-                let conn = connect(reg, i).await?;
+                let conn = connect(reg, i, tls.as_deref()).await?;
                 let mut conn = conn;
                 if i < args.pes {
                     conn.send(&registration(i, 0)).await?;
@@ -149,14 +159,31 @@ pub fn run(args: LoadGenArgs) -> Result<()> {
     std::process::exit(0)
 }
 
-async fn connect(reg: SocketAddr, i: usize) -> Result<AsapConnection> {
+async fn connect(
+    reg: SocketAddr,
+    i: usize,
+    tls: Option<&rserpool_tls::Tls>,
+) -> Result<AsapConnection> {
     let source = Ipv4Addr::new(127, 0, 0, 1 + (i / CONNS_PER_SOURCE) as u8);
     let sock = TcpSocket::new_v4()?;
     // Reset instead of FIN at exit: no TIME_WAIT holding ports the next point needs.
     sock.set_zero_linger()?;
     sock.bind(SocketAddr::from((source, 0)))?;
     let stream = sock.connect(reg).await?;
-    Ok(AsapConnection::from_stream(stream, reg))
+    stream.set_nodelay(true)?;
+    Ok(match tls {
+        Some(t) => AsapConnection::from_io(t.connect_stream(reg.ip(), stream).await?, reg),
+        None => AsapConnection::from_stream(stream, reg),
+    })
+}
+
+/// The load generator's TLS identity, from `--tls-dir`.
+pub(super) fn tls_of(dir: &std::path::Path) -> Result<rserpool_tls::Tls> {
+    Ok(rserpool_tls::Tls::load(&rserpool_tls::TlsFiles {
+        cert: dir.join("pe.pem"),
+        key: dir.join("pe.key"),
+        ca: dir.join("ca.pem"),
+    })?)
 }
 
 fn registration(i: usize, round: u64) -> AsapMessage {

@@ -59,6 +59,10 @@ pub struct RegistrarBenchArgs {
     /// Runs per point; each figure is the median over the runs (this machine is noisy).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeat: u32,
+    /// Measure every point twice, side by side: ASAP in plain TCP and over TLS with mutual
+    /// authentication (ECDSA P-256 certificates of a test CA); the report gives the ratio.
+    #[arg(long)]
+    pub tls: bool,
     /// One JSON object per point on stdout.
     #[arg(long)]
     pub json: bool,
@@ -101,6 +105,9 @@ pub struct Sample {
     /// The load generator's own CPU (same 2 cores): near 1.0 means latencies include its
     /// queueing, not only the registrar's.
     pub loadgen_cpu: f64,
+    /// ASAP over TLS.
+    #[serde(default)]
+    pub tls: bool,
     /// Runs behind this point (each figure is their median) and the spread of CPU and p99.
     pub runs: u32,
     pub registrar_cpu_min: f64,
@@ -240,8 +247,16 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
             "gen CPU"
         );
     }
+    let tls_dir = args.tls.then(tls_certificates).transpose()?;
+    let modes: Vec<Option<&Path>> = match &tls_dir {
+        Some(d) => vec![None, Some(d.path())],
+        None => vec![None],
+    };
     let mut samples = Vec::new();
-    for p in points {
+    for (p, tls) in points
+        .iter()
+        .flat_map(|p| modes.iter().map(move |m| (*p, *m)))
+    {
         let mut runs = Vec::new();
         for _ in 0..args.repeat {
             // Ports are picked free beforehand, so a registrar's port can be taken by someone
@@ -249,7 +264,7 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
             let mut attempt = 0;
             let sample = loop {
                 attempt += 1;
-                match run_point(p, &args, rserpool) {
+                match run_point(p, &args, rserpool, tls) {
                     Ok(s) => break s,
                     Err(e) if attempt < 3 => eprintln!("point {p:?}: {e:#}; again"),
                     Err(e) => return Err(e.context(format!("point {p:?}"))),
@@ -281,6 +296,12 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
         }
         samples.push(s);
     }
+    if args.tls {
+        if let Some(path) = &args.markdown {
+            write_section(path, "registrar-tls", &report::tls_markdown(&samples))?;
+        }
+        return Ok(());
+    }
     // A cluster run (Figure 7 right) has its own table and plot, K = 1 included.
     let cluster = args.figures.iter().any(|f| f == "7r") || args.registrars.iter().any(|&k| k > 1);
     if let Some(path) = &args.markdown {
@@ -304,7 +325,12 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
     Ok(())
 }
 
-fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sample> {
+fn run_point(
+    p: Point,
+    args: &RegistrarBenchArgs,
+    rserpool: &Path,
+    tls: Option<&Path>,
+) -> Result<Sample> {
     let exe = std::env::current_exe()?;
     let k = p.registrars.max(1) as usize;
     let mut asap = Vec::new();
@@ -335,6 +361,14 @@ fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sam
         ])
         .args(["--enrp", &enrp[i].to_string()])
         .args(["--status", &status[i].to_string()]);
+        if let Some(d) = tls {
+            cmd.arg("--tls-cert")
+                .arg(d.join("registrar.pem"))
+                .arg("--tls-key")
+                .arg(d.join("registrar.key"))
+                .arg("--tls-ca")
+                .arg(d.join("ca.pem"));
+        }
         for (j, e) in enrp.iter().enumerate() {
             if j != i {
                 cmd.args(["--peer", &e.to_string()]);
@@ -366,8 +400,14 @@ fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sam
             || cluster_formed(&status),
         )?;
     }
-    let mut generator = Command::new(&exe)
-        .args(["load-gen", "--registrar", &addr.to_string()])
+    let mut generator = Command::new(&exe);
+    if let Some(d) = tls {
+        generator.arg("load-gen").arg("--tls-dir").arg(d);
+    } else {
+        generator.arg("load-gen");
+    }
+    let mut generator = generator
+        .args(["--registrar", &addr.to_string()])
         .args([
             "--pes",
             &p.pes.to_string(),
@@ -443,11 +483,28 @@ fn run_point(p: Point, args: &RegistrarBenchArgs, rserpool: &Path) -> Result<Sam
         answered_per_s: r.answered as f64 / r.seconds,
         errors: r.errors,
         loadgen_cpu,
+        tls: tls.is_some(),
         runs: 1,
         registrar_cpu_min: cpu,
         registrar_cpu_max: cpu,
         p99_us_max: r.p99_us,
     })
+}
+
+/// A test CA and the registrar's and the PEs' certificates, in a directory of their own.
+fn tls_certificates() -> Result<crate::undo::TempDir> {
+    let dir = std::env::temp_dir().join(format!("rserpool-bench-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let tmp = crate::undo::TempDir::new(dir.clone());
+    let ca = rserpool_tls::issue::new_ca("rserpool-bench CA")?;
+    std::fs::write(dir.join("ca.pem"), &ca.cert_pem)?;
+    let sans = ["127.0.0.1".to_string(), "localhost".to_string()];
+    for name in ["registrar", "pe"] {
+        let c = rserpool_tls::issue::issue(&ca, name, &sans)?;
+        std::fs::write(dir.join(format!("{name}.pem")), &c.cert_pem)?;
+        std::fs::write(dir.join(format!("{name}.key")), &c.key_pem)?;
+    }
+    Ok(tmp)
 }
 
 /// True when each registrar's status lists all the others as alive peers.

@@ -81,6 +81,49 @@ pub(super) fn markdown(samples: &[Sample]) -> String {
     s
 }
 
+/// `--tls`: every point in plain TCP and over TLS, side by side, and the CPU ratio.
+pub(super) fn tls_markdown(samples: &[Sample]) -> String {
+    use std::fmt::Write;
+    let mut s = section_head(
+        "Registrar with TLS (`rserpool-bench registrar --tls`)",
+        samples,
+    );
+    let _ = writeln!(
+        s,
+        "Each point twice in one run, back to back: ASAP in plain TCP, then over TLS 1.3 with          mutual authentication (ECDSA P-256 certificates of a test CA, one handshake per          connection at setup). Target (issue 17): registrar CPU with TLS at most 1.5× plain          for 1,000 PEs re-registering every 250 ms.
+"
+    );
+    let _ = writeln!(
+        s,
+        "| PEs | PUs | re-reg every (ms) | CPU plain | CPU TLS | TLS / plain | RSS plain (MB) | RSS TLS (MB) | p99 plain (µs) | p99 TLS (µs) | errors |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for t in samples.iter().filter(|x| x.tls) {
+        let Some(p) = samples
+            .iter()
+            .find(|x| !x.tls && x.pes == t.pes && x.pus == t.pus && x.rereg_ms == t.rereg_ms)
+        else {
+            continue;
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {:.2}× | {:.1} | {:.1} | {} | {} | {} |",
+            t.pes,
+            t.pus,
+            t.rereg_ms,
+            cpu_cell(p),
+            cpu_cell(t),
+            t.registrar_cpu / p.registrar_cpu.max(1e-9),
+            p.rss_bytes as f64 / 1e6,
+            t.rss_bytes as f64 / 1e6,
+            p.p99_us,
+            t.p99_us,
+            p.errors + t.errors
+        );
+    }
+    s.push('\n');
+    s
+}
+
 /// Figure 7 style (CPU against PEs, one line per re-registration interval) and Figure 8 style
 /// (CPU against PUs, one line per resolution interval).
 pub(super) fn plot(samples: &[Sample], prefix: &str) -> Result<()> {
