@@ -98,12 +98,75 @@ pub struct BackendStats {
 /// A connection to a PE with the bytes read from it but not used yet.
 #[derive(Debug)]
 pub(crate) struct BackendConn {
-    pub(crate) stream: TcpStream,
+    pub(crate) stream: PeStream,
     pub(crate) buf: BytesMut,
 }
 
+/// The stream to a PE: TCP, or TLS over it (`[pool.NAME.tls]`).
+#[derive(Debug)]
+pub(crate) enum PeStream {
+    Plain(TcpStream),
+    Tls(Box<rserpool_tls::tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl PeStream {
+    /// The socket, when nothing is layered over it (so it can be spliced).
+    pub(crate) fn plain(&self) -> Option<&TcpStream> {
+        match self {
+            PeStream::Plain(s) => Some(s),
+            PeStream::Tls(_) => None,
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for PeStream {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            PeStream::Plain(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for PeStream {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        data: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            PeStream::Plain(s) => std::pin::Pin::new(s).poll_write(cx, data),
+            PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_write(cx, data),
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            PeStream::Plain(s) => std::pin::Pin::new(s).poll_flush(cx),
+            PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            PeStream::Plain(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 impl BackendConn {
-    pub(crate) fn new(stream: TcpStream) -> Self {
+    pub(crate) fn new(stream: PeStream) -> Self {
         Self {
             stream,
             buf: BytesMut::with_capacity(16 * 1024),

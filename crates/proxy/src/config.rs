@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -199,6 +200,33 @@ pub struct PoolConfig {
     /// Most requests waiting at once; beyond it the lowest service level is shed (503).
     #[serde(alias = "credit-queue")]
     pub queue: usize,
+    /// TLS to the pool's PEs (HTTP listeners; `[pool.NAME.tls]`): their certificates must
+    /// chain to `ca` and name the PE's IP address; `cert` and `key`, when given, are presented.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<PeTlsConfig>,
+}
+
+/// `[pool.NAME.tls]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct PeTlsConfig {
+    pub ca: PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<PathBuf>,
+}
+
+impl PeTlsConfig {
+    /// The client configuration towards the pool's PEs (its files read now).
+    pub fn client(&self) -> Result<Arc<rserpool_tls::rustls::ClientConfig>, String> {
+        let identity = match (&self.cert, &self.key) {
+            (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+            (None, None) => None,
+            _ => return Err("tls needs both cert and key, or neither".into()),
+        };
+        rserpool_tls::client_to(&self.ca, identity).map_err(|e| e.to_string())
+    }
 }
 
 impl Default for PoolConfig {
@@ -208,6 +236,7 @@ impl Default for PoolConfig {
             max_conn: None,
             queue_timeout_ms: 1000,
             queue: 1024,
+            tls: None,
         }
     }
 }
@@ -401,6 +430,30 @@ impl ProxyConfig {
         for (name, p) in &self.pool_settings {
             if !used.contains(name) {
                 return bad(format!("[pool.{name}] names a pool no listener serves"));
+            }
+            if p.tls.is_some()
+                && self
+                    .listeners
+                    .iter()
+                    .any(|l| l.mode == Mode::Tcp && l.pool.as_deref() == Some(name.as_str()))
+            {
+                return bad(format!(
+                    "[pool.{name}.tls]: TLS to PEs is for HTTP listeners; a TCP listener \
+                     passes its client's bytes (and TLS) through"
+                ));
+            }
+            let serves = |l: &ListenerConfig| {
+                l.pool.as_deref() == Some(name.as_str()) || l.routes.iter().any(|r| r.pool == *name)
+            };
+            if p.tls.is_some()
+                && self
+                    .listeners
+                    .iter()
+                    .any(|l| l.kernel_splice() && serves(l))
+            {
+                return bad(format!(
+                    "[pool.{name}.tls]: the kernel splice carries TCP, not TLS to the PEs"
+                ));
             }
             if p.queue_timeout_ms > 60_000 {
                 return bad(format!("pool {name}: queue-timeout-ms above a minute"));

@@ -24,6 +24,9 @@ pub(crate) struct Ctx {
     pub(crate) kernel: Option<Arc<crate::kernel::KernelSplice>>,
     /// HTTPS: the listener's TLS (its certificates by SNI).
     pub(crate) tls: Option<Arc<rserpool_tls::rustls::ServerConfig>>,
+    /// TLS to the PEs of the pools with `[pool.NAME.tls]`, by pool handle.
+    pub(crate) pe_tls:
+        Arc<std::collections::HashMap<String, Arc<rserpool_tls::rustls::ClientConfig>>>,
 }
 
 impl Ctx {

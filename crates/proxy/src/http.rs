@@ -14,7 +14,7 @@
 //! connection that closes before answering costs no failure: the request goes out again on a
 //! new connection.
 
-use crate::backend::{Backend, BackendConn};
+use crate::backend::{Backend, BackendConn, PeStream};
 use crate::client_stream::ClientStream;
 use crate::ctx::{Ctx, until_set};
 use crate::levels::RequestFacts;
@@ -31,7 +31,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tracing::debug;
 
 const READ_CHUNK: usize = 64 * 1024;
@@ -559,7 +558,20 @@ async fn take_conn(
         return Ok((conn, true));
     }
     let s = b.connect(ctx.connect_timeout()).await?;
-    Ok((BackendConn::new(s), false))
+    let tls = (!ctx.pe_tls.is_empty())
+        .then(|| ctx.pe_tls.get(&b.pool.to_string()))
+        .flatten();
+    let Some(tls) = tls else {
+        return Ok((BackendConn::new(PeStream::Plain(s)), false));
+    };
+    // TLS to the PE, its certificate checked for the address connected to.
+    let ip = s.peer_addr()?.ip();
+    let handshake = rserpool_tls::tokio_rustls::TlsConnector::from(tls.clone())
+        .connect(rserpool_tls::Tls::server_name(ip), s);
+    let t = tokio::time::timeout(ctx.connect_timeout(), handshake)
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out"))??;
+    Ok((BackendConn::new(PeStream::Tls(Box::new(t))), false))
 }
 
 /// How far an exchange with a PE got before it failed.
@@ -848,13 +860,17 @@ async fn tunnel(c: &mut Client, mut bc: BackendConn, b: &Arc<Backend>, ctx: &Ctx
         return;
     }
     c.buf.clear();
-    let moved = if c.stream.is_tls() {
-        crate::splice::forward_streams(&mut c.stream, &mut bc.stream, ctx.idle_timeout()).await
-    } else {
-        let Ok(cs) = c.stream.registered() else {
-            return;
-        };
-        crate::splice::forward(cs, &bc.stream, ctx.idle_timeout(), ctx.cfg.splice).await
+    let moved = match (c.stream.is_tls(), bc.stream.plain()) {
+        (false, Some(pe)) => {
+            let Ok(cs) = c.stream.registered() else {
+                return;
+            };
+            crate::splice::forward(cs, pe, ctx.idle_timeout(), ctx.cfg.splice).await
+        }
+        // TLS on either side: through buffers.
+        _ => {
+            crate::splice::forward_streams(&mut c.stream, &mut bc.stream, ctx.idle_timeout()).await
+        }
     };
     if let Ok(m) = moved {
         b.stats.bytes_in.fetch_add(m.a_to_b, Ordering::Relaxed);
@@ -1039,7 +1055,7 @@ impl Sink for ClientStream {
     }
 }
 
-impl Sink for TcpStream {
+impl Sink for PeStream {
     async fn write_last(&mut self, data: &[u8]) -> io::Result<()> {
         self.write_all(data).await?;
         self.shutdown().await

@@ -208,14 +208,27 @@ impl Proxy {
             .then(|| rserpool_tls::https_server(&l.certificates))
             .transpose()
             .map_err(|e| StartError::Tls(l.listen, e))?;
+        let cfg = i.cfg.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut pe_tls = std::collections::HashMap::new();
+        for (name, p) in &cfg.pool_settings {
+            if let Some(t) = &p.tls {
+                let client = t.client().map_err(|e| {
+                    StartError::Config(config::ConfigError::Invalid(format!(
+                        "[pool.{name}.tls]: {e}"
+                    )))
+                })?;
+                pe_tls.insert(name.clone(), client);
+            }
+        }
         Ok(Ctx {
-            cfg: i.cfg.read().unwrap_or_else(|p| p.into_inner()).clone(),
+            cfg,
             pools: i.pools.clone(),
             routes: Arc::new(Routes::new(l, &i.pools)),
             log: i.log.read().unwrap_or_else(|p| p.into_inner()).clone(),
             draining: i.draining.subscribe(),
             kernel: l.kernel_splice().then(|| self.kernel()).flatten(),
             tls,
+            pe_tls: Arc::new(pe_tls),
         })
     }
 

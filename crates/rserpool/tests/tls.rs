@@ -409,3 +409,129 @@ names = ["b.test"]
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A PE that speaks only HTTPS: a certificate for 127.0.0.1 from the CA of `dir`; answers
+/// every request with `hello`. Returns its address.
+async fn https_pe(dir: &Path, name: &str) -> SocketAddr {
+    let tls = rserpool_tls::Tls::load(&rserpool_tls::TlsFiles {
+        cert: dir.join(format!("{name}.pem")),
+        key: dir.join(format!("{name}.key")),
+        ca: dir.join("ca.pem"),
+    })
+    .unwrap();
+    let acceptor = rserpool_tls::tokio_rustls::TlsAcceptor::from(tls.server(false));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(s).await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        let answer = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello";
+                        if s.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    at
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_speaks_tls_to_the_pes_of_a_pool_that_asks_for_it() {
+    let dir = tempdir("pe-tls");
+    certs(&dir, &["registrar1", "pe", "proxy"]);
+    let r1 = registrar("registrar1", &dir, &[]);
+    let pe_at = https_pe(&dir, "pe").await;
+    let mut cfg =
+        rserpool_asap::PoolElementConfig::new("Secure", pe_at, rserpool_wire::Policy::RoundRobin);
+    cfg.registrars = vec![r1.asap];
+    cfg.tls = Some(Arc::new(
+        rserpool_tls::Tls::load(&rserpool_tls::TlsFiles {
+            cert: dir.join("pe.pem"),
+            key: dir.join("pe.key"),
+            ca: dir.join("ca.pem"),
+        })
+        .unwrap(),
+    ));
+    let pe = rserpool_asap::PoolElement::start(cfg).unwrap();
+    pe.wait_registered(Duration::from_secs(10)).await.unwrap();
+    let front = addr();
+    let d = dir.display();
+    let conf = format!(
+        r#"registrars = ["{reg}"]
+refresh-ms = 200
+
+[registrar-tls]
+cert = "{d}/proxy.pem"
+key = "{d}/proxy.key"
+ca = "{d}/ca.pem"
+
+[[listener]]
+listen = "{front}"
+mode = "http"
+pool = "Secure"
+
+[pool.Secure.tls]
+ca = "{d}/ca.pem"
+cert = "{d}/proxy.pem"
+key = "{d}/proxy.key"
+"#,
+        reg = r1.asap
+    );
+    let conf_path = dir.join("proxy.toml");
+    std::fs::write(&conf_path, conf).unwrap();
+    let _proxy = Logged::spawn(
+        "proxy",
+        &[
+            "proxy".into(),
+            "--config".into(),
+            conf_path.to_str().unwrap().into(),
+        ],
+        "info",
+    );
+    let get = || async {
+        let mut c = rserpool_proxy::client::Client::connect(front).await.ok()?;
+        let r = c.get("/x").await.ok()?;
+        Some((r.code, String::from_utf8_lossy(&r.body).into_owned()))
+    };
+    wait_for(
+        Duration::from_secs(15),
+        "an answer through TLS to the PE",
+        || async { get().await.is_some_and(|(code, _)| code == 200) },
+    )
+    .await;
+    for _ in 0..5 {
+        assert_eq!(get().await, Some((200, "hello".into())));
+    }
+    // A TCP listener cannot ask for TLS to its PEs: the config says why.
+    let bad = dir.join("bad.toml");
+    std::fs::write(
+        &bad,
+        format!(
+            "[[listener]]\nlisten = \"{}\"\nmode = \"tcp\"\npool = \"Secure\"\n[pool.Secure.tls]\nca = \"{d}/ca.pem\"\n",
+            addr()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["check-config", "--kind", "proxy", bad.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("TLS to PEs is for HTTP listeners"));
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -94,6 +94,17 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
     Ok(certs)
 }
 
+/// The CA certificates of a PEM file, as trust roots.
+fn roots(ca: &Path) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for c in load_certs(ca)? {
+        roots
+            .add(c)
+            .map_err(|e| TlsError::Config(ca.display().to_string(), format!("not a CA: {e}")))?;
+    }
+    Ok(roots)
+}
+
 /// The private key of a PEM file.
 pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let pem = read(path)?;
@@ -105,13 +116,7 @@ impl Tls {
     pub fn load(files: &TlsFiles) -> Result<Self, TlsError> {
         let certs = load_certs(&files.cert)?;
         let key = load_key(&files.key)?;
-        let mut roots = RootCertStore::empty();
-        for ca in load_certs(&files.ca)? {
-            roots.add(ca).map_err(|e| {
-                TlsError::Config(files.ca.display().to_string(), format!("not a CA: {e}"))
-            })?;
-        }
-        let roots = Arc::new(roots);
+        let roots = Arc::new(roots(&files.ca)?);
         let bad = |what: &str, e: &dyn std::fmt::Display| {
             TlsError::Config(files.cert.display().to_string(), format!("{what}: {e}"))
         };
@@ -133,16 +138,12 @@ impl Tls {
             };
             b.build().map_err(|e| bad("client verifier", &e))
         };
-        let client = ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| bad("protocol versions", &e))?
-            .with_root_certificates(roots.clone())
-            .with_client_auth_cert(certs.clone(), key.clone_key())
+        let client = client_config(roots.clone(), Some((certs.clone(), key.clone_key())))
             .map_err(|e| bad("certificate and key", &e))?;
         Ok(Self {
             server_required: server(verifier(false)?)?,
             server_optional: server(verifier(true)?)?,
-            client: Arc::new(client),
+            client,
         })
     }
 
@@ -176,6 +177,37 @@ impl Tls {
     pub fn connect(&self, ip: IpAddr) -> Result<rustls::ClientConnection, rustls::Error> {
         rustls::ClientConnection::new(self.client(), Self::server_name(ip))
     }
+}
+
+type Identity = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
+
+/// A client configuration trusting `roots`, presenting `identity` when given.
+fn client_config(
+    roots: Arc<RootCertStore>,
+    identity: Option<Identity>,
+) -> Result<Arc<ClientConfig>, rustls::Error> {
+    let b = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots);
+    Ok(Arc::new(match identity {
+        Some((certs, key)) => b.with_client_auth_cert(certs, key)?,
+        None => b.with_no_client_auth(),
+    }))
+}
+
+/// TLS towards servers whose certificates chain to `ca` (checked for the IP address
+/// connected to), presenting `cert` and `key` when given: the proxy's TLS to its PEs.
+pub fn client_to(
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+) -> Result<Arc<ClientConfig>, TlsError> {
+    let roots = roots(ca)?;
+    let identity = match identity {
+        Some((cert, key)) => Some((load_certs(cert)?, load_key(key)?)),
+        None => None,
+    };
+    client_config(Arc::new(roots), identity)
+        .map_err(|e| TlsError::Config(ca.display().to_string(), e.to_string()))
 }
 
 /// A short, stable description of why a handshake failed, for a log line.
