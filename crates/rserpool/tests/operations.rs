@@ -6,27 +6,16 @@
 mod common;
 
 use common::{
-    BIN, KillOnDrop, example_http, fast_config, free_port, metric, registrar, scrape, wait_for,
+    BIN, example_http, fast_config, free_port, metric, registrar, scrape, spawn, wait_for,
 };
 use rserpool_proxy::client::Client;
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 fn local() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))
-}
-
-fn spawn(args: &[&str]) -> KillOnDrop {
-    KillOnDrop(
-        Command::new(BIN)
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop, fast_config, registrar, signal, wait_for};
+use common::{BIN, fast_config, registrar, signal, spawn, wait_for};
 use rserpool_wire::Message;
 
 use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
@@ -14,7 +14,7 @@ use rserpool_wire::{AsapMessage, CauseCode, Framer, Policy, PoolHandle};
 use rustix::process::Signal;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -58,18 +58,6 @@ async fn run_bin(args: &[&str]) -> std::process::Output {
         .await
         .expect("command thread")
         .expect("spawn rserpool")
-}
-
-fn spawn(args: &[&str]) -> KillOnDrop {
-    KillOnDrop(
-        Command::new(BIN)
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn rserpool"),
-    )
 }
 
 #[tokio::test]

@@ -285,6 +285,27 @@ async fn mutual_tls_admits_the_ca_s_own_and_refuses_everyone_else() {
     let _ = std::fs::remove_dir_all(foreign);
 }
 
+/// A proxy config in `dir`/proxy.toml: the registrar at `reg` over TLS (the proxy's identity
+/// in `dir`), then `rest` (top-level keys first, then tables).
+fn proxy_config(dir: &Path, reg: SocketAddr, rest: &str) -> PathBuf {
+    let d = dir.display();
+    let (keys, tables) = rest.split_at(rest.find("\n[").map_or(rest.len(), |i| i + 1));
+    let conf = format!(
+        r#"registrars = ["{reg}"]
+refresh-ms = 200
+{keys}
+[registrar-tls]
+cert = "{d}/proxy.pem"
+key = "{d}/proxy.key"
+ca = "{d}/ca.pem"
+
+{tables}"#
+    );
+    let path = dir.join("proxy.toml");
+    std::fs::write(&path, conf).unwrap();
+    path
+}
+
 /// An HTTPS request to `front` asking for `name` (SNI), trusting the CA of `dir`: the answer.
 async fn https_get(front: SocketAddr, name: &str, dir: &Path) -> std::io::Result<String> {
     let mut roots = rserpool_tls::rustls::RootCertStore::empty();
@@ -323,15 +344,11 @@ async fn the_proxy_terminates_https_by_sni_and_speaks_tls_to_the_registrar() {
     let _pe = Logged::spawn("pe", &pe_args, "warn");
     let (front, status) = (addr(), addr());
     let d = dir.display();
-    let conf = format!(
-        r#"registrars = ["{reg}"]
-refresh-ms = 200
-status = "{status}"
-
-[registrar-tls]
-cert = "{d}/proxy.pem"
-key = "{d}/proxy.key"
-ca = "{d}/ca.pem"
+    let conf_path = proxy_config(
+        &dir,
+        r1.asap,
+        &format!(
+            r#"status = "{status}"
 
 [[listener]]
 listen = "{front}"
@@ -347,11 +364,9 @@ names = ["a.test"]
 cert = "{d}/b.test.pem"
 key = "{d}/b.test.key"
 names = ["b.test"]
-"#,
-        reg = r1.asap
+"#
+        ),
     );
-    let conf_path = dir.join("proxy.toml");
-    std::fs::write(&conf_path, conf).unwrap();
     let check = Command::new(BIN)
         .args(["check-config", conf_path.to_str().unwrap()])
         .output()
@@ -471,16 +486,11 @@ async fn the_proxy_speaks_tls_to_the_pes_of_a_pool_that_asks_for_it() {
     pe.wait_registered(Duration::from_secs(10)).await.unwrap();
     let front = addr();
     let d = dir.display();
-    let conf = format!(
-        r#"registrars = ["{reg}"]
-refresh-ms = 200
-
-[registrar-tls]
-cert = "{d}/proxy.pem"
-key = "{d}/proxy.key"
-ca = "{d}/ca.pem"
-
-[[listener]]
+    let conf_path = proxy_config(
+        &dir,
+        r1.asap,
+        &format!(
+            r#"[[listener]]
 listen = "{front}"
 mode = "http"
 pool = "Secure"
@@ -489,11 +499,9 @@ pool = "Secure"
 ca = "{d}/ca.pem"
 cert = "{d}/proxy.pem"
 key = "{d}/proxy.key"
-"#,
-        reg = r1.asap
+"#
+        ),
     );
-    let conf_path = dir.join("proxy.toml");
-    std::fs::write(&conf_path, conf).unwrap();
     let _proxy = Logged::spawn(
         "proxy",
         &[

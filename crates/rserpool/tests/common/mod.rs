@@ -113,6 +113,19 @@ impl Logged {
     }
 }
 
+/// `rserpool ARGS`, logging warnings and worse to nowhere; killed when dropped.
+pub fn spawn(args: &[&str]) -> KillOnDrop {
+    KillOnDrop(
+        Command::new(BIN)
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn rserpool"),
+    )
+}
+
 /// `rserpool ARGS` in network namespace `ns`, logging at the level in the environment
 /// variable `log_var` (default warn) to the test's stderr.
 pub fn spawn_in<S: AsRef<std::ffi::OsStr>>(ns: &str, args: &[S], log_var: &str) -> KillOnDrop {
