@@ -543,3 +543,75 @@ key = "{d}/proxy.key"
     assert!(String::from_utf8_lossy(&out.stdout).contains("TLS to PEs is for HTTP listeners"));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registrar_takes_over_a_pe_over_tls() {
+    let dir = tempdir("takeover");
+    certs(&dir, &["registrar1", "registrar2", "pe"]);
+    // Short ENRP timers: a silent peer is taken over about a second after it dies.
+    let fast = |name: &str| {
+        let mut a = tls(&dir, name);
+        for (k, v) in [
+            ("--peer-heartbeat-ms", "200"),
+            ("--max-time-last-heard-ms", "500"),
+            ("--max-time-no-response-ms", "500"),
+        ] {
+            a.extend([k.to_string(), v.to_string()]);
+        }
+        a
+    };
+    let mut r1 = registrar_with("registrar1", fast("registrar1"), &[]);
+    let r2 = registrar_with("registrar2", fast("registrar2"), &[r1.enrp]);
+    let pe = example_pe("pe", r1.asap, 0x42, tls(&dir, "pe"));
+    let id = |status| async move {
+        for _ in 0..100 {
+            if let Some(s) = common::registrar_status(status).await {
+                return s.server_id;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("no status at {status}");
+    };
+    let (id1, id2) = (Some(id(r1.status).await), Some(id(r2.status).await));
+    let home_at = |status: SocketAddr| async move {
+        common::registrar_status(status).await.and_then(|s| {
+            s.pools
+                .iter()
+                .flat_map(|p| &p.pes)
+                .find(|pe| pe.id == 0x42)
+                .map(|pe| pe.home_registrar)
+        })
+    };
+    wait_for(
+        Duration::from_secs(15),
+        "the PE homed at registrar 1, on both",
+        || async { home_at(r1.status).await == id1 && home_at(r2.status).await == id1 },
+    )
+    .await;
+    println!(
+        "registrar 1 {id1:x?}, registrar 2 {id2:x?}: the PE is homed at {:x?}",
+        home_at(r2.status).await
+    );
+    common::signal(&r1.proc.proc, rustix::process::Signal::KILL);
+    let _ = r1.proc.proc.wait();
+    // Registrar 2 takes the PE over: it connects to the PE's takeover port over TLS (each
+    // checks the other's certificate), and the PE adopts it as its home.
+    let took = wait_for(
+        Duration::from_secs(20),
+        "the PE homed at registrar 2",
+        || async { home_at(r2.status).await == id2 },
+    )
+    .await;
+    let adopted = format!("taken over by registrar {:#010x}", id2.unwrap_or_default());
+    let took = took
+        + wait_for(
+            Duration::from_secs(10),
+            "the PE adopts registrar 2",
+            || async { !pe.lines_with(&adopted).is_empty() },
+        )
+        .await;
+    println!("taken over over TLS in {took:?}");
+    assert!(r2.proc.lines_with("TLS handshake refused").is_empty());
+    assert!(pe.lines_with("TLS handshake").is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}
