@@ -193,7 +193,11 @@ impl Proxy {
             .unwrap_or_default();
         let (conns, max) = (self.inner.conns.clone(), self.inner.max_conns.max(1));
         let free = Box::new(move || conns.available_permits() as f64 / max as f64);
-        let joined = tier::Tier::start(t, cfg.registrars.clone(), ks.clone(), &interface, free)
+        let registrars = tier::RegistrarAccess {
+            addrs: cfg.registrars.clone(),
+            tls: self.inner.pools.settings.registrar_tls.clone(),
+        };
+        let joined = tier::Tier::start(t, registrars, ks.clone(), &interface, free)
             .await
             .map_err(|e| StartError::Config(config::ConfigError::Invalid(e)))?;
         ks.join(&joined);

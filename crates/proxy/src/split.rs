@@ -114,6 +114,8 @@ pub struct SplitConfig {
     /// `.split` pool.
     pub listen: SocketAddr,
     pub registrars: Vec<SocketAddr>,
+    /// TLS with the registrars, when they run it.
+    pub registrar_tls: Option<Arc<rserpool_tls::Tls>>,
     /// Where the answers leave (the datapath is attached at their egress).
     pub interfaces: Vec<String>,
     pub pin_dir: std::path::PathBuf,
@@ -155,7 +157,10 @@ impl SplitServer {
         let tier = Tier::start_as(
             tier_cfg,
             split_pool(&cfg.tier).to_string(),
-            cfg.registrars,
+            crate::tier::RegistrarAccess {
+                addrs: cfg.registrars,
+                tls: cfg.registrar_tls,
+            },
             side.clone(),
             &first,
             None,

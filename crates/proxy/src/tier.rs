@@ -341,12 +341,19 @@ pub(crate) struct Tier {
     free: Box<dyn Fn() -> f64 + Send + Sync>,
 }
 
+/// How a member reaches the registrars: their addresses, and TLS when they run it.
+#[derive(Clone, Debug)]
+pub(crate) struct RegistrarAccess {
+    pub(crate) addrs: Vec<SocketAddr>,
+    pub(crate) tls: Option<Arc<rserpool_tls::Tls>>,
+}
+
 impl Tier {
     /// Joins the tier: registers in its pool, listens for members and heartbeats, links to
     /// the members the pool names and starts the comparison passes.
     pub(crate) async fn start(
         cfg: TierConfig,
-        registrars: Vec<SocketAddr>,
+        registrars: RegistrarAccess,
         ks: Arc<KernelSplice>,
         interface: &str,
         free: Box<dyn Fn() -> f64 + Send + Sync>,
@@ -361,7 +368,7 @@ impl Tier {
     pub(crate) async fn start_as(
         cfg: TierConfig,
         register_in: String,
-        registrars: Vec<SocketAddr>,
+        registrars: RegistrarAccess,
         side: Arc<dyn Side>,
         interface: &str,
         ports: Option<std::ops::RangeInclusive<u16>>,
@@ -379,7 +386,8 @@ impl Tier {
             cfg.listen,
             rserpool_wire::Policy::LeastUsed { load: 0 },
         );
-        pe_cfg.registrars = registrars.clone();
+        pe_cfg.registrars = registrars.addrs.clone();
+        pe_cfg.tls = registrars.tls.clone();
         let pe = PoolElement::start(pe_cfg).map_err(|e| format!("[tier] registering: {e}"))?;
         let me = Member {
             id: pe.id(),
@@ -685,9 +693,10 @@ async fn heartbeat_loop(tier: std::sync::Weak<Tier>, udp: UdpSocket) {
 }
 
 /// Keeps a link to every other member of the tier pool, and this member's load in it.
-async fn discovery_loop(tier: std::sync::Weak<Tier>, registrars: Vec<SocketAddr>, pe: PoolElement) {
+async fn discovery_loop(tier: std::sync::Weak<Tier>, registrars: RegistrarAccess, pe: PoolElement) {
     let Ok(mut pu) = PoolUser::new(PoolUserConfig {
-        registrars,
+        registrars: registrars.addrs,
+        tls: registrars.tls,
         subscribe: true,
         ..PoolUserConfig::default()
     }) else {

@@ -298,6 +298,9 @@ impl rustls::server::ResolvesServerCert for BySni {
     }
 }
 
+/// TLS 1.2 sessions an HTTPS listener remembers for resumption.
+const HTTPS_SESSION_CACHE: usize = 20_000;
+
 /// The configuration of a TLS listener terminating HTTPS: its certificates by SNI, HTTP/1.1
 /// by ALPN, no client certificates.
 pub fn https_server(certs: &[Certificate]) -> Result<Arc<ServerConfig>, TlsError> {
@@ -330,5 +333,10 @@ pub fn https_server(certs: &[Certificate]) -> Result<Arc<ServerConfig>, TlsError
         .with_no_client_auth()
         .with_cert_resolver(Arc::new(BySni { by_name, default }));
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    // Resumption: clients that come back skip the certificate and its signature; stateless
+    // tickets (keys rotated by rustls), and a session cache for TLS 1.2 session IDs.
+    cfg.ticketer = rustls::crypto::ring::Ticketer::new()
+        .map_err(|e| TlsError::Config("listener".into(), format!("session tickets: {e}")))?;
+    cfg.session_storage = rustls::server::ServerSessionMemoryCache::new(HTTPS_SESSION_CACHE);
     Ok(Arc::new(cfg))
 }

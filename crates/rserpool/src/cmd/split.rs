@@ -41,6 +41,7 @@ pub fn run(args: SplitArgs) -> Result<()> {
         let _server = SplitServer::start(SplitConfig {
             tier: args.tier,
             listen: args.listen,
+            registrar_tls: args.registrars.tls()?,
             registrars: args.registrars.registrars,
             interfaces: args.interfaces,
             pin_dir: args.pin_dir,
