@@ -4,7 +4,8 @@
 //! A TOML deserializer stops at the first error. So after each error the lines it points at
 //! are blanked (a whole table when the error is the table's, e.g. a missing key) and the file
 //! is read again, with the line numbers unchanged, until it reads; then the settings are
-//! checked as a whole (those errors have no line of their own).
+//! checked as a whole (those errors have no line of their own), and the TLS files they name
+//! are read (an error there is given the line that names the file).
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -54,9 +55,46 @@ pub fn run(args: CheckArgs) -> Result<()> {
 
 /// The kind checked and its problems.
 pub fn check(text: &str, kind: Option<&str>) -> (&'static str, Vec<ConfigProblem>) {
-    let registrar = || problems::<rserpool_registrar::Config>(text, |_| Ok(()));
+    let registrar = || {
+        problems::<rserpool_registrar::Config>(text, |c| {
+            let mut out = Vec::new();
+            match c.tls_files() {
+                Err(e) => out.push(e),
+                Ok(Some(f)) => out.extend(rserpool_tls::Tls::load(&f).err().map(|e| e.to_string())),
+                Ok(None) => {}
+            }
+            out
+        })
+    };
     let proxy = || {
-        problems::<rserpool_proxy::ProxyConfig>(text, |c| c.validate().map_err(|e| e.to_string()))
+        problems::<rserpool_proxy::ProxyConfig>(text, |c| {
+            let mut out: Vec<String> = c
+                .validate()
+                .err()
+                .map(|e| e.to_string())
+                .into_iter()
+                .collect();
+            if let Some(f) = &c.registrar_tls {
+                out.extend(
+                    rserpool_tls::Tls::load(f)
+                        .err()
+                        .map(|e| format!("[registrar-tls]: {e}")),
+                );
+            }
+            for l in c.listeners.iter().filter(|l| !l.certificates.is_empty()) {
+                out.extend(
+                    rserpool_tls::https_server(&l.certificates)
+                        .err()
+                        .map(|e| format!("listener {}: {e}", l.listen)),
+                );
+            }
+            for (name, p) in &c.pool_settings {
+                if let Some(t) = &p.tls {
+                    out.extend(t.client().err().map(|e| format!("[pool.{name}.tls]: {e}")));
+                }
+            }
+            out
+        })
     };
     match kind {
         Some("registrar") => ("registrar", registrar()),
@@ -74,8 +112,9 @@ pub fn check(text: &str, kind: Option<&str>) -> (&'static str, Vec<ConfigProblem
 
 fn problems<T: DeserializeOwned>(
     text: &str,
-    validate: impl Fn(&T) -> Result<(), String>,
+    validate: impl Fn(&T) -> Vec<String>,
 ) -> Vec<ConfigProblem> {
+    let original = text;
     let mut text = text.to_owned();
     let mut out: Vec<ConfigProblem> = Vec::new();
     // Tables a line was blanked in: a key missing there now may be one we blanked.
@@ -83,12 +122,10 @@ fn problems<T: DeserializeOwned>(
     for _ in 0..MAX_ERRORS {
         match toml::from_str::<T>(&text) {
             Ok(cfg) => {
-                if let Err(message) = validate(&cfg) {
-                    out.push(ConfigProblem {
-                        line: None,
-                        message,
-                    });
-                }
+                out.extend(validate(&cfg).into_iter().map(|message| ConfigProblem {
+                    line: line_naming(original, &message),
+                    message,
+                }));
                 break;
             }
             Err(e) => {
@@ -111,6 +148,18 @@ fn problems<T: DeserializeOwned>(
         }
     }
     out
+}
+
+/// The line that holds a quoted string of `message` (a file name a TLS error names), if any.
+fn line_naming(text: &str, message: &str) -> Option<usize> {
+    text.lines()
+        .position(|l| {
+            l.split('"')
+                .skip(1)
+                .step_by(2)
+                .any(|quoted| !quoted.is_empty() && message.contains(quoted))
+        })
+        .map(|i| i + 1)
 }
 
 fn line_of(text: &str, at: usize) -> usize {
@@ -212,7 +261,7 @@ pool = \"Echo\"
     }
 
     #[test]
-    fn a_good_file_has_none_and_settings_errors_have_no_line() {
+    fn a_good_file_has_none_and_settings_errors_are_placed_where_they_can_be() {
         let good = "registrars = [\"127.0.0.1:3863\"]\n[[listener]]\nlisten = \"127.0.0.1:8080\"\npool = \"Web\"\nmode = \"http\"\n";
         assert_eq!(check(good, Some("proxy")), ("proxy", vec![]));
         let twice = format!(
@@ -220,9 +269,23 @@ pool = \"Echo\"
         );
         let (_, p) = check(&twice, Some("proxy"));
         assert_eq!(p.len(), 1, "{p:#?}");
-        assert_eq!(p[0].line, None);
+        // A settings error is given the first line that names what it names, if any.
+        assert_eq!(p[0].line, Some(3), "{p:#?}");
         assert!(p[0].message.contains("twice"), "{p:#?}");
+        let (_, p) = check("registrars = []\n", Some("proxy"));
+        assert_eq!(p[0].line, None, "{p:#?}");
         assert_eq!(check("", Some("registrar")), ("registrar", vec![]));
+        // TLS files are read: a missing one is reported at the line that names it.
+        let tls = "asap = \"127.0.0.1:3863\"\ntls-cert = \"/nonexistent/r.pem\"\ntls-key = \"/nonexistent/r.key\"\ntls-ca = \"/nonexistent/ca.pem\"\n";
+        let (_, p) = check(tls, Some("registrar"));
+        assert_eq!(p.len(), 1, "{p:#?}");
+        assert_eq!(p[0].line, Some(2), "{p:#?}");
+        assert!(
+            p[0].message.contains("cannot read /nonexistent/r.pem"),
+            "{p:#?}"
+        );
+        let (_, p) = check("tls-cert = \"a.pem\"\n", Some("registrar"));
+        assert!(p[0].message.contains("all three"), "{p:#?}");
         let (kind, p) = check(
             "keep-alive-interval-ms = -5\nmax-connections = 10\n= broken\n",
             None,
