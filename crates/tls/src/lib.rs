@@ -53,9 +53,23 @@ pub enum TlsError {
     Config(String, String),
 }
 
-/// The crypto provider of every configuration made here.
+/// The crypto provider of every configuration made here: *ring*, with the AES-128-GCM suites
+/// (SHA-256) ahead of AES-256-GCM (SHA-384). Current x86 and ARM CPUs compute SHA-256 in
+/// hardware and SHA-384 not: a handshake's transcript hash and key schedule, and every
+/// record, cost less (the SHA-384 code took an eighth of the proxy's CPU on new HTTPS
+/// connections). Servers here pick by this order ([`prefer_ours`]).
 pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    let mut p = rustls::crypto::ring::default_provider();
+    let sha384 = |s: &rustls::SupportedCipherSuite| format!("{:?}", s.suite()).ends_with("SHA384");
+    p.cipher_suites.sort_by_key(sha384);
+    Arc::new(p)
+}
+
+/// A server configuration that picks the cipher suite by [`provider`]'s order, not the
+/// client's (which usually puts AES-256 first).
+fn prefer_ours(mut cfg: ServerConfig) -> ServerConfig {
+    cfg.ignore_client_order = true;
+    cfg
 }
 
 /// Installs [`provider`] as the process default, for any rustls user that does not name one.
@@ -126,7 +140,7 @@ impl Tls {
                 .map_err(|e| bad("protocol versions", &e))?
                 .with_client_cert_verifier(verifier)
                 .with_single_cert(certs.clone(), key.clone_key())
-                .map(Arc::new)
+                .map(|c| Arc::new(prefer_ours(c)))
                 .map_err(|e| bad("certificate and key", &e))
         };
         let verifier = |optional: bool| {
@@ -327,11 +341,13 @@ pub fn https_server(certs: &[Certificate]) -> Result<Arc<ServerConfig>, TlsError
             "TLS needs at least one certificate".into(),
         ));
     };
-    let mut cfg = ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| TlsError::Config("listener".into(), e.to_string()))?
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(BySni { by_name, default }));
+    let mut cfg = prefer_ours(
+        ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::Config("listener".into(), e.to_string()))?
+            .with_no_client_auth()
+            .with_cert_resolver(Arc::new(BySni { by_name, default })),
+    );
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
     // Resumption: clients that come back skip the certificate and its signature; stateless
     // tickets (keys rotated by rustls), and a session cache for TLS 1.2 session IDs.
@@ -339,4 +355,27 @@ pub fn https_server(certs: &[Certificate]) -> Result<Arc<ServerConfig>, TlsError
         .map_err(|e| TlsError::Config("listener".into(), format!("session tickets: {e}")))?;
     cfg.session_storage = rustls::server::ServerSessionMemoryCache::new(HTTPS_SESSION_CACHE);
     Ok(Arc::new(cfg))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_sha256_suites_come_first() {
+        let p = super::provider();
+        let names: Vec<String> = p
+            .cipher_suites
+            .iter()
+            .map(|s| format!("{:?}", s.suite()))
+            .collect();
+        assert_eq!(names[0], "TLS13_AES_128_GCM_SHA256", "{names:?}");
+        let first384 = names
+            .iter()
+            .position(|n| n.ends_with("SHA384"))
+            .unwrap_or(names.len());
+        assert!(names[..first384].iter().all(|n| !n.ends_with("SHA384")));
+        assert!(
+            names[first384..].iter().all(|n| n.ends_with("SHA384")),
+            "{names:?}"
+        );
+    }
 }
