@@ -13,40 +13,30 @@ use anyhow::Result;
 /// One line per system as its part is measured.
 pub(super) fn print_sample(s: &Sample) {
     let mut line = format!("{:>8} round {}:", s.system.label(), s.round + 1);
-    if let Some(w) = s.keepalive {
-        line += &format!(
-            " keep-alive {:.0} req/s p50 {:.2} ms p99 {:.2} ms ({} errors), {:.1} µs CPU/req;",
+    let keepalive = |proto: &str, w: &super::Wrk| {
+        format!(
+            " {proto}keep-alive {:.0} req/s p50 {:.2} ms p99 {:.2} ms ({} errors), {:.1} µs CPU/req;",
             w.rps,
             w.p50_ms,
             w.p99_ms,
             w.errors,
             w.cpu_us.unwrap_or(0.0)
-        );
-    }
-    if let Some(w) = s.connect {
-        line += &format!(
-            " {:.0} conn/s ({} errors), {:.1} µs CPU/conn;",
+        )
+    };
+    let connect = |proto: &str, w: &super::Wrk| {
+        format!(
+            " {proto}{:.0} conn/s ({} errors), {:.1} µs CPU/conn;",
             w.rps,
             w.errors,
             w.cpu_us.unwrap_or(0.0)
-        );
-    }
-    if let Some(w) = s.https_keepalive {
-        line += &format!(
-            " HTTPS keep-alive {:.0} req/s p99 {:.2} ms ({} errors), {:.1} µs CPU/req;",
-            w.rps,
-            w.p99_ms,
-            w.errors,
-            w.cpu_us.unwrap_or(0.0)
-        );
-    }
-    if let Some(w) = s.https_connect {
-        line += &format!(
-            " HTTPS {:.0} conn/s ({} errors), {:.1} µs CPU/conn;",
-            w.rps,
-            w.errors,
-            w.cpu_us.unwrap_or(0.0)
-        );
+        )
+    };
+    for (proto, ka, conn) in [
+        ("", &s.keepalive, &s.connect),
+        ("HTTPS ", &s.https_keepalive, &s.https_connect),
+    ] {
+        line += &ka.as_ref().map(|w| keepalive(proto, w)).unwrap_or_default();
+        line += &conn.as_ref().map(|w| connect(proto, w)).unwrap_or_default();
     }
     if let Some(b) = s.bulk_mib_s {
         line += &format!(" TCP bulk {b:.0} MiB/s");
