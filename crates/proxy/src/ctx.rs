@@ -24,6 +24,8 @@ pub(crate) struct Ctx {
     pub(crate) kernel: Option<Arc<crate::kernel::KernelSplice>>,
     /// HTTPS: the listener's TLS (its certificates by SNI).
     pub(crate) tls: Option<Arc<rserpool_tls::rustls::ServerConfig>>,
+    /// HTTPS handshakes that failed, for the metrics.
+    pub(crate) tls_failures: Arc<std::sync::atomic::AtomicU64>,
     /// TLS to the PEs of the pools with `[pool.NAME.tls]`, by pool handle.
     pub(crate) pe_tls:
         Arc<std::collections::HashMap<String, Arc<rserpool_tls::rustls::ClientConfig>>>,

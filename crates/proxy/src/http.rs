@@ -69,11 +69,14 @@ pub(crate) async fn serve_tls(
     };
     let accept = rserpool_tls::tokio_rustls::TlsAcceptor::from(tls).accept(s);
     let limit = HANDSHAKE_TIMEOUT.min(ctx.request_timeout());
-    match tokio::time::timeout(limit, accept).await {
-        Ok(Ok(t)) => serve_stream(ClientStream::tls(t), peer, ctx).await,
-        Ok(Err(e)) => debug!("client {peer}: TLS handshake failed: {e}"),
-        Err(_) => debug!("client {peer}: no TLS handshake within {limit:?}"),
-    }
+    let failed = match tokio::time::timeout(limit, accept).await {
+        Ok(Ok(t)) => return serve_stream(ClientStream::tls(t), peer, ctx).await,
+        Ok(Err(e)) => format!("TLS handshake failed: {e}"),
+        Err(_) => format!("no TLS handshake within {limit:?}"),
+    };
+    // Counted (`rserpool_proxy_tls_handshake_failures_total`); scanners make many of these.
+    ctx.tls_failures.fetch_add(1, Ordering::Relaxed);
+    debug!("client {peer}: {failed}");
 }
 
 async fn serve_stream(stream: ClientStream, peer: SocketAddr, ctx: Ctx) {

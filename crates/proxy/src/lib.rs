@@ -84,6 +84,8 @@ struct Inner {
     kernel: RwLock<Option<Arc<kernel::KernelSplice>>>,
     /// Membership of a proxy tier (`[tier]`), once joined.
     tier: RwLock<Option<Arc<tier::Tier>>>,
+    /// HTTPS clients whose TLS handshake failed or timed out.
+    tls_failures: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A running proxy. Its tasks run on the tokio runtime it was started on.
@@ -145,6 +147,7 @@ impl Proxy {
                 log: RwLock::new(log),
                 kernel: RwLock::new(kernel),
                 tier: RwLock::new(None),
+                tls_failures: Arc::default(),
             }),
         };
         if let Some(t) = &cfg.tier {
@@ -233,6 +236,7 @@ impl Proxy {
             kernel: l.kernel_splice().then(|| self.kernel()).flatten(),
             tls,
             pe_tls: Arc::new(pe_tls),
+            tls_failures: i.tls_failures.clone(),
         })
     }
 

@@ -29,6 +29,12 @@ impl Proxy {
             &[],
             self.active_connections() as f64,
         );
+        m.counter(
+            "rserpool_proxy_tls_handshake_failures",
+            "HTTPS clients whose TLS handshake failed or timed out.",
+            &[],
+            self.inner.tls_failures.load(Ordering::Relaxed),
+        );
         let mut series = 0;
         for pool in self.inner.pools.all() {
             let handle = pool.handle.to_string();

@@ -416,6 +416,9 @@ names = ["b.test"]
     );
     let m = scrape(status).await;
     assert!(metric(&m, "rserpool_proxy_requests_total", &[("pool", "Web")]) >= 3.0);
+    // The plaintext client and the name without a certificate of its own.
+    let failures = metric(&m, "rserpool_proxy_tls_handshake_failures_total", &[]);
+    assert!(failures >= 2.0, "{failures}");
     assert!(
         proxy
             .lines_with("listener on")
