@@ -315,32 +315,14 @@ impl Bed {
                 &["proxy", "--config", file.to_str().unwrap_or_default()],
             )?);
         }
-        let hb = heartbeat_ms.to_string();
-        bed.procs.push(spawn(
-            bin,
-            &router,
-            &bed.dir,
-            "distributor",
-            &[
-                "distributor",
-                "--pool",
-                "ProxyTier",
-                "--registrar",
-                &reg,
-                "--group",
-                "100",
-                "--heartbeat-ms",
-                &hb,
-                "--route",
-                &format!("{TIER_VIP}/32"),
-                "--route",
-                &format!("{TIER_SHARED}/32"),
-            ],
-        )?);
+        let args = TierNet::distributor_args(heartbeat_ms);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        bed.procs
+            .push(spawn(bin, &router, &bed.dir, "distributor", &args)?);
         // Up: the group has every proxy and a GET goes through.
         let t0 = Instant::now();
         loop {
-            let members = bed.net.group_members(100);
+            let members = bed.net.group_members(TierNet::GROUP);
             if members == proxies
                 && wait_for_get(
                     &bed.net.client,

@@ -365,6 +365,31 @@ impl TierNet {
         .to_vec()
     }
 
+    /// The nexthop group the distributor keeps on the router.
+    pub const GROUP: u32 = 100;
+
+    /// `rserpool distributor`'s arguments on the router: the tier pool, group [`GROUP`]
+    /// (`Self::GROUP`), heartbeats every `heartbeat_ms`, routes to the VIP and the shared address.
+    pub fn distributor_args(heartbeat_ms: u64) -> Vec<String> {
+        let reg = format!("{}:3863", Self::ROUTER);
+        [
+            "distributor".to_string(),
+            "--pool".into(),
+            "ProxyTier".into(),
+            "--registrar".into(),
+            reg,
+            "--group".into(),
+            Self::GROUP.to_string(),
+            "--heartbeat-ms".into(),
+            heartbeat_ms.to_string(),
+            "--route".into(),
+            format!("{TIER_VIP}/32"),
+            "--route".into(),
+            format!("{TIER_SHARED}/32"),
+        ]
+        .to_vec()
+    }
+
     /// How many members nexthop group `id` of the router has (0: none, or no group yet).
     pub fn group_members(&self, id: u32) -> usize {
         let out = Command::new("ip")

@@ -13,7 +13,7 @@
 //! This file frames incoming bytes and dispatches each message to its part.
 
 use crate::config::Config;
-use crate::status::{EnrpCounters, PeerStatus, Status};
+use crate::status::{Counters, EnrpCounters, MetricsView, PeerStatus, Status};
 use bytes::Bytes;
 use rserpool_handlespace::Handlespace;
 use rserpool_wire::{CauseCode, ErrorCause};
@@ -228,10 +228,34 @@ impl Registrar {
         self.enrp.counters()
     }
 
-    /// The handlespace as `rserpool status` shows it.
-    pub fn status(&self, now: Instant) -> Status {
+    /// What `GET /metrics` shows: counters and sizes, nothing per PE.
+    pub fn metrics(&self, now: Instant) -> MetricsView {
+        let mut pool_sizes: Vec<(String, usize)> = self
+            .handlespace()
+            .pools()
+            .map(|(handle, _, n)| (handle.to_string(), n))
+            .collect();
+        pool_sizes.sort();
+        MetricsView {
+            server_id: self.id,
+            connections: self.conns.len(),
+            pool_sizes,
+            home_pes: enrp::HandlespaceView::owned_count(&self.asap, self.id),
+            counters: self.counters(),
+            enrp: self.enrp.counters().clone(),
+            peers: self.peer_status(now),
+        }
+    }
+
+    fn counters(&self) -> Counters {
         let mut counters = self.asap.counters().clone();
         self.conns.add_counters(&mut counters);
+        counters
+    }
+
+    /// The handlespace as `rserpool status` shows it.
+    pub fn status(&self, now: Instant) -> Status {
+        let counters = self.counters();
         Status {
             server_id: self.id,
             uptime_ms: now.as_millis().saturating_sub(self.started.as_millis()),

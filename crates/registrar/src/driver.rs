@@ -991,7 +991,7 @@ impl EventLoop {
             &mut self.read_buf,
             now,
             |path| match path {
-                "/metrics" => rserpool_status::Reply::metrics(core.status(now).metrics()),
+                "/metrics" => rserpool_status::Reply::metrics(core.metrics(now).metrics()),
                 _ => rserpool_status::Reply::json(&core.status(now)),
             },
         );

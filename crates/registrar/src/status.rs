@@ -106,10 +106,25 @@ pub struct PeerStatus {
 /// Pool series at most; the PEs of the remaining pools are summed under `pool="other"`.
 pub const MAX_POOL_SERIES: usize = 1000;
 
-impl Status {
-    /// The registrar's `GET /metrics`, from this one moment of its handlespace. Cardinality:
-    /// one series per pool (up to [`MAX_POOL_SERIES`]), per ENRP peer and per error cause
-    /// sent; none per PE.
+/// What the registrar's `GET /metrics` reads from one moment of the core: counters and sizes,
+/// nothing per PE, so that a scrape costs the event loop next to nothing however many PEs
+/// there are (the status document formats every PE).
+#[derive(Debug, Clone)]
+pub struct MetricsView {
+    pub server_id: u32,
+    pub connections: usize,
+    /// Every pool's handle and its number of PEs.
+    pub pool_sizes: Vec<(String, usize)>,
+    /// PEs this registrar is home for.
+    pub home_pes: usize,
+    pub counters: Counters,
+    pub enrp: EnrpCounters,
+    pub peers: Vec<PeerStatus>,
+}
+
+impl MetricsView {
+    /// The registrar's `GET /metrics`. Cardinality: one series per pool (up to
+    /// [`MAX_POOL_SERIES`]), per ENRP peer and per error cause sent; none per PE.
     pub fn metrics(&self) -> rserpool_status::metrics::Exposition {
         let mut m = rserpool_status::metrics::Exposition::default();
         let id = format!("{:#010x}", self.server_id);
@@ -129,33 +144,23 @@ impl Status {
             "rserpool_registrar_pools",
             "Pools in the handlespace.",
             &[],
-            self.pools.len() as f64,
+            self.pool_sizes.len() as f64,
         );
-        let home = self
-            .pools
-            .iter()
-            .flat_map(|p| &p.pes)
-            .filter(|pe| pe.home_registrar == self.server_id)
-            .count();
         m.gauge(
             "rserpool_registrar_home_pool_elements",
             "PEs whose home registrar this is.",
             &[],
-            home as f64,
+            self.home_pes as f64,
         );
         let help = "PEs registered in the pool (all registrars' PEs).";
-        let (named, rest) = self.pools.split_at(self.pools.len().min(MAX_POOL_SERIES));
-        for p in named {
-            let labels = [("pool", p.handle.as_str())];
-            m.gauge(
-                "rserpool_registrar_pool_elements",
-                help,
-                &labels,
-                p.pes.len() as f64,
-            );
+        let sizes = &self.pool_sizes;
+        let (named, rest) = sizes.split_at(sizes.len().min(MAX_POOL_SERIES));
+        for (handle, n) in named {
+            let labels = [("pool", handle.as_str())];
+            m.gauge("rserpool_registrar_pool_elements", help, &labels, *n as f64);
         }
         if !rest.is_empty() {
-            let n: usize = rest.iter().map(|p| p.pes.len()).sum();
+            let n: usize = rest.iter().map(|(_, n)| n).sum();
             m.gauge(
                 "rserpool_registrar_pool_elements",
                 help,

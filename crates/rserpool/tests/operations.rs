@@ -151,6 +151,10 @@ async fn metrics_are_valid_openmetrics_and_count_what_happened() {
         metric(&g, "rserpool_registrar_pool_elements", &[("pool", "Side")]),
         1.0
     );
+    assert_eq!(
+        metric(&g, "rserpool_registrar_home_pool_elements", &[]),
+        3.0
+    );
     assert!(metric(&g, "rserpool_registrar_registrations_total", &[]) >= 3.0);
     assert!(metric(&g, "rserpool_registrar_resolutions_total", &[]) >= 1.0);
     assert_eq!(

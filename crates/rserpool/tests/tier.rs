@@ -11,7 +11,7 @@
 mod common;
 
 use common::KillOnDrop;
-use rserpool_ksplice::testbed::{TIER_SHARED, TIER_VIP, TierNet, in_ns, tier_topology};
+use rserpool_ksplice::testbed::{TIER_VIP, TierNet, in_ns, tier_topology};
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
 use std::process::{Command, Stdio};
@@ -87,24 +87,7 @@ impl Tier {
                 ]),
             ));
         }
-        fixed.push(spawn_in(
-            &net.router,
-            &strings(&[
-                "distributor",
-                "--pool",
-                "ProxyTier",
-                "--registrar",
-                &reg,
-                "--group",
-                "100",
-                "--heartbeat-ms",
-                "100",
-                "--route",
-                &format!("{TIER_VIP}/32"),
-                "--route",
-                &format!("{TIER_SHARED}/32"),
-            ]),
-        ));
+        fixed.push(spawn_in(&net.router, &TierNet::distributor_args(100)));
         let mut t = Tier {
             _one: guard,
             net,
@@ -178,7 +161,7 @@ impl Tier {
         let t0 = Instant::now();
         loop {
             let group = self.group();
-            let members = self.net.group_members(100);
+            let members = self.net.group_members(TierNet::GROUP);
             let running: Vec<usize> = (1..=self.proxies.len())
                 .filter(|i| self.proxies[i - 1].is_some())
                 .collect();
