@@ -68,6 +68,16 @@ enum Path3 {
     Proxies { proxies: usize, split: bool },
 }
 
+impl Path3 {
+    /// Through `proxies` proxies, without split splice.
+    const fn via(proxies: usize) -> Path3 {
+        Path3::Proxies {
+            proxies,
+            split: false,
+        }
+    }
+}
+
 pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
     if !rustix::process::geteuid().is_root() {
         bail!("the tier benchmark needs root (network namespaces, eBPF, tc)");
@@ -87,20 +97,8 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
         let mut ups = Vec::new();
         for (name, path) in [
             ("C-S (direct)", Path3::Direct),
-            (
-                "C-LB-P-S",
-                Path3::Proxies {
-                    proxies: 1,
-                    split: false,
-                },
-            ),
-            (
-                "C-LB-2P-S",
-                Path3::Proxies {
-                    proxies: 2,
-                    split: false,
-                },
-            ),
+            ("C-LB-P-S", Path3::via(1)),
+            ("C-LB-2P-S", Path3::via(2)),
         ] {
             ups.push(measure(
                 bin,
@@ -119,10 +117,7 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
             ups.push(measure(
                 bin,
                 mbit,
-                Path3::Proxies {
-                    proxies: 2,
-                    split: false,
-                },
+                Path3::via(2),
                 true,
                 args.clients,
                 size,
@@ -133,13 +128,7 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
         let mut downs = Vec::new();
         for (name, path) in [
             ("C-S (direct)", Path3::Direct),
-            (
-                "C-LB-P-S",
-                Path3::Proxies {
-                    proxies: 1,
-                    split: false,
-                },
-            ),
+            ("C-LB-P-S", Path3::via(1)),
             (
                 "C-LB-P-S* (split splice)",
                 Path3::Proxies {
