@@ -54,6 +54,8 @@ pub struct Backend {
     pub stats: BackendStats,
     health: Mutex<Health>,
     idle: IdlePool<BackendConn>,
+    /// HTTP/2 connections (`protocol = "h2"` pools).
+    pub(crate) h2: crate::http2::upstream::H2Conns,
     /// The credits last reported (−1: none yet), and the capacity reported with them.
     credit_reported: AtomicI64,
     credit_capacity: AtomicI64,
@@ -183,6 +185,7 @@ impl Backend {
             stats: BackendStats::default(),
             health: Mutex::new(Health::default()),
             idle: IdlePool::new(),
+            h2: Default::default(),
             credit_reported: AtomicI64::new(-1),
             credit_capacity: AtomicI64::new(0),
             credit_base: AtomicU64::new(0),
@@ -334,6 +337,7 @@ impl Backend {
     /// The PE left the pool (or moved): its idle connections go and none are kept.
     pub(crate) fn retire(&self) {
         self.idle.close();
+        self.h2.clear();
     }
 
     /// An idle keep-alive connection to this PE, if one is fresh enough.

@@ -84,6 +84,15 @@ pub struct ListenerConfig {
     /// `key`, `names`), picked by the name the client asks for (SNI); none: plain HTTP.
     #[serde(default, rename = "certificate", skip_serializing_if = "Vec::is_empty")]
     pub certificates: Vec<rserpool_tls::Certificate>,
+    /// HTTP/2 from clients (HTTP listeners): offered by ALPN (`h2`, then `http/1.1`) on HTTPS,
+    /// and taken in cleartext from a client that starts with the HTTP/2 preface (h2c with
+    /// prior knowledge). Limits in `[http2]`.
+    #[serde(default = "yes")]
+    pub http2: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl ListenerConfig {
@@ -204,6 +213,61 @@ pub struct PoolConfig {
     /// chain to `ca` and name the PE's IP address; `cert` and `key`, when given, are presented.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls: Option<PeTlsConfig>,
+    /// The HTTP version spoken to the pool's PEs (HTTP listeners): `"http1"` (the default,
+    /// kept-alive connections, one request at a time) or `"h2"` (HTTP/2 with prior knowledge,
+    /// or by ALPN over TLS; streams multiplexed on a few connections per PE; required for
+    /// gRPC, whose trailers HTTP/1.1 cannot carry).
+    pub protocol: PeProtocol,
+    /// Path prefixes of requests that may be sent again to another PE when one fails before
+    /// answering, besides the idempotent methods (GET, PUT, …): for gRPC, the idempotent
+    /// methods, e.g. `["/helloworld.Greeter/SayHello", "/grpc.health.v1.Health/"]`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub idempotent: Vec<String>,
+}
+
+/// `[pool.NAME] protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PeProtocol {
+    #[default]
+    Http1,
+    H2,
+}
+
+/// `[http2]`: HTTP/2 from clients, and its limits against the known attacks (docs/HTTP2.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Http2Config {
+    /// Streams (requests) a client may have open at once per connection
+    /// (SETTINGS_MAX_CONCURRENT_STREAMS).
+    pub max_concurrent_streams: u32,
+    /// Flow-control window per stream and per connection, bytes.
+    pub stream_window: u32,
+    pub connection_window: u32,
+    /// Largest decoded header list of a request (SETTINGS_MAX_HEADER_LIST_SIZE; against
+    /// HPACK bombs and CONTINUATION floods). Default: `max-head`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_header_list_size: Option<u32>,
+    /// Streams a client may reset per second on one connection (burst: as many at once);
+    /// beyond, GOAWAY ENHANCE_YOUR_CALM (rapid reset, CVE-2023-44487).
+    pub max_resets_per_s: u32,
+    /// Control frames (PING, SETTINGS, PRIORITY, empty DATA/HEADERS/CONTINUATION) a client
+    /// may send per second on one connection (burst: as many at once); beyond, GOAWAY
+    /// ENHANCE_YOUR_CALM (PING, SETTINGS and empty-frame floods).
+    pub max_control_frames_per_s: u32,
+}
+
+impl Default for Http2Config {
+    fn default() -> Self {
+        Self {
+            max_concurrent_streams: 100,
+            stream_window: 1 << 20,
+            connection_window: 4 << 20,
+            max_header_list_size: None,
+            max_resets_per_s: 100,
+            max_control_frames_per_s: 200,
+        }
+    }
 }
 
 /// `[pool.NAME.tls]`.
@@ -237,6 +301,8 @@ impl Default for PoolConfig {
             queue_timeout_ms: 1000,
             queue: 1024,
             tls: None,
+            protocol: PeProtocol::Http1,
+            idempotent: Vec::new(),
         }
     }
 }
@@ -299,6 +365,8 @@ pub struct ProxyConfig {
     /// run with TLS.
     #[serde(rename = "registrar-tls", skip_serializing_if = "Option::is_none")]
     pub registrar_tls: Option<rserpool_tls::TlsFiles>,
+    /// HTTP/2 from clients: its limits.
+    pub http2: Http2Config,
 }
 
 impl Default for ProxyConfig {
@@ -327,6 +395,7 @@ impl Default for ProxyConfig {
             kernel_splice: KernelSpliceConfig::default(),
             tier: None,
             registrar_tls: None,
+            http2: Http2Config::default(),
         }
     }
 }
@@ -455,6 +524,32 @@ impl ProxyConfig {
                     "[pool.{name}.tls]: the kernel splice carries TCP, not TLS to the PEs"
                 ));
             }
+            if p.protocol == PeProtocol::H2
+                && self
+                    .listeners
+                    .iter()
+                    .any(|l| l.mode == Mode::Tcp && l.pool.as_deref() == Some(name.as_str()))
+            {
+                return bad(format!(
+                    "[pool.{name}] protocol = \"h2\" is for HTTP listeners; a TCP listener \
+                     passes its client's bytes through"
+                ));
+            }
+            if p.protocol == PeProtocol::H2
+                && self
+                    .listeners
+                    .iter()
+                    .any(|l| l.kernel_splice() && serves(l))
+            {
+                return bad(format!(
+                    "[pool.{name}] protocol = \"h2\": the kernel splice pins HTTP/1.1 connections"
+                ));
+            }
+            if let Some(bad_prefix) = p.idempotent.iter().find(|x| !x.starts_with('/')) {
+                return bad(format!(
+                    "[pool.{name}] idempotent: {bad_prefix:?} must start with /"
+                ));
+            }
             if p.queue_timeout_ms > 60_000 {
                 return bad(format!("pool {name}: queue-timeout-ms above a minute"));
             }
@@ -464,6 +559,21 @@ impl ProxyConfig {
         }
         if let Some(l) = &self.levels {
             l.validate().map_err(ConfigError::Invalid)?;
+        }
+        let h = &self.http2;
+        if h.max_concurrent_streams == 0 || h.max_resets_per_s == 0 || h.max_control_frames_per_s == 0
+        {
+            return bad(
+                "[http2] max-concurrent-streams, max-resets-per-s and max-control-frames-per-s \
+                 must be above 0"
+                    .into(),
+            );
+        }
+        if h.stream_window < 65_535 || h.connection_window < 65_535 {
+            return bad("[http2] stream-window and connection-window must be at least 65535".into());
+        }
+        if h.stream_window > (1 << 31) - 1 || h.connection_window > (1 << 31) - 1 {
+            return bad("[http2] windows must be below 2^31".into());
         }
         if self.max_head < 1024 {
             return bad("max-head must be at least 1024".into());

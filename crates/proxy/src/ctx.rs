@@ -24,6 +24,8 @@ pub(crate) struct Ctx {
     pub(crate) kernel: Option<Arc<crate::kernel::KernelSplice>>,
     /// HTTPS: the listener's TLS (its certificates by SNI).
     pub(crate) tls: Option<Arc<rserpool_tls::rustls::ServerConfig>>,
+    /// The listener takes HTTP/2 (ALPN `h2`, h2c with prior knowledge).
+    pub(crate) http2: bool,
     /// HTTPS handshakes that failed, for the metrics.
     pub(crate) tls_failures: Arc<std::sync::atomic::AtomicU64>,
     /// TLS to the PEs of the pools with `[pool.NAME.tls]`, by pool handle.

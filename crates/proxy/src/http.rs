@@ -54,6 +54,9 @@ pub(crate) async fn serve(stream: std::net::TcpStream, peer: SocketAddr, ctx: Ct
     serve_stream(ClientStream::new(stream), peer, ctx).await;
 }
 
+/// The first line of the HTTP/2 preface, which an HTTP/1.1 parser refuses.
+const H2C_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n";
+
 /// Time for an HTTPS client's TLS handshake.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -70,6 +73,9 @@ pub(crate) async fn serve_tls(
     let accept = rserpool_tls::tokio_rustls::TlsAcceptor::from(tls).accept(s);
     let limit = HANDSHAKE_TIMEOUT.min(ctx.request_timeout());
     let failed = match tokio::time::timeout(limit, accept).await {
+        Ok(Ok(t)) if t.get_ref().1.alpn_protocol() == Some(b"h2") => {
+            return crate::http2::front::serve(t, Bytes::new(), peer, ctx).await;
+        }
         Ok(Ok(t)) => return serve_stream(ClientStream::tls(t), peer, ctx).await,
         Ok(Err(e)) => format!("TLS handshake failed: {e}"),
         Err(_) => format!("no TLS handshake within {limit:?}"),
@@ -110,6 +116,16 @@ async fn serve_requests(c: &mut Client, ctx: &Ctx) {
             Ok(Err(ReadHeadError::Io)) => return,
             Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
                 let _ = reply(c, 431, "request head too large").await;
+                return;
+            }
+            Ok(Err(ReadHeadError::Head(HeadError::Malformed)))
+                if first && ctx.http2 && c.buf.starts_with(H2C_PREFACE) =>
+            {
+                // h2c with prior knowledge.
+                let pre = c.buf.split().freeze();
+                if let Ok(s) = c.stream.take_stream() {
+                    crate::http2::front::serve(s, pre, peer, ctx.clone()).await;
+                }
                 return;
             }
             Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
@@ -189,7 +205,9 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
     };
     let mut failover = Failover::default();
     loop {
-        let (attempt, mut conn) = match select(pool, &r, &mut failover, ctx).await {
+        let fresh_only = !r.idempotent;
+        let connect = |pe: Arc<Backend>| async move { take_conn(&pe, ctx, fresh_only).await };
+        let (attempt, mut conn) = match select(pool, r.level, &mut failover, ctx, connect).await {
             Ok(v) => v,
             Err((code, why)) => return give_up(c, &r, ctx, code, Some(why), None).await,
         };
@@ -209,12 +227,12 @@ pub(crate) struct Request {
     pub(crate) head: Head,
     pub(crate) framing: Framing,
     pub(crate) host: Vec<u8>,
-    path_end: usize,
+    pub(crate) path_end: usize,
     keep_alive: bool,
     expect_continue: bool,
     pub(crate) upgrade: bool,
-    idempotent: bool,
-    started: Instant,
+    pub(crate) idempotent: bool,
+    pub(crate) started: Instant,
     /// Service level (1 without `[levels]`).
     pub(crate) level: usize,
 }
@@ -282,7 +300,7 @@ fn analyse(head: Head, started: Instant) -> Result<Request, &'static str> {
 }
 
 /// Step classify: the request's service level by the `[levels]` rules.
-fn classify(r: &Request, peer: SocketAddr, ctx: &Ctx) -> usize {
+pub(crate) fn classify(r: &Request, peer: SocketAddr, ctx: &Ctx) -> usize {
     let Some(levels) = &ctx.cfg.levels else {
         return 1;
     };
@@ -297,7 +315,7 @@ fn classify(r: &Request, peer: SocketAddr, ctx: &Ctx) -> usize {
 }
 
 /// Step route: the pool that serves the request.
-fn route<'c>(r: &Request, ctx: &'c Ctx) -> Option<&'c Target> {
+pub(crate) fn route<'c>(r: &Request, ctx: &'c Ctx) -> Option<&'c Target> {
     ctx.routes.route(&r.host, &r.head.target()[..r.path_end])
 }
 
@@ -391,53 +409,18 @@ pub(crate) fn outgoing_head_with(
     } else {
         b" HTTP/1.0\r\n"
     });
-    // The forwarding headers that came with the request, every one that holds an element
-    // (RFC 9110 §5.6.1), go before the client's address.
-    let mut xff: Vec<&[u8]> = Vec::new();
-    let mut fwd: Vec<&[u8]> = Vec::new();
-    for (n, v) in h.end_to_end() {
-        if n.eq_ignore_ascii_case(level_header.as_bytes()) {
-            continue;
-        }
-        let prior = if n.eq_ignore_ascii_case(b"x-forwarded-for") {
-            &mut xff
-        } else if n.eq_ignore_ascii_case(b"forwarded") {
-            &mut fwd
-        } else {
-            out.put_slice(n);
-            out.put_slice(b": ");
-            out.put_slice(v);
-            out.put_slice(b"\r\n");
-            continue;
-        };
-        if v.split(|&b| b == b',').any(|e| !e.trim_ascii().is_empty()) {
-            prior.push(v);
-        }
+    let fw = forwarding(r, peer, level_header);
+    for (n, v) in fw.pass {
+        out.put_slice(n);
+        out.put_slice(b": ");
+        out.put_slice(v);
+        out.put_slice(b"\r\n");
     }
-    let ip = peer.ip().to_canonical();
     out.put_slice(b"X-Forwarded-For: ");
-    for v in xff {
-        out.put_slice(v);
-        out.put_slice(b", ");
-    }
-    out.put_slice(ip.to_string().as_bytes());
+    out.put_slice(&fw.x_forwarded_for);
     out.put_slice(b"\r\nForwarded: ");
-    for v in fwd {
-        out.put_slice(v);
-        out.put_slice(b", ");
-    }
-    let node = if ip.is_ipv6() {
-        format!("for=\"[{ip}]\"")
-    } else {
-        format!("for={ip}")
-    };
-    out.put_slice(node.as_bytes());
-    if plain_host(&r.host) {
-        out.put_slice(b";host=\"");
-        out.put_slice(&r.host);
-        out.put_u8(b'"');
-    }
-    out.put_slice(b";proto=http\r\n");
+    out.put_slice(&fw.forwarded);
+    out.put_slice(b"\r\n");
     if send_level {
         out.put_slice(level_header.as_bytes());
         out.put_slice(b": ");
@@ -455,6 +438,58 @@ pub(crate) fn outgoing_head_with(
     }
     out.put_slice(b"\r\n");
     out
+}
+
+/// The request's headers as they go to a PE, whatever the HTTP version towards it.
+pub(crate) struct Forwarding<'r> {
+    /// End-to-end headers that pass unchanged.
+    pub(crate) pass: Vec<(&'r [u8], &'r [u8])>,
+    /// The values of X-Forwarded-For and Forwarded: the client's (every one that holds an
+    /// element, RFC 9110 §5.6.1) before the client's address.
+    pub(crate) x_forwarded_for: Vec<u8>,
+    pub(crate) forwarded: Vec<u8>,
+}
+
+/// [`Forwarding`] of a request from `peer`; a client's copies of `level_header` are dropped.
+pub(crate) fn forwarding<'r>(r: &'r Request, peer: SocketAddr, level_header: &str) -> Forwarding<'r> {
+    let mut fw = Forwarding {
+        pass: Vec::with_capacity(r.head.headers.len()),
+        x_forwarded_for: Vec::new(),
+        forwarded: Vec::new(),
+    };
+    for (n, v) in r.head.end_to_end() {
+        if n.eq_ignore_ascii_case(level_header.as_bytes()) {
+            continue;
+        }
+        let prior = if n.eq_ignore_ascii_case(b"x-forwarded-for") {
+            &mut fw.x_forwarded_for
+        } else if n.eq_ignore_ascii_case(b"forwarded") {
+            &mut fw.forwarded
+        } else {
+            fw.pass.push((n, v));
+            continue;
+        };
+        if v.split(|&b| b == b',').any(|e| !e.trim_ascii().is_empty()) {
+            prior.extend_from_slice(v);
+            prior.extend_from_slice(b", ");
+        }
+    }
+    let ip = peer.ip().to_canonical();
+    fw.x_forwarded_for
+        .extend_from_slice(ip.to_string().as_bytes());
+    let node = if ip.is_ipv6() {
+        format!("for=\"[{ip}]\"")
+    } else {
+        format!("for={ip}")
+    };
+    fw.forwarded.extend_from_slice(node.as_bytes());
+    if plain_host(&r.host) {
+        fw.forwarded.extend_from_slice(b";host=\"");
+        fw.forwarded.extend_from_slice(&r.host);
+        fw.forwarded.push(b'"');
+    }
+    fw.forwarded.extend_from_slice(b";proto=http");
+    fw
 }
 
 /// Whether a Host is a plain host[:port] (letters, digits, `-._~%`, an IP literal's `:[]`):
@@ -483,7 +518,7 @@ async fn read_exact_body(c: &mut Client, n: usize, idle: Duration) -> io::Result
 
 /// What a request has been through on its way to a PE.
 #[derive(Default)]
-struct Failover {
+pub(crate) struct Failover {
     /// PEs that failed the request; they are not selected again.
     tried: Vec<u32>,
     /// Selections so far.
@@ -493,34 +528,39 @@ struct Failover {
 }
 
 /// The PE one attempt goes to: the value [`select`] makes, with the connection.
-struct Attempt {
-    pool: Arc<Pool>,
-    pe: Arc<Backend>,
+pub(crate) struct Attempt {
+    pub(crate) pool: Arc<Pool>,
+    pub(crate) pe: Arc<Backend>,
     /// The connection was kept alive from an earlier request.
-    reused: bool,
+    pub(crate) reused: bool,
     /// Requests in flight at the PE before this one, and when it was sent: its latency.
-    rif: u64,
-    sent: Instant,
+    pub(crate) rif: u64,
+    pub(crate) sent: Instant,
 }
 
-/// Step select: a PE by the pool's policy and a connection to it. A PE that cannot be reached
-/// is reported and the next one tried; `Err` is the answer when none is left.
-async fn select(
+/// Step select: a PE by the pool's policy and a connection to it (`connect`: a kept-alive
+/// one and whether it was, or a new one). A PE that cannot be reached is reported and the next
+/// one tried; `Err` is the answer when none is left.
+pub(crate) async fn select<C, F>(
     pool: &Arc<Pool>,
-    r: &Request,
+    level: usize,
     f: &mut Failover,
     ctx: &Ctx,
-) -> Result<(Attempt, BackendConn), (u16, &'static str)> {
+    connect: impl Fn(Arc<Backend>) -> F,
+) -> Result<(Attempt, C), (u16, &'static str)>
+where
+    F: Future<Output = io::Result<(C, bool)>>,
+{
     loop {
         f.attempts += 1;
-        let pe = match pool.admit(r.level, &f.tried).await {
+        let pe = match pool.admit(level, &f.tried).await {
             Ok(pe) => pe,
             Err(NoPick::NoPe) if !f.tried.is_empty() => {
                 return Err((502, "no pool element answered"));
             }
             Err(why) => return Err((503, why.text())),
         };
-        let conn = take_conn(&pe, ctx, !r.idempotent).await;
+        let conn = connect(pe.clone()).await;
         let rif = conn.as_ref().ok().map(|_| pe.start());
         pe.pick_done();
         match conn {
@@ -547,7 +587,7 @@ async fn select(
 /// An idle kept-alive connection to the PE, or a new one. Non-idempotent requests only reuse
 /// connections idle for less than a second: the PE is unlikely to have closed those, and
 /// such a request cannot be sent again if it did.
-async fn take_conn(
+pub(crate) async fn take_conn(
     b: &Arc<Backend>,
     ctx: &Ctx,
     fresh_only: bool,
@@ -560,12 +600,17 @@ async fn take_conn(
     if let Some(conn) = b.take_idle(max_age) {
         return Ok((conn, true));
     }
+    Ok((BackendConn::new(connect_pe(b, ctx).await?), false))
+}
+
+/// A new connection to the PE: TCP, and TLS over it for a pool with `[pool.NAME.tls]`.
+pub(crate) async fn connect_pe(b: &Backend, ctx: &Ctx) -> io::Result<PeStream> {
     let s = b.connect(ctx.connect_timeout()).await?;
     let tls = (!ctx.pe_tls.is_empty())
         .then(|| ctx.pe_tls.get(&b.pool.to_string()))
         .flatten();
     let Some(tls) = tls else {
-        return Ok((BackendConn::new(PeStream::Plain(s)), false));
+        return Ok(PeStream::Plain(s));
     };
     // TLS to the PE, its certificate checked for the address connected to.
     let ip = s.peer_addr()?.ip();
@@ -574,11 +619,11 @@ async fn take_conn(
     let t = tokio::time::timeout(ctx.connect_timeout(), handshake)
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out"))??;
-    Ok((BackendConn::new(PeStream::Tls(Box::new(t))), false))
+    Ok(PeStream::Tls(Box::new(t)))
 }
 
 /// How far an exchange with a PE got before it failed.
-enum Failure {
+pub(crate) enum Failure {
     /// Nothing of the response arrived; `body_sent` tells whether a streamed body was used.
     NoResponse { body_sent: bool, error: io::Error },
     /// The PE did not answer in time.
@@ -588,6 +633,12 @@ enum Failure {
     Broken { relayed: bool },
     /// The client went away.
     Client,
+    /// The PE refused the request unprocessed (HTTP/2 REFUSED_STREAM, or a GOAWAY before it).
+    Refused,
+    /// The client's deadline (`grpc-timeout`) passed before the PE answered.
+    Deadline,
+    /// The request cannot be expressed towards the PE.
+    BadRequest,
     /// The client's body broke the chunked coding.
     BadBody,
 }
@@ -680,12 +731,12 @@ async fn send_body(
 }
 
 /// The response as the client got it: the value [`relay`] makes.
-struct Relayed {
-    code: u16,
+pub(crate) struct Relayed {
+    pub(crate) code: u16,
     /// The client connection can carry another request.
-    keep: bool,
+    pub(crate) keep: bool,
     /// Bytes relayed to the client.
-    bytes: u64,
+    pub(crate) bytes: u64,
 }
 
 /// Step relay: the PE's response to the client, interim responses first (100 Continue
@@ -802,7 +853,7 @@ async fn relay(
     })
 }
 
-async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Failure> {
+pub(crate) async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Failure> {
     let deadline = tokio::time::Instant::now() + ctx.request_timeout();
     loop {
         if !bc.buf.is_empty() {
@@ -881,8 +932,8 @@ async fn tunnel(c: &mut Client, mut bc: BackendConn, b: &Arc<Backend>, ctx: &Ctx
     }
 }
 
-/// Step finish: settles an attempt with the PE (counters, health), logs the request and says
-/// what comes next; `None` sends the request to a PE again (failover).
+/// Step finish: settles an attempt with the PE ([`settle`]), logs the request and says what
+/// comes next; `None` sends the request to a PE again (failover).
 async fn finish(
     c: &mut Client,
     r: &Request,
@@ -893,6 +944,45 @@ async fn finish(
     ctx: &Ctx,
 ) -> Option<Next> {
     let b = &attempt.pe;
+    match settle(r, out.held.is_some(), attempt, outcome, f, ctx) {
+        Settled::Answered { code, keep, bytes } => {
+            log(ctx, c.peer, r, code, Some(b), bytes);
+            Some(if keep && r.keep_alive {
+                Next::KeepAlive
+            } else {
+                Next::Close
+            })
+        }
+        Settled::Again => None,
+        Settled::Failed { code, why } => Some(give_up(c, r, ctx, code, why, Some(b)).await),
+    }
+}
+
+/// What [`settle`] makes of an attempt.
+pub(crate) enum Settled {
+    /// The PE's response went to the client.
+    Answered { code: u16, keep: bool, bytes: u64 },
+    /// The request goes to a PE again.
+    Again,
+    /// The request failed with `code`; `why` is for the client, unless it has part of a
+    /// response already.
+    Failed {
+        code: u16,
+        why: Option<&'static str>,
+    },
+}
+
+/// Settles an attempt with the PE: counters, health, and whether the request may go out
+/// again (`replayable`: its body was held, so it can be sent again).
+pub(crate) fn settle(
+    r: &Request,
+    replayable: bool,
+    attempt: &Attempt,
+    outcome: Result<Relayed, Failure>,
+    f: &mut Failover,
+    ctx: &Ctx,
+) -> Settled {
+    let b = &attempt.pe;
     attempt.pool.finished(b, r.level, attempt.sent.elapsed());
     let (code, why) = match outcome {
         Ok(Relayed { code, keep, bytes }) => {
@@ -900,27 +990,28 @@ async fn finish(
             if code >= 500 {
                 b.stats.responses_5xx.fetch_add(1, Ordering::Relaxed);
             }
-            log(ctx, c, r, code, Some(b), bytes);
-            return Some(if keep && r.keep_alive {
-                Next::KeepAlive
-            } else {
-                Next::Close
-            });
+            return Settled::Answered { code, keep, bytes };
         }
+        Err(Failure::Refused) if replayable && f.attempts < 8 => {
+            // The PE did not take the stream (REFUSED_STREAM, or past its GOAWAY): nothing
+            // of it was processed, so it may go anywhere again, idempotent or not.
+            return Settled::Again;
+        }
+        Err(Failure::Refused) => (502, Some("the pool element refused the request")),
         Err(Failure::NoResponse { body_sent, error }) => {
-            let replayable = out.held.is_some() && !body_sent;
+            let replayable = replayable && !body_sent;
             if attempt.reused && replayable && f.attempts < 8 {
                 // A kept-alive connection the PE had closed: not the PE's fault, but its
                 // other idle connections may be as stale.
                 b.clear_idle();
-                return None;
+                return Settled::Again;
             }
             debug!("pool {} PE {:#010x}: no response: {error}", b.pool, b.id);
             ctx.pools.unreachable(b);
             f.tried.push(b.id);
-            if replayable && r.idempotent && !f.resent {
+            if replayable && idempotent_here(r, &attempt.pool) && !f.resent {
                 f.resent = true;
-                return None;
+                return Settled::Again;
             }
             (502, Some("the pool element closed the connection"))
         }
@@ -936,9 +1027,25 @@ async fn finish(
             )
         }
         Err(Failure::BadBody) => (400, Some("malformed chunked body")),
+        Err(Failure::BadRequest) => (400, Some("malformed request")),
+        // The client's own deadline: no fault of the PE's.
+        Err(Failure::Deadline) => (504, Some("deadline exceeded")),
         Err(Failure::Client) => (499, None),
     };
-    Some(give_up(c, r, ctx, code, why, Some(b)).await)
+    Settled::Failed { code, why }
+}
+
+/// Whether the request may be sent to another PE after one failed it: an idempotent method,
+/// or a path the pool lists as idempotent (`[pool.NAME] idempotent`, for gRPC methods).
+fn idempotent_here(r: &Request, pool: &Pool) -> bool {
+    if r.idempotent {
+        return true;
+    }
+    let path = &r.head.target()[..r.path_end];
+    pool.config()
+        .idempotent
+        .iter()
+        .any(|p| path.starts_with(p.as_bytes()))
 }
 
 /// Ends a request without a response from a PE: answers `code` with `why` (unless the client
@@ -961,16 +1068,23 @@ async fn give_up(
             reply(c, code, why).await
         };
     }
-    log(ctx, c, r, code, b, 0);
+    log(ctx, c.peer, r, code, b, 0);
     Next::Close
 }
 
 /// The access log line of a request.
-fn log(ctx: &Ctx, c: &Client, r: &Request, code: u16, b: Option<&Arc<Backend>>, bytes: u64) {
+pub(crate) fn log(
+    ctx: &Ctx,
+    peer: SocketAddr,
+    r: &Request,
+    code: u16,
+    b: Option<&Arc<Backend>>,
+    bytes: u64,
+) {
     ctx.log(|| {
         format!(
             "{} {} {} {} {} {} {} {}",
-            c.peer,
+            peer,
             String::from_utf8_lossy(r.head.method()),
             String::from_utf8_lossy(r.head.target()),
             code,

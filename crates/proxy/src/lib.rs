@@ -29,6 +29,7 @@ pub mod discovery;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod http;
+mod http2;
 mod kernel;
 pub mod levels;
 pub mod message;
@@ -212,7 +213,14 @@ impl Proxy {
     fn ctx(&self, l: &ListenerConfig) -> Result<Ctx, StartError> {
         let i = &self.inner;
         let tls = (!l.certificates.is_empty())
-            .then(|| rserpool_tls::https_server(&l.certificates))
+            .then(|| {
+                let alpn = if l.http2 {
+                    rserpool_tls::ALPN_H2_HTTP1
+                } else {
+                    rserpool_tls::ALPN_HTTP1
+                };
+                rserpool_tls::https_server(&l.certificates, alpn)
+            })
             .transpose()
             .map_err(|e| StartError::Tls(l.listen, e))?;
         let cfg = i.cfg.read().unwrap_or_else(|p| p.into_inner()).clone();
@@ -224,6 +232,14 @@ impl Proxy {
                         "[pool.{name}.tls]: {e}"
                     )))
                 })?;
+                let client = if p.protocol == config::PeProtocol::H2 {
+                    // HTTP/2 to the PEs: asked for by ALPN, as gRPC servers expect.
+                    let mut c = (*client).clone();
+                    c.alpn_protocols = vec![b"h2".to_vec()];
+                    Arc::new(c)
+                } else {
+                    client
+                };
                 pe_tls.insert(name.clone(), client);
             }
         }
@@ -236,6 +252,7 @@ impl Proxy {
             kernel: l.kernel_splice().then(|| self.kernel()).flatten(),
             tls,
             pe_tls: Arc::new(pe_tls),
+            http2: l.http2,
             tls_failures: i.tls_failures.clone(),
         })
     }

@@ -6,7 +6,7 @@
 //! by Content-Length, by the chunked coding (scanned, passed through as it is), or by the
 //! connection's end (RFC 9112 §6).
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use std::ops::Range;
 
 pub const MAX_HEADERS: usize = 128;
@@ -442,6 +442,123 @@ impl BodyState {
             BodyState::Done => 0,
         };
         Ok(n)
+    }
+}
+
+/// A piece of a body as [`BodyDecoder`] takes it apart.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Piece {
+    /// Payload (empty: more bytes are needed).
+    Data(bytes::Bytes),
+    /// The trailer fields of a chunked body, which ends with them.
+    Trailers(Vec<(Vec<u8>, Vec<u8>)>),
+    /// The body ended.
+    End,
+}
+
+/// Takes the payload out of a body of a given framing, chunk sizes and line ends removed:
+/// for a receiver that frames it otherwise (an HTTP/2 client).
+#[derive(Debug)]
+pub enum BodyDecoder {
+    Length(u64),
+    /// In the chunked coding: the bytes left of the current chunk's data, and whether its
+    /// line end is still to come.
+    Chunked { left: u64, crlf: bool },
+    Close,
+    /// The trailer section of a chunked body.
+    Trailers,
+    Done,
+}
+
+/// Largest trailer section of a chunked body.
+const MAX_TRAILERS: usize = 16 * 1024;
+
+impl BodyDecoder {
+    pub fn new(f: Framing) -> Self {
+        match f {
+            Framing::None | Framing::Length(0) => Self::Done,
+            Framing::Length(n) => Self::Length(n),
+            Framing::Chunked => Self::Chunked {
+                left: 0,
+                crlf: false,
+            },
+            Framing::Close => Self::Close,
+        }
+    }
+
+    /// The next piece from the bytes in `buf` (consumed as far as they go). At the end of
+    /// the input, [`Piece::Data`] empty means the body was cut short, unless it is `Close`.
+    pub fn next(&mut self, buf: &mut BytesMut) -> Result<Piece, ChunkError> {
+        loop {
+            match self {
+                Self::Done => return Ok(Piece::End),
+                Self::Close => return Ok(Piece::Data(buf.split().freeze())),
+                Self::Length(left) => {
+                    let n = buf.len().min(usize::try_from(*left).unwrap_or(usize::MAX));
+                    *left -= n as u64;
+                    if *left == 0 {
+                        *self = Self::Done;
+                    }
+                    return Ok(Piece::Data(buf.split_to(n).freeze()));
+                }
+                Self::Chunked { left, crlf } if *left > 0 => {
+                    let n = buf.len().min(usize::try_from(*left).unwrap_or(usize::MAX));
+                    *left -= n as u64;
+                    *crlf = true;
+                    return Ok(Piece::Data(buf.split_to(n).freeze()));
+                }
+                Self::Chunked { crlf, .. } if *crlf => {
+                    let end = match buf.first() {
+                        None => return Ok(Piece::Data(Bytes::new())),
+                        Some(b'\n') => 1,
+                        Some(b'\r') if buf.len() < 2 => {
+                            return Ok(Piece::Data(Bytes::new()));
+                        }
+                        Some(b'\r') if buf[1] == b'\n' => 2,
+                        Some(_) => return Err(ChunkError),
+                    };
+                    buf.advance(end);
+                    *crlf = false;
+                }
+                Self::Chunked { left, .. } => match httparse::parse_chunk_size(buf) {
+                    Ok(httparse::Status::Complete((used, 0))) => {
+                        buf.advance(used);
+                        *self = Self::Trailers;
+                    }
+                    Ok(httparse::Status::Complete((used, size))) => {
+                        buf.advance(used);
+                        *left = size;
+                    }
+                    Ok(httparse::Status::Partial) if buf.len() > 1024 => return Err(ChunkError),
+                    Ok(httparse::Status::Partial) => return Ok(Piece::Data(Bytes::new())),
+                    Err(_) => return Err(ChunkError),
+                },
+                Self::Trailers => {
+                    let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
+                    return match httparse::parse_headers(buf, &mut hs) {
+                        Ok(httparse::Status::Complete((used, hs))) => {
+                            let t = hs
+                                .iter()
+                                .filter(|h| !is_hop_by_hop(h.name.as_bytes()))
+                                .map(|h| (h.name.as_bytes().to_vec(), h.value.to_vec()))
+                                .collect::<Vec<_>>();
+                            buf.advance(used);
+                            *self = Self::Done;
+                            Ok(if t.is_empty() {
+                                Piece::End
+                            } else {
+                                Piece::Trailers(t)
+                            })
+                        }
+                        Ok(httparse::Status::Partial) if buf.len() > MAX_TRAILERS => {
+                            Err(ChunkError)
+                        }
+                        Ok(httparse::Status::Partial) => Ok(Piece::Data(Bytes::new())),
+                        Err(_) => Err(ChunkError),
+                    };
+                }
+            }
+        }
     }
 }
 

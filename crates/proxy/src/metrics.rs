@@ -35,6 +35,13 @@ impl Proxy {
             &[],
             self.inner.tls_failures.load(Ordering::Relaxed),
         );
+        m.counter(
+            "rserpool_proxy_http2_floods",
+            "HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM (resets, control \
+             frames, header or CONTINUATION abuse beyond the [http2] limits).",
+            &[],
+            crate::http2::front::floods(),
+        );
         let mut series = 0;
         for pool in self.inner.pools.all() {
             let handle = pool.handle.to_string();

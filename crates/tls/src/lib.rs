@@ -315,9 +315,15 @@ impl rustls::server::ResolvesServerCert for BySni {
 /// TLS 1.2 sessions an HTTPS listener remembers for resumption.
 const HTTPS_SESSION_CACHE: usize = 20_000;
 
-/// The configuration of a TLS listener terminating HTTPS: its certificates by SNI, HTTP/1.1
-/// by ALPN, no client certificates.
-pub fn https_server(certs: &[Certificate]) -> Result<Arc<ServerConfig>, TlsError> {
+/// ALPN for an HTTPS listener that speaks HTTP/2 and HTTP/1.1 (HTTP/2 preferred).
+pub const ALPN_H2_HTTP1: &[&[u8]] = &[b"h2", b"http/1.1"];
+/// ALPN for an HTTPS listener that speaks HTTP/1.1 only.
+pub const ALPN_HTTP1: &[&[u8]] = &[b"http/1.1"];
+
+/// The configuration of a TLS listener terminating HTTPS: its certificates by SNI, the
+/// protocols of `alpn` (in order of preference, e.g. [`ALPN_H2_HTTP1`]), no client
+/// certificates.
+pub fn https_server(certs: &[Certificate], alpn: &[&[u8]]) -> Result<Arc<ServerConfig>, TlsError> {
     let provider = provider();
     let mut by_name = std::collections::HashMap::new();
     let mut default = None;
@@ -348,7 +354,7 @@ pub fn https_server(certs: &[Certificate]) -> Result<Arc<ServerConfig>, TlsError
             .with_no_client_auth()
             .with_cert_resolver(Arc::new(BySni { by_name, default })),
     );
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     // Resumption: clients that come back skip the certificate and its signature; stateless
     // tickets (keys rotated by rustls), and a session cache for TLS 1.2 session IDs.
     cfg.ticketer = rustls::crypto::ring::Ticketer::new()

@@ -83,7 +83,7 @@ pub fn check(text: &str, kind: Option<&str>) -> (&'static str, Vec<ConfigProblem
             }
             for l in c.listeners.iter().filter(|l| !l.certificates.is_empty()) {
                 out.extend(
-                    rserpool_tls::https_server(&l.certificates)
+                    rserpool_tls::https_server(&l.certificates, rserpool_tls::ALPN_H2_HTTP1)
                         .err()
                         .map(|e| format!("listener {}: {e}", l.listen)),
                 );

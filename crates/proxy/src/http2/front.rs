@@ -1,0 +1,855 @@
+//! HTTP/2 from clients: over TLS when ALPN chose `h2`, and in cleartext from a client that
+//! starts with the HTTP/2 preface (h2c with prior knowledge).
+//!
+//! Every stream is one request through the same steps as an HTTP/1.1 request (see
+//! [`crate::http`]): its head is rewritten as an HTTP/1.1 head and parsed as one, so routing,
+//! service levels, admission, selection, failover and the access log are those of HTTP/1.1.
+//! It then goes to a PE over HTTP/1.1 (the default: the body re-framed, the response's
+//! chunked coding and trailers taken apart into frames) or over HTTP/2 for a pool with
+//! `protocol = "h2"` (frames relayed as they come, trailers included: gRPC).
+//!
+//! A request body is held, so that the request can go to another PE, when it is complete on
+//! arrival, announced by a Content-Length within `retry-buffer`, or (without a length) when
+//! the request may be sent again anyway (an idempotent method, a path in the pool's
+//! `idempotent` list): a streaming call is never waited for. gRPC deadlines (`grpc-timeout`)
+//! bound the wait for the PE and the relay; the PE gets what is left of the deadline.
+
+use super::guard::{Flood, Guarded};
+use super::upstream;
+use crate::backend::{Backend, BackendConn};
+use crate::ctx::{Ctx, until_set};
+use crate::http::{
+    Attempt, Failover, Failure, Relayed, Request, Settled, classify, forwarding, log, parse,
+    read_response_head, route, select, settle, take_conn,
+};
+use crate::message::{BodyDecoder, Framing, Head, Piece, response_framing};
+use bytes::{BufMut, Bytes, BytesMut};
+use h2::server::SendResponse;
+use h2::{Reason, RecvStream, SendStream};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderName, HeaderValue};
+use std::future::poll_fn;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tracing::{debug, warn};
+
+/// Longest wait for the client's SETTINGS, then for the GOAWAY of a flood to leave.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const GOAWAY_TIMEOUT: Duration = Duration::from_secs(1);
+const READ_CHUNK: usize = 64 * 1024;
+
+/// Connections ended for a flood; also what paces the warnings (1st, 2nd, 4th, …).
+static FLOODS: AtomicU64 = AtomicU64::new(0);
+
+/// HTTP/2 connections ended with GOAWAY ENHANCE_YOUR_CALM, for the metrics.
+pub(crate) fn floods() -> u64 {
+    FLOODS.load(Ordering::Relaxed)
+}
+
+fn note_flood(peer: SocketAddr, what: &str) {
+    let n = FLOODS.fetch_add(1, Ordering::Relaxed) + 1;
+    if n.is_power_of_two() {
+        warn!("client {peer}: HTTP/2 {what}: GOAWAY ENHANCE_YOUR_CALM ({n} such connections so far)");
+    }
+}
+
+/// Serves one HTTP/2 client connection; `pre` is what was read of it already.
+pub(crate) async fn serve<T>(io: T, pre: Bytes, peer: SocketAddr, ctx: Ctx)
+where
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let h = &ctx.cfg.http2;
+    let (io, tripped) = Guarded::new(io, pre, h.max_resets_per_s, h.max_control_frames_per_s);
+    let mut b = h2::server::Builder::new();
+    b.max_concurrent_streams(h.max_concurrent_streams)
+        .initial_window_size(h.stream_window)
+        .initial_connection_window_size(h.connection_window)
+        .max_header_list_size(
+            h.max_header_list_size
+                .unwrap_or(u32::try_from(ctx.cfg.max_head).unwrap_or(u32::MAX)),
+        );
+    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, b.handshake::<_, Bytes>(io)).await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return debug!("client {peer}: HTTP/2 handshake: {e}"),
+        Err(_) => return debug!("client {peer}: no HTTP/2 handshake in time"),
+    };
+    let mut draining = ctx.draining.clone();
+    let idle = ctx.idle_timeout();
+    let mut idle_at = tokio::time::Instant::now() + idle;
+    let mut closing = false;
+    loop {
+        tokio::select! {
+            s = conn.accept() => match s {
+                Some(Ok((req, respond))) => {
+                    idle_at = tokio::time::Instant::now() + idle;
+                    tokio::spawn(call(req, respond, peer, ctx.clone()));
+                }
+                Some(Err(e)) => {
+                    if e.reason() == Some(Reason::ENHANCE_YOUR_CALM) && e.is_library() {
+                        note_flood(peer, "abuse (headers, CONTINUATION or resets)");
+                    } else {
+                        debug!("client {peer}: HTTP/2: {e}");
+                    }
+                    return;
+                }
+                None => return,
+            },
+            f = tripped.wait() => {
+                note_flood(peer, match f {
+                    Flood::Resets => "reset flood",
+                    Flood::Control => "control frame flood",
+                });
+                conn.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
+                let _ = tokio::time::timeout(GOAWAY_TIMEOUT, poll_fn(|cx| conn.poll_closed(cx))).await;
+                return;
+            }
+            () = until_set(&mut draining), if !closing => {
+                conn.graceful_shutdown();
+                closing = true;
+            }
+            () = tokio::time::sleep_until(idle_at), if !closing => {
+                if conn.has_streams() {
+                    idle_at = tokio::time::Instant::now() + idle;
+                } else {
+                    conn.graceful_shutdown();
+                    closing = true;
+                }
+            }
+        }
+    }
+}
+
+/// A request body as the client sends it.
+enum Body {
+    /// All of it: the request can be sent again.
+    Held(Bytes),
+    /// What was read of it, and the rest to come.
+    Streamed {
+        prefix: Bytes,
+        rest: Option<RecvStream>,
+    },
+}
+
+/// One stream: the request on its way and the client's side of the answer.
+struct Stream {
+    respond: SendResponse<Bytes>,
+    /// Once the response head went out: where its body goes.
+    tx: Option<SendStream<Bytes>>,
+    peer: SocketAddr,
+    grpc: bool,
+    /// `grpc-timeout`, from the request's arrival.
+    deadline: Option<tokio::time::Instant>,
+    body: Body,
+}
+
+impl Stream {
+    fn expired(&self) -> bool {
+        self.deadline
+            .is_some_and(|d| d <= tokio::time::Instant::now())
+    }
+}
+
+/// One request (stream), from its head to the end of its response.
+async fn call(
+    req: http::Request<RecvStream>,
+    respond: SendResponse<Bytes>,
+    peer: SocketAddr,
+    ctx: Ctx,
+) {
+    let started = Instant::now();
+    let (parts, recv) = req.into_parts();
+    let grpc = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+    let deadline = parts
+        .headers
+        .get("grpc-timeout")
+        .and_then(|v| grpc_timeout(v.as_bytes()))
+        .map(|t| tokio::time::Instant::from_std(started) + t);
+    let mut s = Stream {
+        respond,
+        tx: None,
+        peer,
+        grpc,
+        deadline,
+        body: Body::Held(Bytes::new()),
+    };
+    let ended = recv.is_end_stream();
+    let head = match head_of(&parts, ended, ctx.cfg.max_head * 2) {
+        Some(h) => h,
+        None => return reply(&mut s, 400, "malformed request", &ctx).await,
+    };
+    let mut r = match parse(head, peer, started) {
+        Ok(r) => r,
+        Err((code, why)) => return reply(&mut s, code, why, &ctx).await,
+    };
+    let Some(target) = route(&r, &ctx) else {
+        return reply(&mut s, 404, "no route", &ctx).await;
+    };
+    let pool = target.pool.clone();
+    r.level = classify(&r, peer, &ctx);
+    let config = pool.config();
+    let length = match r.framing {
+        Framing::Length(n) => Some(n),
+        _ => None,
+    };
+    let path = &r.head.target()[..r.path_end];
+    let repeatable =
+        r.idempotent || config.idempotent.iter().any(|p| path.starts_with(p.as_bytes()));
+    let limit = ctx.cfg.retry_buffer;
+    let hold = ended
+        || length.is_some_and(|n| n <= limit as u64)
+        || (length.is_none() && repeatable);
+    s.body = if hold {
+        match gather(recv, ended, limit, ctx.idle_timeout()).await {
+            Ok(b) => b,
+            Err(()) => return log(&ctx, peer, &r, 499, None, 0),
+        }
+    } else {
+        Body::Streamed {
+            prefix: Bytes::new(),
+            rest: Some(recv),
+        }
+    };
+    let h2_pes = config.protocol == crate::config::PeProtocol::H2;
+    let mut f = Failover::default();
+    loop {
+        let (attempt, outcome) = if h2_pes {
+            let ctx = &ctx;
+            let connect = |pe: Arc<Backend>| async move {
+                // Never "reused": a broken HTTP/2 connection may have carried the request
+                // to the PE, so only an idempotent one goes out again.
+                upstream::stream(&pe, ctx).await.map(|(v, _)| (v, false))
+            };
+            match select(&pool, r.level, &mut f, &ctx, connect).await {
+                Ok((attempt, up)) => {
+                    let outcome = to_h2(&mut s, up, &r, &attempt, &ctx).await;
+                    (attempt, outcome)
+                }
+                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, &ctx).await,
+            }
+        } else {
+            let ctx = &ctx;
+            let connect =
+                |pe: Arc<Backend>| async move { take_conn(&pe, ctx, !repeatable).await };
+            match select(&pool, r.level, &mut f, &ctx, connect).await {
+                Ok((attempt, bc)) => {
+                    let outcome = to_h1(&mut s, bc, &r, &attempt, &ctx).await;
+                    (attempt, outcome)
+                }
+                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, &ctx).await,
+            }
+        };
+        let replayable = matches!(s.body, Body::Held(_));
+        match settle(&r, replayable, &attempt, outcome, &mut f, &ctx) {
+            Settled::Answered { code, bytes, .. } => {
+                return log(&ctx, peer, &r, code, Some(&attempt.pe), bytes);
+            }
+            Settled::Again => {}
+            Settled::Failed { code, why } => {
+                return fail(&mut s, &r, code, why, Some(&attempt.pe), &ctx).await;
+            }
+        }
+    }
+}
+
+/// The request head as HTTP/1.1 (`Host` from `:authority`); a body of unknown length is
+/// announced as chunked.
+fn head_of(parts: &http::request::Parts, ended: bool, max: usize) -> Option<Head> {
+    let mut b = BytesMut::with_capacity(256);
+    b.put_slice(parts.method.as_str().as_bytes());
+    b.put_u8(b' ');
+    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    b.put_slice(target.as_bytes());
+    b.put_slice(b" HTTP/1.1\r\n");
+    let authority = parts
+        .uri
+        .authority()
+        .map(|a| a.as_str().as_bytes())
+        .or_else(|| parts.headers.get(HOST).map(HeaderValue::as_bytes));
+    if let Some(a) = authority {
+        b.put_slice(b"host: ");
+        b.put_slice(a);
+        b.put_slice(b"\r\n");
+    }
+    for (n, v) in &parts.headers {
+        // HTTP/2 has no 100 Continue to wait for: the body comes anyway.
+        if n == HOST || n == http::header::EXPECT {
+            continue;
+        }
+        b.put_slice(n.as_str().as_bytes());
+        b.put_slice(b": ");
+        b.put_slice(v.as_bytes());
+        b.put_slice(b"\r\n");
+    }
+    if !ended && !parts.headers.contains_key(CONTENT_LENGTH) {
+        b.put_slice(b"transfer-encoding: chunked\r\n");
+    }
+    b.put_slice(b"\r\n");
+    Head::request(&mut b, max).ok().flatten()
+}
+
+/// Reads the body while it fits in `limit`: all of it, or what was read and the rest.
+async fn gather(
+    mut recv: RecvStream,
+    ended: bool,
+    limit: usize,
+    idle: Duration,
+) -> Result<Body, ()> {
+    if ended {
+        return Ok(Body::Held(Bytes::new()));
+    }
+    let mut buf = BytesMut::new();
+    loop {
+        match tokio::time::timeout(idle, recv.data()).await {
+            Err(_) | Ok(Some(Err(_))) => return Err(()),
+            Ok(None) => return Ok(Body::Held(buf.freeze())),
+            Ok(Some(Ok(d))) => {
+                let _ = recv.flow_control().release_capacity(d.len());
+                buf.extend_from_slice(&d);
+                if buf.len() > limit {
+                    return Ok(Body::Streamed {
+                        prefix: buf.freeze(),
+                        rest: Some(recv),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// `grpc-timeout`: up to 8 digits and a unit (H, M, S, m, u, n).
+fn grpc_timeout(v: &[u8]) -> Option<Duration> {
+    let (&unit, digits) = v.split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n = digits
+        .iter()
+        .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+    Some(match unit {
+        b'H' => Duration::from_secs(n * 3600),
+        b'M' => Duration::from_secs(n * 60),
+        b'S' => Duration::from_secs(n),
+        b'm' => Duration::from_millis(n),
+        b'u' => Duration::from_micros(n),
+        b'n' => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// Sends `data` as the client's (or a PE's) flow-control window allows.
+async fn send_data(tx: &mut SendStream<Bytes>, mut data: Bytes, end: bool) -> Result<(), h2::Error> {
+    while !data.is_empty() {
+        tx.reserve_capacity(data.len());
+        let n = match poll_fn(|cx| tx.poll_capacity(cx)).await {
+            Some(Ok(n)) => n,
+            Some(Err(e)) => return Err(e),
+            None => return Err(Reason::STREAM_CLOSED.into()),
+        };
+        if n > 0 {
+            let chunk = data.split_to(n.min(data.len()));
+            tx.send_data(chunk, end && data.is_empty())?;
+        }
+    }
+    if end {
+        tx.send_data(Bytes::new(), true)?;
+    }
+    Ok(())
+}
+
+/// Appends `data` to `out` in the request's framing (a chunk of the chunked coding).
+fn frame_into(out: &mut BytesMut, data: &[u8], chunked: bool) {
+    if !chunked {
+        out.put_slice(data);
+    } else if !data.is_empty() {
+        out.put_slice(format!("{:x}\r\n", data.len()).as_bytes());
+        out.put_slice(data);
+        out.put_slice(b"\r\n");
+    }
+}
+
+/// One attempt at a PE over HTTP/1.1.
+async fn to_h1(
+    s: &mut Stream,
+    mut bc: BackendConn,
+    r: &Request,
+    attempt: &Attempt,
+    ctx: &Ctx,
+) -> Result<Relayed, Failure> {
+    let b = &attempt.pe;
+    let chunked = r.framing == Framing::Chunked;
+    let (level_header, send_level) = ctx.level_header();
+    let mut out = crate::http::outgoing_head_with(r, s.peer, level_header, send_level);
+    let (first, streamed) = match &s.body {
+        Body::Held(d) => (d, false),
+        Body::Streamed { prefix, .. } => (prefix, true),
+    };
+    frame_into(&mut out, first, chunked);
+    if chunked && !streamed {
+        out.put_slice(b"0\r\n\r\n");
+    }
+    b.stats
+        .bytes_in
+        .fetch_add(first.len() as u64, Ordering::Relaxed);
+    if let Err(error) = bc.stream.write_all(&out).await {
+        return Err(Failure::NoResponse {
+            body_sent: false,
+            error,
+        });
+    }
+    if let Body::Streamed { rest, .. } = &mut s.body
+        && let Some(mut recv) = rest.take()
+    {
+        let mut out = BytesMut::new();
+        loop {
+            let d = match tokio::time::timeout(ctx.idle_timeout(), recv.data()).await {
+                Ok(None) => break,
+                Ok(Some(Ok(d))) => d,
+                _ => return Err(Failure::Client),
+            };
+            let _ = recv.flow_control().release_capacity(d.len());
+            b.stats.bytes_in.fetch_add(d.len() as u64, Ordering::Relaxed);
+            out.clear();
+            frame_into(&mut out, &d, chunked);
+            if bc.stream.write_all(&out).await.is_err() {
+                // The PE stopped taking the body; it may have answered.
+                break;
+            }
+        }
+        if chunked {
+            let _ = bc.stream.write_all(b"0\r\n\r\n").await;
+        }
+    }
+    let resp = loop {
+        let h = read_response_head(&mut bc, ctx)
+            .await
+            .map_err(|f| match f {
+                Failure::NoResponse { error, .. } => Failure::NoResponse {
+                    body_sent: streamed,
+                    error,
+                },
+                other => other,
+            })?;
+        match h.code {
+            101 => return Err(Failure::Broken { relayed: false }),
+            100..=199 => continue,
+            _ => break h,
+        }
+    };
+    b.note_latency(attempt.rif, attempt.sent.elapsed());
+    let head_request = r.head.method() == b"HEAD";
+    let Ok(framing) = response_framing(&resp, head_request) else {
+        return Err(Failure::Broken { relayed: false });
+    };
+    let mut head = http::Response::builder().status(resp.code);
+    for (n, v) in resp.end_to_end() {
+        if n.eq_ignore_ascii_case(b"transfer-encoding") {
+            continue;
+        }
+        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(n), HeaderValue::from_bytes(v)) {
+            head = head.header(n, v);
+        }
+    }
+    let Ok(head) = head.body(()) else {
+        return Err(Failure::Broken { relayed: false });
+    };
+    let end = framing == Framing::None;
+    let tx = match s.respond.send_response(head, end) {
+        Ok(tx) => s.tx.insert(tx),
+        Err(_) => return Err(Failure::Client),
+    };
+    let mut bytes = 0u64;
+    let mut dec = BodyDecoder::new(framing);
+    while !end {
+        let piece = dec
+            .next(&mut bc.buf)
+            .map_err(|_| Failure::Broken { relayed: true })?;
+        match piece {
+            Piece::Data(d) if !d.is_empty() => {
+                bytes += d.len() as u64;
+                send_data(tx, d, false).await.map_err(|_| Failure::Client)?;
+            }
+            Piece::Data(_) => {
+                bc.buf.reserve(READ_CHUNK);
+                match tokio::time::timeout(ctx.idle_timeout(), bc.stream.read_buf(&mut bc.buf)).await
+                {
+                    Ok(Ok(0)) if framing == Framing::Close => {
+                        send_data(tx, Bytes::new(), true)
+                            .await
+                            .map_err(|_| Failure::Client)?;
+                        break;
+                    }
+                    Ok(Ok(n)) if n > 0 => {}
+                    _ => return Err(Failure::Broken { relayed: true }),
+                }
+            }
+            Piece::Trailers(t) => {
+                let mut map = http::HeaderMap::new();
+                for (n, v) in t {
+                    if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(&n), HeaderValue::from_bytes(&v))
+                    {
+                        map.append(n, v);
+                    }
+                }
+                tx.send_trailers(map).map_err(|_| Failure::Client)?;
+                break;
+            }
+            Piece::End => {
+                send_data(tx, Bytes::new(), true)
+                    .await
+                    .map_err(|_| Failure::Client)?;
+                break;
+            }
+        }
+    }
+    b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
+    let keep = framing != Framing::Close
+        && !resp.has_token("connection", "close")
+        && resp.minor == 1
+        && bc.buf.is_empty();
+    if keep {
+        b.put_idle(bc, ctx.pools.settings.max_idle_per_pe);
+    }
+    Ok(Relayed {
+        code: resp.code,
+        keep: true,
+        bytes,
+    })
+}
+
+/// The request as it goes to an HTTP/2 PE: the client's headers (the connection's own
+/// dropped), the forwarding headers and the level, what is left of a gRPC deadline.
+fn upstream_request(s: &Stream, r: &Request, ctx: &Ctx) -> Option<http::Request<()>> {
+    let (level_header, send_level) = ctx.level_header();
+    let fw = forwarding(r, s.peer, level_header);
+    let scheme = if ctx.pe_tls.is_empty() { "http" } else { "https" };
+    let authority = if r.host.is_empty() { b"localhost".as_slice() } else { &r.host };
+    let uri = format!(
+        "{scheme}://{}{}",
+        std::str::from_utf8(authority).ok()?,
+        std::str::from_utf8(r.head.target()).ok()?
+    );
+    let mut req = http::Request::builder()
+        .method(http::Method::from_bytes(r.head.method()).ok()?)
+        .uri(uri)
+        .version(http::Version::HTTP_2);
+    let headers = req.headers_mut()?;
+    for (n, v) in fw.pass {
+        if n.eq_ignore_ascii_case(b"host")
+            || n.eq_ignore_ascii_case(b"transfer-encoding")
+            || n.eq_ignore_ascii_case(b"grpc-timeout")
+        {
+            continue;
+        }
+        headers.append(HeaderName::from_bytes(n).ok()?, HeaderValue::from_bytes(v).ok()?);
+    }
+    if r.head.has_token("te", "trailers") {
+        headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+    }
+    headers.insert(
+        "x-forwarded-for",
+        HeaderValue::from_bytes(&fw.x_forwarded_for).ok()?,
+    );
+    headers.insert("forwarded", HeaderValue::from_bytes(&fw.forwarded).ok()?);
+    if send_level {
+        headers.insert(
+            HeaderName::from_bytes(level_header.as_bytes()).ok()?,
+            HeaderValue::from(r.level as u64),
+        );
+    }
+    if let Some(d) = s.deadline {
+        let left = d.saturating_duration_since(tokio::time::Instant::now());
+        let ms = left.as_millis().clamp(1, 99_999_999);
+        headers.insert("grpc-timeout", HeaderValue::from_str(&format!("{ms}m")).ok()?);
+    }
+    req.body(()).ok()
+}
+
+/// One attempt at a PE over HTTP/2.
+async fn to_h2(
+    s: &mut Stream,
+    (send, slot): (h2::client::SendRequest<Bytes>, upstream::Slot),
+    r: &Request,
+    attempt: &Attempt,
+    ctx: &Ctx,
+) -> Result<Relayed, Failure> {
+    let b = &attempt.pe;
+    let Some(req) = upstream_request(s, r, ctx) else {
+        return Err(Failure::BadRequest);
+    };
+    let mut send = send;
+    let no_body = matches!(&s.body, Body::Held(d) if d.is_empty());
+    let (resp, mut up) = match send.send_request(req, no_body) {
+        Ok(v) => v,
+        Err(e) => {
+            slot.retire();
+            return Err(if e.is_go_away() || e.reason() == Some(Reason::REFUSED_STREAM) {
+                Failure::Refused
+            } else {
+                Failure::NoResponse {
+                    body_sent: false,
+                    error: io::Error::other(e),
+                }
+            });
+        }
+    };
+    // The body goes up while the response may already come down (gRPC streams both ways).
+    let streamed = match &mut s.body {
+        Body::Held(d) => {
+            if !d.is_empty() {
+                let d = d.clone();
+                b.stats.bytes_in.fetch_add(d.len() as u64, Ordering::Relaxed);
+                tokio::spawn(async move {
+                    let _ = send_data(&mut up, d, true).await;
+                });
+            }
+            false
+        }
+        Body::Streamed { prefix, rest } => {
+            let (prefix, rest) = (prefix.clone(), rest.take());
+            let pe = b.clone();
+            tokio::spawn(async move { pump(prefix, rest, up, &pe).await });
+            true
+        }
+    };
+    let mut limit = tokio::time::Instant::now() + ctx.request_timeout();
+    if let Some(d) = s.deadline {
+        limit = limit.min(d);
+    }
+    let resp = match tokio::time::timeout_at(limit, resp).await {
+        Err(_) if s.expired() => return Err(Failure::Deadline),
+        Err(_) => return Err(Failure::Timeout),
+        Ok(Err(e)) if e.is_go_away() || e.reason() == Some(Reason::REFUSED_STREAM) => {
+            return Err(if streamed {
+                Failure::NoResponse {
+                    body_sent: true,
+                    error: io::Error::other(e),
+                }
+            } else {
+                Failure::Refused
+            });
+        }
+        Ok(Err(e)) => {
+            return Err(Failure::NoResponse {
+                body_sent: streamed,
+                error: io::Error::other(e),
+            });
+        }
+        Ok(Ok(resp)) => resp,
+    };
+    b.note_latency(attempt.rif, attempt.sent.elapsed());
+    let (parts, mut body) = resp.into_parts();
+    let code = parts.status.as_u16();
+    let end = body.is_end_stream();
+    let tx = match s
+        .respond
+        .send_response(http::Response::from_parts(parts, ()), end)
+    {
+        Ok(tx) => s.tx.insert(tx),
+        Err(_) => return Err(Failure::Client),
+    };
+    let mut bytes = 0u64;
+    let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
+    let until = s.deadline.unwrap_or(far);
+    if !end {
+        loop {
+            let d = match tokio::time::timeout_at(until, body.data()).await {
+                Err(_) => {
+                    // The deadline passed mid-response: the PE's stream is reset (dropped)
+                    // and the client told.
+                    let _ = tx.send_trailers(grpc_trailers(4, "deadline exceeded"));
+                    return Ok(Relayed {
+                        code,
+                        keep: true,
+                        bytes,
+                    });
+                }
+                Ok(None) => break,
+                Ok(Some(Ok(d))) => d,
+                Ok(Some(Err(_))) => return Err(Failure::Broken { relayed: true }),
+            };
+            let n = d.len();
+            bytes += n as u64;
+            send_data(tx, d, false).await.map_err(|_| Failure::Client)?;
+            let _ = body.flow_control().release_capacity(n);
+        }
+        match body.trailers().await {
+            Ok(Some(t)) => tx.send_trailers(t).map_err(|_| Failure::Client)?,
+            Ok(None) => send_data(tx, Bytes::new(), true)
+                .await
+                .map_err(|_| Failure::Client)?,
+            Err(_) => return Err(Failure::Broken { relayed: true }),
+        }
+    }
+    b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
+    drop(slot);
+    Ok(Relayed {
+        code,
+        keep: true,
+        bytes,
+    })
+}
+
+/// Copies a streamed request body (and its trailers) from the client to an HTTP/2 PE.
+async fn pump(prefix: Bytes, rest: Option<RecvStream>, mut up: SendStream<Bytes>, pe: &Backend) {
+    let Some(mut recv) = rest else {
+        let _ = send_data(&mut up, prefix, true).await;
+        return;
+    };
+    pe.stats
+        .bytes_in
+        .fetch_add(prefix.len() as u64, Ordering::Relaxed);
+    if send_data(&mut up, prefix, false).await.is_err() {
+        return;
+    }
+    while let Some(d) = recv.data().await {
+        let Ok(d) = d else {
+            up.send_reset(Reason::CANCEL);
+            return;
+        };
+        let n = d.len();
+        pe.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+        if send_data(&mut up, d, false).await.is_err() {
+            return;
+        }
+        let _ = recv.flow_control().release_capacity(n);
+    }
+    match recv.trailers().await {
+        Ok(Some(t)) => {
+            let _ = up.send_trailers(t);
+        }
+        Ok(None) => {
+            let _ = send_data(&mut up, Bytes::new(), true).await;
+        }
+        Err(_) => up.send_reset(Reason::CANCEL),
+    }
+}
+
+/// gRPC trailers with a status and a message (plain ASCII: nothing to percent-encode).
+fn grpc_trailers(status: u16, message: &str) -> http::HeaderMap {
+    let mut t = http::HeaderMap::new();
+    t.insert("grpc-status", HeaderValue::from(status));
+    if let Ok(m) = HeaderValue::from_str(message) {
+        t.insert("grpc-message", m);
+    }
+    t
+}
+
+/// The gRPC status of a proxy's error answer (gRPC's HTTP-to-status mapping; the deadline's
+/// own status when it passed).
+fn grpc_status(code: u16, expired: bool) -> u16 {
+    match code {
+        _ if expired => 4,
+        400 => 13,
+        401 => 16,
+        403 => 7,
+        404 => 12,
+        429 | 502..=504 => 14,
+        _ => 2,
+    }
+}
+
+/// Ends a request the PEs did not answer: `code` with `why` to the client (or, after part
+/// of a response, the stream reset), then the log line.
+async fn fail(
+    s: &mut Stream,
+    r: &Request,
+    code: u16,
+    why: Option<&str>,
+    b: Option<&Arc<Backend>>,
+    ctx: &Ctx,
+) {
+    match why {
+        Some(why) => reply(s, code, why, ctx).await,
+        None => {
+            if let Some(tx) = &mut s.tx {
+                tx.send_reset(Reason::INTERNAL_ERROR);
+            } else {
+                s.respond.send_reset(Reason::INTERNAL_ERROR);
+            }
+        }
+    }
+    log(ctx, s.peer, r, code, b, 0);
+}
+
+/// A short answer of the proxy's own: for gRPC, a trailers-only response with the status.
+async fn reply(s: &mut Stream, code: u16, why: &str, ctx: &Ctx) {
+    let expired = s.expired();
+    if let Some(tx) = &mut s.tx {
+        // Part of a response went out already.
+        if s.grpc && expired {
+            let _ = tx.send_trailers(grpc_trailers(4, "deadline exceeded"));
+        } else {
+            tx.send_reset(Reason::INTERNAL_ERROR);
+        }
+        return;
+    }
+    let mut head = http::Response::builder();
+    if s.grpc {
+        let why = if expired { "deadline exceeded" } else { why };
+        head = head
+            .status(200)
+            .header(CONTENT_TYPE, "application/grpc")
+            .header("grpc-status", grpc_status(code, expired))
+            .header("grpc-message", why);
+        if let Ok(h) = head.body(()) {
+            let _ = s.respond.send_response(h, true);
+        }
+        return;
+    }
+    head = head
+        .status(code)
+        .header(CONTENT_TYPE, "text/plain; charset=utf-8");
+    if code == 503 {
+        // No PE had room: say when to come back.
+        let secs = ctx.cfg.levels.as_ref().map_or(1, |l| l.retry_after_s);
+        head = head.header("retry-after", secs);
+    }
+    let Ok(h) = head.body(()) else { return };
+    if let Ok(mut tx) = s.respond.send_response(h, false) {
+        let _ = send_data(&mut tx, Bytes::from(format!("{why}\n")), true).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_are_read_in_every_unit() {
+        assert_eq!(grpc_timeout(b"100m"), Some(Duration::from_millis(100)));
+        assert_eq!(grpc_timeout(b"2S"), Some(Duration::from_secs(2)));
+        assert_eq!(grpc_timeout(b"1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(grpc_timeout(b"5u"), Some(Duration::from_micros(5)));
+        for bad in [&b""[..], b"m", b"123456789m", b"10x", b"-1S", b"1.5S"] {
+            assert_eq!(grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_h2_request_reads_as_http1_with_its_authority_as_host() {
+        let req = http::Request::builder()
+            .method("POST")
+            .uri("https://api.example:8443/v1/x?q=1")
+            .header("content-type", "application/grpc")
+            .header("expect", "100-continue")
+            .body(())
+            .unwrap();
+        let (parts, ()) = req.into_parts();
+        let h = head_of(&parts, false, 4096).unwrap();
+        assert_eq!(h.method(), b"POST");
+        assert_eq!(h.target(), b"/v1/x?q=1");
+        assert_eq!(h.get("host"), Some(&b"api.example:8443"[..]));
+        assert_eq!(h.get("transfer-encoding"), Some(&b"chunked"[..]));
+        assert_eq!(h.get("expect"), None);
+        let (parts, ()) = http::Request::get("http://a/").body(()).unwrap().into_parts();
+        let h = head_of(&parts, true, 4096).unwrap();
+        assert_eq!(h.get("transfer-encoding"), None);
+    }
+}
