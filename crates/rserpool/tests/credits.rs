@@ -38,6 +38,7 @@ async fn proxy(reg: SocketAddr) -> Proxy {
             routes: Vec::new(),
             splice: None,
             certificates: Vec::new(),
+            http2: true,
         }],
         ..ProxyConfig::default()
     })

@@ -75,6 +75,7 @@ fn proxy_config(reg: SocketAddr, listeners: Vec<(Mode, &str)>) -> ProxyConfig {
                 routes: Vec::new(),
                 splice: None,
                 certificates: Vec::new(),
+                http2: true,
             })
             .collect(),
         ..ProxyConfig::default()

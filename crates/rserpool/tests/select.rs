@@ -31,6 +31,7 @@ async fn proxy(reg: SocketAddr, select: Select) -> Proxy {
             routes: Vec::new(),
             splice: None,
             certificates: Vec::new(),
+            http2: true,
         }],
         pool_settings: BTreeMap::from([(
             POOL.to_string(),

@@ -258,6 +258,14 @@ async fn call(
     }
 }
 
+const CONNECTION_SPECIFIC: [&str; 5] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+];
+
 /// The request head as HTTP/1.1 (`Host` from `:authority`); a body of unknown length is
 /// announced as chunked.
 fn head_of(parts: &http::request::Parts, ended: bool, max: usize) -> Option<Head> {
@@ -281,6 +289,11 @@ fn head_of(parts: &http::request::Parts, ended: bool, max: usize) -> Option<Head
         // HTTP/2 has no 100 Continue to wait for: the body comes anyway.
         if n == HOST || n == http::header::EXPECT {
             continue;
+        }
+        // Connection-specific fields make an HTTP/2 request malformed (RFC 9113 §8.2.2);
+        // passed on to an HTTP/1.1 PE, Transfer-Encoding would smuggle a second request.
+        if CONNECTION_SPECIFIC.contains(&n.as_str()) {
+            return None;
         }
         b.put_slice(n.as_str().as_bytes());
         b.put_slice(b": ");
@@ -851,5 +864,12 @@ mod tests {
         let (parts, ()) = http::Request::get("http://a/").body(()).unwrap().into_parts();
         let h = head_of(&parts, true, 4096).unwrap();
         assert_eq!(h.get("transfer-encoding"), None);
+        // h2-to-h1 request smuggling: a client's own framing is refused.
+        let (parts, ()) = http::Request::post("http://a/")
+            .header("transfer-encoding", "chunked")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert!(head_of(&parts, false, 4096).is_none());
     }
 }

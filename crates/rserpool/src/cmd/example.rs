@@ -360,8 +360,8 @@ async fn serve_http(
     once: bool,
     levels: Option<&Levels>,
 ) -> std::io::Result<()> {
-    use bytes::{Buf, BytesMut};
-    use rserpool_proxy::message::{BodyState, Head, framing};
+    use bytes::BytesMut;
+    use rserpool_proxy::message::{BodyDecoder, Head, Piece, framing};
     let mut buf = BytesMut::with_capacity(16 * 1024);
     loop {
         let head = loop {
@@ -389,22 +389,22 @@ async fn serve_http(
                 )
                 .await?;
         }
-        let mut body = BodyState::new(f);
+        // The payload is counted and hashed, whatever its framing.
+        let mut body = BodyDecoder::new(f);
         let (mut len, mut hash) = (0u64, Fnv::new());
         loop {
-            if !buf.is_empty() && !body.is_done() {
-                let Ok(k) = body.take(&buf) else {
-                    return bad_request(&mut stream).await;
-                };
-                hash.update(&buf[..k]);
-                len += k as u64;
-                buf.advance(k);
-            }
-            if body.is_done() {
-                break;
-            }
-            if stream.read_buf(&mut buf).await? == 0 {
-                return Ok(());
+            match body.next(&mut buf) {
+                Err(_) => return bad_request(&mut stream).await,
+                Ok(Piece::Data(d)) if !d.is_empty() => {
+                    hash.update(&d);
+                    len += d.len() as u64;
+                }
+                Ok(Piece::Data(_)) => {
+                    if stream.read_buf(&mut buf).await? == 0 {
+                        return Ok(());
+                    }
+                }
+                Ok(Piece::Trailers(_) | Piece::End) => break,
             }
         }
         // `Upgrade: echo` switches the connection to an echo of everything that follows.

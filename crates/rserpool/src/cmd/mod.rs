@@ -22,7 +22,6 @@ use std::time::Duration;
 
 pub use rserpool::util::{Shutdown, runtime};
 
-/// Logs to stderr; `RUST_LOG` overrides the level (default info).
 /// How log lines are written (`--log-format`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -40,9 +39,18 @@ pub fn set_log_format(f: LogFormat) {
     let _ = LOG_FORMAT.set(f);
 }
 
+/// Logs to stderr; `RUST_LOG` overrides the level (default info).
 pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let spec = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+    // The h2 crate warns once per misbehaving HTTP/2 client, unpaced: a flood of log lines
+    // for a flood of connections. The proxy logs those itself, paced (unless RUST_LOG asks).
+    let spec = if spec.contains("h2") {
+        spec
+    } else {
+        format!("{spec},h2=error")
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,h2=error"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -77,6 +77,7 @@ pub fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
             routes: Vec::new(),
             splice: None,
             certificates: Vec::new(),
+            http2: true,
         });
     } else if args.pool.is_some() || args.select.is_some() {
         return Err(anyhow!("--pool and --select need --listen"));

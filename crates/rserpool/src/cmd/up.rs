@@ -117,6 +117,7 @@ pub fn run(args: UpArgs) -> Result<()> {
                     routes: Vec::new(),
                     splice: None,
                     certificates: Vec::new(),
+                    http2: true,
                 },
                 ListenerConfig {
                     listen: args.proxy_tcp,
@@ -125,6 +126,7 @@ pub fn run(args: UpArgs) -> Result<()> {
                     routes: Vec::new(),
                     splice: None,
                     certificates: Vec::new(),
+                    http2: true,
                 },
             ],
             status: Some(args.proxy_status),

@@ -1,0 +1,585 @@
+//! HTTP/2 and gRPC through the proxy, between real processes on loopback: curl over h2c
+//! (prior knowledge) and over TLS (ALPN) to HTTP/1.1 PEs; a gRPC client and servers (Python's
+//! grpcio, the C core) through the proxy with a PE killed mid-run; and the known HTTP/2
+//! attacks (rapid reset, PING, SETTINGS and CONTINUATION floods, an HPACK bomb), each answered
+//! with GOAWAY or a reset while other clients are served.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{BIN, KillOnDrop, Logged, example_http, free_port, metric, scrape, wait_for};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const GRPC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/grpc_echo.py");
+/// Debian's python3-grpcio is for the system interpreter.
+const PYTHON: &str = "/usr/bin/python3";
+
+fn addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rserpool-h2-{tag}-{}", free_port()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `rserpool proxy --config` with `conf` (after the registrar line) written to `dir`.
+fn proxy(dir: &Path, reg: SocketAddr, conf: &str) -> Logged {
+    let path = dir.join("proxy.toml");
+    std::fs::write(
+        &path,
+        format!("registrars = [\"{reg}\"]\nrefresh-ms = 200\n{conf}"),
+    )
+    .unwrap();
+    let check = Command::new(BIN)
+        .args(["check-config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+    Logged::spawn(
+        "proxy",
+        &["proxy".into(), "--config".into(), path.to_str().unwrap().into()],
+        "info",
+    )
+}
+
+/// Runs `cmd` to its end off the runtime's threads.
+async fn output(mut cmd: Command) -> std::process::Output {
+    tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap()
+}
+
+/// curl with `args`: (exit success, stdout with the response head (-D -) and body).
+async fn curl(args: &[&str]) -> (bool, String) {
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sS", "--max-time", "10", "-D", "-"]).args(args);
+    let out = output(cmd).await;
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// A GET over h2c with prior knowledge: the response head and body.
+async fn h2c_get(front: SocketAddr, path: &str) -> String {
+    curl(&["--http2-prior-knowledge", &format!("http://{front}{path}")])
+        .await
+        .1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_clients_reach_http1_pes_in_cleartext_and_over_tls() {
+    let dir = tempdir("curl");
+    let reg = common::registrar(common::fast_config());
+    let _pes = [
+        example_http(reg.asap_addr(), "Web", 1, &[]).await,
+        example_http(reg.asap_addr(), "Web", 2, &[]).await,
+    ];
+    let out = Command::new(BIN)
+        .args(["cert", "--dir", dir.to_str().unwrap(), "a.test"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let (front, tls_front, status) = (addr(), addr(), addr());
+    let d = dir.display();
+    let p = proxy(
+        &dir,
+        reg.asap_addr(),
+        &format!(
+            r#"status = "{status}"
+
+[[listener]]
+listen = "{front}"
+mode = "http"
+pool = "Web"
+
+[[listener]]
+listen = "{tls_front}"
+mode = "http"
+pool = "Web"
+
+[[listener.certificate]]
+cert = "{d}/a.test.pem"
+key = "{d}/a.test.key"
+names = ["a.test"]
+"#
+        ),
+    );
+    wait_for(Duration::from_secs(15), "both PEs answer over h2c", || async {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..6 {
+            let r = h2c_get(front, "/").await;
+            if let Some(id) = r.lines().find_map(|l| l.strip_prefix("x-pe-id: ")) {
+                seen.insert(id.to_owned());
+            }
+        }
+        seen.len() == 2
+    })
+    .await;
+    let r = h2c_get(front, "/").await;
+    assert!(r.starts_with("HTTP/2 200"), "{r}");
+    // A body of unknown length goes to the PE chunked, and arrives whole.
+    let body = "x".repeat(100_000);
+    let body_file = dir.join("body");
+    std::fs::write(&body_file, &body).unwrap();
+    let (ok, r) = curl(&[
+        "--http2-prior-knowledge",
+        "-H",
+        "content-length:",
+        "--data-binary",
+        &format!("@{}", body_file.display()),
+        &format!("http://{front}/echo"),
+    ])
+    .await;
+    assert!(ok, "{r}");
+    assert!(r.starts_with("HTTP/2 200"), "{r}");
+    assert!(r.contains("received 100000 bytes"), "{r}");
+    // Over TLS, ALPN picks h2; HTTP/1.1 clients still get HTTP/1.1.
+    let ca = dir.join("ca.pem");
+    let resolve = format!("a.test:{}:127.0.0.1", tls_front.port());
+    let url = format!("https://a.test:{}/", tls_front.port());
+    let base = ["--cacert", ca.to_str().unwrap(), "--resolve", &resolve];
+    let (ok, r) = curl(&[&base[..], &["--http2", &url]].concat()).await;
+    assert!(ok && r.starts_with("HTTP/2 200"), "{r}");
+    let (ok, r) = curl(&[&base[..], &["--http1.1", &url]].concat()).await;
+    assert!(ok && r.starts_with("HTTP/1.1 200"), "{r}");
+    // The same pipeline: no route is a 404, the access log and metrics count the requests.
+    let m = scrape(status).await;
+    assert!(metric(&m, "rserpool_proxy_requests_total", &[("pool", "Web")]) >= 4.0);
+    assert!(p.lines_with("panicked").is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A gRPC server (PE) registered by an `rserpool serve` sidecar.
+struct GrpcPe {
+    server: KillOnDrop,
+    _sidecar: KillOnDrop,
+}
+
+async fn grpc_pe(reg: SocketAddr, name: &str) -> GrpcPe {
+    let port = free_port();
+    let server = KillOnDrop(
+        Command::new(PYTHON)
+            .args([GRPC, "serve", &port.to_string(), name])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_until(Duration::from_secs(15), "the gRPC server listens", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+    let sidecar = KillOnDrop(
+        Command::new(BIN)
+            .args(["serve", "--target", &format!("127.0.0.1:{port}")])
+            .args(["--pool", "Grpc", "--registrar", &reg.to_string()])
+            .args(["--check-interval-ms", "200", "--fall", "1"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    GrpcPe {
+        server,
+        _sidecar: sidecar,
+    }
+}
+
+/// One call of the gRPC client: code, details, reply and trailing metadata as JSON.
+async fn grpc_call(front: SocketAddr, method: &str, timeout: Option<&str>) -> serde_json::Value {
+    let mut cmd = Command::new(PYTHON);
+    cmd.args([GRPC, "call", &front.to_string(), method]);
+    if let Some(t) = timeout {
+        cmd.arg(t);
+    }
+    let out = output(cmd).await;
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_fail_over_with_zero_failures_when_a_pe_dies() {
+    let dir = tempdir("grpc");
+    let reg = common::registrar(common::fast_config());
+    let mut pes = Vec::new();
+    for name in ["a", "b", "c"] {
+        pes.push(grpc_pe(reg.asap_addr(), name).await);
+    }
+    let (front, status) = (addr(), addr());
+    let p = proxy(
+        &dir,
+        reg.asap_addr(),
+        &format!(
+            r#"status = "{status}"
+
+[[listener]]
+listen = "{front}"
+mode = "http"
+pool = "Grpc"
+
+[pool.Grpc]
+protocol = "h2"
+idempotent = ["/test.Echo/Echo"]
+"#
+        ),
+    );
+    wait_for(Duration::from_secs(20), "calls reach all three PEs", || async {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..9 {
+            let v = grpc_call(front, "Echo", None).await;
+            if v["code"] == "OK" {
+                seen.insert(v["trailers"]["x-served-by"].to_string());
+            }
+        }
+        seen.len() == 3
+    })
+    .await;
+    // Trailers and statuses come through: the reply, its trailing metadata, an error status
+    // with its message.
+    let v = grpc_call(front, "Echo", None).await;
+    assert_eq!(v["code"], "OK", "{v}");
+    assert!(v["reply"].as_str().unwrap().ends_with(":ping"), "{v}");
+    let v = grpc_call(front, "Fail", None).await;
+    assert_eq!((v["code"].as_str(), v["details"].as_str()), (Some("NOT_FOUND"), Some("nope")));
+    // The deadline is the client's: the call ends with DEADLINE_EXCEEDED when it passes, not
+    // after the PE's two seconds.
+    let t = Instant::now();
+    let v = grpc_call(front, "Slow", Some("0.3")).await;
+    assert_eq!(v["code"], "DEADLINE_EXCEEDED", "{v}");
+    assert!(t.elapsed() < Duration::from_millis(1800), "{:?}", t.elapsed());
+    // The proxy enforces it itself too (a client that sends grpc-timeout and waits longer).
+    let frame = dir.join("frame");
+    std::fs::write(&frame, b"\0\0\0\0\x04ping").unwrap();
+    let t = Instant::now();
+    let (_, r) = curl(&[
+        "--http2-prior-knowledge",
+        "-H",
+        "content-type: application/grpc",
+        "-H",
+        "te: trailers",
+        "-H",
+        "grpc-timeout: 300m",
+        "--data-binary",
+        &format!("@{}", frame.display()),
+        &format!("http://{front}/test.Echo/Slow"),
+    ])
+    .await;
+    assert!(r.contains("grpc-status: 4"), "{r}");
+    assert!(t.elapsed() < Duration::from_millis(1800), "{:?}", t.elapsed());
+
+    // Calls back to back from 4 threads for 4 s; PE "a" dies after 1.5 s.
+    let mut load = Command::new(PYTHON);
+    load.args([GRPC, "load", &front.to_string(), "4", "4"]);
+    let load = output(load);
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut a = pes.remove(0);
+        a.server.0.kill().unwrap();
+    };
+    let (out, ()) = tokio::join!(load, kill);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    eprintln!("load: {v}");
+    assert_eq!(v["failed"], 0, "{v}");
+    assert!(v["ok"].as_u64().unwrap() > 100, "{v}");
+    for name in ["a", "b", "c"] {
+        assert!(v["by"][name].as_u64().unwrap_or(0) > 0, "{name} served nothing: {v}");
+    }
+    let m = scrape(status).await;
+    assert!(metric(&m, "rserpool_proxy_requests_total", &[("pool", "Grpc")]) > 100.0);
+    assert!(p.lines_with("panicked").is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---- Raw HTTP/2 frames for the attacks ----
+
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len();
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// An HPACK integer with an `n`-bit prefix (RFC 7541 §5.1) after the `first` bits.
+fn hpack_int(out: &mut Vec<u8>, first: u8, n: u32, mut v: usize) {
+    let max = (1usize << n) - 1;
+    if v < max {
+        out.push(first | v as u8);
+        return;
+    }
+    out.push(first | max as u8);
+    v -= max;
+    while v >= 128 {
+        out.push((v % 128) as u8 | 0x80);
+        v /= 128;
+    }
+    out.push(v as u8);
+}
+
+/// The header block of `GET /` to `authority` (static table entries and a literal).
+fn get_block(authority: &str) -> Vec<u8> {
+    // :method GET, :scheme http, :path /
+    let mut b = vec![0x82, 0x86, 0x84];
+    // :authority, literal without indexing, name from the static table (index 1)
+    b.push(0x01);
+    hpack_int(&mut b, 0, 7, authority.len());
+    b.extend_from_slice(authority.as_bytes());
+    b
+}
+
+/// A connection that has sent the preface and its SETTINGS.
+async fn raw_h2(front: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(front).await.unwrap();
+    let mut hello = PREFACE.to_vec();
+    hello.extend(frame(4, 0, 0, &[]));
+    s.write_all(&hello).await.unwrap();
+    s
+}
+
+/// What the server did to the connection: `Some(error code)` of its GOAWAY, with the RST_STREAM
+/// codes and the HEADERS count it sent before; `None` for the GOAWAY if it sent none before
+/// closing or `limit` passing.
+#[derive(Debug, Default)]
+struct Seen {
+    goaway: Option<u32>,
+    resets: Vec<u32>,
+    headers: usize,
+}
+
+async fn watch(s: &mut (impl AsyncReadExt + Unpin), limit: Duration) -> Seen {
+    let mut seen = Seen::default();
+    let mut buf = Vec::new();
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        while buf.len() >= 9 {
+            let len = (buf[0] as usize) << 16 | (buf[1] as usize) << 8 | buf[2] as usize;
+            if buf.len() < 9 + len {
+                break;
+            }
+            let (kind, payload) = (buf[3], &buf[9..9 + len]);
+            match kind {
+                1 => seen.headers += 1,
+                3 => seen.resets.push(u32::from_be_bytes(payload[..4].try_into().unwrap())),
+                7 => {
+                    seen.goaway = Some(u32::from_be_bytes(payload[4..8].try_into().unwrap()));
+                    return seen;
+                }
+                _ => {}
+            }
+            buf.drain(..9 + len);
+        }
+        let mut chunk = vec![0u8; 64 * 1024];
+        match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return seen,
+        }
+    }
+}
+
+/// Writes `bytes` (ignoring a connection the server closed) while watching what comes back,
+/// until a GOAWAY or 10 s.
+async fn attack(front: SocketAddr, bytes: Vec<u8>) -> Seen {
+    attack_for(front, bytes, Duration::from_secs(10)).await
+}
+
+async fn attack_for(front: SocketAddr, bytes: Vec<u8>, limit: Duration) -> Seen {
+    let (mut rd, mut wr) = raw_h2(front).await.into_split();
+    let writer = tokio::spawn(async move {
+        let _ = wr.write_all(&bytes).await;
+        wr
+    });
+    let seen = watch(&mut rd, limit).await;
+    writer.abort();
+    seen
+}
+
+const ENHANCE_YOUR_CALM: u32 = 0xb;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_attacks_get_goaway_and_other_clients_stay_served() {
+    let dir = tempdir("attacks");
+    let reg = common::registrar(common::fast_config());
+    let _pe = example_http(reg.asap_addr(), "Web", 1, &[]).await;
+    let (front, status) = (addr(), addr());
+    let p = proxy(
+        &dir,
+        reg.asap_addr(),
+        &format!(
+            r#"status = "{status}"
+
+[[listener]]
+listen = "{front}"
+mode = "http"
+pool = "Web"
+"#
+        ),
+    );
+    wait_for(Duration::from_secs(15), "the proxy serves h2c", || async {
+        h2c_get(front, "/").await.starts_with("HTTP/2 200")
+    })
+    .await;
+    // A client that stays connected throughout and is served after every attack.
+    let mut bystander = Bystander {
+        s: raw_h2(front).await,
+        buf: Vec::new(),
+        next: 1,
+    };
+    bystander.served().await;
+
+    // Rapid reset (CVE-2023-44487): streams opened and reset at once.
+    let mut bytes = Vec::new();
+    for i in 0..2000u32 {
+        let id = 2 * i + 1;
+        bytes.extend(frame(1, END_STREAM | END_HEADERS, id, &get_block("a")));
+        bytes.extend(frame(3, 0, id, &8u32.to_be_bytes()));
+    }
+    let seen = attack(front, bytes).await;
+    assert_eq!(seen.goaway, Some(ENHANCE_YOUR_CALM), "rapid reset: {seen:?}");
+    bystander.served().await;
+
+    // PING flood.
+    let pings: Vec<u8> = (0..10_000u64)
+        .flat_map(|i| frame(6, 0, 0, &i.to_be_bytes()))
+        .collect();
+    let seen = attack(front, pings).await;
+    assert_eq!(seen.goaway, Some(ENHANCE_YOUR_CALM), "PING flood: {seen:?}");
+    bystander.served().await;
+
+    // SETTINGS flood.
+    let settings: Vec<u8> = (0..10_000).flat_map(|_| frame(4, 0, 0, &[])).collect();
+    let seen = attack(front, settings).await;
+    assert_eq!(seen.goaway, Some(ENHANCE_YOUR_CALM), "SETTINGS flood: {seen:?}");
+    bystander.served().await;
+
+    // CONTINUATION flood: a header block that never ends, one byte per frame.
+    let mut cont = frame(1, END_STREAM, 1, &get_block("a"));
+    for _ in 0..10_000 {
+        // A literal header's first byte, over and over: the block grows, never completes.
+        cont.extend(frame(9, 0, 1, &[0x40]));
+    }
+    let seen = attack(front, cont).await;
+    assert_eq!(seen.goaway, Some(ENHANCE_YOUR_CALM), "CONTINUATION flood: {seen:?}");
+    bystander.served().await;
+
+    // HPACK bomb: a 4000-byte header stored in the dynamic table once, referenced 2000 times
+    // (8 MB decoded from a 6 KB block).
+    let mut block = get_block("a");
+    block.push(0x40);
+    hpack_int(&mut block, 0, 7, 6);
+    block.extend_from_slice(b"x-bomb");
+    hpack_int(&mut block, 0, 7, 4000);
+    block.extend(std::iter::repeat_n(b'a', 4000));
+    block.extend(std::iter::repeat_n(0xbe, 2000));
+    let mut bomb = Vec::new();
+    let mut chunks = block.chunks(16_384).peekable();
+    let mut first = true;
+    while let Some(c) = chunks.next() {
+        let last = chunks.peek().is_none();
+        let flags = if last { END_HEADERS } else { 0 };
+        if first {
+            bomb.extend(frame(1, flags | END_STREAM, 1, c));
+            first = false;
+        } else {
+            bomb.extend(frame(9, flags, 1, c));
+        }
+    }
+    let seen = attack(front, bomb).await;
+    assert_eq!(seen.headers, 0, "the bomb was not answered as a request: {seen:?}");
+    assert!(
+        seen.goaway == Some(ENHANCE_YOUR_CALM) || !seen.resets.is_empty(),
+        "HPACK bomb: {seen:?}"
+    );
+    bystander.served().await;
+
+    // h2-to-h1 request smuggling: Transfer-Encoding in an HTTP/2 request makes it malformed
+    // (RFC 9113 §8.2.2): the stream is reset (PROTOCOL_ERROR), nothing reaches a PE.
+    let mut block = vec![0x83, 0x86]; // :method POST, :scheme http
+    block.push(0x04); // :path, literal without indexing, static name
+    hpack_int(&mut block, 0, 7, 5);
+    block.extend_from_slice(b"/echo");
+    block.push(0x01);
+    hpack_int(&mut block, 0, 7, 1);
+    block.push(b'a');
+    block.push(0x00); // a new name
+    hpack_int(&mut block, 0, 7, 17);
+    block.extend_from_slice(b"transfer-encoding");
+    hpack_int(&mut block, 0, 7, 7);
+    block.extend_from_slice(b"chunked");
+    let mut smuggle = frame(1, END_HEADERS, 1, &block);
+    smuggle.extend(frame(
+        0,
+        END_STREAM,
+        1,
+        b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n",
+    ));
+    let seen = attack_for(front, smuggle, Duration::from_secs(2)).await;
+    assert_eq!((seen.headers, &seen.resets[..]), (0, &[1][..]), "smuggling: {seen:?}");
+    bystander.served().await;
+
+    // Each flood is counted, once per connection; the proxy is still whole.
+    let m = scrape(status).await;
+    let floods = metric(&m, "rserpool_proxy_http2_floods_total", &[]);
+    assert!(floods >= 4.0, "{floods}");
+    assert!(h2c_get(front, "/").await.starts_with("HTTP/2 200"));
+    assert!(p.lines_with("panicked").is_empty());
+    let warnings = p.lines_with("ENHANCE_YOUR_CALM");
+    assert!(!warnings.is_empty() && warnings.len() < 5, "{warnings:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A client on one HTTP/2 connection through all the attacks.
+struct Bystander {
+    s: TcpStream,
+    buf: Vec<u8>,
+    next: u32,
+}
+
+impl Bystander {
+    /// A GET on a new stream; panics unless its response HEADERS arrive within 5 s.
+    async fn served(&mut self) {
+        let id = self.next;
+        self.next += 2;
+        self.s
+            .write_all(&frame(1, END_STREAM | END_HEADERS, id, &get_block("a")))
+            .await
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            while self.buf.len() >= 9 {
+                let b = &self.buf;
+                let len = (b[0] as usize) << 16 | (b[1] as usize) << 8 | b[2] as usize;
+                if b.len() < 9 + len {
+                    break;
+                }
+                let (kind, stream) = (b[3], u32::from_be_bytes(b[5..9].try_into().unwrap()));
+                assert_ne!(kind, 7, "the bystander got GOAWAY");
+                self.buf.drain(..9 + len);
+                if kind == 1 && stream == id {
+                    return;
+                }
+            }
+            let mut chunk = vec![0u8; 16 * 1024];
+            match tokio::time::timeout_at(deadline, self.s.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => self.buf.extend_from_slice(&chunk[..n]),
+                other => panic!("the bystander got no response: {other:?}"),
+            }
+        }
+    }
+}
