@@ -561,7 +561,9 @@ impl ProxyConfig {
             l.validate().map_err(ConfigError::Invalid)?;
         }
         let h = &self.http2;
-        if h.max_concurrent_streams == 0 || h.max_resets_per_s == 0 || h.max_control_frames_per_s == 0
+        if h.max_concurrent_streams == 0
+            || h.max_resets_per_s == 0
+            || h.max_control_frames_per_s == 0
         {
             return bad(
                 "[http2] max-concurrent-streams, max-resets-per-s and max-control-frames-per-s \
@@ -570,7 +572,9 @@ impl ProxyConfig {
             );
         }
         if h.stream_window < 65_535 || h.connection_window < 65_535 {
-            return bad("[http2] stream-window and connection-window must be at least 65535".into());
+            return bad(
+                "[http2] stream-window and connection-window must be at least 65535".into(),
+            );
         }
         if h.stream_window > (1 << 31) - 1 || h.connection_window > (1 << 31) - 1 {
             return bad("[http2] windows must be below 2^31".into());

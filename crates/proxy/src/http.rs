@@ -451,7 +451,11 @@ pub(crate) struct Forwarding<'r> {
 }
 
 /// [`Forwarding`] of a request from `peer`; a client's copies of `level_header` are dropped.
-pub(crate) fn forwarding<'r>(r: &'r Request, peer: SocketAddr, level_header: &str) -> Forwarding<'r> {
+pub(crate) fn forwarding<'r>(
+    r: &'r Request,
+    peer: SocketAddr,
+    level_header: &str,
+) -> Forwarding<'r> {
     let mut fw = Forwarding {
         pass: Vec::with_capacity(r.head.headers.len()),
         x_forwarded_for: Vec::new(),

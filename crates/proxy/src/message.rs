@@ -463,7 +463,10 @@ pub enum BodyDecoder {
     Length(u64),
     /// In the chunked coding: the bytes left of the current chunk's data, and whether its
     /// line end is still to come.
-    Chunked { left: u64, crlf: bool },
+    Chunked {
+        left: u64,
+        crlf: bool,
+    },
     Close,
     /// The trailer section of a chunked body.
     Trailers,

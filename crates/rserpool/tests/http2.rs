@@ -48,7 +48,11 @@ fn proxy(dir: &Path, reg: SocketAddr, conf: &str) -> Logged {
     );
     Logged::spawn(
         "proxy",
-        &["proxy".into(), "--config".into(), path.to_str().unwrap().into()],
+        &[
+            "proxy".into(),
+            "--config".into(),
+            path.to_str().unwrap().into(),
+        ],
         "info",
     )
 }
@@ -67,8 +71,7 @@ async fn curl(args: &[&str]) -> (bool, String) {
     let out = output(cmd).await;
     (
         out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
     )
 }
 
@@ -117,16 +120,20 @@ names = ["a.test"]
 "#
         ),
     );
-    wait_for(Duration::from_secs(15), "both PEs answer over h2c", || async {
-        let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..6 {
-            let r = h2c_get(front, "/").await;
-            if let Some(id) = r.lines().find_map(|l| l.strip_prefix("x-pe-id: ")) {
-                seen.insert(id.to_owned());
+    wait_for(
+        Duration::from_secs(15),
+        "both PEs answer over h2c",
+        || async {
+            let mut seen = std::collections::BTreeSet::new();
+            for _ in 0..6 {
+                let r = h2c_get(front, "/").await;
+                if let Some(id) = r.lines().find_map(|l| l.strip_prefix("x-pe-id: ")) {
+                    seen.insert(id.to_owned());
+                }
             }
-        }
-        seen.len() == 2
-    })
+            seen.len() == 2
+        },
+    )
     .await;
     let r = h2c_get(front, "/").await;
     assert!(r.starts_with("HTTP/2 200"), "{r}");
@@ -235,16 +242,20 @@ idempotent = ["/test.Echo/Echo"]
 "#
         ),
     );
-    wait_for(Duration::from_secs(20), "calls reach all three PEs", || async {
-        let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..9 {
-            let v = grpc_call(front, "Echo", None).await;
-            if v["code"] == "OK" {
-                seen.insert(v["trailers"]["x-served-by"].to_string());
+    wait_for(
+        Duration::from_secs(20),
+        "calls reach all three PEs",
+        || async {
+            let mut seen = std::collections::BTreeSet::new();
+            for _ in 0..9 {
+                let v = grpc_call(front, "Echo", None).await;
+                if v["code"] == "OK" {
+                    seen.insert(v["trailers"]["x-served-by"].to_string());
+                }
             }
-        }
-        seen.len() == 3
-    })
+            seen.len() == 3
+        },
+    )
     .await;
     // Trailers and statuses come through: the reply, its trailing metadata, an error status
     // with its message.
@@ -252,13 +263,20 @@ idempotent = ["/test.Echo/Echo"]
     assert_eq!(v["code"], "OK", "{v}");
     assert!(v["reply"].as_str().unwrap().ends_with(":ping"), "{v}");
     let v = grpc_call(front, "Fail", None).await;
-    assert_eq!((v["code"].as_str(), v["details"].as_str()), (Some("NOT_FOUND"), Some("nope")));
+    assert_eq!(
+        (v["code"].as_str(), v["details"].as_str()),
+        (Some("NOT_FOUND"), Some("nope"))
+    );
     // The deadline is the client's: the call ends with DEADLINE_EXCEEDED when it passes, not
     // after the PE's two seconds.
     let t = Instant::now();
     let v = grpc_call(front, "Slow", Some("0.3")).await;
     assert_eq!(v["code"], "DEADLINE_EXCEEDED", "{v}");
-    assert!(t.elapsed() < Duration::from_millis(1800), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(1800),
+        "{:?}",
+        t.elapsed()
+    );
     // The proxy enforces it itself too (a client that sends grpc-timeout and waits longer).
     let frame = dir.join("frame");
     std::fs::write(&frame, b"\0\0\0\0\x04ping").unwrap();
@@ -277,7 +295,11 @@ idempotent = ["/test.Echo/Echo"]
     ])
     .await;
     assert!(r.contains("grpc-status: 4"), "{r}");
-    assert!(t.elapsed() < Duration::from_millis(1800), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(1800),
+        "{:?}",
+        t.elapsed()
+    );
 
     // Calls back to back from 4 threads for 4 s; PE "a" dies after 1.5 s.
     let mut load = Command::new(PYTHON);
@@ -295,7 +317,10 @@ idempotent = ["/test.Echo/Echo"]
     assert_eq!(v["failed"], 0, "{v}");
     assert!(v["ok"].as_u64().unwrap() > 100, "{v}");
     for name in ["a", "b", "c"] {
-        assert!(v["by"][name].as_u64().unwrap_or(0) > 0, "{name} served nothing: {v}");
+        assert!(
+            v["by"][name].as_u64().unwrap_or(0) > 0,
+            "{name} served nothing: {v}"
+        );
     }
     let m = scrape(status).await;
     assert!(metric(&m, "rserpool_proxy_requests_total", &[("pool", "Grpc")]) > 100.0);
@@ -376,7 +401,9 @@ async fn watch(s: &mut (impl AsyncReadExt + Unpin), limit: Duration) -> Seen {
             let (kind, payload) = (buf[3], &buf[9..9 + len]);
             match kind {
                 1 => seen.headers += 1,
-                3 => seen.resets.push(u32::from_be_bytes(payload[..4].try_into().unwrap())),
+                3 => seen
+                    .resets
+                    .push(u32::from_be_bytes(payload[..4].try_into().unwrap())),
                 7 => {
                     seen.goaway = Some(u32::from_be_bytes(payload[4..8].try_into().unwrap()));
                     return seen;
@@ -451,7 +478,11 @@ pool = "Web"
         bytes.extend(frame(3, 0, id, &8u32.to_be_bytes()));
     }
     let seen = attack(front, bytes).await;
-    assert_eq!(seen.goaway, Some(ENHANCE_YOUR_CALM), "rapid reset: {seen:?}");
+    assert_eq!(
+        seen.goaway,
+        Some(ENHANCE_YOUR_CALM),
+        "rapid reset: {seen:?}"
+    );
     bystander.served().await;
 
     // PING flood.
@@ -465,7 +496,11 @@ pool = "Web"
     // SETTINGS flood.
     let settings: Vec<u8> = (0..10_000).flat_map(|_| frame(4, 0, 0, &[])).collect();
     let seen = attack(front, settings).await;
-    assert_eq!(seen.goaway, Some(ENHANCE_YOUR_CALM), "SETTINGS flood: {seen:?}");
+    assert_eq!(
+        seen.goaway,
+        Some(ENHANCE_YOUR_CALM),
+        "SETTINGS flood: {seen:?}"
+    );
     bystander.served().await;
 
     // CONTINUATION flood: a header block that never ends, one byte per frame.
@@ -475,7 +510,11 @@ pool = "Web"
         cont.extend(frame(9, 0, 1, &[0x40]));
     }
     let seen = attack(front, cont).await;
-    assert_eq!(seen.goaway, Some(ENHANCE_YOUR_CALM), "CONTINUATION flood: {seen:?}");
+    assert_eq!(
+        seen.goaway,
+        Some(ENHANCE_YOUR_CALM),
+        "CONTINUATION flood: {seen:?}"
+    );
     bystander.served().await;
 
     // HPACK bomb: a 4000-byte header stored in the dynamic table once, referenced 2000 times
@@ -501,7 +540,10 @@ pool = "Web"
         }
     }
     let seen = attack(front, bomb).await;
-    assert_eq!(seen.headers, 0, "the bomb was not answered as a request: {seen:?}");
+    assert_eq!(
+        seen.headers, 0,
+        "the bomb was not answered as a request: {seen:?}"
+    );
     assert!(
         seen.goaway == Some(ENHANCE_YOUR_CALM) || !seen.resets.is_empty(),
         "HPACK bomb: {seen:?}"
@@ -530,7 +572,11 @@ pool = "Web"
         b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n",
     ));
     let seen = attack_for(front, smuggle, Duration::from_secs(2)).await;
-    assert_eq!((seen.headers, &seen.resets[..]), (0, &[1][..]), "smuggling: {seen:?}");
+    assert_eq!(
+        (seen.headers, &seen.resets[..]),
+        (0, &[1][..]),
+        "smuggling: {seen:?}"
+    );
     bystander.served().await;
 
     // Each flood is counted, once per connection; the proxy is still whole.

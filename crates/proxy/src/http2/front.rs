@@ -52,7 +52,9 @@ pub(crate) fn floods() -> u64 {
 fn note_flood(peer: SocketAddr, what: &str) {
     let n = FLOODS.fetch_add(1, Ordering::Relaxed) + 1;
     if n.is_power_of_two() {
-        warn!("client {peer}: HTTP/2 {what}: GOAWAY ENHANCE_YOUR_CALM ({n} such connections so far)");
+        warn!(
+            "client {peer}: HTTP/2 {what}: GOAWAY ENHANCE_YOUR_CALM ({n} such connections so far)"
+        );
     }
 }
 
@@ -161,6 +163,7 @@ async fn call(
     ctx: Ctx,
 ) {
     let started = Instant::now();
+    let ctx = &ctx;
     let (parts, recv) = req.into_parts();
     let grpc = parts
         .headers
@@ -182,33 +185,35 @@ async fn call(
     let ended = recv.is_end_stream();
     let head = match head_of(&parts, ended, ctx.cfg.max_head * 2) {
         Some(h) => h,
-        None => return reply(&mut s, 400, "malformed request", &ctx).await,
+        None => return reply(&mut s, 400, "malformed request", ctx).await,
     };
     let mut r = match parse(head, peer, started) {
         Ok(r) => r,
-        Err((code, why)) => return reply(&mut s, code, why, &ctx).await,
+        Err((code, why)) => return reply(&mut s, code, why, ctx).await,
     };
-    let Some(target) = route(&r, &ctx) else {
-        return reply(&mut s, 404, "no route", &ctx).await;
+    let Some(target) = route(&r, ctx) else {
+        return reply(&mut s, 404, "no route", ctx).await;
     };
     let pool = target.pool.clone();
-    r.level = classify(&r, peer, &ctx);
+    r.level = classify(&r, peer, ctx);
     let config = pool.config();
     let length = match r.framing {
         Framing::Length(n) => Some(n),
         _ => None,
     };
     let path = &r.head.target()[..r.path_end];
-    let repeatable =
-        r.idempotent || config.idempotent.iter().any(|p| path.starts_with(p.as_bytes()));
+    let repeatable = r.idempotent
+        || config
+            .idempotent
+            .iter()
+            .any(|p| path.starts_with(p.as_bytes()));
     let limit = ctx.cfg.retry_buffer;
-    let hold = ended
-        || length.is_some_and(|n| n <= limit as u64)
-        || (length.is_none() && repeatable);
+    let hold =
+        ended || length.is_some_and(|n| n <= limit as u64) || (length.is_none() && repeatable);
     s.body = if hold {
         match gather(recv, ended, limit, ctx.idle_timeout()).await {
             Ok(b) => b,
-            Err(()) => return log(&ctx, peer, &r, 499, None, 0),
+            Err(()) => return log(ctx, peer, &r, 499, None, 0),
         }
     } else {
         Body::Streamed {
@@ -220,39 +225,36 @@ async fn call(
     let mut f = Failover::default();
     loop {
         let (attempt, outcome) = if h2_pes {
-            let ctx = &ctx;
             let connect = |pe: Arc<Backend>| async move {
                 // Never "reused": a broken HTTP/2 connection may have carried the request
                 // to the PE, so only an idempotent one goes out again.
                 upstream::stream(&pe, ctx).await.map(|(v, _)| (v, false))
             };
-            match select(&pool, r.level, &mut f, &ctx, connect).await {
+            match select(&pool, r.level, &mut f, ctx, connect).await {
                 Ok((attempt, up)) => {
-                    let outcome = to_h2(&mut s, up, &r, &attempt, &ctx).await;
+                    let outcome = to_h2(&mut s, up, &r, &attempt, ctx).await;
                     (attempt, outcome)
                 }
-                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, &ctx).await,
+                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, ctx).await,
             }
         } else {
-            let ctx = &ctx;
-            let connect =
-                |pe: Arc<Backend>| async move { take_conn(&pe, ctx, !repeatable).await };
-            match select(&pool, r.level, &mut f, &ctx, connect).await {
+            let connect = |pe: Arc<Backend>| async move { take_conn(&pe, ctx, !repeatable).await };
+            match select(&pool, r.level, &mut f, ctx, connect).await {
                 Ok((attempt, bc)) => {
-                    let outcome = to_h1(&mut s, bc, &r, &attempt, &ctx).await;
+                    let outcome = to_h1(&mut s, bc, &r, &attempt, ctx).await;
                     (attempt, outcome)
                 }
-                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, &ctx).await,
+                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, ctx).await,
             }
         };
         let replayable = matches!(s.body, Body::Held(_));
-        match settle(&r, replayable, &attempt, outcome, &mut f, &ctx) {
+        match settle(&r, replayable, &attempt, outcome, &mut f, ctx) {
             Settled::Answered { code, bytes, .. } => {
-                return log(&ctx, peer, &r, code, Some(&attempt.pe), bytes);
+                return log(ctx, peer, &r, code, Some(&attempt.pe), bytes);
             }
             Settled::Again => {}
             Settled::Failed { code, why } => {
-                return fail(&mut s, &r, code, why, Some(&attempt.pe), &ctx).await;
+                return fail(&mut s, &r, code, why, Some(&attempt.pe), ctx).await;
             }
         }
     }
@@ -357,7 +359,11 @@ fn grpc_timeout(v: &[u8]) -> Option<Duration> {
 }
 
 /// Sends `data` as the client's (or a PE's) flow-control window allows.
-async fn send_data(tx: &mut SendStream<Bytes>, mut data: Bytes, end: bool) -> Result<(), h2::Error> {
+async fn send_data(
+    tx: &mut SendStream<Bytes>,
+    mut data: Bytes,
+    end: bool,
+) -> Result<(), h2::Error> {
     while !data.is_empty() {
         tx.reserve_capacity(data.len());
         let n = match poll_fn(|cx| tx.poll_capacity(cx)).await {
@@ -427,7 +433,9 @@ async fn to_h1(
                 _ => return Err(Failure::Client),
             };
             let _ = recv.flow_control().release_capacity(d.len());
-            b.stats.bytes_in.fetch_add(d.len() as u64, Ordering::Relaxed);
+            b.stats
+                .bytes_in
+                .fetch_add(d.len() as u64, Ordering::Relaxed);
             out.clear();
             frame_into(&mut out, &d, chunked);
             if bc.stream.write_all(&out).await.is_err() {
@@ -479,7 +487,10 @@ async fn to_h1(
     };
     let mut bytes = 0u64;
     let mut dec = BodyDecoder::new(framing);
-    while !end {
+    loop {
+        if end {
+            break;
+        }
         let piece = dec
             .next(&mut bc.buf)
             .map_err(|_| Failure::Broken { relayed: true })?;
@@ -490,7 +501,8 @@ async fn to_h1(
             }
             Piece::Data(_) => {
                 bc.buf.reserve(READ_CHUNK);
-                match tokio::time::timeout(ctx.idle_timeout(), bc.stream.read_buf(&mut bc.buf)).await
+                match tokio::time::timeout(ctx.idle_timeout(), bc.stream.read_buf(&mut bc.buf))
+                    .await
                 {
                     Ok(Ok(0)) if framing == Framing::Close => {
                         send_data(tx, Bytes::new(), true)
@@ -505,7 +517,8 @@ async fn to_h1(
             Piece::Trailers(t) => {
                 let mut map = http::HeaderMap::new();
                 for (n, v) in t {
-                    if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(&n), HeaderValue::from_bytes(&v))
+                    if let (Ok(n), Ok(v)) =
+                        (HeaderName::from_bytes(&n), HeaderValue::from_bytes(&v))
                     {
                         map.append(n, v);
                     }
@@ -541,8 +554,16 @@ async fn to_h1(
 fn upstream_request(s: &Stream, r: &Request, ctx: &Ctx) -> Option<http::Request<()>> {
     let (level_header, send_level) = ctx.level_header();
     let fw = forwarding(r, s.peer, level_header);
-    let scheme = if ctx.pe_tls.is_empty() { "http" } else { "https" };
-    let authority = if r.host.is_empty() { b"localhost".as_slice() } else { &r.host };
+    let scheme = if ctx.pe_tls.is_empty() {
+        "http"
+    } else {
+        "https"
+    };
+    let authority = if r.host.is_empty() {
+        b"localhost".as_slice()
+    } else {
+        &r.host
+    };
     let uri = format!(
         "{scheme}://{}{}",
         std::str::from_utf8(authority).ok()?,
@@ -560,7 +581,10 @@ fn upstream_request(s: &Stream, r: &Request, ctx: &Ctx) -> Option<http::Request<
         {
             continue;
         }
-        headers.append(HeaderName::from_bytes(n).ok()?, HeaderValue::from_bytes(v).ok()?);
+        headers.append(
+            HeaderName::from_bytes(n).ok()?,
+            HeaderValue::from_bytes(v).ok()?,
+        );
     }
     if r.head.has_token("te", "trailers") {
         headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
@@ -579,7 +603,10 @@ fn upstream_request(s: &Stream, r: &Request, ctx: &Ctx) -> Option<http::Request<
     if let Some(d) = s.deadline {
         let left = d.saturating_duration_since(tokio::time::Instant::now());
         let ms = left.as_millis().clamp(1, 99_999_999);
-        headers.insert("grpc-timeout", HeaderValue::from_str(&format!("{ms}m")).ok()?);
+        headers.insert(
+            "grpc-timeout",
+            HeaderValue::from_str(&format!("{ms}m")).ok()?,
+        );
     }
     req.body(()).ok()
 }
@@ -602,14 +629,16 @@ async fn to_h2(
         Ok(v) => v,
         Err(e) => {
             slot.retire();
-            return Err(if e.is_go_away() || e.reason() == Some(Reason::REFUSED_STREAM) {
-                Failure::Refused
-            } else {
-                Failure::NoResponse {
-                    body_sent: false,
-                    error: io::Error::other(e),
-                }
-            });
+            return Err(
+                if e.is_go_away() || e.reason() == Some(Reason::REFUSED_STREAM) {
+                    Failure::Refused
+                } else {
+                    Failure::NoResponse {
+                        body_sent: false,
+                        error: io::Error::other(e),
+                    }
+                },
+            );
         }
     };
     // The body goes up while the response may already come down (gRPC streams both ways).
@@ -617,7 +646,9 @@ async fn to_h2(
         Body::Held(d) => {
             if !d.is_empty() {
                 let d = d.clone();
-                b.stats.bytes_in.fetch_add(d.len() as u64, Ordering::Relaxed);
+                b.stats
+                    .bytes_in
+                    .fetch_add(d.len() as u64, Ordering::Relaxed);
                 tokio::spawn(async move {
                     let _ = send_data(&mut up, d, true).await;
                 });
@@ -861,7 +892,10 @@ mod tests {
         assert_eq!(h.get("host"), Some(&b"api.example:8443"[..]));
         assert_eq!(h.get("transfer-encoding"), Some(&b"chunked"[..]));
         assert_eq!(h.get("expect"), None);
-        let (parts, ()) = http::Request::get("http://a/").body(()).unwrap().into_parts();
+        let (parts, ()) = http::Request::get("http://a/")
+            .body(())
+            .unwrap()
+            .into_parts();
         let h = head_of(&parts, true, 4096).unwrap();
         assert_eq!(h.get("transfer-encoding"), None);
         // h2-to-h1 request smuggling: a client's own framing is refused.

@@ -221,7 +221,11 @@ impl<T: AsyncRead + Unpin> AsyncRead for Guarded<T> {
 }
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for Guarded<T> {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.get_mut().io).poll_write(cx, data)
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -247,7 +251,17 @@ mod tests {
     use super::*;
 
     fn frame(kind: u8, flags: u8, len: usize) -> Vec<u8> {
-        let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags, 0, 0, 0, 1];
+        let mut f = vec![
+            (len >> 16) as u8,
+            (len >> 8) as u8,
+            len as u8,
+            kind,
+            flags,
+            0,
+            0,
+            0,
+            1,
+        ];
         f.resize(9 + len, 0);
         f
     }

@@ -8,8 +8,8 @@ use bytes::Bytes;
 use h2::client::SendRequest;
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use tracing::debug;
 
 /// The HTTP/2 connections to one PE.
@@ -53,10 +53,7 @@ impl H2Conns {
     }
 
     fn add(&self, c: Arc<H2Conn>) {
-        self.conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(c);
+        self.conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
     }
 
     /// Forgets every connection (the PE left the pool); their streams finish.
