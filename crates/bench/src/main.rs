@@ -70,6 +70,9 @@ enum BenchCommand {
     /// Chaos soak: registrars, PEs, a proxy and clients in network namespaces under random
     /// kills, link cuts and packet loss; checks that no PE is lost and no request fails.
     Chaos(chaos::ChaosArgs),
+    /// Internal: a backend of `proxy`'s gRPC part.
+    #[command(hide = true)]
+    GrpcBackend(proxy::grpc_backend::GrpcBackendArgs),
     /// Internal: the simulated PEs and PUs of `registrar`.
     #[command(hide = true)]
     LoadGen(registrar::LoadGenArgs),
@@ -89,5 +92,6 @@ fn main() -> Result<()> {
         BenchCommand::Session(a) => session::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
+        BenchCommand::GrpcBackend(a) => proxy::grpc_backend::run(a),
     }
 }

@@ -20,7 +20,7 @@ use crate::ksplice::Links;
 use crate::process::Proc;
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use rserpool_ksplice::testbed::{TIER_SHARED, TIER_VIP, TierNet, in_ns, tier_topology};
+use rserpool_ksplice::testbed::{TIER_VIP, TierNet, in_ns, tier_topology};
 use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, SocketAddrV4, TcpStream};

@@ -40,6 +40,21 @@ pub enum Part {
     HttpsKeepalive,
     /// HTTPS, a new connection (and TLS handshake) per request: connections/s.
     HttpsConnect,
+    /// HTTP/2 in cleartext (prior knowledge) to HTTP/1.1 backends (h2load, `--streams` per
+    /// connection): requests/s, p50, p99.
+    H2,
+    /// HTTP/2 over TLS (ALPN) to HTTP/1.1 backends (h2load): requests/s, p50, p99.
+    H2Tls,
+    /// gRPC-shaped unary calls (HTTP/2 both ways, trailers) to HTTP/2 backends (h2load):
+    /// calls/s, p50, p99.
+    Grpc,
+}
+
+impl Part {
+    /// Parts that h2load drives.
+    pub(super) fn is_h2(self) -> bool {
+        matches!(self, Part::H2 | Part::H2Tls | Part::Grpc)
+    }
 }
 
 #[derive(Args, Debug)]
@@ -48,9 +63,12 @@ pub struct ProxyBenchArgs {
     /// worker_processes) and of the load generators.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
-    /// Concurrent connections of wrk.
+    /// Concurrent connections of wrk and h2load.
     #[arg(long, default_value_t = 50)]
     pub connections: usize,
+    /// Concurrent streams per HTTP/2 connection (h2load -m).
+    #[arg(long, default_value_t = 10)]
+    pub streams: usize,
     /// Length of each wrk run and of the bulk run, seconds.
     #[arg(long, default_value_t = 5)]
     pub duration_s: u64,
@@ -97,6 +115,9 @@ pub struct ProxyBenchArgs {
     /// Write the results as a Markdown section into this file (e.g. docs/BENCHMARKS.md).
     #[arg(long, value_name = "FILE")]
     pub markdown: Option<PathBuf>,
+    /// The name of that section (runs of different parts can go to different sections).
+    #[arg(long, default_value = "proxy")]
+    pub section: String,
     /// Write PNG bar charts with this path prefix (e.g. docs/bench-proxy).
     #[arg(long, value_name = "PREFIX")]
     pub plot: Option<String>,

@@ -2,7 +2,7 @@
 //! tmpfs, and an `rserpool serve` sidecar per backend that makes it a pool element.
 
 use super::config;
-use super::{BACKENDS, BULK, BULK_SIZE, MB, POOL, SMALL, SMALL_SIZE};
+use super::{BACKENDS, BULK, BULK_SIZE, GRPC_POOL, MB, POOL, SMALL, SMALL_SIZE};
 use crate::net::{free_port, local, registrar_status};
 use crate::process::{Proc, wait_for};
 use crate::undo::TempDir;
@@ -22,6 +22,9 @@ pub(super) struct Bed {
     /// The registrar's status listener.
     registrar_status: SocketAddr,
     pub(super) backends: Vec<SocketAddr>,
+    /// HTTP/2 backends answering gRPC-shaped calls (`rserpool-bench grpc-backend`), when the
+    /// gRPC part runs.
+    pub(super) grpc_backends: Vec<SocketAddr>,
     /// The certificate the proxies terminate HTTPS with.
     pub(super) tls: config::TlsFiles,
     backend_procs: Vec<Option<Proc>>,
@@ -30,7 +33,7 @@ pub(super) struct Bed {
 }
 
 impl Bed {
-    pub(super) fn start(sizes: &[usize], rserpool: &Path) -> Result<Bed> {
+    pub(super) fn start(sizes: &[usize], rserpool: &Path, grpc: bool) -> Result<Bed> {
         // tmpfs, so that uploads cost memory copies, not disk writes.
         let dir = PathBuf::from(format!(
             "/dev/shm/rserpool-bench-proxy-{}",
@@ -69,6 +72,7 @@ impl Bed {
             registrar,
             registrar_status,
             backends: Vec::new(),
+            grpc_backends: Vec::new(),
             tls,
             backend_procs: Vec::new(),
             others: Vec::new(),
@@ -89,6 +93,28 @@ impl Bed {
                     .args(["--registrar", &registrar.to_string()])
                     .env("RUST_LOG", "warn"),
                 &bed.dir.join(format!("sidecar{i}.log")),
+            )?);
+        }
+        for i in 0..if grpc { BACKENDS } else { 0 } {
+            let addr = local(free_port()?);
+            bed.grpc_backends.push(addr);
+            others.push(Proc::spawn(
+                Command::new(std::env::current_exe()?)
+                    .args(["grpc-backend", "--listen", &addr.to_string()])
+                    .args(["--listen", &check_addr(addr).to_string()]),
+                &bed.dir.join(format!("grpc{i}.log")),
+            )?);
+            wait_for("a gRPC backend", Duration::from_secs(5), || {
+                std::net::TcpStream::connect(addr).is_ok()
+            })?;
+            others.push(Proc::spawn(
+                Command::new(rserpool)
+                    .args(["serve", "--target", &check_addr(addr).to_string()])
+                    .args(["--advertise", &addr.to_string()])
+                    .args(["--pool", GRPC_POOL, "--id", &(100 + i).to_string()])
+                    .args(["--registrar", &registrar.to_string()])
+                    .env("RUST_LOG", "warn"),
+                &bed.dir.join(format!("grpc-sidecar{i}.log")),
             )?);
         }
         bed.others = others;
@@ -120,7 +146,11 @@ impl Bed {
         wait_for(
             "the backends' registrations",
             Duration::from_secs(15),
-            || registrar_status(self.registrar_status).is_ok_and(|s| s.pool_elements == BACKENDS),
+            || {
+                registrar_status(self.registrar_status).is_ok_and(|s| {
+                    s.pool_elements == self.backends.len() + self.grpc_backends.len()
+                })
+            },
         )
     }
 

@@ -2,7 +2,8 @@
 //! rserpool's proxy, HAProxy and nginx set up alike (worker threads, round robin, kept-alive
 //! connections to the backends, X-Forwarded-For).
 
-use super::POOL;
+use super::bed::Bed;
+use super::{GRPC_POOL, POOL};
 use std::net::SocketAddr;
 use std::path::Path;
 
@@ -77,16 +78,33 @@ impl TlsFiles {
     }
 }
 
-/// rserpool's proxy: one HTTP, one HTTPS and one TCP listener onto the pool, `threads`
-/// worker threads.
+/// Where a system under test takes its clients.
+pub(super) struct Fronts {
+    pub(super) http: SocketAddr,
+    pub(super) tcp: SocketAddr,
+    /// HTTPS, HTTP/1.1 or HTTP/2 by ALPN.
+    pub(super) https: SocketAddr,
+    /// HTTP/2 in cleartext (prior knowledge).
+    pub(super) h2c: SocketAddr,
+    /// HTTP/2 onto the gRPC backends.
+    pub(super) grpc: SocketAddr,
+}
+
+/// rserpool's proxy: HTTP, HTTPS, h2c and TCP listeners onto the pool, an h2c listener onto
+/// the gRPC pool (HTTP/2 to its backends), `threads` worker threads.
 pub(super) fn rserpool_proxy(
     registrar: SocketAddr,
     threads: usize,
-    http: SocketAddr,
-    tcp: SocketAddr,
-    https: SocketAddr,
+    f: &Fronts,
     tls: &TlsFiles,
 ) -> String {
+    let Fronts {
+        http,
+        tcp,
+        https,
+        h2c,
+        grpc,
+    } = f;
     format!(
         r#"registrars = ["{reg}"]
 threads = {threads}
@@ -109,6 +127,19 @@ pool = "{POOL}"
 [[listener.certificate]]
 cert = "{cert}"
 key = "{key}"
+
+[[listener]]
+listen = "{h2c}"
+mode = "http"
+pool = "{POOL}"
+
+[[listener]]
+listen = "{grpc}"
+mode = "http"
+pool = "{GRPC_POOL}"
+
+[pool.{GRPC_POOL}]
+protocol = "h2"
 "#,
         reg = registrar,
         cert = tls.cert.display(),
@@ -118,14 +149,15 @@ key = "{key}"
 
 /// HAProxy with the same three listeners, round robin, connection reuse and its default
 /// checks.
-pub(super) fn haproxy(
-    threads: usize,
-    http: SocketAddr,
-    tcp: SocketAddr,
-    https: SocketAddr,
-    backends: &[SocketAddr],
-    tls: &TlsFiles,
-) -> String {
+pub(super) fn haproxy(threads: usize, f: &Fronts, bed: &Bed, tls: &TlsFiles) -> String {
+    let Fronts {
+        http,
+        tcp,
+        https,
+        h2c,
+        grpc,
+    } = f;
+    let backends = &bed.backends;
     format!(
         r#"global
     nbthread {threads}
@@ -147,10 +179,24 @@ frontend web
     default_backend pool
 
 frontend webs
-    bind {https} ssl crt {both} alpn http/1.1
+    bind {https} ssl crt {both} alpn h2,http/1.1
     option forwardfor
     default_backend pool
 
+frontend h2c
+    bind {h2c} proto h2
+    option forwardfor
+    default_backend pool
+
+frontend grpc
+    bind {grpc} proto h2
+    option forwardfor
+    default_backend grpcpool
+
+backend grpcpool
+    balance roundrobin
+    http-reuse always
+{grpc_servers}
 backend pool
     balance roundrobin
     http-reuse always
@@ -161,6 +207,9 @@ listen tcp
     balance roundrobin
 {servers}"#,
         servers = servers(backends, &|i, b| format!("    server b{i} {b} check")),
+        grpc_servers = servers(&bed.grpc_backends, &|i, b| {
+            format!("    server g{i} {b} proto h2 check")
+        }),
         both = tls.both.display(),
     )
 }
@@ -169,13 +218,29 @@ listen tcp
 /// connections; its files under `dir`.
 pub(super) fn nginx_proxy(
     threads: usize,
-    http: SocketAddr,
-    tcp: SocketAddr,
-    https: SocketAddr,
-    backends: &[SocketAddr],
+    f: &Fronts,
+    bed: &Bed,
     dir: &Path,
     tls: &TlsFiles,
 ) -> String {
+    let Fronts {
+        http,
+        tcp,
+        https,
+        h2c,
+        grpc,
+    } = f;
+    let backends = &bed.backends;
+    let grpc_upstream = if bed.grpc_backends.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "    upstream gpool {{\n{}        keepalive 64;\n    }}\n    server {{\n        \
+             listen {grpc} http2 backlog=4096;\n        location / {{ grpc_pass grpc://gpool; \
+             }}\n    }}\n",
+            servers(&bed.grpc_backends, &|_, b| format!("        server {b};"))
+        )
+    };
     let dd = dir.display();
     format!(
         r#"load_module {STREAM_MODULE};
@@ -196,9 +261,10 @@ http {{
     upstream pool {{
 {servers}        keepalive 256;
     }}
-    server {{
+{grpc_upstream}    server {{
         listen {http} backlog=4096;
-        listen {https} ssl backlog=4096;
+        listen {https} ssl http2 backlog=4096;
+        listen {h2c} http2 backlog=4096;
         ssl_certificate {cert};
         ssl_certificate_key {key};
         client_max_body_size 0;

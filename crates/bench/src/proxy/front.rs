@@ -18,8 +18,12 @@ use std::time::{Duration, Instant};
 pub(super) struct Front {
     pub(super) http: Vec<SocketAddr>,
     pub(super) tcp: Vec<SocketAddr>,
-    /// HTTPS terminated by the proxy (the bed's certificate).
+    /// HTTPS terminated by the proxy (the bed's certificate; ALPN h2 or http/1.1).
     pub(super) https: Option<SocketAddr>,
+    /// HTTP/2 in cleartext (prior knowledge), onto the HTTP/1.1 backends.
+    pub(super) h2c: SocketAddr,
+    /// HTTP/2 onto the gRPC backends.
+    pub(super) grpc: SocketAddr,
     pub(super) proc: Option<Proc>,
 }
 
@@ -38,19 +42,34 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
             http: bed.backends.clone(),
             tcp: bed.backends.clone(),
             https: None,
+            h2c: bed.backends[0],
+            grpc: bed
+                .grpc_backends
+                .first()
+                .copied()
+                .unwrap_or(bed.backends[0]),
             proc: None,
         });
     }
     let http = local(free_port()?);
     let tcp = local(free_port()?);
     let https = local(free_port()?);
+    let h2c = local(free_port()?);
+    let grpc = local(free_port()?);
+    let fronts = config::Fronts {
+        http,
+        tcp,
+        https,
+        h2c,
+        grpc,
+    };
     let d = &bed.dir;
     let name = system.label().to_lowercase();
     let conf_path = d.join(format!("{name}.conf"));
     let mut cmd = match system {
         System::Direct => unreachable!("handled above"),
         System::Rserpool => {
-            let conf = config::rserpool_proxy(bed.registrar, threads, http, tcp, https, &bed.tls);
+            let conf = config::rserpool_proxy(bed.registrar, threads, &fronts, &bed.tls);
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new(&bed.rserpool);
             c.args(["proxy", "--config"])
@@ -59,14 +78,14 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
             c
         }
         System::Haproxy => {
-            let conf = config::haproxy(threads, http, tcp, https, &bed.backends, &bed.tls);
+            let conf = config::haproxy(threads, &fronts, bed, &bed.tls);
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new("haproxy");
             c.args(["-db", "-f"]).arg(&conf_path);
             c
         }
         System::Nginx => {
-            let conf = config::nginx_proxy(threads, http, tcp, https, &bed.backends, d, &bed.tls);
+            let conf = config::nginx_proxy(threads, &fronts, bed, d, &bed.tls);
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new("nginx");
             c.arg("-e")
@@ -81,6 +100,8 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
         http: vec![http],
         tcp: vec![tcp],
         https: Some(https),
+        h2c,
+        grpc,
         proc: Some(proc),
     };
     // Ready when every backend has answered through it.

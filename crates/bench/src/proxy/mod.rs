@@ -18,6 +18,8 @@ mod bed;
 mod config;
 mod failover;
 mod front;
+pub mod grpc_backend;
+mod h2load;
 mod load;
 mod report;
 mod shaping;
@@ -41,6 +43,11 @@ use std::time::Duration;
 use wrk::Wrk;
 
 const POOL: &str = "BenchPool";
+/// The gRPC part's pool: HTTP/2 backends.
+const GRPC_POOL: &str = "GrpcPool";
+/// The gRPC part's call: a 5-byte message in gRPC's framing.
+const GRPC_PATH: &str = "/bench.Echo/Echo";
+const GRPC_MESSAGE: &[u8] = b"\0\0\0\0\x05hello";
 const BACKENDS: usize = 3;
 const SMALL: &str = "/small.html";
 const SMALL_SIZE: usize = 612; // nginx's welcome page
@@ -57,6 +64,9 @@ struct Sample {
     connect: Option<Wrk>,
     https_keepalive: Option<Wrk>,
     https_connect: Option<Wrk>,
+    h2: Option<Wrk>,
+    h2_tls: Option<Wrk>,
+    grpc: Option<Wrk>,
     bulk_mib_s: Option<f64>,
     /// The share of the machine's CPU (all cores) that was busy during the loopback bulk run.
     bulk_busy: Option<f64>,
@@ -82,7 +92,7 @@ pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
         println!("machine: {}", machine());
         println!("{versions}");
     }
-    let mut bed = Bed::start(&sizes, rserpool)?;
+    let mut bed = Bed::start(&sizes, rserpool, args.parts.contains(&Part::Grpc))?;
     let mut samples = Vec::new();
     // Parts outside, systems inside: the systems meet one part back to back, under the same
     // conditions (large transfers leave the machine slower for a while).
@@ -112,7 +122,7 @@ pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
     }
     let report = report::Report::new(&args, &samples, &sizes);
     if let Some(path) = &args.markdown {
-        write_section(path, "proxy", &report.markdown(&args, &versions))?;
+        write_section(path, &args.section, &report.markdown(&args, &versions))?;
     }
     if let Some(prefix) = &args.plot {
         report.plot(prefix)?;
@@ -129,6 +139,9 @@ impl Sample {
             connect: None,
             https_keepalive: None,
             https_connect: None,
+            h2: None,
+            h2_tls: None,
+            grpc: None,
             bulk_mib_s: None,
             bulk_busy: None,
             bulk_link_mib_s: None,
@@ -142,6 +155,9 @@ impl Sample {
         self.connect = self.connect.or(o.connect);
         self.https_keepalive = self.https_keepalive.or(o.https_keepalive);
         self.https_connect = self.https_connect.or(o.https_connect);
+        self.h2 = self.h2.or(o.h2);
+        self.h2_tls = self.h2_tls.or(o.h2_tls);
+        self.grpc = self.grpc.or(o.grpc);
         self.bulk_mib_s = self.bulk_mib_s.or(o.bulk_mib_s);
         self.bulk_busy = self.bulk_busy.or(o.bulk_busy);
         self.bulk_link_mib_s = self.bulk_link_mib_s.or(o.bulk_link_mib_s);
@@ -159,7 +175,7 @@ fn measure(
     args: &ProxyBenchArgs,
 ) -> Result<()> {
     let https = matches!(part, Part::HttpsKeepalive | Part::HttpsConnect);
-    if (part == Part::Failover || https) && s.system == System::Direct {
+    if (part == Part::Failover || https || part.is_h2()) && s.system == System::Direct {
         return Ok(());
     }
     let front = front::start(bed, s.system, args.threads)?;
@@ -213,6 +229,33 @@ fn measure(
             }
         }
         Part::Failover => s.failover = Some(failover::run(bed, &front, &rt, args)?),
+        Part::H2 => {
+            let url = format!("http://{}{SMALL}", front.h2c);
+            s.h2 = Some(h2load::run(&url, args, &[], &front, &bed.dir)?);
+        }
+        Part::H2Tls => {
+            let Some(addr) = front.https else {
+                return Ok(());
+            };
+            let url = format!("https://{addr}{SMALL}");
+            s.h2_tls = Some(h2load::run(&url, args, &[], &front, &bed.dir)?);
+        }
+        Part::Grpc => {
+            let url = format!("http://{}{GRPC_PATH}", front.grpc);
+            let body = bed.dir.join("grpc-message");
+            std::fs::write(&body, GRPC_MESSAGE)?;
+            let body = body.to_string_lossy().into_owned();
+            let extra = [
+                "-d",
+                &body,
+                "-H",
+                "content-type: application/grpc",
+                "-H",
+                "te: trailers",
+            ];
+            h2load::warm(&url, &extra)?;
+            s.grpc = Some(h2load::run(&url, args, &extra, &front, &bed.dir)?);
+        }
     }
     Ok(())
 }

@@ -38,6 +38,9 @@ pub(super) fn print_sample(s: &Sample) {
         line += &ka.as_ref().map(|w| keepalive(proto, w)).unwrap_or_default();
         line += &conn.as_ref().map(|w| connect(proto, w)).unwrap_or_default();
     }
+    for (proto, w) in [("h2c ", &s.h2), ("h2 TLS ", &s.h2_tls), ("gRPC ", &s.grpc)] {
+        line += &w.as_ref().map(|w| keepalive(proto, w)).unwrap_or_default();
+    }
     if let Some(b) = s.bulk_mib_s {
         line += &format!(" TCP bulk {b:.0} MiB/s");
         if let Some(busy) = s.bulk_busy {
@@ -77,6 +80,30 @@ type TransferKind = (&'static str, usize);
 /// (average s, total s, failed transfers)
 type TransferMedian = (f64, f64, usize);
 
+/// Medians of an h2load part over the rounds, and its errors in all rounds.
+#[derive(Default)]
+struct H2Median {
+    rps: Option<f64>,
+    p50: Option<f64>,
+    p99: Option<f64>,
+    cpu: Option<f64>,
+    errors: u64,
+}
+
+impl H2Median {
+    fn of(runs: &[super::Wrk]) -> H2Median {
+        let m =
+            |f: &dyn Fn(&super::Wrk) -> Option<f64>| median(runs.iter().filter_map(f).collect());
+        H2Median {
+            rps: m(&|w| Some(w.rps)),
+            p50: m(&|w| Some(w.p50_ms)),
+            p99: m(&|w| Some(w.p99_ms)),
+            cpu: m(&|w| w.cpu_us),
+            errors: runs.iter().map(|w| w.errors).sum(),
+        }
+    }
+}
+
 /// Medians per system over the rounds.
 struct Row {
     system: System,
@@ -95,6 +122,9 @@ struct Row {
     tls_conn_s: Option<f64>,
     tls_conn_cpu: Option<f64>,
     tls_conn_errors: u64,
+    h2: H2Median,
+    h2_tls: H2Median,
+    grpc: H2Median,
     bulk: Option<f64>,
     bulk_busy: Option<f64>,
     bulk_link: Option<f64>,
@@ -165,6 +195,9 @@ impl Report {
                         .filter_map(|s| s.https_connect)
                         .map(|w| w.errors)
                         .sum(),
+                    h2: H2Median::of(&of.iter().filter_map(|s| s.h2).collect::<Vec<_>>()),
+                    h2_tls: H2Median::of(&of.iter().filter_map(|s| s.h2_tls).collect::<Vec<_>>()),
+                    grpc: H2Median::of(&of.iter().filter_map(|s| s.grpc).collect::<Vec<_>>()),
                     bulk: m(&|s| s.bulk_mib_s),
                     bulk_busy: m(&|s| s.bulk_busy),
                     bulk_link: m(&|s| s.bulk_link_mib_s),
@@ -238,23 +271,44 @@ impl Report {
         };
         let num = |v: Option<f64>, prec: usize| v.map_or("–".into(), |v| format!("{v:.prec$}"));
         md += &header("");
-        md += &line("keep-alive, req/s", &|r| num(r.ka_rps, 0));
-        md += &line("keep-alive, p50 ms", &|r| num(r.ka_p50, 2));
-        md += &line("keep-alive, p99 ms", &|r| num(r.ka_p99, 2));
-        md += &line("keep-alive, errors (all rounds)", &|r| {
-            r.ka_errors.to_string()
-        });
-        md += &line("keep-alive, proxy CPU µs per request", &|r| {
-            num(r.ka_cpu, 1)
-        });
-        md += &line("new connection per request, conn/s", &|r| num(r.conn_s, 0));
-        md += &line("new connection per request, errors (all rounds)", &|r| {
-            r.conn_errors.to_string()
-        });
-        md += &line(
-            "new connection per request, proxy CPU µs per connection",
-            &|r| num(r.conn_cpu, 1),
-        );
+        let h2_parts: [(&str, &dyn Fn(&Row) -> &H2Median); 3] = [
+            ("HTTP/2 cleartext (h2c)", &|r: &Row| &r.h2),
+            ("HTTP/2 over TLS", &|r: &Row| &r.h2_tls),
+            ("gRPC unary (h2 to h2 backends)", &|r: &Row| &r.grpc),
+        ];
+        for (name, part) in h2_parts {
+            if cols.iter().all(|r| part(r).rps.is_none()) {
+                continue;
+            }
+            md += &line(&format!("{name}, req/s"), &|r| num(part(r).rps, 0));
+            md += &line(&format!("{name}, p50 ms"), &|r| num(part(r).p50, 2));
+            md += &line(&format!("{name}, p99 ms"), &|r| num(part(r).p99, 2));
+            md += &line(&format!("{name}, proxy CPU µs per request"), &|r| {
+                num(part(r).cpu, 1)
+            });
+            md += &line(&format!("{name}, errors (all rounds)"), &|r| {
+                part(r).errors.to_string()
+            });
+        }
+        if cols.iter().any(|r| r.ka_rps.is_some()) {
+            md += &line("keep-alive, req/s", &|r| num(r.ka_rps, 0));
+            md += &line("keep-alive, p50 ms", &|r| num(r.ka_p50, 2));
+            md += &line("keep-alive, p99 ms", &|r| num(r.ka_p99, 2));
+            md += &line("keep-alive, errors (all rounds)", &|r| {
+                r.ka_errors.to_string()
+            });
+            md += &line("keep-alive, proxy CPU µs per request", &|r| {
+                num(r.ka_cpu, 1)
+            });
+            md += &line("new connection per request, conn/s", &|r| num(r.conn_s, 0));
+            md += &line("new connection per request, errors (all rounds)", &|r| {
+                r.conn_errors.to_string()
+            });
+            md += &line(
+                "new connection per request, proxy CPU µs per connection",
+                &|r| num(r.conn_cpu, 1),
+            );
+        }
         if cols
             .iter()
             .any(|r| r.tls_ka_rps.is_some() || r.tls_conn_s.is_some())
@@ -312,7 +366,13 @@ impl Report {
         };
         let get = |s: System, f: &dyn Fn(&Row) -> Option<f64>| self.row(s).and_then(f);
         md += "| ratio | rserpool / HAProxy | rserpool / nginx | rserpool / direct | HAProxy / direct | nginx / direct |\n|---|---|---|---|---|---|\n";
-        let metrics: [Metric; 10] = [
+        let metrics: [Metric; 16] = [
+            ("h2c req/s", &|r: &Row| r.h2.rps),
+            ("h2c p99 (lower is better)", &|r: &Row| r.h2.p99),
+            ("h2 over TLS req/s", &|r: &Row| r.h2_tls.rps),
+            ("h2 over TLS p99 (lower is better)", &|r: &Row| r.h2_tls.p99),
+            ("gRPC calls/s", &|r: &Row| r.grpc.rps),
+            ("gRPC p99 (lower is better)", &|r: &Row| r.grpc.p99),
             ("keep-alive req/s", &|r: &Row| r.ka_rps),
             ("keep-alive p99 (lower is better)", &|r: &Row| r.ka_p99),
             (
@@ -426,7 +486,30 @@ impl Report {
             None => "not measured",
         };
         let ge = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a >= b);
-        let mut t = String::from("Targets of issue 5:\n\n");
+        let of_ratio = |a: Option<f64>, b: Option<f64>| {
+            a.zip(b)
+                .filter(|(_, b)| *b > 0.0)
+                .map_or("–".into(), |(a, b)| format!("{:.2}×", a / b))
+        };
+        let mut t = String::from("Targets:\n\n");
+        if r.h2.rps.is_some() || r.h2_tls.rps.is_some() {
+            t += &format!(
+                "- HTTP/2 requests/s ≥ 1.0× HAProxy's (issue 18): {} in cleartext ({}), {} over \
+                 TLS ({})\n",
+                verdict(ge(r.h2.rps, h.h2.rps)),
+                of_ratio(r.h2.rps, h.h2.rps),
+                verdict(ge(r.h2_tls.rps, h.h2_tls.rps)),
+                of_ratio(r.h2_tls.rps, h.h2_tls.rps),
+            );
+        }
+        if r.grpc.rps.is_some() {
+            t += "- gRPC unary calls/s against Envoy (issue 18): not measured, Envoy cannot be \
+                  installed here (no Debian package, no network beyond the package registries); \
+                  HAProxy (`proto h2` to the backends) and nginx (`grpc_pass`) stand in\n";
+        }
+        if r.ka_rps.is_none() && r.conn_s.is_none() {
+            return t + "\n";
+        }
         t += &format!(
             "- requests/s ≥ HAProxy's: {}\n- p99 ≤ HAProxy's: {}\n- connections/s ≥ HAProxy's: {}\n",
             verdict(ge(r.ka_rps, h.ka_rps)),

@@ -9,11 +9,15 @@ use std::path::Path;
 use std::process::Command;
 
 /// What to install on Debian for everything the benchmark runs.
-const INSTALL: &str = "apt-get install -y wrk haproxy nginx libnginx-mod-stream iproute2";
+const INSTALL: &str =
+    "apt-get install -y wrk haproxy nginx libnginx-mod-stream iproute2 nghttp2-client";
 
 /// Everything a run will need, checked before minutes of measuring.
 pub(super) fn check(args: &ProxyBenchArgs) -> Result<()> {
     let mut tools = vec!["wrk", "haproxy", "nginx"];
+    if args.parts.iter().any(|p| p.is_h2()) {
+        tools.push("h2load");
+    }
     if args.parts.contains(&Part::Bulk) && args.link_mbit > 0 {
         tools.push("tc");
     }
