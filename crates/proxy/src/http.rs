@@ -1041,15 +1041,11 @@ pub(crate) fn settle(
 
 /// Whether the request may be sent to another PE after one failed it: an idempotent method,
 /// or a path the pool lists as idempotent (`[pool.NAME] idempotent`, for gRPC methods).
-fn idempotent_here(r: &Request, pool: &Pool) -> bool {
+pub(crate) fn idempotent_here(r: &Request, pool: &Pool) -> bool {
     if r.idempotent {
         return true;
     }
-    let path = &r.head.target()[..r.path_end];
-    pool.config()
-        .idempotent
-        .iter()
-        .any(|p| path.starts_with(p.as_bytes()))
+    pool.idempotent_path(&r.head.target()[..r.path_end])
 }
 
 /// Ends a request without a response from a PE: answers `code` with `why` (unless the client

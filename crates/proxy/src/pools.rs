@@ -176,6 +176,20 @@ impl Pool {
         self.lock().config.clone()
     }
 
+    /// The HTTP version spoken to the pool's PEs.
+    pub fn protocol(&self) -> crate::config::PeProtocol {
+        self.lock().config.protocol
+    }
+
+    /// Whether requests to `path` may go to another PE after one failed them (`idempotent`).
+    pub fn idempotent_path(&self, path: &[u8]) -> bool {
+        self.lock()
+            .config
+            .idempotent
+            .iter()
+            .any(|p| path.starts_with(p.as_bytes()))
+    }
+
     /// A PE for a request of service level `level` (1-based): at once when nobody waits and
     /// a PE has room; else, when the pool's PEs are all at their limit (credits, `max-conn`),
     /// after waiting in the level's queue ([`crate::admit`]) for up to its queue timeout.

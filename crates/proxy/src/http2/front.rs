@@ -19,8 +19,8 @@ use super::upstream;
 use crate::backend::{Backend, BackendConn};
 use crate::ctx::{Ctx, until_set};
 use crate::http::{
-    Attempt, Failover, Failure, Relayed, Request, Settled, classify, forwarding, log, parse,
-    read_response_head, route, select, settle, take_conn,
+    Attempt, Failover, Failure, Relayed, Request, Settled, classify, forwarding, idempotent_here,
+    log, parse, read_response_head, route, select, settle, take_conn,
 };
 use crate::message::{BodyDecoder, Framing, Head, Piece, response_framing};
 use bytes::{BufMut, Bytes, BytesMut};
@@ -145,6 +145,8 @@ struct Stream {
     grpc: bool,
     /// `grpc-timeout`, from the request's arrival.
     deadline: Option<tokio::time::Instant>,
+    /// The request as the client sent it (for an HTTP/2 PE).
+    parts: http::request::Parts,
     body: Body,
 }
 
@@ -180,10 +182,11 @@ async fn call(
         peer,
         grpc,
         deadline,
+        parts,
         body: Body::Held(Bytes::new()),
     };
     let ended = recv.is_end_stream();
-    let head = match head_of(&parts, ended, ctx.cfg.max_head * 2) {
+    let head = match head_of(&s.parts, ended, ctx.cfg.max_head * 2) {
         Some(h) => h,
         None => return reply(&mut s, 400, "malformed request", ctx).await,
     };
@@ -196,17 +199,11 @@ async fn call(
     };
     let pool = target.pool.clone();
     r.level = classify(&r, peer, ctx);
-    let config = pool.config();
     let length = match r.framing {
         Framing::Length(n) => Some(n),
         _ => None,
     };
-    let path = &r.head.target()[..r.path_end];
-    let repeatable = r.idempotent
-        || config
-            .idempotent
-            .iter()
-            .any(|p| path.starts_with(p.as_bytes()));
+    let repeatable = idempotent_here(&r, &pool);
     let limit = ctx.cfg.retry_buffer;
     let hold =
         ended || length.is_some_and(|n| n <= limit as u64) || (length.is_none() && repeatable);
@@ -221,7 +218,7 @@ async fn call(
             rest: Some(recv),
         }
     };
-    let h2_pes = config.protocol == crate::config::PeProtocol::H2;
+    let h2_pes = pool.protocol() == crate::config::PeProtocol::H2;
     let mut f = Failover::default();
     loop {
         let (attempt, outcome) = if h2_pes {
@@ -554,40 +551,26 @@ async fn to_h1(
 fn upstream_request(s: &Stream, r: &Request, ctx: &Ctx) -> Option<http::Request<()>> {
     let (level_header, send_level) = ctx.level_header();
     let fw = forwarding(r, s.peer, level_header);
-    let scheme = if ctx.pe_tls.is_empty() {
-        "http"
+    let p = &s.parts;
+    let uri = if p.uri.scheme().is_some() && p.uri.authority().is_some() {
+        p.uri.clone()
     } else {
-        "https"
+        // No :authority (a Host header instead): the HTTP/2 PE needs one.
+        let host = std::str::from_utf8(&r.host).ok().filter(|h| !h.is_empty());
+        let target = std::str::from_utf8(r.head.target()).ok()?;
+        format!("http://{}{target}", host.unwrap_or("localhost"))
+            .parse()
+            .ok()?
     };
-    let authority = if r.host.is_empty() {
-        b"localhost".as_slice()
-    } else {
-        &r.host
-    };
-    let uri = format!(
-        "{scheme}://{}{}",
-        std::str::from_utf8(authority).ok()?,
-        std::str::from_utf8(r.head.target()).ok()?
-    );
-    let mut req = http::Request::builder()
-        .method(http::Method::from_bytes(r.head.method()).ok()?)
-        .uri(uri)
-        .version(http::Version::HTTP_2);
-    let headers = req.headers_mut()?;
-    for (n, v) in fw.pass {
-        if n.eq_ignore_ascii_case(b"host")
-            || n.eq_ignore_ascii_case(b"transfer-encoding")
-            || n.eq_ignore_ascii_case(b"grpc-timeout")
-        {
-            continue;
-        }
-        headers.append(
-            HeaderName::from_bytes(n).ok()?,
-            HeaderValue::from_bytes(v).ok()?,
-        );
-    }
-    if r.head.has_token("te", "trailers") {
-        headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+    let mut headers = p.headers.clone();
+    for name in [
+        level_header,
+        "x-forwarded-for",
+        "forwarded",
+        "host",
+        "grpc-timeout",
+    ] {
+        headers.remove(name);
     }
     headers.insert(
         "x-forwarded-for",
@@ -608,7 +591,12 @@ fn upstream_request(s: &Stream, r: &Request, ctx: &Ctx) -> Option<http::Request<
             HeaderValue::from_str(&format!("{ms}m")).ok()?,
         );
     }
-    req.body(()).ok()
+    let mut req = http::Request::new(());
+    *req.method_mut() = p.method.clone();
+    *req.uri_mut() = uri;
+    *req.version_mut() = http::Version::HTTP_2;
+    *req.headers_mut() = headers;
+    Some(req)
 }
 
 /// One attempt at a PE over HTTP/2.
@@ -649,9 +637,15 @@ async fn to_h2(
                 b.stats
                     .bytes_in
                     .fetch_add(d.len() as u64, Ordering::Relaxed);
-                tokio::spawn(async move {
-                    let _ = send_data(&mut up, d, true).await;
-                });
+                up.reserve_capacity(d.len());
+                if up.capacity() >= d.len() {
+                    // Within the window (a small call): sent at once, no task.
+                    let _ = up.send_data(d, true);
+                } else {
+                    tokio::spawn(async move {
+                        let _ = send_data(&mut up, d, true).await;
+                    });
+                }
             }
             false
         }
