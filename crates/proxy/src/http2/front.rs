@@ -88,7 +88,9 @@ where
             s = conn.accept() => match s {
                 Some(Ok((req, respond))) => {
                     idle_at = tokio::time::Instant::now() + idle;
-                    tokio::spawn(call(req, respond, peer, ctx.clone()));
+                    // Boxed: the task holds a pointer, not the whole call's state, which would be
+                    // copied on every move.
+                    tokio::spawn(Box::pin(call(req, respond, peer, ctx.clone())));
                 }
                 Some(Err(e)) => {
                     if e.reason() == Some(Reason::ENHANCE_YOUR_CALM) && e.is_library() {
@@ -229,7 +231,7 @@ async fn call(
             };
             match select(&pool, r.level, &mut f, ctx, connect).await {
                 Ok((attempt, up)) => {
-                    let outcome = to_h2(&mut s, up, &r, &attempt, ctx).await;
+                    let outcome = Box::pin(to_h2(&mut s, up, &r, &attempt, ctx)).await;
                     (attempt, outcome)
                 }
                 Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, ctx).await,
@@ -238,7 +240,7 @@ async fn call(
             let connect = |pe: Arc<Backend>| async move { take_conn(&pe, ctx, !repeatable).await };
             match select(&pool, r.level, &mut f, ctx, connect).await {
                 Ok((attempt, bc)) => {
-                    let outcome = to_h1(&mut s, bc, &r, &attempt, ctx).await;
+                    let outcome = Box::pin(to_h1(&mut s, bc, &r, &attempt, ctx)).await;
                     (attempt, outcome)
                 }
                 Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, ctx).await,
@@ -693,11 +695,14 @@ async fn to_h2(
         Err(_) => return Err(Failure::Client),
     };
     let mut bytes = 0u64;
-    let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
-    let until = s.deadline.unwrap_or(far);
     if !end {
         loop {
-            let d = match tokio::time::timeout_at(until, body.data()).await {
+            // A timer only where there is a deadline: one per DATA frame costs.
+            let next = match s.deadline {
+                Some(until) => tokio::time::timeout_at(until, body.data()).await,
+                None => Ok(body.data().await),
+            };
+            let d = match next {
                 Err(_) => {
                     // The deadline passed mid-response: the PE's stream is reset (dropped)
                     // and the client told.

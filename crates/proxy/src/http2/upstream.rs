@@ -1,6 +1,8 @@
 //! HTTP/2 to a pool's PEs (`[pool.NAME] protocol = "h2"`): a few connections per PE, each
 //! carrying as many streams at once as the PE allows (its SETTINGS_MAX_CONCURRENT_STREAMS);
-//! a new connection is opened only when every open one is full.
+//! a new connection is opened only when every open one is full, one at a time (a burst of
+//! requests waits for the connection being opened instead of opening one each), and an idle
+//! connection is closed when an earlier one has room.
 
 use crate::backend::Backend;
 use crate::ctx::Ctx;
@@ -16,6 +18,8 @@ use tracing::debug;
 #[derive(Debug, Default)]
 pub(crate) struct H2Conns {
     conns: Mutex<Vec<Arc<H2Conn>>>,
+    /// Held while a connection is being opened.
+    opening: tokio::sync::Mutex<()>,
 }
 
 #[derive(Debug)]
@@ -40,16 +44,25 @@ impl H2Conns {
     /// A connection with room for one more stream, if one is open.
     fn take(&self) -> Option<(SendRequest<Bytes>, Slot)> {
         let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
-        conns.retain(|c| !c.dead.load(Ordering::Relaxed));
-        for c in conns.iter() {
-            let max = c.send.current_max_send_streams();
-            let n = c.streams.load(Ordering::Relaxed);
-            if n < max {
-                c.streams.fetch_add(1, Ordering::Relaxed);
-                return Some((c.send.clone(), Slot(c.clone())));
+        let mut room: Option<Arc<H2Conn>> = None;
+        // The first with room takes the stream; idle ones after it are closed (their
+        // streams done, the last handle dropped).
+        conns.retain(|c| {
+            if c.dead.load(Ordering::Relaxed) {
+                return false;
             }
-        }
-        None
+            let n = c.streams.load(Ordering::Relaxed);
+            if room.is_some() {
+                return n > 0;
+            }
+            if n < c.send.current_max_send_streams() {
+                room = Some(c.clone());
+            }
+            true
+        });
+        let c = room?;
+        c.streams.fetch_add(1, Ordering::Relaxed);
+        Some((c.send.clone(), Slot(c)))
     }
 
     fn add(&self, c: Arc<H2Conn>) {
@@ -69,12 +82,13 @@ pub(crate) async fn stream(
     b: &Arc<Backend>,
     ctx: &Ctx,
 ) -> io::Result<((SendRequest<Bytes>, Slot), bool)> {
-    if let Some((send, slot)) = b.h2.take() {
-        if let Ok(send) = send.ready().await {
-            return Ok(((send, slot), true));
-        }
-        // The connection broke since it was looked at.
-        slot.0.dead.store(true, Ordering::Relaxed);
+    if let Some(open) = ready(b).await {
+        return Ok((open, true));
+    }
+    let _opening = b.h2.opening.lock().await;
+    // Opened by another request while this one waited?
+    if let Some(open) = ready(b).await {
+        return Ok((open, true));
     }
     let io = crate::http::connect_pe(b, ctx).await?;
     let h = &ctx.cfg.http2;
@@ -103,6 +117,19 @@ pub(crate) async fn stream(
     b.h2.add(c.clone());
     let send = send.ready().await.map_err(io::Error::other)?;
     Ok(((send, Slot(c)), false))
+}
+
+/// A stream on an open connection with room, if there is one.
+async fn ready(b: &Backend) -> Option<(SendRequest<Bytes>, Slot)> {
+    let (send, slot) = b.h2.take()?;
+    match send.ready().await {
+        Ok(send) => Some((send, slot)),
+        Err(_) => {
+            // The connection broke since it was looked at.
+            slot.retire();
+            None
+        }
+    }
 }
 
 impl Slot {
