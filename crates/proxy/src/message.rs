@@ -523,19 +523,36 @@ impl BodyDecoder {
                     buf.advance(end);
                     *crlf = false;
                 }
-                Self::Chunked { left, .. } => match httparse::parse_chunk_size(buf) {
-                    Ok(httparse::Status::Complete((used, 0))) => {
-                        buf.advance(used);
-                        *self = Self::Trailers;
+                Self::Chunked { left, .. } => {
+                    // The size line, to its LF (a bare LF is taken, as the scanner does).
+                    let Some(lf) = buf.iter().take(1024).position(|&b| b == b'\n') else {
+                        if buf.len() >= 1024 {
+                            return Err(ChunkError);
+                        }
+                        return Ok(Piece::Data(Bytes::new()));
+                    };
+                    let line = buf[..lf].strip_suffix(b"\r").unwrap_or(&buf[..lf]);
+                    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+                    let after = &line[digits..];
+                    if digits == 0
+                        || digits > 15
+                        || !(after.is_empty()
+                            || after[0] == b';'
+                            || after[0] == b' '
+                            || after[0] == b'\t')
+                    {
+                        return Err(ChunkError);
                     }
-                    Ok(httparse::Status::Complete((used, size))) => {
-                        buf.advance(used);
+                    let size = line[..digits].iter().fold(0u64, |n, &d| {
+                        n * 16 + u64::from(char::from(d).to_digit(16).unwrap_or(0))
+                    });
+                    buf.advance(lf + 1);
+                    if size == 0 {
+                        *self = Self::Trailers;
+                    } else {
                         *left = size;
                     }
-                    Ok(httparse::Status::Partial) if buf.len() > 1024 => return Err(ChunkError),
-                    Ok(httparse::Status::Partial) => return Ok(Piece::Data(Bytes::new())),
-                    Err(_) => return Err(ChunkError),
-                },
+                }
                 Self::Trailers => {
                     let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
                     return match httparse::parse_headers(buf, &mut hs) {
@@ -681,6 +698,59 @@ mod tests {
         assert!(f("POST / HTTP/1.1\r\nTransfer-Encoding: ,\r\n\r\n").is_err());
         assert!(f("POST / HTTP/1.1\r\nContent-Length:\r\n\r\n").is_err());
         assert_eq!(f("GET / HTTP/1.1\r\n\r\n"), Ok(Framing::None));
+    }
+
+    /// Everything a decoder takes out of `input` fed in pieces of `step` bytes.
+    fn decode(f: Framing, input: &[u8], step: usize) -> Result<(Vec<u8>, Vec<Piece>), ChunkError> {
+        let mut d = BodyDecoder::new(f);
+        let (mut buf, mut data, mut rest) = (BytesMut::new(), Vec::new(), Vec::new());
+        let mut chunks = input.chunks(step.max(1));
+        loop {
+            match d.next(&mut buf)? {
+                Piece::Data(b) if !b.is_empty() => data.extend_from_slice(&b),
+                Piece::Data(_) => match chunks.next() {
+                    Some(c) => buf.extend_from_slice(c),
+                    None => return Ok((data, rest)),
+                },
+                other => {
+                    rest.push(other);
+                    return Ok((data, rest));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_body_decoder_takes_the_payload_out_wherever_the_bytes_split() {
+        let body =
+            b"5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\ngrpc-status: 0\r\nconnection: x\r\n\r\n";
+        for step in 1..body.len() {
+            let (data, rest) = decode(Framing::Chunked, body, step).unwrap();
+            assert_eq!(data, b"hello world", "step {step}");
+            let want = vec![(b"grpc-status".to_vec(), b"0".to_vec())];
+            assert_eq!(
+                rest,
+                [Piece::Trailers(want)],
+                "step {step}: hop-by-hop dropped"
+            );
+        }
+        // Bare LF line ends; no trailers.
+        let (data, rest) = decode(Framing::Chunked, b"3\nabc\n0\n\n", 2).unwrap();
+        assert_eq!(
+            (data.as_slice(), rest.as_slice()),
+            (&b"abc"[..], &[Piece::End][..])
+        );
+        let (data, rest) = decode(Framing::Length(4), b"abcdEXTRA", 3).unwrap();
+        assert_eq!(
+            (data.as_slice(), rest.as_slice()),
+            (&b"abcd"[..], &[Piece::End][..])
+        );
+        // Cut short: no end.
+        let (data, rest) = decode(Framing::Chunked, b"5\r\nhel", 4).unwrap();
+        assert_eq!((data.as_slice(), rest.len()), (&b"hel"[..], 0));
+        for bad in [&b"zz\r\n"[..], b"3\r\nabcX\r\n", b"3\r\nabc\rX"] {
+            assert!(decode(Framing::Chunked, bad, 1).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
