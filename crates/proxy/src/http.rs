@@ -37,14 +37,14 @@ const READ_CHUNK: usize = 64 * 1024;
 /// Responses up to this size (head and body) go to the client in one write.
 const COALESCE: usize = 64 * 1024;
 
-struct Client {
-    stream: ClientStream,
-    buf: BytesMut,
-    peer: SocketAddr,
+pub(crate) struct Client {
+    pub(crate) stream: ClientStream,
+    pub(crate) buf: BytesMut,
+    pub(crate) peer: SocketAddr,
 }
 
 /// What became of one request.
-enum Next {
+pub(crate) enum Next {
     KeepAlive,
     Close,
 }
@@ -200,6 +200,9 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
     if target.kernel && ctx.kernel.is_some() {
         return pin(c, r, pool, ctx).await;
     }
+    if pool.protocol() == crate::config::PeProtocol::H2 {
+        return crate::http2::from_h1::request(c, r, pool, ctx).await;
+    }
     let Ok(out) = prepare(c, &mut r, ctx).await else {
         return Next::Close;
     };
@@ -228,8 +231,8 @@ pub(crate) struct Request {
     pub(crate) framing: Framing,
     pub(crate) host: Vec<u8>,
     pub(crate) path_end: usize,
-    keep_alive: bool,
-    expect_continue: bool,
+    pub(crate) keep_alive: bool,
+    pub(crate) expect_continue: bool,
     pub(crate) upgrade: bool,
     pub(crate) idempotent: bool,
     pub(crate) started: Instant,
@@ -360,15 +363,15 @@ async fn pin(c: &mut Client, r: Request, pool: &Arc<Pool>, ctx: &Ctx) -> Next {
 }
 
 /// The request as it goes to a PE: the value [`prepare`] makes.
-struct Outgoing {
+pub(crate) struct Outgoing {
     head: BytesMut,
     /// The whole body, when it is small enough to be held: then the request can be sent
     /// again (and `Request::framing` says there is nothing left to stream).
-    held: Option<Bytes>,
+    pub(crate) held: Option<Bytes>,
 }
 
 /// Step prepare: the head for the PE, and the body read and held if it is small enough.
-async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgoing> {
+pub(crate) async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgoing> {
     let (level_header, send_level) = ctx.level_header();
     let head = outgoing_head_with(r, c.peer, level_header, send_level);
     let held = match r.framing {
@@ -1050,7 +1053,7 @@ pub(crate) fn idempotent_here(r: &Request, pool: &Pool) -> bool {
 
 /// Ends a request without a response from a PE: answers `code` with `why` (unless the client
 /// has part of a response already, or is gone), logs it and closes.
-async fn give_up(
+pub(crate) async fn give_up(
     c: &mut Client,
     r: &Request,
     ctx: &Ctx,

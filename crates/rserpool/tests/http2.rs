@@ -300,6 +300,26 @@ idempotent = ["/test.Echo/Echo"]
         "{:?}",
         t.elapsed()
     );
+    // An HTTP/1.1 client of the HTTP/2 pool: the call goes out as HTTP/2, the answer comes
+    // back chunked with the trailers in its trailer section.
+    let (ok, r) = curl(&[
+        "--http1.1",
+        "--raw",
+        "-H",
+        "content-type: application/grpc",
+        "-H",
+        "te: trailers",
+        "--data-binary",
+        &format!("@{}", frame.display()),
+        &format!("http://{front}/test.Echo/Echo"),
+    ])
+    .await;
+    assert!(ok && r.starts_with("HTTP/1.1 200"), "{r}");
+    assert!(
+        r.to_ascii_lowercase().contains("transfer-encoding: chunked"),
+        "{r}"
+    );
+    assert!(r.contains(":ping") && r.contains("grpc-status: 0"), "{r}");
 
     // Calls back to back from 4 threads for 4 s; PE "a" dies after 1.5 s.
     let mut load = Command::new(PYTHON);

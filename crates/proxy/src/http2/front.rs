@@ -358,7 +358,7 @@ fn grpc_timeout(v: &[u8]) -> Option<Duration> {
 }
 
 /// Sends `data` as the client's (or a PE's) flow-control window allows.
-async fn send_data(
+pub(crate) async fn send_data(
     tx: &mut SendStream<Bytes>,
     mut data: Bytes,
     end: bool,
@@ -550,10 +550,15 @@ async fn to_h1(
 
 /// The request as it goes to an HTTP/2 PE: the client's headers (the connection's own
 /// dropped), the forwarding headers and the level, what is left of a gRPC deadline.
-fn upstream_request(s: &Stream, r: &Request, ctx: &Ctx) -> Option<http::Request<()>> {
+pub(crate) fn upstream_request(
+    p: &http::request::Parts,
+    peer: SocketAddr,
+    deadline: Option<tokio::time::Instant>,
+    r: &Request,
+    ctx: &Ctx,
+) -> Option<http::Request<()>> {
     let (level_header, send_level) = ctx.level_header();
-    let fw = forwarding(r, s.peer, level_header);
-    let p = &s.parts;
+    let fw = forwarding(r, peer, level_header);
     let uri = if p.uri.scheme().is_some() && p.uri.authority().is_some() {
         p.uri.clone()
     } else {
@@ -585,7 +590,7 @@ fn upstream_request(s: &Stream, r: &Request, ctx: &Ctx) -> Option<http::Request<
             HeaderValue::from(r.level as u64),
         );
     }
-    if let Some(d) = s.deadline {
+    if let Some(d) = deadline {
         let left = d.saturating_duration_since(tokio::time::Instant::now());
         let ms = left.as_millis().clamp(1, 99_999_999);
         headers.insert(
@@ -610,7 +615,7 @@ async fn to_h2(
     ctx: &Ctx,
 ) -> Result<Relayed, Failure> {
     let b = &attempt.pe;
-    let Some(req) = upstream_request(s, r, ctx) else {
+    let Some(req) = upstream_request(&s.parts, s.peer, s.deadline, r, ctx) else {
         return Err(Failure::BadRequest);
     };
     let mut send = send;
@@ -665,22 +670,7 @@ async fn to_h2(
     let resp = match tokio::time::timeout_at(limit, resp).await {
         Err(_) if s.expired() => return Err(Failure::Deadline),
         Err(_) => return Err(Failure::Timeout),
-        Ok(Err(e)) if e.is_go_away() || e.reason() == Some(Reason::REFUSED_STREAM) => {
-            return Err(if streamed {
-                Failure::NoResponse {
-                    body_sent: true,
-                    error: io::Error::other(e),
-                }
-            } else {
-                Failure::Refused
-            });
-        }
-        Ok(Err(e)) => {
-            return Err(Failure::NoResponse {
-                body_sent: streamed,
-                error: io::Error::other(e),
-            });
-        }
+        Ok(Err(e)) => return Err(no_response(e, streamed)),
         Ok(Ok(resp)) => resp,
     };
     b.note_latency(attempt.rif, attempt.sent.elapsed());
@@ -737,6 +727,20 @@ async fn to_h2(
         keep: true,
         bytes,
     })
+}
+
+/// What an HTTP/2 PE's failure before its response head means for the request (`streamed`:
+/// part of its body went, so it cannot go again).
+pub(crate) fn no_response(e: h2::Error, streamed: bool) -> Failure {
+    let unprocessed = e.is_go_away() || e.reason() == Some(Reason::REFUSED_STREAM);
+    if unprocessed && !streamed {
+        Failure::Refused
+    } else {
+        Failure::NoResponse {
+            body_sent: streamed,
+            error: io::Error::other(e),
+        }
+    }
 }
 
 /// Copies a streamed request body (and its trailers) from the client to an HTTP/2 PE.
