@@ -316,7 +316,8 @@ idempotent = ["/test.Echo/Echo"]
     .await;
     assert!(ok && r.starts_with("HTTP/1.1 200"), "{r}");
     assert!(
-        r.to_ascii_lowercase().contains("transfer-encoding: chunked"),
+        r.to_ascii_lowercase()
+            .contains("transfer-encoding: chunked"),
         "{r}"
     );
     assert!(r.contains(":ping") && r.contains("grpc-status: 0"), "{r}");
