@@ -11,7 +11,9 @@
 //! wherever the bytes are split.
 
 use crate::http::{outgoing_head, parse, plain_host, response_head};
-use crate::message::{BodyState, Framing, Head, HeadError, MAX_HEADERS, framing, response_framing};
+use crate::message::{
+    BodyDecoder, BodyState, Framing, Head, HeadError, MAX_HEADERS, Piece, framing, response_framing,
+};
 use bytes::BytesMut;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Instant;
@@ -312,6 +314,19 @@ pub fn chunked(data: &[u8]) {
         (Decoded::Body { .. }, d) => panic!("strictly a body, with bare LF allowed {d:?}"),
         _ => {}
     }
+    // The payload as an HTTP/2 client gets it (the body decoder), wherever the bytes split:
+    // whatever it makes of a body, it is the reference's payload.
+    if let Decoded::Body { chunks, .. } = &lenient {
+        let want = chunks.concat();
+        for step in [1, 7, data.len().max(1)] {
+            if let Some(got) = payload(data, step) {
+                assert_eq!(
+                    got, want,
+                    "the body decoder's payload, fed {step} at a time"
+                );
+            }
+        }
+    }
     if let Decoded::Body {
         chunks, trailers, ..
     } = &lenient
@@ -366,6 +381,21 @@ fn scan(data: &[u8], piece: usize) -> Scan {
         assert_eq!(n, p.len(), "a body not yet ended takes all it is given");
     }
     Scan::More
+}
+
+/// The payload a [`BodyDecoder`] takes out of the chunked body at the start of `data`, fed
+/// `step` bytes at a time; `None` if it refuses it or it does not end.
+fn payload(data: &[u8], step: usize) -> Option<Vec<u8>> {
+    let mut d = BodyDecoder::new(Framing::Chunked);
+    let (mut buf, mut out) = (BytesMut::new(), Vec::new());
+    let mut pieces = data.chunks(step);
+    loop {
+        match d.next(&mut buf).ok()? {
+            Piece::Data(b) if !b.is_empty() => out.extend_from_slice(&b),
+            Piece::Data(_) => buf.extend_from_slice(pieces.next()?),
+            Piece::Trailers(_) | Piece::End => return Some(out),
+        }
+    }
 }
 
 #[derive(Debug)]
