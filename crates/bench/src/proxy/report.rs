@@ -252,6 +252,22 @@ impl Report {
             d = args.duration_s,
             r = self.rounds
         );
+        if args.parts.iter().any(|p| p.is_h2()) {
+            md += &format!(
+                "HTTP/2 parts: h2load with {t} thread(s), {c} connections and {m} concurrent \
+                 streams on each for {d} s; HTTP/2 from the client, HTTP/1.1 to the nginx \
+                 backends (h2c: rserpool and nginx on a listener of their own, HAProxy with \
+                 `proto h2`; over TLS by ALPN). The gRPC part sends unary calls (a 5-byte \
+                 message, `content-type: application/grpc`, `te: trailers`) over HTTP/2 both \
+                 ways to three HTTP/2 backends that echo it with `grpc-status: 0` trailers \
+                 (`rserpool-bench grpc-backend`; rserpool `protocol = \"h2\"`, HAProxy \
+                 `proto h2`, nginx `grpc_pass`).\n\n",
+                t = args.threads,
+                c = args.connections,
+                m = args.streams,
+                d = args.duration_s,
+            );
+        }
         let cols: Vec<&Row> = self.rows.iter().collect();
         let header = |first: &str| {
             let mut h = format!("| {first} |");

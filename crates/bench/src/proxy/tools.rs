@@ -54,10 +54,15 @@ pub(super) fn versions() -> String {
             })
             .unwrap_or_default()
     };
-    format!(
+    let mut v = format!(
         "{}; {}; {}",
         first_line("haproxy", "-v"),
         first_line("nginx", "-v"),
         first_line("wrk", "-v")
-    )
+    );
+    let h2load = first_line("h2load", "--version");
+    if !h2load.is_empty() {
+        v += &format!("; {h2load}");
+    }
+    v
 }
