@@ -120,20 +120,12 @@ names = ["a.test"]
 "#
         ),
     );
-    wait_for(
-        Duration::from_secs(15),
-        "both PEs answer over h2c",
-        || async {
-            let mut seen = std::collections::BTreeSet::new();
-            for _ in 0..6 {
-                let r = h2c_get(front, "/").await;
-                if let Some(id) = r.lines().find_map(|l| l.strip_prefix("x-pe-id: ")) {
-                    seen.insert(id.to_owned());
-                }
-            }
-            seen.len() == 2
-        },
-    )
+    every_pe_answers(2, "both PEs answer over h2c", async || {
+        let r = h2c_get(front, "/").await;
+        r.lines()
+            .find_map(|l| l.strip_prefix("x-pe-id: "))
+            .map(str::to_owned)
+    })
     .await;
     let r = h2c_get(front, "/").await;
     assert!(r.starts_with("HTTP/2 200"), "{r}");
@@ -167,6 +159,19 @@ names = ["a.test"]
     assert!(metric(&m, "rserpool_proxy_requests_total", &[("pool", "Web")]) >= 4.0);
     assert!(p.lines_with("panicked").is_empty());
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Waits (20 s at most) until `n` different PEs have answered: `who` asks once and says which
+/// PE answered, if one did.
+async fn every_pe_answers(n: usize, what: &str, who: impl AsyncFn() -> Option<String>) {
+    wait_for(Duration::from_secs(20), what, || async {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..3 * n {
+            seen.extend(who().await);
+        }
+        seen.len() == n
+    })
+    .await;
 }
 
 /// A gRPC server (PE) registered by an `rserpool serve` sidecar.
@@ -242,20 +247,10 @@ idempotent = ["/test.Echo/Echo"]
 "#
         ),
     );
-    wait_for(
-        Duration::from_secs(20),
-        "calls reach all three PEs",
-        || async {
-            let mut seen = std::collections::BTreeSet::new();
-            for _ in 0..9 {
-                let v = grpc_call(front, "Echo", None).await;
-                if v["code"] == "OK" {
-                    seen.insert(v["trailers"]["x-served-by"].to_string());
-                }
-            }
-            seen.len() == 3
-        },
-    )
+    every_pe_answers(3, "calls reach all three PEs", async || {
+        let v = grpc_call(front, "Echo", None).await;
+        (v["code"] == "OK").then(|| v["trailers"]["x-served-by"].to_string())
+    })
     .await;
     // Trailers and statuses come through: the reply, its trailing metadata, an error status
     // with its message.

@@ -4,8 +4,7 @@
 
 use super::args::ProxyBenchArgs;
 use super::front::Front;
-use super::wrk::Wrk;
-use crate::procfs::group_cpu_ns;
+use super::wrk::{ProxyCpu, Wrk};
 use anyhow::{Context, Result, anyhow, bail};
 use std::path::Path;
 use std::process::Command;
@@ -21,8 +20,7 @@ pub(super) fn run(
 ) -> Result<Wrk> {
     let log = dir.join("h2load.log");
     let _ = std::fs::remove_file(&log);
-    let group = front.group();
-    let cpu0 = group.map(group_cpu_ns);
+    let cpu = ProxyCpu::start(front);
     let out = Command::new("h2load")
         .args(["-t", &args.threads.to_string()])
         .args(["-c", &args.connections.max(args.threads).to_string()])
@@ -52,10 +50,7 @@ pub(super) fn run(
         |p: f64| times.get(((times.len() as f64 * p) as usize).min(times.len().saturating_sub(1)));
     w.p50_ms = pct(0.5).map_or(0.0, |us| us / 1e3);
     w.p99_ms = pct(0.99).map_or(0.0, |us| us / 1e3);
-    if let (Some(g), Some(c0)) = (group, cpu0) {
-        let requests = w.rps * args.duration_s.max(1) as f64;
-        w.cpu_us = Some((group_cpu_ns(g).saturating_sub(c0)) as f64 / 1e3 / requests.max(1.0));
-    }
+    w.cpu_us = cpu.per_request(w.rps, args.duration_s);
     Ok(w)
 }
 

@@ -21,8 +21,7 @@ pub(super) struct Wrk {
 
 /// One wrk run; `close` sends `Connection: close` so that every request opens a connection.
 pub(super) fn run(url: &str, args: &ProxyBenchArgs, close: bool, front: &Front) -> Result<Wrk> {
-    let group = front.group();
-    let cpu0 = group.map(group_cpu_ns);
+    let cpu = ProxyCpu::start(front);
     let mut cmd = Command::new("wrk");
     cmd.args(["-t", &args.threads.to_string()])
         .args(["-c", &args.connections.max(args.threads).to_string()])
@@ -37,11 +36,31 @@ pub(super) fn run(url: &str, args: &ProxyBenchArgs, close: bool, front: &Front) 
         bail!("wrk failed: {}{text}", String::from_utf8_lossy(&out.stderr));
     }
     let mut w = parse_wrk(&text).ok_or_else(|| anyhow!("cannot read wrk's output:\n{text}"))?;
-    if let (Some(g), Some(c0)) = (group, cpu0) {
-        let requests = w.rps * args.duration_s.max(1) as f64;
-        w.cpu_us = Some((group_cpu_ns(g).saturating_sub(c0)) as f64 / 1e3 / requests.max(1.0));
-    }
+    w.cpu_us = cpu.per_request(w.rps, args.duration_s);
     Ok(w)
+}
+
+/// The proxy's CPU time (all its processes and threads) from the start of a run.
+pub(super) struct ProxyCpu {
+    group: Option<u32>,
+    at_start: Option<u64>,
+}
+
+impl ProxyCpu {
+    pub(super) fn start(front: &Front) -> ProxyCpu {
+        let group = front.group();
+        ProxyCpu {
+            group,
+            at_start: group.map(group_cpu_ns),
+        }
+    }
+
+    /// Per request of a run of `duration_s` at `rps`, µs (none for direct).
+    pub(super) fn per_request(&self, rps: f64, duration_s: u64) -> Option<f64> {
+        let (g, c0) = (self.group?, self.at_start?);
+        let requests = rps * duration_s.max(1) as f64;
+        Some((group_cpu_ns(g).saturating_sub(c0)) as f64 / 1e3 / requests.max(1.0))
+    }
 }
 
 fn parse_wrk(text: &str) -> Option<Wrk> {
