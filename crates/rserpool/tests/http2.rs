@@ -566,6 +566,19 @@ pool = "Web"
     );
     bystander.served().await;
 
+    // More streams at once than max-concurrent-streams (100): the excess is refused
+    // (REFUSED_STREAM), the connection lives on.
+    let open: Vec<u8> = (0..110u32)
+        .flat_map(|i| frame(1, END_HEADERS, 2 * i + 1, &get_block("a")))
+        .collect();
+    let seen = attack_for(front, open, Duration::from_secs(2)).await;
+    assert_eq!(seen.goaway, None, "{seen:?}");
+    assert_eq!(
+        seen.resets, [7; 10],
+        "REFUSED_STREAM for the 10 beyond: {seen:?}"
+    );
+    bystander.served().await;
+
     // h2-to-h1 request smuggling: Transfer-Encoding in an HTTP/2 request makes it malformed
     // (RFC 9113 §8.2.2): the stream is reset (PROTOCOL_ERROR), nothing reaches a PE.
     let mut block = vec![0x83, 0x86]; // :method POST, :scheme http

@@ -209,6 +209,17 @@ async fn call(
     let limit = ctx.cfg.retry_buffer;
     let hold =
         ended || length.is_some_and(|n| n <= limit as u64) || (length.is_none() && repeatable);
+    let expects = s
+        .parts
+        .headers
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if expects && !ended {
+        // The body is wanted at once (the PE's own 100 Continue would come too late).
+        if let Ok(h) = http::Response::builder().status(100).body(()) {
+            let _ = s.respond.send_informational(h);
+        }
+    }
     s.body = if hold {
         match gather(recv, ended, limit, ctx.idle_timeout()).await {
             Ok(b) => b,
