@@ -481,15 +481,15 @@ pub(crate) fn forwarding<'r>(
             prior.extend_from_slice(b", ");
         }
     }
+    use std::io::Write;
     let ip = peer.ip().to_canonical();
-    fw.x_forwarded_for
-        .extend_from_slice(ip.to_string().as_bytes());
-    let node = if ip.is_ipv6() {
-        format!("for=\"[{ip}]\"")
+    // Written in place (a Vec takes every write): no string per request.
+    let _ = write!(fw.x_forwarded_for, "{ip}");
+    let _ = if ip.is_ipv6() {
+        write!(fw.forwarded, "for=\"[{ip}]\"")
     } else {
-        format!("for={ip}")
+        write!(fw.forwarded, "for={ip}")
     };
-    fw.forwarded.extend_from_slice(node.as_bytes());
     if plain_host(&r.host) {
         fw.forwarded.extend_from_slice(b";host=\"");
         fw.forwarded.extend_from_slice(&r.host);

@@ -489,6 +489,12 @@ impl BodyDecoder {
         }
     }
 
+    /// The body ended (a known length taken whole; a chunked body's end is only known with
+    /// its last piece, [`Piece::Trailers`] or [`Piece::End`]).
+    pub fn is_done(&self) -> bool {
+        matches!(self, Self::Done)
+    }
+
     /// The next piece from the bytes in `buf` (consumed as far as they go). At the end of
     /// the input, [`Piece::Data`] empty means the body was cut short, unless it is `Close`.
     pub fn next(&mut self, buf: &mut BytesMut) -> Result<Piece, ChunkError> {

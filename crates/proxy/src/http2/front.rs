@@ -374,6 +374,12 @@ pub(crate) async fn send_data(
     mut data: Bytes,
     end: bool,
 ) -> Result<(), h2::Error> {
+    if data.is_empty() {
+        if end {
+            tx.send_data(data, true)?;
+        }
+        return Ok(());
+    }
     while !data.is_empty() {
         tx.reserve_capacity(data.len());
         let n = match poll_fn(|cx| tx.poll_capacity(cx)).await {
@@ -383,11 +389,9 @@ pub(crate) async fn send_data(
         };
         if n > 0 {
             let chunk = data.split_to(n.min(data.len()));
+            // The last piece carries END_STREAM: no empty frame after it.
             tx.send_data(chunk, end && data.is_empty())?;
         }
-    }
-    if end {
-        tx.send_data(Bytes::new(), true)?;
     }
     Ok(())
 }
@@ -507,7 +511,12 @@ async fn to_h1(
         match piece {
             Piece::Data(d) if !d.is_empty() => {
                 bytes += d.len() as u64;
-                send_data(tx, d, false).await.map_err(|_| Failure::Client)?;
+                // A body of known length ends with its last bytes: END_STREAM on them.
+                let last = dec.is_done();
+                send_data(tx, d, last).await.map_err(|_| Failure::Client)?;
+                if last {
+                    break;
+                }
             }
             Piece::Data(_) => {
                 bc.buf.reserve(READ_CHUNK);
@@ -697,6 +706,7 @@ async fn to_h2(
     };
     let mut bytes = 0u64;
     if !end {
+        let mut sent_end = false;
         loop {
             // A timer only where there is a deadline: one per DATA frame costs.
             let next = match s.deadline {
@@ -720,15 +730,23 @@ async fn to_h2(
             };
             let n = d.len();
             bytes += n as u64;
-            send_data(tx, d, false).await.map_err(|_| Failure::Client)?;
+            // Ended without trailers: END_STREAM on the last bytes.
+            let last = body.is_end_stream();
+            send_data(tx, d, last).await.map_err(|_| Failure::Client)?;
             let _ = body.flow_control().release_capacity(n);
+            if last {
+                sent_end = true;
+                break;
+            }
         }
-        match body.trailers().await {
-            Ok(Some(t)) => tx.send_trailers(t).map_err(|_| Failure::Client)?,
-            Ok(None) => send_data(tx, Bytes::new(), true)
-                .await
-                .map_err(|_| Failure::Client)?,
-            Err(_) => return Err(Failure::Broken { relayed: true }),
+        if !sent_end {
+            match body.trailers().await {
+                Ok(Some(t)) => tx.send_trailers(t).map_err(|_| Failure::Client)?,
+                Ok(None) => send_data(tx, Bytes::new(), true)
+                    .await
+                    .map_err(|_| Failure::Client)?,
+                Err(_) => return Err(Failure::Broken { relayed: true }),
+            }
         }
     }
     b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
