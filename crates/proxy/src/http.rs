@@ -412,17 +412,16 @@ pub(crate) fn outgoing_head_with(
     } else {
         b" HTTP/1.0\r\n"
     });
-    let fw = forwarding(r, peer, level_header);
-    for (n, v) in fw.pass {
+    let fw = forwarding(r, level_header, |n, v| {
         out.put_slice(n);
         out.put_slice(b": ");
         out.put_slice(v);
         out.put_slice(b"\r\n");
-    }
+    });
     out.put_slice(b"X-Forwarded-For: ");
-    out.put_slice(&fw.x_forwarded_for);
+    fw.x_forwarded_for(&mut out, peer);
     out.put_slice(b"\r\nForwarded: ");
-    out.put_slice(&fw.forwarded);
+    fw.forwarded(&mut out, peer);
     out.put_slice(b"\r\n");
     if send_level {
         out.put_slice(level_header.as_bytes());
@@ -443,60 +442,88 @@ pub(crate) fn outgoing_head_with(
     out
 }
 
-/// The request's headers as they go to a PE, whatever the HTTP version towards it.
+/// What a request's forwarding headers become on the way to a PE, whatever the HTTP version
+/// towards it: the client's own X-Forwarded-For and Forwarded values (every one that holds an
+/// element, RFC 9110 §5.6.1) go before the client's address.
 pub(crate) struct Forwarding<'r> {
-    /// End-to-end headers that pass unchanged.
-    pub(crate) pass: Vec<(&'r [u8], &'r [u8])>,
-    /// The values of X-Forwarded-For and Forwarded: the client's (every one that holds an
-    /// element, RFC 9110 §5.6.1) before the client's address.
-    pub(crate) x_forwarded_for: Vec<u8>,
-    pub(crate) forwarded: Vec<u8>,
+    host: &'r [u8],
+    prior_xff: Vec<&'r [u8]>,
+    prior_fwd: Vec<&'r [u8]>,
 }
 
-/// [`Forwarding`] of a request from `peer`; a client's copies of `level_header` are dropped.
+/// Goes through the request's end-to-end headers: those that pass unchanged go to `pass`, the
+/// forwarding ones into the [`Forwarding`]; a client's copies of `level_header` are dropped.
+/// Nothing is allocated unless the client sent forwarding headers of its own.
 pub(crate) fn forwarding<'r>(
     r: &'r Request,
-    peer: SocketAddr,
     level_header: &str,
+    mut pass: impl FnMut(&'r [u8], &'r [u8]),
 ) -> Forwarding<'r> {
     let mut fw = Forwarding {
-        pass: Vec::with_capacity(r.head.headers.len()),
-        x_forwarded_for: Vec::new(),
-        forwarded: Vec::new(),
+        host: &r.host,
+        prior_xff: Vec::new(),
+        prior_fwd: Vec::new(),
     };
     for (n, v) in r.head.end_to_end() {
         if n.eq_ignore_ascii_case(level_header.as_bytes()) {
             continue;
         }
         let prior = if n.eq_ignore_ascii_case(b"x-forwarded-for") {
-            &mut fw.x_forwarded_for
+            &mut fw.prior_xff
         } else if n.eq_ignore_ascii_case(b"forwarded") {
-            &mut fw.forwarded
+            &mut fw.prior_fwd
         } else {
-            fw.pass.push((n, v));
+            pass(n, v);
             continue;
         };
         if v.split(|&b| b == b',').any(|e| !e.trim_ascii().is_empty()) {
-            prior.extend_from_slice(v);
-            prior.extend_from_slice(b", ");
+            prior.push(v);
         }
     }
+    fw
+}
+
+impl Forwarding<'_> {
+    /// X-Forwarded-For's value.
+    pub(crate) fn x_forwarded_for(&self, out: &mut impl BufMut, peer: SocketAddr) {
+        for v in &self.prior_xff {
+            out.put_slice(v);
+            out.put_slice(b", ");
+        }
+        put_ip(out, peer, false);
+    }
+
+    /// Forwarded's value.
+    pub(crate) fn forwarded(&self, out: &mut impl BufMut, peer: SocketAddr) {
+        for v in &self.prior_fwd {
+            out.put_slice(v);
+            out.put_slice(b", ");
+        }
+        out.put_slice(b"for=");
+        put_ip(out, peer, true);
+        if plain_host(self.host) {
+            out.put_slice(b";host=\"");
+            out.put_slice(self.host);
+            out.put_u8(b'"');
+        }
+        out.put_slice(b";proto=http");
+    }
+}
+
+/// The client's address; an IPv6 one as Forwarded wants it (`"[…]"`) with `node`.
+fn put_ip(out: &mut impl BufMut, peer: SocketAddr, node: bool) {
     use std::io::Write;
     let ip = peer.ip().to_canonical();
-    // Written in place (a Vec takes every write): no string per request.
-    let _ = write!(fw.x_forwarded_for, "{ip}");
-    let _ = if ip.is_ipv6() {
-        write!(fw.forwarded, "for=\"[{ip}]\"")
+    // Formatted on the stack: no string per request.
+    let mut buf = [0u8; 64];
+    let mut c = std::io::Cursor::new(&mut buf[..]);
+    let _ = if node && ip.is_ipv6() {
+        write!(c, "\"[{ip}]\"")
     } else {
-        write!(fw.forwarded, "for={ip}")
+        write!(c, "{ip}")
     };
-    if plain_host(&r.host) {
-        fw.forwarded.extend_from_slice(b";host=\"");
-        fw.forwarded.extend_from_slice(&r.host);
-        fw.forwarded.push(b'"');
-    }
-    fw.forwarded.extend_from_slice(b";proto=http");
-    fw
+    let n = c.position() as usize;
+    out.put_slice(&buf[..n]);
 }
 
 /// Whether a Host is a plain host[:port] (letters, digits, `-._~%`, an IP literal's `:[]`):
@@ -1266,6 +1293,34 @@ mod tests {
         assert_eq!(
             &resp[..],
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn an_ipv6_client_is_quoted_in_forwarded_and_bare_in_x_forwarded_for() {
+        let h = Head::request(
+            &mut BytesMut::from("GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
+            1024,
+        )
+        .unwrap()
+        .unwrap();
+        let peer: SocketAddr = "[2001:db8::1]:5".parse().unwrap();
+        let r = parse(h, peer, Instant::now()).unwrap();
+        let out = outgoing_head(&r, peer);
+        let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.get("x-forwarded-for"), Some(&b"2001:db8::1"[..]));
+        assert_eq!(
+            h.get("forwarded"),
+            Some(&b"for=\"[2001:db8::1]\";host=\"x\";proto=http"[..])
+        );
+        // An IPv4 client on a dual-stack socket is written as IPv4.
+        let mapped: SocketAddr = "[::ffff:192.0.2.7]:5".parse().unwrap();
+        let out = outgoing_head(&r, mapped);
+        assert!(
+            out.windows(20).any(|w| w == b"X-Forwarded-For: 192"),
+            "{out:?}"
         );
     }
 

@@ -578,7 +578,9 @@ pub(crate) fn upstream_request(
     ctx: &Ctx,
 ) -> Option<http::Request<()>> {
     let (level_header, send_level) = ctx.level_header();
-    let fw = forwarding(r, peer, level_header);
+    // The client's own headers pass as they came (`p.headers`): only the forwarding ones
+    // are taken out of the request.
+    let fw = forwarding(r, level_header, |_, _| {});
     let uri = if p.uri.scheme().is_some() && p.uri.authority().is_some() {
         p.uri.clone()
     } else {
@@ -599,11 +601,12 @@ pub(crate) fn upstream_request(
     ] {
         headers.remove(name);
     }
-    headers.insert(
-        "x-forwarded-for",
-        HeaderValue::from_bytes(&fw.x_forwarded_for).ok()?,
-    );
-    headers.insert("forwarded", HeaderValue::from_bytes(&fw.forwarded).ok()?);
+    let mut v = Vec::with_capacity(64);
+    fw.x_forwarded_for(&mut v, peer);
+    headers.insert("x-forwarded-for", HeaderValue::from_bytes(&v).ok()?);
+    v.clear();
+    fw.forwarded(&mut v, peer);
+    headers.insert("forwarded", HeaderValue::from_bytes(&v).ok()?);
     if send_level {
         headers.insert(
             HeaderName::from_bytes(level_header.as_bytes()).ok()?,
