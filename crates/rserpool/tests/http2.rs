@@ -181,18 +181,29 @@ struct GrpcPe {
 }
 
 async fn grpc_pe(reg: SocketAddr, name: &str) -> GrpcPe {
-    let port = free_port();
-    let server = KillOnDrop(
-        Command::new(PYTHON)
-            .args([GRPC, "serve", &port.to_string(), name])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    common::wait_until(Duration::from_secs(15), "the gRPC server listens", || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    })
-    .await;
+    // The server takes a free port itself and says which: a port picked here could be taken
+    // by a process of a test running beside this one before the server binds it.
+    let mut child = Command::new(PYTHON)
+        .args([GRPC, "serve", "0", name])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let server = KillOnDrop(child);
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).map(|_| line)
+    });
+    let line = tokio::time::timeout(Duration::from_secs(15), line)
+        .await
+        .expect("the gRPC server listens within 15 s")
+        .unwrap()
+        .unwrap();
+    let port: u16 = line
+        .trim()
+        .strip_prefix("listening ")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("the gRPC server says {line:?}"));
     let sidecar = KillOnDrop(
         Command::new(BIN)
             .args(["serve", "--target", &format!("127.0.0.1:{port}")])
