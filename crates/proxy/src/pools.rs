@@ -64,6 +64,8 @@ pub struct Pool {
     waiting: Arc<std::sync::atomic::AtomicUsize>,
     /// Whether finished requests are charged to their level (`[levels]` configured).
     charges: AtomicBool,
+    /// `protocol = "h2"`: read for every request, so kept out of the lock.
+    h2: AtomicBool,
 }
 
 struct PoolState {
@@ -140,6 +142,7 @@ impl Pool {
             handle,
             waiting,
             charges: AtomicBool::new(false),
+            h2: AtomicBool::new(false),
             state: Mutex::new(PoolState {
                 selector: Selector::new(),
                 refreshed: None,
@@ -158,6 +161,10 @@ impl Pool {
         st.admission
             .reconfigure(admission_config(&config, levels), seed());
         self.charges.store(levels.is_some(), Ordering::Relaxed);
+        self.h2.store(
+            config.protocol == crate::config::PeProtocol::H2,
+            Ordering::Relaxed,
+        );
         st.config = config;
         st.dispatch(&self.handle);
     }
@@ -178,7 +185,11 @@ impl Pool {
 
     /// The HTTP version spoken to the pool's PEs.
     pub fn protocol(&self) -> crate::config::PeProtocol {
-        self.lock().config.protocol
+        if self.h2.load(Ordering::Relaxed) {
+            crate::config::PeProtocol::H2
+        } else {
+            crate::config::PeProtocol::Http1
+        }
     }
 
     /// Whether requests to `path` may go to another PE after one failed them (`idempotent`).

@@ -75,20 +75,15 @@ impl H2Conns {
     }
 }
 
-/// A stream to the PE: on an open connection with room, else on a new one. The `bool` says
-/// whether the connection was open already (a stale one fails the stream without the PE's
-/// fault).
-pub(crate) async fn stream(
-    b: &Arc<Backend>,
-    ctx: &Ctx,
-) -> io::Result<((SendRequest<Bytes>, Slot), bool)> {
+/// A stream to the PE: on an open connection with room, else on a new one.
+pub(crate) async fn stream(b: &Arc<Backend>, ctx: &Ctx) -> io::Result<(SendRequest<Bytes>, Slot)> {
     if let Some(open) = ready(b).await {
-        return Ok((open, true));
+        return Ok(open);
     }
     let _opening = b.h2.opening.lock().await;
     // Opened by another request while this one waited?
     if let Some(open) = ready(b).await {
-        return Ok((open, true));
+        return Ok(open);
     }
     let io = crate::http::connect_pe(b, ctx).await?;
     let h = &ctx.cfg.http2;
@@ -116,7 +111,7 @@ pub(crate) async fn stream(
     });
     b.h2.add(c.clone());
     let send = send.ready().await.map_err(io::Error::other)?;
-    Ok(((send, Slot(c)), false))
+    Ok((send, Slot(c)))
 }
 
 /// A stream on an open connection with room, if there is one.
