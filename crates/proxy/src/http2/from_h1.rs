@@ -3,7 +3,7 @@
 //! as HTTP/1.1 (chunked when the PE gave no length, its trailers in the chunked trailer
 //! section). Selection, failover and accounting are those of every request ([`settle`]).
 
-use super::front::{no_response, send_data, upstream_request};
+use super::front::{frame_into, no_response, send_data, upstream_request};
 use super::upstream;
 use crate::backend::Backend;
 use crate::ctx::Ctx;
@@ -40,9 +40,8 @@ pub(crate) async fn request(c: &mut Client, mut r: Request, pool: &Arc<Pool>, ct
     }
     let mut f = Failover::default();
     loop {
-        let connect = |pe: Arc<Backend>| async move {
-            upstream::stream(&pe, ctx).await.map(|(v, _)| (v, false))
-        };
+        let connect =
+            |pe: Arc<Backend>| async move { upstream::stream(&pe, ctx).await.map(|v| (v, false)) };
         let (attempt, up) = match select(pool, r.level, &mut f, ctx, connect).await {
             Ok(v) => v,
             Err((code, why)) => return give_up(c, &r, ctx, code, Some(why), None).await,
@@ -190,9 +189,7 @@ async fn exchange(
         let n = d.len();
         w.clear();
         if chunked {
-            w.put_slice(format!("{n:x}\r\n").as_bytes());
-            w.put_slice(&d);
-            w.put_slice(b"\r\n");
+            frame_into(&mut w, &d, true);
             c.stream.write_all(&w).await
         } else {
             c.stream.write_all(&d).await

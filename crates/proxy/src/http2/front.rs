@@ -238,7 +238,7 @@ async fn call(
             let connect = |pe: Arc<Backend>| async move {
                 // Never "reused": a broken HTTP/2 connection may have carried the request
                 // to the PE, so only an idempotent one goes out again.
-                upstream::stream(&pe, ctx).await.map(|(v, _)| (v, false))
+                upstream::stream(&pe, ctx).await.map(|v| (v, false))
             };
             match select(&pool, r.level, &mut f, ctx, connect).await {
                 Ok((attempt, up)) => {
@@ -397,7 +397,7 @@ pub(crate) async fn send_data(
 }
 
 /// Appends `data` to `out` in the request's framing (a chunk of the chunked coding).
-fn frame_into(out: &mut BytesMut, data: &[u8], chunked: bool) {
+pub(crate) fn frame_into(out: &mut BytesMut, data: &[u8], chunked: bool) {
     if !chunked {
         out.put_slice(data);
     } else if !data.is_empty() {
@@ -450,9 +450,14 @@ async fn to_h1(
             b.stats
                 .bytes_in
                 .fetch_add(d.len() as u64, Ordering::Relaxed);
-            out.clear();
-            frame_into(&mut out, &d, chunked);
-            if bc.stream.write_all(&out).await.is_err() {
+            let written = if chunked {
+                out.clear();
+                frame_into(&mut out, &d, true);
+                bc.stream.write_all(&out).await
+            } else {
+                bc.stream.write_all(&d).await
+            };
+            if written.is_err() {
                 // The PE stopped taking the body; it may have answered.
                 break;
             }
