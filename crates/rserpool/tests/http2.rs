@@ -29,12 +29,22 @@ fn tempdir(tag: &str) -> PathBuf {
     d
 }
 
-/// `rserpool proxy --config` with `conf` (after the registrar line) written to `dir`.
-fn proxy(dir: &Path, reg: SocketAddr, conf: &str) -> Logged {
+/// `rserpool proxy --config` with a config written to `dir`: the registrar at `reg`, the
+/// status listener at `status`, an HTTP listener at `front` onto `pool`, then `rest` (more
+/// listeners, pool sections).
+fn proxy(
+    dir: &Path,
+    reg: SocketAddr,
+    (status, front, pool): (SocketAddr, SocketAddr, &str),
+    rest: &str,
+) -> Logged {
     let path = dir.join("proxy.toml");
     std::fs::write(
         &path,
-        format!("registrars = [\"{reg}\"]\nrefresh-ms = 200\n{conf}"),
+        format!(
+            "registrars = [\"{reg}\"]\nrefresh-ms = 200\nstatus = \"{status}\"\n\n\
+             [[listener]]\nlisten = \"{front}\"\nmode = \"http\"\npool = \"{pool}\"\n{rest}"
+        ),
     )
     .unwrap();
     let check = Command::new(BIN)
@@ -100,14 +110,9 @@ async fn h2_clients_reach_http1_pes_in_cleartext_and_over_tls() {
     let p = proxy(
         &dir,
         reg.asap_addr(),
+        (status, front, "Web"),
         &format!(
-            r#"status = "{status}"
-
-[[listener]]
-listen = "{front}"
-mode = "http"
-pool = "Web"
-
+            r#"
 [[listener]]
 listen = "{tls_front}"
 mode = "http"
@@ -244,19 +249,12 @@ async fn grpc_calls_fail_over_with_zero_failures_when_a_pe_dies() {
     let p = proxy(
         &dir,
         reg.asap_addr(),
-        &format!(
-            r#"status = "{status}"
-
-[[listener]]
-listen = "{front}"
-mode = "http"
-pool = "Grpc"
-
+        (status, front, "Grpc"),
+        r#"
 [pool.Grpc]
 protocol = "h2"
 idempotent = ["/test.Echo/Echo"]
-"#
-        ),
+"#,
     );
     every_pe_answers(3, "calls reach all three PEs", async || {
         let v = grpc_call(front, "Echo", None).await;
@@ -472,19 +470,7 @@ async fn http2_attacks_get_goaway_and_other_clients_stay_served() {
     let reg = common::registrar(common::fast_config());
     let _pe = example_http(reg.asap_addr(), "Web", 1, &[]).await;
     let (front, status) = (addr(), addr());
-    let p = proxy(
-        &dir,
-        reg.asap_addr(),
-        &format!(
-            r#"status = "{status}"
-
-[[listener]]
-listen = "{front}"
-mode = "http"
-pool = "Web"
-"#
-        ),
-    );
+    let p = proxy(&dir, reg.asap_addr(), (status, front, "Web"), "");
     wait_for(Duration::from_secs(15), "the proxy serves h2c", || async {
         h2c_get(front, "/").await.starts_with("HTTP/2 200")
     })

@@ -89,6 +89,21 @@ async fn up_then_the_suggested_commands_work_on_defaults() {
         .unwrap();
     let r = c.get("/hello").await.unwrap();
     assert_eq!(r.code, 200);
+    // The README's HTTP/2 command, on the same port.
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "10",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_version} %{http_code}",
+        ])
+        .args(["--http2-prior-knowledge", "http://127.0.0.1:8080/hello"])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "2 200", "{out:?}");
 
     let mut echo = tokio::net::TcpStream::connect("127.0.0.1:7000")
         .await
