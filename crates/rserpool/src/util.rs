@@ -74,8 +74,33 @@ pub async fn registrar_status(addrs: &[SocketAddr]) -> Result<Status> {
     )
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (someone may take it before it is used).
+/// A TCP port on 127.0.0.1 that was free a moment ago, for tests and benchmarks to give the
+/// processes they start.
+///
+/// Taken below the kernel's ephemeral range (`ip_local_port_range`), one after the other from a
+/// start that depends on the process: the kernel never hands those ports to outgoing
+/// connections, and one test process never hands the same port out twice. A port from the
+/// ephemeral range (bind to port 0) could be taken by any connection of a test running beside
+/// this one before the process it was meant for binds it.
 pub fn free_port() -> std::io::Result<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const FIRST: u32 = 10_000;
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral.saturating_sub(FIRST);
+    if span >= 1000 {
+        let start = std::process::id().wrapping_mul(7919) % span;
+        for _ in 0..1000 {
+            let port = FIRST + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+            let Ok(port) = u16::try_from(port) else { break };
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
