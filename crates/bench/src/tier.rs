@@ -58,6 +58,8 @@ struct Run {
     mbit: f64,
     /// The longest time one client waited for progress, s.
     stall: f64,
+    /// The longest wait for progress that spanned the failure (without one: mid-run), s.
+    at_failure: f64,
     /// Transfers that failed (a connection broken).
     broken: usize,
 }
@@ -87,8 +89,10 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
     let _ = writeln!(
         s,
         "{} concurrent clients, {} KB each, every hop limited to the rate shown (tc htb on each \
-         veth). Times in seconds; throughput = all bytes / time for all; stall = the longest \
-         a client waited for one write (read) to make progress. Failure: proxy 1 cut off \
+         veth). Times in seconds; throughput = all bytes / time for all; longest stall = the \
+         longest a client waited for one write (read) to make progress; stall at failure = \
+         the longest such wait that spanned the failure (in a run without one: that spanned \
+         the middle of the run, the same measure of the bottleneck's own waits). Failure: proxy 1 cut off \
          by the router's bridge (its link up) and its process killed at half the no-failure \
          time; the distributor finds it after 3 missed heartbeats.\n",
         args.clients, args.size_kb
@@ -168,13 +172,13 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
     let _ = writeln!(s, "**{title}**\n");
     let _ = writeln!(
         s,
-        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall | broken |"
+        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall | stall at failure | broken |"
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in runs {
         let _ = writeln!(
             s,
-            "| {} | {:.2} | {:.3}× | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} | {} |",
+            "| {} | {:.2} | {:.3}× | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} | {:.3} | {} |",
             r.name,
             r.mean,
             r.mean / base,
@@ -183,6 +187,7 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
             r.all,
             r.mbit,
             r.stall,
+            r.at_failure,
             r.broken
         );
     }
@@ -435,12 +440,14 @@ fn measure(
     }
     let mut times = Vec::new();
     let mut stall: f64 = 0.0;
+    let mut progress = Vec::new();
     let mut broken = 0;
     for h in handles {
         match h.join().map_err(|_| anyhow::anyhow!("a client panicked"))? {
-            Ok((t, s)) => {
+            Ok((t, s, p)) => {
                 times.push(t);
                 stall = stall.max(s);
+                progress.push(p);
             }
             Err(e) => {
                 if broken == 0 {
@@ -452,6 +459,15 @@ fn measure(
     }
     let all = t0.elapsed().as_secs_f64();
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+    let mark = t0 + failure.map_or(Duration::from_secs_f64(mean / 2.0), |(_, at)| at);
+    let at_failure = progress
+        .iter()
+        .filter_map(|p| {
+            let after = p.iter().position(|t| *t > mark)?;
+            let before = after.checked_sub(1).map_or(t0, |i| p[i]);
+            Some((p[after] - before).as_secs_f64())
+        })
+        .fold(0.0, f64::max);
     let run = Run {
         name: name.to_string(),
         mean,
@@ -460,32 +476,37 @@ fn measure(
         all,
         mbit: (times.len() * size) as f64 * 8.0 / all / 1e6,
         stall,
+        at_failure,
         broken,
     };
     eprintln!(
-        "  average {:.2} s, longest {:.2} s, all {:.2} s, longest stall {:.2} s, {} broken",
-        run.mean, run.max, run.all, run.stall, run.broken
+        "  average {:.2} s, longest {:.2} s, all {:.2} s, longest stall {:.2} s, at failure \
+         {:.3} s, {} broken",
+        run.mean, run.max, run.all, run.stall, run.at_failure, run.broken
     );
     Ok(run)
 }
 
-/// One client's transfer: its time and its longest wait for progress, s.
+/// One client's transfer: its time and its longest wait for progress, s, and when it made
+/// progress.
 fn transfer(
     to: SocketAddr,
     upload: bool,
     size: usize,
     body: Arc<Vec<u8>>,
     start: Arc<std::sync::Barrier>,
-) -> std::io::Result<(f64, f64)> {
+) -> std::io::Result<(f64, f64, Vec<Instant>)> {
     start.wait();
     let t = Instant::now();
     let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(10))?;
     s.set_read_timeout(Some(Duration::from_secs(300)))?;
     let mut last = Instant::now();
     let mut stall: f64 = 0.0;
+    let mut progress = Vec::new();
     let mut note = |last: &mut Instant| {
         let now = Instant::now();
         stall = stall.max((now - *last).as_secs_f64());
+        progress.push(now);
         *last = now;
     };
     if upload {
@@ -522,5 +543,5 @@ fn transfer(
             return Err(std::io::Error::other(format!("{got} of {size} bytes")));
         }
     }
-    Ok((t.elapsed().as_secs_f64(), stall))
+    Ok((t.elapsed().as_secs_f64(), stall, progress))
 }

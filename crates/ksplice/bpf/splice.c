@@ -61,6 +61,11 @@ struct flow_val {
 	__u64 last_ns;
 	__u64 packets;
 	__u64 bytes;
+	// FLAG_PROBE: the acknowledgement number of the first ACK carried after user space armed
+	// the entry, as it left (the receiver's SND.UNA if nothing newer is in flight); then
+	// FLAG_PROBED replaces FLAG_PROBE. The tier's nudge after a member died reads it.
+	__u32 probe_ack;
+	__u32 pad;
 };
 
 // Per-CPU counters, index 0: packets, bytes, FINs, RSTs of spliced connections.
@@ -125,6 +130,8 @@ struct {
 #define FLAG_TS 4
 #define FLAG_SAW_TS 8
 #define FLAG_FIN 16
+#define FLAG_PROBE 32
+#define FLAG_PROBED 64
 
 #define TCPOPT_SACK 5
 #define TCPOPT_TIMESTAMP 8
@@ -377,6 +384,10 @@ int splice_tc(struct __sk_buff *skb)
 	__sync_fetch_and_add(&v->bytes, payload);
 	if (fin)
 		v->flags |= FLAG_FIN;
+	if (is_ack && (flags & FLAG_PROBE)) {
+		v->probe_ack = bpf_ntohl(ack_be) + v->ack_delta;
+		v->flags = (v->flags & ~FLAG_PROBE) | FLAG_PROBED;
+	}
 	// Nothing answers an RST: the connection is over in both directions.
 	if (rst)
 		forget(v, &key);

@@ -18,6 +18,7 @@
 //! ([`Datapath::expire`]).
 
 mod handover;
+pub mod nudge;
 #[doc(hidden)]
 pub mod testbed;
 
@@ -108,6 +109,8 @@ pub struct FlowVal {
     last_ns: u64,
     packets: u64,
     bytes: u64,
+    probe_ack: u32,
+    pad: u32,
 }
 
 /// Entry flags, as in `bpf/splice.c`.
@@ -116,6 +119,8 @@ const FLAG_WATCH: u16 = 2;
 const FLAG_TS: u16 = 4;
 const FLAG_SAW_TS: u16 = 8;
 const FLAG_FIN: u16 = 16;
+const FLAG_PROBE: u16 = 32;
+const FLAG_PROBED: u16 = 64;
 
 impl FlowVal {
     /// The key of the other direction's entry (this entry's output, reversed).
@@ -607,6 +612,100 @@ impl Datapath {
                 .filter(|(_, v)| v.flags & (FLAG_WATCH | FLAG_HOLD) == 0)
                 .map(|(k, v)| (k.from(), k.to(), v.flags & FLAG_FIN != 0, v.packets))
                 .collect())
+        }
+    }
+
+    /// Arms every spliced entry to record the acknowledgement number of the next ACK it
+    /// carries (the tier's nudge after a member died: see [`nudge`]). Returns the probes to
+    /// send: each entry's output 4-tuple, whose receiver answers a SYN with a challenge ACK
+    /// that comes back through the entry of the other direction.
+    pub fn arm_probes(&mut self) -> Result<Vec<(SocketAddrV4, SocketAddrV4)>, Error> {
+        let armed = self.set_probe_flags(FLAG_PROBE, FLAG_PROBED)?;
+        Ok(armed
+            .iter()
+            .map(|v| {
+                let out = v.reverse_key();
+                (out.to(), out.from())
+            })
+            .collect())
+    }
+
+    /// The entries that carried an ACK since they were armed, each as the ICMP error to send
+    /// ([`nudge::Revert`]); their mark is cleared.
+    pub fn take_probed(&mut self) -> Result<Vec<nudge::Revert>, Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let probed: Vec<(FlowKey, FlowVal)> = self
+                .flows()?
+                .iter()
+                .filter_map(Result::ok)
+                .filter(|(_, v)| v.flags & FLAG_PROBED != 0)
+                .collect();
+            let mut out = Vec::with_capacity(probed.len());
+            for (k, mut v) in probed {
+                // The ACK left as (saddr → daddr); its receiver sends from daddr to saddr,
+                // and its oldest unacknowledged byte is the ACK's number.
+                let back = v.reverse_key();
+                out.push(nudge::Revert {
+                    from: back.from(),
+                    to: back.to(),
+                    seq: v.probe_ack,
+                });
+                v.flags &= !FLAG_PROBED;
+                self.update_existing(k, v)?;
+            }
+            Ok(out)
+        }
+    }
+
+    /// Clears what [`Datapath::arm_probes`] set.
+    pub fn disarm_probes(&mut self) -> Result<(), Error> {
+        self.set_probe_flags(0, FLAG_PROBE | FLAG_PROBED)
+            .map(|_| ())
+    }
+
+    /// Sets `set` and clears `clear` in the flags of every spliced entry; returns them.
+    fn set_probe_flags(&mut self, set: u16, clear: u16) -> Result<Vec<FlowVal>, Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            let _ = (set, clear);
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            let spliced: Vec<(FlowKey, FlowVal)> = self
+                .flows()?
+                .iter()
+                .filter_map(Result::ok)
+                .filter(|(_, v)| v.flags & (FLAG_WATCH | FLAG_HOLD) == 0)
+                .collect();
+            let mut out = Vec::with_capacity(spliced.len());
+            for (k, mut v) in spliced {
+                v.flags = (v.flags & !clear) | set;
+                self.update_existing(k, v)?;
+                out.push(v);
+            }
+            Ok(out)
+        }
+    }
+
+    /// Writes an entry only if it still exists: the program may have removed it meanwhile
+    /// (an RST), and it must not come back.
+    #[cfg(ksplice_built)]
+    fn update_existing(&mut self, k: FlowKey, v: FlowVal) -> Result<(), Error> {
+        const BPF_EXIST: u64 = 2;
+        match self.flows()?.insert(k, v, BPF_EXIST) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(s))
+                if s.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(())
+            }
+            Err(err) => Err(Error::Ebpf(format!("updating a flow: {err}"))),
         }
     }
 

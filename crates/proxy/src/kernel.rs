@@ -16,6 +16,7 @@
 
 use crate::backend::Backend;
 use crate::config::KernelSpliceConfig;
+use rserpool_ksplice::nudge::RawSender;
 use rserpool_ksplice::{
     Datapath, Error, Expired, HandOverError, Splice, SpliceState, TierMember, clamp_mss, hand_over,
     pending, route_towards,
@@ -38,6 +39,22 @@ const ROUTE_FOR: Duration = Duration::from_secs(1);
 const MAX_ROUTES: usize = 65_536;
 /// How often ended and idle entries are looked for, at most (and twice per fin-timeout).
 const EXPIRE_EVERY: Duration = Duration::from_secs(1);
+/// How long a nudge waits for the ends' answers.
+const NUDGE_FOR: Duration = Duration::from_millis(300);
+
+/// Sends with `send`, waiting a little while the socket's buffer is full; whether it went.
+fn send_paced(send: impl Fn() -> std::io::Result<()>) -> bool {
+    for _ in 0..100 {
+        match send() {
+            Ok(()) => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(_) => return false,
+        }
+    }
+    false
+}
 
 /// The loaded datapath and what the proxy counts of it.
 pub(crate) struct KernelSplice {
@@ -180,6 +197,44 @@ impl KernelSplice {
 
     pub(crate) fn tier_redirects(&self) -> u64 {
         self.dp().tier_redirects().unwrap_or(0)
+    }
+
+    /// After another member of the tier died (the distributor says so): asks both ends of
+    /// every spliced connection for their receive point (`prober`: this member sends the
+    /// probes; one member does) and sends each TCP sender that may be backing off on a
+    /// packet the dead member lost the ICMP error that undoes the backoff
+    /// (`rserpool_ksplice::nudge`). Blocks for [`NUDGE_FOR`]. Returns the probes and the
+    /// errors sent.
+    pub(crate) fn nudge(&self, prober: bool) -> Result<(usize, usize), String> {
+        let raw = RawSender::new().map_err(|e| format!("a raw socket: {e}"))?;
+        let probes = self.dp().arm_probes().map_err(|e| e.to_string())?;
+        let mut probed = 0;
+        if prober {
+            // The other members arm their entries meanwhile.
+            std::thread::sleep(Duration::from_millis(5));
+            // Any number will do: a SYN is never accepted on an established connection.
+            let seq = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            for (from, to) in &probes {
+                if send_paced(|| raw.probe(*from, *to, seq)) {
+                    probed += 1;
+                }
+            }
+        }
+        let until = Instant::now() + NUDGE_FOR;
+        let mut reverted = 0;
+        while Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+            let answers = self.dp().take_probed().map_err(|e| e.to_string())?;
+            for r in &answers {
+                if send_paced(|| raw.revert(r)) {
+                    reverted += 1;
+                }
+            }
+        }
+        self.dp().disarm_probes().map_err(|e| e.to_string())?;
+        Ok((probed, reverted))
     }
 
     /// The spliced connections in the flow table (empty when it cannot be read).

@@ -30,7 +30,7 @@ use rserpool_ksplice::{Splice, SpliceState, TierMember};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -91,6 +91,9 @@ const QUEUE: usize = 65_536;
 const PASS: Duration = Duration::from_secs(1);
 /// Heartbeat datagrams start with this.
 pub const HEARTBEAT_MAGIC: &[u8; 4] = b"RSPT";
+/// The distributor's word that a member died, on the heartbeat socket: this magic, the dead
+/// member's ID (4 bytes) and 1 if this member is to send the nudge's probes, else 0.
+pub const DEAD_MAGIC: &[u8; 4] = b"RSPD";
 
 mod msg {
     pub const HELLO: u8 = 1;
@@ -269,6 +272,9 @@ struct Counters {
     splices_in: AtomicU64,
     links_dropped: AtomicU64,
     heartbeats: AtomicU64,
+    nudges: AtomicU64,
+    nudge_probes: AtomicU64,
+    nudge_reverts: AtomicU64,
 }
 
 /// A link towards another member.
@@ -299,6 +305,11 @@ pub(crate) trait Side: Send + Sync {
     fn shares(&self) -> bool {
         true
     }
+    /// After another member died: the probes and ICMP errors that end the backoff of the
+    /// TCP senders whose packets it lost (a proxy's datapath; blocks for a moment).
+    fn nudge(&self, _prober: bool) -> Result<(usize, usize), String> {
+        Ok((0, 0))
+    }
 }
 
 impl Side for KernelSplice {
@@ -323,6 +334,9 @@ impl Side for KernelSplice {
     fn state(&self) -> Vec<SpliceState> {
         self.splices()
     }
+    fn nudge(&self, prober: bool) -> Result<(usize, usize), String> {
+        KernelSplice::nudge(self, prober)
+    }
 }
 
 /// A running tier membership.
@@ -337,6 +351,8 @@ pub(crate) struct Tier {
     /// HELLO, whichever came first.
     listed: Mutex<HashSet<u32>>,
     counters: Counters,
+    /// A nudge is running.
+    nudging: AtomicBool,
     /// The free fraction of this proxy's capacity (the workload factor), 0..=1.
     free: Box<dyn Fn() -> f64 + Send + Sync>,
 }
@@ -408,6 +424,7 @@ impl Tier {
             members: Mutex::new(HashMap::new()),
             listed: Mutex::new(HashSet::new()),
             counters: Counters::default(),
+            nudging: AtomicBool::new(false),
             free,
         });
         tokio::spawn(accept_loop(Arc::downgrade(&tier), tcp));
@@ -561,6 +578,21 @@ impl Tier {
                 n(&self.counters.links_dropped),
             ),
             (
+                "rserpool_proxy_tier_nudges",
+                "Nudges after another member of the tier died.",
+                n(&self.counters.nudges),
+            ),
+            (
+                "rserpool_proxy_tier_nudge_probes",
+                "SYN probes sent by nudges (to both ends of every spliced connection).",
+                n(&self.counters.nudge_probes),
+            ),
+            (
+                "rserpool_proxy_tier_nudge_reverts",
+                "ICMP errors sent by nudges to end a TCP sender's backoff.",
+                n(&self.counters.nudge_reverts),
+            ),
+            (
                 "rserpool_proxy_tier_forwarded_packets",
                 "Packets forwarded to the member owning their port range.",
                 self.side.forwarded(),
@@ -597,6 +629,9 @@ impl Tier {
             "splices_received": n(&self.counters.splices_in),
             "links_dropped": n(&self.counters.links_dropped),
             "heartbeats": n(&self.counters.heartbeats),
+            "nudges": n(&self.counters.nudges),
+            "nudge_probes": n(&self.counters.nudge_probes),
+            "nudge_reverts": n(&self.counters.nudge_reverts),
             "forwarded_packets": self.side.forwarded(),
         })
     }
@@ -674,14 +709,50 @@ async fn accept_loop(tier: std::sync::Weak<Tier>, l: TcpListener) {
 /// Answers the distributor's heartbeats with this member's workload factor.
 async fn heartbeat_loop(tier: std::sync::Weak<Tier>, udp: UdpSocket) {
     let mut buf = [0u8; 64];
+    let mut distributor: Option<SocketAddr> = None;
     loop {
         let Ok((n, from)) = udp.recv_from(&mut buf).await else {
             continue;
         };
         let Some(tier) = tier.upgrade() else { return };
+        // Only the distributor that sends the heartbeats is listened to, and one nudge runs
+        // at a time (each costs two probes per spliced connection).
+        if n >= 9 && &buf[..4] == DEAD_MAGIC && distributor == Some(from) {
+            if tier.nudging.swap(true, Ordering::AcqRel) {
+                continue;
+            }
+            let dead = u32::from_be_bytes([buf[4], buf[5], buf[6], buf[7]]);
+            let prober = buf[8] == 1;
+            if dead != tier.me.id {
+                tier.counters.nudges.fetch_add(1, Ordering::Relaxed);
+                let t = tier.clone();
+                tokio::task::spawn_blocking(move || {
+                    match t.side.nudge(prober) {
+                        Ok((probes, reverts)) => {
+                            t.counters
+                                .nudge_probes
+                                .fetch_add(probes as u64, Ordering::Relaxed);
+                            t.counters
+                                .nudge_reverts
+                                .fetch_add(reverts as u64, Ordering::Relaxed);
+                            info!(
+                                "tier: member {dead:#010x} died; nudged: {probes} probes, {reverts} \
+                             ICMP errors"
+                            );
+                        }
+                        Err(e) => warn!("tier: member {dead:#010x} died; the nudge failed: {e}"),
+                    }
+                    t.nudging.store(false, Ordering::Release);
+                });
+            } else {
+                tier.nudging.store(false, Ordering::Release);
+            }
+            continue;
+        }
         if n < 8 || &buf[..4] != HEARTBEAT_MAGIC {
             continue;
         }
+        distributor = Some(from);
         tier.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         let free = ((tier.free)().clamp(0.0, 1.0) * 1e6) as u32;
         let mut reply = [0u8; 16];

@@ -92,23 +92,6 @@ fn parse_summary(text: &str) -> Option<Wrk> {
     Some(w)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reads_h2load_output() {
-        let out = "finished in 5.00s, 52877.11 req/s, 19.38MB/s
-requests: 264385 total, 264395 started, 264385 done, 264380 succeeded, 5 failed, 0 errored, 1 timeout
-status codes: 264380 2xx, 0 3xx, 2 4xx, 0 5xx
-";
-        let w = parse_summary(out).unwrap();
-        assert_eq!(w.rps, 52877.11);
-        assert_eq!(w.errors, 8);
-        assert!(parse_summary("garbage").is_none());
-    }
-}
-
 /// Waits (up to 15 s) until 30 requests in a row to `url` succeed: the proxy has found the
 /// pool's backends.
 pub(super) fn warm(url: &str, extra: &[&str]) -> Result<()> {
@@ -128,5 +111,22 @@ pub(super) fn warm(url: &str, extra: &[&str]) -> Result<()> {
             bail!("{url} did not answer 30 requests in a row within 15 s:\n{text}");
         }
         std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_h2load_output() {
+        let out = "finished in 5.00s, 52877.11 req/s, 19.38MB/s
+requests: 264385 total, 264395 started, 264385 done, 264380 succeeded, 5 failed, 0 errored, 1 timeout
+status codes: 264380 2xx, 0 3xx, 2 4xx, 0 5xx
+";
+        let w = parse_summary(out).unwrap();
+        assert_eq!(w.rps, 52877.11);
+        assert_eq!(w.errors, 8);
+        assert!(parse_summary("garbage").is_none());
     }
 }

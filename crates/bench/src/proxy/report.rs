@@ -287,7 +287,8 @@ impl Report {
         };
         let num = |v: Option<f64>, prec: usize| v.map_or("–".into(), |v| format!("{v:.prec$}"));
         md += &header("");
-        let h2_parts: [(&str, &dyn Fn(&Row) -> &H2Median); 3] = [
+        type Part<'a> = &'a dyn Fn(&Row) -> &H2Median;
+        let h2_parts: [(&str, Part); 3] = [
             ("HTTP/2 cleartext (h2c)", &|r: &Row| &r.h2),
             ("HTTP/2 over TLS", &|r: &Row| &r.h2_tls),
             ("gRPC unary (h2 to h2 backends)", &|r: &Row| &r.grpc),

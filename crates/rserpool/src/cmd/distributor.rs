@@ -7,9 +7,11 @@
 //! connections on the other members keep their member.
 //!
 //! A proxy is dead after `--misses` heartbeats in a row without an answer (every
-//! `--heartbeat-ms`), or as soon as it leaves the tier pool (the registrars' own
-//! supervision), whichever comes first. The group is changed with iproute2 (`ip nexthop`),
-//! which every Linux router has.
+//! `--heartbeat-ms`, each answered within `--answer-ms`), or as soon as it leaves the tier
+//! pool (the registrars' own supervision), whichever comes first: 2–3 heartbeat intervals
+//! after it died. The group is changed with iproute2 (`ip nexthop`), which every Linux router
+//! has. Then the live proxies hear of the death, and nudge the TCP senders that were backing
+//! off on packets the dead one lost (`rserpool_ksplice::nudge`).
 
 use crate::RegistrarOpts;
 use anyhow::{Context, Result, bail};
@@ -43,6 +45,10 @@ pub struct DistributorArgs {
     /// Heartbeats in a row without an answer that make a proxy dead.
     #[arg(long, default_value_t = 3)]
     pub misses: u32,
+    /// A heartbeat not answered within this is missed (default: a fifth of the heartbeat
+    /// interval, at least 5 ms).
+    #[arg(long)]
+    pub answer_ms: Option<u64>,
     /// Buckets of the resilient group.
     #[arg(long, default_value_t = 128)]
     pub buckets: u32,
@@ -67,7 +73,7 @@ struct Proxy {
     addr: SocketAddr,
     /// Its nexthop's ID.
     nh: u32,
-    /// Heartbeats sent since the last answer.
+    /// Heartbeats in a row not answered in time.
     missed: u32,
     answered: bool,
     /// The free fraction of its capacity, from its last answer.
@@ -98,6 +104,16 @@ pub fn run(args: DistributorArgs) -> Result<()> {
         let mut applied: Option<Vec<(u32, u32)>> = None;
         let mut routed = false;
         let mut beat = tokio::time::interval(Duration::from_millis(args.heartbeat_ms));
+        let answer = Duration::from_millis(
+            args.answer_ms
+                .unwrap_or(args.heartbeat_ms / 5)
+                .clamp(5, args.heartbeat_ms.max(5)),
+        );
+        // When this round's heartbeats must have been answered.
+        let mut answers_due: Option<Instant> = None;
+        // Proxies found dead whose peers have not heard of it yet (told once the group no
+        // longer has them).
+        let mut died: Vec<u32> = Vec::new();
         let mut resolve_at = Instant::now();
         let mut seq = 0u32;
         let mut buf = [0u8; 64];
@@ -115,10 +131,21 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                     let mut hb = [0u8; 8];
                     hb[..4].copy_from_slice(rserpool_proxy::tier::HEARTBEAT_MAGIC);
                     hb[4..].copy_from_slice(&seq.to_be_bytes());
+                    for p in proxies.values_mut() {
+                        let _ = udp.send_to(&hb, p.addr).await;
+                        p.sent_at = Some(Instant::now());
+                    }
+                    answers_due = Some(Instant::now() + answer);
+                }
+                () = tokio::time::sleep_until(answers_due.unwrap_or_else(Instant::now)),
+                    if answers_due.is_some() =>
+                {
+                    answers_due = None;
                     for (id, p) in proxies.iter_mut() {
-                        if p.sent_at.is_some() {
-                            p.missed += 1;
+                        if p.sent_at.take().is_none() {
+                            continue;
                         }
+                        p.missed += 1;
                         if p.live && p.missed >= args.misses {
                             warn!(
                                 "distributor: proxy {id:#010x} at {} is dead: {} heartbeats \
@@ -126,9 +153,8 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                                 p.addr, p.missed
                             );
                             p.live = false;
+                            died.push(*id);
                         }
-                        let _ = udp.send_to(&hb, p.addr).await;
-                        p.sent_at = Some(Instant::now());
                     }
                 }
                 got = udp.recv_from(&mut buf) => {
@@ -172,6 +198,7 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                                         p.addr
                                     );
                                     p.live = false;
+                                    died.push(*id);
                                 }
                             }
                             proxies.retain(|id, _| listed.contains_key(id));
@@ -222,6 +249,7 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                     continue;
                 }
                 routed = true;
+                tell_the_living(&udp, &proxies, &mut died).await;
                 info!(
                     "distributor: group {} = {}",
                     args.group,
@@ -234,6 +262,22 @@ pub fn run(args: DistributorArgs) -> Result<()> {
             }
         }
     })
+}
+
+/// Tells the live proxies which ones died, so that they nudge the connections that lost
+/// packets to it; the first live one sends the probes.
+async fn tell_the_living(udp: &UdpSocket, proxies: &BTreeMap<u32, Proxy>, died: &mut Vec<u32>) {
+    for dead in died.drain(..) {
+        let mut first = true;
+        for p in proxies.values().filter(|p| p.live) {
+            let mut m = [0u8; 9];
+            m[..4].copy_from_slice(rserpool_proxy::tier::DEAD_MAGIC);
+            m[4..8].copy_from_slice(&dead.to_be_bytes());
+            m[8] = u8::from(first);
+            first = false;
+            let _ = udp.send_to(&m, p.addr).await;
+        }
+    }
 }
 
 /// Makes the group (and, the first time, the routes) what `want` says.
