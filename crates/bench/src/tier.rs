@@ -93,7 +93,7 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
          longest a client waited for one write (read) to make progress; stall at failure = \
          the longest such wait that spanned the failure (in a run without one: that spanned \
          the middle of the run, the same measure of the bottleneck's own waits). Failure: proxy 1 cut off \
-         by the router's bridge (its link up) and its process killed at half the no-failure \
+         by the router's bridge (its link up unless said) and its process killed at half the no-failure \
          time; the distributor finds it after 3 missed heartbeats.\n",
         args.clients, args.size_kb
     );
@@ -116,8 +116,18 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
             )?);
         }
         let half = ups[2].mean / 2.0;
-        for &hb in &args.heartbeats_ms {
-            let name = format!("C-LB-2P-S, failure, heartbeat {hb} ms");
+        let shortest = args.heartbeats_ms.iter().copied().min();
+        let runs = args
+            .heartbeats_ms
+            .iter()
+            .map(|&hb| (hb, false))
+            .chain(shortest.map(|hb| (hb, true)));
+        for (hb, link_down) in runs {
+            let name = if link_down {
+                format!("C-LB-2P-S, failure with link down, heartbeat {hb} ms")
+            } else {
+                format!("C-LB-2P-S, failure, heartbeat {hb} ms")
+            };
             ups.push(measure(
                 bin,
                 mbit,
@@ -125,7 +135,7 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
                 true,
                 args.clients,
                 size,
-                Some((hb, Duration::from_secs_f64(half))),
+                Some((hb, Duration::from_secs_f64(half), link_down)),
                 &name,
             )?);
         }
@@ -208,16 +218,19 @@ impl Drop for Bed {
     fn drop(&mut self) {
         self.proxies.clear();
         self.procs.clear();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // RSERPOOL_BENCH_KEEP=1 keeps the processes' logs of the last run.
+        if std::env::var_os("RSERPOOL_BENCH_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
 fn spawn(bin: &Path, ns: &str, dir: &Path, log: &str, args: &[&str]) -> Result<Proc> {
     let mut c = std::process::Command::new("ip");
-    c.args(["netns", "exec", ns])
-        .arg(bin)
-        .args(args)
-        .env("RUST_LOG", "warn");
+    c.args(["netns", "exec", ns]).arg(bin).args(args).env(
+        "RUST_LOG",
+        std::env::var("RSERPOOL_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+    );
     Proc::spawn(&mut c, &dir.join(format!("{log}.log")))
 }
 
@@ -363,7 +376,8 @@ fn wait_for_get(client: &str, to: SocketAddr) -> Result<()> {
 }
 
 /// One run: `clients` concurrent transfers of `size` bytes (uploads or downloads) along
-/// `path`; with `failure` (heartbeat ms, when), proxy 1 dies during it.
+/// `path`; with `failure` (heartbeat ms, when, whether its link goes down), proxy 1 dies
+/// during it.
 #[allow(clippy::too_many_arguments)]
 fn measure(
     bin: &Path,
@@ -372,10 +386,10 @@ fn measure(
     upload: bool,
     clients: usize,
     size: usize,
-    failure: Option<(u64, Duration)>,
+    failure: Option<(u64, Duration, bool)>,
     name: &str,
 ) -> Result<Run> {
-    let hb = failure.map_or(200, |(hb, _)| hb);
+    let hb = failure.map_or(200, |(hb, _, _)| hb);
     let mut bed = Bed::start(bin, mbit, path, hb)?;
     eprintln!("{mbit} Mbit/s, {name}: running");
     let body = Arc::new(vec![b'x'; if upload { size } else { 0 }]);
@@ -394,7 +408,7 @@ fn measure(
         .collect();
     start.wait();
     let t0 = Instant::now();
-    if let Some((_, at)) = failure {
+    if let Some((_, at, link_down)) = failure {
         std::thread::sleep(at);
         let out = std::process::Command::new("ip")
             .args([
@@ -409,13 +423,24 @@ fn measure(
             .output()?;
         let text = String::from_utf8_lossy(&out.stdout);
         let on_first = text.lines().filter(|l| l.contains("nhid 1000")).count();
+        let unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64();
         eprintln!(
-            "  proxy 1 dies; {on_first} of {} buckets on nexthop 1000",
+            "  proxy 1 dies at {:02}:{:06.3} (UTC minute:second); {on_first} of {} buckets on \
+             nexthop 1000",
+            (unix / 60.0) as u64 % 60,
+            unix % 60.0,
             text.lines().count()
         );
-        // A machine that dies: the router's bridge drops every frame to and from it, its link
-        // staying up (a link that goes down has the bridge flood the frames for its MAC to
-        // the other proxies, which carry them at once: see docs/TIER.md), then its process.
+        // A machine that dies silently: the router's bridge drops every frame to and from it,
+        // its link staying up, then its process. With `link_down` its interface goes down as
+        // well (the seed's failure: the bridge then floods the frames for its MAC to the
+        // other proxies, which carry them at once: see docs/TIER.md).
+        if link_down {
+            bed.net.cut_proxy(1);
+        }
         let rules = "table bridge dead {\n \
                      chain fwd_cut {\n  type filter hook forward priority 0;\n  \
                      iifname \"rp1\" drop\n  oifname \"rp1\" drop\n }\n \
@@ -441,6 +466,29 @@ fn measure(
     let mut times = Vec::new();
     let mut stall: f64 = 0.0;
     let mut progress = Vec::new();
+    let client_tcp = || {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", &bed.net.client, "nstat", "-az"])
+            .output();
+        out.map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| {
+                    [
+                        "IcmpInDestUnreachs ",
+                        "TcpExtTCPTimeouts ",
+                        "TcpExtOutOfWindowIcmps ",
+                        "TcpRetransSegs ",
+                    ]
+                    .iter()
+                    .any(|k| l.starts_with(k))
+                })
+                .map(|l| l.split_whitespace().take(2).collect::<Vec<_>>().join("="))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+    };
     let mut broken = 0;
     for h in handles {
         match h.join().map_err(|_| anyhow::anyhow!("a client panicked"))? {
@@ -458,8 +506,11 @@ fn measure(
         }
     }
     let all = t0.elapsed().as_secs_f64();
+    if failure.is_some() {
+        eprintln!("  the clients' TCP: {}", client_tcp());
+    }
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
-    let mark = t0 + failure.map_or(Duration::from_secs_f64(mean / 2.0), |(_, at)| at);
+    let mark = t0 + failure.map_or(Duration::from_secs_f64(mean / 2.0), |(_, at, _)| at);
     let at_failure = progress
         .iter()
         .filter_map(|p| {
