@@ -441,24 +441,7 @@ fn measure(
         if link_down {
             bed.net.cut_proxy(1);
         }
-        let rules = "table bridge dead {\n \
-                     chain fwd_cut {\n  type filter hook forward priority 0;\n  \
-                     iifname \"rp1\" drop\n  oifname \"rp1\" drop\n }\n \
-                     chain in_cut {\n  type filter hook input priority 0;\n  \
-                     iifname \"rp1\" drop\n }\n \
-                     chain out_cut {\n  type filter hook output priority 0;\n  \
-                     oifname \"rp1\" drop\n }\n}\n";
-        let mut nft = std::process::Command::new("ip")
-            .args(["netns", "exec", &bed.net.router, "nft", "-f", "-"])
-            .stdin(std::process::Stdio::piped())
-            .spawn()
-            .context("nft (apt-get install nftables)")?;
-        if let Some(mut stdin) = nft.stdin.take() {
-            stdin.write_all(rules.as_bytes())?;
-        }
-        if !nft.wait()?.success() {
-            bail!("nft refused the rule that cuts proxy 1 off");
-        }
+        bed.net.silence_proxy(1).map_err(anyhow::Error::msg)?;
         if let Some(mut p) = bed.proxies[0].take() {
             p.kill();
         }

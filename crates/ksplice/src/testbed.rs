@@ -409,6 +409,37 @@ impl TierNet {
         ip(&format!("-n {} link set t0 down", self.proxies[i - 1]));
     }
 
+    /// Cuts proxy `i` off silently, as a machine that dies with its link up: the router's
+    /// bridge drops every frame to and from its port (nftables). A link that goes down has
+    /// the bridge flood the frames for its MAC to the other proxies instead, which carry them
+    /// at once; here only the distributor's heartbeats find it.
+    pub fn silence_proxy(&self, i: usize) -> Result<(), String> {
+        let port = format!("rp{i}");
+        let rules = format!(
+            "table bridge dead{i} {{\n \
+             chain fwd_cut {{\n  type filter hook forward priority 0;\n  \
+             iifname \"{port}\" drop\n  oifname \"{port}\" drop\n }}\n \
+             chain in_cut {{\n  type filter hook input priority 0;\n  \
+             iifname \"{port}\" drop\n }}\n \
+             chain out_cut {{\n  type filter hook output priority 0;\n  \
+             oifname \"{port}\" drop\n }}\n}}\n"
+        );
+        let mut nft = Command::new("ip")
+            .args(["netns", "exec", &self.router, "nft", "-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("nft (apt-get install nftables): {e}"))?;
+        if let Some(mut stdin) = nft.stdin.take() {
+            stdin
+                .write_all(rules.as_bytes())
+                .map_err(|e| format!("nft: {e}"))?;
+        }
+        match nft.wait() {
+            Ok(st) if st.success() => Ok(()),
+            _ => Err(format!("nft refused the rules that cut proxy {i} off")),
+        }
+    }
+
     /// Brings proxy `i`'s interface back.
     pub fn restore_proxy(&self, i: usize) {
         ip(&format!("-n {} link set t0 up", self.proxies[i - 1]));

@@ -499,6 +499,56 @@ fn a_proxy_that_joined_late_carries_the_connections_of_one_that_dies() {
     );
 }
 
+/// The client namespace's count of ICMP destination-unreachable messages received.
+fn dest_unreachs(client: &str) -> u64 {
+    let out = Command::new("ip")
+        .args(["netns", "exec", client, "cat", "/proc/net/snmp"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut icmp = text.lines().filter(|l| l.starts_with("Icmp:"));
+    let (names, values) = (icmp.next().unwrap(), icmp.next().unwrap());
+    let at = names
+        .split_whitespace()
+        .position(|n| n == "InDestUnreachs")
+        .unwrap();
+    values.split_whitespace().nth(at).unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_proxy_that_dies_silently_is_found_by_heartbeats_and_its_senders_are_nudged() {
+    let Some(mut t) = Tier::start(2, 2) else {
+        return;
+    };
+    t.wait_ready(2, Duration::from_secs(30));
+    let _capture = maybe_capture(&t);
+    // 20 uploads of about 6 s each (64 KiB every 40 ms).
+    let u = t.uploads(20, Duration::from_millis(40));
+    t.wait_handed(&u, 0.3);
+    let icmp_before = dest_unreachs(&t.net.client);
+    // Proxy 1's host dies with its link up: nothing floods its frames to proxy 2, so the
+    // clients' packets to it are lost until the distributor misses 3 heartbeats.
+    let killed = Instant::now();
+    t.net.silence_proxy(1).unwrap();
+    if let Some(mut p) = t.proxies[0].take() {
+        p.kill().unwrap();
+        let _ = p.wait();
+    }
+    check_uploads(u.threads, &u.body, killed);
+    // The distributor told proxy 2, which asked both ends of every spliced connection for
+    // their receive point and sent the ICMP errors that end the senders' backoff.
+    let nudges = t.number(2, &["tier", "nudges"]);
+    let probes = t.number(2, &["tier", "nudge_probes"]);
+    let reverts = t.number(2, &["tier", "nudge_reverts"]);
+    assert!(
+        nudges == 1 && probes >= 2 && reverts >= 1,
+        "proxy 2 nudged {nudges} times: {probes} probes, {reverts} ICMP errors"
+    );
+    let icmp = dest_unreachs(&t.net.client) - icmp_before;
+    assert!(icmp >= 1, "no ICMP error reached the clients");
+    eprintln!("nudge: {probes} probes, {reverts} ICMP errors; {icmp} reached the clients");
+}
+
 #[test]
 fn with_a_split_splice_a_server_answers_directly_and_a_proxy_kill_breaks_no_download() {
     let Some(mut t) = Tier::start(2, 2) else {
