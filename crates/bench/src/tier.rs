@@ -64,6 +64,17 @@ struct Run {
     broken: usize,
 }
 
+/// How proxy 1 dies in a failure run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Death {
+    /// Its host goes silent, its link up: only the heartbeats find it.
+    Silent,
+    /// Its link goes down as well.
+    LinkDown,
+    /// Silent, with the distributor watching the traffic (`--watch`).
+    Watched,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Path3 {
     Direct,
@@ -116,17 +127,24 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
             )?);
         }
         let half = ups[2].mean / 2.0;
+        // Each heartbeat with a silent death; the shortest also with the link down (the
+        // seed's failure) and with the traffic watch.
         let shortest = args.heartbeats_ms.iter().copied().min();
         let runs = args
             .heartbeats_ms
             .iter()
-            .map(|&hb| (hb, false))
-            .chain(shortest.map(|hb| (hb, true)));
-        for (hb, link_down) in runs {
-            let name = if link_down {
-                format!("C-LB-2P-S, failure with link down, heartbeat {hb} ms")
-            } else {
-                format!("C-LB-2P-S, failure, heartbeat {hb} ms")
+            .map(|&hb| (hb, Death::Silent))
+            .chain(shortest.map(|hb| (hb, Death::LinkDown)))
+            .chain(shortest.map(|hb| (hb, Death::Watched)));
+        for (hb, death) in runs {
+            let name = match death {
+                Death::Silent => format!("C-LB-2P-S, failure, heartbeat {hb} ms"),
+                Death::LinkDown => {
+                    format!("C-LB-2P-S, failure with link down, heartbeat {hb} ms")
+                }
+                Death::Watched => {
+                    format!("C-LB-2P-S, failure, heartbeat {hb} ms + traffic watch")
+                }
             };
             ups.push(measure(
                 bin,
@@ -135,7 +153,7 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
                 true,
                 args.clients,
                 size,
-                Some((hb, Duration::from_secs_f64(half), link_down)),
+                Some((hb, Duration::from_secs_f64(half), death)),
                 &name,
             )?);
         }
@@ -235,7 +253,7 @@ fn spawn(bin: &Path, ns: &str, dir: &Path, log: &str, args: &[&str]) -> Result<P
 }
 
 impl Bed {
-    fn start(bin: &Path, mbit: u64, path: Path3, heartbeat_ms: u64) -> Result<Bed> {
+    fn start(bin: &Path, mbit: u64, path: Path3, heartbeat_ms: u64, watch: bool) -> Result<Bed> {
         let net = tier_topology(2, 2).context("the tier network (root, clang)")?;
         let dir = std::env::temp_dir().join(format!("rserpool-bench-tier-{}", net.router));
         std::fs::create_dir_all(&dir)?;
@@ -322,7 +340,7 @@ impl Bed {
                 &["proxy", "--config", file.to_str().unwrap_or_default()],
             )?);
         }
-        let args = TierNet::distributor_args(heartbeat_ms);
+        let args = TierNet::distributor_args(heartbeat_ms, watch);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         bed.procs
             .push(spawn(bin, &router, &bed.dir, "distributor", &args)?);
@@ -376,8 +394,7 @@ fn wait_for_get(client: &str, to: SocketAddr) -> Result<()> {
 }
 
 /// One run: `clients` concurrent transfers of `size` bytes (uploads or downloads) along
-/// `path`; with `failure` (heartbeat ms, when, whether its link goes down), proxy 1 dies
-/// during it.
+/// `path`; with `failure` (heartbeat ms, when, how), proxy 1 dies during it.
 #[allow(clippy::too_many_arguments)]
 fn measure(
     bin: &Path,
@@ -386,11 +403,12 @@ fn measure(
     upload: bool,
     clients: usize,
     size: usize,
-    failure: Option<(u64, Duration, bool)>,
+    failure: Option<(u64, Duration, Death)>,
     name: &str,
 ) -> Result<Run> {
     let hb = failure.map_or(200, |(hb, _, _)| hb);
-    let mut bed = Bed::start(bin, mbit, path, hb)?;
+    let watch = failure.is_some_and(|(_, _, d)| d == Death::Watched);
+    let mut bed = Bed::start(bin, mbit, path, hb, watch)?;
     eprintln!("{mbit} Mbit/s, {name}: running");
     let body = Arc::new(vec![b'x'; if upload { size } else { 0 }]);
     let start = Arc::new(std::sync::Barrier::new(clients + 1));
@@ -408,7 +426,7 @@ fn measure(
         .collect();
     start.wait();
     let t0 = Instant::now();
-    if let Some((_, at, link_down)) = failure {
+    if let Some((_, at, death)) = failure {
         std::thread::sleep(at);
         let out = std::process::Command::new("ip")
             .args([
@@ -438,7 +456,7 @@ fn measure(
         // its link staying up, then its process. With `link_down` its interface goes down as
         // well (the seed's failure: the bridge then floods the frames for its MAC to the
         // other proxies, which carry them at once: see docs/TIER.md).
-        if link_down {
+        if death == Death::LinkDown {
             bed.net.cut_proxy(1);
         }
         bed.net.silence_proxy(1).map_err(anyhow::Error::msg)?;

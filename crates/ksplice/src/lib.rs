@@ -21,6 +21,7 @@ mod handover;
 pub mod nudge;
 #[doc(hidden)]
 pub mod testbed;
+pub mod watch;
 
 pub use handover::{HandOverError, clamp_mss, hand_over, pending, route_towards, save_syn};
 use std::net::{Ipv4Addr, SocketAddrV4};

@@ -369,9 +369,11 @@ impl TierNet {
     pub const GROUP: u32 = 100;
 
     /// `rserpool distributor`'s arguments on the router: the tier pool, group [`GROUP`]
-    /// (`Self::GROUP`), heartbeats every `heartbeat_ms`, routes to the VIP and the shared address.
-    pub fn distributor_args(heartbeat_ms: u64) -> Vec<String> {
+    /// (`Self::GROUP`), heartbeats every `heartbeat_ms`, routes to the VIP and the shared
+    /// address; with `watch`, the traffic watch on the proxies' bridge.
+    pub fn distributor_args(heartbeat_ms: u64, watch: bool) -> Vec<String> {
         let reg = format!("{}:3863", Self::ROUTER);
+        let watch = if watch { &["--watch", "brp"][..] } else { &[] };
         [
             "distributor".to_string(),
             "--pool".into(),
@@ -387,7 +389,9 @@ impl TierNet {
             "--route".into(),
             format!("{TIER_SHARED}/32"),
         ]
-        .to_vec()
+        .into_iter()
+        .chain(watch.iter().map(|w| w.to_string()))
+        .collect()
     }
 
     /// How many members nexthop group `id` of the router has (0: none, or no group yet).

@@ -57,8 +57,13 @@ impl Drop for Tier {
 }
 
 impl Tier {
-    /// `proxies` proxies (only the first `running` started) and two servers.
+    /// `proxies` proxies (only the first `running` started) and two servers; the distributor
+    /// heartbeats every 100 ms.
     fn start(proxies: usize, running: usize) -> Option<Tier> {
+        Self::start_with(proxies, running, TierNet::distributor_args(100, false))
+    }
+
+    fn start_with(proxies: usize, running: usize, distributor: Vec<String>) -> Option<Tier> {
         let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let net = tier_topology(proxies, 2)?;
         let dir = std::env::temp_dir().join(format!("rserpool-tier-test-{}", net.router));
@@ -87,7 +92,7 @@ impl Tier {
                 ]),
             ));
         }
-        fixed.push(spawn_in(&net.router, &TierNet::distributor_args(100)));
+        fixed.push(spawn_in(&net.router, &distributor));
         let mut t = Tier {
             _one: guard,
             net,
@@ -547,6 +552,34 @@ fn a_proxy_that_dies_silently_is_found_by_heartbeats_and_its_senders_are_nudged(
     let icmp = dest_unreachs(&t.net.client) - icmp_before;
     assert!(icmp >= 1, "no ICMP error reached the clients");
     eprintln!("nudge: {probes} probes, {reverts} ICMP errors; {icmp} reached the clients");
+}
+
+#[test]
+fn the_traffic_watch_finds_a_silent_proxy_long_before_its_heartbeats() {
+    // Heartbeats every second: alone they would take 2–3 s to find it.
+    let Some(mut t) = Tier::start_with(2, 2, TierNet::distributor_args(1000, true)) else {
+        return;
+    };
+    t.wait_ready(2, Duration::from_secs(30));
+    let _capture = maybe_capture(&t);
+    let u = t.uploads(20, Duration::from_millis(40));
+    t.wait_handed(&u, 0.3);
+    let killed = Instant::now();
+    t.net.silence_proxy(1).unwrap();
+    if let Some(mut p) = t.proxies[0].take() {
+        p.kill().unwrap();
+        let _ = p.wait();
+    }
+    while t.net.group_members(TierNet::GROUP) != 1 {
+        assert!(
+            killed.elapsed() < Duration::from_millis(1500),
+            "proxy 1 is still in the group {:?} after it died",
+            killed.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    eprintln!("the watch found proxy 1 dead within {:?}", killed.elapsed());
+    check_uploads(u.threads, &u.body, killed);
 }
 
 #[test]

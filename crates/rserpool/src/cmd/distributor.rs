@@ -9,14 +9,19 @@
 //! A proxy is dead after `--misses` heartbeats in a row without an answer (every
 //! `--heartbeat-ms`, each answered within `--answer-ms`), or as soon as it leaves the tier
 //! pool (the registrars' own supervision), whichever comes first: 2–3 heartbeat intervals
-//! after it died. The group is changed with iproute2 (`ip nexthop`), which every Linux router
-//! has. Then the live proxies hear of the death, and nudge the TCP senders that were backing
-//! off on packets the dead one lost (`rserpool_ksplice::nudge`).
+//! after it died. With `--watch DEV` (the router's interface towards the proxies) a proxy is
+//! also dead as soon as the router has kept sending it frames for `--silence-ms` and it sent
+//! none back (`rserpool_ksplice::watch`): tens of milliseconds instead of heartbeats, before
+//! the TCP senders behind it lose a retransmission. The group is changed with iproute2 (`ip
+//! nexthop`), which every Linux router has. Then the live proxies hear of the death, and
+//! nudge the TCP senders that were backing off on packets the dead one lost
+//! (`rserpool_ksplice::nudge`).
 
 use crate::RegistrarOpts;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use rserpool_asap::PoolUser;
+use rserpool_ksplice::watch::{Traffic, Watch};
 use rserpool_wire::{PoolHandle, UserTransport};
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -49,6 +54,17 @@ pub struct DistributorArgs {
     /// interval, at least 5 ms).
     #[arg(long)]
     pub answer_ms: Option<u64>,
+    /// The router's interface towards the proxies: watch their traffic there (eBPF) and take
+    /// a proxy for dead once it answers none of the frames it is sent for `--silence-ms`.
+    #[arg(long, value_name = "DEV")]
+    pub watch: Option<String>,
+    /// With `--watch`: how long a proxy may send nothing while it is sent frames.
+    #[arg(long, default_value_t = 50)]
+    pub silence_ms: u64,
+    /// With `--watch`: how many frames it must have been sent meanwhile (an idle proxy is
+    /// left to the heartbeats).
+    #[arg(long, default_value_t = 16)]
+    pub silence_frames: u64,
     /// Buckets of the resilient group.
     #[arg(long, default_value_t = 128)]
     pub buckets: u32,
@@ -82,6 +98,13 @@ struct Proxy {
     /// In the group now.
     live: bool,
     sent_at: Option<Instant>,
+    /// Its MAC address, for the traffic watch (from the router's neighbour table).
+    mac: Option<[u8; 6]>,
+    /// The watch's counts at the last look, when it last sent a frame, and the frames sent
+    /// to it until then.
+    seen: Traffic,
+    heard_at: Instant,
+    to_at_heard: u64,
 }
 
 pub fn run(args: DistributorArgs) -> Result<()> {
@@ -117,9 +140,25 @@ pub fn run(args: DistributorArgs) -> Result<()> {
         let mut resolve_at = Instant::now();
         let mut seq = 0u32;
         let mut buf = [0u8; 64];
+        let mut watch = match &args.watch {
+            Some(dev) => Some(
+                Watch::attach(dev).with_context(|| format!("watching the traffic on {dev}"))?,
+            ),
+            None => None,
+        };
+        let mut look = tokio::time::interval(Duration::from_millis(5));
+        look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let silence = Duration::from_millis(args.silence_ms);
         info!(
-            "distributor: tier pool {}, nexthop group {}, heartbeat {} ms × {}",
-            args.pool, args.group, args.heartbeat_ms, args.misses
+            "distributor: tier pool {}, nexthop group {}, heartbeat {} ms × {}{}",
+            args.pool,
+            args.group,
+            args.heartbeat_ms,
+            args.misses,
+            args.watch.as_ref().map_or(String::new(), |d| format!(
+                ", traffic watched on {d} (silence {} ms)",
+                args.silence_ms
+            ))
         );
         let shutdown = super::shutdown_signal();
         tokio::pin!(shutdown);
@@ -170,9 +209,44 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                         p.free = f64::from(free.min(1_000_000)) / 1e6;
                         if !p.answered || !p.live {
                             info!("distributor: proxy {id:#010x} at {} is alive", p.addr);
+                            p.heard_at = Instant::now();
+                            p.to_at_heard = p.seen.to;
                         }
                         p.answered = true;
                         p.live = true;
+                    }
+                }
+                _ = look.tick(), if watch.is_some() => {
+                    let Some(w) = watch.as_mut() else { continue };
+                    let counts = match w.read() {
+                        Ok(c) => c,
+                        Err(e) => {
+                            warn!("distributor: reading the traffic watch: {e}");
+                            continue;
+                        }
+                    };
+                    let now = Instant::now();
+                    for (id, p) in proxies.iter_mut() {
+                        let Some(t) = p.mac.and_then(|m| counts.get(&m)) else { continue };
+                        if t.from > p.seen.from || t.to < p.seen.to {
+                            p.heard_at = now;
+                            p.to_at_heard = t.to;
+                        }
+                        p.seen = *t;
+                        let unanswered = t.to.saturating_sub(p.to_at_heard);
+                        if p.live
+                            && now - p.heard_at >= silence
+                            && unanswered >= args.silence_frames
+                        {
+                            warn!(
+                                "distributor: proxy {id:#010x} at {} is dead: it was sent \
+                                 {unanswered} frames in {} ms and sent none",
+                                p.addr,
+                                (now - p.heard_at).as_millis()
+                            );
+                            p.live = false;
+                            died.push(*id);
+                        }
                     }
                 }
                 _ = pu.next_push(), if Instant::now() < resolve_at => {
@@ -216,8 +290,22 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                                         weight: 1,
                                         live: false,
                                         sent_at: None,
+                                        mac: None,
+                                        seen: Traffic::default(),
+                                        heard_at: Instant::now(),
+                                        to_at_heard: 0,
                                     }
                                 });
+                            }
+                            if let Some(w) = watch.as_mut() {
+                                for p in proxies.values_mut().filter(|p| p.mac.is_none()) {
+                                    p.mac = neighbour_mac(p.addr.ip());
+                                }
+                                let macs: Vec<[u8; 6]> =
+                                    proxies.values().filter_map(|p| p.mac).collect();
+                                if let Err(e) = w.set(&macs) {
+                                    warn!("distributor: the traffic watch: {e}");
+                                }
                             }
                         }
                         Err(e) => warn!("distributor: resolving {}: {e}", args.pool),
@@ -332,6 +420,23 @@ fn apply(args: &DistributorArgs, live: &[&Proxy], want: &[(u32, u32)], first: bo
         }
     }
     Ok(())
+}
+
+/// The MAC address of `ip` in the router's neighbour table (the heartbeats keep it there).
+fn neighbour_mac(ip: IpAddr) -> Option<[u8; 6]> {
+    let out = std::process::Command::new("ip")
+        .args(["neigh", "show", &ip.to_string()])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut words = text.split_whitespace();
+    words.find(|w| *w == "lladdr")?;
+    let mut mac = [0u8; 6];
+    let mut parts = words.next()?.split(':');
+    for b in &mut mac {
+        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    Some(mac)
 }
 
 /// The interface of the route towards `ip`.
