@@ -58,12 +58,13 @@ pub struct DistributorArgs {
     /// a proxy for dead once it answers none of the frames it is sent for `--silence-ms`.
     #[arg(long, value_name = "DEV")]
     pub watch: Option<String>,
-    /// With `--watch`: how long a proxy may send nothing while it is sent frames.
-    #[arg(long, default_value_t = 50)]
+    /// With `--watch`: how long a proxy may send nothing while it is sent frames. Shorter
+    /// than a TCP sender's tail loss probe (2 round trips), so that few senders lose one.
+    #[arg(long, default_value_t = 20)]
     pub silence_ms: u64,
     /// With `--watch`: how many frames it must have been sent meanwhile (an idle proxy is
     /// left to the heartbeats).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 32)]
     pub silence_frames: u64,
     /// Buckets of the resilient group.
     #[arg(long, default_value_t = 128)]
