@@ -60,6 +60,8 @@ struct Run {
     stall: f64,
     /// The longest wait for progress that spanned the failure (without one: mid-run), s.
     at_failure: f64,
+    /// The share of the machine's CPU busy during the run.
+    busy: Option<f64>,
     /// Transfers that failed (a connection broken).
     broken: usize,
 }
@@ -103,7 +105,8 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
          veth). Times in seconds; throughput = all bytes / time for all; longest stall = the \
          longest a client waited for one write (read) to make progress; stall at failure = \
          the longest such wait that spanned the failure (in a run without one: that spanned \
-         the middle of the run, the same measure of the bottleneck's own waits). Failure: proxy 1 cut off \
+         the middle of the run, the same measure of the bottleneck's own waits); CPU busy = the \
+         share of the machine's CPU (all cores) busy during the run. Failure: proxy 1 cut off \
          by the router's bridge (its link up unless said) and its process killed at half the no-failure \
          time; the distributor finds it after 3 missed heartbeats.\n",
         args.clients, args.size_kb
@@ -200,13 +203,13 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
     let _ = writeln!(s, "**{title}**\n");
     let _ = writeln!(
         s,
-        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall | stall at failure | broken |"
+        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall | stall at failure | broken | CPU busy |"
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in runs {
         let _ = writeln!(
             s,
-            "| {} | {:.2} | {:.3}× | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} | {:.3} | {} |",
+            "| {} | {:.2} | {:.3}× | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} | {:.3} | {} | {} |",
             r.name,
             r.mean,
             r.mean / base,
@@ -216,7 +219,9 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
             r.mbit,
             r.stall,
             r.at_failure,
-            r.broken
+            r.broken,
+            r.busy
+                .map_or("–".to_string(), |b| format!("{:.0} %", b * 100.0))
         );
     }
     let _ = writeln!(s);
@@ -426,6 +431,7 @@ fn measure(
         .collect();
     start.wait();
     let t0 = Instant::now();
+    let ticks = crate::procfs::machine_cpu_ticks();
     if let Some((_, at, death)) = failure {
         std::thread::sleep(at);
         let out = std::process::Command::new("ip")
@@ -507,6 +513,7 @@ fn measure(
         }
     }
     let all = t0.elapsed().as_secs_f64();
+    let busy = crate::procfs::machine_busy_since(ticks);
     if failure.is_some() {
         eprintln!("  the clients' TCP: {}", client_tcp());
     }
@@ -529,6 +536,7 @@ fn measure(
         mbit: (times.len() * size) as f64 * 8.0 / all / 1e6,
         stall,
         at_failure,
+        busy,
         broken,
     };
     eprintln!(
