@@ -58,9 +58,24 @@ pub fn rss_bytes(pid: u32) -> Result<u64> {
 /// The machine's CPU counters (`/proc/stat`, all cores): (busy, total) in clock ticks.
 pub fn machine_cpu_ticks() -> Option<(u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let ticks: Vec<u64> = stat
-        .lines()
-        .next()?
+    busy_total(stat.lines().next()?)
+}
+
+/// Each core's CPU counters, as [`machine_cpu_ticks`].
+pub fn core_cpu_ticks() -> Vec<(u64, u64)> {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return Vec::new();
+    };
+    stat.lines()
+        .skip(1)
+        .take_while(|l| l.starts_with("cpu"))
+        .filter_map(busy_total)
+        .collect()
+}
+
+/// (busy, total) ticks of one `cpu…` line of /proc/stat.
+fn busy_total(line: &str) -> Option<(u64, u64)> {
+    let ticks: Vec<u64> = line
         .split_whitespace()
         .skip(1)
         .filter_map(|v| v.parse().ok())
@@ -75,4 +90,14 @@ pub fn machine_cpu_ticks() -> Option<(u64, u64)> {
 pub fn machine_busy_since(since: Option<(u64, u64)>) -> Option<f64> {
     let ((b0, t0), (b1, t1)) = since.zip(machine_cpu_ticks())?;
     (t1 > t0).then(|| (b1 - b0) as f64 / (t1 - t0) as f64)
+}
+
+/// The busiest core's busy share since `since` (from [`core_cpu_ticks`]).
+pub fn busiest_core_since(since: &[(u64, u64)]) -> Option<f64> {
+    since
+        .iter()
+        .zip(core_cpu_ticks())
+        .filter(|((_, t0), (_, t1))| t1 > t0)
+        .map(|((b0, t0), (b1, t1))| (b1 - b0) as f64 / (t1 - t0) as f64)
+        .reduce(f64::max)
 }

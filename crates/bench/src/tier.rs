@@ -60,8 +60,9 @@ struct Run {
     stall: f64,
     /// The longest wait for progress that spanned the failure (without one: mid-run), s.
     at_failure: f64,
-    /// The share of the machine's CPU busy during the run.
+    /// The share of the machine's CPU busy during the run, and of its busiest core.
     busy: Option<f64>,
+    busiest: Option<f64>,
     /// Transfers that failed (a connection broken).
     broken: usize,
 }
@@ -106,9 +107,10 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
          longest a client waited for one write (read) to make progress; stall at failure = \
          the longest such wait that spanned the failure (in a run without one: that spanned \
          the middle of the run, the same measure of the bottleneck's own waits); CPU busy = the \
-         share of the machine's CPU (all cores) busy during the run. Failure: proxy 1 cut off \
+         share of the machine's CPU (all cores) busy during the run, and of its busiest core. Failure: proxy 1 cut off \
          by the router's bridge (its link up unless said) and its process killed at half the no-failure \
-         time; the distributor finds it after 3 missed heartbeats.\n",
+         time; the distributor finds it after 3 missed heartbeats, or, with the traffic \
+         watch, once it has sent nothing for 20 ms while being sent frames.\n",
         args.clients, args.size_kb
     );
     for &mbit in &args.link_mbit {
@@ -203,7 +205,7 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
     let _ = writeln!(s, "**{title}**\n");
     let _ = writeln!(
         s,
-        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall | stall at failure | broken | CPU busy |"
+        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall | stall at failure | broken | CPU busy (busiest core) |"
     );
     let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in runs {
@@ -220,8 +222,10 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
             r.stall,
             r.at_failure,
             r.broken,
-            r.busy
-                .map_or("–".to_string(), |b| format!("{:.0} %", b * 100.0))
+            match (r.busy, r.busiest) {
+                (Some(b), Some(c)) => format!("{:.0} % ({:.0} %)", b * 100.0, c * 100.0),
+                _ => "–".to_string(),
+            }
         );
     }
     let _ = writeln!(s);
@@ -432,6 +436,7 @@ fn measure(
     start.wait();
     let t0 = Instant::now();
     let ticks = crate::procfs::machine_cpu_ticks();
+    let core_ticks = crate::procfs::core_cpu_ticks();
     if let Some((_, at, death)) = failure {
         std::thread::sleep(at);
         let out = std::process::Command::new("ip")
@@ -514,6 +519,7 @@ fn measure(
     }
     let all = t0.elapsed().as_secs_f64();
     let busy = crate::procfs::machine_busy_since(ticks);
+    let busiest = crate::procfs::busiest_core_since(&core_ticks);
     if failure.is_some() {
         eprintln!("  the clients' TCP: {}", client_tcp());
     }
@@ -537,6 +543,7 @@ fn measure(
         stall,
         at_failure,
         busy,
+        busiest,
         broken,
     };
     eprintln!(
