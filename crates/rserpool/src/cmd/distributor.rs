@@ -88,8 +88,9 @@ pub struct DistributorArgs {
 #[derive(Debug)]
 struct Proxy {
     addr: SocketAddr,
-    /// Its nexthop's ID.
+    /// Its nexthop's ID, and whether it is made.
     nh: u32,
+    nh_made: bool,
     /// Heartbeats in a row not answered in time.
     missed: u32,
     answered: bool,
@@ -285,6 +286,7 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                                     Proxy {
                                         addr,
                                         nh,
+                                        nh_made: false,
                                         missed: 0,
                                         answered: false,
                                         free: 1.0,
@@ -332,10 +334,17 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                     applied = Some(want);
                     continue;
                 }
-                let live: Vec<&Proxy> = proxies.values().filter(|p| p.live).collect();
-                if let Err(e) = apply(&args, &live, &want, !routed) {
+                // A member's own nexthop is made once: a death then costs one `ip` call.
+                let new: Vec<&Proxy> = proxies
+                    .values()
+                    .filter(|p| p.live && !p.nh_made)
+                    .collect();
+                if let Err(e) = apply(&args, &new, &want, !routed) {
                     warn!("distributor: updating the nexthop group: {e:#}");
                     continue;
+                }
+                for p in proxies.values_mut().filter(|p| p.live) {
+                    p.nh_made = true;
                 }
                 routed = true;
                 tell_the_living(&udp, &proxies, &mut died).await;
@@ -369,9 +378,10 @@ async fn tell_the_living(udp: &UdpSocket, proxies: &BTreeMap<u32, Proxy>, died: 
     }
 }
 
-/// Makes the group (and, the first time, the routes) what `want` says.
-fn apply(args: &DistributorArgs, live: &[&Proxy], want: &[(u32, u32)], first: bool) -> Result<()> {
-    for p in live {
+/// Makes the nexthops of `new` members, then the group (and, the first time, the routes)
+/// what `want` says.
+fn apply(args: &DistributorArgs, new: &[&Proxy], want: &[(u32, u32)], first: bool) -> Result<()> {
+    for p in new {
         let IpAddr::V4(v4) = p.addr.ip() else {
             bail!("proxy at {}: IPv4 only", p.addr);
         };
