@@ -60,6 +60,8 @@ struct Run {
     stall: f64,
     /// The longest wait for progress that spanned the failure (without one: mid-run), s.
     at_failure: f64,
+    /// Retransmission timeouts of the clients' TCP.
+    rtos: u64,
     /// The share of the machine's CPU busy during the run, and of its busiest core.
     busy: Option<f64>,
     busiest: Option<f64>,
@@ -106,7 +108,8 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
          veth). Times in seconds; throughput = all bytes / time for all; longest stall = the \
          longest a client waited for one write (read) to make progress; stall at failure = \
          the longest such wait that spanned the failure (in a run without one: that spanned \
-         the middle of the run, the same measure of the bottleneck's own waits); CPU busy = the \
+         the middle of the run, the same measure of the bottleneck's own waits); client RTOs = the clients' TCP \
+         retransmission timeouts; CPU busy = the \
          share of the machine's CPU (all cores) busy during the run, and of its busiest core. Failure: proxy 1 cut off \
          by the router's bridge (its link up unless said) and its process killed at half the no-failure \
          time; the distributor finds it after 3 missed heartbeats, or, with the traffic \
@@ -205,13 +208,16 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
     let _ = writeln!(s, "**{title}**\n");
     let _ = writeln!(
         s,
-        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall | stall at failure | broken | CPU busy (busiest core) |"
+        "| path | average | vs direct | shortest | longest | all | Mbit/s | longest stall | stall at failure | client RTOs | broken | CPU busy (busiest core) |"
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        s,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for r in runs {
         let _ = writeln!(
             s,
-            "| {} | {:.2} | {:.3}× | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} | {:.3} | {} | {} |",
+            "| {} | {:.2} | {:.3}× | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} | {:.3} | {} | {} | {} |",
             r.name,
             r.mean,
             r.mean / base,
@@ -221,6 +227,7 @@ fn table(s: &mut String, title: &str, runs: &[Run]) {
             r.mbit,
             r.stall,
             r.at_failure,
+            r.rtos,
             r.broken,
             match (r.busy, r.busiest) {
                 (Some(b), Some(c)) => format!("{:.0} % ({:.0} %)", b * 100.0, c * 100.0),
@@ -478,29 +485,6 @@ fn measure(
     let mut times = Vec::new();
     let mut stall: f64 = 0.0;
     let mut progress = Vec::new();
-    let client_tcp = || {
-        let out = std::process::Command::new("ip")
-            .args(["netns", "exec", &bed.net.client, "nstat", "-az"])
-            .output();
-        out.map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter(|l| {
-                    [
-                        "IcmpInDestUnreachs ",
-                        "TcpExtTCPTimeouts ",
-                        "TcpExtOutOfWindowIcmps ",
-                        "TcpRetransSegs ",
-                    ]
-                    .iter()
-                    .any(|k| l.starts_with(k))
-                })
-                .map(|l| l.split_whitespace().take(2).collect::<Vec<_>>().join("="))
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default()
-    };
     let mut broken = 0;
     for h in handles {
         match h.join().map_err(|_| anyhow::anyhow!("a client panicked"))? {
@@ -520,8 +504,17 @@ fn measure(
     let all = t0.elapsed().as_secs_f64();
     let busy = crate::procfs::machine_busy_since(ticks);
     let busiest = crate::procfs::busiest_core_since(&core_ticks);
+    let counters = stack_counters(&bed.net.client);
+    let count = |k: &str| counters.get(k).copied().unwrap_or(0);
+    let rtos = count("TcpExt:TCPTimeouts");
     if failure.is_some() {
-        eprintln!("  the clients' TCP: {}", client_tcp());
+        eprintln!(
+            "  the clients' TCP: {rtos} timeouts, {} retransmitted segments, {} ICMP \
+             unreachables ({} out of window)",
+            count("Tcp:RetransSegs"),
+            count("Icmp:InDestUnreachs"),
+            count("TcpExt:OutOfWindowIcmps")
+        );
     }
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
     let mark = t0 + failure.map_or(Duration::from_secs_f64(mean / 2.0), |(_, at, _)| at);
@@ -542,6 +535,7 @@ fn measure(
         mbit: (times.len() * size) as f64 * 8.0 / all / 1e6,
         stall,
         at_failure,
+        rtos,
         busy,
         busiest,
         broken,
@@ -552,6 +546,37 @@ fn measure(
         run.mean, run.max, run.all, run.stall, run.at_failure, run.broken
     );
     Ok(run)
+}
+
+/// The network stack's counters in namespace `ns` (/proc/net/snmp and netstat), as
+/// "Tcp:RetransSegs", "TcpExt:TCPTimeouts", …
+fn stack_counters(ns: &str) -> std::collections::HashMap<String, u64> {
+    let mut out = std::collections::HashMap::new();
+    for file in ["/proc/net/snmp", "/proc/net/netstat"] {
+        let Ok(o) = std::process::Command::new("ip")
+            .args(["netns", "exec", ns, "cat", file])
+            .output()
+        else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(&o.stdout).to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        // Each group is a line of names and a line of values, both starting "Prefix:".
+        for pair in lines.chunks(2) {
+            let [names, values] = pair else { continue };
+            let mut n = names.split_whitespace();
+            let mut v = values.split_whitespace();
+            let (Some(prefix), Some(_)) = (n.next(), v.next()) else {
+                continue;
+            };
+            for (name, value) in n.zip(v) {
+                if let Ok(value) = value.parse() {
+                    out.insert(format!("{prefix}{name}"), value);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// One client's transfer: its time and its longest wait for progress, s, and when it made

@@ -30,34 +30,31 @@ static __always_inline __u64 mac_key(const unsigned char *mac)
 	return k;
 }
 
-SEC("classifier")
-int watch_in(struct __sk_buff *skb)
+// Counts the frame for the proxy whose MAC address it comes from (`egress` 0) or goes to.
+static __always_inline int count(struct __sk_buff *skb, int egress)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > end)
 		return TC_ACT_OK;
-	__u64 k = mac_key(eth->h_source);
+	__u64 k = mac_key(egress ? eth->h_dest : eth->h_source);
 	struct traffic *t = bpf_map_lookup_elem(&watch_macs, &k);
 	if (t)
-		__sync_fetch_and_add(&t->from, 1);
+		__sync_fetch_and_add(egress ? &t->to : &t->from, 1);
 	return TC_ACT_OK;
+}
+
+SEC("classifier")
+int watch_in(struct __sk_buff *skb)
+{
+	return count(skb, 0);
 }
 
 SEC("classifier")
 int watch_out(struct __sk_buff *skb)
 {
-	void *data = (void *)(long)skb->data;
-	void *end = (void *)(long)skb->data_end;
-	struct ethhdr *eth = data;
-	if ((void *)(eth + 1) > end)
-		return TC_ACT_OK;
-	__u64 k = mac_key(eth->h_dest);
-	struct traffic *t = bpf_map_lookup_elem(&watch_macs, &k);
-	if (t)
-		__sync_fetch_and_add(&t->to, 1);
-	return TC_ACT_OK;
+	return count(skb, 1);
 }
 
 char LICENSE[] SEC("license") = "Dual MIT/GPL";

@@ -606,11 +606,9 @@ impl Datapath {
         }
         #[cfg(ksplice_built)]
         {
-            let flows = self.flows()?;
-            Ok(flows
-                .iter()
-                .filter_map(Result::ok)
-                .filter(|(_, v)| v.flags & (FLAG_WATCH | FLAG_HOLD) == 0)
+            Ok(self
+                .flows_where(|v| v.flags & (FLAG_WATCH | FLAG_HOLD) == 0)?
+                .into_iter()
                 .map(|(k, v)| (k.from(), k.to(), v.flags & FLAG_FIN != 0, v.packets))
                 .collect())
         }
@@ -640,12 +638,7 @@ impl Datapath {
         }
         #[cfg(ksplice_built)]
         {
-            let probed: Vec<(FlowKey, FlowVal)> = self
-                .flows()?
-                .iter()
-                .filter_map(Result::ok)
-                .filter(|(_, v)| v.flags & FLAG_PROBED != 0)
-                .collect();
+            let probed = self.flows_where(|v| v.flags & FLAG_PROBED != 0)?;
             let mut out = Vec::with_capacity(probed.len());
             for (k, mut v) in probed {
                 // The ACK left as (saddr → daddr); its receiver sends from daddr to saddr,
@@ -678,12 +671,7 @@ impl Datapath {
         }
         #[cfg(ksplice_built)]
         {
-            let spliced: Vec<(FlowKey, FlowVal)> = self
-                .flows()?
-                .iter()
-                .filter_map(Result::ok)
-                .filter(|(_, v)| v.flags & (FLAG_WATCH | FLAG_HOLD) == 0)
-                .collect();
+            let spliced = self.flows_where(|v| v.flags & (FLAG_WATCH | FLAG_HOLD) == 0)?;
             let mut out = Vec::with_capacity(spliced.len());
             for (k, mut v) in spliced {
                 v.flags = (v.flags & !clear) | set;
@@ -692,6 +680,20 @@ impl Datapath {
             }
             Ok(out)
         }
+    }
+
+    /// The entries for which `keep` holds.
+    #[cfg(ksplice_built)]
+    fn flows_where(
+        &mut self,
+        keep: impl Fn(&FlowVal) -> bool,
+    ) -> Result<Vec<(FlowKey, FlowVal)>, Error> {
+        Ok(self
+            .flows()?
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| keep(v))
+            .collect())
     }
 
     /// Writes an entry only if it still exists: the program may have removed it meanwhile

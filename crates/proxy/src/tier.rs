@@ -718,35 +718,28 @@ async fn heartbeat_loop(tier: std::sync::Weak<Tier>, udp: UdpSocket) {
         // Only the distributor that sends the heartbeats is listened to, and one nudge runs
         // at a time (each costs two probes per spliced connection).
         if n >= 9 && &buf[..4] == DEAD_MAGIC && distributor == Some(from) {
-            if tier.nudging.swap(true, Ordering::AcqRel) {
-                continue;
-            }
             let dead = u32::from_be_bytes([buf[4], buf[5], buf[6], buf[7]]);
             let prober = buf[8] == 1;
-            if dead != tier.me.id {
-                tier.counters.nudges.fetch_add(1, Ordering::Relaxed);
-                let t = tier.clone();
-                tokio::task::spawn_blocking(move || {
-                    match t.side.nudge(prober) {
-                        Ok((probes, reverts)) => {
-                            t.counters
-                                .nudge_probes
-                                .fetch_add(probes as u64, Ordering::Relaxed);
-                            t.counters
-                                .nudge_reverts
-                                .fetch_add(reverts as u64, Ordering::Relaxed);
-                            info!(
-                                "tier: member {dead:#010x} died; nudged: {probes} probes, {reverts} \
-                             ICMP errors"
-                            );
-                        }
-                        Err(e) => warn!("tier: member {dead:#010x} died; the nudge failed: {e}"),
-                    }
-                    t.nudging.store(false, Ordering::Release);
-                });
-            } else {
-                tier.nudging.store(false, Ordering::Release);
+            if dead == tier.me.id || tier.nudging.swap(true, Ordering::AcqRel) {
+                continue;
             }
+            tier.counters.nudges.fetch_add(1, Ordering::Relaxed);
+            let t = tier.clone();
+            tokio::task::spawn_blocking(move || {
+                match t.side.nudge(prober) {
+                    Ok((probes, reverts)) => {
+                        let c = &t.counters;
+                        c.nudge_probes.fetch_add(probes as u64, Ordering::Relaxed);
+                        c.nudge_reverts.fetch_add(reverts as u64, Ordering::Relaxed);
+                        info!(
+                            "tier: member {dead:#010x} died; nudged: {probes} probes, \
+                             {reverts} ICMP errors"
+                        );
+                    }
+                    Err(e) => warn!("tier: member {dead:#010x} died; the nudge failed: {e}"),
+                }
+                t.nudging.store(false, Ordering::Release);
+            });
             continue;
         }
         if n < 8 || &buf[..4] != HEARTBEAT_MAGIC {

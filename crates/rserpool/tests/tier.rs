@@ -188,6 +188,16 @@ impl Tier {
         }
     }
 
+    /// Proxy `i`'s host dies with its link up: the router's bridge drops its frames, and its
+    /// process is killed.
+    fn kill_silently(&mut self, i: usize) {
+        self.net.silence_proxy(i).unwrap();
+        if let Some(mut p) = self.proxies[i - 1].take() {
+            p.kill().unwrap();
+            let _ = p.wait();
+        }
+    }
+
     fn kill_proxy(&mut self, i: usize) {
         if let Some(mut p) = self.proxies[i - 1].take() {
             p.kill().unwrap();
@@ -534,11 +544,7 @@ fn a_proxy_that_dies_silently_is_found_by_heartbeats_and_its_senders_are_nudged(
     // Proxy 1's host dies with its link up: nothing floods its frames to proxy 2, so the
     // clients' packets to it are lost until the distributor misses 3 heartbeats.
     let killed = Instant::now();
-    t.net.silence_proxy(1).unwrap();
-    if let Some(mut p) = t.proxies[0].take() {
-        p.kill().unwrap();
-        let _ = p.wait();
-    }
+    t.kill_silently(1);
     check_uploads(u.threads, &u.body, killed);
     // The distributor told proxy 2, which asked both ends of every spliced connection for
     // their receive point and sent the ICMP errors that end the senders' backoff.
@@ -565,11 +571,7 @@ fn the_traffic_watch_finds_a_silent_proxy_long_before_its_heartbeats() {
     let u = t.uploads(20, Duration::from_millis(40));
     t.wait_handed(&u, 0.3);
     let killed = Instant::now();
-    t.net.silence_proxy(1).unwrap();
-    if let Some(mut p) = t.proxies[0].take() {
-        p.kill().unwrap();
-        let _ = p.wait();
-    }
+    t.kill_silently(1);
     while t.net.group_members(TierNet::GROUP) != 1 {
         assert!(
             killed.elapsed() < Duration::from_millis(1500),
