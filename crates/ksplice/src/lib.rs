@@ -310,6 +310,7 @@ pub struct SpliceState {
 
 impl Splice {
     /// The connection whose two entries these are, if they are one spliced connection's.
+    #[cfg_attr(not(ksplice_built), allow(dead_code))]
     fn from_entries(e1: (&FlowKey, &FlowVal), e2: (&FlowKey, &FlowVal)) -> Option<Self> {
         let ((k1, v1), (k2, v2)) = (e1, e2);
         if v1.reverse_key() != *k2 || v2.reverse_key() != *k1 {

@@ -29,6 +29,7 @@ pub struct Traffic {
 // SAFETY: plain `repr(C)` u64s, as the program writes them.
 unsafe impl aya::Pod for Traffic {}
 
+#[cfg_attr(not(ksplice_built), allow(dead_code))]
 fn key(mac: [u8; 6]) -> u64 {
     let mut k = [0u8; 8];
     k[..6].copy_from_slice(&mac);
