@@ -108,12 +108,12 @@ pub fn run(args: TierArgs, bin: &Path) -> Result<()> {
          veth). Times in seconds; throughput = all bytes / time for all; longest stall = the \
          longest a client waited for one write (read) to make progress; stall at failure = \
          the longest such wait that spanned the failure (in a run without one: that spanned \
-         the middle of the run, the same measure of the bottleneck's own waits); client RTOs = the clients' TCP \
-         retransmission timeouts; CPU busy = the \
-         share of the machine's CPU (all cores) busy during the run, and of its busiest core. Failure: proxy 1 cut off \
-         by the router's bridge (its link up unless said) and its process killed at half the no-failure \
-         time; the distributor finds it after 3 missed heartbeats, or, with the traffic \
-         watch, once it has sent nothing for 20 ms while being sent frames.\n",
+         the middle of the run, the same measure of the bottleneck's own waits); client RTOs \
+         = the clients' TCP retransmission timeouts; CPU busy = the share of the machine's \
+         CPU (all cores) busy during the run, and of its busiest core. Failure: proxy 1 cut \
+         off by the router's bridge (its link up unless said) and its process killed at half \
+         the no-failure time; the distributor finds it after 3 missed heartbeats, or, with \
+         the traffic watch, once it has sent nothing for 20 ms while being sent frames.\n",
         args.clients, args.size_kb
     );
     for &mbit in &args.link_mbit {
@@ -459,20 +459,22 @@ fn measure(
             .output()?;
         let text = String::from_utf8_lossy(&out.stdout);
         let on_first = text.lines().filter(|l| l.contains("nhid 1000")).count();
-        let unix = std::time::SystemTime::now()
+        // The time of day as the processes' logs print it, to find the death in them.
+        let day = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default()
-            .as_secs_f64();
+            .as_secs_f64()
+            % 86_400.0;
         eprintln!(
-            "  proxy 1 dies at {:02}:{:06.3} (UTC minute:second); {on_first} of {} buckets on \
-             nexthop 1000",
-            (unix / 60.0) as u64 % 60,
-            unix % 60.0,
+            "  proxy 1 dies at {:02}:{:02}:{:06.3} UTC; {on_first} of {} buckets on nexthop 1000",
+            (day / 3600.0) as u64,
+            (day / 60.0) as u64 % 60,
+            day % 60.0,
             text.lines().count()
         );
         // A machine that dies silently: the router's bridge drops every frame to and from it,
-        // its link staying up, then its process. With `link_down` its interface goes down as
-        // well (the seed's failure: the bridge then floods the frames for its MAC to the
+        // its link staying up, then its process. With `Death::LinkDown` its interface goes
+        // down as well (the seed's failure: the bridge then floods the frames for its MAC to the
         // other proxies, which carry them at once: see docs/TIER.md).
         if death == Death::LinkDown {
             bed.net.cut_proxy(1);

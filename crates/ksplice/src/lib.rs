@@ -663,7 +663,10 @@ impl Datapath {
             .map(|_| ())
     }
 
-    /// Sets `set` and clears `clear` in the flags of every spliced entry; returns them.
+    /// Sets `set` and clears `clear` in the flags of every spliced entry; returns them. The
+    /// entry is read and written whole: what the program wrote in between (a packet count, a
+    /// FIN mark) is lost. That is rare and costs little (a FIN missed here expires the pair
+    /// as idle, later), against a second map the program would look up for every packet.
     fn set_probe_flags(&mut self, set: u16, clear: u16) -> Result<Vec<FlowVal>, Error> {
         #[cfg(not(ksplice_built))]
         {

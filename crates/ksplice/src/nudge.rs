@@ -37,14 +37,17 @@ impl RawSender {
     pub fn new() -> std::io::Result<Self> {
         // IPPROTO_RAW: the packets carry their own IP header.
         let socket = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::from(255)))?;
-        socket.set_nonblocking(true)?;
+        // Blocking: a burst of probes waits for room in the socket's buffer (the nudge runs
+        // on a thread of its own), but not for ever.
+        socket.set_write_timeout(Some(std::time::Duration::from_millis(100)))?;
         Ok(Self { socket })
     }
 
     /// A SYN from `from` to `to`, which the receiver of an established connection answers
-    /// with a challenge ACK.
-    pub fn probe(&self, from: SocketAddrV4, to: SocketAddrV4, seq: u32) -> std::io::Result<()> {
-        self.send(&syn_probe(from, to, seq), *to.ip())
+    /// with a challenge ACK. Its sequence number does not matter: such a SYN is never
+    /// accepted.
+    pub fn probe(&self, from: SocketAddrV4, to: SocketAddrV4) -> std::io::Result<()> {
+        self.send(&syn_probe(from, to, 0), *to.ip())
     }
 
     /// The ICMP host unreachable of `r`, to its sender.

@@ -42,20 +42,6 @@ const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 /// How long a nudge waits for the ends' answers.
 const NUDGE_FOR: Duration = Duration::from_millis(300);
 
-/// Sends with `send`, waiting a little while the socket's buffer is full; whether it went.
-fn send_paced(send: impl Fn() -> std::io::Result<()>) -> bool {
-    for _ in 0..100 {
-        match send() {
-            Ok(()) => return true,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(_) => return false,
-        }
-    }
-    false
-}
-
 /// The loaded datapath and what the proxy counts of it.
 pub(crate) struct KernelSplice {
     dp: Mutex<Datapath>,
@@ -212,26 +198,17 @@ impl KernelSplice {
         if prober {
             // The other members arm their entries meanwhile.
             std::thread::sleep(Duration::from_millis(5));
-            // Any number will do: a SYN is never accepted on an established connection.
-            let seq = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.subsec_nanos());
-            for (from, to) in &probes {
-                if send_paced(|| raw.probe(*from, *to, seq)) {
-                    probed += 1;
-                }
-            }
+            probed = probes
+                .iter()
+                .filter(|(from, to)| raw.probe(*from, *to).is_ok())
+                .count();
         }
         let until = Instant::now() + NUDGE_FOR;
         let mut reverted = 0;
         while Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
             let answers = self.dp().take_probed().map_err(|e| e.to_string())?;
-            for r in &answers {
-                if send_paced(|| raw.revert(r)) {
-                    reverted += 1;
-                }
-            }
+            reverted += answers.iter().filter(|r| raw.revert(r).is_ok()).count();
         }
         self.dp().disarm_probes().map_err(|e| e.to_string())?;
         Ok((probed, reverted))
