@@ -74,9 +74,20 @@ pub(crate) struct KernelSplice {
     tracked: Mutex<HashMap<SocketAddrV4, Tracked>>,
     /// The proxy tier this proxy is a member of, if any: each hand-over is sent to the other
     /// members, and connections to PEs come from the tier's address and ports.
-    tier: std::sync::OnceLock<Weak<crate::tier::Tier>>,
+    tier: std::sync::OnceLock<Weak<dyn TierShare>>,
     /// Where the next search for a free tier port starts.
     next_port: AtomicUsize,
+}
+
+/// What the kernel splice needs of a proxy tier it is a member of: the tier's own
+/// server-facing address and port range, and where to send each splice made here.
+pub(crate) trait TierShare: Send + Sync {
+    /// This member's range of ports towards the PEs.
+    fn ports(&self) -> std::ops::RangeInclusive<u16>;
+    /// The server-facing address all members share.
+    fn server_address(&self) -> std::net::Ipv4Addr;
+    /// A splice just made here, for the other members.
+    fn spliced(&self, s: &Splice);
 }
 
 struct Tracked {
@@ -140,11 +151,11 @@ impl KernelSplice {
     }
 
     /// Makes this datapath a member of `tier`.
-    pub(crate) fn join(&self, tier: &Arc<crate::tier::Tier>) {
-        let _ = self.tier.set(Arc::downgrade(tier));
+    pub(crate) fn join(&self, tier: Weak<dyn TierShare>) {
+        let _ = self.tier.set(tier);
     }
 
-    fn tier(&self) -> Option<Arc<crate::tier::Tier>> {
+    fn tier(&self) -> Option<Arc<dyn TierShare>> {
         self.tier.get().and_then(Weak::upgrade)
     }
 
@@ -327,7 +338,7 @@ impl KernelSplice {
             return crate::backend::plain_socket(peer);
         };
         if let Some(tier) = self.tier() {
-            return self.tier_socket(peer4, client, &tier);
+            return self.tier_socket(peer4, client, tier.as_ref());
         }
         let (source, _) = self.route(*peer4.ip())?;
         // Sockets on ports in use by spliced connections, kept until a free one is found so
@@ -367,7 +378,7 @@ impl KernelSplice {
         &self,
         peer: SocketAddrV4,
         client: &TcpStream,
-        tier: &crate::tier::Tier,
+        tier: &dyn TierShare,
     ) -> std::io::Result<tokio::net::TcpSocket> {
         let ports = tier.ports();
         let span = usize::from(*ports.end() - *ports.start()) + 1;

@@ -204,7 +204,8 @@ impl Proxy {
         let joined = tier::Tier::start(t, registrars, ks.clone(), &interface, free)
             .await
             .map_err(|e| StartError::Config(config::ConfigError::Invalid(e)))?;
-        ks.join(&joined);
+        let joined_dyn: Arc<dyn kernel::TierShare> = joined.clone();
+        ks.join(Arc::downgrade(&joined_dyn));
         *self.inner.tier.write().unwrap_or_else(|p| p.into_inner()) = Some(joined);
         Ok(())
     }

@@ -312,6 +312,21 @@ pub(crate) trait Side: Send + Sync {
     }
 }
 
+impl crate::kernel::TierShare for Tier {
+    fn ports(&self) -> std::ops::RangeInclusive<u16> {
+        self.me.lo..=self.me.hi
+    }
+
+    fn server_address(&self) -> Ipv4Addr {
+        self.me.shared
+    }
+
+    /// Sends a splice just made here to every other member.
+    fn spliced(&self, s: &Splice) {
+        self.broadcast(&Message::Add(*s));
+    }
+}
+
 impl Side for KernelSplice {
     fn install(&self, s: Splice) -> Result<(), String> {
         self.install_replica(s)
@@ -437,19 +452,6 @@ impl Tier {
     }
 
     /// This member's source ports towards PEs.
-    pub(crate) fn ports(&self) -> std::ops::RangeInclusive<u16> {
-        self.me.lo..=self.me.hi
-    }
-
-    pub(crate) fn server_address(&self) -> Ipv4Addr {
-        self.me.shared
-    }
-
-    /// Sends a splice just made here to every other member.
-    pub(crate) fn spliced(&self, s: &Splice) {
-        self.broadcast(&Message::Add(*s));
-    }
-
     fn broadcast(&self, m: &Message) {
         let bytes = m.encode();
         let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
