@@ -32,57 +32,15 @@
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
 
-struct flow_key {
-	__u32 saddr;
-	__u32 daddr;
-	__u16 sport;
-	__u16 dport;
-};
-
-struct flow_val {
-	__u32 saddr;
-	__u32 daddr;
-	__u16 sport;
-	__u16 dport;
-	__u32 seq_delta;
-	__u32 ack_delta;
-	// Added to TSval and to TSecr of the timestamp option (FLAG_TS).
-	__u32 tsval_delta;
-	__u32 tsecr_delta;
-	__u32 ifindex;
-	// The window field is in units of 2^wscale_in on arrival and must leave in units of
-	// 2^wscale_out (the two legs negotiated their window scales apart).
-	__u8 wscale_in;
-	__u8 wscale_out;
-	__u16 flags;
-	// Written by the program: the sender's latest TSval (FLAG_SAW_TS), when the latest
-	// packet came (bpf_ktime_get_ns), packets and payload bytes carried.
-	__u32 ts_recent;
-	__u64 last_ns;
-	__u64 packets;
-	__u64 bytes;
-	// FLAG_PROBE: the acknowledgement number of the first ACK carried after user space armed
-	// the entry, as it left (the receiver's SND.UNA if nothing newer is in flight); then
-	// FLAG_PROBED replaces FLAG_PROBE. The tier's nudge after a member died reads it.
-	__u32 probe_ack;
-	__u32 pad;
-};
-
-// Per-CPU counters, index 0: packets, bytes, FINs, RSTs of spliced connections.
-struct counters {
-	__u64 packets;
-	__u64 bytes;
-	__u64 fins;
-	__u64 rsts;
-};
+#include "abi.h"
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 65536);
+	__uint(max_entries, FLOWS_MAX);
 	__type(key, struct flow_key);
 	__type(value, struct flow_val);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} splice_flows SEC(".maps");
+} FLOWS_MAP SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -90,31 +48,20 @@ struct {
 	__type(key, __u32);
 	__type(value, struct counters);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} splice_counters SEC(".maps");
+} COUNTERS_MAP SEC(".maps");
 
 // The proxy tier (issue 16): proxies share the server-facing address, and the router may
 // hand a PE's packet for a connection that is not spliced yet (still on a proxy's sockets) to
 // any of them. Each proxy connects from ports of its own range; a packet to a shared address
 // and a port in another member's range, with no entry here, goes to that member's MAC on the
 // interface it came in by. The member's own range is not in the map.
-struct tier_member {
-	__u32 addr; // the shared address, network byte order; 0: an empty slot
-	__u16 port_lo; // host byte order
-	__u16 port_hi;
-	__u8 mac[6]; // the member's
-	__u8 src[6]; // this proxy's on the shared segment: a bridge must not learn the router's MAC
-		     // from the redirected frame
-};
-
-#define TIER_MAX 16
-
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, TIER_MAX);
 	__type(key, __u32);
 	__type(value, struct tier_member);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} splice_tier SEC(".maps");
+} TIER_MAP SEC(".maps");
 
 // Per-CPU, index 0: packets sent on to another member of the tier.
 struct {
@@ -123,15 +70,7 @@ struct {
 	__type(key, __u32);
 	__type(value, __u64);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} splice_tier_redirects SEC(".maps");
-
-#define FLAG_HOLD 1
-#define FLAG_WATCH 2
-#define FLAG_TS 4
-#define FLAG_SAW_TS 8
-#define FLAG_FIN 16
-#define FLAG_PROBE 32
-#define FLAG_PROBED 64
+} TIER_REDIRECTS_MAP SEC(".maps");
 
 #define TCPOPT_SACK 5
 #define TCPOPT_TIMESTAMP 8
@@ -263,8 +202,8 @@ static __always_inline void forget(struct flow_val *v, struct flow_key *key)
 		.sport = v->dport,
 		.dport = v->sport,
 	};
-	bpf_map_delete_elem(&splice_flows, &back);
-	bpf_map_delete_elem(&splice_flows, key);
+	bpf_map_delete_elem(&FLOWS_MAP, &back);
+	bpf_map_delete_elem(&FLOWS_MAP, key);
 }
 
 // A packet without an entry: to the member of the tier whose port it is addressed to, if any.
@@ -273,7 +212,7 @@ static __always_inline int tier_redirect(struct __sk_buff *skb, __u32 daddr, __u
 	__u16 port = bpf_ntohs(dport_be);
 	for (__u32 i = 0; i < TIER_MAX; i++) {
 		__u32 slot = i;
-		struct tier_member *m = bpf_map_lookup_elem(&splice_tier, &slot);
+		struct tier_member *m = bpf_map_lookup_elem(&TIER_MAP, &slot);
 		if (!m || m->addr == 0)
 			break;
 		if (m->addr != daddr || port < m->port_lo || port > m->port_hi)
@@ -282,7 +221,7 @@ static __always_inline int tier_redirect(struct __sk_buff *skb, __u32 daddr, __u
 		    bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_source), m->src, ETH_ALEN, 0))
 			return TC_ACT_SHOT;
 		__u32 zero = 0;
-		__u64 *n = bpf_map_lookup_elem(&splice_tier_redirects, &zero);
+		__u64 *n = bpf_map_lookup_elem(&TIER_REDIRECTS_MAP, &zero);
 		if (n)
 			*n += 1;
 		return bpf_redirect(skb->ifindex, 0);
@@ -313,7 +252,7 @@ int splice_tc(struct __sk_buff *skb)
 		.sport = tcp->source,
 		.dport = tcp->dest,
 	};
-	struct flow_val *v = bpf_map_lookup_elem(&splice_flows, &key);
+	struct flow_val *v = bpf_map_lookup_elem(&FLOWS_MAP, &key);
 	if (!v)
 		return tier_redirect(skb, key.daddr, key.dport);
 	__u32 tcp_off = IP_OFF + sizeof(struct iphdr);
@@ -393,7 +332,7 @@ int splice_tc(struct __sk_buff *skb)
 		forget(v, &key);
 
 	__u32 zero = 0;
-	struct counters *c = bpf_map_lookup_elem(&splice_counters, &zero);
+	struct counters *c = bpf_map_lookup_elem(&COUNTERS_MAP, &zero);
 	if (c) {
 		c->packets++;
 		c->bytes += len;

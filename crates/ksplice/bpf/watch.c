@@ -11,17 +11,14 @@
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 
-struct traffic {
-	__u64 from; // frames from the proxy
-	__u64 to;   // frames to it
-};
+#include "abi.h"
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 256);
+	__uint(max_entries, WATCH_MAX);
 	__type(key, __u64); // the MAC address in the low 6 bytes (memory order)
 	__type(value, struct traffic);
-} watch_macs SEC(".maps");
+} WATCH_MAP SEC(".maps");
 
 static __always_inline __u64 mac_key(const unsigned char *mac)
 {
@@ -39,7 +36,7 @@ static __always_inline int count(struct __sk_buff *skb, int egress)
 	if ((void *)(eth + 1) > end)
 		return TC_ACT_OK;
 	__u64 k = mac_key(egress ? eth->h_dest : eth->h_source);
-	struct traffic *t = bpf_map_lookup_elem(&watch_macs, &k);
+	struct traffic *t = bpf_map_lookup_elem(&WATCH_MAP, &k);
 	if (t)
 		__sync_fetch_and_add(egress ? &t->to : &t->from, 1);
 	return TC_ACT_OK;

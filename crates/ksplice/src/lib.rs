@@ -9,7 +9,9 @@
 //!
 //! The datapath is C (`bpf/splice.c`), compiled with clang by `build.rs` and loaded with aya
 //! (pure Rust: no C library to link, so the crate builds anywhere). Without clang the crate
-//! builds anyway and [`unavailable`] says why.
+//! builds anyway and [`unavailable`] says why. What the two share (the maps' names, the
+//! layouts of their entries, the flags) is in `bpf/abi.h`, against which the build checks the
+//! Rust side (`abi`).
 //!
 //! What is here: loading and attaching the program at TC ingress of the proxy's interfaces;
 //! the flow table ([`Datapath::splice`]: both directions of a connection, with offsets for
@@ -17,12 +19,17 @@
 //! proxy's live sockets ([`hand_over`]); and expiry of ended and idle entries
 //! ([`Datapath::expire`]).
 
+mod abi;
 mod handover;
 pub mod nudge;
 #[doc(hidden)]
 pub mod testbed;
 pub mod watch;
 
+use abi::{
+    COUNTERS_MAP, FLAG_FIN, FLAG_HOLD, FLAG_PROBE, FLAG_PROBED, FLAG_SAW_TS, FLAG_TS, FLAG_WATCH,
+    FLOWS_MAP, TIER_MAP, TIER_REDIRECTS_MAP,
+};
 pub use handover::{HandOverError, clamp_mss, hand_over, pending, route_towards, save_syn};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::Path;
@@ -52,7 +59,7 @@ fn mount_bpffs(dir: &Path) -> Result<(), Error> {
 }
 
 /// Flow table size unless configured.
-pub const DEFAULT_MAX_FLOWS: u32 = 65_536;
+pub const DEFAULT_MAX_FLOWS: u32 = abi::FLOWS_MAX;
 
 /// Why the kernel splice cannot be used by this build, if it cannot.
 pub fn unavailable() -> Option<&'static str> {
@@ -79,7 +86,7 @@ pub enum Error {
 }
 
 /// A packet's 4-tuple as it arrives (addresses and ports in network byte order, as the
-/// program reads them).
+/// program reads them): `struct flow_key` of `bpf/abi.h`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FlowKey {
@@ -89,8 +96,8 @@ pub struct FlowKey {
     dport: u16,
 }
 
-/// What a packet of a flow becomes, and what the program saw of it (the layout of
-/// `struct flow_val` in `bpf/splice.c`).
+/// What a packet of a flow becomes, and what the program saw of it: `struct flow_val` of
+/// `bpf/abi.h`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FlowVal {
@@ -113,15 +120,6 @@ pub struct FlowVal {
     probe_ack: u32,
     pad: u32,
 }
-
-/// Entry flags, as in `bpf/splice.c`.
-const FLAG_HOLD: u16 = 1;
-const FLAG_WATCH: u16 = 2;
-const FLAG_TS: u16 = 4;
-const FLAG_SAW_TS: u16 = 8;
-const FLAG_FIN: u16 = 16;
-const FLAG_PROBE: u16 = 32;
-const FLAG_PROBED: u16 = 64;
 
 impl FlowVal {
     /// The key of the other direction's entry (this entry's output, reversed).
@@ -347,10 +345,10 @@ pub struct TierMember {
 }
 
 /// Most other members a tier's datapath forwards to.
-pub const TIER_MAX: usize = 16;
+pub const TIER_MAX: usize = abi::TIER_MAX as usize;
 
-/// The layout of `struct tier_member` in `bpf/splice.c`.
-#[cfg(ksplice_built)]
+/// `struct tier_member` of `bpf/abi.h`.
+#[cfg_attr(not(ksplice_built), allow(dead_code))]
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct RawTierMember {
@@ -397,7 +395,8 @@ pub struct Counters {
     pub rsts: u64,
 }
 
-#[cfg(ksplice_built)]
+/// `struct counters` of `bpf/abi.h`.
+#[cfg_attr(not(ksplice_built), allow(dead_code))]
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct RawCounters {
@@ -481,7 +480,7 @@ impl Datapath {
             std::fs::create_dir_all(pin_dir)
                 .map_err(|err| e(&format!("creating {}", pin_dir.display()), &err))?;
             let mut ebpf = aya::EbpfLoader::new()
-                .set_max_entries("splice_flows", max_flows.max(1))
+                .set_max_entries(FLOWS_MAP, max_flows.max(1))
                 .map_pin_path(pin_dir)
                 .load(OBJECT)
                 .map_err(|err| e("loading the object", &err))?;
@@ -527,12 +526,7 @@ impl Datapath {
         }
         #[cfg(not(ksplice_built))]
         let _ = interfaces;
-        for map in [
-            "splice_flows",
-            "splice_counters",
-            "splice_tier",
-            "splice_tier_redirects",
-        ] {
+        for map in [FLOWS_MAP, COUNTERS_MAP, TIER_MAP, TIER_REDIRECTS_MAP] {
             match std::fs::remove_file(pin_dir.join(map)) {
                 Ok(()) => {}
                 Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
@@ -895,8 +889,8 @@ impl Datapath {
         {
             let map = self
                 .ebpf
-                .map_mut("splice_tier")
-                .ok_or_else(|| Error::Ebpf("no map splice_tier".into()))?;
+                .map_mut(TIER_MAP)
+                .ok_or_else(|| Error::Ebpf(format!("no map {TIER_MAP}")))?;
             let mut arr: aya::maps::Array<&mut aya::maps::MapData, RawTierMember> =
                 aya::maps::Array::try_from(map)
                     .map_err(|err| Error::Ebpf(format!("tier map: {err}")))?;
@@ -925,7 +919,7 @@ impl Datapath {
         }
         #[cfg(ksplice_built)]
         {
-            Ok(self.per_cpu::<u64>("splice_tier_redirects")?.iter().sum())
+            Ok(self.per_cpu::<u64>(TIER_REDIRECTS_MAP)?.iter().sum())
         }
     }
 
@@ -953,7 +947,7 @@ impl Datapath {
         }
         #[cfg(ksplice_built)]
         {
-            let map = self.ebpf.map("splice_flows")?;
+            let map = self.ebpf.map(FLOWS_MAP)?;
             let flows: aya::maps::HashMap<&aya::maps::MapData, FlowKey, FlowVal> =
                 aya::maps::HashMap::try_from(map).ok()?;
             flows.get(k, 0).ok()
@@ -1008,8 +1002,8 @@ impl Datapath {
     ) -> Result<aya::maps::HashMap<&mut aya::maps::MapData, FlowKey, FlowVal>, Error> {
         let map = self
             .ebpf
-            .map_mut("splice_flows")
-            .ok_or_else(|| Error::Ebpf("no map splice_flows".into()))?;
+            .map_mut(FLOWS_MAP)
+            .ok_or_else(|| Error::Ebpf(format!("no map {FLOWS_MAP}")))?;
         aya::maps::HashMap::try_from(map).map_err(|err| Error::Ebpf(format!("flow map: {err}")))
     }
 
@@ -1026,7 +1020,7 @@ impl Datapath {
         }
         #[cfg(ksplice_built)]
         {
-            let per_cpu = self.per_cpu::<RawCounters>("splice_counters")?;
+            let per_cpu = self.per_cpu::<RawCounters>(COUNTERS_MAP)?;
             Ok(per_cpu.iter().fold(Counters::default(), |a, c| Counters {
                 packets: a.packets + c.packets,
                 bytes: a.bytes + c.bytes,

@@ -11,10 +11,13 @@
 use crate::Error;
 use std::collections::HashMap;
 
+/// The most MAC addresses a watch counts.
+pub const WATCH_MAX: usize = crate::abi::WATCH_MAX as usize;
+
 #[cfg(ksplice_built)]
 static WATCH_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("KSPLICE_WATCH_OBJECT"));
 
-/// Frames counted for one MAC address since it was added.
+/// Frames counted for one MAC address since it was added (`struct traffic` of `bpf/abi.h`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Traffic {
@@ -76,8 +79,14 @@ impl Watch {
         }
     }
 
-    /// Counts the frames of exactly these MAC addresses (a new one from zero).
+    /// Counts the frames of exactly these MAC addresses (a new one from zero; at most
+    /// [`WATCH_MAX`]).
     pub fn set(&mut self, macs: &[[u8; 6]]) -> Result<(), Error> {
+        if macs.len() > WATCH_MAX {
+            return Err(Error::Ebpf(format!(
+                "more than {WATCH_MAX} MAC addresses to watch"
+            )));
+        }
         #[cfg(not(ksplice_built))]
         {
             let _ = macs;
@@ -123,8 +132,8 @@ impl Watch {
     fn map(&mut self) -> Result<aya::maps::HashMap<&mut aya::maps::MapData, u64, Traffic>, Error> {
         let map = self
             .ebpf
-            .map_mut("watch_macs")
-            .ok_or_else(|| Error::Ebpf("no map watch_macs".into()))?;
+            .map_mut(crate::abi::WATCH_MAP)
+            .ok_or_else(|| Error::Ebpf(format!("no map {}", crate::abi::WATCH_MAP)))?;
         aya::maps::HashMap::try_from(map).map_err(|err| Error::Ebpf(format!("watch map: {err}")))
     }
 }
