@@ -1,0 +1,698 @@
+//! One member of the tier, sans IO: what it sends to whom, what its datapath must do, and
+//! where the datapath forwards a packet it holds no entry for (docs/TIER.md, "Replicated
+//! splice state" and "Before the splice is everywhere").
+//!
+//! A driver feeds it the pool's listing ([`MemberCore::set_listed`]), its outgoing links'
+//! fate ([`MemberCore::link_up`], [`MemberCore::link_down`]), what other members send
+//! ([`MemberCore::handle_message`]), the splices made here ([`MemberCore::splice_made`]), the
+//! distributor's datagrams and the flow table when asked ([`MemberCore::compare`]); it polls
+//! [`MemberCore::poll_transmit`] (messages for a link), [`MemberCore::poll_action`] (links
+//! to open or close, datapath changes) and [`MemberCore::poll_timeout`].
+//!
+//! Each member keeps one outgoing link to every other listed member and applies what comes in
+//! on the links others keep to it. A link that comes up carries HELLO first, then every splice
+//! the member's flow table holds, including those of members that have since died: a member
+//! that joins, or comes back after a partition, so learns all that the others know.
+
+use crate::wire::{Datagram, Hello, Message, Splice};
+use rserpool_wire::Instant;
+use std::collections::{BTreeMap, VecDeque};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::ops::RangeInclusive;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// How often the flow table is compared with the last pass.
+pub const PASS: Duration = Duration::from_secs(1);
+/// Most directions in one TOUCH.
+pub const TOUCH_BATCH: usize = 4096;
+
+/// A driver's name for one outgoing link (one connection attempt and what follows): events
+/// of a link the core has replaced are told apart from the new one's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LinkId(pub u64);
+
+/// A message for the other end of an outgoing link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transmit {
+    pub link: LinkId,
+    /// The member at its other end.
+    pub to: u32,
+    pub message: Message,
+}
+
+/// Where the datapath sends a packet to the shared address with no flow entry: its
+/// destination port is in `ports`, so the member `id` connected it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forward {
+    pub id: u32,
+    pub shared: Ipv4Addr,
+    pub ports: RangeInclusive<u16>,
+    /// That member's MAC, and this member's own (the frame's new source).
+    pub mac: [u8; 6],
+    pub src: [u8; 6],
+}
+
+/// One spliced connection of the flow table, as the once-a-second pass reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableEntry {
+    pub splice: Splice,
+    /// A FIN passed here, per direction (client → front, server → back).
+    pub fin: [bool; 2],
+    /// Packets carried here, per direction.
+    pub packets: [u64; 2],
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Open an outgoing link to member `id`; report [`MemberCore::link_up`] or
+    /// [`MemberCore::link_down`].
+    Connect {
+        link: LinkId,
+        id: u32,
+        addr: SocketAddr,
+    },
+    /// Close this link (its member left the pool or moved).
+    Disconnect { link: LinkId, id: u32 },
+    /// Install a splice another member made (one already installed stays as it is).
+    Install(Splice),
+    /// Remove a splice's entries.
+    Remove(Splice),
+    /// A FIN passed elsewhere in this direction.
+    MarkFin(SocketAddrV4, SocketAddrV4),
+    /// Packets passed elsewhere in these directions: they are not idle.
+    Touch(Vec<(SocketAddrV4, SocketAddrV4)>),
+    /// The members to forward to by port.
+    SetTier(Vec<Forward>),
+    /// The pass is due: read the flow table and give it to [`MemberCore::compare`].
+    ReadTable,
+    /// Another member died: nudge the TCP senders that lost packets to it (the prober also
+    /// sends the probes); report [`MemberCore::nudge_done`].
+    Nudge { dead: u32, prober: bool },
+}
+
+/// When the datapath removes a connection's entries (what `rserpool_ksplice`'s expiry pass
+/// does in the kernel's table, and the simulation's datapath does by this rule): a direction
+/// idle longer than `idle`, or FINs both ways and both directions quiet for `closing`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expiry {
+    pub idle: Duration,
+    pub closing: Duration,
+}
+
+impl Expiry {
+    /// Whether a connection whose directions saw FINs `fin` and their last packets (or
+    /// touches) at `last` is gone at `now`.
+    pub fn expired(&self, fin: [bool; 2], last: [Instant; 2], now: Instant) -> bool {
+        let older = |t: Instant, d: Duration| now.saturating_duration_since(t) > d;
+        let idle = last.iter().any(|&t| older(t, self.idle));
+        let closed = fin[0] && fin[1] && last.iter().all(|&t| older(t, self.closing));
+        idle || closed
+    }
+
+    /// How often the datapath looks.
+    pub fn period(&self) -> Duration {
+        PASS.min(self.closing / 2)
+    }
+}
+
+/// What the member counted, for its status.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub sent: u64,
+    pub received: u64,
+    pub splices_in: u64,
+    pub links_dropped: u64,
+    pub heartbeats: u64,
+    pub nudges: u64,
+    pub nudge_probes: u64,
+    pub nudge_reverts: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Link {
+    id: LinkId,
+    addr: SocketAddr,
+    up: bool,
+}
+
+/// One member's state.
+#[derive(Debug)]
+pub struct MemberCore {
+    me: Hello,
+    /// A proxy sends its table on every new link; a server of a split splice does not.
+    shares: bool,
+    next_link: u64,
+    /// Outgoing links, by the member at their other end.
+    links: BTreeMap<u32, Link>,
+    /// The other members as their HELLOs described them (a HELLO comes once per link).
+    members: BTreeMap<u32, Hello>,
+    /// The members the tier pool lists now.
+    listed: BTreeMap<u32, SocketAddr>,
+    forwarding: Option<Vec<Forward>>,
+    /// The flow table at the last pass.
+    last: BTreeMap<(SocketAddrV4, SocketAddrV4), TableEntry>,
+    next_pass: Option<Instant>,
+    /// Where the heartbeats come from: the only source of the word of a death.
+    distributor: Option<SocketAddr>,
+    nudging: bool,
+    transmits: VecDeque<Transmit>,
+    actions: VecDeque<Action>,
+    pub counters: Counters,
+}
+
+impl MemberCore {
+    /// A member that says `me` of itself; `shares`: it sends its flow table to members that
+    /// link to it (a proxy).
+    pub fn new(me: Hello, shares: bool, now: Instant) -> Self {
+        Self {
+            me,
+            shares,
+            next_link: 0,
+            links: BTreeMap::new(),
+            members: BTreeMap::new(),
+            listed: BTreeMap::new(),
+            forwarding: None,
+            last: BTreeMap::new(),
+            next_pass: Some(now + PASS),
+            distributor: None,
+            nudging: false,
+            transmits: VecDeque::new(),
+            actions: VecDeque::new(),
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn me(&self) -> &Hello {
+        &self.me
+    }
+
+    /// Outgoing links, open or opening.
+    pub fn links(&self) -> usize {
+        self.links.len()
+    }
+
+    /// Members forwarded to: listed, and their HELLO received.
+    pub fn members_known(&self) -> usize {
+        self.members
+            .keys()
+            .filter(|id| self.listed.contains_key(id))
+            .count()
+    }
+
+    /// The members the tier pool lists now (this one may be among them).
+    pub fn set_listed(&mut self, listed: BTreeMap<u32, SocketAddr>, now: Instant) {
+        let gone: Vec<u32> = self
+            .listed
+            .keys()
+            .filter(|id| !listed.contains_key(id))
+            .copied()
+            .collect();
+        for id in gone {
+            self.member_lost(id, now);
+        }
+        for (id, addr) in listed {
+            self.member_found(id, addr, now);
+        }
+    }
+
+    /// Member `id` is listed at `addr`: linked to, unless a link to that address is open.
+    pub fn member_found(&mut self, id: u32, addr: SocketAddr, _now: Instant) {
+        if id == self.me.id {
+            return;
+        }
+        let relisted = self.listed.insert(id, addr) != Some(addr);
+        if self.links.get(&id).is_some_and(|l| l.addr != addr) {
+            self.close(id);
+        }
+        if !self.links.contains_key(&id) {
+            let link = LinkId(self.next_link);
+            self.next_link += 1;
+            self.links.insert(
+                id,
+                Link {
+                    id: link,
+                    addr,
+                    up: false,
+                },
+            );
+            self.actions.push_back(Action::Connect { link, id, addr });
+        }
+        if relisted {
+            self.update_forwarding();
+        }
+    }
+
+    /// Member `id` left the pool: no link to it, nothing forwarded to it.
+    pub fn member_lost(&mut self, id: u32, _now: Instant) {
+        if self.listed.remove(&id).is_some() {
+            info!("tier member {id:#010x} left the pool");
+            self.close(id);
+            self.update_forwarding();
+        }
+    }
+
+    fn close(&mut self, id: u32) {
+        if let Some(l) = self.links.remove(&id) {
+            self.actions
+                .push_back(Action::Disconnect { link: l.id, id });
+        }
+    }
+
+    /// Link `link` is connected: what it carries first (HELLO, then every splice of
+    /// `table`, when this member shares), before what [`Self::poll_transmit`] gives for it.
+    pub fn link_up(
+        &mut self,
+        link: LinkId,
+        table: impl IntoIterator<Item = Splice>,
+        _now: Instant,
+    ) -> Vec<Message> {
+        if let Some(l) = self.links.values_mut().find(|l| l.id == link) {
+            l.up = true;
+        }
+        let mut first = vec![Message::Hello(self.me)];
+        if self.shares {
+            first.extend(table.into_iter().map(Message::Add));
+        }
+        first
+    }
+
+    /// Link `link` failed to connect or broke (`fell_behind`: its queue was full). It is
+    /// opened again at the next listing, and then carries everything again.
+    pub fn link_down(&mut self, link: LinkId, fell_behind: bool, _now: Instant) {
+        let Some((&id, _)) = self.links.iter().find(|(_, l)| l.id == link) else {
+            return;
+        };
+        self.links.remove(&id);
+        if fell_behind {
+            self.counters.links_dropped += 1;
+        }
+    }
+
+    /// Whether `link` is one the core keeps now.
+    pub fn has_link(&self, link: LinkId) -> bool {
+        self.links.values().any(|l| l.id == link)
+    }
+
+    /// Sends `m` on every link, open or opening.
+    fn broadcast(&mut self, m: &Message) {
+        for (&to, l) in &self.links {
+            self.counters.sent += 1;
+            self.transmits.push_back(Transmit {
+                link: l.id,
+                to,
+                message: m.clone(),
+            });
+        }
+    }
+
+    /// A splice was just made here (a hand-over): every other member gets it at once.
+    pub fn splice_made(&mut self, s: Splice) {
+        self.broadcast(&Message::Add(s));
+    }
+
+    /// What another member sent.
+    pub fn handle_message(&mut self, m: Message, _now: Instant) {
+        self.counters.received += 1;
+        match m {
+            Message::Hello(member) => {
+                if member.id == self.me.id {
+                    return;
+                }
+                if member.overlaps(&self.me) {
+                    warn!(
+                        "tier member {:#010x} uses ports {}-{}, which overlap ours ({}-{}): \
+                         not forwarding to it; give each member its own range",
+                        member.id, member.lo, member.hi, self.me.lo, self.me.hi
+                    );
+                    return;
+                }
+                self.members.insert(member.id, member);
+                self.update_forwarding();
+            }
+            Message::Add(s) => {
+                self.counters.splices_in += 1;
+                self.actions.push_back(Action::Install(s));
+            }
+            Message::Del(s) => self.actions.push_back(Action::Remove(s)),
+            Message::Fin(a, b) => self.actions.push_back(Action::MarkFin(a, b)),
+            Message::Touch(flows) => self.actions.push_back(Action::Touch(flows)),
+        }
+    }
+
+    /// The members to forward to: listed, their HELLO received, with ports (a server of a
+    /// split splice has none: nothing is forwarded to it).
+    pub fn forwarding(&self) -> Vec<Forward> {
+        self.members
+            .values()
+            .filter(|m| self.listed.contains_key(&m.id) && m.hi > 0)
+            .map(|m| Forward {
+                id: m.id,
+                shared: m.shared,
+                ports: m.lo..=m.hi,
+                mac: m.mac,
+                src: self.me.mac,
+            })
+            .collect()
+    }
+
+    fn update_forwarding(&mut self) {
+        let now = self.forwarding();
+        if self.forwarding.as_ref() != Some(&now) {
+            self.forwarding = Some(now.clone());
+            self.actions.push_back(Action::SetTier(now));
+        }
+    }
+
+    /// Runs the timers due at `now`.
+    pub fn tick(&mut self, now: Instant) {
+        if self.next_pass.is_some_and(|t| t <= now) {
+            self.next_pass = None;
+            self.actions.push_back(Action::ReadTable);
+        }
+    }
+
+    /// The pass: the flow table now, against the last pass. What only this member saw goes
+    /// to the others: a FIN that passed, a connection that ended here (an RST, or expiry), and
+    /// the directions it carried packets of.
+    pub fn compare(&mut self, table: Vec<TableEntry>, now: Instant) {
+        self.next_pass = Some(now + PASS);
+        let table: BTreeMap<_, _> = table.into_iter().map(|e| (e.splice.key(), e)).collect();
+        let mut touched = Vec::new();
+        let mut out = Vec::new();
+        for (k, e) in &table {
+            let before = self.last.get(k);
+            for (i, (from, to)) in e.splice.directions().into_iter().enumerate() {
+                if e.fin[i] && !before.is_some_and(|b| b.fin[i]) {
+                    out.push(Message::Fin(from, to));
+                }
+                if e.packets[i] > before.map_or(0, |b| b.packets[i]) {
+                    touched.push((from, to));
+                }
+            }
+        }
+        for (k, e) in &self.last {
+            if !table.contains_key(k) {
+                out.push(Message::Del(e.splice));
+            }
+        }
+        for batch in touched.chunks(TOUCH_BATCH) {
+            out.push(Message::Touch(batch.to_vec()));
+        }
+        for m in &out {
+            self.broadcast(m);
+        }
+        self.last = table;
+    }
+
+    /// A datagram on the tier address from `from`; `free` is this member's free capacity
+    /// (0..=1) for a heartbeat's answer. Returns the answer to send back.
+    pub fn handle_datagram(
+        &mut self,
+        from: SocketAddr,
+        bytes: &[u8],
+        free: f64,
+        _now: Instant,
+    ) -> Option<Vec<u8>> {
+        match Datagram::decode_at_member(bytes)? {
+            Datagram::Heartbeat { seq } => {
+                self.distributor = Some(from);
+                self.counters.heartbeats += 1;
+                let free = (free.clamp(0.0, 1.0) * 1e6) as u32;
+                Some(
+                    Datagram::Answer {
+                        seq,
+                        id: self.me.id,
+                        free,
+                    }
+                    .encode(),
+                )
+            }
+            // Only the distributor that sends the heartbeats is listened to, and one nudge
+            // runs at a time (each costs two probes per spliced connection).
+            Datagram::Dead { dead, prober } => {
+                if self.distributor == Some(from) && dead != self.me.id && !self.nudging {
+                    self.nudging = true;
+                    self.counters.nudges += 1;
+                    self.actions.push_back(Action::Nudge { dead, prober });
+                }
+                None
+            }
+            Datagram::Answer { .. } => None,
+        }
+    }
+
+    /// The nudge asked for ended: its probes and ICMP errors, if it worked.
+    pub fn nudge_done(&mut self, sent: Option<(usize, usize)>) {
+        self.nudging = false;
+        if let Some((probes, reverts)) = sent {
+            self.counters.nudge_probes += probes as u64;
+            self.counters.nudge_reverts += reverts as u64;
+        }
+    }
+
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// When [`Self::tick`] has something to do.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.next_pass
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::wire::tests::splice;
+
+    fn hello(id: u32, lo: u16) -> Hello {
+        Hello {
+            id,
+            mac: [2, 0, 0, 0, 0, id as u8],
+            shared: Ipv4Addr::new(10, 9, 0, 2),
+            lo,
+            hi: lo + 999,
+        }
+    }
+
+    fn addr(id: u32) -> SocketAddr {
+        SocketAddr::from(([10, 0, 1, id as u8], 9950))
+    }
+
+    fn t(ms: u64) -> Instant {
+        Instant::from_millis(ms)
+    }
+
+    fn actions(c: &mut MemberCore) -> Vec<Action> {
+        std::iter::from_fn(|| c.poll_action()).collect()
+    }
+
+    fn transmits(c: &mut MemberCore) -> Vec<Transmit> {
+        std::iter::from_fn(|| c.poll_transmit()).collect()
+    }
+
+    #[test]
+    fn links_follow_the_listing_and_a_new_link_carries_everything() {
+        let mut c = MemberCore::new(hello(1, 20000), true, t(0));
+        c.set_listed([(1, addr(1)), (2, addr(2))].into(), t(0));
+        let a = actions(&mut c);
+        let Some(Action::Connect { link, id: 2, .. }) = a.first().cloned() else {
+            panic!("{a:?}")
+        };
+        // Nothing to forward to before a HELLO.
+        assert!(a.contains(&Action::SetTier(Vec::new())));
+        // A splice made while the link opens waits for it.
+        c.splice_made(splice());
+        let first = c.link_up(link, [splice()], t(5));
+        assert_eq!(
+            first,
+            vec![Message::Hello(hello(1, 20000)), Message::Add(splice())]
+        );
+        assert_eq!(transmits(&mut c).len(), 1);
+        // A broken link is opened again at the next listing.
+        c.link_down(link, true, t(10));
+        assert_eq!(c.links(), 0);
+        c.set_listed([(2, addr(2))].into(), t(1000));
+        assert!(matches!(
+            actions(&mut c)[..],
+            [Action::Connect { id: 2, .. }]
+        ));
+        // An event of the old link changes nothing.
+        c.link_down(link, false, t(1001));
+        assert_eq!(c.links(), 1);
+        // Gone from the pool: closed.
+        c.set_listed(BTreeMap::new(), t(2000));
+        assert!(matches!(
+            actions(&mut c)[..],
+            [Action::Disconnect { id: 2, .. }, ..]
+        ));
+        assert_eq!(c.counters.links_dropped, 1);
+    }
+
+    #[test]
+    fn a_split_server_sends_no_table() {
+        let mut c = MemberCore::new(hello(1, 0), false, t(0));
+        c.member_found(2, addr(2), t(0));
+        let Some(Action::Connect { link, .. }) = c.poll_action() else {
+            panic!()
+        };
+        assert_eq!(c.link_up(link, [splice()], t(1)).len(), 1);
+    }
+
+    #[test]
+    fn forwarding_is_to_listed_members_that_said_hello_with_ports() {
+        let mut c = MemberCore::new(hello(1, 20000), true, t(0));
+        c.handle_message(Message::Hello(hello(2, 21000)), t(0));
+        c.handle_message(
+            Message::Hello(Hello {
+                lo: 0,
+                hi: 0,
+                ..hello(4, 0)
+            }),
+            t(0),
+        );
+        // Overlapping ports: not forwarded to.
+        c.handle_message(Message::Hello(hello(5, 20500)), t(0));
+        assert!(c.forwarding().is_empty());
+        c.set_listed([(2, addr(2)), (4, addr(4)), (5, addr(5))].into(), t(1));
+        let f = c.forwarding();
+        assert_eq!(f.len(), 1);
+        assert_eq!((f[0].id, f[0].ports.clone()), (2, 21000..=21999));
+        assert_eq!((f[0].mac, f[0].src), (hello(2, 0).mac, hello(1, 0).mac));
+        assert!(actions(&mut c).contains(&Action::SetTier(f)));
+        c.set_listed([(4, addr(4))].into(), t(2));
+        assert!(actions(&mut c).contains(&Action::SetTier(Vec::new())));
+    }
+
+    #[test]
+    fn the_pass_sends_fins_ends_and_activity() {
+        let mut c = MemberCore::new(hello(1, 20000), true, t(0));
+        c.member_found(2, addr(2), t(0));
+        let _ = actions(&mut c);
+        assert_eq!(c.poll_timeout(), Some(t(1000)));
+        c.tick(t(1000));
+        assert_eq!(actions(&mut c), vec![Action::ReadTable]);
+        assert_eq!(c.poll_timeout(), None);
+        let s = splice();
+        let e = TableEntry {
+            splice: s,
+            fin: [false, false],
+            packets: [3, 0],
+        };
+        c.compare(vec![e], t(1001));
+        assert_eq!(
+            transmits(&mut c)
+                .into_iter()
+                .map(|x| x.message)
+                .collect::<Vec<_>>(),
+            vec![Message::Touch(vec![(s.client, s.front)])]
+        );
+        // Nothing new: nothing sent.
+        c.compare(vec![e], t(2001));
+        assert!(transmits(&mut c).is_empty());
+        c.compare(
+            vec![TableEntry {
+                fin: [false, true],
+                packets: [3, 1],
+                ..e
+            }],
+            t(3001),
+        );
+        let m: Vec<Message> = transmits(&mut c).into_iter().map(|x| x.message).collect();
+        assert_eq!(
+            m,
+            vec![
+                Message::Fin(s.server, s.back),
+                Message::Touch(vec![(s.server, s.back)])
+            ]
+        );
+        c.compare(Vec::new(), t(4001));
+        let m: Vec<Message> = transmits(&mut c).into_iter().map(|x| x.message).collect();
+        assert_eq!(m, vec![Message::Del(s)]);
+        assert_eq!(c.poll_timeout(), Some(t(5001)));
+    }
+
+    #[test]
+    fn messages_become_datapath_actions() {
+        let mut c = MemberCore::new(hello(1, 20000), true, t(0));
+        let s = splice();
+        c.handle_message(Message::Add(s), t(0));
+        c.handle_message(Message::Del(s), t(0));
+        c.handle_message(Message::Fin(s.client, s.front), t(0));
+        c.handle_message(Message::Touch(vec![(s.client, s.front)]), t(0));
+        assert_eq!(
+            actions(&mut c),
+            vec![
+                Action::Install(s),
+                Action::Remove(s),
+                Action::MarkFin(s.client, s.front),
+                Action::Touch(vec![(s.client, s.front)])
+            ]
+        );
+        assert_eq!((c.counters.received, c.counters.splices_in), (4, 1));
+    }
+
+    #[test]
+    fn heartbeats_are_answered_and_only_their_sender_tells_a_death() {
+        let mut c = MemberCore::new(hello(7, 20000), true, t(0));
+        let d: SocketAddr = "10.0.0.1:5000".parse().unwrap();
+        let dead = Datagram::Dead {
+            dead: 9,
+            prober: true,
+        }
+        .encode();
+        assert_eq!(c.handle_datagram(d, &dead, 1.0, t(0)), None);
+        assert_eq!(c.poll_action(), None);
+        let answer = c
+            .handle_datagram(d, &Datagram::Heartbeat { seq: 3 }.encode(), 0.25, t(0))
+            .unwrap();
+        assert_eq!(
+            Datagram::decode_at_distributor(&answer),
+            Some(Datagram::Answer {
+                seq: 3,
+                id: 7,
+                free: 250_000
+            })
+        );
+        c.handle_datagram(d, &dead, 1.0, t(1));
+        c.handle_datagram(d, &dead, 1.0, t(1));
+        assert_eq!(
+            actions(&mut c),
+            vec![Action::Nudge {
+                dead: 9,
+                prober: true
+            }]
+        );
+        c.nudge_done(Some((4, 2)));
+        let own = Datagram::Dead {
+            dead: 7,
+            prober: true,
+        }
+        .encode();
+        c.handle_datagram(d, &own, 1.0, t(2));
+        assert_eq!(c.poll_action(), None);
+        assert_eq!((c.counters.nudges, c.counters.nudge_probes), (1, 4));
+    }
+
+    #[test]
+    fn expiry_is_idle_or_closed_and_quiet() {
+        let x = Expiry {
+            idle: Duration::from_secs(10),
+            closing: Duration::from_secs(2),
+        };
+        let last = [t(1000), t(1500)];
+        assert!(!x.expired([false, false], last, t(11_000)));
+        assert!(x.expired([false, false], last, t(11_001)));
+        assert!(!x.expired([true, false], last, t(5000)));
+        assert!(!x.expired([true, true], last, t(3500)));
+        assert!(x.expired([true, true], last, t(3501)));
+        assert_eq!(x.period(), Duration::from_secs(1));
+    }
+}
