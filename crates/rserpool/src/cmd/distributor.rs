@@ -1,5 +1,7 @@
 //! `rserpool distributor`: the stateless front of a proxy tier (docs/TIER.md; the TCP splice
-//! seed's load balancer). It runs beside the router and keeps a resilient nexthop group equal
+//! seed's load balancer). Its decisions (heartbeats, liveness, weights, the group, whom to
+//! tell of a death) are `rserpool_tier`'s sans-IO distributor core; this command carries its
+//! datagrams, resolves the pool, reads the eBPF traffic watch and runs `ip`. It runs beside the router and keeps a resilient nexthop group equal
 //! to the live proxies of the tier pool, weighted by their workload factors. The router's ECMP
 //! hash then spreads the clients' packets (and the PEs' answers to the shared server-facing
 //! address) over them. A resilient group moves only the buckets of a member that went (and,
@@ -21,9 +23,10 @@ use crate::RegistrarOpts;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use rserpool_asap::PoolUser;
-use rserpool_ksplice::watch::{Traffic, Watch};
+use rserpool_ksplice::watch::Watch;
+use rserpool_tier::distributor::{DistributorConfig, DistributorCore, Traffic};
 use rserpool_wire::{PoolHandle, UserTransport};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 use tokio::net::UdpSocket;
@@ -84,31 +87,6 @@ pub struct DistributorArgs {
     pub registrars: RegistrarOpts,
 }
 
-/// What the distributor knows of one proxy.
-#[derive(Debug)]
-struct Proxy {
-    addr: SocketAddr,
-    /// Its nexthop's ID, and whether it is made.
-    nh: u32,
-    nh_made: bool,
-    /// Heartbeats in a row not answered in time.
-    missed: u32,
-    answered: bool,
-    /// The free fraction of its capacity, from its last answer.
-    free: f64,
-    weight: u32,
-    /// In the group now.
-    live: bool,
-    sent_at: Option<Instant>,
-    /// Its MAC address, for the traffic watch (from the router's neighbour table).
-    mac: Option<[u8; 6]>,
-    /// The watch's counts at the last look, when it last sent a frame, and the frames sent
-    /// to it until then.
-    seen: Traffic,
-    heard_at: Instant,
-    to_at_heard: u64,
-}
-
 pub fn run(args: DistributorArgs) -> Result<()> {
     super::init_logging();
     if args.misses == 0 || args.heartbeat_ms == 0 {
@@ -124,33 +102,39 @@ pub fn run(args: DistributorArgs) -> Result<()> {
             .await
             .context("binding the heartbeat socket")?;
         let handle = PoolHandle::from(args.pool.as_str());
-        let mut proxies: BTreeMap<u32, Proxy> = BTreeMap::new();
-        let mut next_nh = args.first_id;
-        let mut applied: Option<Vec<(u32, u32)>> = None;
-        let mut routed = false;
-        let mut beat = tokio::time::interval(Duration::from_millis(args.heartbeat_ms));
-        let answer = Duration::from_millis(
-            args.answer_ms
-                .unwrap_or(args.heartbeat_ms / 5)
-                .clamp(5, args.heartbeat_ms.max(5)),
+        let epoch = std::time::Instant::now();
+        let now = || rserpool_tier::Instant::since(epoch, std::time::Instant::now());
+        let mut core = DistributorCore::new(
+            DistributorConfig {
+                heartbeat: Duration::from_millis(args.heartbeat_ms),
+                answer: Duration::from_millis(
+                    args.answer_ms
+                        .unwrap_or(args.heartbeat_ms / 5)
+                        .clamp(5, args.heartbeat_ms.max(5)),
+                ),
+                misses: args.misses,
+                weight_levels: args.weight_levels,
+                silence: Duration::from_millis(args.silence_ms),
+                silence_frames: args.silence_frames,
+            },
+            now(),
         );
-        // When this round's heartbeats must have been answered.
-        let mut answers_due: Option<Instant> = None;
-        // Proxies found dead whose peers have not heard of it yet (told once the group no
-        // longer has them).
-        let mut died: Vec<u32> = Vec::new();
+        // Each member's nexthop: its ID, and whether it is made.
+        let mut nexthops: BTreeMap<u32, (u32, bool)> = BTreeMap::new();
+        let mut next_nh = args.first_id;
+        let mut routed = false;
+        // The members' MAC addresses, for the traffic watch (from the neighbour table).
+        let mut macs: BTreeMap<u32, [u8; 6]> = BTreeMap::new();
         let mut resolve_at = Instant::now();
-        let mut seq = 0u32;
         let mut buf = [0u8; 64];
         let mut watch = match &args.watch {
-            Some(dev) => Some(
-                Watch::attach(dev).with_context(|| format!("watching the traffic on {dev}"))?,
-            ),
+            Some(dev) => {
+                Some(Watch::attach(dev).with_context(|| format!("watching the traffic on {dev}"))?)
+            }
             None => None,
         };
         let mut look = tokio::time::interval(Duration::from_millis(5));
         look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        let silence = Duration::from_millis(args.silence_ms);
         info!(
             "distributor: tier pool {}, nexthop group {}, heartbeat {} ms × {}{}",
             args.pool,
@@ -165,90 +149,32 @@ pub fn run(args: DistributorArgs) -> Result<()> {
         let shutdown = super::shutdown_signal();
         tokio::pin!(shutdown);
         loop {
+            let due = core.poll_timeout().to_std(epoch).map_or_else(
+                || Instant::now() + Duration::from_secs(3600),
+                Instant::from_std,
+            );
             tokio::select! {
                 () = &mut shutdown => return Ok(()),
-                _ = beat.tick() => {
-                    seq = seq.wrapping_add(1);
-                    let mut hb = [0u8; 8];
-                    hb[..4].copy_from_slice(rserpool_proxy::tier::HEARTBEAT_MAGIC);
-                    hb[4..].copy_from_slice(&seq.to_be_bytes());
-                    for p in proxies.values_mut() {
-                        let _ = udp.send_to(&hb, p.addr).await;
-                        p.sent_at = Some(Instant::now());
-                    }
-                    answers_due = Some(Instant::now() + answer);
-                }
-                () = tokio::time::sleep_until(answers_due.unwrap_or_else(Instant::now)),
-                    if answers_due.is_some() =>
-                {
-                    answers_due = None;
-                    for (id, p) in proxies.iter_mut() {
-                        if p.sent_at.take().is_none() {
-                            continue;
-                        }
-                        p.missed += 1;
-                        if p.live && p.missed >= args.misses {
-                            warn!(
-                                "distributor: proxy {id:#010x} at {} is dead: {} heartbeats \
-                                 without an answer",
-                                p.addr, p.missed
-                            );
-                            p.live = false;
-                            died.push(*id);
-                        }
-                    }
-                }
+                () = tokio::time::sleep_until(due) => core.tick(now()),
                 got = udp.recv_from(&mut buf) => {
-                    let Ok((n, from)) = got else { continue };
-                    if n < 16 || &buf[..4] != rserpool_proxy::tier::HEARTBEAT_MAGIC {
-                        continue;
-                    }
-                    let id = u32::from_be_bytes([buf[8], buf[9], buf[10], buf[11]]);
-                    let free = u32::from_be_bytes([buf[12], buf[13], buf[14], buf[15]]);
-                    if let Some(p) = proxies.get_mut(&id).filter(|p| p.addr == from) {
-                        p.missed = 0;
-                        p.sent_at = None;
-                        p.free = f64::from(free.min(1_000_000)) / 1e6;
-                        if !p.answered || !p.live {
-                            info!("distributor: proxy {id:#010x} at {} is alive", p.addr);
-                            p.heard_at = Instant::now();
-                            p.to_at_heard = p.seen.to;
-                        }
-                        p.answered = true;
-                        p.live = true;
+                    if let Ok((n, from)) = got {
+                        core.handle_datagram(from, &buf[..n], now());
                     }
                 }
                 _ = look.tick(), if watch.is_some() => {
                     let Some(w) = watch.as_mut() else { continue };
-                    let counts = match w.read() {
-                        Ok(c) => c,
-                        Err(e) => {
-                            warn!("distributor: reading the traffic watch: {e}");
-                            continue;
+                    match w.read() {
+                        Ok(counts) => {
+                            let by_id: BTreeMap<u32, Traffic> = macs
+                                .iter()
+                                .filter_map(|(id, m)| {
+                                    let t = counts.get(m)?;
+                                    Some((*id, Traffic { to: t.to, from: t.from }))
+                                })
+                                .collect();
+                            core.traffic(&by_id, now());
                         }
-                    };
-                    let now = Instant::now();
-                    for (id, p) in proxies.iter_mut() {
-                        let Some(t) = p.mac.and_then(|m| counts.get(&m)) else { continue };
-                        if t.from > p.seen.from || t.to < p.seen.to {
-                            p.heard_at = now;
-                            p.to_at_heard = t.to;
-                        }
-                        p.seen = *t;
-                        let unanswered = t.to.saturating_sub(p.to_at_heard);
-                        if p.live
-                            && now - p.heard_at >= silence
-                            && unanswered >= args.silence_frames
-                        {
-                            warn!(
-                                "distributor: proxy {id:#010x} at {} is dead: it was sent \
-                                 {unanswered} frames in {} ms and sent none",
-                                p.addr,
-                                (now - p.heard_at).as_millis()
-                            );
-                            p.live = false;
-                            died.push(*id);
-                        }
+                        Err(e) => warn!("distributor: reading the traffic watch: {e}"),
                     }
                 }
                 _ = pu.next_push(), if Instant::now() < resolve_at => {
@@ -258,7 +184,7 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                     resolve_at = Instant::now() + Duration::from_secs(1);
                     match pu.pool_elements(&handle).await {
                         Ok((_, pes)) => {
-                            let listed: HashMap<u32, SocketAddr> = pes
+                            let listed: BTreeMap<u32, SocketAddr> = pes
                                 .iter()
                                 .filter_map(|pe| match &pe.user_transport {
                                     UserTransport::Address(a) => {
@@ -267,46 +193,25 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                                     _ => None,
                                 })
                                 .collect();
-                            for (id, p) in proxies.iter_mut() {
-                                if p.live && !listed.contains_key(id) {
-                                    warn!(
-                                        "distributor: proxy {id:#010x} at {} left the tier pool",
-                                        p.addr
-                                    );
-                                    p.live = false;
-                                    died.push(*id);
-                                }
-                            }
-                            proxies.retain(|id, _| listed.contains_key(id));
-                            for (id, addr) in listed {
-                                proxies.entry(id).or_insert_with(|| {
-                                    info!("distributor: proxy {id:#010x} at {addr} in the tier pool");
-                                    let nh = next_nh;
+                            core.set_listed(&listed, now());
+                            nexthops.retain(|id, _| listed.contains_key(id));
+                            macs.retain(|id, _| listed.contains_key(id));
+                            for id in listed.keys() {
+                                nexthops.entry(*id).or_insert_with(|| {
                                     next_nh += 1;
-                                    Proxy {
-                                        addr,
-                                        nh,
-                                        nh_made: false,
-                                        missed: 0,
-                                        answered: false,
-                                        free: 1.0,
-                                        weight: 1,
-                                        live: false,
-                                        sent_at: None,
-                                        mac: None,
-                                        seen: Traffic::default(),
-                                        heard_at: Instant::now(),
-                                        to_at_heard: 0,
-                                    }
+                                    (next_nh - 1, false)
                                 });
                             }
                             if let Some(w) = watch.as_mut() {
-                                for p in proxies.values_mut().filter(|p| p.mac.is_none()) {
-                                    p.mac = neighbour_mac(p.addr.ip());
+                                for (id, addr) in core.members() {
+                                    if !macs.contains_key(&id)
+                                        && let Some(m) = neighbour_mac(addr.ip())
+                                    {
+                                        macs.insert(id, m);
+                                    }
                                 }
-                                let macs: Vec<[u8; 6]> =
-                                    proxies.values().filter_map(|p| p.mac).collect();
-                                if let Err(e) = w.set(&macs) {
+                                let all: Vec<[u8; 6]> = macs.values().copied().collect();
+                                if let Err(e) = w.set(&all) {
                                     warn!("distributor: the traffic watch: {e}");
                                 }
                             }
@@ -315,75 +220,59 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                     }
                 }
             }
-            // The group the live proxies make, with weights that move only by 2 or more.
-            let levels = args.weight_levels.max(1);
-            for p in proxies.values_mut() {
-                let w = 1 + (p.free * f64::from(levels - 1)).round() as u32;
-                if w.abs_diff(p.weight) >= 2 || levels == 1 {
-                    p.weight = w;
+            if let Some(g) = core.poll_group() {
+                // A member's own nexthop is made once: a death then costs one `ip` call.
+                let mut new = Vec::new();
+                let mut want = Vec::new();
+                for &(id, addr, w) in &g.members {
+                    let Some(&(nh, made)) = nexthops.get(&id) else {
+                        continue;
+                    };
+                    if !made {
+                        new.push((nh, addr));
+                    }
+                    want.push((nh, w));
+                }
+                match apply(&args, &new, &want, !routed) {
+                    Ok(()) => {
+                        for (id, _, _) in &g.members {
+                            if let Some(n) = nexthops.get_mut(id) {
+                                n.1 = true;
+                            }
+                        }
+                        routed = true;
+                        // The living hear of the deaths.
+                        core.group_applied(&g);
+                        info!(
+                            "distributor: group {} = {}",
+                            args.group,
+                            want.iter()
+                                .map(|(nh, w)| format!("{nh}×{w}"))
+                                .collect::<Vec<_>>()
+                                .join(" ")
+                        );
+                    }
+                    Err(e) => warn!("distributor: updating the nexthop group: {e:#}"),
                 }
             }
-            let want: Vec<(u32, u32)> = proxies
-                .values()
-                .filter(|p| p.live)
-                .map(|p| (p.nh, if levels == 1 { 1 } else { p.weight }))
-                .collect();
-            if applied.as_ref() != Some(&want) {
-                if want.is_empty() {
-                    warn!("distributor: no proxy of the tier is alive; the group stays as it was");
-                    applied = Some(want);
-                    continue;
-                }
-                // A member's own nexthop is made once: a death then costs one `ip` call.
-                let new: Vec<&Proxy> = proxies
-                    .values()
-                    .filter(|p| p.live && !p.nh_made)
-                    .collect();
-                if let Err(e) = apply(&args, &new, &want, !routed) {
-                    warn!("distributor: updating the nexthop group: {e:#}");
-                    continue;
-                }
-                for p in proxies.values_mut().filter(|p| p.live) {
-                    p.nh_made = true;
-                }
-                routed = true;
-                tell_the_living(&udp, &proxies, &mut died).await;
-                info!(
-                    "distributor: group {} = {}",
-                    args.group,
-                    want.iter()
-                        .map(|(nh, w)| format!("{nh}×{w}"))
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                );
-                applied = Some(want);
+            while let Some((to, bytes)) = core.poll_transmit() {
+                let _ = udp.send_to(&bytes, to).await;
             }
         }
     })
 }
 
-/// Tells the live proxies which ones died, so that they nudge the connections that lost
-/// packets to it; the first live one sends the probes.
-async fn tell_the_living(udp: &UdpSocket, proxies: &BTreeMap<u32, Proxy>, died: &mut Vec<u32>) {
-    for dead in died.drain(..) {
-        let mut first = true;
-        for p in proxies.values().filter(|p| p.live) {
-            let mut m = [0u8; 9];
-            m[..4].copy_from_slice(rserpool_proxy::tier::DEAD_MAGIC);
-            m[4..8].copy_from_slice(&dead.to_be_bytes());
-            m[8] = u8::from(first);
-            first = false;
-            let _ = udp.send_to(&m, p.addr).await;
-        }
-    }
-}
-
 /// Makes the nexthops of `new` members, then the group (and, the first time, the routes)
 /// what `want` says.
-fn apply(args: &DistributorArgs, new: &[&Proxy], want: &[(u32, u32)], first: bool) -> Result<()> {
-    for p in new {
-        let IpAddr::V4(v4) = p.addr.ip() else {
-            bail!("proxy at {}: IPv4 only", p.addr);
+fn apply(
+    args: &DistributorArgs,
+    new: &[(u32, SocketAddr)],
+    want: &[(u32, u32)],
+    first: bool,
+) -> Result<()> {
+    for &(nh, addr) in new {
+        let IpAddr::V4(v4) = addr.ip() else {
+            bail!("proxy at {addr}: IPv4 only");
         };
         let dev = device_towards(&v4.to_string(), args.dry_run)?;
         ip(
@@ -392,7 +281,7 @@ fn apply(args: &DistributorArgs, new: &[&Proxy], want: &[(u32, u32)], first: boo
                 "nexthop",
                 "replace",
                 "id",
-                &p.nh.to_string(),
+                &nh.to_string(),
                 "via",
                 &v4.to_string(),
                 "dev",
