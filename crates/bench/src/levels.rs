@@ -363,7 +363,7 @@ fn admission_cost() -> Result<Cost> {
         .enable_all()
         .build()?;
     let us = |levels, limited| {
-        let d = rt.block_on(rserpool_proxy::pools::admission_cost(
+        let d = rt.block_on(rserpool_proxy::balance::pools::admission_cost(
             levels, limited, 50, 20_000,
         ));
         d.as_nanos() as f64 / 1e3

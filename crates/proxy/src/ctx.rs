@@ -5,8 +5,9 @@
 //! changes what an open connection sees.
 
 use crate::access_log::AccessLog;
+use crate::balance::failover::FailoverPolicy;
+use crate::balance::pools::Pools;
 use crate::config::ProxyConfig;
-use crate::pools::Pools;
 use crate::routes::Routes;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +22,7 @@ pub(crate) struct Ctx {
     pub(crate) log: Option<AccessLog>,
     pub(crate) draining: watch::Receiver<bool>,
     /// The kernel splice, for a listener with `splice = "kernel"` when it could be loaded.
-    pub(crate) kernel: Option<Arc<crate::kernel::KernelSplice>>,
+    pub(crate) kernel: Option<Arc<crate::l4::kernel::KernelSplice>>,
     /// HTTPS: the listener's TLS (its certificates by SNI).
     pub(crate) tls: Option<Arc<rserpool_tls::rustls::ServerConfig>>,
     /// The listener takes HTTP/2 (ALPN `h2`, h2c with prior knowledge).
@@ -43,12 +44,17 @@ impl Ctx {
     pub(crate) fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.cfg.request_timeout_ms)
     }
+    /// When a request or connection stops moving on to other PEs.
+    pub(crate) fn failover(&self) -> FailoverPolicy {
+        FailoverPolicy::default()
+    }
+
     /// The header that carries the level to the PE, and whether it is sent (with `[levels]`);
     /// a client's copies of it are dropped either way.
     pub(crate) fn level_header(&self) -> (&str, bool) {
         match &self.cfg.levels {
             Some(l) => (&l.header, true),
-            None => (crate::levels::DEFAULT_HEADER, false),
+            None => (crate::balance::levels::DEFAULT_HEADER, false),
         }
     }
 

@@ -10,10 +10,11 @@
 //! framing); the chunk scanner with a reference decoder built on `httparse::parse_chunk_size`,
 //! wherever the bytes are split.
 
-use crate::http::{outgoing_head, parse, plain_host, response_head};
-use crate::message::{
+use crate::http::message::{
     BodyDecoder, BodyState, Framing, Head, HeadError, MAX_HEADERS, Piece, framing, response_framing,
 };
+use crate::http::request::{parse, plain_host};
+use crate::http::upstream::h1::{outgoing_head, response_head};
 use bytes::BytesMut;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Instant;

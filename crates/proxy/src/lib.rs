@@ -18,33 +18,21 @@
 //! listener with per-PE counters as JSON.
 
 mod access_log;
-mod admit;
-pub mod backend;
-pub mod client;
-mod client_stream;
+pub mod balance;
 pub mod config;
-mod conn_pool;
 mod ctx;
-pub mod discovery;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod http;
-mod http2;
-mod kernel;
-pub mod levels;
-pub mod message;
+pub mod l4;
 pub mod metrics;
-pub mod pools;
 mod routes;
-mod select;
-pub mod splice;
 pub mod split;
-pub mod tcp;
 pub mod tier;
 
-pub use admit::LevelStats;
+pub use balance::admit::LevelStats;
+pub use balance::pools::{Pool, PoolSettings, Pools};
 pub use config::{ListenerConfig, Mode, PoolConfig, ProxyConfig, Route, Select};
-pub use pools::{Pool, PoolSettings, Pools};
 
 use access_log::AccessLog;
 use ctx::{Ctx, until_set};
@@ -82,7 +70,7 @@ struct Inner {
     log: RwLock<Option<AccessLog>>,
     /// The kernel splice's datapath, loaded when a listener first asks for it (at start or
     /// on a reload).
-    kernel: RwLock<Option<Arc<kernel::KernelSplice>>>,
+    kernel: RwLock<Option<Arc<l4::kernel::KernelSplice>>>,
     /// Membership of a proxy tier (`[tier]`), once joined.
     tier: RwLock<Option<Arc<tier::Tier>>>,
     /// HTTPS clients whose TLS handshake failed or timed out.
@@ -121,12 +109,12 @@ impl Proxy {
                     "[registrar-tls]: {e}"
                 )))
             })?;
-        let pools = discovery::start(PoolSettings {
+        let pools = balance::discovery::start(PoolSettings {
             registrar_tls,
             registrars: cfg.registrars.clone(),
             refresh: Duration::from_millis(cfg.refresh_ms),
             connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
-            health: backend::HealthSettings {
+            health: balance::backend::HealthSettings {
                 max_fails: cfg.max_fails,
                 eject: Duration::from_millis(cfg.eject_ms),
                 eject_max: Duration::from_millis(cfg.eject_max_ms),
@@ -183,7 +171,7 @@ impl Proxy {
     }
 
     /// Joins the proxy tier of `[tier]`: needs the kernel splice.
-    async fn join_tier(&self, t: tier::TierConfig, cfg: &ProxyConfig) -> Result<(), StartError> {
+    async fn join_tier(&self, t: config::TierConfig, cfg: &ProxyConfig) -> Result<(), StartError> {
         let Some(ks) = self.kernel() else {
             return Err(StartError::Config(config::ConfigError::Invalid(
                 "[tier] needs the kernel splice (a listener with splice = \"kernel\", loaded)"
@@ -204,7 +192,7 @@ impl Proxy {
         let joined = tier::Tier::start(t, registrars, ks.clone(), &interface, free)
             .await
             .map_err(|e| StartError::Config(config::ConfigError::Invalid(e)))?;
-        let joined_dyn: Arc<dyn kernel::TierShare> = joined.clone();
+        let joined_dyn: Arc<dyn l4::kernel::TierShare> = joined.clone();
         ks.join(Arc::downgrade(&joined_dyn));
         *self.inner.tier.write().unwrap_or_else(|p| p.into_inner()) = Some(joined);
         Ok(())
@@ -258,7 +246,7 @@ impl Proxy {
         })
     }
 
-    fn kernel(&self) -> Option<Arc<kernel::KernelSplice>> {
+    fn kernel(&self) -> Option<Arc<l4::kernel::KernelSplice>> {
         self.inner
             .kernel
             .read()
@@ -564,12 +552,12 @@ async fn accept_loop(
         tokio::spawn(async move {
             match mode {
                 Mode::Tcp => match TcpStream::from_std(stream) {
-                    Ok(s) => tcp::serve(s, peer, ctx).await,
+                    Ok(s) => l4::tcp::serve(s, peer, ctx).await,
                     Err(e) => warn!("proxy: cannot register a connection: {e}"),
                 },
                 Mode::Http => match ctx.tls.clone() {
-                    Some(tls) => http::serve_tls(stream, peer, ctx, tls).await,
-                    None => http::serve(stream, peer, ctx).await,
+                    Some(tls) => http::h1::serve_tls(stream, peer, ctx, tls).await,
+                    None => http::h1::serve(stream, peer, ctx).await,
                 },
             }
             drop(permit);
@@ -578,7 +566,7 @@ async fn accept_loop(
 }
 
 /// Loads the kernel splice when a listener asks for it; says once why not when it cannot.
-fn load_kernel_splice(cfg: &ProxyConfig) -> Option<Arc<kernel::KernelSplice>> {
+fn load_kernel_splice(cfg: &ProxyConfig) -> Option<Arc<l4::kernel::KernelSplice>> {
     if !cfg.listeners.iter().any(ListenerConfig::kernel_splice) {
         if let Some(why) = rserpool_ksplice::unavailable() {
             info!("proxy: kernel splice unavailable in this build: {why}");
@@ -595,8 +583,8 @@ fn load_kernel_splice(cfg: &ProxyConfig) -> Option<Arc<kernel::KernelSplice>> {
                 k.max_flows,
                 k.pin_dir.display()
             );
-            let ks = Arc::new(kernel::KernelSplice::new(dp, k));
-            tokio::spawn(kernel::expire_loop(Arc::downgrade(&ks)));
+            let ks = Arc::new(l4::kernel::KernelSplice::new(dp, k));
+            tokio::spawn(l4::kernel::expire_loop(Arc::downgrade(&ks)));
             Some(ks)
         }
         Err(e) => {

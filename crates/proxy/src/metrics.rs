@@ -6,7 +6,7 @@
 //! none per client or request.
 
 use crate::Proxy;
-use crate::backend::Backend;
+use crate::balance::backend::Backend;
 use rserpool_status::metrics::{Exposition, HistogramSnapshot};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -40,7 +40,7 @@ impl Proxy {
             "HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM (resets, control \
              frames, header or CONTINUATION abuse beyond the [http2] limits).",
             &[],
-            crate::http2::front::floods(),
+            crate::http::h2::front::floods(),
         );
         let mut series = 0;
         for pool in self.inner.pools.all() {
@@ -175,7 +175,7 @@ fn pe_metrics(m: &mut Exposition, pool: &str, pe: &str, bs: &[&Backend]) {
     }
 }
 
-fn level_metrics(m: &mut Exposition, pool: &str, l: &crate::admit::LevelStats) {
+fn level_metrics(m: &mut Exposition, pool: &str, l: &crate::balance::admit::LevelStats) {
     let level = l.level.to_string();
     let labels = [("pool", pool), ("level", level.as_str())];
     let counters = [

@@ -4,8 +4,8 @@
 //! in the configuration), else to the listener's own pool. A reload builds new routes for new
 //! connections; open ones keep theirs.
 
+use crate::balance::pools::{Pool, Pools};
 use crate::config::{ListenerConfig, SpliceMode};
-use crate::pools::{Pool, Pools};
 use std::sync::Arc;
 
 /// A listener's routing table.

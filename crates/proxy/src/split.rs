@@ -10,7 +10,8 @@
 //! direction to the proxies, which no longer see those packets. A pool may mix servers with
 //! and without a split splice.
 
-use crate::tier::{Side, Tier, TierConfig, split_pool};
+use crate::config::TierConfig;
+use crate::tier::{Side, Tier, split_pool};
 use rserpool_ksplice::{Datapath, Hook, Splice, SpliceState, route_towards};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, SocketAddrV4};

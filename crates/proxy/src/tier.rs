@@ -22,12 +22,12 @@
 //! splices made meanwhile reach the other side when the link is back (a member that connects
 //! sends everything it knows).
 
-use crate::kernel::KernelSplice;
+use crate::config::TierConfig;
+use crate::l4::kernel::KernelSplice;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
 use rserpool_ksplice::Error as DatapathError;
 use rserpool_ksplice::{Splice, SpliceState, TierMember};
-use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,45 +37,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
-
-/// The `[tier]` section.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "kebab-case")]
-pub struct TierConfig {
-    /// The tier's pool handle: every member registers in it.
-    pub pool: String,
-    /// This member's tier address: links with the other members (TCP) and the distributor's
-    /// heartbeats (UDP), and its transport in the tier pool. An address of its own, not a
-    /// shared one.
-    pub listen: SocketAddr,
-    /// The server-facing address every member shares: connections to PEs come from it.
-    pub server_address: Ipv4Addr,
-    /// This member's source ports on `server-address`, "FIRST-LAST"; no two members may
-    /// overlap.
-    pub ports: String,
-    /// The interface on the segment the members share with the router (where a packet for
-    /// another member's port goes back out) [default: the first `[kernel-splice]` interface].
-    #[serde(default)]
-    pub interface: Option<String>,
-}
-
-impl TierConfig {
-    /// `ports` as a range.
-    pub fn port_range(&self) -> Result<std::ops::RangeInclusive<u16>, String> {
-        let (a, b) = self
-            .ports
-            .split_once('-')
-            .ok_or_else(|| format!("[tier] ports {:?}: expected FIRST-LAST", self.ports))?;
-        let (a, b) = (a.trim().parse::<u16>(), b.trim().parse::<u16>());
-        match (a, b) {
-            (Ok(a), Ok(b)) if 0 < a && a <= b => Ok(a..=b),
-            _ => Err(format!(
-                "[tier] ports {:?}: expected FIRST-LAST, 1 ≤ FIRST ≤ LAST ≤ 65535",
-                self.ports
-            )),
-        }
-    }
-}
 
 /// The pool the servers of split splices register in: the tier's, with `.split`.
 pub(crate) fn split_pool(tier: &str) -> rserpool_wire::PoolHandle {
@@ -312,7 +273,7 @@ pub(crate) trait Side: Send + Sync {
     }
 }
 
-impl crate::kernel::TierShare for Tier {
+impl crate::l4::kernel::TierShare for Tier {
     fn ports(&self) -> std::ops::RangeInclusive<u16> {
         self.me.lo..=self.me.hi
     }

@@ -14,7 +14,7 @@ use common::{
 use rserpool_asap::{
     CreditConfig, CreditSource, MetricSource, PoolElement, PoolElementConfig, Reporting,
 };
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
 use rserpool_wire::Policy;
 use std::net::SocketAddr;

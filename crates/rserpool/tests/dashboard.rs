@@ -301,7 +301,9 @@ async fn the_proxy_dashboard_counts_and_charts_requests_per_pe() {
             .unwrap(),
     );
     wait_for(Duration::from_secs(10), "the proxy serves", || async {
-        rserpool_proxy::client::Client::connect(front).await.is_ok()
+        rserpool_proxy::http::client::Client::connect(front)
+            .await
+            .is_ok()
     })
     .await;
     let url = format!("http://{status}/");
@@ -319,7 +321,7 @@ async fn the_proxy_dashboard_counts_and_charts_requests_per_pe() {
     .unwrap();
     // Traffic for a few seconds, so that the chart has points.
     let load = tokio::spawn(async move {
-        let mut c = rserpool_proxy::client::Client::connect(front)
+        let mut c = rserpool_proxy::http::client::Client::connect(front)
             .await
             .unwrap();
         for _ in 0..60 {

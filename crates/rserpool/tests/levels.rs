@@ -6,7 +6,7 @@
 mod common;
 
 use common::{example_http, fast_config, free_port, registrar, wait_until};
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use rserpool_proxy::{Proxy, ProxyConfig};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

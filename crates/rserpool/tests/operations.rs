@@ -8,7 +8,7 @@ mod common;
 use common::{
     BIN, example_http, fast_config, free_port, metric, registrar, scrape, spawn, wait_for,
 };
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};

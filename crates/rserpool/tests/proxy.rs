@@ -8,7 +8,7 @@ mod common;
 use common::{BIN, KillOnDrop, fast_config, free_port, registrar, wait_until};
 
 use rserpool_asap::{PoolElement, PoolElementConfig};
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig};
 use rserpool_registrar::RegistrarThread;
 use rserpool_wire::Policy;
@@ -645,7 +645,7 @@ async fn http_1_0_clients_share_kept_alive_pe_connections() {
         .into_iter()
         .flat_map(|p| p.backends())
         .collect();
-    let sum = |f: &dyn Fn(&rserpool_proxy::backend::BackendStats) -> u64| -> u64 {
+    let sum = |f: &dyn Fn(&rserpool_proxy::balance::backend::BackendStats) -> u64| -> u64 {
         pes.iter().map(|pe| f(&pe.stats)).sum()
     };
     let requests = sum(&|s| s.requests.load(Ordering::Relaxed));

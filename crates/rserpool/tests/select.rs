@@ -11,7 +11,7 @@ use common::{
     wait_until,
 };
 use rserpool_asap::{PoolElement, PoolElementConfig};
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use rserpool_proxy::{ListenerConfig, Mode, PoolConfig, Proxy, ProxyConfig, Select};
 use rserpool_wire::Policy;
 use std::collections::BTreeMap;

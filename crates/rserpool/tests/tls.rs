@@ -515,7 +515,9 @@ key = "{d}/proxy.key"
         "info",
     );
     let get = || async {
-        let mut c = rserpool_proxy::client::Client::connect(front).await.ok()?;
+        let mut c = rserpool_proxy::http::client::Client::connect(front)
+            .await
+            .ok()?;
         let r = c.get("/x").await.ok()?;
         Some((r.code, String::from_utf8_lossy(&r.body).into_owned()))
     };

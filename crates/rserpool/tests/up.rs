@@ -8,7 +8,7 @@
 mod common;
 
 use common::{BIN, KillOnDrop, signal, wait_until};
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! may retry it on another PE; every request that does not come back `200` with a PE's answer
 //! within [`REQUEST_TIMEOUT`] counts as failed, with what was going on at the time.
 
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -214,7 +214,7 @@ impl Soak {
         let rt = &self.rt;
         wait_for("the proxy", Duration::from_secs(20), || {
             rt.block_on(async {
-                match rserpool_proxy::client::Client::connect(front).await {
+                match rserpool_proxy::http::client::Client::connect(front).await {
                     Ok(mut c) => c.get("/").await.is_ok_and(|r| r.code == 200),
                     Err(_) => false,
                 }

@@ -8,7 +8,7 @@ use super::bed::Bed;
 use super::front::Front;
 use super::synwatch::SynWatch;
 use anyhow::Result;
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use serde::Serialize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

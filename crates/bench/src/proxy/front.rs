@@ -9,7 +9,7 @@ use super::{BACKENDS, SMALL};
 use crate::net::{free_port, local};
 use crate::process::Proc;
 use anyhow::{Result, bail};
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};

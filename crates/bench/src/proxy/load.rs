@@ -3,7 +3,7 @@
 
 use super::{BULK, BULK_SIZE, MB};
 use anyhow::{Result, anyhow};
-use rserpool_proxy::client::Client;
+use rserpool_proxy::http::client::Client;
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::sync::Arc;

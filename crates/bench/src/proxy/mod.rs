@@ -5,7 +5,7 @@
 //! The same three nginx backends serve every system: a small static file, large files, and
 //! WebDAV PUT into tmpfs. Each backend is a pool element through an `rserpool serve` sidecar.
 //! The same load generators drive every system with the same threads: `wrk` for requests/s
-//! and connections/s, and rserpool's own HTTP client (`rserpool_proxy::client`) for TCP bulk
+//! and connections/s, and rserpool's own HTTP client (`rserpool_proxy::http::client`) for TCP bulk
 //! throughput, the seed paper's 100 concurrent uploads and downloads, and the failover run.
 //!
 //! Failover is measured from outside every proxy: a raw socket with a BPF filter timestamps

@@ -361,7 +361,7 @@ async fn serve_http(
     levels: Option<&Levels>,
 ) -> std::io::Result<()> {
     use bytes::BytesMut;
-    use rserpool_proxy::message::{BodyDecoder, Head, Piece, framing};
+    use rserpool_proxy::http::message::{BodyDecoder, Head, Piece, framing};
     let mut buf = BytesMut::with_capacity(16 * 1024);
     loop {
         let head = loop {

@@ -266,7 +266,7 @@ pub async fn answer_after(
 
 /// Which PE (its `X-Pe-Id`) answered each of `n` GETs through `front`, one after the other.
 pub async fn answers(front: SocketAddr, n: usize) -> Vec<String> {
-    let mut c = rserpool_proxy::client::Client::connect(front)
+    let mut c = rserpool_proxy::http::client::Client::connect(front)
         .await
         .unwrap();
     let mut v = Vec::new();

@@ -23,8 +23,8 @@
 //! addresses. Passive health: a PE that fails `max-fails` times in a row is ejected locally
 //! for a back-off that doubles with every ejection in a row and is forgotten after a success.
 
-use crate::conn_pool::IdlePool;
-use bytes::BytesMut;
+use crate::balance::conns::Conns;
+
 use rserpool_wire::{PoolElement, PoolHandle, UserTransport};
 use serde::Serialize;
 use std::net::SocketAddr;
@@ -53,9 +53,8 @@ pub struct Backend {
     pub addrs: Vec<SocketAddr>,
     pub stats: BackendStats,
     health: Mutex<Health>,
-    idle: IdlePool<BackendConn>,
-    /// HTTP/2 connections (`protocol = "h2"` pools).
-    pub(crate) h2: crate::http2::upstream::H2Conns,
+    /// Connections kept for reuse, of whatever protocol the pool speaks.
+    pub(crate) conns: Conns,
     /// The credits last reported (−1: none yet), and the capacity reported with them.
     credit_reported: AtomicI64,
     credit_capacity: AtomicI64,
@@ -97,85 +96,6 @@ pub struct BackendStats {
     pub latency: rserpool_status::metrics::LatencyHistogram,
 }
 
-/// A connection to a PE with the bytes read from it but not used yet.
-#[derive(Debug)]
-pub(crate) struct BackendConn {
-    pub(crate) stream: PeStream,
-    pub(crate) buf: BytesMut,
-}
-
-/// The stream to a PE: TCP, or TLS over it (`[pool.NAME.tls]`).
-#[derive(Debug)]
-pub(crate) enum PeStream {
-    Plain(TcpStream),
-    Tls(Box<rserpool_tls::tokio_rustls::client::TlsStream<TcpStream>>),
-}
-
-impl PeStream {
-    /// The socket, when nothing is layered over it (so it can be spliced).
-    pub(crate) fn plain(&self) -> Option<&TcpStream> {
-        match self {
-            PeStream::Plain(s) => Some(s),
-            PeStream::Tls(_) => None,
-        }
-    }
-}
-
-impl tokio::io::AsyncRead for PeStream {
-    fn poll_read(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            PeStream::Plain(s) => std::pin::Pin::new(s).poll_read(cx, buf),
-            PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl tokio::io::AsyncWrite for PeStream {
-    fn poll_write(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        data: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            PeStream::Plain(s) => std::pin::Pin::new(s).poll_write(cx, data),
-            PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_write(cx, data),
-        }
-    }
-
-    fn poll_flush(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            PeStream::Plain(s) => std::pin::Pin::new(s).poll_flush(cx),
-            PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            PeStream::Plain(s) => std::pin::Pin::new(s).poll_shutdown(cx),
-            PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
-
-impl BackendConn {
-    pub(crate) fn new(stream: PeStream) -> Self {
-        Self {
-            stream,
-            buf: BytesMut::with_capacity(16 * 1024),
-        }
-    }
-}
-
 impl Backend {
     pub(crate) fn new(pool: &PoolHandle, pe: &PoolElement) -> Self {
         Self {
@@ -184,8 +104,7 @@ impl Backend {
             addrs: addrs_of(pe),
             stats: BackendStats::default(),
             health: Mutex::new(Health::default()),
-            idle: IdlePool::new(),
-            h2: Default::default(),
+            conns: Conns::default(),
             credit_reported: AtomicI64::new(-1),
             credit_capacity: AtomicI64::new(0),
             credit_base: AtomicU64::new(0),
@@ -317,7 +236,7 @@ impl Backend {
         h.ejected_until = Some(Instant::now() + back_off);
         drop(h);
         self.stats.ejections.fetch_add(1, Ordering::Relaxed);
-        self.idle.clear();
+        self.conns.drop_idle();
         warn!(
             "pool {} PE {:#010x} ejected for {} ms",
             self.pool,
@@ -334,24 +253,9 @@ impl Backend {
         }
     }
 
-    /// The PE left the pool (or moved): its idle connections go and none are kept.
+    /// The PE left the pool (or moved): its connections go and none are kept.
     pub(crate) fn retire(&self) {
-        self.idle.close();
-        self.h2.clear();
-    }
-
-    /// An idle keep-alive connection to this PE, if one is fresh enough.
-    pub(crate) fn take_idle(&self, max_age: Duration) -> Option<BackendConn> {
-        self.idle.take(max_age)
-    }
-
-    /// Drops the idle connections (the PE closed one of them: the others may be dead too).
-    pub(crate) fn clear_idle(&self) {
-        self.idle.clear();
-    }
-
-    pub(crate) fn put_idle(&self, conn: BackendConn, max: usize) {
-        self.idle.put(conn, max);
+        self.conns.close();
     }
 
     /// Connects to the PE (each of its addresses in turn) within the connect timeout.

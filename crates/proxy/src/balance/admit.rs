@@ -2,7 +2,7 @@
 //!
 //! Why: a pool has a limit when its PEs push credits (policy `credits`) or when `max-conn`
 //! caps the requests in flight per PE. Beyond it requests wait here, one queue per service
-//! level ([`crate::levels`]), first come first served within a level; when a place frees (a
+//! level ([`crate::balance::levels`]), first come first served within a level; when a place frees (a
 //! request finished, a PE reported credit, a new PE came), the level to serve is drawn by the
 //! proportional-share scheduler ([`rserpool_asap::share`]: lottery or stride over the levels'
 //! tickets, which sink with what the level consumed). No level with tickets starves. When the
@@ -12,10 +12,9 @@
 //! A request arriving while others wait queues behind them even if a place is free at that
 //! instant, so nobody overtakes; with nobody waiting it goes straight through (one lock, no
 //! allocation). This is the sans-IO part: the tokio side (waiting with a deadline) is
-//! [`crate::pools::Pool::admit`].
+//! [`crate::balance::pools::Pool::admit`].
 
-use crate::backend::Backend;
-use crate::pools::NoPick;
+use crate::balance::backend::Backend;
 use rserpool_asap::share::{Discipline, Domain, Share};
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -23,6 +22,28 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
+
+/// Why no PE was picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoPick {
+    /// No PE (left to try) in the pool.
+    NoPe,
+    /// Every PE was at its limit (out of credit, or `max-conn`) for the whole queue timeout.
+    QueueTimeout,
+    /// The queue was full, or a higher service level pushed the request out of it.
+    QueueFull,
+}
+
+impl NoPick {
+    /// The text of the 503 for a client.
+    pub fn text(self) -> &'static str {
+        match self {
+            Self::NoPe => "no pool element available",
+            Self::QueueTimeout => "no pool element had room within the queue timeout",
+            Self::QueueFull => "too many requests waiting",
+        }
+    }
+}
 
 /// What a waiting request is told: its PE (picked and reserved), or why none.
 pub(crate) type Outcome = Result<Arc<Backend>, NoPick>;

@@ -27,7 +27,14 @@
 //! queue-timeout-ms = 1000     # longest wait, then 503
 //! ```
 //!
-//! Service levels (`[levels]`) are described in [`crate::levels`].
+//! Service levels (`[levels]`) are described in [`crate::balance::levels`], a proxy tier
+//! (`[tier]`) in docs/TIER.md.
+
+pub mod levels;
+mod tier;
+
+pub use levels::LevelsConfig;
+pub use tier::TierConfig;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -353,14 +360,14 @@ pub struct ProxyConfig {
     pub pool_settings: BTreeMap<String, PoolConfig>,
     /// Service levels; without the section every request is of one level.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub levels: Option<crate::levels::LevelsConfig>,
+    pub levels: Option<LevelsConfig>,
     /// The kernel splice, for listeners with `splice = "kernel"`.
     #[serde(rename = "kernel-splice")]
     pub kernel_splice: KernelSpliceConfig,
     /// Membership of a fault-tolerant proxy tier (docs/TIER.md): spliced connections are
     /// replicated to the other members.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub tier: Option<crate::tier::TierConfig>,
+    pub tier: Option<TierConfig>,
     /// TLS with the registrars (RFC 5355; `[registrar-tls]`: `cert`, `key`, `ca`), when they
     /// run with TLS.
     #[serde(rename = "registrar-tls", skip_serializing_if = "Option::is_none")]
@@ -626,7 +633,7 @@ mod tests {
 
     #[test]
     fn the_documented_example_parses() {
-        let text = doc_toml(include_str!("config.rs"));
+        let text = doc_toml(include_str!("mod.rs"));
         let cfg = ProxyConfig::from_toml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
         assert_eq!(cfg.listeners.len(), 2);
         assert_eq!(cfg.listeners[0].routes[0].pool, "ApiPool");

@@ -1,15 +1,16 @@
 //! The pools the proxy serves, each a local copy of the registrar's pool.
 //!
-//! This is where the other rooms meet: [`crate::discovery`] writes each copy, the request
+//! This is where the other rooms meet: [`crate::balance::discovery`] writes each copy, the request
 //! paths pick PEs from it (the selection itself is in `select.rs`, the PEs' own state in
-//! [`crate::backend`]) and report the PEs they could not reach, and the stats endpoint reads
+//! [`crate::balance::backend`]) and report the PEs they could not reach, and the stats endpoint reads
 //! a snapshot.
 
-use crate::admit::{Admission, AdmissionConfig, LevelStats};
-use crate::backend::{Backend, BackendSnapshot, HealthSettings};
+pub use crate::balance::admit::NoPick;
+use crate::balance::admit::{Admission, AdmissionConfig, LevelStats};
+use crate::balance::backend::{Backend, BackendSnapshot, HealthSettings};
+use crate::balance::levels::LevelsConfig;
+use crate::balance::select::Selector;
 use crate::config::{PoolConfig, ProxyConfig};
-use crate::levels::LevelsConfig;
-use crate::select::Selector;
 use rserpool_wire::{PoolElement, PoolHandle};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -32,28 +33,6 @@ pub struct PoolSettings {
     pub idle_timeout: Duration,
     /// TLS with the registrars (`[registrar-tls]`).
     pub registrar_tls: Option<Arc<rserpool_tls::Tls>>,
-}
-
-/// Why no PE was picked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NoPick {
-    /// No PE (left to try) in the pool.
-    NoPe,
-    /// Every PE was at its limit (out of credit, or `max-conn`) for the whole queue timeout.
-    QueueTimeout,
-    /// The queue was full, or a higher service level pushed the request out of it.
-    QueueFull,
-}
-
-impl NoPick {
-    /// The text of the 503 for a client.
-    pub fn text(self) -> &'static str {
-        match self {
-            Self::NoPe => "no pool element available",
-            Self::QueueTimeout => "no pool element had room within the queue timeout",
-            Self::QueueFull => "too many requests waiting",
-        }
-    }
 }
 
 /// One pool's local copy.
@@ -115,7 +94,7 @@ struct Queued<'a> {
     pool: &'a Pool,
     level: usize,
     id: u64,
-    rx: tokio::sync::oneshot::Receiver<crate::admit::Outcome>,
+    rx: tokio::sync::oneshot::Receiver<crate::balance::admit::Outcome>,
     done: bool,
 }
 
@@ -203,7 +182,7 @@ impl Pool {
 
     /// A PE for a request of service level `level` (1-based): at once when nobody waits and
     /// a PE has room; else, when the pool's PEs are all at their limit (credits, `max-conn`),
-    /// after waiting in the level's queue ([`crate::admit`]) for up to its queue timeout.
+    /// after waiting in the level's queue ([`crate::balance::admit`]) for up to its queue timeout.
     pub async fn admit(&self, level: usize, tried: &[u32]) -> Result<Arc<Backend>, NoPick> {
         let (level, id, rx, timeout) = {
             let st = &mut *self.lock();
@@ -323,7 +302,7 @@ pub(crate) struct Unreachable {
     pub(crate) pe_id: u32,
 }
 
-/// Every pool the proxy serves, kept fresh by one refresh task ([`crate::discovery`]).
+/// Every pool the proxy serves, kept fresh by one refresh task ([`crate::balance::discovery`]).
 pub struct Pools {
     pools: Mutex<HashMap<PoolHandle, Arc<Pool>>>,
     pub settings: PoolSettings,

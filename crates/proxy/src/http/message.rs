@@ -6,7 +6,7 @@
 //! by Content-Length, by the chunked coding (scanned, passed through as it is), or by the
 //! connection's end (RFC 9112 §6).
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::ops::Range;
 
 pub const MAX_HEADERS: usize = 128;
@@ -626,6 +626,17 @@ pub(crate) fn error_response_with(code: u16, text: &str, extra: &str) -> Vec<u8>
         text.len() + 1
     )
     .into_bytes()
+}
+
+/// Appends `data` to `out` in the request's framing (a chunk of the chunked coding).
+pub(crate) fn frame_into(out: &mut BytesMut, data: &[u8], chunked: bool) {
+    if !chunked {
+        out.put_slice(data);
+    } else if !data.is_empty() {
+        out.put_slice(format!("{:x}\r\n", data.len()).as_bytes());
+        out.put_slice(data);
+        out.put_slice(b"\r\n");
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! answers, the copies keep serving. The same task sends the ENDPOINT_UNREACHABLE reports for
 //! PEs the proxy could not reach.
 
-use crate::pools::{PoolSettings, Pools, Unreachable};
+use crate::balance::pools::{PoolSettings, Pools, Unreachable};
 use rserpool_asap::{PoolUser, PoolUserConfig};
 use std::sync::Arc;
 use std::time::Duration;

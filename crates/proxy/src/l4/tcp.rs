@@ -1,21 +1,19 @@
 //! TCP mode: each client connection is forwarded to one PE of the pool, chosen by the pool's
 //! policy; a PE that refuses the connection is reported and ejected, and the next is tried.
-//! Bytes then move with splice(2) (see [`crate::splice`]), or the connection goes to the
-//! kernel splice ([`crate::kernel`]). HTTP routes that pin a connection to its PE end here too.
+//! Bytes then move with splice(2) (see [`crate::l4::splice`]), or the connection goes to the
+//! kernel splice ([`crate::l4::kernel`]). HTTP routes that pin a connection to its PE end here too.
 
-use crate::backend::Backend;
+use crate::balance::backend::Backend;
+use crate::balance::failover::Failover;
+use crate::balance::levels::RequestFacts;
+use crate::balance::pools::Pool;
 use crate::ctx::Ctx;
-use crate::levels::RequestFacts;
-use crate::pools::Pool;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 use tokio::net::TcpStream;
 use tracing::debug;
-
-/// Tries at most this many PEs for one connection.
-const MAX_TRIES: usize = 8;
 
 pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
     let started = Instant::now();
@@ -62,56 +60,43 @@ pub(crate) async fn connect_pe(
     ctx: &Ctx,
 ) -> Result<Connected, &'static str> {
     let ks = ctx.kernel.as_ref().filter(|_| kernel);
-    let mut tried = Vec::new();
-    loop {
-        let b = match pool.admit(level, &tried).await {
-            Ok(b) => b,
-            Err(why) => {
-                debug!("client {peer}: pool {}: {}", pool.handle, why.text());
-                ctx.log(|| {
-                    format!(
-                        "{peer} tcp - {} - 0 {}",
-                        pool.handle,
-                        started.elapsed().as_micros()
-                    )
-                });
-                return Err(why.text());
-            }
-        };
-        let asked = Instant::now();
-        let connected = match ks {
+    let connect = |b: Arc<Backend>| async move {
+        let s = match ks {
             Some(ks) => {
                 let socket = |pe| ks.socket_towards(pe, client);
                 b.connect_with(ctx.connect_timeout(), &socket).await
             }
             None => b.connect(ctx.connect_timeout()).await,
         };
-        if connected.is_ok() {
-            let rif = b.start();
-            b.note_latency(rif, asked.elapsed());
+        s.map(|s| (s, false))
+    };
+    let mut failover = Failover::new(ctx.failover());
+    match failover.attempt(pool, &ctx.pools, level, connect).await {
+        Ok((attempt, backend)) => {
+            let b = attempt.pe;
+            // A connection's latency is its connect.
+            b.note_latency(attempt.rif, attempt.asked.elapsed());
+            b.succeeded();
+            Ok(Connected {
+                b,
+                pool: pool.clone(),
+                level,
+                backend,
+                since: attempt.asked,
+                kernel: ks.is_some(),
+            })
         }
-        b.pick_done();
-        match connected {
-            Ok(backend) => {
-                b.succeeded();
-                return Ok(Connected {
-                    b,
-                    pool: pool.clone(),
-                    level,
-                    backend,
-                    since: asked,
-                    kernel: ks.is_some(),
-                });
-            }
-            Err(e) => {
-                debug!("pool {} PE {:#010x}: connect: {e}", b.pool, b.id);
-                ctx.pools.unreachable(&b);
-                pool.released();
-                tried.push(b.id);
-                if tried.len() >= MAX_TRIES {
-                    return Err("no pool element could be connected");
-                }
-            }
+        Err(why) => {
+            let (_, text) = why.answer();
+            debug!("client {peer}: pool {}: {text}", pool.handle);
+            ctx.log(|| {
+                format!(
+                    "{peer} tcp - {} - 0 {}",
+                    pool.handle,
+                    started.elapsed().as_micros()
+                )
+            });
+            Err(text)
         }
     }
 }
@@ -148,8 +133,9 @@ pub(crate) async fn carry(
     }
     let (client, backend) = match ctx.kernel.as_ref().filter(|_| kernel) {
         Some(ks) => {
-            match crate::kernel::try_hand_over(client, backend, !first.is_empty(), &b, ks).await {
-                crate::kernel::Handed::Kernel(splice) => {
+            match crate::l4::kernel::try_hand_over(client, backend, !first.is_empty(), &b, ks).await
+            {
+                crate::l4::kernel::Handed::Kernel(splice) => {
                     if let Some(s) = splice {
                         ks.track(s, b.clone());
                     }
@@ -165,12 +151,13 @@ pub(crate) async fn carry(
                     });
                     return;
                 }
-                crate::kernel::Handed::Back(c, s) => (c, s),
+                crate::l4::kernel::Handed::Back(c, s) => (c, s),
             }
         }
         None => (client, backend),
     };
-    let moved = crate::splice::forward(&client, &backend, ctx.idle_timeout(), ctx.cfg.splice).await;
+    let moved =
+        crate::l4::splice::forward(&client, &backend, ctx.idle_timeout(), ctx.cfg.splice).await;
     pool.finished(&b, level, since.elapsed());
     let (up, down) = match &moved {
         Ok(m) => (m.a_to_b, m.b_to_a),

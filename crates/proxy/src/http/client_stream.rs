@@ -10,8 +10,9 @@
 //! An HTTPS client's connection is a TLS stream from the start (its handshake needed the
 //! reactor anyway); it has no plain socket to splice or hand over.
 
+use bytes::BytesMut;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, TcpStream as StdStream};
+use std::net::{Shutdown, SocketAddr, TcpStream as StdStream};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -259,4 +260,10 @@ impl AsyncWrite for ClientStream {
         }
         Poll::Ready(this.shutdown_write())
     }
+}
+/// An HTTP/1.1 client: its connection, what was read of it and not used yet, its address.
+pub(crate) struct Client {
+    pub(crate) stream: ClientStream,
+    pub(crate) buf: BytesMut,
+    pub(crate) peer: SocketAddr,
 }

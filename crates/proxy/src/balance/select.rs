@@ -3,7 +3,7 @@
 //! Selecting at the registrar would cost a round trip per connection or request, so each pool
 //! keeps its PEs in a small handlespace of its own, with the policy information (load) the
 //! registrar reported last, and resolves there. Selection skips the PEs a request has tried
-//! and those passive health ejected ([`crate::backend`]).
+//! and those passive health ejected ([`crate::balance::backend`]).
 //!
 //! A pool with policy `credits` is chosen from by the credits left at each PE by the proxy's
 //! own count ([`Backend::credits_left`]): the most first, and none without credit left.
@@ -14,7 +14,7 @@
 //! they see only this proxy's own traffic. Every pick counts in flight at once
 //! ([`Backend::reserve`]), so that picks at the same moment spread.
 
-use crate::backend::Backend;
+use crate::balance::backend::Backend;
 use crate::config::Select;
 use rserpool_handlespace::{Handlespace, PeRef};
 use rserpool_wire::policy::policy_type;

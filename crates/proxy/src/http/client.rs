@@ -3,7 +3,7 @@
 //! which need to see status codes, headers and exact bodies, or to count body bytes at full
 //! speed without keeping them.
 
-use crate::message::{BodyState, Head, response_framing};
+use crate::http::message::{BodyState, Head, response_framing};
 use bytes::BytesMut;
 use std::io;
 use std::net::SocketAddr;

@@ -14,7 +14,7 @@
 //! [`expire_loop`] removes the entries of connections that ended or idle; the datapath
 //! itself removes those an RST ended.
 
-use crate::backend::Backend;
+use crate::balance::backend::Backend;
 use crate::config::KernelSpliceConfig;
 use rserpool_ksplice::nudge::RawSender;
 use rserpool_ksplice::{
@@ -335,7 +335,7 @@ impl KernelSplice {
         client: &TcpStream,
     ) -> std::io::Result<tokio::net::TcpSocket> {
         let SocketAddr::V4(peer4) = peer else {
-            return crate::backend::plain_socket(peer);
+            return crate::balance::backend::plain_socket(peer);
         };
         if let Some(tier) = self.tier() {
             return self.tier_socket(peer4, client, tier.as_ref());
@@ -345,7 +345,7 @@ impl KernelSplice {
         // that the kernel does not offer the same port again.
         let mut taken = Vec::new();
         let (sock, local) = loop {
-            let sock = crate::backend::plain_socket(peer)?;
+            let sock = crate::balance::backend::plain_socket(peer)?;
             sock.bind(SocketAddr::from((source, 0)))?;
             let SocketAddr::V4(local) = sock.local_addr()? else {
                 return Ok(sock);
@@ -389,7 +389,7 @@ impl KernelSplice {
             if self.dp().contains(peer, local) {
                 continue;
             }
-            let sock = crate::backend::plain_socket(SocketAddr::V4(peer))?;
+            let sock = crate::balance::backend::plain_socket(SocketAddr::V4(peer))?;
             if sock.bind(SocketAddr::V4(local)).is_err() {
                 continue;
             }

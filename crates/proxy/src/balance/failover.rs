@@ -1,0 +1,144 @@
+//! The failover loop, one for every mode: a request (HTTP) or a connection (TCP, and HTTP
+//! routes that pin theirs) is admitted at its pool, given a PE by the pool's policy, and
+//! connected there; a PE that cannot be reached is reported to the registrar (ASAP
+//! ENDPOINT_UNREACHABLE, RFC 5352 §3.5), left out, and the next one tried, until one answers
+//! or the [`FailoverPolicy`] says to stop. What happens after the connection (relaying,
+//! whether a request that failed there may go out again) is the mode's own, but it records
+//! what it did in the same [`Failover`], so the policy's limits hold across both.
+
+use crate::balance::admit::NoPick;
+use crate::balance::backend::Backend;
+use crate::balance::pools::{Pool, Pools};
+use std::io;
+use std::sync::Arc;
+use std::time::Instant;
+use tracing::debug;
+
+/// When a request or connection stops moving on to other PEs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FailoverPolicy {
+    /// PEs selected at most for one request or connection (connect failures and resends).
+    pub(crate) max_tries: u32,
+}
+
+impl Default for FailoverPolicy {
+    fn default() -> Self {
+        Self { max_tries: 8 }
+    }
+}
+
+/// What a request or connection has been through on its way to a PE.
+#[derive(Debug, Default)]
+pub(crate) struct Failover {
+    policy: FailoverPolicy,
+    /// PEs that failed it; they are not selected again.
+    tried: Vec<u32>,
+    /// Selections so far.
+    attempts: u32,
+    /// The request went out again after a PE closed without answering.
+    resent: bool,
+}
+
+/// Why no PE took a request or connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GiveUp {
+    /// PEs were tried and none could be reached.
+    NoneAnswered,
+    /// None was picked (no PE, or none had room within the queue timeout).
+    NoPick(NoPick),
+}
+
+impl GiveUp {
+    /// The HTTP status and text for a client.
+    pub(crate) fn answer(self) -> (u16, &'static str) {
+        match self {
+            Self::NoneAnswered => (502, "no pool element answered"),
+            Self::NoPick(why) => (503, why.text()),
+        }
+    }
+}
+
+/// The PE one attempt went to, connected.
+pub(crate) struct Attempt {
+    pub(crate) pool: Arc<Pool>,
+    pub(crate) pe: Arc<Backend>,
+    /// The connection was kept alive from an earlier request.
+    pub(crate) reused: bool,
+    /// Requests in flight at the PE before this one.
+    pub(crate) rif: u64,
+    /// When the PE was picked (before the connect) and when the connection was ready.
+    pub(crate) asked: Instant,
+    pub(crate) sent: Instant,
+}
+
+impl Failover {
+    pub(crate) fn new(policy: FailoverPolicy) -> Self {
+        Self {
+            policy,
+            ..Self::default()
+        }
+    }
+
+    /// A PE and a connection to it (`connect`: a kept-alive one and whether it was, or a new
+    /// one). A PE that cannot be reached is reported and the next one tried.
+    pub(crate) async fn attempt<C, F>(
+        &mut self,
+        pool: &Arc<Pool>,
+        pools: &Pools,
+        level: usize,
+        connect: impl Fn(Arc<Backend>) -> F,
+    ) -> Result<(Attempt, C), GiveUp>
+    where
+        F: Future<Output = io::Result<(C, bool)>>,
+    {
+        loop {
+            if self.attempts >= self.policy.max_tries {
+                return Err(GiveUp::NoneAnswered);
+            }
+            self.attempts += 1;
+            let pe = match pool.admit(level, &self.tried).await {
+                Ok(pe) => pe,
+                Err(NoPick::NoPe) if !self.tried.is_empty() => return Err(GiveUp::NoneAnswered),
+                Err(why) => return Err(GiveUp::NoPick(why)),
+            };
+            let asked = Instant::now();
+            let conn = connect(pe.clone()).await;
+            let rif = conn.as_ref().ok().map(|_| pe.start());
+            pe.pick_done();
+            match conn {
+                Ok((conn, reused)) => {
+                    let attempt = Attempt {
+                        pool: pool.clone(),
+                        pe,
+                        reused,
+                        rif: rif.unwrap_or(0),
+                        asked,
+                        sent: Instant::now(),
+                    };
+                    return Ok((attempt, conn));
+                }
+                Err(e) => {
+                    debug!("pool {} PE {:#010x}: connect: {e}", pe.pool, pe.id);
+                    self.unreachable(pools, &pe);
+                    pool.released();
+                }
+            }
+        }
+    }
+
+    /// The PE failed it before answering: reported, and left out from now on.
+    pub(crate) fn unreachable(&mut self, pools: &Pools, pe: &Backend) {
+        pools.unreachable(pe);
+        self.tried.push(pe.id);
+    }
+
+    /// Whether it may go to a PE once more (within the policy's tries).
+    pub(crate) fn may_retry(&self) -> bool {
+        self.attempts < self.policy.max_tries
+    }
+
+    /// Whether it may be sent again after a PE took it and failed: once per request.
+    pub(crate) fn may_resend(&mut self) -> bool {
+        !std::mem::replace(&mut self.resent, true)
+    }
+}

@@ -1,0 +1,393 @@
+//! HTTP/1.1 mode: each request is routed (Host, path prefix) to a pool and sent to a PE chosen
+//! there, over a kept-alive connection from the PE's idle set when there is one.
+//!
+//! A request goes through named steps, each a function from one value to the next:
+//! `parse` → `route` → `prepare` → `select` → `send` → `relay` → `finish` (see `request`); the
+//! steps from select on repeat while the request fails over to another PE. A new concern
+//! (admission before select, accounting at select and finish) is a step or a field of a
+//! step's value, not a branch inside another step.
+//!
+//! Heads are parsed, bodies only delimited and streamed; a request body up to `retry-buffer`
+//! is held so that the request can be sent again. A connect failure moves the request to the
+//! next PE; a PE that closes or resets before any response byte gets the request once more on
+//! another PE if the method is idempotent and the body was held. A stale kept-alive
+//! connection that closes before answering costs no failure: the request goes out again on a
+//! new connection.
+
+use crate::balance::backend::Backend;
+use crate::balance::failover::GiveUp;
+use crate::balance::pools::Pool;
+use crate::ctx::{Ctx, until_set};
+use crate::http::client_stream::{Client, ClientStream};
+use crate::http::message::{Framing, Head, HeadError, error_response, error_response_with};
+use crate::http::pipeline::{
+    Attempt, Failover, Failure, Relayed, Settled, classify, log, route, settle,
+};
+use crate::http::request::{Outgoing, Request, parse};
+use crate::http::upstream::h1::{outgoing_head_with, relay, send, take_conn};
+use crate::http::upstream::h2 as up2;
+use crate::http::upstream::h2::{exchange, parts_of};
+use bytes::{BufMut, Bytes, BytesMut};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing::debug;
+
+/// What became of one request.
+pub(crate) enum Next {
+    KeepAlive,
+    Close,
+}
+
+/// Serves one client connection until it closes, errs, times out or the proxy drains.
+pub(crate) async fn serve(stream: std::net::TcpStream, peer: SocketAddr, ctx: Ctx) {
+    serve_stream(ClientStream::new(stream), peer, ctx).await;
+}
+
+/// The first line of the HTTP/2 preface, which an HTTP/1.1 parser refuses.
+const H2C_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n";
+
+/// Time for an HTTPS client's TLS handshake.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves an HTTPS client: the TLS handshake (the certificate by SNI), then as [`serve`].
+pub(crate) async fn serve_tls(
+    stream: std::net::TcpStream,
+    peer: SocketAddr,
+    ctx: Ctx,
+    tls: Arc<rserpool_tls::rustls::ServerConfig>,
+) {
+    let Ok(s) = tokio::net::TcpStream::from_std(stream) else {
+        return;
+    };
+    let accept = rserpool_tls::tokio_rustls::TlsAcceptor::from(tls).accept(s);
+    let limit = HANDSHAKE_TIMEOUT.min(ctx.request_timeout());
+    let failed = match tokio::time::timeout(limit, accept).await {
+        Ok(Ok(t)) if t.get_ref().1.alpn_protocol() == Some(b"h2") => {
+            return crate::http::h2::front::serve(t, Bytes::new(), peer, ctx).await;
+        }
+        Ok(Ok(t)) => return serve_stream(ClientStream::tls(t), peer, ctx).await,
+        Ok(Err(e)) => format!("TLS handshake failed: {e}"),
+        Err(_) => format!("no TLS handshake within {limit:?}"),
+    };
+    // Counted (`rserpool_proxy_tls_handshake_failures_total`); scanners make many of these.
+    ctx.tls_failures.fetch_add(1, Ordering::Relaxed);
+    debug!("client {peer}: {failed}");
+}
+
+async fn serve_stream(stream: ClientStream, peer: SocketAddr, ctx: Ctx) {
+    let mut c = Client {
+        stream,
+        buf: BytesMut::with_capacity(16 * 1024),
+        peer,
+    };
+    serve_requests(&mut c, &ctx).await;
+    c.stream.close().await;
+}
+
+async fn serve_requests(c: &mut Client, ctx: &Ctx) {
+    let peer = c.peer;
+    let mut first = true;
+    let mut draining = ctx.draining.clone();
+    loop {
+        let wait = if first {
+            ctx.request_timeout()
+        } else {
+            ctx.idle_timeout()
+        };
+        let idle = c.buf.is_empty();
+        let head = tokio::select! {
+            r = tokio::time::timeout(wait, read_head(c, ctx.cfg.max_head)) => r,
+            () = until_set(&mut draining), if idle => return,
+        };
+        let head = match head {
+            Ok(Ok(Some(h))) => h,
+            Ok(Ok(None)) => return,
+            Ok(Err(ReadHeadError::Io)) => return,
+            Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
+                let _ = reply(c, 431, "request head too large").await;
+                return;
+            }
+            Ok(Err(ReadHeadError::Head(HeadError::Malformed)))
+                if first && ctx.http2 && c.buf.starts_with(H2C_PREFACE) =>
+            {
+                // h2c with prior knowledge.
+                let pre = c.buf.split().freeze();
+                if let Ok(s) = c.stream.take_stream() {
+                    crate::http::h2::front::serve(s, pre, peer, ctx.clone()).await;
+                }
+                return;
+            }
+            Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
+                debug!("client {peer}: malformed request");
+                let _ = reply(c, 400, "malformed request").await;
+                return;
+            }
+            Err(_) => {
+                if !c.buf.is_empty() || first {
+                    let _ = reply(c, 408, "request timeout").await;
+                }
+                return;
+            }
+        };
+        first = false;
+        match request(c, head, ctx).await {
+            Next::KeepAlive if !*ctx.draining.borrow() => {}
+            _ => return,
+        }
+    }
+}
+
+enum ReadHeadError {
+    Io,
+    Head(HeadError),
+}
+
+async fn read_head(c: &mut Client, max: usize) -> Result<Option<Head>, ReadHeadError> {
+    loop {
+        if !c.buf.is_empty() {
+            if let Some(h) = Head::request(&mut c.buf, max).map_err(ReadHeadError::Head)? {
+                return Ok(Some(h));
+            }
+        }
+        c.buf.reserve(16 * 1024);
+        let n = c
+            .stream
+            .read_buf(&mut c.buf)
+            .await
+            .map_err(|_| ReadHeadError::Io)?;
+        if n == 0 {
+            return if c.buf.is_empty() {
+                Ok(None)
+            } else {
+                Err(ReadHeadError::Head(HeadError::Malformed))
+            };
+        }
+    }
+}
+
+/// A short error answer; the connection is closed after it.
+async fn reply(c: &mut Client, code: u16, text: &str) -> io::Result<()> {
+    c.stream.write_all(&error_response(code, text)).await
+}
+
+/// One request through the pipeline.
+async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
+    let started = Instant::now();
+    let mut r = match parse(head, c.peer, started) {
+        Ok(r) => r,
+        Err((code, why)) => {
+            let _ = reply(c, code, why).await;
+            return Next::Close;
+        }
+    };
+    let Some(target) = route(&r, ctx) else {
+        let _ = reply(c, 404, "no route").await;
+        return Next::Close;
+    };
+    let pool = &target.pool;
+    r.level = classify(&r, c.peer, ctx);
+    if target.kernel && ctx.kernel.is_some() {
+        return pin(c, r, pool, ctx).await;
+    }
+    if pool.protocol() == crate::config::PeProtocol::H2 {
+        return request_h2(c, r, pool, ctx).await;
+    }
+    let Ok(out) = prepare(c, &mut r, ctx).await else {
+        return Next::Close;
+    };
+    let mut failover = Failover::new(ctx.failover());
+    loop {
+        let fresh_only = !r.idempotent;
+        let connect = |pe: Arc<Backend>| async move { take_conn(&pe, ctx, fresh_only).await };
+        let (attempt, mut conn) = match failover
+            .attempt(pool, &ctx.pools, r.level, connect)
+            .await
+            .map_err(GiveUp::answer)
+        {
+            Ok(v) => v,
+            Err((code, why)) => return give_up(c, &r, ctx, code, Some(why), None).await,
+        };
+        let outcome = match send(c, &mut conn, &r, &out, &attempt.pe, ctx).await {
+            Ok(sent) => relay(c, conn, &r, sent, &attempt, ctx).await,
+            Err(f) => Err(f),
+        };
+        // `None`: the request goes to a PE again.
+        if let Some(next) = finish(c, &r, &out, &attempt, outcome, &mut failover, ctx).await {
+            return next;
+        }
+    }
+}
+
+/// A request on a route that pins its connection (`splice = "kernel"`): it goes to a PE as
+/// any request, and so does the rest of the connection, unchanged, through the kernel
+/// splice once the sockets are quiet (or relayed here when it cannot be handed over).
+async fn pin(c: &mut Client, r: Request, pool: &Arc<Pool>, ctx: &Ctx) -> Next {
+    let Ok(client) = c.stream.registered() else {
+        return Next::Close;
+    };
+    let pe = match crate::l4::tcp::connect_pe(client, c.peer, pool, r.level, true, r.started, ctx)
+        .await
+    {
+        Ok(pe) => pe,
+        Err(why) => {
+            let _ = reply(c, 503, why).await;
+            return Next::Close;
+        }
+    };
+    let (level_header, send_level) = ctx.level_header();
+    let mut first = outgoing_head_with(&r, c.peer, level_header, send_level);
+    // The connection is the client's and the PE's alone from here: what the client says of
+    // it (Connection: close, an Upgrade) goes through.
+    if first.ends_with(b"\r\n\r\n") {
+        first.truncate(first.len() - 2);
+        for name in ["Connection", "Upgrade"] {
+            if let Some(v) = r.head.get(name) {
+                first.put_slice(name.as_bytes());
+                first.put_slice(b": ");
+                first.put_slice(v);
+                first.put_slice(b"\r\n");
+            }
+        }
+        first.put_slice(b"\r\n");
+    }
+    // What the client sent after the head (body, pipelined requests) follows it unchanged.
+    first.extend_from_slice(&c.buf.split());
+    let Ok(client) = c.stream.take_stream() else {
+        return Next::Close;
+    };
+    crate::l4::tcp::carry(client, c.peer, pe, &first, r.started, ctx).await;
+    Next::Close
+}
+
+/// Step prepare: the head for the PE, and the body read and held if it is small enough.
+pub(crate) async fn prepare(c: &mut Client, r: &mut Request, ctx: &Ctx) -> io::Result<Outgoing> {
+    let (level_header, send_level) = ctx.level_header();
+    let head = outgoing_head_with(r, c.peer, level_header, send_level);
+    let held = match r.framing {
+        Framing::None => Some(Bytes::new()),
+        Framing::Length(n) if !r.expect_continue && n <= ctx.cfg.retry_buffer as u64 => {
+            Some(read_exact_body(c, n as usize, ctx.idle_timeout()).await?)
+        }
+        _ => None,
+    };
+    if held.is_some() {
+        r.framing = Framing::None;
+    }
+    Ok(Outgoing { head, held })
+}
+
+async fn read_exact_body(c: &mut Client, n: usize, idle: Duration) -> io::Result<Bytes> {
+    while c.buf.len() < n {
+        c.buf.reserve(n - c.buf.len());
+        let read = tokio::time::timeout(idle, c.stream.read_buf(&mut c.buf))
+            .await
+            .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))??;
+        if read == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(c.buf.split_to(n).freeze())
+}
+
+/// Step finish: settles an attempt with the PE ([`settle`]), logs the request and says what
+/// comes next; `None` sends the request to a PE again (failover).
+async fn finish(
+    c: &mut Client,
+    r: &Request,
+    out: &Outgoing,
+    attempt: &Attempt,
+    outcome: Result<Relayed, Failure>,
+    f: &mut Failover,
+    ctx: &Ctx,
+) -> Option<Next> {
+    let b = &attempt.pe;
+    match settle(r, out.held.is_some(), attempt, outcome, f, ctx) {
+        Settled::Answered { code, keep, bytes } => {
+            log(ctx, c.peer, r, code, Some(b), bytes);
+            Some(if keep && r.keep_alive {
+                Next::KeepAlive
+            } else {
+                Next::Close
+            })
+        }
+        Settled::Again => None,
+        Settled::Failed { code, why } => Some(give_up(c, r, ctx, code, why, Some(b)).await),
+    }
+}
+
+/// Ends a request without a response from a PE: answers `code` with `why` (unless the client
+/// has part of a response already, or is gone), logs it and closes.
+pub(crate) async fn give_up(
+    c: &mut Client,
+    r: &Request,
+    ctx: &Ctx,
+    code: u16,
+    why: Option<&str>,
+    b: Option<&Arc<Backend>>,
+) -> Next {
+    if let Some(why) = why {
+        let _ = if code == 503 {
+            // No PE had room: say when to come back.
+            let secs = ctx.cfg.levels.as_ref().map_or(1, |l| l.retry_after_s);
+            let resp = error_response_with(code, why, &format!("Retry-After: {secs}\r\n"));
+            c.stream.write_all(&resp).await
+        } else {
+            reply(c, code, why).await
+        };
+    }
+    log(ctx, c.peer, r, code, b, 0);
+    Next::Close
+}
+
+/// One HTTP/1.1 request to an HTTP/2 pool, from its body to the end of its response.
+/// One request to a pool whose PEs speak HTTP/2.
+async fn request_h2(c: &mut Client, mut r: Request, pool: &Arc<Pool>, ctx: &Ctx) -> Next {
+    let Ok(out) = prepare(c, &mut r, ctx).await else {
+        return Next::Close;
+    };
+    let Some(parts) = parts_of(&r) else {
+        return give_up(c, &r, ctx, 400, Some("malformed request"), None).await;
+    };
+    if out.held.is_none() && r.expect_continue {
+        // The PE cannot say it for itself over HTTP/2: the body is wanted.
+        if c.stream
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .await
+            .is_err()
+        {
+            return Next::Close;
+        }
+    }
+    let mut f = Failover::new(ctx.failover());
+    loop {
+        let connect =
+            |pe: Arc<Backend>| async move { up2::stream(&pe, ctx).await.map(|v| (v, false)) };
+        let (attempt, up) = match f
+            .attempt(pool, &ctx.pools, r.level, connect)
+            .await
+            .map_err(GiveUp::answer)
+        {
+            Ok(v) => v,
+            Err((code, why)) => return give_up(c, &r, ctx, code, Some(why), None).await,
+        };
+        let outcome = Box::pin(exchange(c, up, &r, &parts, &out, &attempt, ctx)).await;
+        match settle(&r, out.held.is_some(), &attempt, outcome, &mut f, ctx) {
+            Settled::Answered { code, keep, bytes } => {
+                log(ctx, c.peer, &r, code, Some(&attempt.pe), bytes);
+                return if keep && r.keep_alive && !*ctx.draining.borrow() {
+                    Next::KeepAlive
+                } else {
+                    Next::Close
+                };
+            }
+            Settled::Again => {}
+            Settled::Failed { code, why } => {
+                return give_up(c, &r, ctx, code, why, Some(&attempt.pe)).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,467 @@
+//! HTTP/2 from clients: over TLS when ALPN chose `h2`, and in cleartext from a client that
+//! starts with the HTTP/2 preface (h2c with prior knowledge).
+//!
+//! Every stream is one request through the same steps as an HTTP/1.1 request (see
+//! [`crate::http`]): its head is rewritten as an HTTP/1.1 head and parsed as one, so routing,
+//! service levels, admission, selection, failover and the access log are those of HTTP/1.1.
+//! It then goes to a PE over HTTP/1.1 (the default: the body re-framed, the response's
+//! chunked coding and trailers taken apart into frames) or over HTTP/2 for a pool with
+//! `protocol = "h2"` (frames relayed as they come, trailers included: gRPC).
+//!
+//! A request body is held, so that the request can go to another PE, when it is complete on
+//! arrival, announced by a Content-Length within `retry-buffer`, or (without a length) when
+//! the request may be sent again anyway (an idempotent method, a path in the pool's
+//! `idempotent` list): a streaming call is never waited for. gRPC deadlines (`grpc-timeout`)
+//! bound the wait for the PE and the relay; the PE gets what is left of the deadline.
+
+use super::guard::{Flood, Guarded};
+use super::stream::{Body, Stream, grpc_trailers, send_data};
+use crate::balance::backend::Backend;
+use crate::balance::failover::GiveUp;
+use crate::ctx::{Ctx, until_set};
+use crate::http::message::{Framing, Head};
+use crate::http::pipeline::{Failover, Settled, classify, idempotent_here, log, route, settle};
+use crate::http::request::{Request, parse};
+use crate::http::upstream::h1::{take_conn, to_h1};
+use crate::http::upstream::h2::{self as up2, to_h2};
+use bytes::{BufMut, Bytes, BytesMut};
+use h2::server::SendResponse;
+use h2::{Reason, RecvStream};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderValue};
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::{debug, warn};
+
+/// Longest wait for the client's SETTINGS, then for the GOAWAY of a flood to leave.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const GOAWAY_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Connections ended for a flood; also what paces the warnings (1st, 2nd, 4th, …).
+static FLOODS: AtomicU64 = AtomicU64::new(0);
+
+/// HTTP/2 connections ended with GOAWAY ENHANCE_YOUR_CALM, for the metrics.
+pub(crate) fn floods() -> u64 {
+    FLOODS.load(Ordering::Relaxed)
+}
+
+fn note_flood(peer: SocketAddr, what: &str) {
+    let n = FLOODS.fetch_add(1, Ordering::Relaxed) + 1;
+    if n.is_power_of_two() {
+        warn!(
+            "client {peer}: HTTP/2 {what}: GOAWAY ENHANCE_YOUR_CALM ({n} such connections so far)"
+        );
+    }
+}
+
+/// Serves one HTTP/2 client connection; `pre` is what was read of it already.
+pub(crate) async fn serve<T>(io: T, pre: Bytes, peer: SocketAddr, ctx: Ctx)
+where
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let h = &ctx.cfg.http2;
+    let (io, tripped) = Guarded::new(io, pre, h.max_resets_per_s, h.max_control_frames_per_s);
+    let mut b = h2::server::Builder::new();
+    b.max_concurrent_streams(h.max_concurrent_streams)
+        .initial_window_size(h.stream_window)
+        .initial_connection_window_size(h.connection_window)
+        .max_header_list_size(
+            h.max_header_list_size
+                .unwrap_or(u32::try_from(ctx.cfg.max_head).unwrap_or(u32::MAX)),
+        );
+    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, b.handshake::<_, Bytes>(io)).await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return debug!("client {peer}: HTTP/2 handshake: {e}"),
+        Err(_) => return debug!("client {peer}: no HTTP/2 handshake in time"),
+    };
+    let mut draining = ctx.draining.clone();
+    let idle = ctx.idle_timeout();
+    let mut idle_at = tokio::time::Instant::now() + idle;
+    let mut closing = false;
+    loop {
+        tokio::select! {
+            s = conn.accept() => match s {
+                Some(Ok((req, respond))) => {
+                    idle_at = tokio::time::Instant::now() + idle;
+                    // Boxed: the task holds a pointer, not the whole call's state, which would be
+                    // copied on every move.
+                    tokio::spawn(Box::pin(call(req, respond, peer, ctx.clone())));
+                }
+                Some(Err(e)) => {
+                    if e.reason() == Some(Reason::ENHANCE_YOUR_CALM) && e.is_library() {
+                        note_flood(peer, "abuse (headers, CONTINUATION or resets)");
+                    } else {
+                        debug!("client {peer}: HTTP/2: {e}");
+                    }
+                    return;
+                }
+                None => return,
+            },
+            f = tripped.wait() => {
+                note_flood(peer, match f {
+                    Flood::Resets => "reset flood",
+                    Flood::Control => "control frame flood",
+                });
+                conn.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
+                let _ = tokio::time::timeout(GOAWAY_TIMEOUT, poll_fn(|cx| conn.poll_closed(cx))).await;
+                return;
+            }
+            () = until_set(&mut draining), if !closing => {
+                conn.graceful_shutdown();
+                closing = true;
+            }
+            () = tokio::time::sleep_until(idle_at), if !closing => {
+                if conn.has_streams() {
+                    idle_at = tokio::time::Instant::now() + idle;
+                } else {
+                    conn.graceful_shutdown();
+                    closing = true;
+                }
+            }
+        }
+    }
+}
+
+/// One request (stream), from its head to the end of its response.
+async fn call(
+    req: http::Request<RecvStream>,
+    respond: SendResponse<Bytes>,
+    peer: SocketAddr,
+    ctx: Ctx,
+) {
+    let started = Instant::now();
+    let ctx = &ctx;
+    let (parts, recv) = req.into_parts();
+    let grpc = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+    let deadline = parts
+        .headers
+        .get("grpc-timeout")
+        .and_then(|v| grpc_timeout(v.as_bytes()))
+        .map(|t| tokio::time::Instant::from_std(started) + t);
+    let mut s = Stream {
+        respond,
+        tx: None,
+        peer,
+        grpc,
+        deadline,
+        parts,
+        body: Body::Held(Bytes::new()),
+    };
+    let ended = recv.is_end_stream();
+    let head = match head_of(&s.parts, ended, ctx.cfg.max_head * 2) {
+        Some(h) => h,
+        None => return reply(&mut s, 400, "malformed request", ctx).await,
+    };
+    let mut r = match parse(head, peer, started) {
+        Ok(r) => r,
+        Err((code, why)) => return reply(&mut s, code, why, ctx).await,
+    };
+    let Some(target) = route(&r, ctx) else {
+        return reply(&mut s, 404, "no route", ctx).await;
+    };
+    let pool = target.pool.clone();
+    r.level = classify(&r, peer, ctx);
+    let length = match r.framing {
+        Framing::Length(n) => Some(n),
+        _ => None,
+    };
+    let repeatable = idempotent_here(&r, &pool);
+    let limit = ctx.cfg.retry_buffer;
+    let hold =
+        ended || length.is_some_and(|n| n <= limit as u64) || (length.is_none() && repeatable);
+    let expects = s
+        .parts
+        .headers
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if expects && !ended {
+        // The body is wanted at once (the PE's own 100 Continue would come too late).
+        if let Ok(h) = http::Response::builder().status(100).body(()) {
+            let _ = s.respond.send_informational(h);
+        }
+    }
+    s.body = if hold {
+        match gather(recv, ended, limit, ctx.idle_timeout()).await {
+            Ok(b) => b,
+            Err(()) => return log(ctx, peer, &r, 499, None, 0),
+        }
+    } else {
+        Body::Streamed {
+            prefix: Bytes::new(),
+            rest: Some(recv),
+        }
+    };
+    let h2_pes = pool.protocol() == crate::config::PeProtocol::H2;
+    let mut f = Failover::new(ctx.failover());
+    loop {
+        let (attempt, outcome) = if h2_pes {
+            let connect = |pe: Arc<Backend>| async move {
+                // Never "reused": a broken HTTP/2 connection may have carried the request
+                // to the PE, so only an idempotent one goes out again.
+                up2::stream(&pe, ctx).await.map(|v| (v, false))
+            };
+            match f
+                .attempt(&pool, &ctx.pools, r.level, connect)
+                .await
+                .map_err(GiveUp::answer)
+            {
+                Ok((attempt, up)) => {
+                    let outcome = Box::pin(to_h2(&mut s, up, &r, &attempt, ctx)).await;
+                    (attempt, outcome)
+                }
+                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, ctx).await,
+            }
+        } else {
+            let connect = |pe: Arc<Backend>| async move { take_conn(&pe, ctx, !repeatable).await };
+            match f
+                .attempt(&pool, &ctx.pools, r.level, connect)
+                .await
+                .map_err(GiveUp::answer)
+            {
+                Ok((attempt, bc)) => {
+                    let outcome = Box::pin(to_h1(&mut s, bc, &r, &attempt, ctx)).await;
+                    (attempt, outcome)
+                }
+                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, ctx).await,
+            }
+        };
+        let replayable = matches!(s.body, Body::Held(_));
+        match settle(&r, replayable, &attempt, outcome, &mut f, ctx) {
+            Settled::Answered { code, bytes, .. } => {
+                return log(ctx, peer, &r, code, Some(&attempt.pe), bytes);
+            }
+            Settled::Again => {}
+            Settled::Failed { code, why } => {
+                return fail(&mut s, &r, code, why, Some(&attempt.pe), ctx).await;
+            }
+        }
+    }
+}
+
+const CONNECTION_SPECIFIC: [&str; 5] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// The request head as HTTP/1.1 (`Host` from `:authority`); a body of unknown length is
+/// announced as chunked.
+fn head_of(parts: &http::request::Parts, ended: bool, max: usize) -> Option<Head> {
+    let mut b = BytesMut::with_capacity(256);
+    b.put_slice(parts.method.as_str().as_bytes());
+    b.put_u8(b' ');
+    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    b.put_slice(target.as_bytes());
+    b.put_slice(b" HTTP/1.1\r\n");
+    let authority = parts
+        .uri
+        .authority()
+        .map(|a| a.as_str().as_bytes())
+        .or_else(|| parts.headers.get(HOST).map(HeaderValue::as_bytes));
+    if let Some(a) = authority {
+        b.put_slice(b"host: ");
+        b.put_slice(a);
+        b.put_slice(b"\r\n");
+    }
+    for (n, v) in &parts.headers {
+        // HTTP/2 has no 100 Continue to wait for: the body comes anyway.
+        if n == HOST || n == http::header::EXPECT {
+            continue;
+        }
+        // Connection-specific fields make an HTTP/2 request malformed (RFC 9113 §8.2.2);
+        // passed on to an HTTP/1.1 PE, Transfer-Encoding would smuggle a second request.
+        if CONNECTION_SPECIFIC.contains(&n.as_str()) {
+            return None;
+        }
+        b.put_slice(n.as_str().as_bytes());
+        b.put_slice(b": ");
+        b.put_slice(v.as_bytes());
+        b.put_slice(b"\r\n");
+    }
+    if !ended && !parts.headers.contains_key(CONTENT_LENGTH) {
+        b.put_slice(b"transfer-encoding: chunked\r\n");
+    }
+    b.put_slice(b"\r\n");
+    Head::request(&mut b, max).ok().flatten()
+}
+
+/// Reads the body while it fits in `limit`: all of it, or what was read and the rest.
+async fn gather(
+    mut recv: RecvStream,
+    ended: bool,
+    limit: usize,
+    idle: Duration,
+) -> Result<Body, ()> {
+    if ended {
+        return Ok(Body::Held(Bytes::new()));
+    }
+    let mut buf = BytesMut::new();
+    loop {
+        match tokio::time::timeout(idle, recv.data()).await {
+            Err(_) | Ok(Some(Err(_))) => return Err(()),
+            Ok(None) => return Ok(Body::Held(buf.freeze())),
+            Ok(Some(Ok(d))) => {
+                let _ = recv.flow_control().release_capacity(d.len());
+                buf.extend_from_slice(&d);
+                if buf.len() > limit {
+                    return Ok(Body::Streamed {
+                        prefix: buf.freeze(),
+                        rest: Some(recv),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// `grpc-timeout`: up to 8 digits and a unit (H, M, S, m, u, n).
+fn grpc_timeout(v: &[u8]) -> Option<Duration> {
+    let (&unit, digits) = v.split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n = digits
+        .iter()
+        .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+    Some(match unit {
+        b'H' => Duration::from_secs(n * 3600),
+        b'M' => Duration::from_secs(n * 60),
+        b'S' => Duration::from_secs(n),
+        b'm' => Duration::from_millis(n),
+        b'u' => Duration::from_micros(n),
+        b'n' => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// The gRPC status of a proxy's error answer (gRPC's HTTP-to-status mapping; the deadline's
+/// own status when it passed).
+fn grpc_status(code: u16, expired: bool) -> u16 {
+    match code {
+        _ if expired => 4,
+        400 => 13,
+        401 => 16,
+        403 => 7,
+        404 => 12,
+        429 | 502..=504 => 14,
+        _ => 2,
+    }
+}
+
+/// Ends a request the PEs did not answer: `code` with `why` to the client (or, after part
+/// of a response, the stream reset), then the log line.
+async fn fail(
+    s: &mut Stream,
+    r: &Request,
+    code: u16,
+    why: Option<&str>,
+    b: Option<&Arc<Backend>>,
+    ctx: &Ctx,
+) {
+    match why {
+        Some(why) => reply(s, code, why, ctx).await,
+        None => {
+            if let Some(tx) = &mut s.tx {
+                tx.send_reset(Reason::INTERNAL_ERROR);
+            } else {
+                s.respond.send_reset(Reason::INTERNAL_ERROR);
+            }
+        }
+    }
+    log(ctx, s.peer, r, code, b, 0);
+}
+
+/// A short answer of the proxy's own: for gRPC, a trailers-only response with the status.
+async fn reply(s: &mut Stream, code: u16, why: &str, ctx: &Ctx) {
+    let expired = s.expired();
+    if let Some(tx) = &mut s.tx {
+        // Part of a response went out already.
+        if s.grpc && expired {
+            let _ = tx.send_trailers(grpc_trailers(4, "deadline exceeded"));
+        } else {
+            tx.send_reset(Reason::INTERNAL_ERROR);
+        }
+        return;
+    }
+    let mut head = http::Response::builder();
+    if s.grpc {
+        let why = if expired { "deadline exceeded" } else { why };
+        head = head
+            .status(200)
+            .header(CONTENT_TYPE, "application/grpc")
+            .header("grpc-status", grpc_status(code, expired))
+            .header("grpc-message", why);
+        if let Ok(h) = head.body(()) {
+            let _ = s.respond.send_response(h, true);
+        }
+        return;
+    }
+    head = head
+        .status(code)
+        .header(CONTENT_TYPE, "text/plain; charset=utf-8");
+    if code == 503 {
+        // No PE had room: say when to come back.
+        let secs = ctx.cfg.levels.as_ref().map_or(1, |l| l.retry_after_s);
+        head = head.header("retry-after", secs);
+    }
+    let Ok(h) = head.body(()) else { return };
+    if let Ok(mut tx) = s.respond.send_response(h, false) {
+        let _ = send_data(&mut tx, Bytes::from(format!("{why}\n")), true).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_are_read_in_every_unit() {
+        assert_eq!(grpc_timeout(b"100m"), Some(Duration::from_millis(100)));
+        assert_eq!(grpc_timeout(b"2S"), Some(Duration::from_secs(2)));
+        assert_eq!(grpc_timeout(b"1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(grpc_timeout(b"5u"), Some(Duration::from_micros(5)));
+        for bad in [&b""[..], b"m", b"123456789m", b"10x", b"-1S", b"1.5S"] {
+            assert_eq!(grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_h2_request_reads_as_http1_with_its_authority_as_host() {
+        let req = http::Request::builder()
+            .method("POST")
+            .uri("https://api.example:8443/v1/x?q=1")
+            .header("content-type", "application/grpc")
+            .header("expect", "100-continue")
+            .body(())
+            .unwrap();
+        let (parts, ()) = req.into_parts();
+        let h = head_of(&parts, false, 4096).unwrap();
+        assert_eq!(h.method(), b"POST");
+        assert_eq!(h.target(), b"/v1/x?q=1");
+        assert_eq!(h.get("host"), Some(&b"api.example:8443"[..]));
+        assert_eq!(h.get("transfer-encoding"), Some(&b"chunked"[..]));
+        assert_eq!(h.get("expect"), None);
+        let (parts, ()) = http::Request::get("http://a/")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let h = head_of(&parts, true, 4096).unwrap();
+        assert_eq!(h.get("transfer-encoding"), None);
+        // h2-to-h1 request smuggling: a client's own framing is refused.
+        let (parts, ()) = http::Request::post("http://a/")
+            .header("transfer-encoding", "chunked")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert!(head_of(&parts, false, 4096).is_none());
+    }
+}

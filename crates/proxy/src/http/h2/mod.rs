@@ -1,0 +1,7 @@
+//! HTTP/2 from clients ([`front`]), one stream each ([`stream`]), with limits on what a client
+//! may send ([`guard`]). The framing, HPACK and flow control are the `h2` crate's; the PE side
+//! is `crate::http::upstream`.
+
+pub(crate) mod front;
+pub(crate) mod guard;
+pub(crate) mod stream;

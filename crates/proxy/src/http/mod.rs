@@ -1,0 +1,13 @@
+//! HTTP: requests from HTTP/1.1 clients ([`h1`]) and HTTP/2 clients (`h2`), each routed,
+//! classified, admitted and sent to a PE, over HTTP/1.1 or HTTP/2, with failover. The HTTP/1.1
+//! message codec is [`message`]; [`client`] is a small HTTP/1.1 client for tests and
+//! benchmarks.
+
+pub mod client;
+pub(crate) mod client_stream;
+pub mod h1;
+pub(crate) mod h2;
+pub mod message;
+pub(crate) mod pipeline;
+pub(crate) mod request;
+pub(crate) mod upstream;

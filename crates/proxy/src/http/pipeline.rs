@@ -1,0 +1,185 @@
+//! The request pipeline, the same for every HTTP version on either side: the steps a request
+//! goes through between its front (HTTP/1.1 in [`crate::http::h1`], HTTP/2 in `crate::http::h2`)
+//! and the relay to a PE (`crate::http::upstream`).
+//!
+//! `parse` (`crate::http::request`) → [`route`] → [`classify`] → [`select`] (admission, the
+//! pool's policy, a connection; failover to the next PE) → the relay → [`settle`] (counters,
+//! health, whether the request goes out again) → [`log`]. A front runs them in a loop: the steps
+//! from select on repeat while the request fails over to another PE. A new concern is a step
+//! or a field of a step's value, not a branch inside another step.
+//!
+//! A connect failure moves the request to the next PE; a PE that closes or resets before any
+//! response byte gets the request once more on another PE if the method is idempotent and the
+//! body was held. A stale kept-alive connection that closes before answering costs no failure:
+//! the request goes out again on a new connection.
+
+use crate::balance::backend::Backend;
+pub(crate) use crate::balance::failover::{Attempt, Failover};
+use crate::balance::levels::RequestFacts;
+use crate::balance::pools::Pool;
+use crate::ctx::Ctx;
+use crate::http::request::Request;
+use crate::routes::Target;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use tracing::debug;
+
+/// Step classify: the request's service level by the `[levels]` rules.
+pub(crate) fn classify(r: &Request, peer: SocketAddr, ctx: &Ctx) -> usize {
+    let Some(levels) = &ctx.cfg.levels else {
+        return 1;
+    };
+    let target = r.head.target();
+    let header = |name: &str| r.head.get(name).and_then(|v| std::str::from_utf8(v).ok());
+    levels.classify(&RequestFacts {
+        source: peer.ip().to_canonical(),
+        host: std::str::from_utf8(&r.host).ok(),
+        path: std::str::from_utf8(&target[..r.path_end]).ok(),
+        header: &header,
+    })
+}
+
+/// Step route: the pool that serves the request.
+pub(crate) fn route<'c>(r: &Request, ctx: &'c Ctx) -> Option<&'c Target> {
+    ctx.routes.route(&r.host, &r.head.target()[..r.path_end])
+}
+
+/// How far an exchange with a PE got before it failed.
+pub(crate) enum Failure {
+    /// Nothing of the response arrived; `body_sent` tells whether a streamed body was used.
+    NoResponse { body_sent: bool, error: io::Error },
+    /// The PE did not answer in time.
+    Timeout,
+    /// The PE answered garbage or broke off mid-response; the client connection is spoilt
+    /// if anything was relayed.
+    Broken { relayed: bool },
+    /// The client went away.
+    Client,
+    /// The PE refused the request unprocessed (HTTP/2 REFUSED_STREAM, or a GOAWAY before it).
+    Refused,
+    /// The client's deadline (`grpc-timeout`) passed before the PE answered.
+    Deadline,
+    /// The request cannot be expressed towards the PE.
+    BadRequest,
+    /// The client's body broke the chunked coding.
+    BadBody,
+}
+
+/// The response as the client got it: the value [`relay`] makes.
+pub(crate) struct Relayed {
+    pub(crate) code: u16,
+    /// The client connection can carry another request.
+    pub(crate) keep: bool,
+    /// Bytes relayed to the client.
+    pub(crate) bytes: u64,
+}
+
+/// What [`settle`] makes of an attempt.
+pub(crate) enum Settled {
+    /// The PE's response went to the client.
+    Answered { code: u16, keep: bool, bytes: u64 },
+    /// The request goes to a PE again.
+    Again,
+    /// The request failed with `code`; `why` is for the client, unless it has part of a
+    /// response already.
+    Failed {
+        code: u16,
+        why: Option<&'static str>,
+    },
+}
+
+/// Settles an attempt with the PE: counters, health, and whether the request may go out
+/// again (`replayable`: its body was held, so it can be sent again).
+pub(crate) fn settle(
+    r: &Request,
+    replayable: bool,
+    attempt: &Attempt,
+    outcome: Result<Relayed, Failure>,
+    f: &mut Failover,
+    ctx: &Ctx,
+) -> Settled {
+    let b = &attempt.pe;
+    attempt.pool.finished(b, r.level, attempt.sent.elapsed());
+    let (code, why) = match outcome {
+        Ok(Relayed { code, keep, bytes }) => {
+            b.succeeded();
+            if code >= 500 {
+                b.stats.responses_5xx.fetch_add(1, Ordering::Relaxed);
+            }
+            return Settled::Answered { code, keep, bytes };
+        }
+        Err(Failure::Refused) if replayable && f.may_retry() => {
+            // The PE did not take the stream (REFUSED_STREAM, or past its GOAWAY): nothing
+            // of it was processed, so it may go anywhere again, idempotent or not.
+            return Settled::Again;
+        }
+        Err(Failure::Refused) => (502, Some("the pool element refused the request")),
+        Err(Failure::NoResponse { body_sent, error }) => {
+            let replayable = replayable && !body_sent;
+            if attempt.reused && replayable && f.may_retry() {
+                // A kept-alive connection the PE had closed: not the PE's fault, but its
+                // other idle connections may be as stale.
+                b.conns.drop_idle();
+                return Settled::Again;
+            }
+            debug!("pool {} PE {:#010x}: no response: {error}", b.pool, b.id);
+            f.unreachable(&ctx.pools, b);
+            if replayable && idempotent_here(r, &attempt.pool) && f.may_resend() {
+                return Settled::Again;
+            }
+            (502, Some("the pool element closed the connection"))
+        }
+        Err(Failure::Timeout) => {
+            b.failed(&ctx.pools.settings.health);
+            (504, Some("the pool element did not answer in time"))
+        }
+        Err(Failure::Broken { relayed }) => {
+            b.failed(&ctx.pools.settings.health);
+            (
+                502,
+                (!relayed).then_some("bad response from the pool element"),
+            )
+        }
+        Err(Failure::BadBody) => (400, Some("malformed chunked body")),
+        Err(Failure::BadRequest) => (400, Some("malformed request")),
+        // The client's own deadline: no fault of the PE's.
+        Err(Failure::Deadline) => (504, Some("deadline exceeded")),
+        Err(Failure::Client) => (499, None),
+    };
+    Settled::Failed { code, why }
+}
+
+/// Whether the request may be sent to another PE after one failed it: an idempotent method,
+/// or a path the pool lists as idempotent (`[pool.NAME] idempotent`, for gRPC methods).
+pub(crate) fn idempotent_here(r: &Request, pool: &Pool) -> bool {
+    if r.idempotent {
+        return true;
+    }
+    pool.idempotent_path(&r.head.target()[..r.path_end])
+}
+
+/// The access log line of a request.
+pub(crate) fn log(
+    ctx: &Ctx,
+    peer: SocketAddr,
+    r: &Request,
+    code: u16,
+    b: Option<&Arc<Backend>>,
+    bytes: u64,
+) {
+    ctx.log(|| {
+        format!(
+            "{} {} {} {} {} {} {} {}",
+            peer,
+            String::from_utf8_lossy(r.head.method()),
+            String::from_utf8_lossy(r.head.target()),
+            code,
+            b.map_or("-".into(), |b| b.pool.to_string()),
+            b.map_or("-".into(), |b| format!("{:#010x}", b.id)),
+            bytes,
+            r.started.elapsed().as_micros()
+        )
+    });
+}

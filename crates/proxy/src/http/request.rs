@@ -1,0 +1,190 @@
+//! What a request says about itself, whatever HTTP version it came in: the value the pipeline
+//! carries from parse to log ([`Request`]), and what its forwarding headers become on the way to
+//! a PE ([`Forwarding`]). An HTTP/2 request is rewritten as an HTTP/1.1 head first
+//! (`crate::http::h2`), so both versions are analysed here alike.
+
+use crate::http::message::{Framing, Head, framing};
+use bytes::{BufMut, Bytes, BytesMut};
+use std::net::SocketAddr;
+use std::time::Instant;
+use tracing::debug;
+
+/// What the request says about itself: the value [`parse`] makes.
+pub(crate) struct Request {
+    pub(crate) head: Head,
+    pub(crate) framing: Framing,
+    pub(crate) host: Vec<u8>,
+    pub(crate) path_end: usize,
+    pub(crate) keep_alive: bool,
+    pub(crate) expect_continue: bool,
+    pub(crate) upgrade: bool,
+    pub(crate) idempotent: bool,
+    pub(crate) started: Instant,
+    /// Service level (1 without `[levels]`).
+    pub(crate) level: usize,
+}
+
+/// Step parse: the request analysed, or the status and text that refuse it.
+pub(crate) fn parse(
+    head: Head,
+    peer: SocketAddr,
+    started: Instant,
+) -> Result<Request, (u16, &'static str)> {
+    let r = analyse(head, started).map_err(|why| {
+        debug!("client {peer}: {why}");
+        (400, why)
+    })?;
+    if r.head.method() == b"CONNECT" {
+        return Err((405, "CONNECT is not served"));
+    }
+    Ok(r)
+}
+
+fn idempotent(method: &[u8]) -> bool {
+    matches!(
+        method,
+        b"GET" | b"HEAD" | b"PUT" | b"DELETE" | b"OPTIONS" | b"TRACE"
+    )
+}
+
+fn analyse(head: Head, started: Instant) -> Result<Request, &'static str> {
+    let framing = framing(&head, true).map_err(|_| "bad body framing")?;
+    let host = {
+        let mut hosts = head.values("host");
+        match (hosts.next(), hosts.next()) {
+            (Some(h), None) => h.to_vec(),
+            (None, None) if head.minor == 0 => Vec::new(),
+            _ => return Err("one Host header is required"),
+        }
+    };
+    let target = head.target();
+    if target.first() != Some(&b'/') && target != b"*" {
+        return Err("only origin-form request targets are served");
+    }
+    let path_end = target
+        .iter()
+        .position(|&b| b == b'?')
+        .unwrap_or(target.len());
+    let keep_alive = head.wants_keep_alive();
+    let expect_continue = head
+        .get("expect")
+        .is_some_and(|v| v.eq_ignore_ascii_case(b"100-continue"));
+    let upgrade =
+        head.minor == 1 && head.has_token("connection", "upgrade") && head.get("upgrade").is_some();
+    let idempotent = idempotent(head.method());
+    Ok(Request {
+        head,
+        framing,
+        host,
+        path_end,
+        keep_alive,
+        expect_continue,
+        upgrade,
+        idempotent,
+        started,
+        level: 1,
+    })
+}
+
+/// What a request's forwarding headers become on the way to a PE, whatever the HTTP version
+/// towards it: the client's own X-Forwarded-For and Forwarded values (every one that holds an
+/// element, RFC 9110 §5.6.1) go before the client's address.
+pub(crate) struct Forwarding<'r> {
+    host: &'r [u8],
+    prior_xff: Vec<&'r [u8]>,
+    prior_fwd: Vec<&'r [u8]>,
+}
+
+/// Goes through the request's end-to-end headers: those that pass unchanged go to `pass`, the
+/// forwarding ones into the [`Forwarding`]; a client's copies of `level_header` are dropped.
+/// Nothing is allocated unless the client sent forwarding headers of its own.
+pub(crate) fn forwarding<'r>(
+    r: &'r Request,
+    level_header: &str,
+    mut pass: impl FnMut(&'r [u8], &'r [u8]),
+) -> Forwarding<'r> {
+    let mut fw = Forwarding {
+        host: &r.host,
+        prior_xff: Vec::new(),
+        prior_fwd: Vec::new(),
+    };
+    for (n, v) in r.head.end_to_end() {
+        if n.eq_ignore_ascii_case(level_header.as_bytes()) {
+            continue;
+        }
+        let prior = if n.eq_ignore_ascii_case(b"x-forwarded-for") {
+            &mut fw.prior_xff
+        } else if n.eq_ignore_ascii_case(b"forwarded") {
+            &mut fw.prior_fwd
+        } else {
+            pass(n, v);
+            continue;
+        };
+        if v.split(|&b| b == b',').any(|e| !e.trim_ascii().is_empty()) {
+            prior.push(v);
+        }
+    }
+    fw
+}
+
+impl Forwarding<'_> {
+    /// X-Forwarded-For's value.
+    pub(crate) fn x_forwarded_for(&self, out: &mut impl BufMut, peer: SocketAddr) {
+        for v in &self.prior_xff {
+            out.put_slice(v);
+            out.put_slice(b", ");
+        }
+        put_ip(out, peer, false);
+    }
+
+    /// Forwarded's value.
+    pub(crate) fn forwarded(&self, out: &mut impl BufMut, peer: SocketAddr) {
+        for v in &self.prior_fwd {
+            out.put_slice(v);
+            out.put_slice(b", ");
+        }
+        out.put_slice(b"for=");
+        put_ip(out, peer, true);
+        if plain_host(self.host) {
+            out.put_slice(b";host=\"");
+            out.put_slice(self.host);
+            out.put_u8(b'"');
+        }
+        out.put_slice(b";proto=http");
+    }
+}
+
+/// The client's address; an IPv6 one as Forwarded wants it (`"[…]"`) with `node`.
+fn put_ip(out: &mut impl BufMut, peer: SocketAddr, node: bool) {
+    use std::io::Write;
+    let ip = peer.ip().to_canonical();
+    // Formatted on the stack: no string per request.
+    let mut buf = [0u8; 64];
+    let mut c = std::io::Cursor::new(&mut buf[..]);
+    let _ = if node && ip.is_ipv6() {
+        write!(c, "\"[{ip}]\"")
+    } else {
+        write!(c, "{ip}")
+    };
+    let n = c.position() as usize;
+    out.put_slice(&buf[..n]);
+}
+
+/// Whether a Host is a plain host[:port] (letters, digits, `-._~%`, an IP literal's `:[]`):
+/// only such a host is named in Forwarded, where it needs no escaping in its quoted-string
+/// (RFC 7239 §4) and no parser, however naive, finds a `,` `;` or `=` in it that would let
+/// the client add an element of its own.
+pub(crate) fn plain_host(host: &[u8]) -> bool {
+    !host.is_empty()
+        && host
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b"-._~%:[]".contains(&b))
+}
+
+/// The request as it goes to a PE: the value [`prepare`] makes.
+pub(crate) struct Outgoing {
+    pub(crate) head: BytesMut,
+    /// The whole body, when it is small enough to be held: then the request can be sent
+    /// again (and `Request::framing` says there is nothing left to stream).
+    pub(crate) held: Option<Bytes>,
+}

@@ -1,0 +1,824 @@
+//! The relay to a PE that speaks HTTP/1.1, over a kept-alive connection from the PE's idle set
+//! when there is one: the head and a held body in one write, a streamed body in its framing,
+//! interim responses (100 releases a waiting body; 101 turns the connection into a tunnel),
+//! then the response to the client. Heads are parsed, bodies only delimited and streamed.
+//! An HTTP/1.1 client gets the response as it came (the connection's own headers replaced); an
+//! HTTP/2 client gets it taken apart into frames (the chunked coding and its trailers).
+
+use super::PeStream;
+use crate::balance::backend::Backend;
+use crate::balance::conns::IdlePool;
+use crate::ctx::Ctx;
+use crate::http::client_stream::{Client, ClientStream};
+use crate::http::h2::stream::{Body, Stream, send_data};
+use crate::http::message::{
+    BodyDecoder, BodyState, Framing, Head, Piece, frame_into, response_framing,
+};
+use crate::http::pipeline::{Attempt, Failure, Relayed};
+use crate::http::request::Outgoing;
+use crate::http::request::{Request, forwarding};
+use crate::http::upstream::connect_pe;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::header::{HeaderName, HeaderValue};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// A connection to a PE with the bytes read from it but not used yet.
+#[derive(Debug)]
+pub(crate) struct BackendConn {
+    pub(crate) stream: PeStream,
+    pub(crate) buf: BytesMut,
+}
+
+impl BackendConn {
+    pub(crate) fn new(stream: PeStream) -> Self {
+        Self {
+            stream,
+            buf: BytesMut::with_capacity(16 * 1024),
+        }
+    }
+}
+
+const READ_CHUNK: usize = 64 * 1024;
+
+/// Responses up to this size (head and body) go to the client in one write.
+const COALESCE: usize = 64 * 1024;
+
+/// An idle kept-alive connection to the PE, or a new one. Non-idempotent requests only reuse
+/// connections idle for less than a second: the PE is unlikely to have closed those, and
+/// such a request cannot be sent again if it did.
+pub(crate) async fn take_conn(
+    b: &Arc<Backend>,
+    ctx: &Ctx,
+    fresh_only: bool,
+) -> io::Result<(BackendConn, bool)> {
+    let max_age = if fresh_only {
+        Duration::from_secs(1)
+    } else {
+        ctx.pools.settings.idle_timeout
+    };
+    if let Some(conn) = idle(b).and_then(|i| i.take(max_age)) {
+        return Ok((conn, true));
+    }
+    Ok((BackendConn::new(connect_pe(b, ctx).await?), false))
+}
+
+/// The request head as sent to a PE: hop-by-hop headers dropped, forwarding headers added,
+/// a client's copies of the level header (the default name) dropped.
+pub(crate) fn outgoing_head(r: &Request, peer: SocketAddr) -> BytesMut {
+    outgoing_head_with(r, peer, crate::balance::levels::DEFAULT_HEADER, false)
+}
+
+/// [`outgoing_head`] with the level header named `level_header`: a client's own copies are
+/// always dropped (a PE serving by level must not trust them, `[levels]` or not), and with
+/// `send_level` the request's level goes in it.
+pub(crate) fn outgoing_head_with(
+    r: &Request,
+    peer: SocketAddr,
+    level_header: &str,
+    send_level: bool,
+) -> BytesMut {
+    let h = &r.head;
+    let mut out = BytesMut::with_capacity(h.raw.len() + 128);
+    out.put_slice(h.method());
+    out.put_u8(b' ');
+    out.put_slice(h.target());
+    out.put_slice(if h.minor == 1 {
+        b" HTTP/1.1\r\n"
+    } else {
+        b" HTTP/1.0\r\n"
+    });
+    let fw = forwarding(r, level_header, |n, v| {
+        out.put_slice(n);
+        out.put_slice(b": ");
+        out.put_slice(v);
+        out.put_slice(b"\r\n");
+    });
+    out.put_slice(b"X-Forwarded-For: ");
+    fw.x_forwarded_for(&mut out, peer);
+    out.put_slice(b"\r\nForwarded: ");
+    fw.forwarded(&mut out, peer);
+    out.put_slice(b"\r\n");
+    if send_level {
+        out.put_slice(level_header.as_bytes());
+        out.put_slice(b": ");
+        out.put_slice(r.level.to_string().as_bytes());
+        out.put_slice(b"\r\n");
+    }
+    if r.upgrade {
+        out.put_slice(b"Connection: upgrade\r\nUpgrade: ");
+        out.put_slice(h.get("upgrade").unwrap_or_default());
+        out.put_slice(b"\r\n");
+    } else if h.minor == 0 {
+        // Asked for whatever the client wants, so that HTTP/1.0 clients (ab, old scripts)
+        // also get kept-alive connections to the PEs.
+        out.put_slice(b"Connection: keep-alive\r\n");
+    }
+    out.put_slice(b"\r\n");
+    out
+}
+
+/// The response head for the client: the status line and end-to-end headers as they came,
+/// the connection's own headers replaced by ours.
+pub(crate) fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
+    out.put_slice(h.status_line());
+    out.put_slice(b"\r\n");
+    for (n, v) in h.end_to_end() {
+        out.put_slice(n);
+        out.put_slice(b": ");
+        out.put_slice(v);
+        out.put_slice(b"\r\n");
+    }
+    if !keep {
+        out.put_slice(b"Connection: close\r\n");
+    } else if client_minor == 0 {
+        out.put_slice(b"Connection: keep-alive\r\n");
+    }
+    out.put_slice(b"\r\n");
+}
+
+/// What [`send`] left to do with the request body.
+pub(crate) struct Sent {
+    /// Part of a streamed body went to the PE: the request cannot be sent again.
+    body_sent: bool,
+    /// Part of the body is still with the client (it waits for 100 Continue, or the PE
+    /// stopped taking it).
+    body_left: bool,
+}
+
+/// Step send: the head and a held body in one write, then a streamed body unless the client
+/// waits for 100 Continue.
+pub(crate) async fn send(
+    c: &mut Client,
+    bc: &mut BackendConn,
+    r: &Request,
+    out: &Outgoing,
+    b: &Backend,
+    ctx: &Ctx,
+) -> Result<Sent, Failure> {
+    let written = match &out.held {
+        Some(body) if !body.is_empty() && out.head.len() + body.len() <= COALESCE => {
+            let mut v = BytesMut::with_capacity(out.head.len() + body.len());
+            v.put_slice(&out.head);
+            v.put_slice(body);
+            bc.stream.write_all(&v).await
+        }
+        Some(body) if !body.is_empty() => {
+            let r = bc.stream.write_all(&out.head).await;
+            match r {
+                Ok(()) => bc.stream.write_all(body).await,
+                e => e,
+            }
+        }
+        _ => bc.stream.write_all(&out.head).await,
+    };
+    if let Err(error) = written {
+        return Err(Failure::NoResponse {
+            body_sent: false,
+            error,
+        });
+    }
+    if let Some(body) = &out.held {
+        b.stats
+            .bytes_in
+            .fetch_add(body.len() as u64, Ordering::Relaxed);
+    }
+    let mut sent = Sent {
+        body_sent: false,
+        body_left: !matches!(r.framing, Framing::None),
+    };
+    if sent.body_left && !r.expect_continue {
+        sent.body_sent = true;
+        sent.body_left = !send_body(c, bc, r, b, ctx).await?;
+    }
+    Ok(sent)
+}
+
+/// Streams the client's request body to the PE. `Ok(false)` when the PE stopped taking it (it
+/// may have answered early: the response is read next).
+async fn send_body(
+    c: &mut Client,
+    bc: &mut BackendConn,
+    r: &Request,
+    b: &Backend,
+    ctx: &Ctx,
+) -> Result<bool, Failure> {
+    let sent = stream_body(
+        &mut c.stream,
+        &mut c.buf,
+        &mut bc.stream,
+        r.framing,
+        BytesMut::new(),
+        ctx.idle_timeout(),
+        false,
+    )
+    .await;
+    match sent {
+        Ok(n) => {
+            b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
+            Ok(true)
+        }
+        Err(RelayError::Src) => Err(Failure::Client),
+        Err(RelayError::Malformed) => Err(Failure::BadBody),
+        Err(RelayError::Dst | RelayError::Timeout) => Ok(false),
+    }
+}
+
+/// Step relay: the PE's response to the client, interim responses first (100 Continue
+/// releases a waiting body; 101 turns the connection into a tunnel). A PE connection that
+/// can carry another request goes back to the PE's idle set.
+pub(crate) async fn relay(
+    c: &mut Client,
+    mut bc: BackendConn,
+    r: &Request,
+    mut sent: Sent,
+    attempt: &Attempt,
+    ctx: &Ctx,
+) -> Result<Relayed, Failure> {
+    let b = &attempt.pe;
+    let mut relayed = false;
+    let mut bytes = 0u64;
+    let resp = loop {
+        let head = match read_response_head(&mut bc, ctx).await {
+            Ok(h) => {
+                if !relayed {
+                    b.note_latency(attempt.rif, attempt.sent.elapsed());
+                }
+                h
+            }
+            Err(f) => {
+                return Err(match f {
+                    Failure::NoResponse { error, .. } => Failure::NoResponse {
+                        body_sent: sent.body_sent,
+                        error,
+                    },
+                    other => other,
+                });
+            }
+        };
+        match head.code {
+            101 if r.upgrade => {
+                c.stream
+                    .write_all(&head.raw)
+                    .await
+                    .map_err(|_| Failure::Client)?;
+                tunnel(c, bc, b, ctx).await;
+                return Ok(Relayed {
+                    code: 101,
+                    keep: false,
+                    bytes: head.raw.len() as u64,
+                });
+            }
+            100..=199 if head.code != 101 => {
+                // Interim responses go to HTTP/1.1 clients; 100 releases a waiting body.
+                if r.head.minor == 1 {
+                    c.stream
+                        .write_all(&head.raw)
+                        .await
+                        .map_err(|_| Failure::Client)?;
+                    relayed = true;
+                }
+                if head.code == 100 && sent.body_left {
+                    sent.body_sent = true;
+                    sent.body_left = !send_body(c, &mut bc, r, b, ctx).await?;
+                }
+                continue;
+            }
+            _ => break head,
+        }
+    };
+    let code = resp.code;
+    let Ok(framing) = response_framing(&resp, r.head.method() == b"HEAD") else {
+        return Err(Failure::Broken { relayed });
+    };
+    if framing == Framing::Chunked && r.head.minor == 0 {
+        // An HTTP/1.0 client cannot read it, and a PE must not send it (RFC 9112 §7.1).
+        return Err(Failure::Broken { relayed });
+    }
+    // An HTTP/1.0 request's connection persists only if the PE says so (RFC 9112 §9.3).
+    let backend_keep = framing != Framing::Close
+        && !resp.has_token("connection", "close")
+        && if r.head.minor == 1 {
+            resp.minor == 1
+        } else {
+            resp.has_token("connection", "keep-alive")
+        };
+    let client_keep =
+        r.keep_alive && framing != Framing::Close && !sent.body_left && !*ctx.draining.borrow();
+    if sent.body_left {
+        // The client may still be sending the body the PE did not take.
+        c.stream.linger_on_close();
+    }
+    let mut out = BytesMut::with_capacity(resp.raw.len() + 64);
+    response_head(&resp, &mut out, client_keep, r.head.minor);
+    bytes += out.len() as u64;
+    match stream_body(
+        &mut bc.stream,
+        &mut bc.buf,
+        &mut c.stream,
+        framing,
+        out,
+        ctx.idle_timeout(),
+        !client_keep,
+    )
+    .await
+    {
+        Ok(n) => bytes += n,
+        Err(RelayError::Dst) => return Err(Failure::Client),
+        Err(_) => return Err(Failure::Broken { relayed: true }),
+    }
+    b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
+    if backend_keep && bc.buf.is_empty() && !sent.body_left {
+        if let Some(i) = idle(b) {
+            i.put(bc, ctx.pools.settings.max_idle_per_pe);
+        }
+    }
+    Ok(Relayed {
+        code,
+        keep: client_keep,
+        bytes,
+    })
+}
+
+pub(crate) async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Failure> {
+    let deadline = tokio::time::Instant::now() + ctx.request_timeout();
+    loop {
+        if !bc.buf.is_empty() {
+            match Head::response(&mut bc.buf, ctx.cfg.max_head) {
+                Ok(Some(h)) => return Ok(h),
+                Ok(None) => {}
+                Err(_) => return Err(Failure::Broken { relayed: false }),
+            }
+        }
+        bc.buf.reserve(16 * 1024);
+        let had = bc.buf.len();
+        match tokio::time::timeout_at(deadline, bc.stream.read_buf(&mut bc.buf)).await {
+            Err(_) => return Err(Failure::Timeout),
+            Ok(Ok(0)) if had == 0 => {
+                return Err(Failure::NoResponse {
+                    body_sent: false,
+                    error: io::ErrorKind::UnexpectedEof.into(),
+                });
+            }
+            Ok(Ok(0)) => return Err(Failure::Broken { relayed: false }),
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) if had == 0 => {
+                return Err(Failure::NoResponse {
+                    body_sent: false,
+                    error,
+                });
+            }
+            Ok(Err(_)) => return Err(Failure::Broken { relayed: false }),
+        }
+    }
+}
+
+/// After 101 Switching Protocols: bytes both ways until either side ends.
+async fn tunnel(c: &mut Client, mut bc: BackendConn, b: &Arc<Backend>, ctx: &Ctx) {
+    if !bc.buf.is_empty() && c.stream.write_all(&bc.buf).await.is_err() {
+        return;
+    }
+    if !c.buf.is_empty() && bc.stream.write_all(&c.buf).await.is_err() {
+        return;
+    }
+    c.buf.clear();
+    let moved = match (c.stream.is_tls(), bc.stream.plain()) {
+        (false, Some(pe)) => {
+            let Ok(cs) = c.stream.registered() else {
+                return;
+            };
+            crate::l4::splice::forward(cs, pe, ctx.idle_timeout(), ctx.cfg.splice).await
+        }
+        // TLS on either side: through buffers.
+        _ => {
+            crate::l4::splice::forward_streams(&mut c.stream, &mut bc.stream, ctx.idle_timeout())
+                .await
+        }
+    };
+    if let Ok(m) = moved {
+        b.stats.bytes_in.fetch_add(m.a_to_b, Ordering::Relaxed);
+        b.stats.bytes_out.fetch_add(m.b_to_a, Ordering::Relaxed);
+    }
+}
+
+enum RelayError {
+    Src,
+    Dst,
+    Timeout,
+    Malformed,
+}
+
+/// Streams a body of `framing` from `src` (the bytes already in `buf` first) to `dst`, after
+/// `prefix` (a head). The prefix and the first body bytes go out in one write where they fit,
+/// so a small response costs one write. Bytes after the body stay in `buf`.
+/// With `last`, the write that ends the body also ends `dst`'s sending side (see
+/// [`Sink::write_last`]).
+async fn stream_body(
+    src: &mut (impl AsyncRead + Unpin),
+    buf: &mut BytesMut,
+    dst: &mut impl Sink,
+    framing: Framing,
+    mut prefix: BytesMut,
+    idle: Duration,
+    last: bool,
+) -> Result<u64, RelayError> {
+    let mut state = BodyState::new(framing);
+    let mut total = 0u64;
+    loop {
+        if !buf.is_empty() && !state.is_done() {
+            let n = state.take(buf).map_err(|_| RelayError::Malformed)?;
+            if !prefix.is_empty() && prefix.len() + n <= COALESCE {
+                prefix.put_slice(&buf[..n]);
+            } else {
+                if !prefix.is_empty() {
+                    dst.write_all(&prefix).await.map_err(|_| RelayError::Dst)?;
+                    prefix.clear();
+                }
+                write(dst, &buf[..n], last && state.is_done()).await?;
+            }
+            buf.advance(n);
+            total += n as u64;
+        }
+        if !prefix.is_empty() {
+            write(dst, &prefix, last && state.is_done()).await?;
+            prefix.clear();
+        }
+        if state.is_done() {
+            return Ok(total);
+        }
+        buf.reserve(READ_CHUNK);
+        match tokio::time::timeout(idle, src.read_buf(buf)).await {
+            Err(_) => return Err(RelayError::Timeout),
+            Ok(Ok(0)) if matches!(state, BodyState::Close) => return Ok(total),
+            Ok(Ok(0)) | Ok(Err(_)) => return Err(RelayError::Src),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+async fn write(dst: &mut impl Sink, data: &[u8], last: bool) -> Result<(), RelayError> {
+    let r = if last {
+        dst.write_last(data).await
+    } else {
+        dst.write_all(data).await
+    };
+    r.map_err(|_| RelayError::Dst)
+}
+
+/// Where a relayed body goes: the client, or a PE.
+trait Sink: AsyncWrite + Unpin {
+    /// Writes the last bytes of the connection and ends its sending side.
+    async fn write_last(&mut self, data: &[u8]) -> io::Result<()>;
+}
+
+impl Sink for ClientStream {
+    async fn write_last(&mut self, data: &[u8]) -> io::Result<()> {
+        ClientStream::write_last(self, data).await
+    }
+}
+
+impl Sink for PeStream {
+    async fn write_last(&mut self, data: &[u8]) -> io::Result<()> {
+        self.write_all(data).await?;
+        self.shutdown().await
+    }
+}
+
+/// One attempt at a PE over HTTP/1.1.
+pub(crate) async fn to_h1(
+    s: &mut Stream,
+    mut bc: BackendConn,
+    r: &Request,
+    attempt: &Attempt,
+    ctx: &Ctx,
+) -> Result<Relayed, Failure> {
+    let b = &attempt.pe;
+    let chunked = r.framing == Framing::Chunked;
+    let (level_header, send_level) = ctx.level_header();
+    let mut out = outgoing_head_with(r, s.peer, level_header, send_level);
+    let (first, streamed) = match &s.body {
+        Body::Held(d) => (d, false),
+        Body::Streamed { prefix, .. } => (prefix, true),
+    };
+    frame_into(&mut out, first, chunked);
+    if chunked && !streamed {
+        out.put_slice(b"0\r\n\r\n");
+    }
+    b.stats
+        .bytes_in
+        .fetch_add(first.len() as u64, Ordering::Relaxed);
+    if let Err(error) = bc.stream.write_all(&out).await {
+        return Err(Failure::NoResponse {
+            body_sent: false,
+            error,
+        });
+    }
+    if let Body::Streamed { rest, .. } = &mut s.body
+        && let Some(mut recv) = rest.take()
+    {
+        let mut out = BytesMut::new();
+        loop {
+            let d = match tokio::time::timeout(ctx.idle_timeout(), recv.data()).await {
+                Ok(None) => break,
+                Ok(Some(Ok(d))) => d,
+                _ => return Err(Failure::Client),
+            };
+            let _ = recv.flow_control().release_capacity(d.len());
+            b.stats
+                .bytes_in
+                .fetch_add(d.len() as u64, Ordering::Relaxed);
+            let written = if chunked {
+                out.clear();
+                frame_into(&mut out, &d, true);
+                bc.stream.write_all(&out).await
+            } else {
+                bc.stream.write_all(&d).await
+            };
+            if written.is_err() {
+                // The PE stopped taking the body; it may have answered.
+                break;
+            }
+        }
+        if chunked {
+            let _ = bc.stream.write_all(b"0\r\n\r\n").await;
+        }
+    }
+    let resp = loop {
+        let h = read_response_head(&mut bc, ctx)
+            .await
+            .map_err(|f| match f {
+                Failure::NoResponse { error, .. } => Failure::NoResponse {
+                    body_sent: streamed,
+                    error,
+                },
+                other => other,
+            })?;
+        match h.code {
+            101 => return Err(Failure::Broken { relayed: false }),
+            100..=199 => continue,
+            _ => break h,
+        }
+    };
+    b.note_latency(attempt.rif, attempt.sent.elapsed());
+    let head_request = r.head.method() == b"HEAD";
+    let Ok(framing) = response_framing(&resp, head_request) else {
+        return Err(Failure::Broken { relayed: false });
+    };
+    let mut head = http::Response::builder().status(resp.code);
+    for (n, v) in resp.end_to_end() {
+        if n.eq_ignore_ascii_case(b"transfer-encoding") {
+            continue;
+        }
+        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(n), HeaderValue::from_bytes(v)) {
+            head = head.header(n, v);
+        }
+    }
+    let Ok(head) = head.body(()) else {
+        return Err(Failure::Broken { relayed: false });
+    };
+    let end = framing == Framing::None;
+    let tx = match s.respond.send_response(head, end) {
+        Ok(tx) => s.tx.insert(tx),
+        Err(_) => return Err(Failure::Client),
+    };
+    let mut bytes = 0u64;
+    let mut dec = BodyDecoder::new(framing);
+    loop {
+        if end {
+            break;
+        }
+        let piece = dec
+            .next(&mut bc.buf)
+            .map_err(|_| Failure::Broken { relayed: true })?;
+        match piece {
+            Piece::Data(d) if !d.is_empty() => {
+                bytes += d.len() as u64;
+                // A body of known length ends with its last bytes: END_STREAM on them.
+                let last = dec.is_done();
+                send_data(tx, d, last).await.map_err(|_| Failure::Client)?;
+                if last {
+                    break;
+                }
+            }
+            Piece::Data(_) => {
+                bc.buf.reserve(READ_CHUNK);
+                match tokio::time::timeout(ctx.idle_timeout(), bc.stream.read_buf(&mut bc.buf))
+                    .await
+                {
+                    Ok(Ok(0)) if framing == Framing::Close => {
+                        send_data(tx, Bytes::new(), true)
+                            .await
+                            .map_err(|_| Failure::Client)?;
+                        break;
+                    }
+                    Ok(Ok(n)) if n > 0 => {}
+                    _ => return Err(Failure::Broken { relayed: true }),
+                }
+            }
+            Piece::Trailers(t) => {
+                let mut map = http::HeaderMap::new();
+                for (n, v) in t {
+                    if let (Ok(n), Ok(v)) =
+                        (HeaderName::from_bytes(&n), HeaderValue::from_bytes(&v))
+                    {
+                        map.append(n, v);
+                    }
+                }
+                tx.send_trailers(map).map_err(|_| Failure::Client)?;
+                break;
+            }
+            Piece::End => {
+                send_data(tx, Bytes::new(), true)
+                    .await
+                    .map_err(|_| Failure::Client)?;
+                break;
+            }
+        }
+    }
+    b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
+    let keep = framing != Framing::Close
+        && !resp.has_token("connection", "close")
+        && resp.minor == 1
+        && bc.buf.is_empty();
+    if keep {
+        if let Some(i) = idle(b) {
+            i.put(bc, ctx.pools.settings.max_idle_per_pe);
+        }
+    }
+    Ok(Relayed {
+        code: resp.code,
+        keep: true,
+        bytes,
+    })
+}
+
+/// The PE's idle kept-alive connections.
+fn idle(b: &Backend) -> Option<&IdlePool<BackendConn>> {
+    b.conns.of::<IdlePool<BackendConn>>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http::request::parse;
+    use std::time::Instant;
+
+    fn forwarded_request(text: &str) -> BytesMut {
+        let h = Head::request(&mut BytesMut::from(text), 1024)
+            .unwrap()
+            .unwrap();
+        let r = parse(h, "192.0.2.1:1".parse().unwrap(), Instant::now()).unwrap();
+        outgoing_head(&r, "192.0.2.1:1".parse().unwrap())
+    }
+
+    #[test]
+    fn a_clients_level_header_never_reaches_the_pe() {
+        let text = "GET / HTTP/1.1\r\nHost: x\r\nX-Rserpool-Level: 9\r\nx-tier: 1\r\n\
+                    x-rserpool-level: 8\r\nX-Tier: 2\r\n\r\n";
+        let h = Head::request(&mut BytesMut::from(text), 1024)
+            .unwrap()
+            .unwrap();
+        let mut r = parse(h, "192.0.2.1:1".parse().unwrap(), Instant::now()).unwrap();
+        r.level = 3;
+        let peer = "192.0.2.1:1".parse().unwrap();
+        let values = |out: BytesMut, name: &str| {
+            let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+                .unwrap()
+                .unwrap();
+            h.values(name).map(<[u8]>::to_vec).collect::<Vec<_>>()
+        };
+        // Without [levels]: dropped, and nothing in its place.
+        assert!(values(outgoing_head(&r, peer), "x-rserpool-level").is_empty());
+        // With a configured header: the client's copies go, the proxy's level comes.
+        let out = outgoing_head_with(&r, peer, "x-tier", true);
+        assert_eq!(values(out.clone(), "x-tier"), [b"3".to_vec()]);
+        assert_eq!(
+            values(out, "x-rserpool-level").len(),
+            2,
+            "other headers pass"
+        );
+    }
+
+    #[test]
+    fn every_forwarding_header_of_the_client_goes_before_its_address() {
+        // Found by fuzzing: an empty value made an empty first element; and only the last
+        // of several headers was kept.
+        let out = forwarded_request(
+            "GET / HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 10.0.0.1\r\nForwarded: \r\n\
+             X-Forwarded-For: ,\r\nX-Forwarded-For: 10.0.0.2, 10.0.0.3\r\n\r\n",
+        );
+        let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+            .unwrap()
+            .unwrap();
+        let all = |name| h.values(name).collect::<Vec<_>>();
+        assert_eq!(
+            all("x-forwarded-for"),
+            [&b"10.0.0.1, 10.0.0.2, 10.0.0.3, 192.0.2.1"[..]]
+        );
+        assert_eq!(
+            all("forwarded"),
+            [&b"for=192.0.2.1;host=\"x\";proto=http"[..]]
+        );
+    }
+
+    #[test]
+    fn a_connection_option_cannot_take_away_the_framing_or_the_host() {
+        // Found by fuzzing: the proxy read the body by its Content-Length and then sent the
+        // head without it, so the PE took the body for a request of its own.
+        let out = forwarded_request(
+            "POST / HTTP/1.1\r\nHost: x\r\nConnection: content-length, host, x-a\r\n\
+             X-A: 1\r\nContent-Length: 5\r\n\r\n",
+        );
+        let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.get("content-length"), Some(&b"5"[..]));
+        assert_eq!(h.get("host"), Some(&b"x"[..]));
+        assert_eq!(h.get("x-a"), None);
+        let resp = forwarded_response(
+            "HTTP/1.1 200 OK\r\nConnection: transfer-encoding\r\n\
+             Transfer-Encoding: chunked\r\n\r\n",
+            true,
+        );
+        assert_eq!(
+            &resp[..],
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn an_ipv6_client_is_quoted_in_forwarded_and_bare_in_x_forwarded_for() {
+        let h = Head::request(
+            &mut BytesMut::from("GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
+            1024,
+        )
+        .unwrap()
+        .unwrap();
+        let peer: SocketAddr = "[2001:db8::1]:5".parse().unwrap();
+        let r = parse(h, peer, Instant::now()).unwrap();
+        let out = outgoing_head(&r, peer);
+        let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.get("x-forwarded-for"), Some(&b"2001:db8::1"[..]));
+        assert_eq!(
+            h.get("forwarded"),
+            Some(&b"for=\"[2001:db8::1]\";host=\"x\";proto=http"[..])
+        );
+        // An IPv4 client on a dual-stack socket is written as IPv4.
+        let mapped: SocketAddr = "[::ffff:192.0.2.7]:5".parse().unwrap();
+        let out = outgoing_head(&r, mapped);
+        assert!(
+            out.windows(20).any(|w| w == b"X-Forwarded-For: 192"),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn the_host_goes_into_forwarded_only_where_it_needs_no_escaping() {
+        let fwd = |host: &str| {
+            let out = forwarded_request(&format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
+            let h = Head::request(&mut BytesMut::from(&out[..]), 4096)
+                .unwrap()
+                .unwrap();
+            String::from_utf8(h.get("forwarded").unwrap().to_vec()).unwrap()
+        };
+        assert_eq!(fwd("a:80"), "for=192.0.2.1;host=\"a:80\";proto=http");
+        assert_eq!(
+            fwd("[::1]:8080"),
+            "for=192.0.2.1;host=\"[::1]:8080\";proto=http"
+        );
+        // Found by fuzzing: a backslash escaped the closing quote; a comma split the element
+        // for parsers that ignore quoting.
+        for odd in ["a\\", "a\"", "a,for=192.0.2.9", "a;proto=https"] {
+            assert_eq!(fwd(odd), "for=192.0.2.1;proto=http", "{odd}");
+        }
+    }
+
+    fn forwarded_response(text: &str, keep: bool) -> BytesMut {
+        let h = Head::response(&mut BytesMut::from(text), 1024)
+            .unwrap()
+            .unwrap();
+        let mut out = BytesMut::new();
+        response_head(&h, &mut out, keep, 1);
+        out
+    }
+
+    #[test]
+    fn a_response_head_goes_to_the_client_with_crlf_line_ends() {
+        // Found by fuzzing: a status line ending in a bare LF went out with the whole head
+        // after it, so the headers reached the client twice, the second time as body.
+        assert_eq!(
+            &forwarded_response("HTTP/1.1 200\n\n", true)[..],
+            b"HTTP/1.1 200\r\n\r\n"
+        );
+        assert_eq!(
+            &forwarded_response("\r\nHTTP/1.1 200 OK\nA: 1\n\n", false)[..],
+            b"HTTP/1.1 200 OK\r\nA: 1\r\nConnection: close\r\n\r\n"
+        );
+    }
+}
