@@ -1,5 +1,5 @@
 //! What an interrupted benchmark must undo. Processes started in their own process groups
-//! ([`crate::process::Proc`]) do not get the terminal's Ctrl-C; without this registry, Ctrl-C
+//! (`process::Proc`) do not get the terminal's Ctrl-C; without this registry, Ctrl-C
 //! or SIGTERM would leave them running, a rate limit on lo or network namespaces in place and
 //! temporary directories behind. Whoever sets such a thing up registers it here and removes the entry when it undoes
 //! it itself; [`on_signal`] undoes whatever is still registered.

@@ -5,7 +5,7 @@
 //! Why it exists: registration, re-registration and removal all touch the same three indexes
 //! of a pool; keeping the per-policy upkeep in one place means every selection structure sees
 //! the same sequence of changes, whoever causes them. Reading them for handle resolution is
-//! [`resolution`](crate::resolution)'s job.
+//! `resolution`'s job.
 
 use crate::select::{Fenwick, Heap, HeapItem};
 use crate::{FastMap, NIL};

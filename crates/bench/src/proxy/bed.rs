@@ -33,6 +33,14 @@ pub(super) struct Bed {
 }
 
 impl Bed {
+    /// The back ends, for a proxy's configuration.
+    pub(super) fn upstreams(&self) -> config::Upstreams<'_> {
+        config::Upstreams {
+            backends: &self.backends,
+            grpc_backends: &self.grpc_backends,
+        }
+    }
+
     pub(super) fn start(sizes: &[usize], rserpool: &Path, grpc: bool) -> Result<Bed> {
         // tmpfs, so that uploads cost memory copies, not disk writes.
         let dir = PathBuf::from(format!(

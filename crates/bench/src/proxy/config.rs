@@ -2,13 +2,18 @@
 //! rserpool's proxy, HAProxy and nginx set up alike (worker threads, round robin, kept-alive
 //! connections to the backends, X-Forwarded-For).
 
-use super::bed::Bed;
 use super::{GRPC_POOL, POOL};
 use std::net::SocketAddr;
 use std::path::Path;
 
 /// Where Debian's libnginx-mod-stream puts nginx's TCP proxy module.
 pub(super) const STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
+
+/// The back ends a proxy's configuration names.
+pub(super) struct Upstreams<'a> {
+    pub(super) backends: &'a [SocketAddr],
+    pub(super) grpc_backends: &'a [SocketAddr],
+}
 
 /// An nginx backend (`i`): the static files and WebDAV uploads under `dir`/www, on `addr`
 /// and on `check`, the address its sidecar checks.
@@ -149,7 +154,7 @@ protocol = "h2"
 
 /// HAProxy with the same three listeners, round robin, connection reuse and its default
 /// checks.
-pub(super) fn haproxy(threads: usize, f: &Fronts, bed: &Bed, tls: &TlsFiles) -> String {
+pub(super) fn haproxy(threads: usize, f: &Fronts, bed: &Upstreams<'_>, tls: &TlsFiles) -> String {
     let Fronts {
         http,
         tcp,
@@ -219,7 +224,7 @@ listen tcp
 pub(super) fn nginx_proxy(
     threads: usize,
     f: &Fronts,
-    bed: &Bed,
+    bed: &Upstreams<'_>,
     dir: &Path,
     tls: &TlsFiles,
 ) -> String {

@@ -78,14 +78,14 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
             c
         }
         System::Haproxy => {
-            let conf = config::haproxy(threads, &fronts, bed, &bed.tls);
+            let conf = config::haproxy(threads, &fronts, &bed.upstreams(), &bed.tls);
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new("haproxy");
             c.args(["-db", "-f"]).arg(&conf_path);
             c
         }
         System::Nginx => {
-            let conf = config::nginx_proxy(threads, &fronts, bed, d, &bed.tls);
+            let conf = config::nginx_proxy(threads, &fronts, &bed.upstreams(), d, &bed.tls);
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new("nginx");
             c.arg("-e")

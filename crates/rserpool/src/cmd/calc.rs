@@ -9,8 +9,7 @@
 //! there, so at most the steps since the last cookie are computed twice. Messages are
 //! one-line ASCII, one per DATA chunk.
 
-use super::example::ExampleArgs;
-use crate::RegistrarOpts;
+use crate::{PeOpts, RegistrarOpts};
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use rserpool_asap::PoolUser;
@@ -106,32 +105,33 @@ struct Calc {
     cookie_every: u64,
 }
 
-/// `rserpool example calc`.
-pub fn run_pe(args: ExampleArgs) -> Result<()> {
+/// `rserpool example calc`: the service on `listen`, registered by `pe`'s settings.
+pub fn run_pe(listen: std::net::SocketAddr, pe: PeOpts, o: CalcOpts) -> Result<()> {
     super::init_logging();
-    let o = &args.calc;
-    let sealer = CookieSealer::new(PoolHandle::from(args.pe.pool.as_str()), o.secrets()?)
+    let o = &o;
+    let sealer = CookieSealer::new(PoolHandle::from(pe.pool.as_str()), o.secrets()?)
         .with_max_age(o.cookie_max_age_ms.map(Duration::from_millis));
     if !sealer.sealed() {
         warn!("no pool secret: session cookies are not sealed, a pool user could forge its state");
     }
     let calc = Arc::new(Calc {
         acceptor: SessionAcceptor::new(sealer),
-        pool: PoolHandle::from(args.pe.pool.as_str()),
+        pool: PoolHandle::from(pe.pool.as_str()),
         card: o.business_card()?,
         step: Duration::from_millis(o.step_ms),
         cookie_every: o.cookie_every.max(1),
     });
     super::runtime()?.block_on(async move {
-        let listener = TcpListener::bind(args.listen)
+        let listener = TcpListener::bind(listen)
             .await
-            .with_context(|| format!("cannot listen on {}", args.listen))?;
+            .with_context(|| format!("cannot listen on {listen}"))?;
         let addr = listener.local_addr()?;
-        let pe = rserpool_asap::PoolElement::start(super::pe_config(&args.pe, addr)?)?;
+        let opts = pe;
+        let pe = rserpool_asap::PoolElement::start(super::pe_config(&opts, addr)?)?;
         info!(
             "calc service at {addr} is PE {:#010x} of pool {}",
             pe.id(),
-            args.pe.pool
+            opts.pool
         );
         let accept = async {
             loop {

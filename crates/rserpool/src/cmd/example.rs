@@ -103,7 +103,7 @@ impl ServiceOpts {
 
 pub fn run(args: ExampleArgs) -> Result<()> {
     if args.service == Service::Calc {
-        return super::calc::run_pe(args);
+        return super::calc::run_pe(args.listen, args.pe, args.calc);
     }
     super::init_logging();
     super::runtime()?.block_on(async move {
