@@ -81,14 +81,31 @@ struct {
 #define IP_SRC_OFF (IP_OFF + offsetof(struct iphdr, saddr))
 #define IP_DST_OFF (IP_OFF + offsetof(struct iphdr, daddr))
 
+// A 4-byte value as the checksum sees it at an odd offset from the TCP header: its bytes
+// b0 b1 b2 b3 fall into the 16-bit words (x b0) (b1 b2) (b3 y), which add up as those of
+// b3 b0 b1 b2 would at an even one. (Options need not be aligned: one NOP before a timestamp
+// puts its numbers there.)
+static __always_inline __u32 straddling(__u32 be)
+{
+	__u32 n = bpf_ntohl(be);
+	return bpf_htonl((n >> 8) | (n << 24));
+}
+
 // Rewrites a 4- or 2-byte field of the TCP header (or options) at `off`, fixing the checksum.
-// The values are in network byte order; a 2-byte one in the low half.
+// The values are in network byte order; a 2-byte one in the low half. A 4-byte field may sit at
+// an odd offset (the options); a 2-byte one is a header field, always at an even one.
 static __always_inline int set_field(struct __sk_buff *skb, __u32 tcp_off, __u32 off, __u32 old_be,
 				     __u32 new_be, int size)
 {
 	if (old_be == new_be)
 		return 0;
-	if (bpf_l4_csum_replace(skb, tcp_off + offsetof(struct tcphdr, check), old_be, new_be, size))
+	__u32 old_sum = old_be, new_sum = new_be;
+	if (size == 4 && ((off - tcp_off) & 1)) {
+		old_sum = straddling(old_be);
+		new_sum = straddling(new_be);
+	}
+	if (bpf_l4_csum_replace(skb, tcp_off + offsetof(struct tcphdr, check), old_sum, new_sum,
+				size))
 		return -1;
 	if (size == 2) {
 		__u16 v = new_be;
