@@ -133,7 +133,7 @@ fn registers_reregisters_on_time_and_on_news_and_deregisters_on_stop() {
     assert!(pe.is_stopped());
 }
 
-/// Issue 14: a PE that knows one registrar, which dies, is taken over by another and serves it
+/// A PE that knows one registrar (docs/RELIABILITY.md), which dies, is taken over by another and serves it
 /// as its home, without registering anywhere.
 #[test]
 fn a_pe_knowing_one_registrar_adopts_a_takeover() {

@@ -1,4 +1,4 @@
-//! `rserpool-bench ksplice`: the kernel splice (issue 21) beside the user-space proxy, HAProxy
+//! `rserpool-bench ksplice`: the kernel splice (docs/KSPLICE.md) beside the user-space proxy, HAProxy
 //! and direct forwarding, in one run in one network-namespace topology.
 //!
 //! client | proxy | server namespaces joined by veth pairs (the kernel splice tests'

@@ -45,7 +45,7 @@ enum BenchCommand {
     Handlespace(handlespace::HandlespaceArgs),
     /// Registrar CPU, memory and latency under N PEs and M PUs (the seed's Figures 7-8).
     Registrar(registrar::RegistrarBenchArgs),
-    /// The proxy side by side with HAProxy, nginx and direct (issue 5's comparison).
+    /// The proxy side by side with HAProxy, nginx and direct (docs/BENCHMARKS.md).
     Proxy(proxy::ProxyBenchArgs),
     /// Credit reports to a subscribed pool user: the push path's latency (docs/CREDITS.md).
     Push(push::PushArgs),

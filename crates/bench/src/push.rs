@@ -1,4 +1,4 @@
-//! `rserpool-bench push`: how fast a credit change reaches a subscribed pool user (issue 20's
+//! `rserpool-bench push`: how fast a credit change reaches a subscribed pool user (docs/CREDITS.md,
 //! target: ≤ 20 ms at the 99th percentile, loopback, 1,000 reports/s across the pool).
 //!
 //! A registrar (in a thread of its own, its mio loop as in `rserpool registrar`), `--pes`

@@ -1,4 +1,4 @@
-//! `rserpool-bench tier`: the fault-tolerant proxy tier (issue 16) measured as in the TCP
+//! `rserpool-bench tier`: the fault-tolerant proxy tier (docs/TIER.md) measured as in the TCP
 //! splice seed's Tables 2–7, with every hop limited by `tc` (htb) to the seed's 100 Mbit/s and
 //! to 1 Gbit/s. Needs root.
 //!

@@ -1,4 +1,4 @@
-//! The chaos soak's one-minute run (issue 14): `rserpool-bench chaos --duration-s 60` with the
+//! The chaos soak's one-minute run (docs/RELIABILITY.md): `rserpool-bench chaos --duration-s 60` with the
 //! `rserpool` built beside it. It needs root for its network namespaces, and iproute2 and
 //! nftables (`.ci/run` installs them); without root it is skipped, except under `CI`, where
 //! that is a failure.

@@ -1,16 +1,15 @@
 //! The RSerPool front-end proxy: unmodified clients reach a pool through it.
 //!
-//! It is a pool user (RFC 5351) that serves others: it keeps a copy of each pool it serves
-//! ([`pools`]), selects a PE locally by the pool's policy for every TCP connection ([`tcp`]) or
-//! HTTP request ([`http`]), fails over when a PE cannot be reached and tells the registrar.
+//! It is a pool user (RFC 5351) that serves others: it keeps a copy of each pool it serves,
+//! selects a PE locally by the pool's policy for every TCP connection or HTTP request, fails
+//! over when a PE cannot be reached and tells the registrar.
 //!
-//! Where each idea lives: [`config`] the settings; `routes` which pool serves a request;
-//! [`pools`] the pools served, kept fresh from the registrars by [`discovery`]; `select` the
-//! choice of a PE by policy; [`backend`] a PE's own state (health, counters, and its idle
-//! connections, kept by the generic `conn_pool`); [`tcp`] and [`http`] the two modes; `ctx`
-//! what a connection takes along; `access_log`. The status listener (the counters as JSON) is
-//! the shared `rserpool_status` one. This file holds
-//! [`Proxy`] (start, reload, drain) and the accept loop.
+//! Its rooms (docs/ARCHITECTURE.md): [`balance`] which PE gets the work (pools, discovery,
+//! selection, admission and service levels, PE state, the failover loop), [`http`] the HTTP
+//! fronts, the version-neutral pipeline and the relays to PEs, [`l4`] connections carried
+//! whole (TCP mode, splice(2), the kernel splice), [`tier`] membership of a proxy tier,
+//! [`config`] the settings. This file holds [`Proxy`] (start, reload, drain) and the accept
+//! loop; `ctx` is what a connection takes along, `routes` which pool serves a request.
 //!
 //! Operations: a connection limit (further clients wait in the listen backlog), timeouts,
 //! [`Proxy::drain`] (stop accepting, finish what is in flight), [`Proxy::reload`] (listeners and

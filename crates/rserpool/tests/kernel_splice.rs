@@ -1,4 +1,4 @@
-//! `rserpool proxy` with a TCP listener `splice = "kernel"` (issue 21), in network namespaces:
+//! `rserpool proxy` with a TCP listener `splice = "kernel"` (docs/KSPLICE.md), in network namespaces:
 //! client | proxy (with the registrar) | server (an echo PE), TCP timestamps on as by
 //! default. Each connection is handed to the eBPF datapath once routed; the proxy process is
 //! then killed with SIGKILL in the middle of 20 transfers of 50 MiB each way, and every

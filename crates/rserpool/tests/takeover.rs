@@ -1,4 +1,4 @@
-//! Takeover of pool elements that know a single registrar (issue 14), with real processes: three
+//! Takeover of pool elements that know a single registrar (docs/RELIABILITY.md), with real processes: three
 //! `rserpool registrar`s, each with the other two as `--peer`, and three `rserpool example echo`
 //! that know only the first. It is killed (SIGKILL); a survivor takes its PEs over and they stay
 //! registered everywhere, answering keep-alives, without registering again. And a PE that knows

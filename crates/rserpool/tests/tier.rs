@@ -1,4 +1,4 @@
-//! The fault-tolerant proxy tier (issue 16) in network namespaces: client | router with the
+//! The fault-tolerant proxy tier (docs/TIER.md) in network namespaces: client | router with the
 //! registrar and `rserpool distributor` | proxies | servers (`rserpool example http`). The
 //! proxies share the clients' address and the server-facing address, hand connections to
 //! the kernel splice and replicate the splices to each other; the distributor keeps the

@@ -1,4 +1,4 @@
-//! `rserpool-bench chaos`: a soak with real processes (issue 14, part 4). Three registrars (an
+//! `rserpool-bench chaos`: a soak with real processes (docs/RELIABILITY.md). Three registrars (an
 //! ENRP cluster), at least 50 pool elements (`serve` sidecars and `example` services), an HTTP
 //! proxy and clients run in network namespaces for a set time, while faults are injected at
 //! random from a seed: `kill -9` and restart of registrars and PEs, link cuts and packet loss

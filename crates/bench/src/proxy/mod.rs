@@ -1,6 +1,6 @@
 //! `rserpool-bench proxy`: the rserpool proxy side by side with HAProxy and nginx, and with
 //! the client talking to the backends directly (the physical baseline), in one run on one
-//! machine — the comparison users make before switching (issue 5).
+//! machine — the comparison users make before switching (docs/BENCHMARKS.md).
 //!
 //! The same three nginx backends serve every system: a small static file, large files, and
 //! WebDAV PUT into tmpfs. Each backend is a pool element through an `rserpool serve` sidecar.

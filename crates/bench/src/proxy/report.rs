@@ -1,5 +1,5 @@
 //! The proxy benchmark's report: a line per system and part while it runs, then medians over
-//! the rounds as a Markdown section (tables, ratios, the targets of issue 5) and bar charts.
+//! the rounds as a Markdown section (tables, ratios, the targets in docs/BENCHMARKS.md) and bar charts.
 
 use super::SMALL_SIZE;
 use super::Sample;
@@ -511,7 +511,7 @@ impl Report {
         let mut t = String::from("Targets:\n\n");
         if r.h2.rps.is_some() || r.h2_tls.rps.is_some() {
             t += &format!(
-                "- HTTP/2 requests/s ≥ 1.0× HAProxy's (issue 18): {} in cleartext ({}), {} over \
+                "- HTTP/2 requests/s ≥ 1.0× HAProxy's: {} in cleartext ({}), {} over \
                  TLS ({})\n",
                 verdict(ge(r.h2.rps, h.h2.rps)),
                 of_ratio(r.h2.rps, h.h2.rps),
@@ -520,7 +520,7 @@ impl Report {
             );
         }
         if r.grpc.rps.is_some() {
-            t += "- gRPC unary calls/s against Envoy (issue 18): not measured, Envoy cannot be \
+            t += "- gRPC unary calls/s against Envoy: not measured, Envoy cannot be \
                   installed here (no Debian package, no network beyond the package registries); \
                   HAProxy (`proto h2` to the backends) and nginx (`grpc_pass`) stand in\n";
         }
@@ -540,8 +540,8 @@ impl Report {
         };
         if r.tls_ka_rps.is_some() || r.tls_conn_s.is_some() {
             t += &format!(
-                "- HTTPS keep-alive requests/s ≥ HAProxy's (issue 17): {}\n- HTTPS new \
-                 connections/s ≥ HAProxy's (issue 17): {}\n",
+                "- HTTPS keep-alive requests/s ≥ HAProxy's: {}\n- HTTPS new \
+                 connections/s ≥ HAProxy's: {}\n",
                 verdict(ge(r.tls_ka_rps, h.tls_ka_rps)),
                 verdict(ge(r.tls_conn_s, h.tls_conn_s)),
             );

@@ -92,7 +92,7 @@ pub(super) fn tls_markdown(samples: &[Sample]) -> String {
         s,
         "Each point twice in one run, back to back: ASAP in plain TCP, then over TLS 1.3 with \
          mutual authentication (ECDSA P-256 certificates of a test CA, one handshake per \
-         connection at setup). Target (issue 17): registrar CPU with TLS at most 1.5× plain \
+         connection at setup). Target: registrar CPU with TLS at most 1.5× plain \
          for 1,000 PEs re-registering every 250 ms.\n"
     );
     let _ = writeln!(

@@ -1,4 +1,4 @@
-//! `rserpool-bench trace`: issue 20's comparison of selection schemes on a replayed
+//! `rserpool-bench trace`: the comparison (docs/CREDITS.md) of selection schemes on a replayed
 //! Wikipedia-like trace, after salbnet (seed `salbnet-credit-based-slb.txt`).
 //!
 //! Three `rserpool example http` back ends with 2, 4 and 8 workers (capacities 1 : 2 : 4; each
