@@ -515,6 +515,30 @@ impl Datapath {
         }
     }
 
+    /// The loaded program, to run it on packets of one's own (`BPF_PROG_TEST_RUN`: the
+    /// crate's `tests/prog_run.rs`). Loaded with no interfaces, it is attached nowhere.
+    #[doc(hidden)]
+    pub fn program_fd(&self) -> Result<std::os::fd::BorrowedFd<'_>, Error> {
+        #[cfg(not(ksplice_built))]
+        {
+            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
+        }
+        #[cfg(ksplice_built)]
+        {
+            use std::os::fd::AsFd;
+            let prog: &aya::programs::SchedClassifier = self
+                .ebpf
+                .program("splice_tc")
+                .ok_or_else(|| Error::Ebpf("no program splice_tc in the object".into()))?
+                .try_into()
+                .map_err(|err| Error::Ebpf(format!("program type: {err}")))?;
+            let fd = prog
+                .fd()
+                .map_err(|err| Error::Ebpf(format!("the program's fd: {err}")))?;
+            Ok(fd.as_fd())
+        }
+    }
+
     /// Detaches the program from `interfaces` and removes the pinned maps in `pin_dir`:
     /// every spliced connection through them ends.
     pub fn remove_all(interfaces: &[&str], pin_dir: &Path) -> Result<(), Error> {
