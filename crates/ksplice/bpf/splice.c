@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 //
-// The kernel splice datapath (issue 21): a TC program that translates the packets of a
+// The kernel splice datapath (docs/KSPLICE.md): a TC program that translates the packets of a
 // spliced TCP connection from one leg to the other and forwards them, so that they never
 // reach the proxy's sockets.
 //
@@ -50,7 +50,7 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } COUNTERS_MAP SEC(".maps");
 
-// The proxy tier (issue 16): proxies share the server-facing address, and the router may
+// The proxy tier (docs/TIER.md): proxies share the server-facing address, and the router may
 // hand a PE's packet for a connection that is not spliced yet (still on a proxy's sockets) to
 // any of them. Each proxy connects from ports of its own range; a packet to a shared address
 // and a port in another member's range, with no entry here, goes to that member's MAC on the

@@ -1,4 +1,4 @@
-//! The kernel splice (issue 21): an eBPF datapath that carries a spliced TCP connection's
+//! The kernel splice (docs/KSPLICE.md): an eBPF datapath that carries a spliced TCP connection's
 //! packets from one leg to the other inside the kernel, past the proxy's sockets.
 //!
 //! Why: the proxy's user-space path moves every byte through two TCP stacks and a process,

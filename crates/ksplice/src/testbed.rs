@@ -272,7 +272,7 @@ pub fn assert_pattern(got: &[u8], len: usize, seed: u8, what: &str) {
     }
 }
 
-/// The proxy tier's test network (issue 16): a client, a router, proxies and servers in
+/// The proxy tier's test network (docs/TIER.md): a client, a router, proxies and servers in
 /// namespaces. The router joins the client (10.88.0.2 ↔ .1), the proxies on one bridged
 /// segment (10.88.1.1, proxy i at 10.88.1.{10 + i}) and the servers on another (10.88.2.1,
 /// server j at 10.88.2.{10 + j}); it forwards with layer-4 ECMP hashing. Every proxy has the
