@@ -17,12 +17,17 @@
 //!    registrar meanwhile (they are taken over, not lost), the dead PEs must be gone within
 //!    their keep-alive bound, and the checks of 3 hold again.
 //!
+//! The proxy tier has a simulation of its own ([`tier`]): member and distributor cores
+//! (`rserpool-tier`) with a model of each member's datapath and of the router, under
+//! crashes, partitions and loss (`--tier`).
+//!
 //! `cargo test -p rserpool-sim` runs 500 seeds; `cargo run --release -p rserpool-sim --
 //! --seeds 10000` many more, with the time taken; `-- --seed N` replays one with its log.
 
 pub mod check;
 pub mod net;
 pub mod rng;
+pub mod tier;
 pub mod world;
 
 use net::{Ms, Node};

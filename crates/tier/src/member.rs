@@ -154,6 +154,8 @@ pub struct MemberCore {
     /// The flow table at the last pass.
     last: BTreeMap<(SocketAddrV4, SocketAddrV4), TableEntry>,
     next_pass: Option<Instant>,
+    /// A member left: the next pass, run at once, sends the whole table to every link.
+    resend: bool,
     /// Where the heartbeats come from: the only source of the word of a death.
     distributor: Option<SocketAddr>,
     nudging: bool,
@@ -176,6 +178,7 @@ impl MemberCore {
             forwarding: None,
             last: BTreeMap::new(),
             next_pass: Some(now + PASS),
+            resend: false,
             distributor: None,
             nudging: false,
             transmits: VecDeque::new(),
@@ -244,12 +247,20 @@ impl MemberCore {
         }
     }
 
-    /// Member `id` left the pool: no link to it, nothing forwarded to it.
-    pub fn member_lost(&mut self, id: u32, _now: Instant) {
+    /// Member `id` left the pool: no link to it, nothing forwarded to it. What it made and
+    /// could not deliver before it died may have reached only some of the others: each
+    /// member sends its whole table to every other once more, at once.
+    pub fn member_lost(&mut self, id: u32, now: Instant) {
         if self.listed.remove(&id).is_some() {
             info!("tier member {id:#010x} left the pool");
             self.close(id);
             self.update_forwarding();
+            if self.shares {
+                self.resend = true;
+                if self.next_pass.is_some() {
+                    self.next_pass = Some(now);
+                }
+            }
         }
     }
 
@@ -381,6 +392,9 @@ impl MemberCore {
         let table: BTreeMap<_, _> = table.into_iter().map(|e| (e.splice.key(), e)).collect();
         let mut touched = Vec::new();
         let mut out = Vec::new();
+        if std::mem::take(&mut self.resend) {
+            out.extend(table.values().map(|e| Message::Add(e.splice)));
+        }
         for (k, e) in &table {
             let before = self.last.get(k);
             for (i, (from, to)) in e.splice.directions().into_iter().enumerate() {
@@ -617,6 +631,27 @@ mod tests {
         let m: Vec<Message> = transmits(&mut c).into_iter().map(|x| x.message).collect();
         assert_eq!(m, vec![Message::Del(s)]);
         assert_eq!(c.poll_timeout(), Some(t(5001)));
+    }
+
+    #[test]
+    fn a_member_that_leaves_makes_the_next_pass_resend_the_table_at_once() {
+        let mut c = MemberCore::new(hello(1, 20000), true, t(0));
+        c.set_listed([(2, addr(2)), (3, addr(3))].into(), t(0));
+        let _ = actions(&mut c);
+        c.set_listed([(2, addr(2))].into(), t(300));
+        assert_eq!(c.poll_timeout(), Some(t(300)));
+        c.tick(t(300));
+        assert!(actions(&mut c).contains(&Action::ReadTable));
+        let e = TableEntry {
+            splice: splice(),
+            fin: [false; 2],
+            packets: [0; 2],
+        };
+        c.compare(vec![e], t(301));
+        let m: Vec<Message> = transmits(&mut c).into_iter().map(|x| x.message).collect();
+        assert_eq!(m, vec![Message::Add(splice())]);
+        c.compare(vec![e], t(1301));
+        assert!(transmits(&mut c).is_empty());
     }
 
     #[test]
