@@ -1,4 +1,4 @@
-//! The server's half of a split splice (issue 16; the TCP splice seed's §2, Tables 6–7): a
+//! The server's half of a split splice (docs/TIER.md; the TCP splice seed's §2, Tables 6–7): a
 //! server of the pool answers the clients of its spliced connections directly, without the
 //! proxies. The proxies still splice what the clients send; the server's datapath, attached
 //! at egress, rewrites its own answers (addresses, ports, sequence and acknowledgement

@@ -1,41 +1,35 @@
-//! The fault-tolerant proxy tier (issue 16; the TCP splice seed, §2–5): several proxies carry
+//! The proxy tier's driver (docs/TIER.md; the TCP splice seed, §2–5): several proxies carry
 //! the spliced connections of each other, so that one of them can die without breaking any.
+//! What a member decides — whom it links to, what it sends each, what its datapath does with
+//! what arrives, where the datapath forwards — is the sans-IO core of `rserpool_tier`
+//! ([`MemberCore`]); this module gives it sockets, tasks, a clock and the datapath.
 //!
 //! - **A pool.** Each proxy registers as a pool element of the tier's pool handle, its tier
 //!   address as its transport and its free capacity (the workload factor) as its load, so
 //!   the registrars know the tier and the distributor (`rserpool distributor`) finds it.
-//! - **Replicated splice state.** Members find each other in that pool and keep a TCP link to
-//!   every other member. A member sends each new splice (a hand-over's entries) to all the
-//!   others at once; a member joining is sent every splice the others know. Once a second a
-//!   member compares its flow table with the last pass and tells the others what only it can
-//!   see: a FIN that passed (the pair then expires everywhere), a connection that ended (an
-//!   RST, or expiry) and the connections it carried packets of (so that they do not idle out
-//!   where they passed no packet).
-//! - **Shared addresses.** The clients' address and the server-facing address are on every
-//!   member; the router spreads packets over the members by a hash. A PE's packet for a
-//!   connection that is not spliced yet may so reach a member without its socket: each member
-//!   connects to PEs from its own range of ports, and the datapath forwards such a packet to
-//!   the member whose range it is (`TierMember`).
+//! - **Links.** A pool user resolves the tier pool (and is pushed its changes); the core
+//!   opens a TCP link to every other member and says what each carries.
+//! - **Heartbeats** (UDP on the tier address) are answered with the workload factor; the
+//!   distributor's word that a member died starts a nudge.
 //!
-//! The protocol between members (TCP, on the tier address; heartbeats on UDP on the same
-//! port) is described in docs/TIER.md. A partition: both sides go on carrying what they have;
-//! splices made meanwhile reach the other side when the link is back (a member that connects
-//! sends everything it knows).
+//! A partition: both sides go on carrying what they have; splices made meanwhile reach the
+//! other side when the link is back (a member that links sends everything it knows).
 
 use crate::config::TierConfig;
 use crate::l4::kernel::KernelSplice;
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
 use rserpool_ksplice::Error as DatapathError;
 use rserpool_ksplice::{Splice, SpliceState, TierMember};
-use std::collections::{HashMap, HashSet};
+use rserpool_tier::member::{Action, Counters, LinkId, TableEntry};
+use rserpool_tier::{Hello, Instant, MemberCore, Message};
+use std::collections::{BTreeMap, HashMap};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 
 /// The pool the servers of split splices register in: the tier's, with `.split`.
@@ -43,205 +37,52 @@ pub(crate) fn split_pool(tier: &str) -> rserpool_wire::PoolHandle {
     rserpool_wire::PoolHandle::from(format!("{tier}.split").as_str())
 }
 
-/// Longest message between members.
-const MAX_MESSAGE: usize = 1 << 20;
 /// Messages queued towards one member; past that the link is dropped and, once it is back,
 /// everything is sent again.
 const QUEUE: usize = 65_536;
-/// How often the flow table is compared with the last pass.
-const PASS: Duration = Duration::from_secs(1);
-/// Heartbeat datagrams start with this.
-pub const HEARTBEAT_MAGIC: &[u8; 4] = b"RSPT";
-/// The distributor's word that a member died, on the heartbeat socket: this magic, the dead
-/// member's ID (4 bytes) and 1 if this member is to send the nudge's probes, else 0.
-pub const DEAD_MAGIC: &[u8; 4] = b"RSPD";
 
-mod msg {
-    pub const HELLO: u8 = 1;
-    pub const ADD: u8 = 2;
-    pub const DEL: u8 = 3;
-    pub const FIN: u8 = 4;
-    pub const TOUCH: u8 = 5;
-}
-
-/// What a member says of itself in its HELLO.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Member {
-    id: u32,
-    mac: [u8; 6],
-    shared: Ipv4Addr,
-    lo: u16,
-    hi: u16,
-}
-
-#[derive(Debug, Clone)]
-enum Message {
-    Hello(Member),
-    Add(Splice),
-    Del(Splice),
-    Fin(SocketAddrV4, SocketAddrV4),
-    Touch(Vec<(SocketAddrV4, SocketAddrV4)>),
-}
-
-fn put_addr(b: &mut BytesMut, a: SocketAddrV4) {
-    b.put_slice(&a.ip().octets());
-    b.put_u16(a.port());
-}
-
-fn get_addr(b: &mut Bytes) -> Option<SocketAddrV4> {
-    if b.remaining() < 6 {
-        return None;
-    }
-    let ip = Ipv4Addr::from(b.get_u32());
-    Some(SocketAddrV4::new(ip, b.get_u16()))
-}
-
-fn put_splice(b: &mut BytesMut, s: &Splice) {
-    for a in [s.client, s.front, s.back, s.server] {
-        put_addr(b, a);
-    }
-    b.put_u32(s.client_seq_delta);
-    b.put_u32(s.server_seq_delta);
-    b.put_slice(&[
-        s.client_wscale,
-        s.front_wscale,
-        s.server_wscale,
-        s.back_wscale,
-    ]);
-    match s.timestamps {
-        Some((c, v)) => {
-            b.put_u8(1);
-            b.put_u32(c);
-            b.put_u32(v);
-        }
-        None => b.put_u8(0),
+/// A splice as the members exchange it (no interfaces).
+fn to_core(s: &Splice) -> rserpool_tier::Splice {
+    rserpool_tier::Splice {
+        client: s.client,
+        front: s.front,
+        back: s.back,
+        server: s.server,
+        client_seq_delta: s.client_seq_delta,
+        server_seq_delta: s.server_seq_delta,
+        client_wscale: s.client_wscale,
+        front_wscale: s.front_wscale,
+        server_wscale: s.server_wscale,
+        back_wscale: s.back_wscale,
+        timestamps: s.timestamps,
     }
 }
 
-fn get_splice(b: &mut Bytes) -> Option<Splice> {
-    let (client, front, back, server) = (get_addr(b)?, get_addr(b)?, get_addr(b)?, get_addr(b)?);
-    if b.remaining() < 13 {
-        return None;
-    }
-    let (cs, ss) = (b.get_u32(), b.get_u32());
-    let ws = [b.get_u8(), b.get_u8(), b.get_u8(), b.get_u8()];
-    let timestamps = match b.get_u8() {
-        0 => None,
-        _ if b.remaining() >= 8 => Some((b.get_u32(), b.get_u32())),
-        _ => return None,
-    };
-    Some(Splice {
-        client,
-        front,
-        back,
-        server,
-        client_seq_delta: cs,
-        server_seq_delta: ss,
-        // Each member finds its own interfaces.
+/// A splice for this host's datapath: each member finds its own interfaces.
+fn to_datapath(s: &rserpool_tier::Splice) -> Splice {
+    Splice {
+        client: s.client,
+        front: s.front,
+        back: s.back,
+        server: s.server,
+        client_seq_delta: s.client_seq_delta,
+        server_seq_delta: s.server_seq_delta,
         client_if: 0,
         server_if: 0,
-        client_wscale: ws[0],
-        front_wscale: ws[1],
-        server_wscale: ws[2],
-        back_wscale: ws[3],
-        timestamps,
-    })
-}
-
-impl Message {
-    /// The message with its length (u32) and type in front.
-    fn encode(&self) -> Bytes {
-        let mut b = BytesMut::with_capacity(64);
-        b.put_u32(0);
-        match self {
-            Self::Hello(m) => {
-                b.put_u8(msg::HELLO);
-                b.put_u32(m.id);
-                b.put_slice(&m.mac);
-                b.put_slice(&m.shared.octets());
-                b.put_u16(m.lo);
-                b.put_u16(m.hi);
-            }
-            Self::Add(s) => {
-                b.put_u8(msg::ADD);
-                put_splice(&mut b, s);
-            }
-            Self::Del(s) => {
-                b.put_u8(msg::DEL);
-                put_splice(&mut b, s);
-            }
-            Self::Fin(from, to) => {
-                b.put_u8(msg::FIN);
-                put_addr(&mut b, *from);
-                put_addr(&mut b, *to);
-            }
-            Self::Touch(flows) => {
-                b.put_u8(msg::TOUCH);
-                for (from, to) in flows {
-                    put_addr(&mut b, *from);
-                    put_addr(&mut b, *to);
-                }
-            }
-        }
-        let len = (b.len() - 4) as u32;
-        b[..4].copy_from_slice(&len.to_be_bytes());
-        b.freeze()
-    }
-
-    /// A message's body (after its length); `None` when it does not parse.
-    fn decode(mut b: Bytes) -> Option<Self> {
-        if !b.has_remaining() {
-            return None;
-        }
-        Some(match b.get_u8() {
-            msg::HELLO => {
-                if b.remaining() < 18 {
-                    return None;
-                }
-                let id = b.get_u32();
-                let mut mac = [0u8; 6];
-                b.copy_to_slice(&mut mac);
-                let shared = Ipv4Addr::from(b.get_u32());
-                Self::Hello(Member {
-                    id,
-                    mac,
-                    shared,
-                    lo: b.get_u16(),
-                    hi: b.get_u16(),
-                })
-            }
-            msg::ADD => Self::Add(get_splice(&mut b)?),
-            msg::DEL => Self::Del(get_splice(&mut b)?),
-            msg::FIN => Self::Fin(get_addr(&mut b)?, get_addr(&mut b)?),
-            msg::TOUCH => {
-                let mut flows = Vec::with_capacity(b.remaining() / 12);
-                while b.has_remaining() {
-                    flows.push((get_addr(&mut b)?, get_addr(&mut b)?));
-                }
-                Self::Touch(flows)
-            }
-            _ => return None,
-        })
+        client_wscale: s.client_wscale,
+        front_wscale: s.front_wscale,
+        server_wscale: s.server_wscale,
+        back_wscale: s.back_wscale,
+        timestamps: s.timestamps,
     }
 }
 
-/// Counters of the tier, in the proxy's status.
-#[derive(Debug, Default)]
-struct Counters {
-    sent: AtomicU64,
-    received: AtomicU64,
-    splices_in: AtomicU64,
-    links_dropped: AtomicU64,
-    heartbeats: AtomicU64,
-    nudges: AtomicU64,
-    nudge_probes: AtomicU64,
-    nudge_reverts: AtomicU64,
-}
-
-/// A link towards another member.
-struct Link {
-    addr: SocketAddr,
-    tx: mpsc::Sender<Bytes>,
+fn to_entry(s: &SpliceState) -> TableEntry {
+    TableEntry {
+        splice: to_core(&s.splice),
+        fin: s.fin,
+        packets: s.packets,
+    }
 }
 
 /// What a member does with the splices of the tier: a proxy carries them whole; a server of
@@ -284,7 +125,8 @@ impl crate::l4::kernel::TierShare for Tier {
 
     /// Sends a splice just made here to every other member.
     fn spliced(&self, s: &Splice) {
-        self.broadcast(&Message::Add(*s));
+        self.core().splice_made(to_core(s));
+        self.drive();
     }
 }
 
@@ -318,17 +160,16 @@ impl Side for KernelSplice {
 /// A running tier membership.
 pub(crate) struct Tier {
     cfg: TierConfig,
-    me: Member,
+    me: Hello,
     side: Arc<dyn Side>,
-    links: Mutex<HashMap<u32, Link>>,
-    /// The other members as their HELLOs described them (kept: a HELLO comes once per link).
-    members: Mutex<HashMap<u32, Member>>,
-    /// The members the tier pool lists now. The datapath forwards to those listed that said
-    /// HELLO, whichever came first.
-    listed: Mutex<HashSet<u32>>,
-    counters: Counters,
-    /// A nudge is running.
-    nudging: AtomicBool,
+    core: Mutex<MemberCore>,
+    /// The outgoing links' queues, by the core's name for them.
+    links: Mutex<HashMap<LinkId, mpsc::Sender<Bytes>>>,
+    /// The core's clock starts here.
+    epoch: std::time::Instant,
+    /// The core's timer may have changed.
+    timer: Arc<Notify>,
+    this: Weak<Tier>,
     /// The free fraction of this proxy's capacity (the workload factor), 0..=1.
     free: Box<dyn Fn() -> f64 + Send + Sync>,
 }
@@ -381,7 +222,7 @@ impl Tier {
         pe_cfg.registrars = registrars.addrs.clone();
         pe_cfg.tls = registrars.tls.clone();
         let pe = PoolElement::start(pe_cfg).map_err(|e| format!("[tier] registering: {e}"))?;
-        let me = Member {
+        let me = Hello {
             id: pe.id(),
             mac,
             shared: cfg.server_address,
@@ -392,15 +233,17 @@ impl Tier {
             "proxy: tier {}: member {:#010x} at {}, ports {}-{} on {}",
             cfg.pool, me.id, cfg.listen, me.lo, me.hi, me.shared
         );
-        let tier = Arc::new(Tier {
+        let epoch = std::time::Instant::now();
+        let core = MemberCore::new(me, side.shares(), Instant::from_millis(0));
+        let tier = Arc::new_cyclic(|this| Tier {
             cfg,
             me,
             side,
+            core: Mutex::new(core),
             links: Mutex::new(HashMap::new()),
-            members: Mutex::new(HashMap::new()),
-            listed: Mutex::new(HashSet::new()),
-            counters: Counters::default(),
-            nudging: AtomicBool::new(false),
+            epoch,
+            timer: Arc::new(Notify::new()),
+            this: this.clone(),
             free,
         });
         tokio::spawn(accept_loop(Arc::downgrade(&tier), tcp));
@@ -408,111 +251,146 @@ impl Tier {
             tokio::spawn(heartbeat_loop(Arc::downgrade(&tier), udp));
         }
         tokio::spawn(discovery_loop(Arc::downgrade(&tier), registrars, pe));
-        tokio::spawn(pass_loop(Arc::downgrade(&tier)));
+        tokio::spawn(timer_loop(Arc::downgrade(&tier)));
         Ok(tier)
     }
 
-    /// This member's source ports towards PEs.
-    fn broadcast(&self, m: &Message) {
-        let bytes = m.encode();
-        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        links.retain(|id, l| match l.tx.try_send(bytes.clone()) {
-            Ok(()) => {
-                self.counters.sent.fetch_add(1, Ordering::Relaxed);
-                true
-            }
-            Err(_) => {
-                // Full or gone: dropped, and connected again (with everything) by discovery.
-                warn!(
-                    "proxy: tier link to member {id:#010x} at {} fell behind; linking again",
-                    l.addr
-                );
-                self.counters.links_dropped.fetch_add(1, Ordering::Relaxed);
-                false
-            }
-        });
+    fn core(&self) -> std::sync::MutexGuard<'_, MemberCore> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Applies what another member sent.
-    fn apply(&self, m: Message, from: SocketAddr) {
-        self.counters.received.fetch_add(1, Ordering::Relaxed);
-        match m {
-            Message::Hello(member) => {
-                if member.id == self.me.id {
-                    return;
-                }
-                if member.shared == self.me.shared
-                    && member.lo <= self.me.hi
-                    && self.me.lo <= member.hi
-                {
+    fn now(&self) -> Instant {
+        Instant::since(self.epoch, std::time::Instant::now())
+    }
+
+    /// Carries out what the core asks: messages onto their links, links opened and closed,
+    /// the datapath changed.
+    fn drive(&self) {
+        loop {
+            let (transmits, actions) = {
+                let mut core = self.core();
+                let t: Vec<_> = std::iter::from_fn(|| core.poll_transmit()).collect();
+                let a: Vec<_> = std::iter::from_fn(|| core.poll_action()).collect();
+                (t, a)
+            };
+            if transmits.is_empty() && actions.is_empty() {
+                return;
+            }
+            for t in transmits {
+                let sent = {
+                    let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+                    links
+                        .get(&t.link)
+                        .map(|tx| tx.try_send(t.message.encode()).is_ok())
+                };
+                if sent == Some(false) {
+                    // Full or gone: dropped, and linked again (with everything) by discovery.
                     warn!(
-                        "proxy: tier member {:#010x} at {from} uses ports {}-{}, which overlap \
-                         ours ({}-{}): not forwarding to it; give each member its own range",
-                        member.id, member.lo, member.hi, self.me.lo, self.me.hi
+                        "proxy: tier link to member {:#010x} fell behind; linking again",
+                        t.to
                     );
-                    return;
+                    self.drop_link(t.link, true);
                 }
-                self.members
+            }
+            for a in actions {
+                self.act(a);
+            }
+        }
+    }
+
+    fn drop_link(&self, link: LinkId, fell_behind: bool) {
+        self.links
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&link);
+        let now = self.now();
+        self.core().link_down(link, fell_behind, now);
+    }
+
+    fn act(&self, a: Action) {
+        match a {
+            Action::Connect { link, id, addr } => {
+                let (tx, rx) = mpsc::channel(QUEUE);
+                self.links
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .insert(member.id, member);
-                self.update_datapath();
+                    .insert(link, tx);
+                tokio::spawn(run_link(self.this.clone(), link, id, addr, rx));
             }
-            Message::Add(s) => {
-                self.counters.splices_in.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = self.side.install(s) {
-                    debug!("proxy: tier: a splice from {from}: {e}");
+            Action::Disconnect { link, .. } => {
+                // Its task ends once its queue is dropped.
+                self.links
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&link);
+            }
+            Action::Install(s) => {
+                if let Err(e) = self.side.install(to_datapath(&s)) {
+                    debug!("proxy: tier: a splice from another member: {e}");
                 }
             }
-            Message::Del(s) => self.side.remove(&s),
-            Message::Fin(a, b) => self.side.mark_fin(a, b),
-            Message::Touch(flows) => self.side.touch(&flows),
-        }
-    }
-
-    /// The datapath forwards to the members listed now that said HELLO.
-    fn update_datapath(&self) {
-        let listed = self
-            .listed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let members: Vec<TierMember> = self
-            .members
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            // A server of a split splice has no ports: nothing is forwarded to it.
-            .filter(|m| listed.contains(&m.id) && m.hi > 0)
-            .map(|m| TierMember {
-                shared: m.shared,
-                ports: m.lo..=m.hi,
-                mac: m.mac,
-                src: self.me.mac,
-            })
-            .collect();
-        if let Err(e) = self.side.set_tier(&members) {
-            warn!("proxy: tier: {e}");
-        }
-    }
-
-    /// The members the pool lists now: forwarding follows.
-    fn set_listed(&self, now: HashSet<u32>) {
-        let old = std::mem::replace(
-            &mut *self.listed.lock().unwrap_or_else(|p| p.into_inner()),
-            now.clone(),
-        );
-        if old != now {
-            for gone in old.difference(&now) {
-                info!("proxy: tier member {gone:#010x} left the pool");
+            Action::Remove(s) => self.side.remove(&to_datapath(&s)),
+            Action::MarkFin(a, b) => self.side.mark_fin(a, b),
+            Action::Touch(flows) => self.side.touch(&flows),
+            Action::SetTier(forward) => {
+                let members: Vec<TierMember> = forward
+                    .into_iter()
+                    .map(|f| TierMember {
+                        shared: f.shared,
+                        ports: f.ports,
+                        mac: f.mac,
+                        src: f.src,
+                    })
+                    .collect();
+                if let Err(e) = self.side.set_tier(&members) {
+                    warn!("proxy: tier: {e}");
+                }
             }
-            self.update_datapath();
+            Action::ReadTable => {
+                let weak = self.this.clone();
+                tokio::spawn(async move {
+                    let Some(t) = weak.upgrade() else { return };
+                    let side = t.side.clone();
+                    drop(t);
+                    let Ok(state) = tokio::task::spawn_blocking(move || side.state()).await else {
+                        return;
+                    };
+                    let Some(t) = weak.upgrade() else { return };
+                    let now = t.now();
+                    t.core().compare(state.iter().map(to_entry).collect(), now);
+                    t.drive();
+                    t.timer.notify_one();
+                });
+            }
+            Action::Nudge { dead, prober } => {
+                let Some(t) = self.this.upgrade() else { return };
+                tokio::task::spawn_blocking(move || {
+                    let done = match t.side.nudge(prober) {
+                        Ok((probes, reverts)) => {
+                            info!(
+                                "tier: member {dead:#010x} died; nudged: {probes} probes, \
+                                 {reverts} ICMP errors"
+                            );
+                            Some((probes, reverts))
+                        }
+                        Err(e) => {
+                            warn!("tier: member {dead:#010x} died; the nudge failed: {e}");
+                            None
+                        }
+                    };
+                    t.core().nudge_done(done);
+                });
+            }
         }
+    }
+
+    fn counters(&self) -> (Counters, usize, usize) {
+        let core = self.core();
+        (core.counters, core.links(), core.members_known())
     }
 
     pub(crate) fn metrics(&self, m: &mut rserpool_status::metrics::Exposition) {
-        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let links = self.links.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let (c, links, _) = self.counters();
         m.gauge(
             "rserpool_proxy_tier_links",
             "Links to other members of the proxy tier.",
@@ -523,37 +401,37 @@ impl Tier {
             (
                 "rserpool_proxy_tier_messages_sent",
                 "Messages sent to other members of the tier.",
-                n(&self.counters.sent),
+                c.sent,
             ),
             (
                 "rserpool_proxy_tier_messages_received",
                 "Messages received from other members of the tier.",
-                n(&self.counters.received),
+                c.received,
             ),
             (
                 "rserpool_proxy_tier_splices_received",
                 "Splices installed from other members of the tier.",
-                n(&self.counters.splices_in),
+                c.splices_in,
             ),
             (
                 "rserpool_proxy_tier_links_dropped",
                 "Links to other members dropped.",
-                n(&self.counters.links_dropped),
+                c.links_dropped,
             ),
             (
                 "rserpool_proxy_tier_nudges",
                 "Nudges after another member of the tier died.",
-                n(&self.counters.nudges),
+                c.nudges,
             ),
             (
                 "rserpool_proxy_tier_nudge_probes",
                 "SYN probes sent by nudges (to both ends of every spliced connection).",
-                n(&self.counters.nudge_probes),
+                c.nudge_probes,
             ),
             (
                 "rserpool_proxy_tier_nudge_reverts",
                 "ICMP errors sent by nudges to end a TCP sender's backoff.",
-                n(&self.counters.nudge_reverts),
+                c.nudge_reverts,
             ),
             (
                 "rserpool_proxy_tier_forwarded_packets",
@@ -567,34 +445,21 @@ impl Tier {
     }
 
     pub(crate) fn snapshot(&self) -> serde_json::Value {
-        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let links = self.links.lock().unwrap_or_else(|p| p.into_inner()).len();
         // Members forwarded to: listed in the pool, and their HELLO received.
-        let listed = self
-            .listed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let members = self
-            .members
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .filter(|id| listed.contains(id))
-            .count();
+        let (c, links, members) = self.counters();
         serde_json::json!({
             "pool": self.cfg.pool,
             "member": format!("{:#010x}", self.me.id),
             "links": links,
             "members_known": members,
-            "messages_sent": n(&self.counters.sent),
-            "messages_received": n(&self.counters.received),
-            "splices_received": n(&self.counters.splices_in),
-            "links_dropped": n(&self.counters.links_dropped),
-            "heartbeats": n(&self.counters.heartbeats),
-            "nudges": n(&self.counters.nudges),
-            "nudge_probes": n(&self.counters.nudge_probes),
-            "nudge_reverts": n(&self.counters.nudge_reverts),
+            "messages_sent": c.sent,
+            "messages_received": c.received,
+            "splices_received": c.splices_in,
+            "links_dropped": c.links_dropped,
+            "heartbeats": c.heartbeats,
+            "nudges": c.nudges,
+            "nudge_probes": c.nudge_probes,
+            "nudge_reverts": c.nudge_reverts,
             "forwarded_packets": self.side.forwarded(),
         })
     }
@@ -616,7 +481,7 @@ fn mac_of(interface: &str) -> Result<[u8; 6], String> {
     Ok(mac)
 }
 
-/// Reads one message (length, then body) from a member.
+/// Reads one message's body from a member (`None`: the link closed).
 async fn read_message(s: &mut TcpStream) -> std::io::Result<Option<Bytes>> {
     let mut len = [0u8; 4];
     match s.read_exact(&mut len).await {
@@ -624,20 +489,15 @@ async fn read_message(s: &mut TcpStream) -> std::io::Result<Option<Bytes>> {
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e),
     }
-    let len = u32::from_be_bytes(len) as usize;
-    if len == 0 || len > MAX_MESSAGE {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("a tier message of {len} bytes"),
-        ));
-    }
+    let len = rserpool_tier::wire::frame_len(len)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     let mut body = vec![0u8; len];
     s.read_exact(&mut body).await?;
     Ok(Some(Bytes::from(body)))
 }
 
-/// Takes links from other members: what they send is applied here.
-async fn accept_loop(tier: std::sync::Weak<Tier>, l: TcpListener) {
+/// Takes links from other members: what they send goes to the core.
+async fn accept_loop(tier: Weak<Tier>, l: TcpListener) {
     loop {
         let Ok((mut s, from)) = l.accept().await else {
             continue;
@@ -655,72 +515,65 @@ async fn accept_loop(tier: std::sync::Weak<Tier>, l: TcpListener) {
                     }
                 };
                 let Some(tier) = tier.upgrade() else { return };
-                match Message::decode(body) {
-                    Some(m) => tier.apply(m, from),
-                    None => {
-                        warn!(
-                            "proxy: tier link from {from}: a message that does not parse; closing it"
-                        );
-                        return;
-                    }
-                }
+                let Some(m) = Message::decode(body) else {
+                    warn!(
+                        "proxy: tier link from {from}: a message that does not parse; closing it"
+                    );
+                    return;
+                };
+                let now = tier.now();
+                tier.core().handle_message(m, now);
+                tier.drive();
             }
         });
     }
 }
 
-/// Answers the distributor's heartbeats with this member's workload factor.
-async fn heartbeat_loop(tier: std::sync::Weak<Tier>, udp: UdpSocket) {
+/// Answers the distributor's heartbeats with this member's workload factor, and hears from
+/// it that a member died.
+async fn heartbeat_loop(tier: Weak<Tier>, udp: UdpSocket) {
     let mut buf = [0u8; 64];
-    let mut distributor: Option<SocketAddr> = None;
     loop {
         let Ok((n, from)) = udp.recv_from(&mut buf).await else {
             continue;
         };
         let Some(tier) = tier.upgrade() else { return };
-        // Only the distributor that sends the heartbeats is listened to, and one nudge runs
-        // at a time (each costs two probes per spliced connection).
-        if n >= 9 && &buf[..4] == DEAD_MAGIC && distributor == Some(from) {
-            let dead = u32::from_be_bytes([buf[4], buf[5], buf[6], buf[7]]);
-            let prober = buf[8] == 1;
-            if dead == tier.me.id || tier.nudging.swap(true, Ordering::AcqRel) {
-                continue;
-            }
-            tier.counters.nudges.fetch_add(1, Ordering::Relaxed);
-            let t = tier.clone();
-            tokio::task::spawn_blocking(move || {
-                match t.side.nudge(prober) {
-                    Ok((probes, reverts)) => {
-                        let c = &t.counters;
-                        c.nudge_probes.fetch_add(probes as u64, Ordering::Relaxed);
-                        c.nudge_reverts.fetch_add(reverts as u64, Ordering::Relaxed);
-                        info!(
-                            "tier: member {dead:#010x} died; nudged: {probes} probes, \
-                             {reverts} ICMP errors"
-                        );
-                    }
-                    Err(e) => warn!("tier: member {dead:#010x} died; the nudge failed: {e}"),
-                }
-                t.nudging.store(false, Ordering::Release);
-            });
-            continue;
+        let (now, free) = (tier.now(), (tier.free)());
+        let reply = tier.core().handle_datagram(from, &buf[..n], free, now);
+        if let Some(reply) = reply {
+            let _ = udp.send_to(&reply, from).await;
         }
-        if n < 8 || &buf[..4] != HEARTBEAT_MAGIC {
-            continue;
-        }
-        distributor = Some(from);
-        tier.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
-        let free = ((tier.free)().clamp(0.0, 1.0) * 1e6) as u32;
-        let mut reply = [0u8; 16];
-        reply[..8].copy_from_slice(&buf[..8]);
-        reply[8..12].copy_from_slice(&tier.me.id.to_be_bytes());
-        reply[12..16].copy_from_slice(&free.to_be_bytes());
-        let _ = udp.send_to(&reply, from).await;
+        tier.drive();
     }
 }
 
-/// Keeps a link to every other member of the tier pool, and this member's load in it.
-async fn discovery_loop(tier: std::sync::Weak<Tier>, registrars: RegistrarAccess, pe: PoolElement) {
+/// Runs the core's timers (the once-a-second pass).
+async fn timer_loop(tier: Weak<Tier>) {
+    loop {
+        let Some(t) = tier.upgrade() else { return };
+        let due = t.core().poll_timeout();
+        let at = due.and_then(|d| d.to_std(t.epoch));
+        let timer = t.timer.clone();
+        drop(t);
+        let notified = timer.notified();
+        match at {
+            Some(at) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(at.into()) => {}
+                    () = notified => continue,
+                }
+            }
+            None => notified.await,
+        }
+        let Some(t) = tier.upgrade() else { return };
+        let now = t.now();
+        t.core().tick(now);
+        t.drive();
+    }
+}
+
+/// Keeps the core told of the members the tier pool lists, and this member's load in it.
+async fn discovery_loop(tier: Weak<Tier>, registrars: RegistrarAccess, pe: PoolElement) {
     let Ok(mut pu) = PoolUser::new(PoolUserConfig {
         registrars: registrars.addrs,
         tls: registrars.tls,
@@ -758,30 +611,17 @@ async fn discovery_loop(tier: std::sync::Weak<Tier>, registrars: RegistrarAccess
             pe.stop().await;
             return;
         };
-        let mut now: HashMap<u32, SocketAddr> = HashMap::new();
+        let mut now: BTreeMap<u32, SocketAddr> = BTreeMap::new();
         for p in &listed {
-            if p.id == t.me.id {
-                continue;
-            }
             if let rserpool_wire::UserTransport::Address(a) = &p.user_transport
                 && let Some(addr) = a.socket_addrs().next()
             {
                 now.insert(p.id, addr);
             }
         }
-        {
-            let mut links = t.links.lock().unwrap_or_else(|p| p.into_inner());
-            links.retain(|id, l| now.get(id) == Some(&l.addr) && !l.tx.is_closed());
-            for (id, addr) in &now {
-                if links.contains_key(id) {
-                    continue;
-                }
-                let (tx, rx) = mpsc::channel(QUEUE);
-                links.insert(*id, Link { addr: *addr, tx });
-                tokio::spawn(link(tier.clone(), *id, *addr, rx));
-            }
-        }
-        t.set_listed(now.keys().copied().collect());
+        let at = t.now();
+        t.core().set_listed(now, at);
+        t.drive();
         drop(t);
         // A push (a member came or went) or the next second, whichever is first.
         tokio::select! {
@@ -791,158 +631,65 @@ async fn discovery_loop(tier: std::sync::Weak<Tier>, registrars: RegistrarAccess
     }
 }
 
-/// One link to member `id`: HELLO, every splice known here, then what is broadcast.
-async fn link(
-    tier: std::sync::Weak<Tier>,
+/// One link to member `id`: HELLO and every splice known here first, then what the core
+/// sends on it.
+async fn run_link(
+    tier: Weak<Tier>,
+    link: LinkId,
     id: u32,
     addr: SocketAddr,
     mut rx: mpsc::Receiver<Bytes>,
 ) {
-    let connected = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)).await;
-    let mut s = match connected {
-        Ok(Ok(s)) => s,
-        other => {
-            debug!("proxy: tier member {id:#010x} at {addr}: cannot connect ({other:?})");
-            // Dropping `rx` closes the link; discovery tries again.
-            return;
-        }
-    };
-    s.set_nodelay(true).ok();
-    let Some(t) = tier.upgrade() else { return };
-    let mut first = BytesMut::new();
-    first.extend_from_slice(&Message::Hello(t.me).encode());
-    let known = if t.side.shares() {
-        t.side.state()
-    } else {
-        Vec::new()
-    };
-    for st in &known {
-        first.extend_from_slice(&Message::Add(st.splice).encode());
-    }
-    info!(
-        "proxy: tier link to member {id:#010x} at {addr}: {} splices sent",
-        known.len()
-    );
-    drop(t);
-    if s.write_all(&first).await.is_err() {
-        return;
-    }
-    while let Some(b) = rx.recv().await {
-        if s.write_all(&b).await.is_err() {
-            debug!("proxy: tier link to member {id:#010x} at {addr} broke");
-            return;
-        }
-    }
-}
-
-/// Once a second: what this member saw that the others cannot — FINs, connections that
-/// ended here, connections it carried packets of.
-async fn pass_loop(tier: std::sync::Weak<Tier>) {
-    let mut last: HashMap<(SocketAddrV4, SocketAddrV4), SpliceState> = HashMap::new();
-    loop {
-        tokio::time::sleep(PASS).await;
-        let Some(t) = tier.upgrade() else { return };
-        let side = t.side.clone();
-        let Ok(now) = tokio::task::spawn_blocking(move || side.state()).await else {
-            return;
+    let written = async {
+        let connected =
+            tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)).await;
+        let mut s = match connected {
+            Ok(Ok(s)) => s,
+            other => {
+                debug!("proxy: tier member {id:#010x} at {addr}: cannot connect ({other:?})");
+                return;
+            }
         };
-        let now: HashMap<_, _> = now
-            .into_iter()
-            .map(|s| ((s.splice.client, s.splice.front), s))
-            .collect();
-        let mut touched = Vec::new();
-        for (k, s) in &now {
-            let before = last.get(k);
-            let dirs = [
-                (s.splice.client, s.splice.front),
-                (s.splice.server, s.splice.back),
-            ];
-            for (i, (from, to)) in dirs.into_iter().enumerate() {
-                if s.fin[i] && !before.is_some_and(|b| b.fin[i]) {
-                    t.broadcast(&Message::Fin(from, to));
-                }
-                if s.packets[i] > before.map_or(0, |b| b.packets[i]) {
-                    touched.push((from, to));
-                }
+        s.set_nodelay(true).ok();
+        let Some(t) = tier.upgrade() else { return };
+        let table = if t.side.shares() {
+            t.side.state()
+        } else {
+            Vec::new()
+        };
+        let now = t.now();
+        let first = t
+            .core()
+            .link_up(link, table.iter().map(|st| to_core(&st.splice)), now);
+        drop(t);
+        info!(
+            "proxy: tier link to member {id:#010x} at {addr}: {} splices sent",
+            first.len().saturating_sub(1)
+        );
+        let mut bytes = Vec::new();
+        for m in &first {
+            bytes.extend_from_slice(&m.encode());
+        }
+        if s.write_all(&bytes).await.is_err() {
+            return;
+        }
+        while let Some(b) = rx.recv().await {
+            if s.write_all(&b).await.is_err() {
+                debug!("proxy: tier link to member {id:#010x} at {addr} broke");
+                return;
             }
         }
-        let ended: HashSet<_> = last.keys().filter(|k| !now.contains_key(k)).collect();
-        for k in ended {
-            if let Some(s) = last.get(k) {
-                t.broadcast(&Message::Del(s.splice));
-            }
-        }
-        for batch in touched.chunks(4096) {
-            t.broadcast(&Message::Touch(batch.to_vec()));
-        }
-        last = now;
+    };
+    written.await;
+    // Closed, failed or broken: the core links again at the next listing.
+    if let Some(t) = tier.upgrade() {
+        t.drop_link(link, false);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn splice() -> Splice {
-        Splice {
-            client: "10.0.0.2:40000".parse().unwrap(),
-            front: "10.9.0.1:7000".parse().unwrap(),
-            back: "10.9.0.2:20001".parse().unwrap(),
-            server: "10.0.3.2:8080".parse().unwrap(),
-            client_seq_delta: 0xdead_beef,
-            server_seq_delta: 12,
-            client_if: 7,
-            server_if: 7,
-            client_wscale: 7,
-            front_wscale: 9,
-            server_wscale: 2,
-            back_wscale: 5,
-            timestamps: Some((1, 0xffff_fff0)),
-        }
-    }
-
-    #[test]
-    fn messages_round_trip_and_garbage_does_not_parse() {
-        let me = Member {
-            id: 0x1234,
-            mac: [2, 0, 0, 0, 0, 1],
-            shared: Ipv4Addr::new(10, 9, 0, 2),
-            lo: 20000,
-            hi: 29999,
-        };
-        let s = splice();
-        let msgs = [
-            Message::Hello(me),
-            Message::Add(Splice {
-                client_if: 0,
-                server_if: 0,
-                ..s
-            }),
-            Message::Fin(s.client, s.front),
-            Message::Touch(vec![(s.client, s.front), (s.server, s.back)]),
-        ];
-        for m in msgs {
-            let b = m.encode();
-            let len = u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize;
-            assert_eq!(len, b.len() - 4);
-            let back = Message::decode(b.slice(4..)).unwrap();
-            // Splices travel without interfaces.
-            let expect = match &m {
-                Message::Add(x) => Message::Add(Splice {
-                    client_if: 0,
-                    server_if: 0,
-                    ..*x
-                }),
-                other => other.clone(),
-            };
-            assert_eq!(format!("{back:?}"), format!("{expect:?}"));
-            for cut in 0..b.len() - 4 {
-                let _ = Message::decode(b.slice(4..4 + cut));
-            }
-        }
-        assert!(Message::decode(Bytes::from_static(&[99, 1, 2])).is_none());
-        assert!(Message::decode(Bytes::new()).is_none());
-    }
 
     #[test]
     fn port_ranges_parse() {

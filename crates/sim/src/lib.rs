@@ -5,7 +5,7 @@
 //!
 //! One run ([`run_seed`]):
 //! 1. registrars (3 or 4), pool elements and pool users start; a third of the PEs know only the
-//!    first registrar (issue 14's setup), a third all of them, a third only hear SERVER_ANNOUNCE;
+//!    first registrar (its death leaves them to find another), a third all of them, a third only hear SERVER_ANNOUNCE;
 //! 2. faults at random: registrars and PEs crash and start again (a PE with a new identifier),
 //!    PEs deregister and come back, loads change, messages are delayed and lost, registrars
 //!    are cut from each other, isolated, or cut from single PEs, connections reset;
@@ -133,7 +133,7 @@ fn run(w: &mut World) -> Result<Outcome, String> {
     check::converged(w).map_err(|e| format!("{SETTLE_MS} ms after healing: {e}"))?;
     check::resolutions(w).map_err(|e| format!("after healing: {e}"))?;
 
-    // Issue 14's scenario within the whole: the first registrar dies, and PEs with it.
+    // The first registrar dies within the whole, and PEs with it.
     w.say(|| "registrar 0 and some PEs are killed".into());
     w.count("final kill");
     w.crash(Node::Reg(0));

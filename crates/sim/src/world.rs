@@ -157,8 +157,8 @@ impl World {
                 .map(|k| PeNode {
                     core: None,
                     life: 0,
-                    // A third know only the first registrar (issue 14's setup), a third know
-                    // them all, a third only hear their announces.
+                    // A third know only the first registrar (its death leaves them to find
+                    // another), a third know them all, a third only hear their announces.
                     registrars: match k % 3 {
                         0 => vec![0],
                         1 => (0..regs).collect(),
