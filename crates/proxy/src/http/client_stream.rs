@@ -10,6 +10,8 @@
 //! An HTTPS client's connection is a TLS stream from the start (its handshake needed the
 //! reactor anyway); it has no plain socket to splice or hand over.
 
+use crate::ctx::Ctx;
+use crate::http::message::{error_response, error_response_with};
 use bytes::BytesMut;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream as StdStream};
@@ -266,4 +268,18 @@ pub(crate) struct Client {
     pub(crate) stream: ClientStream,
     pub(crate) buf: BytesMut,
     pub(crate) peer: SocketAddr,
+}
+impl Client {
+    /// A short answer of the proxy's own (the connection is closed after it); a 503 says when
+    /// to come back.
+    pub(crate) async fn reply(&mut self, code: u16, why: &str, ctx: &Ctx) -> io::Result<()> {
+        use tokio::io::AsyncWriteExt;
+        let resp = if code == 503 {
+            let secs = ctx.cfg.levels.as_ref().map_or(1, |l| l.retry_after_s);
+            error_response_with(code, why, &format!("Retry-After: {secs}\r\n"))
+        } else {
+            error_response(code, why)
+        };
+        self.stream.write_all(&resp).await
+    }
 }

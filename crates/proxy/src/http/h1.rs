@@ -14,26 +14,21 @@
 //! connection that closes before answering costs no failure: the request goes out again on a
 //! new connection.
 
-use crate::balance::backend::Backend;
-use crate::balance::failover::GiveUp;
 use crate::balance::pools::Pool;
 use crate::ctx::{Ctx, until_set};
 use crate::http::client_stream::{Client, ClientStream};
-use crate::http::message::{Framing, Head, HeadError, error_response, error_response_with};
-use crate::http::pipeline::{
-    Attempt, Failover, Failure, Relayed, Settled, classify, log, route, settle,
-};
+use crate::http::downstream::Downstream;
+use crate::http::message::{Framing, Head, HeadError};
+use crate::http::pipeline::{classify, forward, route};
 use crate::http::request::{Outgoing, Request, parse};
-use crate::http::upstream::h1::{outgoing_head_with, relay, send, take_conn};
-use crate::http::upstream::h2 as up2;
-use crate::http::upstream::h2::{exchange, parts_of};
+use crate::http::upstream::h1::outgoing_head_with;
 use bytes::{BufMut, Bytes, BytesMut};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tracing::debug;
 
 /// What became of one request.
@@ -108,7 +103,7 @@ async fn serve_requests(c: &mut Client, ctx: &Ctx) {
             Ok(Ok(None)) => return,
             Ok(Err(ReadHeadError::Io)) => return,
             Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
-                let _ = reply(c, 431, "request head too large").await;
+                let _ = c.reply(431, "request head too large", ctx).await;
                 return;
             }
             Ok(Err(ReadHeadError::Head(HeadError::Malformed)))
@@ -123,12 +118,12 @@ async fn serve_requests(c: &mut Client, ctx: &Ctx) {
             }
             Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
                 debug!("client {peer}: malformed request");
-                let _ = reply(c, 400, "malformed request").await;
+                let _ = c.reply(400, "malformed request", ctx).await;
                 return;
             }
             Err(_) => {
                 if !c.buf.is_empty() || first {
-                    let _ = reply(c, 408, "request timeout").await;
+                    let _ = c.reply(408, "request timeout", ctx).await;
                 }
                 return;
             }
@@ -169,23 +164,18 @@ async fn read_head(c: &mut Client, max: usize) -> Result<Option<Head>, ReadHeadE
     }
 }
 
-/// A short error answer; the connection is closed after it.
-async fn reply(c: &mut Client, code: u16, text: &str) -> io::Result<()> {
-    c.stream.write_all(&error_response(code, text)).await
-}
-
 /// One request through the pipeline.
 async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
     let started = Instant::now();
     let mut r = match parse(head, c.peer, started) {
         Ok(r) => r,
         Err((code, why)) => {
-            let _ = reply(c, code, why).await;
+            let _ = c.reply(code, why, ctx).await;
             return Next::Close;
         }
     };
     let Some(target) = route(&r, ctx) else {
-        let _ = reply(c, 404, "no route").await;
+        let _ = c.reply(404, "no route", ctx).await;
         return Next::Close;
     };
     let pool = &target.pool;
@@ -193,32 +183,14 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
     if target.kernel && ctx.kernel.is_some() {
         return pin(c, r, pool, ctx).await;
     }
-    if pool.protocol() == crate::config::PeProtocol::H2 {
-        return request_h2(c, r, pool, ctx).await;
-    }
     let Ok(out) = prepare(c, &mut r, ctx).await else {
         return Next::Close;
     };
-    let mut failover = Failover::new(ctx.failover());
-    loop {
-        let fresh_only = !r.idempotent;
-        let connect = |pe: Arc<Backend>| async move { take_conn(&pe, ctx, fresh_only).await };
-        let (attempt, mut conn) = match failover
-            .attempt(pool, &ctx.pools, r.level, connect)
-            .await
-            .map_err(GiveUp::answer)
-        {
-            Ok(v) => v,
-            Err((code, why)) => return give_up(c, &r, ctx, code, Some(why), None).await,
-        };
-        let outcome = match send(c, &mut conn, &r, &out, &attempt.pe, ctx).await {
-            Ok(sent) => relay(c, conn, &r, sent, &attempt, ctx).await,
-            Err(f) => Err(f),
-        };
-        // `None`: the request goes to a PE again.
-        if let Some(next) = finish(c, &r, &out, &attempt, outcome, &mut failover, ctx).await {
-            return next;
-        }
+    let keep = forward(&mut Downstream::h1(c, &out), &r, pool, ctx).await;
+    if keep && r.keep_alive {
+        Next::KeepAlive
+    } else {
+        Next::Close
     }
 }
 
@@ -234,7 +206,7 @@ async fn pin(c: &mut Client, r: Request, pool: &Arc<Pool>, ctx: &Ctx) -> Next {
     {
         Ok(pe) => pe,
         Err(why) => {
-            let _ = reply(c, 503, why).await;
+            let _ = c.reply(503, why, ctx).await;
             return Next::Close;
         }
     };
@@ -291,103 +263,4 @@ async fn read_exact_body(c: &mut Client, n: usize, idle: Duration) -> io::Result
         }
     }
     Ok(c.buf.split_to(n).freeze())
-}
-
-/// Step finish: settles an attempt with the PE ([`settle`]), logs the request and says what
-/// comes next; `None` sends the request to a PE again (failover).
-async fn finish(
-    c: &mut Client,
-    r: &Request,
-    out: &Outgoing,
-    attempt: &Attempt,
-    outcome: Result<Relayed, Failure>,
-    f: &mut Failover,
-    ctx: &Ctx,
-) -> Option<Next> {
-    let b = &attempt.pe;
-    match settle(r, out.held.is_some(), attempt, outcome, f, ctx) {
-        Settled::Answered { code, keep, bytes } => {
-            log(ctx, c.peer, r, code, Some(b), bytes);
-            Some(if keep && r.keep_alive {
-                Next::KeepAlive
-            } else {
-                Next::Close
-            })
-        }
-        Settled::Again => None,
-        Settled::Failed { code, why } => Some(give_up(c, r, ctx, code, why, Some(b)).await),
-    }
-}
-
-/// Ends a request without a response from a PE: answers `code` with `why` (unless the client
-/// has part of a response already, or is gone), logs it and closes.
-pub(crate) async fn give_up(
-    c: &mut Client,
-    r: &Request,
-    ctx: &Ctx,
-    code: u16,
-    why: Option<&str>,
-    b: Option<&Arc<Backend>>,
-) -> Next {
-    if let Some(why) = why {
-        let _ = if code == 503 {
-            // No PE had room: say when to come back.
-            let secs = ctx.cfg.levels.as_ref().map_or(1, |l| l.retry_after_s);
-            let resp = error_response_with(code, why, &format!("Retry-After: {secs}\r\n"));
-            c.stream.write_all(&resp).await
-        } else {
-            reply(c, code, why).await
-        };
-    }
-    log(ctx, c.peer, r, code, b, 0);
-    Next::Close
-}
-
-/// One HTTP/1.1 request to an HTTP/2 pool, from its body to the end of its response.
-/// One request to a pool whose PEs speak HTTP/2.
-async fn request_h2(c: &mut Client, mut r: Request, pool: &Arc<Pool>, ctx: &Ctx) -> Next {
-    let Ok(out) = prepare(c, &mut r, ctx).await else {
-        return Next::Close;
-    };
-    let Some(parts) = parts_of(&r) else {
-        return give_up(c, &r, ctx, 400, Some("malformed request"), None).await;
-    };
-    if out.held.is_none() && r.expect_continue {
-        // The PE cannot say it for itself over HTTP/2: the body is wanted.
-        if c.stream
-            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-            .await
-            .is_err()
-        {
-            return Next::Close;
-        }
-    }
-    let mut f = Failover::new(ctx.failover());
-    loop {
-        let connect =
-            |pe: Arc<Backend>| async move { up2::stream(&pe, ctx).await.map(|v| (v, false)) };
-        let (attempt, up) = match f
-            .attempt(pool, &ctx.pools, r.level, connect)
-            .await
-            .map_err(GiveUp::answer)
-        {
-            Ok(v) => v,
-            Err((code, why)) => return give_up(c, &r, ctx, code, Some(why), None).await,
-        };
-        let outcome = Box::pin(exchange(c, up, &r, &parts, &out, &attempt, ctx)).await;
-        match settle(&r, out.held.is_some(), &attempt, outcome, &mut f, ctx) {
-            Settled::Answered { code, keep, bytes } => {
-                log(ctx, c.peer, &r, code, Some(&attempt.pe), bytes);
-                return if keep && r.keep_alive && !*ctx.draining.borrow() {
-                    Next::KeepAlive
-                } else {
-                    Next::Close
-                };
-            }
-            Settled::Again => {}
-            Settled::Failed { code, why } => {
-                return give_up(c, &r, ctx, code, why, Some(&attempt.pe)).await;
-            }
-        }
-    }
 }

@@ -5,6 +5,7 @@
 
 pub mod client;
 pub(crate) mod client_stream;
+pub(crate) mod downstream;
 pub mod h1;
 pub(crate) mod h2;
 pub mod message;

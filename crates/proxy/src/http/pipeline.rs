@@ -14,13 +14,15 @@
 //! the request goes out again on a new connection.
 
 use crate::balance::backend::Backend;
-pub(crate) use crate::balance::failover::{Attempt, Failover};
+use crate::balance::failover::{Attempt, Failover};
 use crate::balance::levels::RequestFacts;
 use crate::balance::pools::Pool;
+use crate::config::PeProtocol;
 use crate::ctx::Ctx;
+use crate::http::downstream::{Downstream, Failure, Relayed};
 use crate::http::request::Request;
+use crate::http::upstream::{h1 as up1, h2 as up2};
 use crate::routes::Target;
-use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -46,34 +48,80 @@ pub(crate) fn route<'c>(r: &Request, ctx: &'c Ctx) -> Option<&'c Target> {
     ctx.routes.route(&r.host, &r.head.target()[..r.path_end])
 }
 
-/// How far an exchange with a PE got before it failed.
-pub(crate) enum Failure {
-    /// Nothing of the response arrived; `body_sent` tells whether a streamed body was used.
-    NoResponse { body_sent: bool, error: io::Error },
-    /// The PE did not answer in time.
-    Timeout,
-    /// The PE answered garbage or broke off mid-response; the client connection is spoilt
-    /// if anything was relayed.
-    Broken { relayed: bool },
-    /// The client went away.
-    Client,
-    /// The PE refused the request unprocessed (HTTP/2 REFUSED_STREAM, or a GOAWAY before it).
-    Refused,
-    /// The client's deadline (`grpc-timeout`) passed before the PE answered.
-    Deadline,
-    /// The request cannot be expressed towards the PE.
-    BadRequest,
-    /// The client's body broke the chunked coding.
-    BadBody,
+/// Steps select → relay → settle, again while the request fails over to another PE, then the
+/// answer of the proxy's own if no PE gave one, and the access log line. Whether the client
+/// connection can carry another request.
+pub(crate) async fn forward(
+    d: &mut Downstream<'_>,
+    r: &Request,
+    pool: &Arc<Pool>,
+    ctx: &Ctx,
+) -> bool {
+    let replayable = d.held().is_some();
+    // A request that cannot be sent again only goes on a connection just made or just used.
+    let fresh_only = !idempotent_here(r, pool);
+    let mut f = Failover::new(ctx.failover());
+    loop {
+        let tried = match pool.protocol() {
+            PeProtocol::H2 => {
+                // Never "reused": a broken HTTP/2 connection may have carried the request to
+                // the PE, so only an idempotent one goes out again.
+                let connect = |pe: Arc<Backend>| async move {
+                    up2::stream(&pe, ctx).await.map(|v| (v, false))
+                };
+                match f.attempt(pool, &ctx.pools, r.level, connect).await {
+                    Ok((attempt, up)) => {
+                        let outcome = Box::pin(up2::exchange(d, up, r, &attempt, ctx)).await;
+                        Ok((attempt, outcome))
+                    }
+                    Err(g) => Err(g),
+                }
+            }
+            PeProtocol::Http1 => {
+                let connect =
+                    |pe: Arc<Backend>| async move { up1::take_conn(&pe, ctx, fresh_only).await };
+                match f.attempt(pool, &ctx.pools, r.level, connect).await {
+                    Ok((attempt, conn)) => {
+                        let outcome = Box::pin(up1::exchange(d, conn, r, &attempt, ctx)).await;
+                        Ok((attempt, outcome))
+                    }
+                    Err(g) => Err(g),
+                }
+            }
+        };
+        let (attempt, outcome) = match tried {
+            Ok(v) => v,
+            Err(g) => {
+                let (code, why) = g.answer();
+                return give_up(d, r, code, Some(why), None, ctx).await;
+            }
+        };
+        match settle(r, replayable, &attempt, outcome, &mut f, ctx) {
+            Settled::Answered { code, keep, bytes } => {
+                log(ctx, d.peer(), r, code, Some(&attempt.pe), bytes);
+                return keep;
+            }
+            Settled::Again => {}
+            Settled::Failed { code, why } => {
+                return give_up(d, r, code, why, Some(&attempt.pe), ctx).await;
+            }
+        }
+    }
 }
 
-/// The response as the client got it: the value [`relay`] makes.
-pub(crate) struct Relayed {
-    pub(crate) code: u16,
-    /// The client connection can carry another request.
-    pub(crate) keep: bool,
-    /// Bytes relayed to the client.
-    pub(crate) bytes: u64,
+/// Ends a request without a response from a PE: `code` with `why` to the client (unless it
+/// has part of a response already, or is gone), and the log line. The connection closes.
+async fn give_up(
+    d: &mut Downstream<'_>,
+    r: &Request,
+    code: u16,
+    why: Option<&str>,
+    b: Option<&Arc<Backend>>,
+    ctx: &Ctx,
+) -> bool {
+    d.fail(code, why, ctx).await;
+    log(ctx, d.peer(), r, code, b, 0);
+    false
 }
 
 /// What [`settle`] makes of an attempt.

@@ -15,22 +15,18 @@
 //! bound the wait for the PE and the relay; the PE gets what is left of the deadline.
 
 use super::guard::{Flood, Guarded};
-use super::stream::{Body, Stream, grpc_trailers, send_data};
-use crate::balance::backend::Backend;
-use crate::balance::failover::GiveUp;
+use super::stream::{Body, Stream};
 use crate::ctx::{Ctx, until_set};
+use crate::http::downstream::Downstream;
 use crate::http::message::{Framing, Head};
-use crate::http::pipeline::{Failover, Settled, classify, idempotent_here, log, route, settle};
-use crate::http::request::{Request, parse};
-use crate::http::upstream::h1::{take_conn, to_h1};
-use crate::http::upstream::h2::{self as up2, to_h2};
+use crate::http::pipeline::{classify, forward, idempotent_here, log, route};
+use crate::http::request::parse;
 use bytes::{BufMut, Bytes, BytesMut};
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream};
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderValue};
 use std::future::poll_fn;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -157,14 +153,14 @@ async fn call(
     let ended = recv.is_end_stream();
     let head = match head_of(&s.parts, ended, ctx.cfg.max_head * 2) {
         Some(h) => h,
-        None => return reply(&mut s, 400, "malformed request", ctx).await,
+        None => return s.reply(400, "malformed request", ctx).await,
     };
     let mut r = match parse(head, peer, started) {
         Ok(r) => r,
-        Err((code, why)) => return reply(&mut s, code, why, ctx).await,
+        Err((code, why)) => return s.reply(code, why, ctx).await,
     };
     let Some(target) = route(&r, ctx) else {
-        return reply(&mut s, 404, "no route", ctx).await;
+        return s.reply(404, "no route", ctx).await;
     };
     let pool = target.pool.clone();
     r.level = classify(&r, peer, ctx);
@@ -198,51 +194,7 @@ async fn call(
             rest: Some(recv),
         }
     };
-    let h2_pes = pool.protocol() == crate::config::PeProtocol::H2;
-    let mut f = Failover::new(ctx.failover());
-    loop {
-        let (attempt, outcome) = if h2_pes {
-            let connect = |pe: Arc<Backend>| async move {
-                // Never "reused": a broken HTTP/2 connection may have carried the request
-                // to the PE, so only an idempotent one goes out again.
-                up2::stream(&pe, ctx).await.map(|v| (v, false))
-            };
-            match f
-                .attempt(&pool, &ctx.pools, r.level, connect)
-                .await
-                .map_err(GiveUp::answer)
-            {
-                Ok((attempt, up)) => {
-                    let outcome = Box::pin(to_h2(&mut s, up, &r, &attempt, ctx)).await;
-                    (attempt, outcome)
-                }
-                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, ctx).await,
-            }
-        } else {
-            let connect = |pe: Arc<Backend>| async move { take_conn(&pe, ctx, !repeatable).await };
-            match f
-                .attempt(&pool, &ctx.pools, r.level, connect)
-                .await
-                .map_err(GiveUp::answer)
-            {
-                Ok((attempt, bc)) => {
-                    let outcome = Box::pin(to_h1(&mut s, bc, &r, &attempt, ctx)).await;
-                    (attempt, outcome)
-                }
-                Err((code, why)) => return fail(&mut s, &r, code, Some(why), None, ctx).await,
-            }
-        };
-        let replayable = matches!(s.body, Body::Held(_));
-        match settle(&r, replayable, &attempt, outcome, &mut f, ctx) {
-            Settled::Answered { code, bytes, .. } => {
-                return log(ctx, peer, &r, code, Some(&attempt.pe), bytes);
-            }
-            Settled::Again => {}
-            Settled::Failed { code, why } => {
-                return fail(&mut s, &r, code, why, Some(&attempt.pe), ctx).await;
-            }
-        }
-    }
+    forward(&mut Downstream::H2(&mut s), &r, &pool, ctx).await;
 }
 
 const CONNECTION_SPECIFIC: [&str; 5] = [
@@ -341,82 +293,6 @@ fn grpc_timeout(v: &[u8]) -> Option<Duration> {
         b'n' => Duration::from_nanos(n),
         _ => return None,
     })
-}
-
-/// The gRPC status of a proxy's error answer (gRPC's HTTP-to-status mapping; the deadline's
-/// own status when it passed).
-fn grpc_status(code: u16, expired: bool) -> u16 {
-    match code {
-        _ if expired => 4,
-        400 => 13,
-        401 => 16,
-        403 => 7,
-        404 => 12,
-        429 | 502..=504 => 14,
-        _ => 2,
-    }
-}
-
-/// Ends a request the PEs did not answer: `code` with `why` to the client (or, after part
-/// of a response, the stream reset), then the log line.
-async fn fail(
-    s: &mut Stream,
-    r: &Request,
-    code: u16,
-    why: Option<&str>,
-    b: Option<&Arc<Backend>>,
-    ctx: &Ctx,
-) {
-    match why {
-        Some(why) => reply(s, code, why, ctx).await,
-        None => {
-            if let Some(tx) = &mut s.tx {
-                tx.send_reset(Reason::INTERNAL_ERROR);
-            } else {
-                s.respond.send_reset(Reason::INTERNAL_ERROR);
-            }
-        }
-    }
-    log(ctx, s.peer, r, code, b, 0);
-}
-
-/// A short answer of the proxy's own: for gRPC, a trailers-only response with the status.
-async fn reply(s: &mut Stream, code: u16, why: &str, ctx: &Ctx) {
-    let expired = s.expired();
-    if let Some(tx) = &mut s.tx {
-        // Part of a response went out already.
-        if s.grpc && expired {
-            let _ = tx.send_trailers(grpc_trailers(4, "deadline exceeded"));
-        } else {
-            tx.send_reset(Reason::INTERNAL_ERROR);
-        }
-        return;
-    }
-    let mut head = http::Response::builder();
-    if s.grpc {
-        let why = if expired { "deadline exceeded" } else { why };
-        head = head
-            .status(200)
-            .header(CONTENT_TYPE, "application/grpc")
-            .header("grpc-status", grpc_status(code, expired))
-            .header("grpc-message", why);
-        if let Ok(h) = head.body(()) {
-            let _ = s.respond.send_response(h, true);
-        }
-        return;
-    }
-    head = head
-        .status(code)
-        .header(CONTENT_TYPE, "text/plain; charset=utf-8");
-    if code == 503 {
-        // No PE had room: say when to come back.
-        let secs = ctx.cfg.levels.as_ref().map_or(1, |l| l.retry_after_s);
-        head = head.header("retry-after", secs);
-    }
-    let Ok(h) = head.body(()) else { return };
-    if let Ok(mut tx) = s.respond.send_response(h, false) {
-        let _ = send_data(&mut tx, Bytes::from(format!("{why}\n")), true).await;
-    }
 }
 
 #[cfg(test)]

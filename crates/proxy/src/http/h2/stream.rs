@@ -1,10 +1,11 @@
 //! One HTTP/2 client stream: the request on its way and the client's side of the answer,
 //! shared by the front that accepts it and the relays that answer it.
 
+use crate::ctx::Ctx;
 use bytes::Bytes;
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream, SendStream};
-use http::header::HeaderValue;
+use http::header::{CONTENT_TYPE, HeaderValue};
 use std::future::poll_fn;
 use std::net::SocketAddr;
 
@@ -37,6 +38,45 @@ impl Stream {
     pub(crate) fn expired(&self) -> bool {
         self.deadline
             .is_some_and(|d| d <= tokio::time::Instant::now())
+    }
+
+    /// A short answer of the proxy's own: for gRPC, a trailers-only response with the status.
+    pub(crate) async fn reply(&mut self, code: u16, why: &str, ctx: &Ctx) {
+        let expired = self.expired();
+        if let Some(tx) = &mut self.tx {
+            // Part of a response went out already.
+            if self.grpc && expired {
+                let _ = tx.send_trailers(grpc_trailers(4, "deadline exceeded"));
+            } else {
+                tx.send_reset(Reason::INTERNAL_ERROR);
+            }
+            return;
+        }
+        let mut head = http::Response::builder();
+        if self.grpc {
+            let why = if expired { "deadline exceeded" } else { why };
+            head = head
+                .status(200)
+                .header(CONTENT_TYPE, "application/grpc")
+                .header("grpc-status", grpc_status(code, expired))
+                .header("grpc-message", why);
+            if let Ok(h) = head.body(()) {
+                let _ = self.respond.send_response(h, true);
+            }
+            return;
+        }
+        head = head
+            .status(code)
+            .header(CONTENT_TYPE, "text/plain; charset=utf-8");
+        if code == 503 {
+            // No PE had room: say when to come back.
+            let secs = ctx.cfg.levels.as_ref().map_or(1, |l| l.retry_after_s);
+            head = head.header("retry-after", secs);
+        }
+        let Ok(h) = head.body(()) else { return };
+        if let Ok(mut tx) = self.respond.send_response(h, false) {
+            let _ = send_data(&mut tx, Bytes::from(format!("{why}\n")), true).await;
+        }
     }
 }
 
@@ -76,4 +116,18 @@ pub(crate) fn grpc_trailers(status: u16, message: &str) -> http::HeaderMap {
         t.insert("grpc-message", m);
     }
     t
+}
+
+/// The gRPC status of a proxy's error answer (gRPC's HTTP-to-status mapping; the deadline's
+/// own status when it passed).
+fn grpc_status(code: u16, expired: bool) -> u16 {
+    match code {
+        _ if expired => 4,
+        400 => 13,
+        401 => 16,
+        403 => 7,
+        404 => 12,
+        429 | 502..=504 => 14,
+        _ => 2,
+    }
 }

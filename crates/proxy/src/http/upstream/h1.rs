@@ -8,18 +8,19 @@
 use super::PeStream;
 use crate::balance::backend::Backend;
 use crate::balance::conns::IdlePool;
+use crate::balance::failover::Attempt;
 use crate::ctx::Ctx;
 use crate::http::client_stream::{Client, ClientStream};
-use crate::http::h2::stream::{Body, Stream, send_data};
+use crate::http::downstream::{Downstream, Failure, H1Client, Relayed};
+use crate::http::h2::stream::Body;
 use crate::http::message::{
     BodyDecoder, BodyState, Framing, Head, Piece, frame_into, response_framing,
 };
-use crate::http::pipeline::{Attempt, Failure, Relayed};
-use crate::http::request::Outgoing;
 use crate::http::request::{Request, forwarding};
 use crate::http::upstream::connect_pe;
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, BytesMut};
 use http::header::{HeaderName, HeaderValue};
+use std::borrow::Cow;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -139,209 +140,6 @@ pub(crate) fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_min
         out.put_slice(b"Connection: keep-alive\r\n");
     }
     out.put_slice(b"\r\n");
-}
-
-/// What [`send`] left to do with the request body.
-pub(crate) struct Sent {
-    /// Part of a streamed body went to the PE: the request cannot be sent again.
-    body_sent: bool,
-    /// Part of the body is still with the client (it waits for 100 Continue, or the PE
-    /// stopped taking it).
-    body_left: bool,
-}
-
-/// Step send: the head and a held body in one write, then a streamed body unless the client
-/// waits for 100 Continue.
-pub(crate) async fn send(
-    c: &mut Client,
-    bc: &mut BackendConn,
-    r: &Request,
-    out: &Outgoing,
-    b: &Backend,
-    ctx: &Ctx,
-) -> Result<Sent, Failure> {
-    let written = match &out.held {
-        Some(body) if !body.is_empty() && out.head.len() + body.len() <= COALESCE => {
-            let mut v = BytesMut::with_capacity(out.head.len() + body.len());
-            v.put_slice(&out.head);
-            v.put_slice(body);
-            bc.stream.write_all(&v).await
-        }
-        Some(body) if !body.is_empty() => {
-            let r = bc.stream.write_all(&out.head).await;
-            match r {
-                Ok(()) => bc.stream.write_all(body).await,
-                e => e,
-            }
-        }
-        _ => bc.stream.write_all(&out.head).await,
-    };
-    if let Err(error) = written {
-        return Err(Failure::NoResponse {
-            body_sent: false,
-            error,
-        });
-    }
-    if let Some(body) = &out.held {
-        b.stats
-            .bytes_in
-            .fetch_add(body.len() as u64, Ordering::Relaxed);
-    }
-    let mut sent = Sent {
-        body_sent: false,
-        body_left: !matches!(r.framing, Framing::None),
-    };
-    if sent.body_left && !r.expect_continue {
-        sent.body_sent = true;
-        sent.body_left = !send_body(c, bc, r, b, ctx).await?;
-    }
-    Ok(sent)
-}
-
-/// Streams the client's request body to the PE. `Ok(false)` when the PE stopped taking it (it
-/// may have answered early: the response is read next).
-async fn send_body(
-    c: &mut Client,
-    bc: &mut BackendConn,
-    r: &Request,
-    b: &Backend,
-    ctx: &Ctx,
-) -> Result<bool, Failure> {
-    let sent = stream_body(
-        &mut c.stream,
-        &mut c.buf,
-        &mut bc.stream,
-        r.framing,
-        BytesMut::new(),
-        ctx.idle_timeout(),
-        false,
-    )
-    .await;
-    match sent {
-        Ok(n) => {
-            b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
-            Ok(true)
-        }
-        Err(RelayError::Src) => Err(Failure::Client),
-        Err(RelayError::Malformed) => Err(Failure::BadBody),
-        Err(RelayError::Dst | RelayError::Timeout) => Ok(false),
-    }
-}
-
-/// Step relay: the PE's response to the client, interim responses first (100 Continue
-/// releases a waiting body; 101 turns the connection into a tunnel). A PE connection that
-/// can carry another request goes back to the PE's idle set.
-pub(crate) async fn relay(
-    c: &mut Client,
-    mut bc: BackendConn,
-    r: &Request,
-    mut sent: Sent,
-    attempt: &Attempt,
-    ctx: &Ctx,
-) -> Result<Relayed, Failure> {
-    let b = &attempt.pe;
-    let mut relayed = false;
-    let mut bytes = 0u64;
-    let resp = loop {
-        let head = match read_response_head(&mut bc, ctx).await {
-            Ok(h) => {
-                if !relayed {
-                    b.note_latency(attempt.rif, attempt.sent.elapsed());
-                }
-                h
-            }
-            Err(f) => {
-                return Err(match f {
-                    Failure::NoResponse { error, .. } => Failure::NoResponse {
-                        body_sent: sent.body_sent,
-                        error,
-                    },
-                    other => other,
-                });
-            }
-        };
-        match head.code {
-            101 if r.upgrade => {
-                c.stream
-                    .write_all(&head.raw)
-                    .await
-                    .map_err(|_| Failure::Client)?;
-                tunnel(c, bc, b, ctx).await;
-                return Ok(Relayed {
-                    code: 101,
-                    keep: false,
-                    bytes: head.raw.len() as u64,
-                });
-            }
-            100..=199 if head.code != 101 => {
-                // Interim responses go to HTTP/1.1 clients; 100 releases a waiting body.
-                if r.head.minor == 1 {
-                    c.stream
-                        .write_all(&head.raw)
-                        .await
-                        .map_err(|_| Failure::Client)?;
-                    relayed = true;
-                }
-                if head.code == 100 && sent.body_left {
-                    sent.body_sent = true;
-                    sent.body_left = !send_body(c, &mut bc, r, b, ctx).await?;
-                }
-                continue;
-            }
-            _ => break head,
-        }
-    };
-    let code = resp.code;
-    let Ok(framing) = response_framing(&resp, r.head.method() == b"HEAD") else {
-        return Err(Failure::Broken { relayed });
-    };
-    if framing == Framing::Chunked && r.head.minor == 0 {
-        // An HTTP/1.0 client cannot read it, and a PE must not send it (RFC 9112 §7.1).
-        return Err(Failure::Broken { relayed });
-    }
-    // An HTTP/1.0 request's connection persists only if the PE says so (RFC 9112 §9.3).
-    let backend_keep = framing != Framing::Close
-        && !resp.has_token("connection", "close")
-        && if r.head.minor == 1 {
-            resp.minor == 1
-        } else {
-            resp.has_token("connection", "keep-alive")
-        };
-    let client_keep =
-        r.keep_alive && framing != Framing::Close && !sent.body_left && !*ctx.draining.borrow();
-    if sent.body_left {
-        // The client may still be sending the body the PE did not take.
-        c.stream.linger_on_close();
-    }
-    let mut out = BytesMut::with_capacity(resp.raw.len() + 64);
-    response_head(&resp, &mut out, client_keep, r.head.minor);
-    bytes += out.len() as u64;
-    match stream_body(
-        &mut bc.stream,
-        &mut bc.buf,
-        &mut c.stream,
-        framing,
-        out,
-        ctx.idle_timeout(),
-        !client_keep,
-    )
-    .await
-    {
-        Ok(n) => bytes += n,
-        Err(RelayError::Dst) => return Err(Failure::Client),
-        Err(_) => return Err(Failure::Broken { relayed: true }),
-    }
-    b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
-    if backend_keep && bc.buf.is_empty() && !sent.body_left {
-        if let Some(i) = idle(b) {
-            i.put(bc, ctx.pools.settings.max_idle_per_pe);
-        }
-    }
-    Ok(Relayed {
-        code,
-        keep: client_keep,
-        bytes,
-    })
 }
 
 pub(crate) async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Failure> {
@@ -488,86 +286,303 @@ impl Sink for PeStream {
     }
 }
 
-/// One attempt at a PE over HTTP/1.1.
-pub(crate) async fn to_h1(
-    s: &mut Stream,
+/// What [`send`] left to do with the request body.
+struct Sent {
+    /// Part of a streamed body went to the PE: the request cannot be sent again.
+    body_sent: bool,
+    /// Part of the body is still with the client (it waits for 100 Continue, or the PE
+    /// stopped taking it).
+    body_left: bool,
+}
+
+/// One attempt at an HTTP/1.1 PE, for a client of either version: the request, interim
+/// responses, the response; the PE connection back to its idle set if it can carry another.
+pub(crate) async fn exchange(
+    d: &mut Downstream<'_>,
     mut bc: BackendConn,
     r: &Request,
     attempt: &Attempt,
     ctx: &Ctx,
 ) -> Result<Relayed, Failure> {
     let b = &attempt.pe;
-    let chunked = r.framing == Framing::Chunked;
-    let (level_header, send_level) = ctx.level_header();
-    let mut out = outgoing_head_with(r, s.peer, level_header, send_level);
-    let (first, streamed) = match &s.body {
-        Body::Held(d) => (d, false),
-        Body::Streamed { prefix, .. } => (prefix, true),
+    let mut sent = send(d, &mut bc, r, b, ctx).await?;
+    let mut relayed = false;
+    let resp = loop {
+        let head = match read_response_head(&mut bc, ctx).await {
+            Ok(h) => h,
+            Err(Failure::NoResponse { error, .. }) => {
+                return Err(Failure::NoResponse {
+                    body_sent: sent.body_sent,
+                    error,
+                });
+            }
+            Err(other) => return Err(other),
+        };
+        if !relayed {
+            b.note_latency(attempt.rif, attempt.sent.elapsed());
+        }
+        match (head.code, &mut *d) {
+            (101, Downstream::H1(h)) if r.upgrade => {
+                h.c.stream
+                    .write_all(&head.raw)
+                    .await
+                    .map_err(|_| Failure::Client)?;
+                tunnel(h.c, bc, b, ctx).await;
+                return Ok(Relayed {
+                    code: 101,
+                    keep: false,
+                    bytes: head.raw.len() as u64,
+                });
+            }
+            // An HTTP/2 stream cannot become a tunnel.
+            (101, Downstream::H2(_)) => return Err(Failure::Broken { relayed: false }),
+            (100..=199, _) if head.code != 101 => {
+                // Interim responses go to HTTP/1.1 clients; 100 releases a waiting body.
+                if let Downstream::H1(h) = d
+                    && r.head.minor == 1
+                {
+                    h.c.stream
+                        .write_all(&head.raw)
+                        .await
+                        .map_err(|_| Failure::Client)?;
+                    relayed = true;
+                }
+                if head.code == 100 && sent.body_left {
+                    sent.body_sent = true;
+                    sent.body_left = !send_body(d, &mut bc, r, b, ctx).await?;
+                }
+            }
+            _ => break head,
+        }
     };
-    frame_into(&mut out, first, chunked);
-    if chunked && !streamed {
-        out.put_slice(b"0\r\n\r\n");
+    let Ok(framing) = response_framing(&resp, r.head.method() == b"HEAD") else {
+        return Err(Failure::Broken { relayed });
+    };
+    // An HTTP/1.0 request's connection persists only if the PE says so (RFC 9112 §9.3).
+    let backend_keep = framing != Framing::Close
+        && !resp.has_token("connection", "close")
+        && if r.head.minor == 1 {
+            resp.minor == 1
+        } else {
+            resp.has_token("connection", "keep-alive")
+        };
+    let answered = match d {
+        Downstream::H1(h) => pass(h, &mut bc, &resp, framing, &sent, relayed, r, b, ctx).await?,
+        Downstream::H2(_) => pieces(d, &mut bc, &resp, framing, r, b, ctx).await?,
+    };
+    if backend_keep && bc.buf.is_empty() && !sent.body_left {
+        if let Some(i) = idle(b) {
+            i.put(bc, ctx.pools.settings.max_idle_per_pe);
+        }
     }
-    b.stats
-        .bytes_in
-        .fetch_add(first.len() as u64, Ordering::Relaxed);
-    if let Err(error) = bc.stream.write_all(&out).await {
+    Ok(answered)
+}
+
+/// The head and what the client gave of the body at once (a held body, or what an HTTP/2
+/// client sent before the rest), in one write where it fits; then the rest of a streamed body,
+/// unless the client waits for 100 Continue.
+async fn send(
+    d: &mut Downstream<'_>,
+    bc: &mut BackendConn,
+    r: &Request,
+    b: &Backend,
+    ctx: &Ctx,
+) -> Result<Sent, Failure> {
+    let chunked = r.framing == Framing::Chunked;
+    let (head, first, complete) = match &*d {
+        Downstream::H1(h) => (Cow::Borrowed(&h.out.head[..]), h.out.held.as_ref(), true),
+        Downstream::H2(s) => {
+            let (level_header, send_level) = ctx.level_header();
+            let head = outgoing_head_with(r, s.peer, level_header, send_level);
+            match &s.body {
+                Body::Held(d) => (Cow::Owned(head.to_vec()), Some(d), true),
+                Body::Streamed { prefix, .. } => (Cow::Owned(head.to_vec()), Some(prefix), false),
+            }
+        }
+    };
+    let first = first.filter(|f| !f.is_empty() || (chunked && complete));
+    let written = match first {
+        // A body in the chunked coding (from an HTTP/2 client without a length) is framed.
+        Some(body) if chunked => {
+            let mut v = BytesMut::with_capacity(head.len() + body.len() + 32);
+            v.put_slice(&head);
+            frame_into(&mut v, body, true);
+            if complete {
+                v.put_slice(b"0\r\n\r\n");
+            }
+            bc.stream.write_all(&v).await
+        }
+        Some(body) if head.len() + body.len() <= COALESCE => {
+            let mut v = BytesMut::with_capacity(head.len() + body.len());
+            v.put_slice(&head);
+            v.put_slice(body);
+            bc.stream.write_all(&v).await
+        }
+        Some(body) => match bc.stream.write_all(&head).await {
+            Ok(()) => bc.stream.write_all(body).await,
+            e => e,
+        },
+        None => bc.stream.write_all(&head).await,
+    };
+    if let Err(error) = written {
         return Err(Failure::NoResponse {
             body_sent: false,
             error,
         });
     }
-    if let Body::Streamed { rest, .. } = &mut s.body
-        && let Some(mut recv) = rest.take()
-    {
-        let mut out = BytesMut::new();
-        loop {
-            let d = match tokio::time::timeout(ctx.idle_timeout(), recv.data()).await {
-                Ok(None) => break,
-                Ok(Some(Ok(d))) => d,
-                _ => return Err(Failure::Client),
-            };
-            let _ = recv.flow_control().release_capacity(d.len());
-            b.stats
-                .bytes_in
-                .fetch_add(d.len() as u64, Ordering::Relaxed);
-            let written = if chunked {
-                out.clear();
-                frame_into(&mut out, &d, true);
-                bc.stream.write_all(&out).await
-            } else {
-                bc.stream.write_all(&d).await
-            };
-            if written.is_err() {
-                // The PE stopped taking the body; it may have answered.
-                break;
+    if let Some(body) = first {
+        b.stats
+            .bytes_in
+            .fetch_add(body.len() as u64, Ordering::Relaxed);
+    }
+    let mut sent = Sent {
+        body_sent: false,
+        body_left: d.held().is_none(),
+    };
+    if sent.body_left && !r.expect_continue {
+        sent.body_sent = true;
+        sent.body_left = !send_body(d, bc, r, b, ctx).await?;
+    }
+    Ok(sent)
+}
+
+/// Streams the rest of the client's request body to the PE in the request's framing: an
+/// HTTP/1.1 client's as it comes, an HTTP/2 client's DATA frames in the chunked coding when the
+/// request had no length. `Ok(false)` when the PE stopped taking it (it may have answered
+/// early: the response is read next).
+async fn send_body(
+    d: &mut Downstream<'_>,
+    bc: &mut BackendConn,
+    r: &Request,
+    b: &Backend,
+    ctx: &Ctx,
+) -> Result<bool, Failure> {
+    match d {
+        Downstream::H1(h) => {
+            let sent = stream_body(
+                &mut h.c.stream,
+                &mut h.c.buf,
+                &mut bc.stream,
+                r.framing,
+                BytesMut::new(),
+                ctx.idle_timeout(),
+                false,
+            )
+            .await;
+            match sent {
+                Ok(n) => {
+                    b.stats.bytes_in.fetch_add(n, Ordering::Relaxed);
+                    Ok(true)
+                }
+                Err(RelayError::Src) => Err(Failure::Client),
+                Err(RelayError::Malformed) => Err(Failure::BadBody),
+                Err(RelayError::Dst | RelayError::Timeout) => Ok(false),
             }
         }
-        if chunked {
-            let _ = bc.stream.write_all(b"0\r\n\r\n").await;
+        Downstream::H2(s) => {
+            let Body::Streamed { rest, .. } = &mut s.body else {
+                return Ok(true);
+            };
+            let Some(mut recv) = rest.take() else {
+                return Ok(true);
+            };
+            let chunked = r.framing == Framing::Chunked;
+            let mut out = BytesMut::new();
+            let mut complete = true;
+            loop {
+                let d = match tokio::time::timeout(ctx.idle_timeout(), recv.data()).await {
+                    Ok(None) => break,
+                    Ok(Some(Ok(d))) => d,
+                    _ => return Err(Failure::Client),
+                };
+                let _ = recv.flow_control().release_capacity(d.len());
+                b.stats
+                    .bytes_in
+                    .fetch_add(d.len() as u64, Ordering::Relaxed);
+                let written = if chunked {
+                    out.clear();
+                    frame_into(&mut out, &d, true);
+                    bc.stream.write_all(&out).await
+                } else {
+                    bc.stream.write_all(&d).await
+                };
+                if written.is_err() {
+                    // The PE stopped taking the body; it may have answered.
+                    complete = false;
+                    break;
+                }
+            }
+            if chunked && complete && bc.stream.write_all(b"0\r\n\r\n").await.is_err() {
+                complete = false;
+            }
+            Ok(complete)
         }
     }
-    let resp = loop {
-        let h = read_response_head(&mut bc, ctx)
-            .await
-            .map_err(|f| match f {
-                Failure::NoResponse { error, .. } => Failure::NoResponse {
-                    body_sent: streamed,
-                    error,
-                },
-                other => other,
-            })?;
-        match h.code {
-            101 => return Err(Failure::Broken { relayed: false }),
-            100..=199 => continue,
-            _ => break h,
-        }
-    };
-    b.note_latency(attempt.rif, attempt.sent.elapsed());
-    let head_request = r.head.method() == b"HEAD";
-    let Ok(framing) = response_framing(&resp, head_request) else {
-        return Err(Failure::Broken { relayed: false });
-    };
+}
+
+/// The response to an HTTP/1.1 client as it came: the status line and end-to-end headers,
+/// the connection's own replaced, the body in its own framing (a small response in one
+/// write).
+#[allow(clippy::too_many_arguments)]
+async fn pass(
+    h: &mut H1Client<'_>,
+    bc: &mut BackendConn,
+    resp: &Head,
+    framing: Framing,
+    sent: &Sent,
+    relayed: bool,
+    r: &Request,
+    b: &Backend,
+    ctx: &Ctx,
+) -> Result<Relayed, Failure> {
+    if framing == Framing::Chunked && r.head.minor == 0 {
+        // An HTTP/1.0 client cannot read it, and a PE must not send it (RFC 9112 §7.1).
+        return Err(Failure::Broken { relayed });
+    }
+    let keep =
+        r.keep_alive && framing != Framing::Close && !sent.body_left && !*ctx.draining.borrow();
+    h.keep = keep;
+    if sent.body_left {
+        // The client may still be sending the body the PE did not take.
+        h.c.stream.linger_on_close();
+    }
+    let mut out = BytesMut::with_capacity(resp.raw.len() + 64);
+    response_head(resp, &mut out, keep, r.head.minor);
+    let mut bytes = out.len() as u64;
+    match stream_body(
+        &mut bc.stream,
+        &mut bc.buf,
+        &mut h.c.stream,
+        framing,
+        out,
+        ctx.idle_timeout(),
+        !keep,
+    )
+    .await
+    {
+        Ok(n) => bytes += n,
+        Err(RelayError::Dst) => return Err(Failure::Client),
+        Err(_) => return Err(Failure::Broken { relayed: true }),
+    }
+    b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
+    Ok(Relayed {
+        code: resp.code,
+        keep,
+        bytes,
+    })
+}
+
+/// The response taken apart: the head, the body out of its framing, the chunked coding's
+/// trailers, each sent as the client's version wants.
+async fn pieces(
+    d: &mut Downstream<'_>,
+    bc: &mut BackendConn,
+    resp: &Head,
+    framing: Framing,
+    r: &Request,
+    b: &Backend,
+    ctx: &Ctx,
+) -> Result<Relayed, Failure> {
     let mut head = http::Response::builder().status(resp.code);
     for (n, v) in resp.end_to_end() {
         if n.eq_ignore_ascii_case(b"transfer-encoding") {
@@ -580,29 +595,20 @@ pub(crate) async fn to_h1(
     let Ok(head) = head.body(()) else {
         return Err(Failure::Broken { relayed: false });
     };
-    let end = framing == Framing::None;
-    let tx = match s.respond.send_response(head, end) {
-        Ok(tx) => s.tx.insert(tx),
-        Err(_) => return Err(Failure::Client),
-    };
-    let mut bytes = 0u64;
+    let (mut bytes, mut more) = d
+        .respond_head(head.into_parts().0, framing == Framing::None, r, ctx)
+        .await?;
     let mut dec = BodyDecoder::new(framing);
-    loop {
-        if end {
-            break;
-        }
+    while more {
         let piece = dec
             .next(&mut bc.buf)
             .map_err(|_| Failure::Broken { relayed: true })?;
         match piece {
-            Piece::Data(d) if !d.is_empty() => {
-                bytes += d.len() as u64;
-                // A body of known length ends with its last bytes: END_STREAM on them.
-                let last = dec.is_done();
-                send_data(tx, d, last).await.map_err(|_| Failure::Client)?;
-                if last {
-                    break;
-                }
+            Piece::Data(data) if !data.is_empty() => {
+                bytes += data.len() as u64;
+                // A body of known length ends with its last bytes.
+                more = !dec.is_done();
+                d.respond_data(data, !more).await?;
             }
             Piece::Data(_) => {
                 bc.buf.reserve(READ_CHUNK);
@@ -610,10 +616,8 @@ pub(crate) async fn to_h1(
                     .await
                 {
                     Ok(Ok(0)) if framing == Framing::Close => {
-                        send_data(tx, Bytes::new(), true)
-                            .await
-                            .map_err(|_| Failure::Client)?;
-                        break;
+                        d.respond_end(None).await?;
+                        more = false;
                     }
                     Ok(Ok(n)) if n > 0 => {}
                     _ => return Err(Failure::Broken { relayed: true }),
@@ -628,30 +632,19 @@ pub(crate) async fn to_h1(
                         map.append(n, v);
                     }
                 }
-                tx.send_trailers(map).map_err(|_| Failure::Client)?;
-                break;
+                d.respond_end(Some(map)).await?;
+                more = false;
             }
             Piece::End => {
-                send_data(tx, Bytes::new(), true)
-                    .await
-                    .map_err(|_| Failure::Client)?;
-                break;
+                d.respond_end(None).await?;
+                more = false;
             }
         }
     }
     b.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
-    let keep = framing != Framing::Close
-        && !resp.has_token("connection", "close")
-        && resp.minor == 1
-        && bc.buf.is_empty();
-    if keep {
-        if let Some(i) = idle(b) {
-            i.put(bc, ctx.pools.settings.max_idle_per_pe);
-        }
-    }
     Ok(Relayed {
         code: resp.code,
-        keep: true,
+        keep: d.keep(),
         bytes,
     })
 }

@@ -1,0 +1,373 @@
+//! The client's side of one request, whatever HTTP version it speaks: what a relay to a PE
+//! asks of it and where the response goes. One type over an HTTP/1.1 connection and an
+//! HTTP/2 stream (as pingora's `Session`), so that there is one relay per PE protocol
+//! (`crate::http::upstream`), not one per pair of protocols; and what an exchange with a PE
+//! came to ([`Failure`], [`Relayed`]), for the pipeline to settle.
+//!
+//! The response goes out in pieces ([`Downstream::respond_head`], [`Downstream::respond_data`],
+//! [`Downstream::respond_end`]): an HTTP/2 client gets frames, an HTTP/1.1 client a message
+//! in its own framing (the PE's length, else chunked with the trailers in the chunked trailer
+//! section, or to the close for HTTP/1.0). The relay to an HTTP/1.1 PE has a faster way for an
+//! HTTP/1.1 client: the response as it came, its framing untouched (`upstream::h1`).
+
+use crate::ctx::Ctx;
+use crate::http::client_stream::Client;
+use crate::http::h2::stream::{Body, Stream, send_data};
+use crate::http::message::{Framing, frame_into};
+use crate::http::request::{Outgoing, Request, forwarding};
+use bytes::{BufMut, Bytes, BytesMut};
+use h2::Reason;
+use http::header::{HeaderName, HeaderValue};
+use std::io;
+use std::net::SocketAddr;
+use tokio::io::AsyncWriteExt;
+
+/// How far an exchange with a PE got before it failed.
+pub(crate) enum Failure {
+    /// Nothing of the response arrived; `body_sent` tells whether a streamed body was used.
+    NoResponse { body_sent: bool, error: io::Error },
+    /// The PE did not answer in time.
+    Timeout,
+    /// The PE answered garbage or broke off mid-response; the client connection is spoilt
+    /// if anything was relayed.
+    Broken { relayed: bool },
+    /// The client went away.
+    Client,
+    /// The PE refused the request unprocessed (HTTP/2 REFUSED_STREAM, or a GOAWAY before it).
+    Refused,
+    /// The client's deadline (`grpc-timeout`) passed before the PE answered.
+    Deadline,
+    /// The request cannot be expressed towards the PE.
+    BadRequest,
+    /// The client's body broke the chunked coding.
+    BadBody,
+}
+
+/// The response as the client got it.
+pub(crate) struct Relayed {
+    pub(crate) code: u16,
+    /// The client connection can carry another request.
+    pub(crate) keep: bool,
+    /// Bytes relayed to the client.
+    pub(crate) bytes: u64,
+}
+
+/// The client's side of one request.
+pub(crate) enum Downstream<'a> {
+    /// An HTTP/1.1 client.
+    H1(H1Client<'a>),
+    /// An HTTP/2 client's stream.
+    H2(&'a mut Stream),
+}
+
+/// An HTTP/1.1 client with its request as it goes out, and how its response is framed.
+pub(crate) struct H1Client<'a> {
+    pub(crate) c: &'a mut Client,
+    pub(crate) out: &'a Outgoing,
+    /// The response goes out in the chunked coding (the PE gave no length).
+    chunked: bool,
+    /// The connection can carry another request after this response.
+    pub(crate) keep: bool,
+}
+
+impl<'a> Downstream<'a> {
+    pub(crate) fn h1(c: &'a mut Client, out: &'a Outgoing) -> Self {
+        Self::H1(H1Client {
+            c,
+            out,
+            chunked: false,
+            keep: false,
+        })
+    }
+
+    pub(crate) fn peer(&self) -> SocketAddr {
+        match self {
+            Self::H1(h) => h.c.peer,
+            Self::H2(s) => s.peer,
+        }
+    }
+
+    /// The whole body, when it was held: then the request can be sent again.
+    pub(crate) fn held(&self) -> Option<&Bytes> {
+        match self {
+            Self::H1(h) => h.out.held.as_ref(),
+            Self::H2(s) => match &s.body {
+                Body::Held(d) => Some(d),
+                Body::Streamed { .. } => None,
+            },
+        }
+    }
+
+    /// The client's deadline (gRPC's `grpc-timeout`), if it gave one.
+    pub(crate) fn deadline(&self) -> Option<tokio::time::Instant> {
+        match self {
+            Self::H1(_) => None,
+            Self::H2(s) => s.deadline,
+        }
+    }
+
+    pub(crate) fn expired(&self) -> bool {
+        self.deadline()
+            .is_some_and(|d| d <= tokio::time::Instant::now())
+    }
+
+    /// The request as it goes to an HTTP/2 PE: the client's headers (the connection's own
+    /// dropped), the forwarding headers and the level, what is left of a gRPC deadline; a held
+    /// body's length, whatever framing it came in.
+    pub(crate) fn h2_request(&self, r: &Request, ctx: &Ctx) -> Option<http::Request<()>> {
+        let mut req = match self {
+            Self::H2(s) => upstream_request(&s.parts, s.peer, s.deadline, r, ctx)?,
+            Self::H1(h) => upstream_request(&parts_of(r)?, h.c.peer, None, r, ctx)?,
+        };
+        if let (Self::H1(_), Some(held)) = (self, self.held()) {
+            req.headers_mut()
+                .insert(http::header::CONTENT_LENGTH, held.len().into());
+        }
+        Some(req)
+    }
+
+    /// Sends the response head; `end`: the PE sends no body. The bytes written, as far as
+    /// they are counted (an HTTP/1.1 head), and whether a body is to follow (not after `end`,
+    /// nor for an HTTP/1.1 client's HEAD request or a 204 or 304).
+    pub(crate) async fn respond_head(
+        &mut self,
+        head: http::response::Parts,
+        end: bool,
+        r: &Request,
+        ctx: &Ctx,
+    ) -> Result<(u64, bool), Failure> {
+        match self {
+            Self::H2(s) => match s
+                .respond
+                .send_response(http::Response::from_parts(head, ()), end)
+            {
+                Ok(tx) => {
+                    s.tx = Some(tx);
+                    Ok((0, !end))
+                }
+                Err(_) => Err(Failure::Client),
+            },
+            Self::H1(h) => {
+                let code = head.status.as_u16();
+                let no_body = r.head.method() == b"HEAD" || code == 204 || code == 304;
+                let length = head
+                    .headers
+                    .get(http::header::CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                // Framing for the client: the PE's length; else chunked (HTTP/1.1) or to the
+                // close (HTTP/1.0).
+                h.chunked = !no_body && length.is_none() && r.head.minor == 1;
+                let close_delimited = !no_body && length.is_none() && r.head.minor == 0;
+                h.keep = r.keep_alive && !close_delimited && !*ctx.draining.borrow();
+                let mut w = BytesMut::with_capacity(256);
+                w.put_slice(
+                    format!(
+                        "HTTP/1.{} {code} {}\r\n",
+                        r.head.minor,
+                        head.status.canonical_reason().unwrap_or("")
+                    )
+                    .as_bytes(),
+                );
+                for (n, v) in &head.headers {
+                    w.put_slice(n.as_str().as_bytes());
+                    w.put_slice(b": ");
+                    w.put_slice(v.as_bytes());
+                    w.put_slice(b"\r\n");
+                }
+                if h.chunked {
+                    w.put_slice(b"Transfer-Encoding: chunked\r\n");
+                }
+                if !h.keep {
+                    w.put_slice(b"Connection: close\r\n");
+                } else if r.head.minor == 0 {
+                    w.put_slice(b"Connection: keep-alive\r\n");
+                }
+                w.put_slice(b"\r\n");
+                let n = w.len() as u64;
+                if no_body || end {
+                    if h.chunked {
+                        w.put_slice(b"0\r\n\r\n");
+                    }
+                    h.chunked = false;
+                }
+                h.c.stream
+                    .write_all(&w)
+                    .await
+                    .map_err(|_| Failure::Client)?;
+                Ok((n, !(no_body || end)))
+            }
+        }
+    }
+
+    /// Sends a piece of the response body; `last`: it ends the body, no trailers follow.
+    pub(crate) async fn respond_data(&mut self, d: Bytes, last: bool) -> Result<(), Failure> {
+        match self {
+            Self::H2(s) => {
+                let Some(tx) = &mut s.tx else {
+                    return Err(Failure::Client);
+                };
+                send_data(tx, d, last).await.map_err(|_| Failure::Client)
+            }
+            Self::H1(h) if h.chunked => {
+                let mut w = BytesMut::with_capacity(d.len() + 16);
+                frame_into(&mut w, &d, true);
+                if last {
+                    w.put_slice(b"0\r\n\r\n");
+                    h.chunked = false;
+                }
+                h.c.stream.write_all(&w).await.map_err(|_| Failure::Client)
+            }
+            Self::H1(h) => h.c.stream.write_all(&d).await.map_err(|_| Failure::Client),
+        }
+    }
+
+    /// Ends the response body, with the PE's trailers if it sent any.
+    pub(crate) async fn respond_end(
+        &mut self,
+        trailers: Option<http::HeaderMap>,
+    ) -> Result<(), Failure> {
+        match self {
+            Self::H2(s) => {
+                let Some(tx) = &mut s.tx else {
+                    return Err(Failure::Client);
+                };
+                match trailers {
+                    Some(t) => tx.send_trailers(t).map_err(|_| Failure::Client),
+                    None => send_data(tx, Bytes::new(), true)
+                        .await
+                        .map_err(|_| Failure::Client),
+                }
+            }
+            Self::H1(h) if h.chunked => {
+                let mut w = BytesMut::with_capacity(64);
+                w.put_slice(b"0\r\n");
+                for (n, v) in trailers.iter().flatten() {
+                    w.put_slice(n.as_str().as_bytes());
+                    w.put_slice(b": ");
+                    w.put_slice(v.as_bytes());
+                    w.put_slice(b"\r\n");
+                }
+                w.put_slice(b"\r\n");
+                h.chunked = false;
+                h.c.stream.write_all(&w).await.map_err(|_| Failure::Client)
+            }
+            // A length or the close delimits it: nothing more to say.
+            Self::H1(_) => Ok(()),
+        }
+    }
+
+    /// Whether the client connection can carry another request (an HTTP/2 stream ends
+    /// alone).
+    pub(crate) fn keep(&self) -> bool {
+        match self {
+            Self::H1(h) => h.keep,
+            Self::H2(_) => true,
+        }
+    }
+
+    /// Ends a request no PE answered: `code` with `why` to the client, unless it has part of
+    /// a response already (then an HTTP/2 stream is reset; an HTTP/1.1 connection closes).
+    pub(crate) async fn fail(&mut self, code: u16, why: Option<&str>, ctx: &Ctx) {
+        match self {
+            Self::H1(h) => {
+                if let Some(why) = why {
+                    let _ = h.c.reply(code, why, ctx).await;
+                }
+            }
+            Self::H2(s) => match why {
+                Some(why) => s.reply(code, why, ctx).await,
+                None => match &mut s.tx {
+                    Some(tx) => tx.send_reset(Reason::INTERNAL_ERROR),
+                    None => s.respond.send_reset(Reason::INTERNAL_ERROR),
+                },
+            },
+        }
+    }
+}
+
+/// The request's method, target (with its Host as authority) and end-to-end headers, as the
+/// parts of an HTTP/2 request.
+fn parts_of(r: &Request) -> Option<http::request::Parts> {
+    let host = std::str::from_utf8(&r.host).ok().filter(|h| !h.is_empty());
+    let target = std::str::from_utf8(r.head.target()).ok()?;
+    let uri: http::Uri = format!("http://{}{target}", host.unwrap_or("localhost"))
+        .parse()
+        .ok()?;
+    let mut req = http::Request::builder()
+        .method(http::Method::from_bytes(r.head.method()).ok()?)
+        .uri(uri);
+    for (n, v) in r.head.end_to_end() {
+        let skip: [&[u8]; 4] = [b"host", b"transfer-encoding", b"content-length", b"expect"];
+        if skip.iter().any(|s| n.eq_ignore_ascii_case(s)) {
+            continue;
+        }
+        req = req.header(n, v);
+    }
+    if let Framing::Length(n) = r.framing {
+        req = req.header(http::header::CONTENT_LENGTH, n);
+    }
+    if r.head.has_token("te", "trailers") {
+        req = req.header(http::header::TE, "trailers");
+    }
+    Some(req.body(()).ok()?.into_parts().0)
+}
+
+/// The request as it goes to an HTTP/2 PE, from the parts of an HTTP/2 request.
+fn upstream_request(
+    p: &http::request::Parts,
+    peer: SocketAddr,
+    deadline: Option<tokio::time::Instant>,
+    r: &Request,
+    ctx: &Ctx,
+) -> Option<http::Request<()>> {
+    let (level_header, send_level) = ctx.level_header();
+    // The client's own headers pass as they came (`p.headers`): only the forwarding ones
+    // are taken out of the request.
+    let fw = forwarding(r, level_header, |_, _| {});
+    let uri = if p.uri.scheme().is_some() && p.uri.authority().is_some() {
+        p.uri.clone()
+    } else {
+        // No :authority (a Host header instead): the HTTP/2 PE needs one.
+        let host = std::str::from_utf8(&r.host).ok().filter(|h| !h.is_empty());
+        let target = std::str::from_utf8(r.head.target()).ok()?;
+        format!("http://{}{target}", host.unwrap_or("localhost"))
+            .parse()
+            .ok()?
+    };
+    let mut headers = p.headers.clone();
+    for name in [
+        level_header,
+        "x-forwarded-for",
+        "forwarded",
+        "host",
+        "grpc-timeout",
+    ] {
+        headers.remove(name);
+    }
+    let mut v = Vec::with_capacity(64);
+    fw.x_forwarded_for(&mut v, peer);
+    headers.insert("x-forwarded-for", HeaderValue::from_bytes(&v).ok()?);
+    v.clear();
+    fw.forwarded(&mut v, peer);
+    headers.insert("forwarded", HeaderValue::from_bytes(&v).ok()?);
+    if send_level {
+        headers.insert(
+            HeaderName::from_bytes(level_header.as_bytes()).ok()?,
+            HeaderValue::from(r.level as u64),
+        );
+    }
+    if let Some(d) = deadline {
+        let left = d.saturating_duration_since(tokio::time::Instant::now());
+        let ms = left.as_millis().clamp(1, 99_999_999);
+        headers.insert(
+            "grpc-timeout",
+            HeaderValue::from_str(&format!("{ms}m")).ok()?,
+        );
+    }
+    let mut req = http::Request::new(());
+    *req.method_mut() = p.method.clone();
+    *req.uri_mut() = uri;
+    *req.version_mut() = http::Version::HTTP_2;
+    *req.headers_mut() = headers;
+    Some(req)
+}
