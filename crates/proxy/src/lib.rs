@@ -26,7 +26,6 @@ pub mod http;
 pub mod l4;
 pub mod metrics;
 mod routes;
-pub mod split;
 pub mod tier;
 
 pub use balance::admit::LevelStats;

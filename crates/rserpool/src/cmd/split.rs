@@ -4,7 +4,7 @@
 use crate::RegistrarOpts;
 use anyhow::{Result, anyhow};
 use clap::Args;
-use rserpool_proxy::split::{SplitConfig, SplitServer};
+use rserpool_proxy::tier::split::{SplitConfig, SplitServer};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

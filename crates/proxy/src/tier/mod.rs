@@ -15,6 +15,7 @@
 //! A partition: both sides go on carrying what they have; splices made meanwhile reach the
 //! other side when the link is back (a member that links sends everything it knows).
 
+pub mod split;
 use crate::config::TierConfig;
 use crate::l4::kernel::KernelSplice;
 use bytes::Bytes;
@@ -86,7 +87,7 @@ fn to_entry(s: &SpliceState) -> TableEntry {
 }
 
 /// What a member does with the splices of the tier: a proxy carries them whole; a server of
-/// a split splice carries the answers of its own connections ([`crate::split::ServerSide`]).
+/// a split splice carries the answers of its own connections (`split::ServerSide`).
 pub(crate) trait Side: Send + Sync {
     /// Installs a splice another member made.
     fn install(&self, s: Splice) -> Result<(), String>;
