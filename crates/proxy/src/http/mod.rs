@@ -10,5 +10,7 @@ pub mod h1;
 pub(crate) mod h2;
 pub mod message;
 pub(crate) mod pipeline;
+#[cfg(test)]
+mod pipeline_tests;
 pub(crate) mod request;
 pub(crate) mod upstream;
