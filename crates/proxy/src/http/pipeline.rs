@@ -82,7 +82,7 @@ pub(crate) async fn forward(
                     |pe: Arc<Backend>| async move { up1::take_conn(&pe, ctx, fresh_only).await };
                 match f.attempt(pool, &ctx.pools, r.level, connect).await {
                     Ok((attempt, conn)) => {
-                        let outcome = Box::pin(up1::exchange(d, conn, r, &attempt, ctx)).await;
+                        let outcome = up1::exchange(d, conn, r, &attempt, ctx).await;
                         Ok((attempt, outcome))
                     }
                     Err(g) => Err(g),
