@@ -1,5 +1,5 @@
 //! A pool element as the proxy uses it: where to connect, what the proxy saw of its health,
-//! its counters, its credits and its idle connections.
+//! its counters, its credits and its reusable connections (a set per protocol, `conns`).
 //!
 //! In flight: the requests (connections in TCP mode) under way at the PE plus the picks of it
 //! not yet under way; the proxy-local selections (least connections, P2C, Prequal-style) go
@@ -44,8 +44,8 @@ pub struct HealthSettings {
     pub eject_max: Duration,
 }
 
-/// A pool element: where to connect, its counters, its health and (in HTTP mode) its idle
-/// keep-alive connections.
+/// A pool element: where to connect, its counters, its health and (in HTTP mode) its
+/// reusable connections.
 #[derive(Debug)]
 pub struct Backend {
     pub pool: PoolHandle,

@@ -1,19 +1,10 @@
-//! HTTP/1.1 mode: each request is routed (Host, path prefix) to a pool and sent to a PE chosen
-//! there, over a kept-alive connection from the PE's idle set when there is one.
-//!
-//! A request goes through named steps, each a function from one value to the next:
-//! `parse` → `route` → `prepare` → `select` → `send` → `relay` → `finish` (see `request`); the
-//! steps from select on repeat while the request fails over to another PE. A new concern
-//! (admission before select, accounting at select and finish) is a step or a field of a
-//! step's value, not a branch inside another step.
-//!
-//! Heads are parsed, bodies only delimited and streamed; a request body up to `retry-buffer`
-//! is held so that the request can be sent again. A connect failure moves the request to the
-//! next PE; a PE that closes or resets before any response byte gets the request once more on
-//! another PE if the method is idempotent and the body was held. A stale kept-alive
-//! connection that closes before answering costs no failure: the request goes out again on a
-//! new connection.
-
+//! HTTP/1.1 clients: the connection's requests one after another (keep-alive, pipelining,
+//! timeouts, drain), each read, parsed, routed and classified, its body held when it is small
+//! (`prepare`: up to `retry-buffer`, so that the request can be sent again), then handed to
+//! the pipeline ([`crate::http::pipeline::forward`]), which answers it through the client's
+//! side of [`crate::http::downstream`]. Also: HTTPS (the TLS handshake, then ALPN `h2` to the
+//! HTTP/2 front), h2c with prior knowledge, and routes that pin their connection to a PE
+//! (`splice = "kernel"`, carried on by [`crate::l4::tcp`]).
 use crate::balance::pools::Pool;
 use crate::ctx::{Ctx, until_set};
 use crate::http::client_stream::{Client, ClientStream};

@@ -181,7 +181,8 @@ pub(crate) fn plain_host(host: &[u8]) -> bool {
             .all(|&b| b.is_ascii_alphanumeric() || b"-._~%:[]".contains(&b))
 }
 
-/// The request as it goes to a PE: the value [`prepare`] makes.
+/// An HTTP/1.1 client's request as it goes to an HTTP/1.1 PE: its head, made once, and its
+/// body when it was held (the HTTP/1.1 front's `prepare` makes it).
 pub(crate) struct Outgoing {
     pub(crate) head: BytesMut,
     /// The whole body, when it is small enough to be held: then the request can be sent

@@ -1,5 +1,6 @@
 //! TCP mode: each client connection is forwarded to one PE of the pool, chosen by the pool's
-//! policy; a PE that refuses the connection is reported and ejected, and the next is tried.
+//! policy; a PE that refuses the connection is reported and ejected, and the next is tried
+//! (the failover loop of [`crate::balance::failover`], shared with HTTP).
 //! Bytes then move with splice(2) (see [`crate::l4::splice`]), or the connection goes to the
 //! kernel splice ([`crate::l4::kernel`]). HTTP routes that pin a connection to its PE end here too.
 

@@ -1,12 +1,11 @@
 //! HTTP/2 from clients: over TLS when ALPN chose `h2`, and in cleartext from a client that
 //! starts with the HTTP/2 preface (h2c with prior knowledge).
 //!
-//! Every stream is one request through the same steps as an HTTP/1.1 request (see
-//! [`crate::http`]): its head is rewritten as an HTTP/1.1 head and parsed as one, so routing,
-//! service levels, admission, selection, failover and the access log are those of HTTP/1.1.
-//! It then goes to a PE over HTTP/1.1 (the default: the body re-framed, the response's
-//! chunked coding and trailers taken apart into frames) or over HTTP/2 for a pool with
-//! `protocol = "h2"` (frames relayed as they come, trailers included: gRPC).
+//! Every stream is one request through the same pipeline as an HTTP/1.1 request
+//! ([`crate::http::pipeline`]): its head is rewritten as an HTTP/1.1 head and parsed as one, so
+//! routing, service levels, admission, selection, failover and the access log are those of
+//! HTTP/1.1. It then goes to a PE over HTTP/1.1 (the default) or over HTTP/2 for a pool with
+//! `protocol = "h2"` (`crate::http::upstream`).
 //!
 //! A request body is held, so that the request can go to another PE, when it is complete on
 //! arrival, announced by a Content-Length within `retry-buffer`, or (without a length) when
