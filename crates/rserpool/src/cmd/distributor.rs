@@ -24,7 +24,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use rserpool_asap::PoolUser;
 use rserpool_ksplice::watch::Watch;
-use rserpool_tier::distributor::{DistributorConfig, DistributorCore, Traffic};
+use rserpool_tier::distributor::{DistributorConfig, DistributorCore, Group, Traffic};
 use rserpool_wire::{PoolHandle, UserTransport};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -104,37 +104,16 @@ pub fn run(args: DistributorArgs) -> Result<()> {
         let handle = PoolHandle::from(args.pool.as_str());
         let epoch = std::time::Instant::now();
         let now = || rserpool_tier::Instant::since(epoch, std::time::Instant::now());
-        let mut core = DistributorCore::new(
-            DistributorConfig {
-                heartbeat: Duration::from_millis(args.heartbeat_ms),
-                answer: Duration::from_millis(
-                    args.answer_ms
-                        .unwrap_or(args.heartbeat_ms / 5)
-                        .clamp(5, args.heartbeat_ms.max(5)),
-                ),
-                misses: args.misses,
-                weight_levels: args.weight_levels,
-                silence: Duration::from_millis(args.silence_ms),
-                silence_frames: args.silence_frames,
-            },
-            now(),
-        );
-        // Each member's nexthop: its ID, and whether it is made.
-        let mut nexthops: BTreeMap<u32, (u32, bool)> = BTreeMap::new();
-        let mut next_nh = args.first_id;
-        let mut routed = false;
-        // The members' MAC addresses, for the traffic watch (from the neighbour table).
-        let mut macs: BTreeMap<u32, [u8; 6]> = BTreeMap::new();
-        let mut resolve_at = Instant::now();
-        let mut buf = [0u8; 64];
+        let mut core = DistributorCore::new(core_config(&args), now());
+        let mut group = Nexthops::new(&args);
         let mut watch = match &args.watch {
-            Some(dev) => {
-                Some(Watch::attach(dev).with_context(|| format!("watching the traffic on {dev}"))?)
-            }
+            Some(dev) => Some(TrafficWatch::attach(dev)?),
             None => None,
         };
         let mut look = tokio::time::interval(Duration::from_millis(5));
         look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut resolve_at = Instant::now();
+        let mut buf = [0u8; 64];
         info!(
             "distributor: tier pool {}, nexthop group {}, heartbeat {} ms × {}{}",
             args.pool,
@@ -162,58 +141,21 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                     }
                 }
                 _ = look.tick(), if watch.is_some() => {
-                    let Some(w) = watch.as_mut() else { continue };
-                    match w.read() {
-                        Ok(counts) => {
-                            let by_id: BTreeMap<u32, Traffic> = macs
-                                .iter()
-                                .filter_map(|(id, m)| {
-                                    let t = counts.get(m)?;
-                                    Some((*id, Traffic { to: t.to, from: t.from }))
-                                })
-                                .collect();
-                            core.traffic(&by_id, now());
-                        }
-                        Err(e) => warn!("distributor: reading the traffic watch: {e}"),
+                    if let Some(traffic) = watch.as_mut().and_then(TrafficWatch::read) {
+                        core.traffic(&traffic, now());
                     }
                 }
-                _ = pu.next_push(), if Instant::now() < resolve_at => {
-                    resolve_at = Instant::now();
-                }
+                // A change of the pool: resolve it now.
+                _ = pu.next_push(), if Instant::now() < resolve_at => resolve_at = Instant::now(),
                 () = tokio::time::sleep_until(resolve_at) => {
                     resolve_at = Instant::now() + Duration::from_secs(1);
                     match pu.pool_elements(&handle).await {
                         Ok((_, pes)) => {
-                            let listed: BTreeMap<u32, SocketAddr> = pes
-                                .iter()
-                                .filter_map(|pe| match &pe.user_transport {
-                                    UserTransport::Address(a) => {
-                                        a.socket_addrs().next().map(|s| (pe.id, s))
-                                    }
-                                    _ => None,
-                                })
-                                .collect();
+                            let listed = listed(&pes);
                             core.set_listed(&listed, now());
-                            nexthops.retain(|id, _| listed.contains_key(id));
-                            macs.retain(|id, _| listed.contains_key(id));
-                            for id in listed.keys() {
-                                nexthops.entry(*id).or_insert_with(|| {
-                                    next_nh += 1;
-                                    (next_nh - 1, false)
-                                });
-                            }
+                            group.listed(&listed);
                             if let Some(w) = watch.as_mut() {
-                                for (id, addr) in core.members() {
-                                    if !macs.contains_key(&id)
-                                        && let Some(m) = neighbour_mac(addr.ip())
-                                    {
-                                        macs.insert(id, m);
-                                    }
-                                }
-                                let all: Vec<[u8; 6]> = macs.values().copied().collect();
-                                if let Err(e) = w.set(&all) {
-                                    warn!("distributor: the traffic watch: {e}");
-                                }
+                                w.listed(&listed, core.members());
                             }
                         }
                         Err(e) => warn!("distributor: resolving {}: {e}", args.pool),
@@ -221,37 +163,9 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                 }
             }
             if let Some(g) = core.poll_group() {
-                // A member's own nexthop is made once: a death then costs one `ip` call.
-                let mut new = Vec::new();
-                let mut want = Vec::new();
-                for &(id, addr, w) in &g.members {
-                    let Some(&(nh, made)) = nexthops.get(&id) else {
-                        continue;
-                    };
-                    if !made {
-                        new.push((nh, addr));
-                    }
-                    want.push((nh, w));
-                }
-                match apply(&args, &new, &want, !routed) {
-                    Ok(()) => {
-                        for (id, _, _) in &g.members {
-                            if let Some(n) = nexthops.get_mut(id) {
-                                n.1 = true;
-                            }
-                        }
-                        routed = true;
-                        // The living hear of the deaths.
-                        core.group_applied(&g);
-                        info!(
-                            "distributor: group {} = {}",
-                            args.group,
-                            want.iter()
-                                .map(|(nh, w)| format!("{nh}×{w}"))
-                                .collect::<Vec<_>>()
-                                .join(" ")
-                        );
-                    }
+                match group.apply(&args, &g) {
+                    // The living hear of the deaths.
+                    Ok(()) => core.group_applied(&g),
                     Err(e) => warn!("distributor: updating the nexthop group: {e:#}"),
                 }
             }
@@ -260,6 +174,155 @@ pub fn run(args: DistributorArgs) -> Result<()> {
             }
         }
     })
+}
+
+/// The core's settings from the command line.
+fn core_config(args: &DistributorArgs) -> DistributorConfig {
+    DistributorConfig {
+        heartbeat: Duration::from_millis(args.heartbeat_ms),
+        answer: Duration::from_millis(
+            args.answer_ms
+                .unwrap_or(args.heartbeat_ms / 5)
+                .clamp(5, args.heartbeat_ms.max(5)),
+        ),
+        misses: args.misses,
+        weight_levels: args.weight_levels,
+        silence: Duration::from_millis(args.silence_ms),
+        silence_frames: args.silence_frames,
+    }
+}
+
+/// The tier's members as the registrars list them: ID and tier address.
+fn listed(pes: &[rserpool_wire::PoolElement]) -> BTreeMap<u32, SocketAddr> {
+    pes.iter()
+        .filter_map(|pe| match &pe.user_transport {
+            UserTransport::Address(a) => a.socket_addrs().next().map(|s| (pe.id, s)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The router's nexthops for the members and the group over them.
+struct Nexthops {
+    /// Each listed member's nexthop: its ID, and whether it is made.
+    ids: BTreeMap<u32, (u32, bool)>,
+    next: u32,
+    /// The routes point at the group.
+    routed: bool,
+}
+
+impl Nexthops {
+    fn new(args: &DistributorArgs) -> Self {
+        Self {
+            ids: BTreeMap::new(),
+            next: args.first_id,
+            routed: false,
+        }
+    }
+
+    /// A nexthop ID for every listed member; none for those gone.
+    fn listed(&mut self, listed: &BTreeMap<u32, SocketAddr>) {
+        self.ids.retain(|id, _| listed.contains_key(id));
+        for id in listed.keys() {
+            self.ids.entry(*id).or_insert_with(|| {
+                self.next += 1;
+                (self.next - 1, false)
+            });
+        }
+    }
+
+    /// Makes the router's group the core's: a member's own nexthop is made once, so a death
+    /// then costs one `ip` call.
+    fn apply(&mut self, args: &DistributorArgs, g: &Group) -> Result<()> {
+        let mut new = Vec::new();
+        let mut want = Vec::new();
+        for &(id, addr, w) in &g.members {
+            let Some(&(nh, made)) = self.ids.get(&id) else {
+                continue;
+            };
+            if !made {
+                new.push((nh, addr));
+            }
+            want.push((nh, w));
+        }
+        apply(args, &new, &want, !self.routed)?;
+        for (id, _, _) in &g.members {
+            if let Some(n) = self.ids.get_mut(id) {
+                n.1 = true;
+            }
+        }
+        self.routed = true;
+        info!(
+            "distributor: group {} = {}",
+            args.group,
+            want.iter()
+                .map(|(nh, w)| format!("{nh}×{w}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        Ok(())
+    }
+}
+
+/// The eBPF traffic watch on the router's interface towards the members, by member.
+struct TrafficWatch {
+    watch: Watch,
+    /// The members' MAC addresses (from the neighbour table).
+    macs: BTreeMap<u32, [u8; 6]>,
+}
+
+impl TrafficWatch {
+    fn attach(dev: &str) -> Result<Self> {
+        Ok(Self {
+            watch: Watch::attach(dev).with_context(|| format!("watching the traffic on {dev}"))?,
+            macs: BTreeMap::new(),
+        })
+    }
+
+    /// What each member was sent and sent back so far.
+    fn read(&mut self) -> Option<BTreeMap<u32, Traffic>> {
+        match self.watch.read() {
+            Ok(counts) => Some(
+                self.macs
+                    .iter()
+                    .filter_map(|(id, m)| {
+                        let t = counts.get(m)?;
+                        Some((
+                            *id,
+                            Traffic {
+                                to: t.to,
+                                from: t.from,
+                            },
+                        ))
+                    })
+                    .collect(),
+            ),
+            Err(e) => {
+                warn!("distributor: reading the traffic watch: {e}");
+                None
+            }
+        }
+    }
+
+    /// Watches the members the core knows, once their MAC addresses are known.
+    fn listed(
+        &mut self,
+        listed: &BTreeMap<u32, SocketAddr>,
+        members: impl Iterator<Item = (u32, SocketAddr)>,
+    ) {
+        self.macs.retain(|id, _| listed.contains_key(id));
+        for (id, addr) in members {
+            if !self.macs.contains_key(&id)
+                && let Some(m) = neighbour_mac(addr.ip())
+            {
+                self.macs.insert(id, m);
+            }
+        }
+        let all: Vec<[u8; 6]> = self.macs.values().copied().collect();
+        if let Err(e) = self.watch.set(&all) {
+            warn!("distributor: the traffic watch: {e}");
+        }
+    }
 }
 
 /// Makes the nexthops of `new` members, then the group (and, the first time, the routes)
