@@ -1,66 +1,41 @@
-//! The proxy tier under the simulated clock: member cores and a distributor core
-//! (`rserpool-tier`, the code the proxies and `rserpool distributor` run) with a model of each
-//! member's datapath (its flow table, expiry and forwarding by port) and of the router (the
-//! distributor's group; a flow stays on its member until that member leaves the group). A
-//! seed decides everything, so a failure replays.
+//! The model of the tier: member processes (a core and a [`Datapath`] each), the links
+//! between them, the distributor's datagrams, the distributor core and the router's group,
+//! and the spliced connections whose packets cross it. [`TierWorld::step`] moves it on by one
+//! step of simulated time.
 //!
-//! One run ([`run_seed`]): 3 or 4 members start; spliced connections are made at members
-//! over time, carry packets through whichever member the router picks, and end by FINs or an
-//! RST. Rounds of faults (members crash, silently or not, and start again as new processes;
-//! pairs of members are cut from each other; a member is isolated from everyone; datagrams
-//! are lost) alternate with calm. Checked all along (docs/TIER.md):
-//! - (a) once the tier has been calm for [`SETTLE_MS`], every live member holds every open
-//!   connection some live member holds (a member that joins or comes back got the table);
-//!   no packet of such a connection meets a member that neither holds nor forwards it; and
-//!   no open connection's entry is removed by a DEL;
-//! - (b) no entry outlives its connection by more than [`ENTRY_BOUND_MS`];
-//! - (c) the distributor's group holds every member reachable and alive for
-//!   [`JOIN_BOUND_MS`], and none dead or cut off from it for its detection bound.
+//! The model does not judge. What the invariants are about and only a packet or an action
+//! shows as it happens (a packet that met a member without the entry, an open connection's
+//! entry removed by a DEL or expired, a connection that ended) it records as a [`Fact`];
+//! the checks (`check.rs`) read the facts and the model's state after each step. So the model
+//! never calls the checks, and the checks never move the model.
 
+use super::datapath::{Datapath, Key, Kind};
 use crate::net::Ms;
 use crate::rng::Rng;
 use rserpool_tier::distributor::{DistributorConfig, DistributorCore};
-use rserpool_tier::member::{Action, Expiry, Forward, LinkId, TableEntry};
+use rserpool_tier::member::{Action, LinkId};
 use rserpool_tier::{Hello, Instant, MemberCore, Message, Splice};
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 /// The simulation's step.
-const STEP_MS: Ms = 5;
+pub const STEP_MS: Ms = 5;
 pub const HEARTBEAT_MS: Ms = 100;
 const ANSWER_MS: Ms = 20;
 const MISSES: u32 = 3;
-pub const IDLE_MS: Ms = 20_000;
-pub const CLOSING_MS: Ms = 1_000;
 /// How often members and the distributor resolve the tier pool.
-const DISCOVERY_MS: Ms = 1_000;
+pub const DISCOVERY_MS: Ms = 1_000;
 /// From a process's start to its being listed in the pool; from a death to its leaving the
 /// pool (a killed process's registrar connection closes), or for a host that died silently
 /// (the registrar's keep-alive).
-const LIST_LAG_MS: Ms = 200;
+pub const LIST_LAG_MS: Ms = 200;
 const KILL_LAG_MS: Ms = 100;
 const SILENT_LAG_MS: Ms = 3_000;
 /// A link's unacknowledged data older than this resets it; a connection attempt gives up
 /// after `CONNECT_TIMEOUT_MS` (the driver's).
 const LINK_TIMEOUT_MS: Ms = 1_500;
-const CONNECT_TIMEOUT_MS: Ms = 2_000;
-/// Calm needed before (a) is checked: a listing lag, a discovery round, a connection attempt
-/// that times out and the next one, the table's transfer.
-pub const SETTLE_MS: Ms = LIST_LAG_MS + 2 * DISCOVERY_MS + CONNECT_TIMEOUT_MS + 1_000;
-/// A new splice reaches every member within this (a link's delay, in calm).
-const REPLICATION_MS: Ms = 200;
-/// (b): an entry goes at most this long after its connection ended: idle at a member that
-/// missed the end, plus a pass and the expiry's own period.
-pub const ENTRY_BOUND_MS: Ms = IDLE_MS + 3_000;
-/// (c): a member alive and reachable is in the group within this: listed, resolved, answered.
-pub const JOIN_BOUND_MS: Ms = LIST_LAG_MS + DISCOVERY_MS + 2 * HEARTBEAT_MS + 200;
-
-const WARM_UP_MS: Ms = 3_000;
-const ROUNDS: usize = 4;
-const FAULTS_MS: Ms = 6_000;
-const CALM_MS: Ms = 8_000;
-const FINAL_MS: Ms = ENTRY_BOUND_MS + 2_000;
+pub const CONNECT_TIMEOUT_MS: Ms = 2_000;
 
 fn t(ms: Ms) -> Instant {
     Instant::from_millis(ms)
@@ -81,30 +56,17 @@ fn ports(k: usize) -> (u16, u16) {
     (lo, lo + 999)
 }
 
-/// One datapath entry pair (a connection) in a member's flow table.
-#[derive(Debug, Clone)]
-struct Entry {
-    splice: Splice,
-    /// When it was installed here.
-    installed: Ms,
-    fin: [bool; 2],
-    last: [Ms; 2],
-    packets: [u64; 2],
-}
-
 /// A live member process: its core and its datapath.
-struct Proc {
+pub(super) struct Proc {
     core: MemberCore,
-    id: u32,
+    pub(super) id: u32,
     life: u32,
-    table: BTreeMap<(SocketAddrV4, SocketAddrV4), Entry>,
-    forward: Vec<Forward>,
-    next_expire: Ms,
+    pub(super) dp: Datapath,
     next_discovery: Ms,
 }
 
-struct Member {
-    proc: Option<Proc>,
+pub(super) struct Member {
+    pub(super) proc: Option<Proc>,
     life: u32,
     /// Listed in the tier pool from/until (the registrars' view lags).
     listed_from: Option<Ms>,
@@ -112,8 +74,8 @@ struct Member {
     /// Cut from everyone (members, router, distributor) until then.
     isolated_until: Ms,
     /// Alive and reachable by the distributor since (for (c)), or dead/cut off since.
-    healthy_since: Option<Ms>,
-    down_since: Option<Ms>,
+    pub(super) healthy_since: Option<Ms>,
+    pub(super) down_since: Option<Ms>,
 }
 
 /// An outgoing link from one member process to another.
@@ -127,14 +89,14 @@ struct Link {
     queue: VecDeque<(Ms, Ms, Message)>,
 }
 
-struct Conn {
-    splice: Splice,
-    owner: usize,
-    created: Ms,
+pub(super) struct Conn {
+    pub(super) splice: Splice,
+    pub(super) owner: usize,
+    pub(super) created: Ms,
     end_at: Ms,
     rst: bool,
     fin_done: [bool; 2],
-    ended: Option<Ms>,
+    pub(super) ended: Option<Ms>,
     /// The member ID each direction's packets go to (the router's bucket).
     bucket: [Option<u32>; 2],
     next_packet: Ms,
@@ -143,6 +105,33 @@ struct Conn {
 
 /// A datagram in flight: when due, from, to (a member, or `None`: the distributor), bytes.
 type Datagram = (Ms, Option<usize>, Option<usize>, Vec<u8>);
+
+/// What the model saw happen that the checks judge.
+pub(super) enum Fact {
+    /// A packet of connection `conn` met member `at`, which neither held its entry nor
+    /// forwarded it to a member that did: the connection broke. `held`: some member still
+    /// held it then.
+    Broken {
+        conn: usize,
+        at: usize,
+        why: &'static str,
+        held: bool,
+    },
+    /// Member `at` (`id`) removed an open connection's entry on a DEL.
+    RemovedOpen {
+        at: usize,
+        id: u32,
+        client: SocketAddrV4,
+    },
+    /// Member `at`'s datapath expired an open connection's entry.
+    ExpiredOpen {
+        at: usize,
+        id: u32,
+        client: SocketAddrV4,
+    },
+    /// Connection `conn` ended (FINs both ways, an RST, or it broke).
+    Ended(usize),
+}
 
 /// What a run counted.
 #[derive(Debug, Clone, Default)]
@@ -193,37 +182,37 @@ pub enum Break {
     GroupNeverShrinks,
 }
 
-pub struct TierWorld {
-    now: Ms,
-    rng: Rng,
-    members: Vec<Member>,
+pub(super) struct TierWorld {
+    pub(super) now: Ms,
+    pub(super) rng: Rng,
+    pub(super) members: Vec<Member>,
     links: BTreeMap<(usize, u32, LinkId), Link>,
     /// Datagrams in flight: due, from, to, bytes (`None`: the distributor).
     datagrams: Vec<Datagram>,
-    dist: DistributorCore,
+    pub(super) dist: DistributorCore,
     next_dist_discovery: Ms,
     /// The group the router uses (member IDs).
-    group: Vec<u32>,
-    conns: Vec<Conn>,
-    /// Connections open, and ended ones some member may still hold.
-    open: Vec<usize>,
-    ended: Vec<usize>,
-    by_key: BTreeMap<(SocketAddrV4, SocketAddrV4), usize>,
+    pub(super) group: Vec<u32>,
+    pub(super) conns: Vec<Conn>,
+    /// Connections open.
+    pub(super) open: Vec<usize>,
+    by_key: BTreeMap<Key, usize>,
     /// Pairs of members cut from each other until then.
     cuts: BTreeMap<(usize, usize), Ms>,
     /// Datagram loss (per mille) until then.
-    loss: (u64, Ms),
-    disturbed_at: Ms,
-    expiry: Expiry,
+    pub(super) loss: (u64, Ms),
+    /// When the last fault ends (or ended).
+    pub(super) disturbed_at: Ms,
     next_port: u32,
     sabotage: Break,
-    pub counts: Counts,
+    pub(super) counts: Counts,
+    /// What happened since the checks last looked.
+    pub(super) facts: Vec<Fact>,
     log: bool,
-    violation: Option<String>,
 }
 
 impl TierWorld {
-    pub fn new(seed: u64, members: usize, sabotage: Break, log: bool) -> Self {
+    pub(super) fn new(seed: u64, members: usize, sabotage: Break, log: bool) -> Self {
         let cfg = DistributorConfig {
             heartbeat: Duration::from_millis(HEARTBEAT_MS),
             answer: Duration::from_millis(ANSWER_MS),
@@ -253,20 +242,15 @@ impl TierWorld {
             group: Vec::new(),
             conns: Vec::new(),
             open: Vec::new(),
-            ended: Vec::new(),
             by_key: BTreeMap::new(),
             cuts: BTreeMap::new(),
             loss: (0, 0),
             disturbed_at: 0,
-            expiry: Expiry {
-                idle: Duration::from_millis(IDLE_MS),
-                closing: Duration::from_millis(CLOSING_MS),
-            },
             next_port: 0,
             sabotage,
             counts: Counts::default(),
+            facts: Vec::new(),
             log,
-            violation: None,
         };
         for k in 0..members {
             w.start(k);
@@ -274,24 +258,14 @@ impl TierWorld {
         w
     }
 
-    fn say(&self, f: impl FnOnce() -> String) {
+    /// Narrates on stderr when the run is logged.
+    pub(super) fn say(&self, f: impl FnOnce() -> String) {
         if self.log {
             eprintln!("{:>6} ms  {}", self.now, f());
         }
     }
 
-    fn fail(&mut self, why: String) {
-        if self.violation.is_none() {
-            self.say(|| format!("VIOLATION: {why}"));
-            self.violation = Some(format!("at {} ms: {why}", self.now));
-        }
-    }
-
-    fn count(&mut self, fault: &'static str) {
-        *self.counts.faults.entry(fault).or_default() += 1;
-    }
-
-    fn alive(&self, k: usize) -> bool {
+    pub(super) fn alive(&self, k: usize) -> bool {
         self.members[k].proc.is_some()
     }
 
@@ -317,16 +291,19 @@ impl TierWorld {
         }
     }
 
-    fn settled(&self) -> bool {
-        self.now >= self.disturbed_at + SETTLE_MS
-    }
-
     fn disturb(&mut self, until: Ms) {
         self.disturbed_at = self.disturbed_at.max(until);
     }
 
+    /// Whether some live member's datapath holds `key`.
+    pub(super) fn held(&self, key: &Key) -> bool {
+        self.members
+            .iter()
+            .any(|m| m.proc.as_ref().is_some_and(|p| p.dp.holds(key)))
+    }
+
     /// Member `k` starts as a new process (a new pool element identifier).
-    fn start(&mut self, k: usize) {
+    pub(super) fn start(&mut self, k: usize) {
         let m = &mut self.members[k];
         m.life += 1;
         let life = m.life;
@@ -355,9 +332,7 @@ impl TierWorld {
             core: MemberCore::new(hello, true, t(now)),
             id,
             life,
-            table: BTreeMap::new(),
-            forward: Vec::new(),
-            next_expire: now + 500,
+            dp: Datapath::new(now),
             next_discovery: now + LIST_LAG_MS + 50,
         });
         m.listed_from = Some(now + LIST_LAG_MS);
@@ -371,7 +346,7 @@ impl TierWorld {
     }
 
     /// Member `k`'s process dies (`silent`: its host, so the registrars notice late).
-    fn crash(&mut self, k: usize, silent: bool) {
+    pub(super) fn crash(&mut self, k: usize, silent: bool) {
         let now = self.now;
         let m = &mut self.members[k];
         let Some(p) = m.proc.take() else { return };
@@ -387,6 +362,37 @@ impl TierWorld {
                 if silent { " silently" } else { "" }
             )
         });
+    }
+
+    /// Members `a` and `b` cannot reach each other for `span`.
+    pub(super) fn cut(&mut self, a: usize, b: usize, span: Ms) {
+        let until = self.now + span;
+        self.cuts.insert((a.min(b), a.max(b)), until);
+        self.disturb(until);
+    }
+
+    /// Member `k` reaches nobody (members, router, distributor) for `span`.
+    pub(super) fn isolate(&mut self, k: usize, span: Ms) {
+        let now = self.now;
+        let m = &mut self.members[k];
+        m.isolated_until = now + span;
+        m.healthy_since = None;
+        m.down_since.get_or_insert(now);
+        self.disturb(now + span);
+    }
+
+    /// `per_mille` of datagrams and segments are lost (late, for segments) for `span`.
+    pub(super) fn lose(&mut self, per_mille: u64, span: Ms) {
+        self.loss = (per_mille, self.now + span);
+        self.disturb(self.now + span);
+    }
+
+    /// Every connection ends from now on.
+    pub(super) fn end_connections(&mut self) {
+        let now = self.now;
+        for c in &mut self.conns {
+            c.end_at = c.end_at.min(now);
+        }
     }
 
     fn listing(&self) -> BTreeMap<u32, SocketAddr> {
@@ -417,10 +423,7 @@ impl TierWorld {
             let life = p.life;
             let mut did = false;
             let every: Vec<_> = if self.sabotage == Break::TouchAll {
-                p.table
-                    .values()
-                    .flat_map(|e| e.splice.directions())
-                    .collect()
+                p.dp.directions()
             } else {
                 Vec::new()
             };
@@ -482,62 +485,30 @@ impl TierWorld {
                 self.links.remove(&(k, life, link));
             }
             Action::Install(s) => {
-                if !p.table.contains_key(&s.key())
+                if p.dp.install(s, now)
                     && let Some(&c) = self.by_key.get(&s.key())
                     && self.conns[c].ended.is_some()
                 {
                     self.counts.revived += 1;
                 }
-                p.table.entry(s.key()).or_insert(Entry {
-                    splice: s,
-                    installed: now,
-                    fin: [false; 2],
-                    last: [now; 2],
-                    packets: [0; 2],
-                });
             }
             Action::Remove(s) => {
-                if p.table.remove(&s.key()).is_some()
+                if p.dp.remove(&s.key())
                     && let Some(&c) = self.by_key.get(&s.key())
                     && self.conns[c].ended.is_none()
                 {
-                    let id = p.id;
-                    self.fail(format!(
-                        "(a) member {k} ({id:#010x}) removed open connection {} on a DEL",
-                        s.client
-                    ));
+                    self.facts.push(Fact::RemovedOpen {
+                        at: k,
+                        id: p.id,
+                        client: s.client,
+                    });
                 }
             }
-            Action::MarkFin(from, to) => {
-                for e in p.table.values_mut() {
-                    for (d, dir) in e.splice.directions().into_iter().enumerate() {
-                        if dir == (from, to) {
-                            e.fin[d] = true;
-                        }
-                    }
-                }
-            }
-            Action::Touch(flows) => {
-                let flows: BTreeSet<_> = flows.into_iter().collect();
-                for e in p.table.values_mut() {
-                    for (d, dir) in e.splice.directions().into_iter().enumerate() {
-                        if flows.contains(&dir) {
-                            e.last[d] = e.last[d].max(now);
-                        }
-                    }
-                }
-            }
-            Action::SetTier(f) => p.forward = f,
+            Action::MarkFin(from, to) => p.dp.mark_fin(from, to),
+            Action::Touch(flows) => p.dp.touch(flows, now),
+            Action::SetTier(f) => p.dp.set_tier(f),
             Action::ReadTable => {
-                let table: Vec<TableEntry> = p
-                    .table
-                    .values()
-                    .map(|e| TableEntry {
-                        splice: e.splice,
-                        fin: e.fin,
-                        packets: e.packets,
-                    })
-                    .collect();
+                let table = p.dp.read();
                 p.core.compare(table, t(now));
             }
             Action::Nudge { .. } => p.core.nudge_done(Some((0, 0))),
@@ -545,7 +516,7 @@ impl TierWorld {
     }
 
     /// One step of simulated time.
-    fn step(&mut self) {
+    pub(super) fn step(&mut self) {
         self.now += STEP_MS;
         let now = self.now;
         // Cut-offs end.
@@ -595,9 +566,6 @@ impl TierWorld {
         }
         self.dist_drain();
         self.traffic();
-        if now % 50 == 0 {
-            self.check();
-        }
     }
 
     fn dist_drain(&mut self) {
@@ -684,14 +652,10 @@ impl TierWorld {
                             self.link_down(key);
                             continue;
                         };
-                        let table: Vec<Splice> = self.members[k]
-                            .proc
-                            .as_ref()
-                            .map(|p| p.table.values().map(|e| e.splice).collect())
-                            .unwrap_or_default();
                         let Some(p) = self.members[k].proc.as_mut() else {
                             continue;
                         };
+                        let table = p.dp.splices();
                         let mut first = p.core.link_up(link, table, t(now));
                         if self.sabotage == Break::NoTableOnJoin {
                             first.truncate(1);
@@ -754,36 +718,21 @@ impl TierWorld {
         }
     }
 
-    /// The datapath's expiry pass at member `k`.
+    /// The datapath's expiry pass at member `k`, when it is due.
     fn expire(&mut self, k: usize) {
         let now = self.now;
         let Some(p) = self.members[k].proc.as_mut() else {
             return;
         };
-        if p.next_expire > now {
-            return;
-        }
-        p.next_expire = now + self.expiry.period().as_millis() as Ms;
-        let expiry = self.expiry;
-        let gone: Vec<_> = p
-            .table
-            .iter()
-            .filter(|(_, e)| expiry.expired(e.fin, [t(e.last[0]), t(e.last[1])], t(now)))
-            .map(|(key, _)| *key)
-            .collect();
-        let long_calm = now >= self.disturbed_at + SETTLE_MS + IDLE_MS;
-        for key in gone {
-            p.table.remove(&key);
+        for key in p.dp.expire(now) {
             if let Some(&c) = self.by_key.get(&key)
                 && self.conns[c].ended.is_none()
-                && long_calm
             {
-                let id = p.id;
-                self.fail(format!(
-                    "(a) member {k} ({id:#010x}) let open connection {} idle out in calm",
-                    key.0
-                ));
-                return;
+                self.facts.push(Fact::ExpiredOpen {
+                    at: k,
+                    id: p.id,
+                    client: key.0,
+                });
             }
         }
     }
@@ -829,7 +778,7 @@ impl TierWorld {
             .into_iter()
             .partition(|&c| self.conns[c].ended.is_none());
         self.open.extend(open);
-        self.ended.extend(ended);
+        self.facts.extend(ended.into_iter().map(Fact::Ended));
     }
 
     fn splice_made(&mut self, k: usize) {
@@ -862,16 +811,7 @@ impl TierWorld {
         {
             return;
         }
-        p.table.insert(
-            s.key(),
-            Entry {
-                splice: s,
-                installed: now,
-                fin: [false; 2],
-                last: [now; 2],
-                packets: [0; 2],
-            },
-        );
+        p.dp.splice(s, now);
         p.core.splice_made(s);
         let owner_id = p.id;
         self.drain(k);
@@ -915,21 +855,15 @@ impl TierWorld {
         let back_port = self.conns[c].splice.back.port();
         // The member that carries it: its own entry, or the member its port range names.
         let mut at = k;
-        let holds = |w: &Self, j: usize| {
-            w.members[j]
-                .proc
-                .as_ref()
-                .is_some_and(|p| p.table.contains_key(&key))
-        };
+        let holds =
+            |w: &Self, j: usize| w.members[j].proc.as_ref().is_some_and(|p| p.dp.holds(&key));
         if !holds(self, k) {
             let target = (dir == 1)
                 .then(|| {
-                    self.members[k].proc.as_ref().and_then(|p| {
-                        p.forward
-                            .iter()
-                            .find(|f| f.shared == SHARED && f.ports.contains(&back_port))
-                            .map(|f| f.id)
-                    })
+                    self.members[k]
+                        .proc
+                        .as_ref()
+                        .and_then(|p| p.dp.forward_to(SHARED, back_port))
                 })
                 .flatten();
             match target {
@@ -956,376 +890,30 @@ impl TierWorld {
         let Some(p) = self.members[at].proc.as_mut() else {
             return;
         };
-        let Some(e) = p.table.get_mut(&key) else {
+        if !p.dp.carry(&key, dir, kind, now) {
             return;
-        };
-        e.packets[dir] += 1;
-        e.last[dir] = now;
+        }
         match kind {
             Kind::Data => {}
             Kind::Fin => {
-                e.fin[dir] = true;
                 self.conns[c].fin_done[dir] = true;
                 if self.conns[c].fin_done == [true, true] {
                     self.conns[c].ended = Some(now);
                 }
             }
-            Kind::Rst => {
-                p.table.remove(&key);
-                self.conns[c].ended = Some(now);
-            }
+            Kind::Rst => self.conns[c].ended = Some(now),
         }
     }
 
     /// A member without the connection's entry answered its packet: the connection broke.
-    fn broken(&mut self, c: usize, k: usize, why: &str) {
-        let now = self.now;
-        let key = self.conns[c].splice.key();
-        self.conns[c].ended = Some(now);
-        let held = (0..self.members.len()).any(|j| {
-            self.members[j]
-                .proc
-                .as_ref()
-                .is_some_and(|p| p.table.contains_key(&key))
+    fn broken(&mut self, c: usize, k: usize, why: &'static str) {
+        self.conns[c].ended = Some(self.now);
+        let held = self.held(&self.conns[c].splice.key());
+        self.facts.push(Fact::Broken {
+            conn: c,
+            at: k,
+            why,
+            held,
         });
-        if !held {
-            self.counts.lost_connections += 1;
-        } else if self.settled() && self.conns[c].created + REPLICATION_MS <= now {
-            let owner = self.conns[c].owner;
-            self.fail(format!(
-                "(a) connection {} (made at member {owner}) broke at member {k}: {why}",
-                key.0
-            ));
-        } else {
-            self.counts.broken_unsettled += 1;
-        }
     }
-
-    /// The invariants.
-    fn check(&mut self) {
-        let now = self.now;
-        // (a) In calm, every live member holds every open connection a live member holds.
-        if self.settled() {
-            for &c in &self.open {
-                let conn = &self.conns[c];
-                if conn.ended.is_some() || conn.created + REPLICATION_MS > now {
-                    continue;
-                }
-                let key = conn.splice.key();
-                let holds = |m: &Member| m.proc.as_ref().map(|p| p.table.contains_key(&key));
-                let any = self.members.iter().any(|m| holds(m) == Some(true));
-                if let Some(k) = self.members.iter().position(|m| holds(m) == Some(false))
-                    && any
-                {
-                    let owner = conn.owner;
-                    self.fail(format!(
-                        "(a) member {k} holds no entry of open connection {} (made at member \
-                         {owner}, {} ms ago) after {} ms of calm",
-                        key.0,
-                        now - conn.created,
-                        now - self.disturbed_at
-                    ));
-                    return;
-                }
-            }
-        }
-        // (b) No entry outlives its connection by more than the bound. A connection no
-        // member holds any more past the bound is not looked at again.
-        let held = |w: &Self, c: usize| {
-            let key = w.conns[c].splice.key();
-            w.members
-                .iter()
-                .any(|m| m.proc.as_ref().is_some_and(|p| p.table.contains_key(&key)))
-        };
-        let ended = std::mem::take(&mut self.ended);
-        self.ended = ended
-            .into_iter()
-            .filter(|&c| {
-                self.conns[c]
-                    .ended
-                    .is_some_and(|e| now <= e + ENTRY_BOUND_MS)
-                    || held(self, c)
-            })
-            .collect();
-        for i in 0..self.ended.len() {
-            let c = self.ended[i];
-            let Some(ended) = self.conns[c].ended else {
-                continue;
-            };
-            if now <= ended + ENTRY_BOUND_MS {
-                continue;
-            }
-            let key = self.conns[c].splice.key();
-            // Counted from the end, or from the entry's installation when a table sent
-            // after the end revived it.
-            if let Some(k) = (0..self.members.len()).find(|&k| {
-                self.members[k].proc.as_ref().is_some_and(|p| {
-                    p.table
-                        .get(&key)
-                        .is_some_and(|e| now > e.installed.max(ended) + ENTRY_BOUND_MS)
-                })
-            }) {
-                self.fail(format!(
-                    "(b) member {k} still holds connection {} {} ms after it ended",
-                    key.0,
-                    now - ended
-                ));
-                return;
-            }
-        }
-        // (c) The group is the live members, within the bounds.
-        let bound = self.dist.config().detection_bound().as_millis() as Ms + 2 * STEP_MS;
-        // With no member alive the group stays as it was: dead members leave it once one
-        // has been alive long enough to join.
-        let any_up = self.members.iter().any(|m| {
-            m.healthy_since
-                .is_some_and(|s| now >= s.max(self.loss.1) + JOIN_BOUND_MS)
-        });
-        for k in 0..self.members.len() {
-            let m = &self.members[k];
-            let id = m.proc.as_ref().map(|p| p.id);
-            let in_group = id.is_some_and(|id| self.group.contains(&id));
-            if let Some(since) = m.healthy_since
-                && now >= since.max(self.loss.1) + JOIN_BOUND_MS
-                && !in_group
-            {
-                self.fail(format!(
-                    "(c) member {k} alive and reachable for {} ms is not in the group",
-                    now - since
-                ));
-                return;
-            }
-            if let Some(since) = m.down_since
-                && any_up
-                && now >= since + bound
-                && in_group
-            {
-                self.fail(format!(
-                    "(c) member {k}, dead or cut off for {} ms, is still in the group",
-                    now - since
-                ));
-                return;
-            }
-        }
-    }
-
-    /// Whether a check failed.
-    fn verdict(&self) -> Result<(), String> {
-        self.violation.clone().map_or(Ok(()), Err)
-    }
-
-    fn run_for(&mut self, ms: Ms) -> Result<(), String> {
-        let end = self.now + ms;
-        while self.now < end {
-            self.step();
-            self.verdict()?;
-        }
-        Ok(())
-    }
-
-    /// One fault, chosen at random.
-    fn fault(&mut self) {
-        let n = self.members.len();
-        let now = self.now;
-        let live: Vec<usize> = (0..n).filter(|&k| self.alive(k)).collect();
-        let dead: Vec<usize> = (0..n).filter(|&k| !self.alive(k)).collect();
-        let span = 1_000 + self.rng.below(3_000);
-        match self.rng.below(6) {
-            0 | 1 if live.len() > 1 => {
-                if let Some(k) = self.rng.pick(&live) {
-                    let silent = self.rng.chance(500);
-                    self.count(if silent { "silent death" } else { "kill" });
-                    self.crash(k, silent);
-                }
-            }
-            2 => {
-                if let Some(k) = self.rng.pick(&dead) {
-                    self.count("restart");
-                    self.start(k);
-                }
-            }
-            3 => {
-                let a = self.rng.below(n as u64) as usize;
-                let b = (a + 1 + self.rng.below(n as u64 - 1) as usize) % n;
-                self.count("members cut");
-                self.say(|| format!("members {a} and {b} cut for {span} ms"));
-                self.cuts.insert((a.min(b), a.max(b)), now + span);
-                self.disturb(now + span);
-            }
-            4 if live.len() > 1 => {
-                let k = self.rng.below(n as u64) as usize;
-                self.count("member isolated");
-                self.say(|| format!("member {k} isolated for {span} ms"));
-                let m = &mut self.members[k];
-                m.isolated_until = now + span;
-                m.healthy_since = None;
-                m.down_since.get_or_insert(now);
-                self.disturb(now + span);
-            }
-            _ => {
-                self.count("datagram loss");
-                self.say(|| format!("10 % of datagrams and segments lost for {span} ms"));
-                self.loss = (100, now + span);
-                self.disturb(now + span);
-            }
-        }
-    }
-
-    /// Every member runs again and nothing is cut.
-    fn heal(&mut self) {
-        for k in 0..self.members.len() {
-            if !self.alive(k) {
-                self.start(k);
-            }
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Kind {
-    Data,
-    Fin,
-    Rst,
-}
-
-/// What a run gave.
-#[derive(Debug, Clone, Default)]
-pub struct Outcome {
-    pub counts: Counts,
-}
-
-/// The command that replays `seed` with its log.
-pub fn replay_command(seed: u64) -> String {
-    format!("cargo run --release -p rserpool-sim -- --tier --seed {seed}")
-}
-
-/// Runs one seed (`log`: narrate it on stderr).
-pub fn run_seed(seed: u64, log: bool) -> Result<Outcome, String> {
-    run_seed_with(seed, Break::None, log)
-}
-
-/// Runs one seed with a sabotaged core (to see that the checks fail).
-pub fn run_seed_with(seed: u64, sabotage: Break, log: bool) -> Result<Outcome, String> {
-    let members = 3 + (seed % 2) as usize;
-    let mut w = TierWorld::new(seed, members, sabotage, log);
-    w.run_for(WARM_UP_MS)?;
-    for _ in 0..ROUNDS {
-        let end = w.now + FAULTS_MS;
-        while w.now < end {
-            w.run_for(100)?;
-            if w.rng.chance(60) {
-                w.fault();
-            }
-        }
-        w.say(|| "calm".into());
-        w.heal();
-        w.run_for(CALM_MS)?;
-    }
-    // No new connections: every entry must go.
-    w.say(|| "last connections end".into());
-    let now = w.now;
-    for c in &mut w.conns {
-        c.end_at = c.end_at.min(now);
-    }
-    w.run_for(FINAL_MS)?;
-    let open = w.conns.iter().filter(|c| c.ended.is_none()).count();
-    let held: usize = w
-        .members
-        .iter()
-        .filter_map(|m| m.proc.as_ref())
-        .map(|p| p.table.len())
-        .sum();
-    if held > 0 && open == 0 {
-        return Err(format!(
-            "(b) {held} entries left {FINAL_MS} ms after the last connection ended"
-        ));
-    }
-    Ok(Outcome { counts: w.counts })
-}
-
-/// What many seeds gave.
-#[derive(Debug, Default)]
-pub struct Summary {
-    pub seeds: u64,
-    pub failures: Vec<(u64, String)>,
-    pub counts: Counts,
-    pub elapsed: Duration,
-}
-
-impl Summary {
-    pub fn report(&self, threads: usize) -> String {
-        let mut out = String::new();
-        for (seed, why) in &self.failures {
-            out.push_str(&format!(
-                "tier seed {seed} failed: {why}\n  replay: {}\n",
-                replay_command(*seed)
-            ));
-        }
-        let secs = self.elapsed.as_secs_f64();
-        out.push_str(&format!(
-            "{} tier seeds in {secs:.1} s ({:.0} seeds/s, {threads} thread(s)): {} failed\n",
-            self.seeds,
-            self.seeds as f64 / secs.max(1e-9),
-            self.failures.len()
-        ));
-        let c = &self.counts;
-        let faults: Vec<String> = c.faults.iter().map(|(k, v)| format!("{k} {v}")).collect();
-        out.push_str(&format!(
-            "injected: {}\nconnections {}, packets {} ({} forwarded by port, {} lost to dead or \
-             cut-off members), group changes {}, messages {}; connections broken outside calm \
-             {}, lost with every member that held them {}; entries revived after their end {}\n",
-            faults.join(", "),
-            c.connections,
-            c.packets,
-            c.forwarded,
-            c.lost_packets,
-            c.group_changes,
-            c.messages,
-            c.broken_unsettled,
-            c.lost_connections,
-            c.revived
-        ));
-        out
-    }
-}
-
-/// Runs seeds `from..from + count` on `threads` threads.
-pub fn run_seeds(from: u64, count: u64, threads: usize, sabotage: Break) -> Summary {
-    let started = std::time::Instant::now();
-    let threads = threads.max(1) as u64;
-    let parts: Vec<Summary> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|th| {
-                s.spawn(move || {
-                    let mut part = Summary::default();
-                    for seed in (from..from + count).filter(|seed| seed % threads == th) {
-                        part.seeds += 1;
-                        match run_seed_with(seed, sabotage, false) {
-                            Ok(o) => part.counts.add(&o.counts),
-                            Err(e) => part.failures.push((seed, e)),
-                        }
-                    }
-                    part
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| Summary {
-                    failures: vec![(u64::MAX, "a simulation thread panicked".into())],
-                    ..Summary::default()
-                })
-            })
-            .collect()
-    });
-    let mut all = Summary::default();
-    for p in parts {
-        all.seeds += p.seeds;
-        all.failures.extend(p.failures);
-        all.counts.add(&p.counts);
-    }
-    all.failures.sort();
-    all.elapsed = started.elapsed();
-    all
 }
