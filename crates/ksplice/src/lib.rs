@@ -785,10 +785,10 @@ impl Datapath {
         Some([(a.packets, a.bytes), (b.packets, b.bytes)])
     }
 
-    /// Removes the entries of connections that ended (FIN seen in both directions, then
-    /// `closing` without a packet: late retransmissions and the last ACK still get through),
-    /// of connections idle longer than `idle`, and watch or hold entries older than `closing`
-    /// (their hand-over never finished). An RST has the program remove its entries at once.
+    /// Removes the entries that the tier's expiry rule ([`rserpool_tier::Expiry`]) says are
+    /// gone: of connections that ended (a FIN each way, then `closing` without a packet),
+    /// idle longer than `idle`, and watch or hold entries older than `closing` (their
+    /// hand-over never finished). An RST has the program remove its entries at once.
     pub fn expire(&mut self, idle: Duration, closing: Duration) -> Result<Expired, Error> {
         #[cfg(not(ksplice_built))]
         {
@@ -797,9 +797,12 @@ impl Datapath {
         }
         #[cfg(ksplice_built)]
         {
+            use rserpool_tier::{Expiry, Gone, Seen};
+            let rule = Expiry { idle, closing };
             let now = monotonic_ns();
-            let older = |v: &FlowVal, d: Duration| {
-                now.saturating_sub(v.last_ns) > d.as_nanos().min(u64::MAX as u128) as u64
+            let seen = |v: &FlowVal| Seen {
+                fin: v.flags & FLAG_FIN != 0,
+                quiet: Duration::from_nanos(now.saturating_sub(v.last_ns)),
             };
             let entries: Vec<(FlowKey, FlowVal)> = {
                 let flows = self.flows()?;
@@ -809,24 +812,19 @@ impl Datapath {
                 entries.iter().copied().collect();
             let mut out = Expired::default();
             for (k, v) in &entries {
-                let reason = if v.flags & (FLAG_WATCH | FLAG_HOLD) != 0 {
-                    older(v, closing).then_some(&mut out.stale)
-                } else if older(v, idle) {
-                    Some(&mut out.idle)
-                } else {
-                    let other = by_key.get(&v.reverse_key());
-                    let both_fin =
-                        v.flags & FLAG_FIN != 0 && other.is_none_or(|o| o.flags & FLAG_FIN != 0);
-                    let quiet = older(v, closing) && other.is_none_or(|o| older(o, closing));
-                    (both_fin && quiet).then_some(&mut out.closed)
-                };
-                match reason {
-                    Some(n) => {
-                        self.remove(k)?;
-                        *n += 1;
+                let reverse = by_key.get(&v.reverse_key()).map(seen);
+                let handing_over = v.flags & (FLAG_WATCH | FLAG_HOLD) != 0;
+                let counter = match rule.expires(seen(v), reverse, handing_over) {
+                    Some(Gone::Closed) => &mut out.closed,
+                    Some(Gone::Idle) => &mut out.idle,
+                    Some(Gone::Stale) => &mut out.stale,
+                    None => {
+                        out.entries += 1;
+                        continue;
                     }
-                    None => out.entries += 1,
-                }
+                };
+                self.remove(k)?;
+                *counter += 1;
             }
             Ok(out)
         }

@@ -10,16 +10,20 @@
 //!   them (a new splice to all, everything it knows to a member that links anew, what the
 //!   once-a-second pass found), what its datapath must do with what others send, and where
 //!   the datapath forwards a packet it has no entry for.
+//! - [`expiry`]: when the datapath removes a flow-table entry, the one rule of the kernel's
+//!   datapath and of the simulation's model of it.
 //! - [`distributor`]: the heartbeat schedule, liveness, workload-factor weights, the group of
 //!   live members the router should spread packets over, and telling the living of a death.
 //!
 //! Time is [`Instant`] (milliseconds from an origin the driver chooses), as in the other cores.
 
 pub mod distributor;
+pub mod expiry;
 pub mod member;
 pub mod wire;
 
 pub use distributor::{DistributorConfig, DistributorCore, Group};
-pub use member::{Action, Expiry, Forward, MemberCore, TableEntry, Transmit};
+pub use expiry::{Expiry, Gone, Seen};
+pub use member::{Action, Forward, MemberCore, TableEntry, Transmit};
 pub use rserpool_wire::Instant;
 pub use wire::{Hello, Message, Splice};

@@ -92,31 +92,6 @@ pub enum Action {
     Nudge { dead: u32, prober: bool },
 }
 
-/// When the datapath removes a connection's entries (what `rserpool_ksplice`'s expiry pass
-/// does in the kernel's table, and the simulation's datapath does by this rule): a direction
-/// idle longer than `idle`, or FINs both ways and both directions quiet for `closing`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Expiry {
-    pub idle: Duration,
-    pub closing: Duration,
-}
-
-impl Expiry {
-    /// Whether a connection whose directions saw FINs `fin` and their last packets (or
-    /// touches) at `last` is gone at `now`.
-    pub fn expired(&self, fin: [bool; 2], last: [Instant; 2], now: Instant) -> bool {
-        let older = |t: Instant, d: Duration| now.saturating_duration_since(t) > d;
-        let idle = last.iter().any(|&t| older(t, self.idle));
-        let closed = fin[0] && fin[1] && last.iter().all(|&t| older(t, self.closing));
-        idle || closed
-    }
-
-    /// How often the datapath looks.
-    pub fn period(&self) -> Duration {
-        PASS.min(self.closing / 2)
-    }
-}
-
 /// What the member counted, for its status.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
@@ -714,20 +689,5 @@ mod tests {
         c.handle_datagram(d, &own, 1.0, t(2));
         assert_eq!(c.poll_action(), None);
         assert_eq!((c.counters.nudges, c.counters.nudge_probes), (1, 4));
-    }
-
-    #[test]
-    fn expiry_is_idle_or_closed_and_quiet() {
-        let x = Expiry {
-            idle: Duration::from_secs(10),
-            closing: Duration::from_secs(2),
-        };
-        let last = [t(1000), t(1500)];
-        assert!(!x.expired([false, false], last, t(11_000)));
-        assert!(x.expired([false, false], last, t(11_001)));
-        assert!(!x.expired([true, false], last, t(5000)));
-        assert!(!x.expired([true, true], last, t(3500)));
-        assert!(x.expired([true, true], last, t(3501)));
-        assert_eq!(x.period(), Duration::from_secs(1));
     }
 }

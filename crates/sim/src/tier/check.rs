@@ -1,8 +1,8 @@
 //! The tier's invariants (docs/TIER.md), judged after every step of the model:
-//! - (a) once the tier has been calm for [`SETTLE_MS`], every live member holds every open
-//!   connection some live member holds; no packet of such a connection meets a member that
-//!   neither holds nor forwards it; and no open connection's entry is removed by a DEL (or
-//!   expires, once calm has lasted an idle timeout more);
+//! - (a) once the tier has been calm for [`SETTLE_MS`], every live member holds both entries
+//!   of every open connection some live member holds whole; no packet of such a connection
+//!   meets a member that neither holds nor forwards it; and no open connection's entry is
+//!   removed by a DEL (or expires, once calm has lasted an idle timeout more);
 //! - (b) no entry outlives its connection by more than [`ENTRY_BOUND_MS`];
 //! - (c) the distributor's group holds every member reachable and alive for
 //!   [`JOIN_BOUND_MS`], and none dead or cut off from it for its detection bound.
@@ -109,7 +109,8 @@ impl Checks {
     /// The tables and the group.
     fn state(&mut self, w: &TierWorld) {
         let now = w.now;
-        // (a) In calm, every live member holds every open connection a live member holds.
+        // (a) In calm, every live member holds both entries of every open connection a live
+        // member holds whole.
         if settled(w) {
             for &c in &w.open {
                 let conn = &w.conns[c];
@@ -117,13 +118,17 @@ impl Checks {
                     continue;
                 }
                 let key = conn.splice.key();
-                let holds = |m: &super::world::Member| m.proc.as_ref().map(|p| p.dp.holds(&key));
-                let any = w.members.iter().any(|m| holds(m) == Some(true));
-                if let Some(k) = w.members.iter().position(|m| holds(m) == Some(false))
-                    && any
+                // Per member: not alive, or whether it holds the connection whole.
+                let whole: Vec<Option<bool>> = w
+                    .members
+                    .iter()
+                    .map(|m| m.proc.as_ref().map(|p| p.dp.whole(&conn.splice)))
+                    .collect();
+                if let Some(k) = whole.iter().position(|&h| h == Some(false))
+                    && whole.contains(&Some(true))
                 {
                     let why = format!(
-                        "(a) member {k} holds no entry of open connection {} (made at member \
+                        "(a) member {k} does not hold open connection {} whole (made at member \
                          {}, {} ms ago) after {} ms of calm",
                         key.0,
                         conn.owner,
@@ -139,7 +144,7 @@ impl Checks {
         // member holds any more past the bound is not looked at again.
         self.ended.retain(|&c| {
             w.conns[c].ended.is_some_and(|e| now <= e + ENTRY_BOUND_MS)
-                || w.held(&w.conns[c].splice.key())
+                || w.held(&w.conns[c].splice)
         });
         for i in 0..self.ended.len() {
             let c = self.ended[i];
@@ -154,7 +159,7 @@ impl Checks {
             // after the end revived it.
             if let Some(k) = (0..w.members.len()).find(|&k| {
                 w.members[k].proc.as_ref().is_some_and(|p| {
-                    p.dp.installed(&key)
+                    p.dp.installed(&w.conns[c].splice)
                         .is_some_and(|installed| now > installed.max(ended) + ENTRY_BOUND_MS)
                 })
             }) {

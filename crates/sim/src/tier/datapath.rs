@@ -4,13 +4,15 @@
 //!
 //! It exists apart from the world so that one member's table is one piece of state with its
 //! own operations, the way the real datapath is: the world decides which member a packet
-//! meets; this says what that member's table does with it. Expiry asks the tier core's rule
-//! ([`Expiry`]), the one the real datapath's pass asks.
+//! meets; this says what that member's table does with it. Like the kernel's, the table
+//! holds one entry per direction, and its expiry pass asks the tier core's rule
+//! ([`Expiry`]) for each entry with its reverse, as `rserpool_ksplice`'s pass does: an entry
+//! can go while its reverse stays.
 
 use crate::net::Ms;
-use rserpool_tier::member::{Expiry, Forward, TableEntry};
-use rserpool_tier::{Instant, Splice};
-use std::collections::{BTreeMap, BTreeSet};
+use rserpool_tier::member::{Forward, TableEntry};
+use rserpool_tier::{Expiry, Seen, Splice};
+use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
@@ -22,11 +24,20 @@ const EXPIRY: Expiry = Expiry {
     closing: Duration::from_millis(CLOSING_MS),
 };
 
-/// A connection's key in the table: (client, front).
+/// A connection's key: (client, front), its first direction's.
 pub(super) type Key = (SocketAddrV4, SocketAddrV4);
+/// A direction: (from, to) as its packets arrive, packed into one number that sorts as the
+/// pair does (the table is looked up for every connection at every check).
+type Flow = u128;
 
-fn t(ms: Ms) -> Instant {
-    Instant::from_millis(ms)
+fn flow((from, to): (SocketAddrV4, SocketAddrV4)) -> Flow {
+    let one = |a: SocketAddrV4| u128::from(a.ip().to_bits()) << 16 | u128::from(a.port());
+    one(from) << 48 | one(to)
+}
+
+/// Both directions of `s`: client → front, server → back.
+fn flows(s: &Splice) -> [Flow; 2] {
+    s.directions().map(flow)
 }
 
 /// What a packet carries, as far as the table cares.
@@ -37,32 +48,28 @@ pub(super) enum Kind {
     Rst,
 }
 
-/// One datapath entry pair (a connection).
+/// One entry: one direction of a spliced connection.
 #[derive(Debug, Clone)]
 struct Entry {
     splice: Splice,
+    /// Which of the splice's directions (0: client → front, 1: server → back).
+    dir: usize,
     /// When it was installed here.
     installed: Ms,
-    fin: [bool; 2],
-    last: [Ms; 2],
-    packets: [u64; 2],
+    fin: bool,
+    last: Ms,
+    packets: u64,
 }
 
 impl Entry {
-    fn new(splice: Splice, now: Ms) -> Self {
-        Self {
-            splice,
-            installed: now,
-            fin: [false; 2],
-            last: [now; 2],
-            packets: [0; 2],
-        }
+    fn reverse(&self) -> Flow {
+        flows(&self.splice)[1 - self.dir]
     }
 }
 
 /// One member's datapath.
 pub(super) struct Datapath {
-    table: BTreeMap<Key, Entry>,
+    table: BTreeMap<Flow, Entry>,
     forward: Vec<Forward>,
     next_expire: Ms,
 }
@@ -76,8 +83,19 @@ impl Datapath {
         }
     }
 
-    pub(super) fn holds(&self, key: &Key) -> bool {
-        self.table.contains_key(key)
+    /// Whether there is an entry for packets in direction `dir` of `s`.
+    pub(super) fn carries(&self, s: &Splice, dir: usize) -> bool {
+        self.table.contains_key(&flows(s)[dir])
+    }
+
+    /// Whether both entries of `s` are here: it is carried both ways.
+    pub(super) fn whole(&self, s: &Splice) -> bool {
+        self.carries(s, 0) && self.carries(s, 1)
+    }
+
+    /// Whether any entry of `s` is here.
+    pub(super) fn holds(&self, s: &Splice) -> bool {
+        self.carries(s, 0) || self.carries(s, 1)
     }
 
     /// Entries held.
@@ -85,74 +103,96 @@ impl Datapath {
         self.table.len()
     }
 
-    /// When the entry of `key` was installed, if it is held.
-    pub(super) fn installed(&self, key: &Key) -> Option<Ms> {
-        self.table.get(key).map(|e| e.installed)
+    /// When the oldest entry of `s` here was installed, if any is.
+    pub(super) fn installed(&self, s: &Splice) -> Option<Ms> {
+        flows(s)
+            .iter()
+            .filter_map(|f| self.table.get(f).map(|e| e.installed))
+            .min()
     }
 
-    /// Every splice held: what a link that comes up carries.
+    /// The connections held whole, once each (what a proxy's table gives as splices).
+    fn pairs(&self) -> impl Iterator<Item = (&Entry, &Entry)> {
+        self.table.values().filter(|e| e.dir == 0).filter_map(|e| {
+            let r = self.table.get(&e.reverse())?;
+            Some((e, r))
+        })
+    }
+
+    /// Every splice held whole: what a link that comes up carries.
     pub(super) fn splices(&self) -> Vec<Splice> {
-        self.table.values().map(|e| e.splice).collect()
+        self.pairs().map(|(e, _)| e.splice).collect()
     }
 
     /// Every direction held (for the sabotage that touches them all).
     pub(super) fn directions(&self) -> Vec<(SocketAddrV4, SocketAddrV4)> {
         self.table
             .values()
-            .flat_map(|e| e.splice.directions())
+            .map(|e| e.splice.directions()[e.dir])
             .collect()
     }
 
-    /// A splice made here: its entries, fresh.
-    pub(super) fn splice(&mut self, s: Splice, now: Ms) {
-        self.table.insert(s.key(), Entry::new(s, now));
+    /// Both entries of `s`, fresh.
+    fn insert(&mut self, s: Splice, now: Ms) {
+        for (dir, flow) in flows(&s).into_iter().enumerate() {
+            let e = Entry {
+                splice: s,
+                dir,
+                installed: now,
+                fin: false,
+                last: now,
+                packets: 0,
+            };
+            self.table.insert(flow, e);
+        }
     }
 
-    /// A splice another member made, unless it is held already; whether it was installed.
+    /// A splice made here.
+    pub(super) fn splice(&mut self, s: Splice, now: Ms) {
+        self.insert(s, now);
+    }
+
+    /// A splice another member made, unless both its entries are here already (a half
+    /// left by expiry is replaced); whether it was installed.
     pub(super) fn install(&mut self, s: Splice, now: Ms) -> bool {
-        if self.table.contains_key(&s.key()) {
+        if self.whole(&s) {
             return false;
         }
-        self.table.insert(s.key(), Entry::new(s, now));
+        self.insert(s, now);
         true
     }
 
-    /// Whether there was an entry to remove.
-    pub(super) fn remove(&mut self, key: &Key) -> bool {
-        self.table.remove(key).is_some()
+    /// Removes the entries of `s`; whether there was one.
+    pub(super) fn remove(&mut self, s: &Splice) -> bool {
+        let [a, b] = flows(s);
+        let a = self.table.remove(&a).is_some();
+        let b = self.table.remove(&b).is_some();
+        a || b
     }
 
     /// A FIN passed elsewhere in this direction.
     pub(super) fn mark_fin(&mut self, from: SocketAddrV4, to: SocketAddrV4) {
-        for e in self.table.values_mut() {
-            for (d, dir) in e.splice.directions().into_iter().enumerate() {
-                if dir == (from, to) {
-                    e.fin[d] = true;
-                }
-            }
+        if let Some(e) = self.table.get_mut(&flow((from, to))) {
+            e.fin = true;
         }
     }
 
     /// Packets passed elsewhere in these directions.
-    pub(super) fn touch(&mut self, flows: Vec<(SocketAddrV4, SocketAddrV4)>, now: Ms) {
-        let flows: BTreeSet<_> = flows.into_iter().collect();
-        for e in self.table.values_mut() {
-            for (d, dir) in e.splice.directions().into_iter().enumerate() {
-                if flows.contains(&dir) {
-                    e.last[d] = e.last[d].max(now);
-                }
+    pub(super) fn touch(&mut self, touched: Vec<(SocketAddrV4, SocketAddrV4)>, now: Ms) {
+        for f in touched {
+            if let Some(e) = self.table.get_mut(&flow(f)) {
+                e.last = e.last.max(now);
             }
         }
     }
 
-    /// The table as the once-a-second pass reads it.
+    /// The table as the once-a-second pass reads it: connections held whole.
     pub(super) fn read(&self) -> Vec<TableEntry> {
-        self.table
-            .values()
-            .map(|e| TableEntry {
+        self.pairs()
+            .map(|(e, r)| TableEntry {
                 splice: e.splice,
-                fin: e.fin,
-                packets: e.packets,
+                fin: [e.fin, r.fin],
+                packets: [e.packets, r.packets],
             })
             .collect()
     }
@@ -169,39 +209,47 @@ impl Datapath {
             .map(|f| f.id)
     }
 
-    /// A packet of `key` in direction `dir` carried here (an RST removes the entries); false
+    /// A packet of `s` in direction `dir` carried here (an RST removes both entries); false
     /// when there is no entry to carry it.
-    pub(super) fn carry(&mut self, key: &Key, dir: usize, kind: Kind, now: Ms) -> bool {
-        let Some(e) = self.table.get_mut(key) else {
+    pub(super) fn carry(&mut self, s: &Splice, dir: usize, kind: Kind, now: Ms) -> bool {
+        let Some(e) = self.table.get_mut(&flows(s)[dir]) else {
             return false;
         };
-        e.packets[dir] += 1;
-        e.last[dir] = now;
+        e.packets += 1;
+        e.last = now;
         match kind {
             Kind::Data => {}
-            Kind::Fin => e.fin[dir] = true,
+            Kind::Fin => e.fin = true,
             Kind::Rst => {
-                self.table.remove(key);
+                self.remove(s);
             }
         }
         true
     }
 
-    /// The expiry pass, when it is due: the keys it removed.
+    /// The expiry pass, when it is due: the connections whose entries it removed, one per
+    /// entry. Each entry is judged with its reverse as the pass found them.
     pub(super) fn expire(&mut self, now: Ms) -> Vec<Key> {
         if self.next_expire > now {
             return Vec::new();
         }
         self.next_expire = now + EXPIRY.period().as_millis() as Ms;
-        let gone: Vec<Key> = self
+        let seen = |e: &Entry| Seen {
+            fin: e.fin,
+            quiet: Duration::from_millis(now.saturating_sub(e.last)),
+        };
+        let gone: Vec<(Flow, Key)> = self
             .table
             .iter()
-            .filter(|(_, e)| EXPIRY.expired(e.fin, [t(e.last[0]), t(e.last[1])], t(now)))
-            .map(|(key, _)| *key)
+            .filter(|(_, e)| {
+                let reverse = self.table.get(&e.reverse()).map(seen);
+                EXPIRY.expires(seen(e), reverse, false).is_some()
+            })
+            .map(|(flow, e)| (*flow, e.splice.key()))
             .collect();
-        for key in &gone {
-            self.table.remove(key);
+        for (flow, _) in &gone {
+            self.table.remove(flow);
         }
-        gone
+        gone.into_iter().map(|(_, key)| key).collect()
     }
 }

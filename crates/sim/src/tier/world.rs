@@ -295,11 +295,11 @@ impl TierWorld {
         self.disturbed_at = self.disturbed_at.max(until);
     }
 
-    /// Whether some live member's datapath holds `key`.
-    pub(super) fn held(&self, key: &Key) -> bool {
+    /// Whether some live member's datapath holds an entry of `s`.
+    pub(super) fn held(&self, s: &Splice) -> bool {
         self.members
             .iter()
-            .any(|m| m.proc.as_ref().is_some_and(|p| p.dp.holds(key)))
+            .any(|m| m.proc.as_ref().is_some_and(|p| p.dp.holds(s)))
     }
 
     /// Member `k` starts as a new process (a new pool element identifier).
@@ -493,7 +493,7 @@ impl TierWorld {
                 }
             }
             Action::Remove(s) => {
-                if p.dp.remove(&s.key())
+                if p.dp.remove(&s)
                     && let Some(&c) = self.by_key.get(&s.key())
                     && self.conns[c].ended.is_none()
                 {
@@ -851,19 +851,23 @@ impl TierWorld {
             self.counts.lost_packets += 1;
             return;
         }
-        let key = self.conns[c].splice.key();
-        let back_port = self.conns[c].splice.back.port();
-        // The member that carries it: its own entry, or the member its port range names.
+        let s = self.conns[c].splice;
+        // The member that carries it: its own entry for the direction, or the member its
+        // port range names.
         let mut at = k;
-        let holds =
-            |w: &Self, j: usize| w.members[j].proc.as_ref().is_some_and(|p| p.dp.holds(&key));
+        let holds = |w: &Self, j: usize| {
+            w.members[j]
+                .proc
+                .as_ref()
+                .is_some_and(|p| p.dp.carries(&s, dir))
+        };
         if !holds(self, k) {
             let target = (dir == 1)
                 .then(|| {
                     self.members[k]
                         .proc
                         .as_ref()
-                        .and_then(|p| p.dp.forward_to(SHARED, back_port))
+                        .and_then(|p| p.dp.forward_to(SHARED, s.back.port()))
                 })
                 .flatten();
             match target {
@@ -890,7 +894,7 @@ impl TierWorld {
         let Some(p) = self.members[at].proc.as_mut() else {
             return;
         };
-        if !p.dp.carry(&key, dir, kind, now) {
+        if !p.dp.carry(&s, dir, kind, now) {
             return;
         }
         match kind {
@@ -908,7 +912,7 @@ impl TierWorld {
     /// A member without the connection's entry answered its packet: the connection broke.
     fn broken(&mut self, c: usize, k: usize, why: &'static str) {
         self.conns[c].ended = Some(self.now);
-        let held = self.held(&self.conns[c].splice.key());
+        let held = self.held(&self.conns[c].splice);
         self.facts.push(Fact::Broken {
             conn: c,
             at: k,
