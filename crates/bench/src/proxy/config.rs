@@ -212,7 +212,7 @@ listen tcp
     balance roundrobin
 {servers}"#,
         servers = servers(backends, &|i, b| format!("    server b{i} {b} check")),
-        grpc_servers = servers(&bed.grpc_backends, &|i, b| {
+        grpc_servers = servers(bed.grpc_backends, &|i, b| {
             format!("    server g{i} {b} proto h2 check")
         }),
         both = tls.both.display(),
@@ -243,7 +243,7 @@ pub(super) fn nginx_proxy(
             "    upstream gpool {{\n{}        keepalive 64;\n    }}\n    server {{\n        \
              listen {grpc} http2 backlog=4096;\n        location / {{ grpc_pass grpc://gpool; \
              }}\n    }}\n",
-            servers(&bed.grpc_backends, &|_, b| format!("        server {b};"))
+            servers(bed.grpc_backends, &|_, b| format!("        server {b};"))
         )
     };
     let dd = dir.display();
