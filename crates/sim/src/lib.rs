@@ -27,6 +27,7 @@
 pub mod check;
 pub mod net;
 pub mod rng;
+pub mod seeds;
 pub mod tier;
 pub mod world;
 
@@ -329,36 +330,25 @@ impl Summary {
 /// Runs seeds `from..from + count` on `threads` threads.
 pub fn run_seeds(from: u64, count: u64, threads: usize) -> Summary {
     let started = std::time::Instant::now();
-    let threads = threads.max(1) as u64;
-    let parts: Vec<Summary> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                s.spawn(move || {
-                    let mut part = Summary::default();
-                    for seed in (from..from + count).filter(|seed| seed % threads == t) {
-                        part.seeds += 1;
-                        match run_seed(seed, false) {
-                            Ok(o) => {
-                                part.converged_ms.push(o.converged_ms);
-                                part.counts.add(&o.counts);
-                            }
-                            Err(e) => part.failures.push((seed, e)),
-                        }
-                    }
-                    part
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| Summary {
-                    failures: vec![(u64::MAX, "a simulation thread panicked".into())],
-                    ..Summary::default()
-                })
-            })
-            .collect()
-    });
+    let parts = seeds::on_threads(
+        from,
+        count,
+        threads,
+        |seed, part: &mut Summary| {
+            part.seeds += 1;
+            match run_seed(seed, false) {
+                Ok(o) => {
+                    part.converged_ms.push(o.converged_ms);
+                    part.counts.add(&o.counts);
+                }
+                Err(e) => part.failures.push((seed, e)),
+            }
+        },
+        || Summary {
+            failures: vec![(u64::MAX, "a simulation thread panicked".into())],
+            ..Summary::default()
+        },
+    );
     let mut all = Summary::default();
     for p in parts {
         all.seeds += p.seeds;

@@ -150,33 +150,22 @@ impl Summary {
 /// Runs seeds `from..from + count` on `threads` threads.
 pub fn run_seeds(from: u64, count: u64, threads: usize, sabotage: Break) -> Summary {
     let started = std::time::Instant::now();
-    let threads = threads.max(1) as u64;
-    let parts: Vec<Summary> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|th| {
-                s.spawn(move || {
-                    let mut part = Summary::default();
-                    for seed in (from..from + count).filter(|seed| seed % threads == th) {
-                        part.seeds += 1;
-                        match run_seed_with(seed, sabotage, false) {
-                            Ok(o) => part.counts.add(&o.counts),
-                            Err(e) => part.failures.push((seed, e)),
-                        }
-                    }
-                    part
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| Summary {
-                    failures: vec![(u64::MAX, "a simulation thread panicked".into())],
-                    ..Summary::default()
-                })
-            })
-            .collect()
-    });
+    let parts = crate::seeds::on_threads(
+        from,
+        count,
+        threads,
+        |seed, part: &mut Summary| {
+            part.seeds += 1;
+            match run_seed_with(seed, sabotage, false) {
+                Ok(o) => part.counts.add(&o.counts),
+                Err(e) => part.failures.push((seed, e)),
+            }
+        },
+        || Summary {
+            failures: vec![(u64::MAX, "a simulation thread panicked".into())],
+            ..Summary::default()
+        },
+    );
     let mut all = Summary::default();
     for p in parts {
         all.seeds += p.seeds;
