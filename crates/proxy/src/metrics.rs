@@ -89,7 +89,7 @@ type Field = fn(&Backend) -> &AtomicU64;
 fn pe_metrics(m: &mut Exposition, pool: &str, pe: &str, bs: &[&Backend]) {
     let labels = [("pool", pool), ("pe", pe)];
     let sum = |f: Field| -> u64 { bs.iter().map(|b| f(b).load(Ordering::Relaxed)).sum() };
-    let counters: [(&str, &str, Field); 8] = [
+    let counters: [(&str, &str, Field); 10] = [
         (
             "rserpool_proxy_requests",
             "Requests (HTTP) or connections (TCP) sent to the PE.",
@@ -114,6 +114,16 @@ fn pe_metrics(m: &mut Exposition, pool: &str, pe: &str, bs: &[&Backend]) {
             "rserpool_proxy_ejections",
             "Times the PE was ejected by outlier detection.",
             |b| &b.stats.ejections,
+        ),
+        (
+            "rserpool_proxy_pe_ejections_capped",
+            "Failures that would have ejected the PE had the pool's max-ejection-percent allowed it.",
+            |b| &b.stats.ejections_capped,
+        ),
+        (
+            "rserpool_proxy_pe_busy",
+            "Times the PE was found busy (connect timeout, 503) and given no new work for a while.",
+            |b| &b.stats.busy,
         ),
         (
             "rserpool_proxy_responses_5xx",

@@ -53,6 +53,10 @@ pub struct Backend {
     pub addrs: Vec<SocketAddr>,
     pub stats: BackendStats,
     health: Mutex<Health>,
+    /// When the ejection and the busy back-off end, in ms of [`clock_ms`], read by every pick
+    /// without the lock.
+    ejected_until_ms: AtomicU64,
+    busy_until_ms: AtomicU64,
     /// Connections kept for reuse, of whatever protocol the pool speaks.
     pub(crate) conns: Conns,
     /// The credits last reported (−1: none yet), and the capacity reported with them.
@@ -66,6 +70,13 @@ pub struct Backend {
     latency_us: [AtomicU64; LATENCY_BUCKETS],
 }
 
+/// Milliseconds since the process's first look at the clock: a time an atomic can hold.
+fn clock_ms(t: Instant) -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    t.saturating_duration_since(epoch).as_millis() as u64 + 1
+}
+
 /// In flight 0 .. 15, and 16 or more.
 const LATENCY_BUCKETS: usize = 17;
 
@@ -74,6 +85,17 @@ struct Health {
     fails: u32,
     ejections: u32,
     ejected_until: Option<Instant>,
+}
+
+/// How much a selection should avoid a PE, least first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Avoid {
+    /// Healthy.
+    No,
+    /// Busy: its connect timed out or it answered 503; not dead.
+    Busy,
+    /// Ejected as dead by passive health.
+    Ejected,
 }
 
 /// Per-PE counters, shown by the stats endpoint.
@@ -87,6 +109,11 @@ pub struct BackendStats {
     pub active: AtomicU64,
     pub failures: AtomicU64,
     pub ejections: AtomicU64,
+    /// Ejections the pool's `max-ejection-percent` refused (the PE failed, but too many of
+    /// the pool were ejected already).
+    pub ejections_capped: AtomicU64,
+    /// Times the PE was found busy (connect timeout, 503) and got no new work for a while.
+    pub busy: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     pub responses_5xx: AtomicU64,
@@ -104,6 +131,8 @@ impl Backend {
             addrs: addrs_of(pe),
             stats: BackendStats::default(),
             health: Mutex::new(Health::default()),
+            ejected_until_ms: AtomicU64::new(0),
+            busy_until_ms: AtomicU64::new(0),
             conns: Conns::default(),
             credit_reported: AtomicI64::new(-1),
             credit_capacity: AtomicI64::new(0),
@@ -211,7 +240,26 @@ impl Backend {
     }
 
     pub fn is_ejected(&self, now: Instant) -> bool {
-        self.health().ejected_until.is_some_and(|t| now < t)
+        self.avoid(now) == Avoid::Ejected
+    }
+
+    /// Whether (and how much) a selection should avoid the PE now.
+    pub(crate) fn avoid(&self, now: Instant) -> Avoid {
+        let now = clock_ms(now);
+        if now < self.ejected_until_ms.load(Ordering::Relaxed) {
+            Avoid::Ejected
+        } else if now < self.busy_until_ms.load(Ordering::Relaxed) {
+            Avoid::Busy
+        } else {
+            Avoid::No
+        }
+    }
+
+    /// The PE is overloaded, not dead: no new work for `back_off` while others have room.
+    pub(crate) fn busy(&self, back_off: Duration) {
+        self.stats.busy.fetch_add(1, Ordering::Relaxed);
+        let until = clock_ms(Instant::now() + back_off);
+        self.busy_until_ms.fetch_max(until, Ordering::Relaxed);
     }
 
     /// Until when the PE is (or was last) ejected.
@@ -219,12 +267,18 @@ impl Backend {
         self.health().ejected_until
     }
 
-    /// A failure: returns true if it ejected the PE.
-    pub fn failed(&self, s: &HealthSettings) -> bool {
+    /// A failure: returns true if it ejected the PE. With `may_eject` false (the pool's
+    /// ejection cap is reached) the failure is counted and the PE stays.
+    pub fn failed(&self, s: &HealthSettings, may_eject: bool) -> bool {
         self.stats.failures.fetch_add(1, Ordering::Relaxed);
         let mut h = self.health();
         h.fails += 1;
         if h.fails < s.max_fails.max(1) {
+            return false;
+        }
+        if !may_eject {
+            drop(h);
+            self.stats.ejections_capped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
         h.fails = 0;
@@ -233,8 +287,11 @@ impl Backend {
             .saturating_mul(1 << h.ejections.min(16))
             .min(s.eject_max);
         h.ejections += 1;
-        h.ejected_until = Some(Instant::now() + back_off);
+        let until = Instant::now() + back_off;
+        h.ejected_until = Some(until);
         drop(h);
+        self.ejected_until_ms
+            .store(clock_ms(until), Ordering::Relaxed);
         self.stats.ejections.fetch_add(1, Ordering::Relaxed);
         self.conns.drop_idle();
         warn!(
@@ -250,6 +307,7 @@ impl Backend {
         let mut h = self.health();
         if h.fails != 0 || h.ejections != 0 {
             *h = Health::default();
+            self.ejected_until_ms.store(0, Ordering::Relaxed);
         }
     }
 
@@ -295,6 +353,7 @@ impl Backend {
             id: format!("{:#010x}", self.id),
             addrs: self.addrs.iter().map(|a| a.to_string()).collect(),
             ejected: self.is_ejected(now),
+            busy: self.avoid(now) == Avoid::Busy,
             requests: s.requests.load(Ordering::Relaxed),
             connections: s.connections.load(Ordering::Relaxed),
             active: s.active.load(Ordering::Relaxed),
@@ -323,6 +382,8 @@ pub struct BackendSnapshot {
     pub id: String,
     pub addrs: Vec<String>,
     pub ejected: bool,
+    /// Found busy lately (connect timeout, 503): no new work while others have room.
+    pub busy: bool,
     pub requests: u64,
     pub connections: u64,
     pub active: u64,

@@ -2,7 +2,12 @@
 //! routes that pin theirs) is admitted at its pool, given a PE by the pool's policy, and
 //! connected there; a PE that cannot be reached is reported to the registrar (ASAP
 //! ENDPOINT_UNREACHABLE, RFC 5352 §3.5), left out, and the next one tried, until one answers
-//! or the [`FailoverPolicy`] says to stop. What happens after the connection (relaying,
+//! or the [`FailoverPolicy`] says to stop.
+//!
+//! Overload is not death. A connect refused, reset or unreachable means the PE is down: it is
+//! reported and ejected (within the pool's ejection cap). A connect that times out means its
+//! accept queue is full: it is busy, gets no new work for a while, and is neither reported nor
+//! ejected, so that a burst does not eject the PEs one after the other and take the pool down. What happens after the connection (relaying,
 //! whether a request that failed there may go out again) is the mode's own, but it records
 //! what it did in the same [`Failover`], so the policy's limits hold across both.
 
@@ -116,6 +121,14 @@ impl Failover {
                         sent: Instant::now(),
                     };
                     return Ok((attempt, conn));
+                }
+                // A connect that times out meets a full accept queue (SYNs dropped): the PE
+                // is busy, not dead. It gets no new work for a while and is not reported.
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                    debug!("pool {} PE {:#010x}: busy: connect: {e}", pe.pool, pe.id);
+                    pools.busy(&pe);
+                    self.tried.push(pe.id);
+                    pool.released();
                 }
                 Err(e) => {
                     debug!("pool {} PE {:#010x}: connect: {e}", pe.pool, pe.id);

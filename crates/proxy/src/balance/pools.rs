@@ -56,8 +56,21 @@ struct PoolState {
 
 impl PoolState {
     fn pick(&mut self, handle: &PoolHandle, tried: &[u32]) -> Option<Arc<Backend>> {
-        self.selector
-            .pick(handle, tried, self.config.select, self.config.max_conn)
+        self.selector.pick(
+            handle,
+            tried,
+            self.config.select,
+            self.config.max_conn,
+            self.config.panic_threshold,
+        )
+    }
+
+    /// Whether another PE may be ejected: fewer than `max-ejection-percent` of the pool
+    /// (at least one) are.
+    fn may_eject(&self) -> bool {
+        let n = self.selector.len();
+        let cap = (n * self.config.max_ejection_percent as usize / 100).max(1);
+        self.selector.ejected(Instant::now()) < cap
     }
 
     /// Whether a request that found no PE may wait: PEs are left to try but all are at
@@ -135,7 +148,7 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn set_config(&self, config: PoolConfig, levels: Option<&LevelsConfig>) {
+    pub(crate) fn set_config(&self, config: PoolConfig, levels: Option<&LevelsConfig>) {
         let st = &mut *self.lock();
         st.admission
             .reconfigure(admission_config(&config, levels), seed());
@@ -386,11 +399,26 @@ impl Pools {
         v
     }
 
+    /// A PE failed like a dead one (refused, reset, broken, or no answer in time): counted,
+    /// and ejected by passive health unless the pool's ejection cap is reached. Returns
+    /// whether it ejected the PE.
+    pub fn failed(&self, b: &Backend) -> bool {
+        let may_eject = self.get(&b.pool).is_none_or(|p| p.lock().may_eject());
+        b.failed(&self.settings.health, may_eject)
+    }
+
+    /// A PE is overloaded, not dead (its connect timed out, or it answered 503): it gets no
+    /// new work for the pool's `busy-ms` while others have room, and is not ejected.
+    pub fn busy(&self, b: &Backend) {
+        let ms = self.get(&b.pool).map_or(1000, |p| p.lock().config.busy_ms);
+        b.busy(Duration::from_millis(ms));
+    }
+
     /// A PE could not be reached: eject it locally (per passive health) and tell a registrar.
     /// `b` failed a request or connection, which now goes to another PE (or gets an error).
     pub fn unreachable(&self, b: &Backend) {
         b.stats.failovers.fetch_add(1, Ordering::Relaxed);
-        b.failed(&self.settings.health);
+        self.failed(b);
         let _ = self.reports.send(Unreachable {
             pool: b.pool.clone(),
             pe_id: b.id,

@@ -14,7 +14,7 @@
 //! they see only this proxy's own traffic. Every pick counts in flight at once
 //! ([`Backend::reserve`]), so that picks at the same moment spread.
 
-use crate::balance::backend::Backend;
+use crate::balance::backend::{Avoid, Backend};
 use crate::config::Select;
 use rserpool_handlespace::{Handlespace, PeRef};
 use rserpool_wire::policy::policy_type;
@@ -22,6 +22,7 @@ use rserpool_wire::{Policy, PoolElement, PoolHandle};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
+use tracing::{info, warn};
 
 /// One pool's PEs as a selection structure.
 pub(crate) struct Selector {
@@ -32,6 +33,8 @@ pub(crate) struct Selector {
     candidates: Vec<Arc<Backend>>,
     /// xorshift64* state for the random choices.
     rng: u64,
+    /// In panic mode at the last pick (logged when it changes).
+    panicking: bool,
 }
 
 /// PEs probed per pick by the Prequal-style selection.
@@ -47,6 +50,7 @@ impl Selector {
             scratch: Vec::new(),
             candidates: Vec::new(),
             rng: u64::from(rand_seed()) | 1,
+            panicking: false,
         }
     }
 
@@ -66,8 +70,9 @@ impl Selector {
         tried: &[u32],
         select: Select,
         max_conn: Option<u64>,
+        panic_threshold: u32,
     ) -> Option<Arc<Backend>> {
-        let picked = self.pick_by(handle, tried, select, max_conn);
+        let picked = self.pick_by(handle, tried, select, max_conn, panic_threshold);
         if let Some(b) = &picked {
             b.reserve();
         }
@@ -80,10 +85,26 @@ impl Selector {
         tried: &[u32],
         select: Select,
         max_conn: Option<u64>,
+        panic_threshold: u32,
     ) -> Option<Arc<Backend>> {
         let room = |b: &Backend| max_conn.is_none_or(|m| b.in_flight() < m);
+        let now = Instant::now();
+        // Panic mode: too few healthy PEs to carry the pool, so every PE takes its share.
+        let panic = self.healthy(now) * 100 < self.backends.len() * panic_threshold as usize;
+        if panic != self.panicking {
+            self.panicking = panic;
+            if panic {
+                warn!(
+                    "pool {handle}: panic mode: fewer than {panic_threshold} % of its PEs are \
+                     healthy, spreading over all of them"
+                );
+            } else {
+                info!("pool {handle}: panic mode over");
+            }
+        }
+        let usable = |b: &Backend| panic || b.avoid(now) == Avoid::No;
         if select != Select::Policy {
-            return self.pick_local(tried, select, &room);
+            return self.pick_local(tried, select, &room, &usable, now);
         }
         let Self {
             hs,
@@ -95,11 +116,10 @@ impl Selector {
         if n == 0 {
             return None;
         }
-        let now = Instant::now();
         if hs.pool_policy_type(handle.as_bytes()) == Some(policy_type::CREDITS) {
             return backends
                 .values()
-                .filter(|b| !tried.contains(&b.id) && !b.is_ejected(now) && room(b))
+                .filter(|b| !tried.contains(&b.id) && usable(b) && room(b))
                 .filter_map(|b| Some((b.credits_left()?, b)))
                 .filter(|(c, _)| *c > 0)
                 .max_by_key(|(c, b)| (*c, std::cmp::Reverse(b.requests())))
@@ -115,7 +135,7 @@ impl Selector {
                     continue;
                 }
                 if let Some(b) = backends.get(&id)
-                    && !b.is_ejected(now)
+                    && usable(b)
                     && room(b)
                 {
                     return Some(b.clone());
@@ -126,7 +146,7 @@ impl Selector {
             }
             k = n;
         }
-        least_recently_ejected(backends, tried, &room)
+        least_avoided(backends, tried, &room, now)
     }
 
     /// The proxy-local selections.
@@ -135,18 +155,19 @@ impl Selector {
         tried: &[u32],
         select: Select,
         room: &dyn Fn(&Backend) -> bool,
+        usable: &dyn Fn(&Backend) -> bool,
+        now: Instant,
     ) -> Option<Arc<Backend>> {
-        let now = Instant::now();
         let mut c = std::mem::take(&mut self.candidates);
         c.clear();
         c.extend(
             self.backends
                 .values()
-                .filter(|b| !tried.contains(&b.id) && !b.is_ejected(now) && room(b))
+                .filter(|b| !tried.contains(&b.id) && usable(b) && room(b))
                 .cloned(),
         );
         let picked = match (select, c.len()) {
-            (_, 0) => least_recently_ejected(&self.backends, tried, room),
+            (_, 0) => least_avoided(&self.backends, tried, room, now),
             (_, 1) => c.first().cloned(),
             (Select::LeastConnections | Select::Policy, _) => c
                 .iter()
@@ -255,17 +276,36 @@ impl Selector {
     pub(crate) fn len(&self) -> usize {
         self.backends.len()
     }
+
+    /// PEs neither ejected nor busy.
+    pub(crate) fn healthy(&self, now: Instant) -> usize {
+        self.backends
+            .values()
+            .filter(|b| b.avoid(now) == Avoid::No)
+            .count()
+    }
+
+    /// PEs ejected now.
+    pub(crate) fn ejected(&self, now: Instant) -> usize {
+        self.backends
+            .values()
+            .filter(|b| b.avoid(now) == Avoid::Ejected)
+            .count()
+    }
 }
 
-fn least_recently_ejected(
+/// When no PE is usable: a busy one before an ejected one, of those the least recently
+/// ejected (an answer from a doubtful PE beats a certain 503).
+fn least_avoided(
     backends: &HashMap<u32, Arc<Backend>>,
     tried: &[u32],
     room: &dyn Fn(&Backend) -> bool,
+    now: Instant,
 ) -> Option<Arc<Backend>> {
     backends
         .values()
         .filter(|b| !tried.contains(&b.id) && room(b))
-        .min_by_key(|b| b.ejected_until())
+        .min_by_key(|b| (b.avoid(now), b.ejected_until()))
         .cloned()
 }
 

@@ -25,6 +25,9 @@
 //! max-conn = 32               # most requests in flight per PE; beyond, requests wait
 //! queue = 1024                # most requests waiting (for max-conn, or credits)
 //! queue-timeout-ms = 1000     # longest wait, then 503
+//! max-ejection-percent = 10   # most PEs ejected as dead at once (at least one)
+//! panic-threshold = 50        # below this % healthy PEs, spread over all of them
+//! busy-ms = 1000              # a busy PE (connect timeout, 503) gets no new work this long
 //! ```
 //!
 //! Service levels (`[levels]`) are described in [`crate::balance::levels`], a proxy tier
@@ -230,6 +233,16 @@ pub struct PoolConfig {
     /// methods, e.g. `["/helloworld.Greeter/SayHello", "/grpc.health.v1.Health/"]`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub idempotent: Vec<String>,
+    /// Most PEs of the pool ejected as dead at once, in percent of the pool (at least one
+    /// PE may always be ejected): a failure beyond it is counted, not ejected.
+    pub max_ejection_percent: u32,
+    /// When fewer than this percentage of the pool's PEs are healthy (neither ejected nor
+    /// busy), the proxy spreads over all of them (panic mode): an ejection must never take
+    /// the pool down.
+    pub panic_threshold: u32,
+    /// How long a busy PE (its connect timed out, or it answered 503) gets no new work while
+    /// others have room; it is not ejected.
+    pub busy_ms: u64,
 }
 
 /// `[pool.NAME] protocol`.
@@ -310,6 +323,9 @@ impl Default for PoolConfig {
             tls: None,
             protocol: PeProtocol::Http1,
             idempotent: Vec::new(),
+            max_ejection_percent: 10,
+            panic_threshold: 50,
+            busy_ms: 1000,
         }
     }
 }
@@ -559,6 +575,11 @@ impl ProxyConfig {
             }
             if p.queue_timeout_ms > 60_000 {
                 return bad(format!("pool {name}: queue-timeout-ms above a minute"));
+            }
+            if p.max_ejection_percent > 100 || p.panic_threshold > 100 {
+                return bad(format!(
+                    "pool {name}: max-ejection-percent and panic-threshold are percentages (0-100)"
+                ));
             }
             if p.max_conn == Some(0) {
                 return bad(format!("pool {name}: max-conn must be above 0"));

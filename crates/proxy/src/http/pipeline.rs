@@ -156,6 +156,10 @@ pub(crate) fn settle(
             if code >= 500 {
                 b.stats.responses_5xx.fetch_add(1, Ordering::Relaxed);
             }
+            if code == 503 {
+                // The PE says it is busy: less new work for it, no ejection.
+                ctx.pools.busy(b);
+            }
             return Settled::Answered { code, keep, bytes };
         }
         Err(Failure::Refused) if replayable && f.may_retry() => {
@@ -180,11 +184,11 @@ pub(crate) fn settle(
             (502, Some("the pool element closed the connection"))
         }
         Err(Failure::Timeout) => {
-            b.failed(&ctx.pools.settings.health);
+            ctx.pools.failed(b);
             (504, Some("the pool element did not answer in time"))
         }
         Err(Failure::Broken { relayed }) => {
-            b.failed(&ctx.pools.settings.health);
+            ctx.pools.failed(b);
             (
                 502,
                 (!relayed).then_some("bad response from the pool element"),

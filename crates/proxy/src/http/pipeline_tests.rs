@@ -38,6 +38,8 @@ enum Pe {
     AnswersOnce,
     /// Reads the request and never answers.
     Silent,
+    /// Listens with a full accept queue and never accepts: connects time out.
+    Full,
 }
 
 /// A PE on loopback: its address, and the requests it read.
@@ -48,6 +50,10 @@ async fn pe(kind: Pe) -> (SocketAddr, Arc<AtomicUsize>) {
     if let Pe::Refuses = kind {
         drop(l);
         return (addr, seen);
+    }
+    if let Pe::Full = kind {
+        drop(l);
+        return (full_queue(), seen);
     }
     let count = seen.clone();
     tokio::spawn(async move {
@@ -77,13 +83,31 @@ async fn pe(kind: Pe) -> (SocketAddr, Arc<AtomicUsize>) {
                                 return;
                             }
                         }
-                        Pe::Refuses => unreachable!(),
+                        Pe::Refuses | Pe::Full => unreachable!(),
                     }
                 }
             });
         }
     });
     (addr, seen)
+}
+
+/// A listener whose accept queue is full: the kernel drops further SYNs.
+fn full_queue() -> SocketAddr {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    s.listen(0).unwrap();
+    let addr = s.local_addr().unwrap().as_socket().unwrap();
+    // Held for the rest of the test run; its queue holds one connection, then one more.
+    let mut fill = Vec::new();
+    for _ in 0..4 {
+        if let Ok(c) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
+            fill.push(c);
+        }
+    }
+    std::mem::forget((s, fill));
+    addr
 }
 
 /// A proxy's context with one pool, `P`, of the given PEs, loads 0, 1, 2, … in that order.
@@ -301,4 +325,124 @@ async fn a_pe_that_does_not_answer_in_time_is_a_504_and_a_failure() {
     let b = &pool.backends()[0];
     assert_eq!(b.stats.failures.load(Ordering::Relaxed), 1);
     assert!(reported(&mut reports).is_empty(), "slow is not unreachable");
+}
+
+/// The pool's PEs by ID, for their counters.
+fn pe_stats(pool: &Pool, id: u32) -> Arc<crate::balance::backend::Backend> {
+    pool.backends().into_iter().find(|b| b.id == id).unwrap()
+}
+
+#[tokio::test]
+async fn a_pe_whose_accept_queue_is_full_is_busy_not_dead() {
+    let (a, _) = pe(Pe::Full).await;
+    let (b, b_seen) = pe(Pe::Answers).await;
+    let cfg = ProxyConfig {
+        connect_timeout_ms: 200,
+        ..ProxyConfig::default()
+    };
+    let (ctx, pool, mut reports) = ctx(&[a, b], cfg);
+    let (_, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    let busy = pe_stats(&pool, 1);
+    assert_eq!(busy.stats.busy.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        busy.stats.ejections.load(Ordering::Relaxed),
+        0,
+        "overload is not death"
+    );
+    assert!(
+        reported(&mut reports).is_empty(),
+        "and not reported to the registrar"
+    );
+    // While it is busy, new work goes elsewhere at once (no second connect timeout).
+    let started = Instant::now();
+    let (_, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(started.elapsed() < Duration::from_millis(150));
+    assert_eq!(busy.stats.busy.load(Ordering::Relaxed), 1);
+    assert_eq!(b_seen.load(Ordering::Relaxed), 2);
+}
+
+#[tokio::test]
+async fn an_ejection_never_takes_more_than_the_cap_of_a_pool() {
+    let mut pes = Vec::new();
+    for _ in 0..3 {
+        pes.push(pe(Pe::Refuses).await.0);
+    }
+    let (d, d_seen) = pe(Pe::Answers).await;
+    pes.push(d);
+    let (ctx, pool, _) = ctx(&pes, ProxyConfig::default());
+    pool.set_config(
+        crate::config::PoolConfig {
+            panic_threshold: 0,
+            ..Default::default()
+        },
+        None,
+    );
+    for _ in 0..3 {
+        let (_, got) = one(&ctx, &pool, GET, "").await;
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    }
+    assert_eq!(d_seen.load(Ordering::Relaxed), 3);
+    let now = Instant::now();
+    let ejected = pool.backends().iter().filter(|b| b.is_ejected(now)).count();
+    // 10 % of 4 PEs, but at least one.
+    assert_eq!(ejected, 1);
+    let capped: u64 = pool
+        .backends()
+        .iter()
+        .map(|b| b.stats.ejections_capped.load(Ordering::Relaxed))
+        .sum();
+    assert!(
+        capped >= 2,
+        "the other refusals were counted, not ejected ({capped})"
+    );
+}
+
+#[tokio::test]
+async fn with_too_few_healthy_pes_the_pool_panics_and_spreads_over_all() {
+    let mut pes = Vec::new();
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let (a, s) = pe(Pe::Answers).await;
+        pes.push(a);
+        seen.push(s);
+    }
+    let (ctx, pool, _) = ctx(&pes, ProxyConfig::default());
+    pool.set_config(
+        crate::config::PoolConfig {
+            max_ejection_percent: 100,
+            ..Default::default()
+        },
+        None,
+    );
+    // Three of four ejected (by failures of their own).
+    for id in 1..=3 {
+        assert!(pe_stats(&pool, id).failed(&ctx.pools.settings.health, true));
+    }
+    // 1 of 4 healthy is below the default threshold (50 %): the least used PE, ejected or
+    // not, gets the request.
+    let (_, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(
+        seen[0].load(Ordering::Relaxed),
+        1,
+        "panic: ejected PEs serve too"
+    );
+    // Without panic mode the healthy one takes it all.
+    pool.set_config(
+        crate::config::PoolConfig {
+            max_ejection_percent: 100,
+            panic_threshold: 0,
+            ..Default::default()
+        },
+        None,
+    );
+    for id in 1..=3 {
+        pe_stats(&pool, id).failed(&ctx.pools.settings.health, true);
+    }
+    let (_, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(seen[3].load(Ordering::Relaxed), 1);
+    assert_eq!(seen[0].load(Ordering::Relaxed), 1);
 }
