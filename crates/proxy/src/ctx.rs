@@ -44,6 +44,9 @@ impl Ctx {
     pub(crate) fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.cfg.request_timeout_ms)
     }
+    pub(crate) fn header_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.header_timeout_ms)
+    }
     /// When a request or connection stops moving on to other PEs.
     pub(crate) fn failover(&self) -> FailoverPolicy {
         FailoverPolicy::default()

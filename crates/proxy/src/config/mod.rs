@@ -342,9 +342,12 @@ pub struct ProxyConfig {
     pub connect_timeout_ms: u64,
     /// A client connection (or TCP-mode forwarding) without traffic for this long is closed.
     pub idle_timeout_ms: u64,
-    /// Longest wait for a request head from a client and for a response head from a PE
-    /// (408 / 504 after it).
+    /// Longest wait for a response head from a PE (504 after it).
     pub request_timeout_ms: u64,
+    /// Longest a client may take to send a request head, from its connection (the first
+    /// request) or from the first byte of a later one on a kept-alive connection (408 after
+    /// it); the wait for that first byte is `idle-timeout-ms`.
+    pub header_timeout_ms: u64,
     /// Failures in a row that eject a PE locally; the first ejection lasts `eject-ms`, each
     /// next one in a row twice as long, up to `eject-max-ms`.
     pub max_fails: u32,
@@ -401,6 +404,7 @@ impl Default for ProxyConfig {
             connect_timeout_ms: 1000,
             idle_timeout_ms: 60_000,
             request_timeout_ms: 30_000,
+            header_timeout_ms: 10_000,
             max_fails: 1,
             eject_ms: 1000,
             eject_max_ms: 30_000,
@@ -510,6 +514,7 @@ impl ProxyConfig {
             ("connect-timeout-ms", self.connect_timeout_ms),
             ("idle-timeout-ms", self.idle_timeout_ms),
             ("request-timeout-ms", self.request_timeout_ms),
+            ("header-timeout-ms", self.header_timeout_ms),
         ] {
             if v == 0 {
                 return bad(format!("{name} must be above 0"));

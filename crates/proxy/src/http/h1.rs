@@ -79,14 +79,9 @@ async fn serve_requests(c: &mut Client, ctx: &Ctx) {
     let mut first = true;
     let mut draining = ctx.draining.clone();
     loop {
-        let wait = if first {
-            ctx.request_timeout()
-        } else {
-            ctx.idle_timeout()
-        };
         let idle = c.buf.is_empty();
         let head = tokio::select! {
-            r = tokio::time::timeout(wait, read_head(c, ctx.cfg.max_head)) => r,
+            r = read_head_in_time(c, ctx, first) => r,
             () = until_set(&mut draining), if idle => return,
         };
         let head = match head {
@@ -130,6 +125,25 @@ async fn serve_requests(c: &mut Client, ctx: &Ctx) {
 enum ReadHeadError {
     Io,
     Head(HeadError),
+}
+
+/// The next request head: on a kept-alive connection its first byte within the idle
+/// timeout, then (and for a connection's first request, from the start) the whole head within
+/// the header timeout. `Err` when a timeout passed.
+async fn read_head_in_time(
+    c: &mut Client,
+    ctx: &Ctx,
+    first: bool,
+) -> Result<Result<Option<Head>, ReadHeadError>, tokio::time::error::Elapsed> {
+    if !first && c.buf.is_empty() {
+        c.buf.reserve(16 * 1024);
+        match tokio::time::timeout(ctx.idle_timeout(), c.stream.read_buf(&mut c.buf)).await? {
+            Ok(0) => return Ok(Ok(None)),
+            Ok(_) => {}
+            Err(_) => return Ok(Err(ReadHeadError::Io)),
+        }
+    }
+    tokio::time::timeout(ctx.header_timeout(), read_head(c, ctx.cfg.max_head)).await
 }
 
 async fn read_head(c: &mut Client, max: usize) -> Result<Option<Head>, ReadHeadError> {

@@ -7,10 +7,14 @@ pub mod client;
 pub(crate) mod client_stream;
 pub(crate) mod downstream;
 pub mod h1;
+#[cfg(test)]
+mod h1_tests;
 pub(crate) mod h2;
 pub mod message;
 pub(crate) mod pipeline;
 #[cfg(test)]
 mod pipeline_tests;
 pub(crate) mod request;
+#[cfg(test)]
+mod testbed;
 pub(crate) mod upstream;

@@ -47,7 +47,61 @@ fn idempotent(method: &[u8]) -> bool {
     )
 }
 
+/// An absolute-form request (`GET http://host/path HTTP/1.1`) as the origin-form one it
+/// stands for: its authority replaces any Host header (RFC 9112 §3.2.2, which a server must
+/// accept), and the PE gets the path. `None` for any other form.
+fn origin_form(head: &Head) -> Option<Result<Head, &'static str>> {
+    let target = head.target();
+    let scheme_end = target.windows(3).position(|w| w == b"://")?;
+    let scheme = &target[..scheme_end];
+    if !(scheme.eq_ignore_ascii_case(b"http") || scheme.eq_ignore_ascii_case(b"https")) {
+        return Some(Err("only http and https request targets are served"));
+    }
+    let rest = &target[scheme_end + 3..];
+    let path_start = rest
+        .iter()
+        .position(|&b| b == b'/' || b == b'?')
+        .unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(path_start);
+    if authority.is_empty() || authority.contains(&b'@') {
+        return Some(Err("bad authority in the request target"));
+    }
+    let mut b = BytesMut::with_capacity(head.raw.len() + 16);
+    b.put_slice(head.method());
+    b.put_u8(b' ');
+    if !path.starts_with(b"/") {
+        b.put_u8(b'/');
+    }
+    b.put_slice(path);
+    b.put_slice(if head.minor == 1 {
+        b" HTTP/1.1\r\nHost: "
+    } else {
+        b" HTTP/1.0\r\nHost: "
+    });
+    b.put_slice(authority);
+    b.put_slice(b"\r\n");
+    for (n, v) in head.iter() {
+        if n.eq_ignore_ascii_case(b"host") {
+            continue;
+        }
+        b.put_slice(n);
+        b.put_slice(b": ");
+        b.put_slice(v);
+        b.put_slice(b"\r\n");
+    }
+    b.put_slice(b"\r\n");
+    let max = b.len() + 1;
+    Some(match Head::request(&mut b, max) {
+        Ok(Some(h)) => Ok(h),
+        _ => Err("malformed absolute-form request"),
+    })
+}
+
 fn analyse(head: Head, started: Instant) -> Result<Request, &'static str> {
+    let head = match origin_form(&head) {
+        Some(h) => h?,
+        None => head,
+    };
     let framing = framing(&head, true).map_err(|_| "bad body framing")?;
     let host = {
         let mut hosts = head.values("host");
@@ -59,7 +113,7 @@ fn analyse(head: Head, started: Instant) -> Result<Request, &'static str> {
     };
     let target = head.target();
     if target.first() != Some(&b'/') && target != b"*" {
-        return Err("only origin-form request targets are served");
+        return Err("only origin-form and absolute-form request targets are served");
     }
     let path_end = target
         .iter()
