@@ -64,6 +64,12 @@ impl Proxy {
             for l in pool.level_stats() {
                 level_metrics(&mut m, &handle, &l);
             }
+            m.counter(
+                "rserpool_proxy_retries_refused",
+                "Retries the pool's retry budget refused (the request got 503).",
+                &[("pool", &handle)],
+                pool.retries_refused(),
+            );
         }
         if let Some(k) = self.kernel() {
             k.metrics(&mut m);

@@ -13,7 +13,7 @@
 
 use crate::balance::admit::NoPick;
 use crate::balance::backend::Backend;
-use crate::balance::pools::{Pool, Pools};
+use crate::balance::pools::{Pool, Pools, RetryPermit};
 use std::io;
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,7 +33,7 @@ impl Default for FailoverPolicy {
 }
 
 /// What a request or connection has been through on its way to a PE.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Failover {
     policy: FailoverPolicy,
     /// PEs that failed it; they are not selected again.
@@ -42,6 +42,8 @@ pub(crate) struct Failover {
     attempts: u32,
     /// The request went out again after a PE closed without answering.
     resent: bool,
+    /// Its place in the pool's retry budget, once it is sent again; held until it ends.
+    retry: Option<RetryPermit>,
 }
 
 /// Why no PE took a request or connection.
@@ -153,5 +155,16 @@ impl Failover {
     /// Whether it may be sent again after a PE took it and failed: once per request.
     pub(crate) fn may_resend(&mut self) -> bool {
         !std::mem::replace(&mut self.resent, true)
+    }
+
+    /// A place in the pool's retry budget for sending it again after a PE took it (which may
+    /// have done the work): `false` when the budget is spent. Moving on after a refused or
+    /// timed-out connect, or a stale kept-alive connection, is no retry of the work and
+    /// needs none.
+    pub(crate) fn within_budget(&mut self, pool: &Pool) -> bool {
+        if self.retry.is_none() {
+            self.retry = pool.retry();
+        }
+        self.retry.is_some()
     }
 }

@@ -45,6 +45,18 @@ pub struct Pool {
     charges: AtomicBool,
     /// `protocol = "h2"`: read for every request, so kept out of the lock.
     h2: AtomicBool,
+    /// Retries under way, and those the retry budget refused.
+    retries: Arc<std::sync::atomic::AtomicU64>,
+    retries_refused: std::sync::atomic::AtomicU64,
+}
+
+/// A retry's place in its pool's retry budget, given back when dropped.
+pub(crate) struct RetryPermit(Arc<std::sync::atomic::AtomicU64>);
+
+impl Drop for RetryPermit {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 struct PoolState {
@@ -135,6 +147,8 @@ impl Pool {
             waiting,
             charges: AtomicBool::new(false),
             h2: AtomicBool::new(false),
+            retries: Arc::default(),
+            retries_refused: Default::default(),
             state: Mutex::new(PoolState {
                 selector: Selector::new(),
                 refreshed: None,
@@ -168,6 +182,33 @@ impl Pool {
     pub fn pick(&self, tried: &[u32]) -> Option<Arc<Backend>> {
         let st = &mut *self.lock();
         st.pick(&self.handle, tried)
+    }
+
+    /// A place for one more retry, if the pool's retry budget has one: retries under way stay
+    /// within `retry-budget-percent` of the requests under way, or `retry-budget-min`.
+    pub(crate) fn retry(&self) -> Option<RetryPermit> {
+        let (percent, min) = {
+            let st = self.lock();
+            (st.config.retry_budget_percent, st.config.retry_budget_min)
+        };
+        let active: u64 = self
+            .backends()
+            .iter()
+            .map(|b| b.stats.active.load(Ordering::Relaxed))
+            .sum();
+        let budget = (active * u64::from(percent) / 100).max(u64::from(min));
+        let taken = self.retries.fetch_add(1, Ordering::Relaxed);
+        if taken < budget {
+            return Some(RetryPermit(self.retries.clone()));
+        }
+        self.retries.fetch_sub(1, Ordering::Relaxed);
+        self.retries_refused.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+
+    /// Retries the retry budget refused so far.
+    pub fn retries_refused(&self) -> u64 {
+        self.retries_refused.load(Ordering::Relaxed)
     }
 
     /// The pool's settings.
@@ -461,6 +502,7 @@ impl Pools {
             .map(|p| PoolSnapshot {
                 pool: p.handle.to_string(),
                 refreshed_ms_ago: p.age().map(|a| a.as_millis() as u64),
+                retries_refused: p.retries_refused(),
                 pool_elements: p.backends().iter().map(|b| b.snapshot(now)).collect(),
                 levels: p
                     .level_stats()
@@ -476,6 +518,8 @@ impl Pools {
 pub struct PoolSnapshot {
     pub pool: String,
     pub refreshed_ms_ago: Option<u64>,
+    /// Retries the retry budget refused.
+    pub retries_refused: u64,
     pub pool_elements: Vec<BackendSnapshot>,
     /// Per service level: the levels that have seen requests.
     pub levels: Vec<LevelStats>,

@@ -28,6 +28,8 @@
 //! max-ejection-percent = 10   # most PEs ejected as dead at once (at least one)
 //! panic-threshold = 50        # below this % healthy PEs, spread over all of them
 //! busy-ms = 1000              # a busy PE (connect timeout, 503) gets no new work this long
+//! retry-budget-percent = 20   # retries under way: at most 20 % of the requests under way,
+//! retry-budget-min = 3        # or 3, whichever is more
 //! ```
 //!
 //! Service levels (`[levels]`) are described in [`crate::balance::levels`], a proxy tier
@@ -243,6 +245,12 @@ pub struct PoolConfig {
     /// How long a busy PE (its connect timed out, or it answered 503) gets no new work while
     /// others have room; it is not ejected.
     pub busy_ms: u64,
+    /// Retry budget: retries (a request sent again to another PE after one took it and
+    /// failed, which may have done the work) under way at once, at most this percentage of
+    /// the pool's requests under way …
+    pub retry_budget_percent: u32,
+    /// … or this many, whichever is more: retries cannot multiply an overload.
+    pub retry_budget_min: u32,
 }
 
 /// `[pool.NAME] protocol`.
@@ -326,6 +334,8 @@ impl Default for PoolConfig {
             max_ejection_percent: 10,
             panic_threshold: 50,
             busy_ms: 1000,
+            retry_budget_percent: 20,
+            retry_budget_min: 3,
         }
     }
 }

@@ -179,7 +179,13 @@ pub(crate) fn settle(
             debug!("pool {} PE {:#010x}: no response: {error}", b.pool, b.id);
             f.unreachable(&ctx.pools, b);
             if replayable && idempotent_here(r, &attempt.pool) && f.may_resend() {
-                return Settled::Again;
+                if f.within_budget(&attempt.pool) {
+                    return Settled::Again;
+                }
+                return Settled::Failed {
+                    code: 503,
+                    why: Some("the pool's retry budget is spent"),
+                };
             }
             (502, Some("the pool element closed the connection"))
         }

@@ -229,3 +229,32 @@ async fn with_too_few_healthy_pes_the_pool_panics_and_spreads_over_all() {
     assert_eq!(seen[3].load(Ordering::Relaxed), 1);
     assert_eq!(seen[0].load(Ordering::Relaxed), 1);
 }
+
+#[tokio::test]
+async fn retries_stay_within_the_pools_retry_budget() {
+    let (a, _) = pe(Pe::Drops).await;
+    let (b, b_seen) = pe(Pe::Answers).await;
+    let (ctx, pool, _) = ctx(&[a, b], ProxyConfig::default());
+    // No budget at all: a request a PE took and dropped is not sent again.
+    pool.set_config(
+        crate::config::PoolConfig {
+            retry_budget_percent: 0,
+            retry_budget_min: 0,
+            ..Default::default()
+        },
+        None,
+    );
+    let (keep, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+    assert!(got.contains("retry budget"), "{got}");
+    assert!(!keep);
+    assert_eq!(pool.retries_refused(), 1);
+    assert_eq!(b_seen.load(Ordering::Relaxed), 0);
+    // The default budget (3, or 20 % of the requests under way) has room for it.
+    pool.set_config(crate::config::PoolConfig::default(), None);
+    pe_stats(&pool, 1).succeeded();
+    pe_stats(&pool, 2).succeeded();
+    let (_, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(pool.retries_refused(), 1);
+}
