@@ -44,6 +44,8 @@ pub(crate) struct Failover {
     resent: bool,
     /// Its place in the pool's retry budget, once it is sent again; held until it ends.
     retry: Option<RetryPermit>,
+    /// Its key for a hashing selection.
+    key: Option<u64>,
 }
 
 /// Why no PE took a request or connection.
@@ -86,6 +88,12 @@ impl Failover {
         }
     }
 
+    /// With the key a hashing selection (`select = "maglev"`) sends it by.
+    pub(crate) fn keyed(mut self, key: Option<u64>) -> Self {
+        self.key = key;
+        self
+    }
+
     /// A PE and a connection to it (`connect`: a kept-alive one and whether it was, or a new
     /// one). A PE that cannot be reached is reported and the next one tried.
     pub(crate) async fn attempt<C, F>(
@@ -103,7 +111,7 @@ impl Failover {
                 return Err(GiveUp::NoneAnswered);
             }
             self.attempts += 1;
-            let pe = match pool.admit(level, &self.tried).await {
+            let pe = match pool.admit_keyed(level, &self.tried, self.key).await {
                 Ok(pe) => pe,
                 Err(NoPick::NoPe) if !self.tried.is_empty() => return Err(GiveUp::NoneAnswered),
                 Err(why) => return Err(GiveUp::NoPick(why)),

@@ -11,5 +11,6 @@ pub(crate) mod conns;
 pub mod discovery;
 pub(crate) mod failover;
 pub mod levels;
+pub(crate) mod maglev;
 pub mod pools;
 pub(crate) mod select;

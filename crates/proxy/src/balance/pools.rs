@@ -45,6 +45,8 @@ pub struct Pool {
     charges: AtomicBool,
     /// `protocol = "h2"`: read for every request, so kept out of the lock.
     h2: AtomicBool,
+    /// `select = "maglev"`: requests bring a key.
+    hashing: AtomicBool,
     /// Retries under way, and those the retry budget refused.
     retries: Arc<std::sync::atomic::AtomicU64>,
     retries_refused: std::sync::atomic::AtomicU64,
@@ -67,13 +69,19 @@ struct PoolState {
 }
 
 impl PoolState {
-    fn pick(&mut self, handle: &PoolHandle, tried: &[u32]) -> Option<Arc<Backend>> {
+    fn pick(
+        &mut self,
+        handle: &PoolHandle,
+        tried: &[u32],
+        key: Option<u64>,
+    ) -> Option<Arc<Backend>> {
         self.selector.pick(
             handle,
             tried,
             self.config.select,
             self.config.max_conn,
             self.config.panic_threshold,
+            key,
         )
     }
 
@@ -100,7 +108,7 @@ impl PoolState {
                 break;
             };
             let tried = tried.to_vec();
-            let outcome = match self.pick(handle, &tried) {
+            let outcome = match self.pick(handle, &tried, None) {
                 Some(b) => Ok(b),
                 // No room for this waiter (its own tried PEs aside): the next event looks again.
                 None if self.may_wait(handle, &tried) => break,
@@ -147,6 +155,7 @@ impl Pool {
             waiting,
             charges: AtomicBool::new(false),
             h2: AtomicBool::new(false),
+            hashing: AtomicBool::new(false),
             retries: Arc::default(),
             retries_refused: Default::default(),
             state: Mutex::new(PoolState {
@@ -171,6 +180,10 @@ impl Pool {
             config.protocol == crate::config::PeProtocol::H2,
             Ordering::Relaxed,
         );
+        self.hashing.store(
+            config.select == crate::config::Select::Maglev,
+            Ordering::Relaxed,
+        );
         st.config = config;
         st.dispatch(&self.handle);
     }
@@ -181,7 +194,7 @@ impl Pool {
     /// [`Backend::pick_done`]. Ignores the admission queue: [`admit`](Self::admit) does not.
     pub fn pick(&self, tried: &[u32]) -> Option<Arc<Backend>> {
         let st = &mut *self.lock();
-        st.pick(&self.handle, tried)
+        st.pick(&self.handle, tried, None)
     }
 
     /// A place for one more retry, if the pool's retry budget has one: retries under way stay
@@ -204,6 +217,14 @@ impl Pool {
         self.retries.fetch_sub(1, Ordering::Relaxed);
         self.retries_refused.fetch_add(1, Ordering::Relaxed);
         None
+    }
+
+    /// What a hashing selection hashes, when the pool has one.
+    pub(crate) fn hash_key(&self) -> Option<crate::config::HashKey> {
+        if !self.hashing.load(Ordering::Relaxed) {
+            return None;
+        }
+        Some(self.lock().config.hash_key.clone())
     }
 
     /// Retries the retry budget refused so far.
@@ -238,11 +259,22 @@ impl Pool {
     /// a PE has room; else, when the pool's PEs are all at their limit (credits, `max-conn`),
     /// after waiting in the level's queue ([`crate::balance::admit`]) for up to its queue timeout.
     pub async fn admit(&self, level: usize, tried: &[u32]) -> Result<Arc<Backend>, NoPick> {
+        self.admit_keyed(level, tried, None).await
+    }
+
+    /// [`admit`](Self::admit) with the request's key for a hashing selection (a request that
+    /// has to wait in the queue is dispatched by load, without it).
+    pub(crate) async fn admit_keyed(
+        &self,
+        level: usize,
+        tried: &[u32],
+        key: Option<u64>,
+    ) -> Result<Arc<Backend>, NoPick> {
         let (level, id, rx, timeout) = {
             let st = &mut *self.lock();
             let level = st.admission.index(level);
             if !st.admission.is_waiting() {
-                if let Some(b) = st.pick(&self.handle, tried) {
+                if let Some(b) = st.pick(&self.handle, tried, key) {
                     st.admission.admitted(level);
                     return Ok(b);
                 }

@@ -15,6 +15,7 @@
 //! ([`Backend::reserve`]), so that picks at the same moment spread.
 
 use crate::balance::backend::{Avoid, Backend};
+use crate::balance::maglev::Maglev;
 use crate::config::Select;
 use rserpool_handlespace::{Handlespace, PeRef};
 use rserpool_wire::policy::policy_type;
@@ -35,6 +36,9 @@ pub(crate) struct Selector {
     rng: u64,
     /// In panic mode at the last pick (logged when it changes).
     panicking: bool,
+    /// The Maglev table of the PEs, built when a hashing selection first needs it after they
+    /// changed.
+    maglev: Option<Maglev>,
 }
 
 /// PEs probed per pick by the Prequal-style selection.
@@ -51,6 +55,7 @@ impl Selector {
             candidates: Vec::new(),
             rng: u64::from(rand_seed()) | 1,
             panicking: false,
+            maglev: None,
         }
     }
 
@@ -71,8 +76,9 @@ impl Selector {
         select: Select,
         max_conn: Option<u64>,
         panic_threshold: u32,
+        key: Option<u64>,
     ) -> Option<Arc<Backend>> {
-        let picked = self.pick_by(handle, tried, select, max_conn, panic_threshold);
+        let picked = self.pick_by(handle, tried, select, max_conn, panic_threshold, key);
         if let Some(b) = &picked {
             b.reserve();
         }
@@ -86,6 +92,7 @@ impl Selector {
         select: Select,
         max_conn: Option<u64>,
         panic_threshold: u32,
+        key: Option<u64>,
     ) -> Option<Arc<Backend>> {
         let room = |b: &Backend| max_conn.is_none_or(|m| b.in_flight() < m);
         let now = Instant::now();
@@ -103,6 +110,9 @@ impl Selector {
             }
         }
         let usable = |b: &Backend| panic || b.avoid(now) == Avoid::No;
+        if let (Select::Maglev, Some(key)) = (select, key) {
+            return self.pick_hashed(key, tried, &room, &usable, now);
+        }
         if select != Select::Policy {
             return self.pick_local(tried, select, &room, &usable, now);
         }
@@ -149,6 +159,37 @@ impl Selector {
         least_avoided(backends, tried, &room, now)
     }
 
+    /// Consistent hashing: the key's PE, or while it cannot take the request the next of the
+    /// key's table that can.
+    fn pick_hashed(
+        &mut self,
+        key: u64,
+        tried: &[u32],
+        room: &dyn Fn(&Backend) -> bool,
+        usable: &dyn Fn(&Backend) -> bool,
+        now: Instant,
+    ) -> Option<Arc<Backend>> {
+        let stale = self.maglev.as_ref().is_none_or(|m| {
+            m.ids().len() != self.backends.len()
+                || m.ids().iter().any(|id| !self.backends.contains_key(id))
+        });
+        if stale {
+            let ids: Vec<u32> = self.backends.keys().copied().collect();
+            self.maglev = Some(Maglev::new(&ids));
+        }
+        let table = self.maglev.as_ref()?;
+        let candidate = |id: u32| {
+            self.backends
+                .get(&id)
+                .filter(|b| !tried.contains(&b.id) && usable(b) && room(b))
+        };
+        table
+            .lookup(key)
+            .find_map(candidate)
+            .cloned()
+            .or_else(|| least_avoided(&self.backends, tried, room, now))
+    }
+
     /// The proxy-local selections.
     fn pick_local(
         &mut self,
@@ -169,7 +210,8 @@ impl Selector {
         let picked = match (select, c.len()) {
             (_, 0) => least_avoided(&self.backends, tried, room, now),
             (_, 1) => c.first().cloned(),
-            (Select::LeastConnections | Select::Policy, _) => c
+            // Maglev without a key (a request waiting in the queue) balances by load.
+            (Select::LeastConnections | Select::Policy | Select::Maglev, _) => c
                 .iter()
                 .min_by_key(|b| (b.in_flight(), b.requests()))
                 .cloned(),

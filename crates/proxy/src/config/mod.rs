@@ -21,7 +21,8 @@
 //! pool = "EchoPool"
 //!
 //! [pool.ApiPool]              # optional, per pool handle
-//! select = "p2c"              # policy (default) | least-connections | p2c | prequal
+//! select = "p2c"              # policy (default) | least-connections | p2c | prequal | maglev
+//! hash-key = "source"         # maglev's key: source | path | header:NAME | cookie:NAME
 //! max-conn = 32               # most requests in flight per PE; beyond, requests wait
 //! queue = 1024                # most requests waiting (for max-conn, or credits)
 //! queue-timeout-ms = 1000     # longest wait, then 503
@@ -183,10 +184,66 @@ pub enum Select {
     /// After Prequal (NSDI 2024): a few PEs probed at random, the cold ones (in flight at or
     /// below a quantile of the probed) by lowest estimated latency, else the fewest in flight.
     Prequal,
+    /// Maglev consistent hashing (NSDI 2016) of the pool's `hash-key`: the same key goes to
+    /// the same PE (on every proxy of a tier too); while that PE is ejected, gone or full the
+    /// next one of the key's table serves, and the key returns when it does.
+    Maglev,
+}
+
+/// What a consistent-hashing selection hashes (`hash-key`): `"source"` (the client's
+/// address, the default), `"path"`, `"header:NAME"` or `"cookie:NAME"`. A request without
+/// the header or cookie hashes its source address.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum HashKey {
+    #[default]
+    Source,
+    Path,
+    Header(String),
+    Cookie(String),
+}
+
+impl std::str::FromStr for HashKey {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            None if s == "source" => Ok(Self::Source),
+            None if s == "path" => Ok(Self::Path),
+            Some(("header", n)) if !n.is_empty() => Ok(Self::Header(n.to_ascii_lowercase())),
+            Some(("cookie", n)) if !n.is_empty() => Ok(Self::Cookie(n.to_owned())),
+            _ => Err(format!(
+                "hash-key {s:?}: one of source, path, header:NAME, cookie:NAME"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for HashKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Source => f.write_str("source"),
+            Self::Path => f.write_str("path"),
+            Self::Header(n) => write!(f, "header:{n}"),
+            Self::Cookie(n) => write!(f, "cookie:{n}"),
+        }
+    }
+}
+
+impl Serialize for HashKey {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for HashKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 impl Select {
-    pub const NAMES: [&str; 4] = ["policy", "least-connections", "p2c", "prequal"];
+    pub const NAMES: [&str; 5] = ["policy", "least-connections", "p2c", "prequal", "maglev"];
 }
 
 impl std::str::FromStr for Select {
@@ -197,6 +254,7 @@ impl std::str::FromStr for Select {
             "least-connections" | "leastconn" => Ok(Self::LeastConnections),
             "p2c" => Ok(Self::P2c),
             "prequal" => Ok(Self::Prequal),
+            "maglev" => Ok(Self::Maglev),
             _ => Err(format!(
                 "unknown selection {s:?} (one of {})",
                 Self::NAMES.join(", ")
@@ -251,6 +309,8 @@ pub struct PoolConfig {
     pub retry_budget_percent: u32,
     /// … or this many, whichever is more: retries cannot multiply an overload.
     pub retry_budget_min: u32,
+    /// What `select = "maglev"` hashes.
+    pub hash_key: HashKey,
 }
 
 /// `[pool.NAME] protocol`.
@@ -336,6 +396,7 @@ impl Default for PoolConfig {
             busy_ms: 1000,
             retry_budget_percent: 20,
             retry_budget_min: 3,
+            hash_key: HashKey::Source,
         }
     }
 }

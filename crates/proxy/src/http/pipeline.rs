@@ -16,8 +16,9 @@
 use crate::balance::backend::Backend;
 use crate::balance::failover::{Attempt, Failover};
 use crate::balance::levels::RequestFacts;
+use crate::balance::maglev::{key_of, key_of_source};
 use crate::balance::pools::Pool;
-use crate::config::PeProtocol;
+use crate::config::{HashKey, PeProtocol};
 use crate::ctx::Ctx;
 use crate::http::downstream::{Downstream, Failure, Relayed};
 use crate::http::request::Request;
@@ -60,7 +61,8 @@ pub(crate) async fn forward(
     let replayable = d.held().is_some();
     // A request that cannot be sent again only goes on a connection just made or just used.
     let fresh_only = !idempotent_here(r, pool);
-    let mut f = Failover::new(ctx.failover());
+    let key = pool.hash_key().map(|k| request_key(&k, r, d.peer()));
+    let mut f = Failover::new(ctx.failover()).keyed(key);
     loop {
         let tried = match pool.protocol() {
             PeProtocol::H2 => {
@@ -106,6 +108,24 @@ pub(crate) async fn forward(
                 return give_up(d, r, code, why, Some(&attempt.pe), ctx).await;
             }
         }
+    }
+}
+
+/// A request's key for a hashing selection: its source address, path, a header's value or a
+/// cookie's (the source when the request has no such header or cookie).
+fn request_key(k: &HashKey, r: &Request, peer: SocketAddr) -> u64 {
+    let by = |v: Option<&[u8]>| v.map_or_else(|| key_of_source(peer.ip()), key_of);
+    match k {
+        HashKey::Source => key_of_source(peer.ip()),
+        HashKey::Path => key_of(&r.head.target()[..r.path_end]),
+        HashKey::Header(name) => by(r.head.get(name)),
+        HashKey::Cookie(name) => by(r.head.values("cookie").find_map(|v| {
+            v.split(|&b| b == b';').find_map(|c| {
+                let c = c.trim_ascii();
+                let (n, v) = c.split_at(c.iter().position(|&b| b == b'=')?);
+                (n == name.as_bytes()).then(|| &v[1..])
+            })
+        })),
     }
 }
 

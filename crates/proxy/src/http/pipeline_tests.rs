@@ -5,6 +5,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use super::testbed::*;
+use crate::balance::pools::Pool;
+use std::sync::Arc;
 use crate::config::ProxyConfig;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -257,4 +259,75 @@ async fn retries_stay_within_the_pools_retry_budget() {
     let (_, got) = one(&ctx, &pool, GET, "").await;
     assert!(got.starts_with("HTTP/1.1 200"), "{got}");
     assert_eq!(pool.retries_refused(), 1);
+}
+
+/// Which PE served a request with this user (their counters before and after).
+async fn served_by(
+    ctx: &crate::ctx::Ctx,
+    pool: &Arc<Pool>,
+    seen: &[Arc<std::sync::atomic::AtomicUsize>],
+    user: &str,
+) -> usize {
+    let before: Vec<usize> = seen.iter().map(|s| s.load(Ordering::Relaxed)).collect();
+    let text = format!("GET / HTTP/1.1\r\nHost: x\r\nX-User: {user}\r\n\r\n");
+    let (_, got) = one(ctx, pool, &text, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    (0..seen.len())
+        .find(|&i| seen[i].load(Ordering::Relaxed) > before[i])
+        .unwrap()
+}
+
+#[tokio::test]
+async fn maglev_sends_a_key_to_its_pe_on_every_proxy_and_back_after_an_ejection() {
+    let mut pes = Vec::new();
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let (a, s) = pe(Pe::Answers).await;
+        pes.push(a);
+        seen.push(s);
+    }
+    let maglev = || crate::config::PoolConfig {
+        select: crate::config::Select::Maglev,
+        hash_key: "header:x-user".parse().unwrap(),
+        ..Default::default()
+    };
+    let (ctx, pool, _) = ctx(&pes, ProxyConfig::default());
+    pool.set_config(maglev(), None);
+    // A second proxy with the same pool.
+    let (ctx2, pool2, _) = self::ctx(&pes, ProxyConfig::default());
+    pool2.set_config(maglev(), None);
+    let users = [
+        "alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi",
+    ];
+    let mut home = Vec::new();
+    for u in users {
+        let first = served_by(&ctx, &pool, &seen, u).await;
+        for _ in 0..3 {
+            assert_eq!(served_by(&ctx, &pool, &seen, u).await, first, "{u} stays");
+        }
+        assert_eq!(
+            served_by(&ctx2, &pool2, &seen, u).await,
+            first,
+            "{u} on the other proxy"
+        );
+        home.push(first);
+    }
+    let mut spread = home.clone();
+    spread.sort_unstable();
+    spread.dedup();
+    assert!(spread.len() >= 2, "keys spread over the PEs: {home:?}");
+    // Alice's PE ejected: she is served by another, the others stay where they were.
+    let alice = home[0];
+    let b = pe_stats(&pool, alice as u32 + 1);
+    assert!(b.failed(&ctx.pools.settings.health, true));
+    let elsewhere = served_by(&ctx, &pool, &seen, "alice").await;
+    assert_ne!(elsewhere, alice);
+    for (u, &h) in users.iter().zip(&home) {
+        if h != alice {
+            assert_eq!(served_by(&ctx, &pool, &seen, u).await, h, "{u} unmoved");
+        }
+    }
+    // Back: so is Alice.
+    b.succeeded();
+    assert_eq!(served_by(&ctx, &pool, &seen, "alice").await, alice);
 }

@@ -7,6 +7,7 @@
 use crate::balance::backend::Backend;
 use crate::balance::failover::Failover;
 use crate::balance::levels::RequestFacts;
+use crate::balance::maglev::key_of_source;
 use crate::balance::pools::Pool;
 use crate::ctx::Ctx;
 use std::net::SocketAddr;
@@ -71,7 +72,9 @@ pub(crate) async fn connect_pe(
         };
         s.map(|s| (s, false))
     };
-    let mut failover = Failover::new(ctx.failover());
+    // A connection shows a hashing selection only its source.
+    let key = pool.hash_key().map(|_| key_of_source(peer.ip()));
+    let mut failover = Failover::new(ctx.failover()).keyed(key);
     match failover.attempt(pool, &ctx.pools, level, connect).await {
         Ok((attempt, backend)) => {
             let b = attempt.pe;
