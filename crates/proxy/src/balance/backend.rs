@@ -57,6 +57,9 @@ pub struct Backend {
     /// without the lock.
     ejected_until_ms: AtomicU64,
     busy_until_ms: AtomicU64,
+    /// When the proxy first saw the PE, in ms of [`clock_ms`]: slow start ramps from it (or
+    /// from the end of the last ejection).
+    joined_ms: u64,
     /// Connections kept for reuse, of whatever protocol the pool speaks.
     pub(crate) conns: Conns,
     /// The credits last reported (−1: none yet), and the capacity reported with them.
@@ -133,6 +136,7 @@ impl Backend {
             health: Mutex::new(Health::default()),
             ejected_until_ms: AtomicU64::new(0),
             busy_until_ms: AtomicU64::new(0),
+            joined_ms: clock_ms(Instant::now()),
             conns: Conns::default(),
             credit_reported: AtomicI64::new(-1),
             credit_capacity: AtomicI64::new(0),
@@ -253,6 +257,19 @@ impl Backend {
         } else {
             Avoid::No
         }
+    }
+
+    /// Slow start: the share of its full load the PE should take now, ramping linearly over
+    /// `window` from when it joined or its last ejection ended (at least 5 %); 1 after it.
+    pub(crate) fn ramp(&self, now: Instant, window: Duration) -> f64 {
+        if window.is_zero() {
+            return 1.0;
+        }
+        let from = self
+            .joined_ms
+            .max(self.ejected_until_ms.load(Ordering::Relaxed));
+        let since = clock_ms(now).saturating_sub(from) as f64;
+        (since / window.as_millis() as f64).clamp(0.05, 1.0)
     }
 
     /// The PE is overloaded, not dead: no new work for `back_off` while others have room.

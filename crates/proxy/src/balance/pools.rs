@@ -75,14 +75,7 @@ impl PoolState {
         tried: &[u32],
         key: Option<u64>,
     ) -> Option<Arc<Backend>> {
-        self.selector.pick(
-            handle,
-            tried,
-            self.config.select,
-            self.config.max_conn,
-            self.config.panic_threshold,
-            key,
-        )
+        self.selector.pick(handle, tried, key, &self.config)
     }
 
     /// Whether another PE may be ejected: fewer than `max-ejection-percent` of the pool

@@ -16,13 +16,13 @@
 
 use crate::balance::backend::{Avoid, Backend};
 use crate::balance::maglev::Maglev;
-use crate::config::Select;
+use crate::config::{PoolConfig, Select};
 use rserpool_handlespace::{Handlespace, PeRef};
 use rserpool_wire::policy::policy_type;
 use rserpool_wire::{Policy, PoolElement, PoolHandle};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 /// One pool's PEs as a selection structure.
@@ -73,12 +73,10 @@ impl Selector {
         &mut self,
         handle: &PoolHandle,
         tried: &[u32],
-        select: Select,
-        max_conn: Option<u64>,
-        panic_threshold: u32,
         key: Option<u64>,
+        cfg: &PoolConfig,
     ) -> Option<Arc<Backend>> {
-        let picked = self.pick_by(handle, tried, select, max_conn, panic_threshold, key);
+        let picked = self.pick_by(handle, tried, key, cfg);
         if let Some(b) = &picked {
             b.reserve();
         }
@@ -89,13 +87,20 @@ impl Selector {
         &mut self,
         handle: &PoolHandle,
         tried: &[u32],
-        select: Select,
-        max_conn: Option<u64>,
-        panic_threshold: u32,
         key: Option<u64>,
+        cfg: &PoolConfig,
     ) -> Option<Arc<Backend>> {
-        let room = |b: &Backend| max_conn.is_none_or(|m| b.in_flight() < m);
+        let (select, max_conn, panic_threshold) = (cfg.select, cfg.max_conn, cfg.panic_threshold);
+        let slow_start = Duration::from_millis(cfg.slow_start_ms);
         let now = Instant::now();
+        // Slow start: a PE in its ramp takes a pick with the probability of its share.
+        let ramp = |b: &Backend| {
+            let share = b.ramp(now, slow_start);
+            share >= 1.0 || unit_random() < share
+        };
+        let room = |b: &Backend| max_conn.is_none_or(|m| b.in_flight() < m) && ramp(b);
+        // Room without slow start's draw: for hashing, credits and the last resort.
+        let room_hashed = |b: &Backend| max_conn.is_none_or(|m| b.in_flight() < m);
         // Panic mode: too few healthy PEs to carry the pool, so every PE takes its share.
         let panic = self.healthy(now) * 100 < self.backends.len() * panic_threshold as usize;
         if panic != self.panicking {
@@ -111,10 +116,10 @@ impl Selector {
         }
         let usable = |b: &Backend| panic || b.avoid(now) == Avoid::No;
         if let (Select::Maglev, Some(key)) = (select, key) {
-            return self.pick_hashed(key, tried, &room, &usable, now);
+            return self.pick_hashed(key, tried, &room_hashed, &usable, now);
         }
         if select != Select::Policy {
-            return self.pick_local(tried, select, &room, &usable, now);
+            return self.pick_local(tried, select, &room, &room_hashed, &usable, now);
         }
         let Self {
             hs,
@@ -129,7 +134,7 @@ impl Selector {
         if hs.pool_policy_type(handle.as_bytes()) == Some(policy_type::CREDITS) {
             return backends
                 .values()
-                .filter(|b| !tried.contains(&b.id) && usable(b) && room(b))
+                .filter(|b| !tried.contains(&b.id) && usable(b) && room_hashed(b))
                 .filter_map(|b| Some((b.credits_left()?, b)))
                 .filter(|(c, _)| *c > 0)
                 .max_by_key(|(c, b)| (*c, std::cmp::Reverse(b.requests())))
@@ -156,7 +161,7 @@ impl Selector {
             }
             k = n;
         }
-        least_avoided(backends, tried, &room, now)
+        least_avoided(backends, tried, &room_hashed, now)
     }
 
     /// Consistent hashing: the key's PE, or while it cannot take the request the next of the
@@ -196,6 +201,7 @@ impl Selector {
         tried: &[u32],
         select: Select,
         room: &dyn Fn(&Backend) -> bool,
+        any_room: &dyn Fn(&Backend) -> bool,
         usable: &dyn Fn(&Backend) -> bool,
         now: Instant,
     ) -> Option<Arc<Backend>> {
@@ -208,7 +214,7 @@ impl Selector {
                 .cloned(),
         );
         let picked = match (select, c.len()) {
-            (_, 0) => least_avoided(&self.backends, tried, room, now),
+            (_, 0) => least_avoided(&self.backends, tried, any_room, now),
             (_, 1) => c.first().cloned(),
             // Maglev without a key (a request waiting in the queue) balances by load.
             (Select::LeastConnections | Select::Policy | Select::Maglev, _) => c
@@ -334,6 +340,13 @@ impl Selector {
             .filter(|b| b.avoid(now) == Avoid::Ejected)
             .count()
     }
+}
+
+/// A random number in [0, 1), for slow start's draws (any thread, no lock).
+fn unit_random() -> f64 {
+    static DRAWS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = DRAWS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    (crate::balance::maglev::mix(n) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// When no PE is usable: a busy one before an ejected one, of those the least recently

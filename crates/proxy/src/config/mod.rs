@@ -31,6 +31,7 @@
 //! busy-ms = 1000              # a busy PE (connect timeout, 503) gets no new work this long
 //! retry-budget-percent = 20   # retries under way: at most 20 % of the requests under way,
 //! retry-budget-min = 3        # or 3, whichever is more
+//! slow-start-ms = 0           # a new or returning PE's share ramps up over this (0: off)
 //! ```
 //!
 //! Service levels (`[levels]`) are described in [`crate::balance::levels`], a proxy tier
@@ -311,6 +312,10 @@ pub struct PoolConfig {
     pub retry_budget_min: u32,
     /// What `select = "maglev"` hashes.
     pub hash_key: HashKey,
+    /// Slow start: a PE that joins the pool or comes back from an ejection takes a share that
+    /// ramps from 5 % to its full share over this window (0: at once). Not for `maglev`, whose
+    /// keys go where they hash, nor `credits`, whose PEs say what they can take.
+    pub slow_start_ms: u64,
 }
 
 /// `[pool.NAME] protocol`.
@@ -397,6 +402,7 @@ impl Default for PoolConfig {
             retry_budget_percent: 20,
             retry_budget_min: 3,
             hash_key: HashKey::Source,
+            slow_start_ms: 0,
         }
     }
 }

@@ -6,8 +6,8 @@
 
 use super::testbed::*;
 use crate::balance::pools::Pool;
-use std::sync::Arc;
 use crate::config::ProxyConfig;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -330,4 +330,51 @@ async fn maglev_sends_a_key_to_its_pe_on_every_proxy_and_back_after_an_ejection(
     // Back: so is Alice.
     b.succeeded();
     assert_eq!(served_by(&ctx, &pool, &seen, "alice").await, alice);
+}
+
+#[tokio::test]
+async fn a_pe_that_joins_takes_its_share_slowly_with_slow_start() {
+    let (a, a_seen) = pe(Pe::Answers).await;
+    let (b, b_seen) = pe(Pe::Answers).await;
+    let local = |slow_start_ms| crate::config::PoolConfig {
+        select: crate::config::Select::LeastConnections,
+        slow_start_ms,
+        ..Default::default()
+    };
+    for slow_start_ms in [0, 2_000] {
+        let (ctx, pool, _) = ctx(&[a], ProxyConfig::default());
+        pool.set_config(local(slow_start_ms), None);
+        for _ in 0..20 {
+            one(&ctx, &pool, GET, "").await;
+        }
+        tokio::time::sleep(Duration::from_millis(slow_start_ms)).await;
+        // B joins: least connections would give it every request until it caught up.
+        pool.update(elements(&[a, b]));
+        let (a0, b0) = (
+            a_seen.load(Ordering::Relaxed),
+            b_seen.load(Ordering::Relaxed),
+        );
+        for _ in 0..40 {
+            one(&ctx, &pool, GET, "").await;
+        }
+        let to_b = b_seen.load(Ordering::Relaxed) - b0;
+        let to_a = a_seen.load(Ordering::Relaxed) - a0;
+        assert_eq!(to_a + to_b, 40);
+        if slow_start_ms == 0 {
+            // Without slow start the new PE takes every request until it caught up (20).
+            assert!(to_b >= 25, "{to_b}");
+        } else {
+            assert!(
+                to_b <= 10,
+                "slow start: the new PE took {to_b} of 40 at once"
+            );
+            // After its ramp it takes its full share (and catches up).
+            tokio::time::sleep(Duration::from_millis(slow_start_ms)).await;
+            let b1 = b_seen.load(Ordering::Relaxed);
+            for _ in 0..20 {
+                one(&ctx, &pool, GET, "").await;
+            }
+            assert!(b_seen.load(Ordering::Relaxed) - b1 >= 15);
+        }
+    }
 }

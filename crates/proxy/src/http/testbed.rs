@@ -109,6 +109,25 @@ pub(super) fn full_queue() -> SocketAddr {
     addr
 }
 
+/// The pool elements at these addresses, IDs 1, 2, … and loads 0, 1, … in that order.
+pub(super) fn elements(pes: &[SocketAddr]) -> Vec<PoolElement> {
+    pes.iter()
+        .enumerate()
+        .map(|(i, a)| PoolElement {
+            id: i as u32 + 1,
+            home_registrar: 0,
+            registration_life: -1,
+            user_transport: UserTransport::Address(TransportAddress {
+                protocol: Protocol::TCP,
+                port: a.port(),
+                addresses: vec![a.ip()].into(),
+            }),
+            policy: Policy::LeastUsed { load: i as u32 },
+            asap_transport: None,
+        })
+        .collect()
+}
+
 /// A proxy's context with one pool, `P`, of the given PEs, loads 0, 1, 2, … in that order.
 pub(super) fn ctx(
     pes: &[SocketAddr],
@@ -129,22 +148,7 @@ pub(super) fn ctx(
     };
     let (pools, reports) = Pools::new(settings);
     let pool = pools.pool("P");
-    let list = pes
-        .iter()
-        .enumerate()
-        .map(|(i, a)| PoolElement {
-            id: i as u32 + 1,
-            home_registrar: 0,
-            registration_life: -1,
-            user_transport: UserTransport::Address(TransportAddress {
-                protocol: Protocol::TCP,
-                port: a.port(),
-                addresses: vec![a.ip()].into(),
-            }),
-            policy: Policy::LeastUsed { load: i as u32 },
-            asap_transport: None,
-        })
-        .collect();
+    let list = elements(pes);
     pool.update(list);
     let listener = ListenerConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
