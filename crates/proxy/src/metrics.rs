@@ -65,6 +65,12 @@ impl Proxy {
                 level_metrics(&mut m, &handle, &l);
             }
             m.counter(
+                "rserpool_proxy_circuit_refused",
+                "Requests the pool's circuit breaker (max-requests) refused with 503.",
+                &[("pool", &handle)],
+                pool.circuit_refused(),
+            );
+            m.counter(
                 "rserpool_proxy_retries_refused",
                 "Retries the pool's retry budget refused (the request got 503).",
                 &[("pool", &handle)],

@@ -32,6 +32,8 @@ pub enum NoPick {
     QueueTimeout,
     /// The queue was full, or a higher service level pushed the request out of it.
     QueueFull,
+    /// The pool's circuit breaker: `max-requests` under way already.
+    CircuitOpen,
 }
 
 impl NoPick {
@@ -41,6 +43,7 @@ impl NoPick {
             Self::NoPe => "no pool element available",
             Self::QueueTimeout => "no pool element had room within the queue timeout",
             Self::QueueFull => "too many requests waiting",
+            Self::CircuitOpen => "too many requests under way at the pool",
         }
     }
 }

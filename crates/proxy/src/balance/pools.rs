@@ -47,6 +47,8 @@ pub struct Pool {
     h2: AtomicBool,
     /// `select = "maglev"`: requests bring a key.
     hashing: AtomicBool,
+    /// Requests the circuit breaker (`max-requests`) refused.
+    circuit_refused: std::sync::atomic::AtomicU64,
     /// Retries under way, and those the retry budget refused.
     retries: Arc<std::sync::atomic::AtomicU64>,
     retries_refused: std::sync::atomic::AtomicU64,
@@ -149,6 +151,7 @@ impl Pool {
             charges: AtomicBool::new(false),
             h2: AtomicBool::new(false),
             hashing: AtomicBool::new(false),
+            circuit_refused: Default::default(),
             retries: Arc::default(),
             retries_refused: Default::default(),
             state: Mutex::new(PoolState {
@@ -220,6 +223,11 @@ impl Pool {
         Some(self.lock().config.hash_key.clone())
     }
 
+    /// Requests the circuit breaker refused so far.
+    pub fn circuit_refused(&self) -> u64 {
+        self.circuit_refused.load(Ordering::Relaxed)
+    }
+
     /// Retries the retry budget refused so far.
     pub fn retries_refused(&self) -> u64 {
         self.retries_refused.load(Ordering::Relaxed)
@@ -265,6 +273,12 @@ impl Pool {
     ) -> Result<Arc<Backend>, NoPick> {
         let (level, id, rx, timeout) = {
             let st = &mut *self.lock();
+            if let Some(max) = st.config.max_requests
+                && st.selector.active() >= max
+            {
+                self.circuit_refused.fetch_add(1, Ordering::Relaxed);
+                return Err(NoPick::CircuitOpen);
+            }
             let level = st.admission.index(level);
             if !st.admission.is_waiting() {
                 if let Some(b) = st.pick(&self.handle, tried, key) {
@@ -528,6 +542,7 @@ impl Pools {
                 pool: p.handle.to_string(),
                 refreshed_ms_ago: p.age().map(|a| a.as_millis() as u64),
                 retries_refused: p.retries_refused(),
+                circuit_refused: p.circuit_refused(),
                 pool_elements: p.backends().iter().map(|b| b.snapshot(now)).collect(),
                 levels: p
                     .level_stats()
@@ -545,6 +560,8 @@ pub struct PoolSnapshot {
     pub refreshed_ms_ago: Option<u64>,
     /// Retries the retry budget refused.
     pub retries_refused: u64,
+    /// Requests the circuit breaker (`max-requests`) refused.
+    pub circuit_refused: u64,
     pub pool_elements: Vec<BackendSnapshot>,
     /// Per service level: the levels that have seen requests.
     pub levels: Vec<LevelStats>,

@@ -325,6 +325,11 @@ impl Selector {
         self.backends.len()
     }
 
+    /// Requests (connections) under way at the PEs, and picks not yet under way.
+    pub(crate) fn active(&self) -> u64 {
+        self.backends.values().map(|b| b.in_flight()).sum()
+    }
+
     /// PEs neither ejected nor busy.
     pub(crate) fn healthy(&self, now: Instant) -> usize {
         self.backends

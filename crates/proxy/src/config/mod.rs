@@ -32,6 +32,7 @@
 //! retry-budget-percent = 20   # retries under way: at most 20 % of the requests under way,
 //! retry-budget-min = 3        # or 3, whichever is more
 //! slow-start-ms = 0           # a new or returning PE's share ramps up over this (0: off)
+//! max-requests = 10000        # circuit breaker: requests under way at the pool, then 503
 //! ```
 //!
 //! Service levels (`[levels]`) are described in [`crate::balance::levels`], a proxy tier
@@ -312,6 +313,11 @@ pub struct PoolConfig {
     pub retry_budget_min: u32,
     /// What `select = "maglev"` hashes.
     pub hash_key: HashKey,
+    /// Circuit breaker: most requests (connections in TCP mode) under way at the pool's PEs
+    /// at once; beyond, an immediate 503 with Retry-After (none when absent). Requests waiting
+    /// are bounded by `queue`, those at one PE by `max-conn`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_requests: Option<u64>,
     /// Slow start: a PE that joins the pool or comes back from an ejection takes a share that
     /// ramps from 5 % to its full share over this window (0: at once). Not for `maglev`, whose
     /// keys go where they hash, nor `credits`, whose PEs say what they can take.
@@ -403,6 +409,7 @@ impl Default for PoolConfig {
             retry_budget_min: 3,
             hash_key: HashKey::Source,
             slow_start_ms: 0,
+            max_requests: None,
         }
     }
 }
@@ -662,6 +669,9 @@ impl ProxyConfig {
                 return bad(format!(
                     "pool {name}: max-ejection-percent and panic-threshold are percentages (0-100)"
                 ));
+            }
+            if p.max_requests == Some(0) {
+                return bad(format!("pool {name}: max-requests must be above 0"));
             }
             if p.max_conn == Some(0) {
                 return bad(format!("pool {name}: max-conn must be above 0"));

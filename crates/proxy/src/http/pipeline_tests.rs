@@ -378,3 +378,34 @@ async fn a_pe_that_joins_takes_its_share_slowly_with_slow_start() {
         }
     }
 }
+
+#[tokio::test]
+async fn the_circuit_breaker_answers_503_at_once_beyond_max_requests() {
+    let (a, _) = pe(Pe::Silent).await;
+    let cfg = ProxyConfig {
+        request_timeout_ms: 2_000,
+        ..ProxyConfig::default()
+    };
+    let (ctx, pool, _) = ctx(&[a], cfg);
+    pool.set_config(
+        crate::config::PoolConfig {
+            max_requests: Some(1),
+            ..Default::default()
+        },
+        None,
+    );
+    let held = {
+        let (ctx, pool) = (ctx.clone(), pool.clone());
+        tokio::spawn(async move { one(&ctx, &pool, GET, "").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let (_, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+    assert!(got.contains("Retry-After"), "{got}");
+    assert!(started.elapsed() < Duration::from_millis(500), "at once");
+    assert_eq!(pool.circuit_refused(), 1);
+    // The held one ends with the PE's timeout; then there is room again.
+    let (_, got) = held.await.unwrap();
+    assert!(got.starts_with("HTTP/1.1 504"), "{got}");
+}
