@@ -387,8 +387,10 @@ fn get(s: &mut TcpStream, path: &str) -> (u16, Vec<u8>) {
 /// rewritten.
 #[test]
 fn an_http_route_pins_its_connection_and_hands_it_to_the_kernel() {
-    // The long download is held early, however fast this machine relays it in user space.
-    let Some(mut setup) = setup("hold-after-ms = 50") else {
+    // The long download is held early, however fast this machine relays it in user space; a
+    // client thread starved by a busy CI machine may read nothing for a while meanwhile (the
+    // drain's stall rule is not what this test is about).
+    let Some(mut setup) = setup("hold-after-ms = 50\ndrain-stall-ms = 1000") else {
         return;
     };
     let front: SocketAddrV4 = HTTP_FRONT.parse().unwrap();
