@@ -57,6 +57,8 @@ pub struct Backend {
     /// without the lock.
     ejected_until_ms: AtomicU64,
     busy_until_ms: AtomicU64,
+    /// 5xx answers in a row (503 aside).
+    fives: std::sync::atomic::AtomicU32,
     /// When the proxy first saw the PE, in ms of [`clock_ms`]: slow start ramps from it (or
     /// from the end of the last ejection).
     joined_ms: u64,
@@ -137,6 +139,7 @@ impl Backend {
             ejected_until_ms: AtomicU64::new(0),
             busy_until_ms: AtomicU64::new(0),
             joined_ms: clock_ms(Instant::now()),
+            fives: std::sync::atomic::AtomicU32::new(0),
             conns: Conns::default(),
             credit_reported: AtomicI64::new(-1),
             credit_capacity: AtomicI64::new(0),
@@ -257,6 +260,23 @@ impl Backend {
         } else {
             Avoid::No
         }
+    }
+
+    /// An answer's status, for outlier detection: whether it made `limit` 5xx in a row (503
+    /// aside, which means busy), after which the count starts again.
+    pub(crate) fn answered(&self, code: u16, limit: u32) -> bool {
+        if !(500..600).contains(&code) || code == 503 {
+            if self.fives.load(Ordering::Relaxed) != 0 {
+                self.fives.store(0, Ordering::Relaxed);
+            }
+            return false;
+        }
+        let n = self.fives.fetch_add(1, Ordering::Relaxed) + 1;
+        if limit == 0 || n < limit {
+            return false;
+        }
+        self.fives.store(0, Ordering::Relaxed);
+        true
     }
 
     /// Slow start: the share of its full load the PE should take now, ramping linearly over

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tracing::warn;
 
 /// Settings of the pool view and of passive health.
 #[derive(Debug, Clone)]
@@ -485,6 +486,25 @@ impl Pools {
     pub fn failed(&self, b: &Backend) -> bool {
         let may_eject = self.get(&b.pool).is_none_or(|p| p.lock().may_eject());
         b.failed(&self.settings.health, may_eject)
+    }
+
+    /// An answer from a PE, for outlier detection: enough 5xx in a row (the pool's
+    /// `consecutive-5xx`) count as a failure that may eject it.
+    pub fn answered(&self, b: &Backend, code: u16) {
+        if !(500..600).contains(&code) {
+            b.answered(code, 0);
+            return;
+        }
+        let limit = self
+            .get(&b.pool)
+            .map_or(5, |p| p.lock().config.consecutive_5xx);
+        if b.answered(code, limit) {
+            warn!(
+                "pool {} PE {:#010x}: {limit} 5xx answers in a row",
+                b.pool, b.id
+            );
+            self.failed(b);
+        }
     }
 
     /// A PE is overloaded, not dead (its connect timed out, or it answered 503): it gets no

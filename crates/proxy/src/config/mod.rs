@@ -29,6 +29,7 @@
 //! max-ejection-percent = 10   # most PEs ejected as dead at once (at least one)
 //! panic-threshold = 50        # below this % healthy PEs, spread over all of them
 //! busy-ms = 1000              # a busy PE (connect timeout, 503) gets no new work this long
+//! consecutive-5xx = 5         # 5xx answers in a row (503 aside) that eject a PE (0: off)
 //! retry-budget-percent = 20   # retries under way: at most 20 % of the requests under way,
 //! retry-budget-min = 3        # or 3, whichever is more
 //! slow-start-ms = 0           # a new or returning PE's share ramps up over this (0: off)
@@ -305,6 +306,9 @@ pub struct PoolConfig {
     /// How long a busy PE (its connect timed out, or it answered 503) gets no new work while
     /// others have room; it is not ejected.
     pub busy_ms: u64,
+    /// Outlier detection: this many 5xx answers in a row (503 aside, which means busy) count
+    /// as one failure of passive health, which ejects (within `max-ejection-percent`); 0: off.
+    pub consecutive_5xx: u32,
     /// Retry budget: retries (a request sent again to another PE after one took it and
     /// failed, which may have done the work) under way at once, at most this percentage of
     /// the pool's requests under way …
@@ -405,6 +409,7 @@ impl Default for PoolConfig {
             max_ejection_percent: 10,
             panic_threshold: 50,
             busy_ms: 1000,
+            consecutive_5xx: 5,
             retry_budget_percent: 20,
             retry_budget_min: 3,
             hash_key: HashKey::Source,

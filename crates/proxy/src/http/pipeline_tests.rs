@@ -409,3 +409,29 @@ async fn the_circuit_breaker_answers_503_at_once_beyond_max_requests() {
     let (_, got) = held.await.unwrap();
     assert!(got.starts_with("HTTP/1.1 504"), "{got}");
 }
+
+#[tokio::test]
+async fn a_pe_that_answers_5xx_in_a_row_is_ejected() {
+    let (a, a_seen) = pe(Pe::Errors).await;
+    let (b, b_seen) = pe(Pe::Answers).await;
+    let (ctx, pool, mut reports) = ctx(&[a, b], ProxyConfig::default());
+    // The least used PE answers 500: its answers go to the client (it answered), five in a row
+    // eject it.
+    for _ in 0..5 {
+        let (keep, got) = one(&ctx, &pool, GET, "").await;
+        assert!(got.starts_with("HTTP/1.1 500"), "{got}");
+        assert!(keep);
+    }
+    assert_eq!(
+        pe_stats(&pool, 1).stats.ejections.load(Ordering::Relaxed),
+        1
+    );
+    let (_, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(a_seen.load(Ordering::Relaxed), 5);
+    assert_eq!(b_seen.load(Ordering::Relaxed), 1);
+    assert!(
+        reported(&mut reports).is_empty(),
+        "it answers: not unreachable"
+    );
+}

@@ -39,6 +39,8 @@ pub(super) enum Pe {
     Silent,
     /// Listens with a full accept queue and never accepts: connects time out.
     Full,
+    /// Answers 500 and keeps the connection.
+    Errors,
 }
 
 /// A PE on loopback: its address, and the requests it read.
@@ -72,6 +74,12 @@ pub(super) async fn pe(kind: Pe) -> (SocketAddr, Arc<AtomicUsize>) {
                         Pe::Silent => {
                             tokio::time::sleep(Duration::from_secs(30)).await;
                             return;
+                        }
+                        Pe::Errors => {
+                            let no = b"HTTP/1.1 500 Oops\r\nContent-Length: 2\r\n\r\nno";
+                            if s.write_all(no).await.is_err() {
+                                return;
+                            }
                         }
                         Pe::Answers | Pe::AnswersOnce => {
                             let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
