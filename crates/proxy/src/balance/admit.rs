@@ -2,7 +2,7 @@
 //!
 //! Why: a pool has a limit when its PEs push credits (policy `credits`) or when `max-conn`
 //! caps the requests in flight per PE. Beyond it requests wait here, one queue per service
-//! level ([`crate::balance::levels`]), first come first served within a level; when a place frees (a
+//! level (`levels`), first come first served within a level; when a place frees (a
 //! request finished, a PE reported credit, a new PE came), the level to serve is drawn by the
 //! proportional-share scheduler ([`rserpool_asap::share`]: lottery or stride over the levels'
 //! tickets, which sink with what the level consumed). No level with tickets starves. When the
@@ -12,7 +12,7 @@
 //! A request arriving while others wait queues behind them even if a place is free at that
 //! instant, so nobody overtakes; with nobody waiting it goes straight through (one lock, no
 //! allocation). This is the sans-IO part: the tokio side (waiting with a deadline) is
-//! [`crate::balance::pools::Pool::admit`].
+//! `Pool::admit` (in `pools`).
 
 use crate::balance::backend::Backend;
 use rserpool_asap::share::{Discipline, Domain, Share};

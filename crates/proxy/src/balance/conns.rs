@@ -1,7 +1,7 @@
 //! Connections kept for reuse, per pool element, whatever protocol they carry.
 //!
 //! Reusing a connection saves a connect (and its round trip) per request. The PE's state
-//! ([`crate::balance::backend::Backend`]) owns one [`Conns`] each, so that sets of different
+//! (`Backend`, in the `backend` module) owns one [`Conns`] each, so that sets of different
 //! PEs never share a lock and an ejected or departed PE can drop its own at once. What a set
 //! holds is the business of the protocol that speaks to the PE (kept-alive HTTP/1.1
 //! connections in an [`IdlePool`], multiplexed HTTP/2 connections): balancing names none.

@@ -1,6 +1,6 @@
 //! Service levels: which level a request belongs to, and each level's priority domain.
 //!
-//! Why: under overload the proxy's admission queue ([`crate::balance::admit`]) serves levels in
+//! Why: under overload the proxy's admission queue (`admit`) serves levels in
 //! proportion to their tickets (seed `differentiated-services-clusters`), so something must
 //! say which level a request is. Ordered rules match the client's source address (HTTP and
 //! TCP), and in HTTP mode the Host, a path prefix, or a header's presence or value (an API

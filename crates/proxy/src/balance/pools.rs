@@ -1,6 +1,6 @@
 //! The pools the proxy serves, each a local copy of the registrar's pool.
 //!
-//! This is where the other rooms meet: [`crate::balance::discovery`] writes each copy, the request
+//! This is where the other rooms meet: `discovery` writes each copy, the request
 //! paths pick PEs from it (the selection itself is in `select.rs`, the PEs' own state in
 //! [`crate::balance::backend`]) and report the PEs they could not reach, and the stats endpoint reads
 //! a snapshot.
@@ -8,8 +8,8 @@
 pub use crate::balance::admit::NoPick;
 use crate::balance::admit::{Admission, AdmissionConfig, LevelStats};
 use crate::balance::backend::{Backend, BackendSnapshot, HealthSettings};
-use crate::balance::levels::LevelsConfig;
 use crate::balance::select::Selector;
+use crate::config::LevelsConfig;
 use crate::config::{PoolConfig, ProxyConfig};
 use rserpool_wire::{PoolElement, PoolHandle};
 use serde::Serialize;
@@ -259,7 +259,7 @@ impl Pool {
 
     /// A PE for a request of service level `level` (1-based): at once when nobody waits and
     /// a PE has room; else, when the pool's PEs are all at their limit (credits, `max-conn`),
-    /// after waiting in the level's queue ([`crate::balance::admit`]) for up to its queue timeout.
+    /// after waiting in the level's queue (`admit`) for up to its queue timeout.
     pub async fn admit(&self, level: usize, tried: &[u32]) -> Result<Arc<Backend>, NoPick> {
         self.admit_keyed(level, tried, None).await
     }
@@ -396,7 +396,7 @@ pub(crate) struct Unreachable {
     pub(crate) pe_id: u32,
 }
 
-/// Every pool the proxy serves, kept fresh by one refresh task ([`crate::balance::discovery`]).
+/// Every pool the proxy serves, kept fresh by one refresh task (`discovery`).
 pub struct Pools {
     pools: Mutex<HashMap<PoolHandle, Arc<Pool>>>,
     pub settings: PoolSettings,

@@ -1,5 +1,5 @@
 //! The `[levels]` section: the settings of service levels; what they do, with an example, is
-//! in [`crate::balance::levels`].
+//! in the balancing room's `levels` module (docs/LEVELS.md).
 
 use rserpool_asap::share::Discipline;
 use serde::{Deserialize, Serialize};

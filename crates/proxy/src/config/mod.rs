@@ -36,7 +36,7 @@
 //! max-requests = 10000        # circuit breaker: requests under way at the pool, then 503
 //! ```
 //!
-//! Service levels (`[levels]`) are described in [`crate::balance::levels`], a proxy tier
+//! Service levels (`[levels]`) are described in the balancing room's `levels`, a proxy tier
 //! (`[tier]`) in docs/TIER.md.
 
 pub mod levels;

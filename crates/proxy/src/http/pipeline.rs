@@ -1,8 +1,8 @@
 //! The request pipeline, the same for every HTTP version on either side: the steps a request
-//! goes through between its front (HTTP/1.1 in [`crate::http::h1`], HTTP/2 in `crate::http::h2`)
-//! and the relay to a PE (`crate::http::upstream`).
+//! goes through between its front (HTTP/1.1 in `h1`, HTTP/2 in `h2`) and the relay to a PE
+//! (`upstream`).
 //!
-//! `parse` (`crate::http::request`) → [`route`] → [`classify`] → [`select`] (admission, the
+//! `parse` (`request`) → [`route`] → [`classify`] → [`forward`]: a PE (admission, the
 //! pool's policy, a connection; failover to the next PE) → the relay → [`settle`] (counters,
 //! health, whether the request goes out again) → [`log`]. A front runs them in a loop: the steps
 //! from select on repeat while the request fails over to another PE. A new concern is a step
