@@ -123,8 +123,16 @@ pub fn pattern(i: usize, seed: u8) -> u8 {
 /// Whether namespace tests can run here (root, a datapath in this build), and a tag that
 /// makes this call's namespace names unique. `None`: skipped (says why; fails under `CI`).
 fn namespaces_tag(what: &str, kind: char) -> Option<String> {
+    let n = datapath_test(&format!("{what} needs root (network namespaces, eBPF)"))?;
+    Some(format!("{}{kind}{n}", std::process::id() % 100_000))
+}
+
+/// Whether a test that loads the datapath can run here (root, a datapath in this build), and
+/// a number unique in this process for the names it makes. `None`: skipped, saying why
+/// (`needs_root` when not root); fails under `CI`.
+pub fn datapath_test(needs_root: &str) -> Option<u32> {
     if !rustix::process::geteuid().is_root() {
-        skip(&format!("{what} needs root (network namespaces, eBPF)"));
+        skip(needs_root);
         return None;
     }
     if let Some(why) = unavailable() {
@@ -132,8 +140,7 @@ fn namespaces_tag(what: &str, kind: char) -> Option<String> {
         return None;
     }
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    Some(format!("{}{kind}{n}", std::process::id() % 100_000))
+    Some(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
 /// client | proxy | server namespaces joined by veth pairs (c0–p0, p1–s0), with `loss_percent`

@@ -18,8 +18,8 @@
 //! where that is a failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use rserpool_ksplice::testbed::skip;
-use rserpool_ksplice::{Datapath, Splice, TierMember, unavailable};
+use rserpool_ksplice::testbed::datapath_test;
+use rserpool_ksplice::{Datapath, Splice, TierMember};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::PathBuf;
 
@@ -49,16 +49,7 @@ impl Drop for Loaded {
 
 /// The datapath, loaded, or `None`: skipped (says why; fails under `CI`).
 fn load() -> Option<Loaded> {
-    if !rustix::process::geteuid().is_root() {
-        skip("the test-run tests need root (loading eBPF)");
-        return None;
-    }
-    if let Some(why) = unavailable() {
-        skip(why);
-        return None;
-    }
-    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let n = datapath_test("the test-run tests need root (loading eBPF)")?;
     let pins = PathBuf::from(format!(
         "/sys/fs/bpf/rserpool-prog-run-{}-{n}",
         std::process::id()

@@ -90,24 +90,23 @@ impl Maglev {
         Self { ids, table }
     }
 
-    /// The PEs the table holds, sorted.
-    pub(crate) fn ids(&self) -> &[u32] {
-        &self.ids
-    }
-
     /// The PEs for `key`, its own first, then the owners of the following slots (each once):
     /// where the key goes while its PE is ejected, gone or full.
     pub(crate) fn lookup(&self, key: u64) -> impl Iterator<Item = u32> + '_ {
         let m = self.table.len();
         let start = if m == 0 { 0 } else { (key % m as u64) as usize };
-        let mut seen = vec![false; self.ids.len()];
+        // Which PEs were named already: made only when the first one will not do.
+        let mut seen: Vec<bool> = Vec::new();
         (0..m).filter_map(move |i| {
             let k = self.table[(start + i) % m] as usize;
-            if std::mem::replace(&mut seen[k], true) {
-                None
-            } else {
-                Some(self.ids[k])
+            if i == 0 {
+                return Some(self.ids[k]);
             }
+            if seen.is_empty() {
+                seen = vec![false; self.ids.len()];
+                seen[self.table[start] as usize] = true;
+            }
+            (!std::mem::replace(&mut seen[k], true)).then(|| self.ids[k])
         })
     }
 }

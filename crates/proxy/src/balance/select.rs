@@ -37,7 +37,7 @@ pub(crate) struct Selector {
     /// In panic mode at the last pick (logged when it changes).
     panicking: bool,
     /// The Maglev table of the PEs, built when a hashing selection first needs it after they
-    /// changed.
+    /// changed (`replace` drops it).
     maglev: Option<Maglev>,
 }
 
@@ -60,10 +60,7 @@ impl Selector {
     }
 
     fn random(&mut self, n: usize) -> usize {
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        (self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as usize % n.max(1)
+        (xorshift(&mut self.rng) >> 32) as usize % n.max(1)
     }
 
     /// The next PE by the pool's policy, skipping the PEs in `tried` and ejected ones. When
@@ -94,9 +91,15 @@ impl Selector {
         let slow_start = Duration::from_millis(cfg.slow_start_ms);
         let now = Instant::now();
         // Slow start: a PE in its ramp takes a pick with the probability of its share.
+        let rng = std::cell::Cell::new(xorshift(&mut self.rng) | 1);
         let ramp = |b: &Backend| {
             let share = b.ramp(now, slow_start);
-            share >= 1.0 || unit_random() < share
+            share >= 1.0 || {
+                let mut x = rng.get();
+                let draw = (xorshift(&mut x) >> 11) as f64 / (1u64 << 53) as f64;
+                rng.set(x);
+                draw < share
+            }
         };
         let room = |b: &Backend| max_conn.is_none_or(|m| b.in_flight() < m) && ramp(b);
         // Room without slow start's draw: for hashing, credits and the last resort.
@@ -174,17 +177,12 @@ impl Selector {
         usable: &dyn Fn(&Backend) -> bool,
         now: Instant,
     ) -> Option<Arc<Backend>> {
-        let stale = self.maglev.as_ref().is_none_or(|m| {
-            m.ids().len() != self.backends.len()
-                || m.ids().iter().any(|id| !self.backends.contains_key(id))
-        });
-        if stale {
-            let ids: Vec<u32> = self.backends.keys().copied().collect();
-            self.maglev = Some(Maglev::new(&ids));
-        }
-        let table = self.maglev.as_ref()?;
+        let backends = &self.backends;
+        let table = self
+            .maglev
+            .get_or_insert_with(|| Maglev::new(&backends.keys().copied().collect::<Vec<_>>()));
         let candidate = |id: u32| {
-            self.backends
+            backends
                 .get(&id)
                 .filter(|b| !tried.contains(&b.id) && usable(b) && room(b))
         };
@@ -192,7 +190,7 @@ impl Selector {
             .lookup(key)
             .find_map(candidate)
             .cloned()
-            .or_else(|| least_avoided(&self.backends, tried, room, now))
+            .or_else(|| least_avoided(backends, tried, room, now))
     }
 
     /// The proxy-local selections.
@@ -315,6 +313,8 @@ impl Selector {
         }
         self.hs = hs;
         self.backends = backends;
+        // Other PEs: the hashing table is made again when next needed.
+        self.maglev = None;
     }
 
     pub(crate) fn backends(&self) -> impl Iterator<Item = &Arc<Backend>> {
@@ -347,11 +347,12 @@ impl Selector {
     }
 }
 
-/// A random number in [0, 1), for slow start's draws (any thread, no lock).
-fn unit_random() -> f64 {
-    static DRAWS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    let n = DRAWS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    (crate::balance::maglev::mix(n) >> 11) as f64 / (1u64 << 53) as f64
+/// xorshift64*: the next of a sequence of random numbers.
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    state.wrapping_mul(0x2545_f491_4f6c_dd1d)
 }
 
 /// When no PE is usable: a busy one before an ejected one, of those the least recently

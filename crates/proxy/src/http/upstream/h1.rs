@@ -20,7 +20,6 @@ use crate::http::request::{Request, forwarding};
 use crate::http::upstream::connect_pe;
 use bytes::{Buf, BufMut, BytesMut};
 use http::header::{HeaderName, HeaderValue};
-use std::borrow::Cow;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -389,14 +388,16 @@ async fn send(
     ctx: &Ctx,
 ) -> Result<Sent, Failure> {
     let chunked = r.framing == Framing::Chunked;
-    let (head, first, complete) = match &*d {
-        Downstream::H1(h) => (Cow::Borrowed(&h.out.head[..]), h.out.held.as_ref(), true),
+    // An HTTP/1.1 client's head was made once for all attempts; an HTTP/2 client's is made here.
+    let made;
+    let (head, first, complete): (&[u8], _, _) = match &*d {
+        Downstream::H1(h) => (&h.out.head, h.out.held.as_ref(), true),
         Downstream::H2(s) => {
             let (level_header, send_level) = ctx.level_header();
-            let head = outgoing_head_with(r, s.peer, level_header, send_level);
+            made = outgoing_head_with(r, s.peer, level_header, send_level);
             match &s.body {
-                Body::Held(d) => (Cow::Owned(head.to_vec()), Some(d), true),
-                Body::Streamed { prefix, .. } => (Cow::Owned(head.to_vec()), Some(prefix), false),
+                Body::Held(d) => (&made, Some(d), true),
+                Body::Streamed { prefix, .. } => (&made, Some(prefix), false),
             }
         }
     };
@@ -405,7 +406,7 @@ async fn send(
         // A body in the chunked coding (from an HTTP/2 client without a length) is framed.
         Some(body) if chunked => {
             let mut v = BytesMut::with_capacity(head.len() + body.len() + 32);
-            v.put_slice(&head);
+            v.put_slice(head);
             frame_into(&mut v, body, true);
             if complete {
                 v.put_slice(b"0\r\n\r\n");
@@ -414,15 +415,15 @@ async fn send(
         }
         Some(body) if head.len() + body.len() <= COALESCE => {
             let mut v = BytesMut::with_capacity(head.len() + body.len());
-            v.put_slice(&head);
+            v.put_slice(head);
             v.put_slice(body);
             bc.stream.write_all(&v).await
         }
-        Some(body) => match bc.stream.write_all(&head).await {
+        Some(body) => match bc.stream.write_all(head).await {
             Ok(()) => bc.stream.write_all(body).await,
             e => e,
         },
-        None => bc.stream.write_all(&head).await,
+        None => bc.stream.write_all(head).await,
     };
     if let Err(error) = written {
         return Err(Failure::NoResponse {
