@@ -7,6 +7,7 @@
 
 use crate::Proxy;
 use crate::balance::backend::Backend;
+use crate::balance::outlier::EjectCause;
 use rserpool_status::metrics::{Exposition, HistogramSnapshot};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -64,6 +65,33 @@ impl Proxy {
             for l in pool.level_stats() {
                 level_metrics(&mut m, &handle, &l);
             }
+            let (panic, panics) = pool.panic();
+            m.gauge(
+                "rserpool_proxy_pool_panic",
+                "1 while the pool is in panic mode (fewer than panic-threshold % of its PEs \
+                 healthy: requests spread over all of them).",
+                &[("pool", &handle)],
+                f64::from(u8::from(panic)),
+            );
+            m.counter(
+                "rserpool_proxy_pool_panics",
+                "Times the pool entered panic mode.",
+                &[("pool", &handle)],
+                panics,
+            );
+            let slow_start = pool.config().slow_start_ms;
+            if slow_start > 0 {
+                let now = std::time::Instant::now();
+                let window = std::time::Duration::from_millis(slow_start);
+                for b in backends.iter().take(MAX_PE_SERIES) {
+                    m.gauge(
+                        "rserpool_proxy_pe_slow_start_share",
+                        "Share of its full load a PE takes under slow start (1: ramped up).",
+                        &[("pool", &handle), ("pe", &format!("{:#010x}", b.id))],
+                        b.ramp(now, window),
+                    );
+                }
+            }
             m.counter(
                 "rserpool_proxy_circuit_refused",
                 "Requests the pool's circuit breaker (max-requests) refused with 503.",
@@ -101,7 +129,7 @@ type Field = fn(&Backend) -> &AtomicU64;
 fn pe_metrics(m: &mut Exposition, pool: &str, pe: &str, bs: &[&Backend]) {
     let labels = [("pool", pool), ("pe", pe)];
     let sum = |f: Field| -> u64 { bs.iter().map(|b| f(b).load(Ordering::Relaxed)).sum() };
-    let counters: [(&str, &str, Field); 10] = [
+    let counters: [(&str, &str, Field); 9] = [
         (
             "rserpool_proxy_requests",
             "Requests (HTTP) or connections (TCP) sent to the PE.",
@@ -121,11 +149,6 @@ fn pe_metrics(m: &mut Exposition, pool: &str, pe: &str, bs: &[&Backend]) {
             "rserpool_proxy_failovers",
             "Requests or connections moved on from the PE after it failed them.",
             |b| &b.stats.failovers,
-        ),
-        (
-            "rserpool_proxy_ejections",
-            "Times the PE was ejected by outlier detection.",
-            |b| &b.stats.ejections,
         ),
         (
             "rserpool_proxy_pe_ejections_capped",
@@ -155,6 +178,19 @@ fn pe_metrics(m: &mut Exposition, pool: &str, pe: &str, bs: &[&Backend]) {
     ];
     for (name, help, f) in counters {
         m.counter(name, help, &labels, sum(f));
+    }
+    for cause in EjectCause::ALL {
+        let n = bs
+            .iter()
+            .map(|b| b.stats.ejections_by[cause.index()].load(Ordering::Relaxed))
+            .sum();
+        m.counter(
+            "rserpool_proxy_ejections",
+            "Times the PE was ejected by passive health and outlier detection, by cause: \
+             failures (in a row), 5xx (in a row), success-rate.",
+            &[("pool", pool), ("pe", pe), ("cause", cause.name())],
+            n,
+        );
     }
     m.gauge(
         "rserpool_proxy_pe_active",

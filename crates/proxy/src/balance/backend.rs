@@ -24,6 +24,7 @@
 //! for a back-off that doubles with every ejection in a row and is forgotten after a success.
 
 use crate::balance::conns::Conns;
+use crate::balance::outlier::{AnswerWindow, EjectCause};
 
 use rserpool_wire::{PoolElement, PoolHandle, UserTransport};
 use serde::Serialize;
@@ -59,6 +60,8 @@ pub struct Backend {
     busy_until_ms: AtomicU64,
     /// 5xx answers in a row (503 aside).
     fives: std::sync::atomic::AtomicU32,
+    /// Answers in the success-rate rule's current interval.
+    pub(crate) answers: AnswerWindow,
     /// When the proxy first saw the PE, in ms of [`clock_ms`]: slow start ramps from it (or
     /// from the end of the last ejection).
     joined_ms: u64,
@@ -76,7 +79,7 @@ pub struct Backend {
 }
 
 /// Milliseconds since the process's first look at the clock: a time an atomic can hold.
-fn clock_ms(t: Instant) -> u64 {
+pub(crate) fn clock_ms(t: Instant) -> u64 {
     static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     let epoch = *EPOCH.get_or_init(Instant::now);
     t.saturating_duration_since(epoch).as_millis() as u64 + 1
@@ -114,6 +117,8 @@ pub struct BackendStats {
     pub active: AtomicU64,
     pub failures: AtomicU64,
     pub ejections: AtomicU64,
+    /// Ejections by cause, in the order of [`EjectCause::ALL`].
+    pub ejections_by: [AtomicU64; 3],
     /// Ejections the pool's `max-ejection-percent` refused (the PE failed, but too many of
     /// the pool were ejected already).
     pub ejections_capped: AtomicU64,
@@ -140,6 +145,7 @@ impl Backend {
             busy_until_ms: AtomicU64::new(0),
             joined_ms: clock_ms(Instant::now()),
             fives: std::sync::atomic::AtomicU32::new(0),
+            answers: AnswerWindow::default(),
             conns: Conns::default(),
             credit_reported: AtomicI64::new(-1),
             credit_capacity: AtomicI64::new(0),
@@ -308,16 +314,25 @@ impl Backend {
     /// ejection cap is reached) the failure is counted and the PE stays.
     pub fn failed(&self, s: &HealthSettings, may_eject: bool) -> bool {
         self.stats.failures.fetch_add(1, Ordering::Relaxed);
+        self.answers.note(None);
         let mut h = self.health();
         h.fails += 1;
         if h.fails < s.max_fails.max(1) {
             return false;
         }
+        drop(h);
+        self.eject(s, EjectCause::Failures, may_eject)
+    }
+
+    /// Ejects the PE for `cause`, for a back-off that doubles with every ejection in a row;
+    /// with `may_eject` false (the pool's ejection cap is reached) only counts that it would
+    /// have. Returns whether it ejected.
+    pub(crate) fn eject(&self, s: &HealthSettings, cause: EjectCause, may_eject: bool) -> bool {
         if !may_eject {
-            drop(h);
             self.stats.ejections_capped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
+        let mut h = self.health();
         h.fails = 0;
         let back_off = s
             .eject
@@ -330,12 +345,14 @@ impl Backend {
         self.ejected_until_ms
             .store(clock_ms(until), Ordering::Relaxed);
         self.stats.ejections.fetch_add(1, Ordering::Relaxed);
+        self.stats.ejections_by[cause.index()].fetch_add(1, Ordering::Relaxed);
         self.conns.drop_idle();
         warn!(
-            "pool {} PE {:#010x} ejected for {} ms",
+            "pool {} PE {:#010x} ejected for {} ms ({})",
             self.pool,
             self.id,
-            back_off.as_millis()
+            back_off.as_millis(),
+            cause.name()
         );
         true
     }
@@ -384,13 +401,15 @@ impl Backend {
     }
 
     /// The PE and its counters as the stats endpoint shows them.
-    pub fn snapshot(&self, now: Instant) -> BackendSnapshot {
+    pub fn snapshot(&self, now: Instant, slow_start: Duration) -> BackendSnapshot {
         let s = &self.stats;
+        let by = |c: EjectCause| s.ejections_by[c.index()].load(Ordering::Relaxed);
         BackendSnapshot {
             id: format!("{:#010x}", self.id),
             addrs: self.addrs.iter().map(|a| a.to_string()).collect(),
             ejected: self.is_ejected(now),
             busy: self.avoid(now) == Avoid::Busy,
+            ramp: self.ramp(now, slow_start),
             requests: s.requests.load(Ordering::Relaxed),
             connections: s.connections.load(Ordering::Relaxed),
             active: s.active.load(Ordering::Relaxed),
@@ -399,6 +418,7 @@ impl Backend {
             credits: self.credits_left(),
             failures: s.failures.load(Ordering::Relaxed),
             ejections: s.ejections.load(Ordering::Relaxed),
+            ejections_by_cause: EjectCause::ALL.map(|c| (c.name(), by(c))).into(),
             responses_5xx: s.responses_5xx.load(Ordering::Relaxed),
             failovers: s.failovers.load(Ordering::Relaxed),
             bytes_in: s.bytes_in.load(Ordering::Relaxed),
@@ -421,6 +441,8 @@ pub struct BackendSnapshot {
     pub ejected: bool,
     /// Found busy lately (connect timeout, 503): no new work while others have room.
     pub busy: bool,
+    /// Its share under slow start (1: full; below while it ramps up).
+    pub ramp: f64,
     pub requests: u64,
     pub connections: u64,
     pub active: u64,
@@ -433,6 +455,8 @@ pub struct BackendSnapshot {
     pub credits: Option<i64>,
     pub failures: u64,
     pub ejections: u64,
+    /// Ejections by cause: failures (in a row), 5xx (in a row), success-rate.
+    pub ejections_by_cause: std::collections::BTreeMap<&'static str, u64>,
     pub responses_5xx: u64,
     pub failovers: u64,
     pub bytes_in: u64,

@@ -12,5 +12,6 @@ pub mod discovery;
 pub(crate) mod failover;
 pub mod levels;
 pub(crate) mod maglev;
+pub(crate) mod outlier;
 pub mod pools;
 pub(crate) mod select;

@@ -7,7 +7,8 @@
 
 pub use crate::balance::admit::NoPick;
 use crate::balance::admit::{Admission, AdmissionConfig, LevelStats};
-use crate::balance::backend::{Backend, BackendSnapshot, HealthSettings};
+use crate::balance::backend::{Backend, BackendSnapshot, HealthSettings, clock_ms};
+use crate::balance::outlier::{EjectCause, SuccessRateRule, success_rate_outliers};
 use crate::balance::select::Selector;
 use crate::config::LevelsConfig;
 use crate::config::{PoolConfig, ProxyConfig};
@@ -19,7 +20,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use tracing::warn;
 
 /// Settings of the pool view and of passive health.
 #[derive(Debug, Clone)]
@@ -53,6 +53,8 @@ pub struct Pool {
     /// Retries under way, and those the retry budget refused.
     retries: Arc<std::sync::atomic::AtomicU64>,
     retries_refused: std::sync::atomic::AtomicU64,
+    /// When the success-rate rule looks next, in ms of the backends' clock (0: not yet set).
+    success_rate_due_ms: std::sync::atomic::AtomicU64,
 }
 
 /// A retry's place in its pool's retry budget, given back when dropped.
@@ -155,6 +157,7 @@ impl Pool {
             circuit_refused: Default::default(),
             retries: Arc::default(),
             retries_refused: Default::default(),
+            success_rate_due_ms: Default::default(),
             state: Mutex::new(PoolState {
                 selector: Selector::new(),
                 refreshed: None,
@@ -380,6 +383,11 @@ impl Pool {
         self.lock().selector.len()
     }
 
+    /// Whether the pool is in panic mode (at its last pick), and how often it entered it.
+    pub fn panic(&self) -> (bool, u64) {
+        self.lock().selector.panic()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -489,21 +497,63 @@ impl Pools {
     }
 
     /// An answer from a PE, for outlier detection: enough 5xx in a row (the pool's
-    /// `consecutive-5xx`) count as a failure that may eject it.
-    pub fn answered(&self, b: &Backend, code: u16) {
-        if !(500..600).contains(&code) {
+    /// `consecutive-5xx`) eject it (within the pool's ejection cap), and it counts for the
+    /// success-rate rule.
+    pub fn answered(&self, pool: &Pool, b: &Backend, code: u16) {
+        b.answers.note(Some(code));
+        if (500..600).contains(&code) {
+            let limit = pool.lock().config.consecutive_5xx;
+            if b.answered(code, limit) {
+                let may_eject = pool.lock().may_eject();
+                b.eject(&self.settings.health, EjectCause::Consecutive5xx, may_eject);
+            }
+        } else {
             b.answered(code, 0);
+        }
+        self.success_rate_due(pool);
+    }
+
+    /// Runs the success-rate rule on `pool` when its interval is over.
+    fn success_rate_due(&self, pool: &Pool) {
+        let now = clock_ms(Instant::now());
+        let due = pool.success_rate_due_ms.load(Ordering::Relaxed);
+        if due > now {
             return;
         }
-        let limit = self
-            .get(&b.pool)
-            .map_or(5, |p| p.lock().config.consecutive_5xx);
-        if b.answered(code, limit) {
-            warn!(
-                "pool {} PE {:#010x}: {limit} 5xx answers in a row",
-                b.pool, b.id
-            );
-            self.failed(b);
+        let (interval, rule) = {
+            let st = pool.lock();
+            let c = &st.config;
+            let rule = SuccessRateRule {
+                min_hosts: c.success_rate_min_hosts,
+                min_requests: c.success_rate_min_requests,
+                stdev_factor: c.success_rate_stdev_factor,
+            };
+            (c.success_rate_interval_ms, rule)
+        };
+        let next = now + interval.max(1000);
+        // One answer of many runs it; the first interval starts now.
+        if pool
+            .success_rate_due_ms
+            .compare_exchange(due, next, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+            || due == 0
+            || interval == 0
+        {
+            return;
+        }
+        let backends = pool.backends();
+        let samples: Vec<(u32, u64, u64)> = backends
+            .iter()
+            .map(|b| {
+                let (good, all) = b.answers.take();
+                (b.id, good, all)
+            })
+            .collect();
+        for id in success_rate_outliers(rule, &samples) {
+            if let Some(b) = backends.iter().find(|b| b.id == id) {
+                let may_eject = pool.lock().may_eject();
+                b.eject(&self.settings.health, EjectCause::SuccessRate, may_eject);
+            }
         }
     }
 
@@ -558,17 +608,27 @@ impl Pools {
         let now = Instant::now();
         self.all()
             .iter()
-            .map(|p| PoolSnapshot {
-                pool: p.handle.to_string(),
-                refreshed_ms_ago: p.age().map(|a| a.as_millis() as u64),
-                retries_refused: p.retries_refused(),
-                circuit_refused: p.circuit_refused(),
-                pool_elements: p.backends().iter().map(|b| b.snapshot(now)).collect(),
-                levels: p
-                    .level_stats()
-                    .into_iter()
-                    .filter(|l| l.admitted + l.shed + l.timed_out > 0 || l.waiting > 0)
-                    .collect(),
+            .map(|p| {
+                let (panic, panics) = p.panic();
+                let slow_start = Duration::from_millis(p.lock().config.slow_start_ms);
+                PoolSnapshot {
+                    pool: p.handle.to_string(),
+                    panic,
+                    panics,
+                    refreshed_ms_ago: p.age().map(|a| a.as_millis() as u64),
+                    retries_refused: p.retries_refused(),
+                    circuit_refused: p.circuit_refused(),
+                    pool_elements: p
+                        .backends()
+                        .iter()
+                        .map(|b| b.snapshot(now, slow_start))
+                        .collect(),
+                    levels: p
+                        .level_stats()
+                        .into_iter()
+                        .filter(|l| l.admitted + l.shed + l.timed_out > 0 || l.waiting > 0)
+                        .collect(),
+                }
             })
             .collect()
     }
@@ -578,6 +638,10 @@ impl Pools {
 pub struct PoolSnapshot {
     pub pool: String,
     pub refreshed_ms_ago: Option<u64>,
+    /// In panic mode: too few healthy PEs, so requests spread over all of them.
+    pub panic: bool,
+    /// Times panic mode began.
+    pub panics: u64,
     /// Retries the retry budget refused.
     pub retries_refused: u64,
     /// Requests the circuit breaker (`max-requests`) refused.

@@ -34,8 +34,9 @@ pub(crate) struct Selector {
     candidates: Vec<Arc<Backend>>,
     /// xorshift64* state for the random choices.
     rng: u64,
-    /// In panic mode at the last pick (logged when it changes).
+    /// In panic mode at the last pick (logged when it changes), and the times it began.
     panicking: bool,
+    panics: u64,
     /// The Maglev table of the PEs, built when a hashing selection first needs it after they
     /// changed (`replace` drops it).
     maglev: Option<Maglev>,
@@ -55,6 +56,7 @@ impl Selector {
             candidates: Vec::new(),
             rng: u64::from(rand_seed()) | 1,
             panicking: false,
+            panics: 0,
             maglev: None,
         }
     }
@@ -109,6 +111,7 @@ impl Selector {
         if panic != self.panicking {
             self.panicking = panic;
             if panic {
+                self.panics += 1;
                 warn!(
                     "pool {handle}: panic mode: fewer than {panic_threshold} % of its PEs are \
                      healthy, spreading over all of them"
@@ -319,6 +322,11 @@ impl Selector {
 
     pub(crate) fn backends(&self) -> impl Iterator<Item = &Arc<Backend>> {
         self.backends.values()
+    }
+
+    /// Whether the last pick was in panic mode, and how often panic mode began.
+    pub(crate) fn panic(&self) -> (bool, u64) {
+        (self.panicking, self.panics)
     }
 
     pub(crate) fn len(&self) -> usize {

@@ -30,6 +30,10 @@
 //! panic-threshold = 50        # below this % healthy PEs, spread over all of them
 //! busy-ms = 1000              # a busy PE (connect timeout, 503) gets no new work this long
 //! consecutive-5xx = 5         # 5xx answers in a row (503 aside) that eject a PE (0: off)
+//! success-rate-interval-ms = 10000  # success-rate outliers looked for this often (0: off)
+//! success-rate-min-requests = 100   # among PEs with this many answers in the interval,
+//! success-rate-min-hosts = 5        # when at least this many have them: below the mean
+//! success-rate-stdev-factor = 1.9   # by this many standard deviations is ejected
 //! retry-budget-percent = 20   # retries under way: at most 20 % of the requests under way,
 //! retry-budget-min = 3        # or 3, whichever is more
 //! slow-start-ms = 0           # a new or returning PE's share ramps up over this (0: off)
@@ -309,6 +313,15 @@ pub struct PoolConfig {
     /// Outlier detection: this many 5xx answers in a row (503 aside, which means busy) count
     /// as one failure of passive health, which ejects (within `max-ejection-percent`); 0: off.
     pub consecutive_5xx: u32,
+    /// Outlier detection by success rate (see `balance/outlier.rs`): every this often, a PE
+    /// whose share of good answers lies `success-rate-stdev-factor` standard deviations below
+    /// the pool's mean is ejected (within `max-ejection-percent`); 0: off.
+    pub success_rate_interval_ms: u64,
+    /// … counting only PEs with at least this many answers in the interval …
+    pub success_rate_min_requests: u64,
+    /// … and only when at least this many PEs have them.
+    pub success_rate_min_hosts: usize,
+    pub success_rate_stdev_factor: f64,
     /// Retry budget: retries (a request sent again to another PE after one took it and
     /// failed, which may have done the work) under way at once, at most this percentage of
     /// the pool's requests under way …
@@ -410,6 +423,10 @@ impl Default for PoolConfig {
             panic_threshold: 50,
             busy_ms: 1000,
             consecutive_5xx: 5,
+            success_rate_interval_ms: 10_000,
+            success_rate_min_requests: 100,
+            success_rate_min_hosts: 5,
+            success_rate_stdev_factor: 1.9,
             retry_budget_percent: 20,
             retry_budget_min: 3,
             hash_key: HashKey::Source,

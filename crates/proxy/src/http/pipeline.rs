@@ -173,7 +173,7 @@ pub(crate) fn settle(
     let (code, why) = match outcome {
         Ok(Relayed { code, keep, bytes }) => {
             b.succeeded();
-            ctx.pools.answered(b, code);
+            ctx.pools.answered(&attempt.pool, b, code);
             if code >= 500 {
                 b.stats.responses_5xx.fetch_add(1, Ordering::Relaxed);
             }

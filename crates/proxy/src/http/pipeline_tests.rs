@@ -435,3 +435,50 @@ async fn a_pe_that_answers_5xx_in_a_row_is_ejected() {
         "it answers: not unreachable"
     );
 }
+
+#[tokio::test]
+async fn a_pe_whose_success_rate_lies_below_the_pools_is_ejected() {
+    let (a, _) = pe(Pe::Flaky).await;
+    let (b, _) = pe(Pe::Answers).await;
+    let (c, _) = pe(Pe::Answers).await;
+    let (ctx, pool, _) = ctx(&[a, b, c], ProxyConfig::default());
+    // Three PEs: one lying a standard deviation below the mean is as far out as it gets.
+    pool.set_config(
+        crate::config::PoolConfig {
+            select: crate::config::Select::P2c,
+            success_rate_interval_ms: 1000,
+            success_rate_min_requests: 10,
+            success_rate_min_hosts: 3,
+            success_rate_stdev_factor: 1.0,
+            ..Default::default()
+        },
+        None,
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let flaky = pe_stats(&pool, 1);
+    while flaky.stats.ejections.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "never ejected");
+        one(&ctx, &pool, GET, "").await;
+    }
+    let by = |c: crate::balance::outlier::EjectCause| {
+        flaky.stats.ejections_by[c.index()].load(Ordering::Relaxed)
+    };
+    use crate::balance::outlier::EjectCause::*;
+    assert_eq!(
+        (by(SuccessRate), by(Consecutive5xx), by(Failures)),
+        (1, 0, 0)
+    );
+    for id in [2, 3] {
+        assert_eq!(
+            pe_stats(&pool, id).stats.ejections.load(Ordering::Relaxed),
+            0
+        );
+    }
+    // Ejected: the next requests go to the others.
+    let before = flaky.stats.requests.load(Ordering::Relaxed);
+    for _ in 0..10 {
+        let (_, got) = one(&ctx, &pool, GET, "").await;
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    }
+    assert_eq!(flaky.stats.requests.load(Ordering::Relaxed), before);
+}

@@ -41,6 +41,8 @@ pub(super) enum Pe {
     Full,
     /// Answers 500 and keeps the connection.
     Errors,
+    /// Answers 500 to every second request, 200 to the others.
+    Flaky,
 }
 
 /// A PE on loopback: its address, and the requests it read.
@@ -68,7 +70,12 @@ pub(super) async fn pe(kind: Pe) -> (SocketAddr, Arc<AtomicUsize>) {
                             return;
                         }
                     }
-                    count.fetch_add(1, Ordering::Relaxed);
+                    let n = count.fetch_add(1, Ordering::Relaxed);
+                    let kind = match kind {
+                        Pe::Flaky if n % 2 == 0 => Pe::Errors,
+                        Pe::Flaky => Pe::Answers,
+                        k => k,
+                    };
                     match kind {
                         Pe::Drops => return,
                         Pe::Silent => {
@@ -90,7 +97,7 @@ pub(super) async fn pe(kind: Pe) -> (SocketAddr, Arc<AtomicUsize>) {
                                 return;
                             }
                         }
-                        Pe::Refuses | Pe::Full => unreachable!(),
+                        Pe::Refuses | Pe::Full | Pe::Flaky => unreachable!(),
                     }
                 }
             });
