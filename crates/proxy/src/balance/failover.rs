@@ -16,7 +16,7 @@ use crate::balance::backend::Backend;
 use crate::balance::pools::{Pool, Pools, RetryPermit};
 use std::io;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tracing::debug;
 
 /// When a request or connection stops moving on to other PEs.
@@ -46,6 +46,8 @@ pub(crate) struct Failover {
     retry: Option<RetryPermit>,
     /// Its key for a hashing selection.
     key: Option<u64>,
+    /// How long to wait before the next attempt (a retry's jittered back-off).
+    back_off: Option<std::time::Duration>,
 }
 
 /// Why no PE took a request or connection.
@@ -78,6 +80,21 @@ pub(crate) struct Attempt {
     /// When the PE was picked (before the connect) and when the connection was ready.
     pub(crate) asked: Instant,
     pub(crate) sent: Instant,
+    /// The pool's per-try timeout (`try-timeout-ms`), if it has one.
+    pub(crate) try_timeout: Option<Duration>,
+}
+
+impl Attempt {
+    /// How long this try waits for the PE's answer to begin: the per-try timeout, at most
+    /// the request's.
+    pub(crate) fn head_timeout(&self, request: Duration) -> Duration {
+        self.try_timeout.map_or(request, |t| t.min(request))
+    }
+
+    /// Whether a timeout of this try was the per-try one (shorter than the request's).
+    pub(crate) fn timed_out_early(&self, request: Duration) -> bool {
+        self.try_timeout.is_some_and(|t| t < request)
+    }
 }
 
 impl Failover {
@@ -122,7 +139,9 @@ impl Failover {
             pe.pick_done();
             match conn {
                 Ok((conn, reused)) => {
+                    let try_ms = pool.config_value(|c| c.try_timeout_ms);
                     let attempt = Attempt {
+                        try_timeout: (try_ms > 0).then(|| Duration::from_millis(try_ms)),
                         pool: pool.clone(),
                         pe,
                         reused,
@@ -155,6 +174,11 @@ impl Failover {
         self.tried.push(pe.id);
     }
 
+    /// The PE is not tried again for it (it was busy), though it is not reported.
+    pub(crate) fn left_out(&mut self, pe: &Backend) {
+        self.tried.push(pe.id);
+    }
+
     /// Whether it may go to a PE once more (within the policy's tries).
     pub(crate) fn may_retry(&self) -> bool {
         self.attempts < self.policy.max_tries
@@ -172,7 +196,30 @@ impl Failover {
     pub(crate) fn within_budget(&mut self, pool: &Pool) -> bool {
         if self.retry.is_none() {
             self.retry = pool.retry();
+            if self.retry.is_some() {
+                let max = Duration::from_millis(pool.config_value(|c| c.retry_backoff_ms));
+                self.back_off = Some(jitter(max));
+            }
         }
         self.retry.is_some()
     }
+
+    /// Waits out a retry's back-off, if one is due before the next attempt.
+    pub(crate) async fn back_off(&mut self) {
+        if let Some(d) = self.back_off.take()
+            && !d.is_zero()
+        {
+            tokio::time::sleep(d).await;
+        }
+    }
+}
+
+/// A random time up to `max` (full jitter): enough spread for back-off, no generator to keep.
+fn jitter(max: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    // The low bits of the clock vary from call to call; scrambled, they spread evenly.
+    let x = u64::from(nanos).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+    max.mul_f64(x as f64 / f64::from(1u32 << 24))
 }

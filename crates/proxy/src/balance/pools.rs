@@ -242,6 +242,11 @@ impl Pool {
         self.lock().config.clone()
     }
 
+    /// One of the pool's settings, without a copy of them all.
+    pub(crate) fn config_value<T>(&self, get: impl FnOnce(&PoolConfig) -> T) -> T {
+        get(&self.lock().config)
+    }
+
     /// The HTTP version spoken to the pool's PEs.
     pub fn protocol(&self) -> crate::config::PeProtocol {
         if self.h2.load(Ordering::Relaxed) {

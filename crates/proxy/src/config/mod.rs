@@ -36,6 +36,8 @@
 //! success-rate-stdev-factor = 1.9   # by this many standard deviations is ejected
 //! retry-budget-percent = 20   # retries under way: at most 20 % of the requests under way,
 //! retry-budget-min = 3        # or 3, whichever is more
+//! try-timeout-ms = 0          # a PE slower than this to answer: the request goes elsewhere
+//! retry-backoff-ms = 25       # a retry waits a random time up to this first
 //! slow-start-ms = 0           # a new or returning PE's share ramps up over this (0: off)
 //! max-requests = 10000        # circuit breaker: requests under way at the pool, then 503
 //! ```
@@ -328,6 +330,13 @@ pub struct PoolConfig {
     pub retry_budget_percent: u32,
     /// … or this many, whichever is more: retries cannot multiply an overload.
     pub retry_budget_min: u32,
+    /// Per-try timeout (HTTP): a PE that has not begun its answer this long after the request
+    /// is busy, and the request (idempotent, body held) goes once more to another PE within
+    /// the retry budget; 0: a try waits for the whole `request-timeout-ms`.
+    pub try_timeout_ms: u64,
+    /// A request sent again after a PE took it waits a random time up to this first
+    /// (jittered back-off), so that retries of a burst do not arrive together.
+    pub retry_backoff_ms: u64,
     /// What `select = "maglev"` hashes.
     pub hash_key: HashKey,
     /// Circuit breaker: most requests (connections in TCP mode) under way at the pool's PEs
@@ -429,6 +438,8 @@ impl Default for PoolConfig {
             success_rate_stdev_factor: 1.9,
             retry_budget_percent: 20,
             retry_budget_min: 3,
+            try_timeout_ms: 0,
+            retry_backoff_ms: 25,
             hash_key: HashKey::Source,
             slow_start_ms: 0,
             max_requests: None,

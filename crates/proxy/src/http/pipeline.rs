@@ -103,7 +103,7 @@ pub(crate) async fn forward(
                 log(ctx, d.peer(), r, code, Some(&attempt.pe), bytes);
                 return keep;
             }
-            Settled::Again => {}
+            Settled::Again => f.back_off().await,
             Settled::Failed { code, why } => {
                 return give_up(d, r, code, why, Some(&attempt.pe), ctx).await;
             }
@@ -199,16 +199,19 @@ pub(crate) fn settle(
             }
             debug!("pool {} PE {:#010x}: no response: {error}", b.pool, b.id);
             f.unreachable(&ctx.pools, b);
-            if replayable && idempotent_here(r, &attempt.pool) && f.may_resend() {
-                if f.within_budget(&attempt.pool) {
-                    return Settled::Again;
-                }
-                return Settled::Failed {
-                    code: 503,
-                    why: Some("the pool's retry budget is spent"),
-                };
+            if let Some(again) = resend(r, replayable, attempt, f) {
+                return again;
             }
             (502, Some("the pool element closed the connection"))
+        }
+        Err(Failure::Timeout) if attempt.timed_out_early(ctx.request_timeout()) => {
+            // Slower than the per-try timeout: busy, not dead; another PE may be quicker.
+            ctx.pools.busy(b);
+            f.left_out(b);
+            if let Some(again) = resend(r, replayable, attempt, f) {
+                return again;
+            }
+            (504, Some("the pool element did not answer in time"))
         }
         Err(Failure::Timeout) => {
             ctx.pools.failed(b);
@@ -228,6 +231,22 @@ pub(crate) fn settle(
         Err(Failure::Client) => (499, None),
     };
     Settled::Failed { code, why }
+}
+
+/// A request a PE took and failed goes once more to another PE if it can (body held,
+/// idempotent, not sent again yet) and the pool's retry budget has room; else `None`.
+fn resend(r: &Request, replayable: bool, attempt: &Attempt, f: &mut Failover) -> Option<Settled> {
+    if !(replayable && idempotent_here(r, &attempt.pool) && f.may_resend()) {
+        return None;
+    }
+    Some(if f.within_budget(&attempt.pool) {
+        Settled::Again
+    } else {
+        Settled::Failed {
+            code: 503,
+            why: Some("the pool's retry budget is spent"),
+        }
+    })
 }
 
 /// Whether the request may be sent to another PE after one failed it: an idempotent method,

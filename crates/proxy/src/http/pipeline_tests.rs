@@ -482,3 +482,49 @@ async fn a_pe_whose_success_rate_lies_below_the_pools_is_ejected() {
     }
     assert_eq!(flaky.stats.requests.load(Ordering::Relaxed), before);
 }
+
+#[tokio::test]
+async fn a_pe_slower_than_the_try_timeout_is_busy_and_the_request_goes_elsewhere() {
+    let (a, a_seen) = pe(Pe::Silent).await;
+    let (b, b_seen) = pe(Pe::Answers).await;
+    let cfg = ProxyConfig {
+        request_timeout_ms: 5_000,
+        ..ProxyConfig::default()
+    };
+    let (ctx, pool, mut reports) = ctx(&[a, b], cfg);
+    pool.set_config(
+        crate::config::PoolConfig {
+            try_timeout_ms: 200,
+            ..Default::default()
+        },
+        None,
+    );
+    let started = Instant::now();
+    let (_, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_millis(2_000),
+        "{took:?}"
+    );
+    assert_eq!(
+        (
+            a_seen.load(Ordering::Relaxed),
+            b_seen.load(Ordering::Relaxed)
+        ),
+        (1, 1)
+    );
+    let slow = pe_stats(&pool, 1);
+    assert_eq!(slow.stats.busy.load(Ordering::Relaxed), 1);
+    assert_eq!(slow.stats.ejections.load(Ordering::Relaxed), 0);
+    assert!(reported(&mut reports).is_empty(), "slow is not unreachable");
+
+    // A request that must not go twice gets the try's timeout as its answer.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let started = Instant::now();
+    let (_, got) = one(&ctx, &pool, POST, "hi").await;
+    assert!(got.starts_with("HTTP/1.1 504"), "{got}");
+    assert!(started.elapsed() < Duration::from_millis(2_000));
+    assert_eq!(a_seen.load(Ordering::Relaxed), 2);
+    assert_eq!(b_seen.load(Ordering::Relaxed), 1, "not sent twice");
+}

@@ -141,8 +141,12 @@ pub(crate) fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_min
     out.put_slice(b"\r\n");
 }
 
-pub(crate) async fn read_response_head(bc: &mut BackendConn, ctx: &Ctx) -> Result<Head, Failure> {
-    let deadline = tokio::time::Instant::now() + ctx.request_timeout();
+pub(crate) async fn read_response_head(
+    bc: &mut BackendConn,
+    timeout: Duration,
+    ctx: &Ctx,
+) -> Result<Head, Failure> {
+    let deadline = tokio::time::Instant::now() + timeout;
     loop {
         if !bc.buf.is_empty() {
             match Head::response(&mut bc.buf, ctx.cfg.max_head) {
@@ -307,7 +311,8 @@ pub(crate) async fn exchange(
     let mut sent = send(d, &mut bc, r, b, ctx).await?;
     let mut relayed = false;
     let resp = loop {
-        let head = match read_response_head(&mut bc, ctx).await {
+        let timeout = attempt.head_timeout(ctx.request_timeout());
+        let head = match read_response_head(&mut bc, timeout, ctx).await {
             Ok(h) => h,
             Err(Failure::NoResponse { error, .. }) => {
                 return Err(Failure::NoResponse {

@@ -269,7 +269,7 @@ pub(crate) async fn exchange(
             }
         },
     }
-    let mut limit = tokio::time::Instant::now() + ctx.request_timeout();
+    let mut limit = tokio::time::Instant::now() + attempt.head_timeout(ctx.request_timeout());
     if let Some(deadline) = d.deadline() {
         limit = limit.min(deadline);
     }
