@@ -105,7 +105,7 @@ impl Failover {
         }
     }
 
-    /// With the key a hashing selection (`select = "maglev"`) sends it by.
+    /// With the key a hashing selection (`maglev`, `ring-hash`) sends it by.
     pub(crate) fn keyed(mut self, key: Option<u64>) -> Self {
         self.key = key;
         self

@@ -7,6 +7,8 @@
 //! fixed hash functions, so every proxy of a tier that sees the same pool builds the same
 //! table and sends the same key to the same PE.
 
+use crate::balance::hashing::mix;
+
 /// Table sizes (primes): the small one up to 160 PEs, at least 100 slots per PE (Maglev's
 /// advice for a small imbalance). The size must not change when one PE comes or goes, or
 /// every key would move: it changes only across 160 PEs.
@@ -20,32 +22,6 @@ pub(crate) struct Maglev {
     ids: Vec<u32>,
     /// Slot → index into `ids`.
     table: Vec<u32>,
-}
-
-/// splitmix64: a fixed, well-mixed hash of a 64-bit value.
-pub(crate) fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// FNV-1a over bytes, then mixed: the key of a request's source, header, cookie or path.
-pub(crate) fn key_of(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    mix(h)
-}
-
-/// The key of a client's address (IPv4 as itself, also when it came mapped into IPv6).
-pub(crate) fn key_of_source(ip: std::net::IpAddr) -> u64 {
-    match ip.to_canonical() {
-        std::net::IpAddr::V4(a) => key_of(&a.octets()),
-        std::net::IpAddr::V6(a) => key_of(&a.octets()),
-    }
 }
 
 impl Maglev {
@@ -114,6 +90,7 @@ impl Maglev {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::balance::hashing::mix;
 
     fn owners(t: &Maglev, keys: u64) -> Vec<u32> {
         (0..keys)

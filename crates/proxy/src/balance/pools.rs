@@ -46,7 +46,7 @@ pub struct Pool {
     charges: AtomicBool,
     /// `protocol = "h2"`: read for every request, so kept out of the lock.
     h2: AtomicBool,
-    /// `select = "maglev"`: requests bring a key.
+    /// `select = "maglev"` or `"ring-hash"`: requests bring a key.
     hashing: AtomicBool,
     /// Requests the circuit breaker (`max-requests`) refused.
     circuit_refused: std::sync::atomic::AtomicU64,
@@ -181,7 +181,7 @@ impl Pool {
             Ordering::Relaxed,
         );
         self.hashing.store(
-            config.select == crate::config::Select::Maglev,
+            crate::balance::hashing::Kind::of(config.select).is_some(),
             Ordering::Relaxed,
         );
         st.config = config;

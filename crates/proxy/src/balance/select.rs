@@ -15,7 +15,7 @@
 //! ([`Backend::reserve`]), so that picks at the same moment spread.
 
 use crate::balance::backend::{Avoid, Backend};
-use crate::balance::maglev::Maglev;
+use crate::balance::hashing::{Kind, Table};
 use crate::config::{PoolConfig, Select};
 use rserpool_handlespace::{Handlespace, PeRef};
 use rserpool_wire::policy::policy_type;
@@ -39,7 +39,7 @@ pub(crate) struct Selector {
     panics: u64,
     /// The Maglev table of the PEs, built when a hashing selection first needs it after they
     /// changed (`replace` drops it).
-    maglev: Option<Maglev>,
+    table: Option<Table>,
 }
 
 /// PEs probed per pick by the Prequal-style selection.
@@ -57,7 +57,7 @@ impl Selector {
             rng: u64::from(rand_seed()) | 1,
             panicking: false,
             panics: 0,
-            maglev: None,
+            table: None,
         }
     }
 
@@ -121,8 +121,8 @@ impl Selector {
             }
         }
         let usable = |b: &Backend| panic || b.avoid(now) == Avoid::No;
-        if let (Select::Maglev, Some(key)) = (select, key) {
-            return self.pick_hashed(key, tried, &room_hashed, &usable, now);
+        if let (Some(kind), Some(key)) = (Kind::of(select), key) {
+            return self.pick_hashed(kind, key, tried, &room_hashed, &usable, now);
         }
         if select != Select::Policy {
             return self.pick_local(tried, select, &room, &room_hashed, &usable, now);
@@ -174,6 +174,7 @@ impl Selector {
     /// key's table that can.
     fn pick_hashed(
         &mut self,
+        kind: Kind,
         key: u64,
         tried: &[u32],
         room: &dyn Fn(&Backend) -> bool,
@@ -181,9 +182,12 @@ impl Selector {
         now: Instant,
     ) -> Option<Arc<Backend>> {
         let backends = &self.backends;
+        if self.table.as_ref().is_some_and(|t| t.kind() != kind) {
+            self.table = None;
+        }
         let table = self
-            .maglev
-            .get_or_insert_with(|| Maglev::new(&backends.keys().copied().collect::<Vec<_>>()));
+            .table
+            .get_or_insert_with(|| Table::new(kind, &backends.keys().copied().collect::<Vec<_>>()));
         let candidate = |id: u32| {
             backends
                 .get(&id)
@@ -218,7 +222,7 @@ impl Selector {
             (_, 0) => least_avoided(&self.backends, tried, any_room, now),
             (_, 1) => c.first().cloned(),
             // Maglev without a key (a request waiting in the queue) balances by load.
-            (Select::LeastConnections | Select::Policy | Select::Maglev, _) => c
+            (Select::LeastConnections | Select::Policy | Select::Maglev | Select::RingHash, _) => c
                 .iter()
                 .min_by_key(|b| (b.in_flight(), b.requests()))
                 .cloned(),
@@ -317,7 +321,7 @@ impl Selector {
         self.hs = hs;
         self.backends = backends;
         // Other PEs: the hashing table is made again when next needed.
-        self.maglev = None;
+        self.table = None;
     }
 
     pub(crate) fn backends(&self) -> impl Iterator<Item = &Arc<Backend>> {

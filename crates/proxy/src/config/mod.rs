@@ -21,8 +21,9 @@
 //! pool = "EchoPool"
 //!
 //! [pool.ApiPool]              # optional, per pool handle
-//! select = "p2c"              # policy (default) | least-connections | p2c | prequal | maglev
-//! hash-key = "source"         # maglev's key: source | path | header:NAME | cookie:NAME
+//! select = "p2c"              # policy (default) | least-connections | p2c | prequal
+//!                             # | maglev | ring-hash
+//! hash-key = "source"         # their key: source | path | header:NAME | cookie:NAME
 //! max-conn = 32               # most requests in flight per PE; beyond, requests wait
 //! queue = 1024                # most requests waiting (for max-conn, or credits)
 //! queue-timeout-ms = 1000     # longest wait, then 503
@@ -197,6 +198,9 @@ pub enum Select {
     /// the same PE (on every proxy of a tier too); while that PE is ejected, gone or full the
     /// next one of the key's table serves, and the key returns when it does.
     Maglev,
+    /// Ring hash (Ketama, Envoy's `RING_HASH`) of the pool's `hash-key`: as `maglev`, with
+    /// fewer keys moving when a PE leaves (only its own) and a less even share.
+    RingHash,
 }
 
 /// What a consistent-hashing selection hashes (`hash-key`): `"source"` (the client's
@@ -252,7 +256,14 @@ impl<'de> Deserialize<'de> for HashKey {
 }
 
 impl Select {
-    pub const NAMES: [&str; 5] = ["policy", "least-connections", "p2c", "prequal", "maglev"];
+    pub const NAMES: [&str; 6] = [
+        "policy",
+        "least-connections",
+        "p2c",
+        "prequal",
+        "maglev",
+        "ring-hash",
+    ];
 }
 
 impl std::str::FromStr for Select {
@@ -264,6 +275,7 @@ impl std::str::FromStr for Select {
             "p2c" => Ok(Self::P2c),
             "prequal" => Ok(Self::Prequal),
             "maglev" => Ok(Self::Maglev),
+            "ring-hash" | "ring_hash" => Ok(Self::RingHash),
             _ => Err(format!(
                 "unknown selection {s:?} (one of {})",
                 Self::NAMES.join(", ")
@@ -337,7 +349,7 @@ pub struct PoolConfig {
     /// A request sent again after a PE took it waits a random time up to this first
     /// (jittered back-off), so that retries of a burst do not arrive together.
     pub retry_backoff_ms: u64,
-    /// What `select = "maglev"` hashes.
+    /// What `select = "maglev"` or `"ring-hash"` hashes.
     pub hash_key: HashKey,
     /// Circuit breaker: most requests (connections in TCP mode) under way at the pool's PEs
     /// at once; beyond, an immediate 503 with Retry-After (none when absent). Requests waiting
@@ -345,7 +357,7 @@ pub struct PoolConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_requests: Option<u64>,
     /// Slow start: a PE that joins the pool or comes back from an ejection takes a share that
-    /// ramps from 5 % to its full share over this window (0: at once). Not for `maglev`, whose
+    /// ramps from 5 % to its full share over this window (0: at once). Not for `maglev` or `ring-hash`, whose
     /// keys go where they hash, nor `credits`, whose PEs say what they can take.
     pub slow_start_ms: u64,
 }

@@ -15,8 +15,8 @@
 
 use crate::balance::backend::Backend;
 use crate::balance::failover::{Attempt, Failover};
+use crate::balance::hashing::{key_of, key_of_source};
 use crate::balance::levels::RequestFacts;
-use crate::balance::maglev::{key_of, key_of_source};
 use crate::balance::pools::Pool;
 use crate::config::{HashKey, PeProtocol};
 use crate::ctx::Ctx;

@@ -279,6 +279,15 @@ async fn served_by(
 
 #[tokio::test]
 async fn maglev_sends_a_key_to_its_pe_on_every_proxy_and_back_after_an_ejection() {
+    hashing_keeps_keys(crate::config::Select::Maglev).await;
+}
+
+#[tokio::test]
+async fn ring_hash_sends_a_key_to_its_pe_on_every_proxy_and_back_after_an_ejection() {
+    hashing_keeps_keys(crate::config::Select::RingHash).await;
+}
+
+async fn hashing_keeps_keys(select: crate::config::Select) {
     let mut pes = Vec::new();
     let mut seen = Vec::new();
     for _ in 0..4 {
@@ -287,7 +296,7 @@ async fn maglev_sends_a_key_to_its_pe_on_every_proxy_and_back_after_an_ejection(
         seen.push(s);
     }
     let maglev = || crate::config::PoolConfig {
-        select: crate::config::Select::Maglev,
+        select,
         hash_key: "header:x-user".parse().unwrap(),
         ..Default::default()
     };

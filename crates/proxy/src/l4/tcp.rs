@@ -6,8 +6,8 @@
 
 use crate::balance::backend::Backend;
 use crate::balance::failover::Failover;
+use crate::balance::hashing::key_of_source;
 use crate::balance::levels::RequestFacts;
-use crate::balance::maglev::key_of_source;
 use crate::balance::pools::Pool;
 use crate::ctx::Ctx;
 use std::net::SocketAddr;
