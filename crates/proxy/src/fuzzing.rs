@@ -162,7 +162,7 @@ fn response(data: &[u8]) {
                     continue;
                 }
                 let mut out = BytesMut::new();
-                response_head(&head, &mut out, keep, client_minor);
+                response_head(&head, &mut out, keep, client_minor, None);
                 let again = reparse(&out, Head::response);
                 assert_eq!(again.code, head.code);
                 assert_eq!(again.minor, head.minor);

@@ -14,6 +14,7 @@
 use crate::balance::admit::NoPick;
 use crate::balance::backend::Backend;
 use crate::balance::pools::{Pool, Pools, RetryPermit};
+use crate::balance::select::Affinity;
 use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,8 +45,8 @@ pub(crate) struct Failover {
     resent: bool,
     /// Its place in the pool's retry budget, once it is sent again; held until it ends.
     retry: Option<RetryPermit>,
-    /// Its key for a hashing selection.
-    key: Option<u64>,
+    /// Its key for a hashing selection, and the PE its sticky cookie names.
+    affinity: Affinity,
     /// How long to wait before the next attempt (a retry's jittered back-off).
     back_off: Option<std::time::Duration>,
 }
@@ -105,9 +106,10 @@ impl Failover {
         }
     }
 
-    /// With the key a hashing selection (`maglev`, `ring-hash`) sends it by.
-    pub(crate) fn keyed(mut self, key: Option<u64>) -> Self {
-        self.key = key;
+    /// With what ties it to a PE: the key a hashing selection (`maglev`, `ring-hash`) sends
+    /// it by, the PE its sticky cookie names.
+    pub(crate) fn tied(mut self, affinity: Affinity) -> Self {
+        self.affinity = affinity;
         self
     }
 
@@ -128,7 +130,7 @@ impl Failover {
                 return Err(GiveUp::NoneAnswered);
             }
             self.attempts += 1;
-            let pe = match pool.admit_keyed(level, &self.tried, self.key).await {
+            let pe = match pool.admit_keyed(level, &self.tried, self.affinity).await {
                 Ok(pe) => pe,
                 Err(NoPick::NoPe) if !self.tried.is_empty() => return Err(GiveUp::NoneAnswered),
                 Err(why) => return Err(GiveUp::NoPick(why)),

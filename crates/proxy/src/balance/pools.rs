@@ -9,7 +9,7 @@ pub use crate::balance::admit::NoPick;
 use crate::balance::admit::{Admission, AdmissionConfig, LevelStats};
 use crate::balance::backend::{Backend, BackendSnapshot, HealthSettings, clock_ms};
 use crate::balance::outlier::{EjectCause, SuccessRateRule, success_rate_outliers};
-use crate::balance::select::Selector;
+use crate::balance::select::{Affinity, Selector};
 use crate::config::LevelsConfig;
 use crate::config::{PoolConfig, ProxyConfig};
 use rserpool_wire::{PoolElement, PoolHandle};
@@ -48,6 +48,8 @@ pub struct Pool {
     h2: AtomicBool,
     /// `select = "maglev"` or `"ring-hash"`: requests bring a key.
     hashing: AtomicBool,
+    /// `sticky-cookie` set: requests may name their PE.
+    sticky: AtomicBool,
     /// Requests the circuit breaker (`max-requests`) refused.
     circuit_refused: std::sync::atomic::AtomicU64,
     /// Retries under way, and those the retry budget refused.
@@ -78,9 +80,9 @@ impl PoolState {
         &mut self,
         handle: &PoolHandle,
         tried: &[u32],
-        key: Option<u64>,
+        affinity: Affinity,
     ) -> Option<Arc<Backend>> {
-        self.selector.pick(handle, tried, key, &self.config)
+        self.selector.pick(handle, tried, affinity, &self.config)
     }
 
     /// Whether another PE may be ejected: fewer than `max-ejection-percent` of the pool
@@ -106,7 +108,7 @@ impl PoolState {
                 break;
             };
             let tried = tried.to_vec();
-            let outcome = match self.pick(handle, &tried, None) {
+            let outcome = match self.pick(handle, &tried, Affinity::default()) {
                 Some(b) => Ok(b),
                 // No room for this waiter (its own tried PEs aside): the next event looks again.
                 None if self.may_wait(handle, &tried) => break,
@@ -154,6 +156,7 @@ impl Pool {
             charges: AtomicBool::new(false),
             h2: AtomicBool::new(false),
             hashing: AtomicBool::new(false),
+            sticky: AtomicBool::new(false),
             circuit_refused: Default::default(),
             retries: Arc::default(),
             retries_refused: Default::default(),
@@ -184,6 +187,8 @@ impl Pool {
             crate::balance::hashing::Kind::of(config.select).is_some(),
             Ordering::Relaxed,
         );
+        self.sticky
+            .store(config.sticky_cookie.is_some(), Ordering::Relaxed);
         st.config = config;
         st.dispatch(&self.handle);
     }
@@ -194,7 +199,7 @@ impl Pool {
     /// [`Backend::pick_done`]. Ignores the admission queue: [`admit`](Self::admit) does not.
     pub fn pick(&self, tried: &[u32]) -> Option<Arc<Backend>> {
         let st = &mut *self.lock();
-        st.pick(&self.handle, tried, None)
+        st.pick(&self.handle, tried, Affinity::default())
     }
 
     /// A place for one more retry, if the pool's retry budget has one: retries under way stay
@@ -225,6 +230,14 @@ impl Pool {
             return None;
         }
         Some(self.lock().config.hash_key.clone())
+    }
+
+    /// The name of the pool's sticky cookie, when it has one.
+    pub(crate) fn sticky_cookie(&self) -> Option<String> {
+        if !self.sticky.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.lock().config.sticky_cookie.clone()
     }
 
     /// Requests the circuit breaker refused so far.
@@ -269,16 +282,17 @@ impl Pool {
     /// a PE has room; else, when the pool's PEs are all at their limit (credits, `max-conn`),
     /// after waiting in the level's queue (`admit`) for up to its queue timeout.
     pub async fn admit(&self, level: usize, tried: &[u32]) -> Result<Arc<Backend>, NoPick> {
-        self.admit_keyed(level, tried, None).await
+        self.admit_keyed(level, tried, Affinity::default()).await
     }
 
-    /// [`admit`](Self::admit) with the request's key for a hashing selection (a request that
-    /// has to wait in the queue is dispatched by load, without it).
+    /// [`admit`](Self::admit) with what ties the request to a PE: its key for a hashing
+    /// selection, its sticky cookie's PE (a request that has to wait in the queue is
+    /// dispatched by load, without them).
     pub(crate) async fn admit_keyed(
         &self,
         level: usize,
         tried: &[u32],
-        key: Option<u64>,
+        affinity: Affinity,
     ) -> Result<Arc<Backend>, NoPick> {
         let (level, id, rx, timeout) = {
             let st = &mut *self.lock();
@@ -290,7 +304,7 @@ impl Pool {
             }
             let level = st.admission.index(level);
             if !st.admission.is_waiting() {
-                if let Some(b) = st.pick(&self.handle, tried, key) {
+                if let Some(b) = st.pick(&self.handle, tried, affinity) {
                     st.admission.admitted(level);
                     return Ok(b);
                 }

@@ -42,6 +42,15 @@ pub(crate) struct Selector {
     table: Option<Table>,
 }
 
+/// What ties a request to a PE, beside the pool's selection.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Affinity {
+    /// Its key for a hashing selection (`maglev`, `ring-hash`).
+    pub(crate) key: Option<u64>,
+    /// The PE its sticky cookie names (`sticky-cookie`).
+    pub(crate) pe: Option<u32>,
+}
+
 /// PEs probed per pick by the Prequal-style selection.
 const PREQUAL_PROBES: usize = 5;
 /// Of the probed, those with at most this quantile of in flight are cold.
@@ -65,17 +74,17 @@ impl Selector {
         (xorshift(&mut self.rng) >> 32) as usize % n.max(1)
     }
 
-    /// The next PE by the pool's policy, skipping the PEs in `tried` and ejected ones. When
+    /// The next PE by the pool's policy (or the one `affinity` asks for), skipping the PEs in `tried` and ejected ones. When
     /// every untried PE is ejected, the least recently ejected is tried anyway: an answer
     /// from a doubtful PE beats a certain 503.
     pub(crate) fn pick(
         &mut self,
         handle: &PoolHandle,
         tried: &[u32],
-        key: Option<u64>,
+        affinity: Affinity,
         cfg: &PoolConfig,
     ) -> Option<Arc<Backend>> {
-        let picked = self.pick_by(handle, tried, key, cfg);
+        let picked = self.pick_by(handle, tried, affinity, cfg);
         if let Some(b) = &picked {
             b.reserve();
         }
@@ -86,7 +95,7 @@ impl Selector {
         &mut self,
         handle: &PoolHandle,
         tried: &[u32],
-        key: Option<u64>,
+        affinity: Affinity,
         cfg: &PoolConfig,
     ) -> Option<Arc<Backend>> {
         let (select, max_conn, panic_threshold) = (cfg.select, cfg.max_conn, cfg.panic_threshold);
@@ -121,7 +130,15 @@ impl Selector {
             }
         }
         let usable = |b: &Backend| panic || b.avoid(now) == Avoid::No;
-        if let (Some(kind), Some(key)) = (Kind::of(select), key) {
+        // The PE the client's sticky cookie names, while it can take the request.
+        if let Some(b) = affinity.pe.and_then(|id| self.backends.get(&id))
+            && !tried.contains(&b.id)
+            && usable(b)
+            && room_hashed(b)
+        {
+            return Some(b.clone());
+        }
+        if let (Some(kind), Some(key)) = (Kind::of(select), affinity.key) {
             return self.pick_hashed(kind, key, tried, &room_hashed, &usable, now);
         }
         if select != Select::Policy {

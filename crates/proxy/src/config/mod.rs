@@ -24,6 +24,7 @@
 //! select = "p2c"              # policy (default) | least-connections | p2c | prequal
 //!                             # | maglev | ring-hash
 //! hash-key = "source"         # their key: source | path | header:NAME | cookie:NAME
+//! sticky-cookie = "SRV"       # the proxy sets a cookie naming the PE; requests go back to it
 //! max-conn = 32               # most requests in flight per PE; beyond, requests wait
 //! queue = 1024                # most requests waiting (for max-conn, or credits)
 //! queue-timeout-ms = 1000     # longest wait, then 503
@@ -351,6 +352,12 @@ pub struct PoolConfig {
     pub retry_backoff_ms: u64,
     /// What `select = "maglev"` or `"ring-hash"` hashes.
     pub hash_key: HashKey,
+    /// Sticky sessions by a cookie of the proxy's (HTTP; HAProxy's `cookie NAME insert`): a
+    /// response from a PE other than the one the request's cookie of this name named sets
+    /// it to this PE, and later requests with it go there while it can take them (else by
+    /// the selection, and the cookie moves). None when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sticky_cookie: Option<String>,
     /// Circuit breaker: most requests (connections in TCP mode) under way at the pool's PEs
     /// at once; beyond, an immediate 503 with Retry-After (none when absent). Requests waiting
     /// are bounded by `queue`, those at one PE by `max-conn`.
@@ -453,6 +460,7 @@ impl Default for PoolConfig {
             try_timeout_ms: 0,
             retry_backoff_ms: 25,
             hash_key: HashKey::Source,
+            sticky_cookie: None,
             slow_start_ms: 0,
             max_requests: None,
         }
@@ -720,6 +728,22 @@ impl ProxyConfig {
             }
             if p.max_conn == Some(0) {
                 return bad(format!("pool {name}: max-conn must be above 0"));
+            }
+            // A cookie name is an RFC 6265 token.
+            if let Some(c) = &p.sticky_cookie
+                && (c.is_empty()
+                    || !c
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-_.!#$%&'*+^`|~".contains(&b)))
+            {
+                return bad(format!(
+                    "pool {name}: sticky-cookie {c:?} is not a cookie name"
+                ));
+            }
+            if !(p.success_rate_stdev_factor.is_finite() && p.success_rate_stdev_factor >= 0.0) {
+                return bad(format!(
+                    "pool {name}: success-rate-stdev-factor must be 0 or more"
+                ));
             }
         }
         if let Some(l) = &self.levels {

@@ -68,6 +68,8 @@ pub(crate) struct H1Client<'a> {
     chunked: bool,
     /// The connection can carry another request after this response.
     pub(crate) keep: bool,
+    /// A `Set-Cookie` the proxy adds to the response (`sticky-cookie`).
+    pub(crate) set_cookie: Option<HeaderValue>,
 }
 
 impl<'a> Downstream<'a> {
@@ -77,7 +79,16 @@ impl<'a> Downstream<'a> {
             out,
             chunked: false,
             keep: false,
+            set_cookie: None,
         })
+    }
+
+    /// A `Set-Cookie` for the response, besides the PE's headers.
+    pub(crate) fn set_cookie(&mut self, v: Option<HeaderValue>) {
+        match self {
+            Self::H1(h) => h.set_cookie = v,
+            Self::H2(s) => s.set_cookie = v,
+        }
     }
 
     pub(crate) fn peer(&self) -> SocketAddr {
@@ -131,11 +142,18 @@ impl<'a> Downstream<'a> {
     /// nor for an HTTP/1.1 client's HEAD request or a 204 or 304).
     pub(crate) async fn respond_head(
         &mut self,
-        head: http::response::Parts,
+        mut head: http::response::Parts,
         end: bool,
         r: &Request,
         ctx: &Ctx,
     ) -> Result<(u64, bool), Failure> {
+        let cookie = match self {
+            Self::H1(h) => h.set_cookie.take(),
+            Self::H2(s) => s.set_cookie.take(),
+        };
+        if let Some(v) = cookie {
+            head.headers.append(http::header::SET_COOKIE, v);
+        }
         match self {
             Self::H2(s) => match s
                 .respond

@@ -18,6 +18,7 @@ use crate::balance::failover::{Attempt, Failover};
 use crate::balance::hashing::{key_of, key_of_source};
 use crate::balance::levels::RequestFacts;
 use crate::balance::pools::Pool;
+use crate::balance::select::Affinity;
 use crate::config::{HashKey, PeProtocol};
 use crate::ctx::Ctx;
 use crate::http::downstream::{Downstream, Failure, Relayed};
@@ -62,7 +63,9 @@ pub(crate) async fn forward(
     // A request that cannot be sent again only goes on a connection just made or just used.
     let fresh_only = !idempotent_here(r, pool);
     let key = pool.hash_key().map(|k| request_key(&k, r, d.peer()));
-    let mut f = Failover::new(ctx.failover()).keyed(key);
+    let sticky = pool.sticky_cookie();
+    let named = sticky.as_deref().and_then(|n| sticky_pe(r, n));
+    let mut f = Failover::new(ctx.failover()).tied(Affinity { key, pe: named });
     loop {
         let tried = match pool.protocol() {
             PeProtocol::H2 => {
@@ -73,6 +76,7 @@ pub(crate) async fn forward(
                 };
                 match f.attempt(pool, &ctx.pools, r.level, connect).await {
                     Ok((attempt, up)) => {
+                        d.set_cookie(sticky_cookie(sticky.as_deref(), named, &attempt));
                         let outcome = Box::pin(up2::exchange(d, up, r, &attempt, ctx)).await;
                         Ok((attempt, outcome))
                     }
@@ -84,6 +88,7 @@ pub(crate) async fn forward(
                     |pe: Arc<Backend>| async move { up1::take_conn(&pe, ctx, fresh_only).await };
                 match f.attempt(pool, &ctx.pools, r.level, connect).await {
                     Ok((attempt, conn)) => {
+                        d.set_cookie(sticky_cookie(sticky.as_deref(), named, &attempt));
                         let outcome = up1::exchange(d, conn, r, &attempt, ctx).await;
                         Ok((attempt, outcome))
                     }
@@ -119,14 +124,40 @@ fn request_key(k: &HashKey, r: &Request, peer: SocketAddr) -> u64 {
         HashKey::Source => key_of_source(peer.ip()),
         HashKey::Path => key_of(&r.head.target()[..r.path_end]),
         HashKey::Header(name) => by(r.head.get(name)),
-        HashKey::Cookie(name) => by(r.head.values("cookie").find_map(|v| {
-            v.split(|&b| b == b';').find_map(|c| {
-                let c = c.trim_ascii();
-                let (n, v) = c.split_at(c.iter().position(|&b| b == b'=')?);
-                (n == name.as_bytes()).then(|| &v[1..])
-            })
-        })),
+        HashKey::Cookie(name) => by(cookie(r, name)),
     }
+}
+
+/// The value of the request's cookie `name`, if it has one.
+fn cookie<'r>(r: &'r Request, name: &str) -> Option<&'r [u8]> {
+    r.head.values("cookie").find_map(|v| {
+        v.split(|&b| b == b';').find_map(|c| {
+            let c = c.trim_ascii();
+            let (n, v) = c.split_at(c.iter().position(|&b| b == b'=')?);
+            (n == name.as_bytes()).then(|| &v[1..])
+        })
+    })
+}
+
+/// The PE the request's sticky cookie `name` names (its identifier in hex).
+fn sticky_pe(r: &Request, name: &str) -> Option<u32> {
+    let v = std::str::from_utf8(cookie(r, name)?).ok()?;
+    u32::from_str_radix(v.trim_matches('"'), 16).ok()
+}
+
+/// The sticky cookie for the response, when the PE that serves differs from the one the
+/// request named (or it named none).
+fn sticky_cookie(
+    name: Option<&str>,
+    named: Option<u32>,
+    attempt: &Attempt,
+) -> Option<http::HeaderValue> {
+    let name = name?;
+    if named == Some(attempt.pe.id) {
+        return None;
+    }
+    let v = format!("{name}={:08x}; Path=/; HttpOnly", attempt.pe.id);
+    http::HeaderValue::from_str(&v).ok()
 }
 
 /// Ends a request without a response from a PE: `code` with `why` to the client (unless it

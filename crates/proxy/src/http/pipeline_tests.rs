@@ -537,3 +537,71 @@ async fn a_pe_slower_than_the_try_timeout_is_busy_and_the_request_goes_elsewhere
     assert_eq!(a_seen.load(Ordering::Relaxed), 2);
     assert_eq!(b_seen.load(Ordering::Relaxed), 1, "not sent twice");
 }
+
+#[tokio::test]
+async fn a_sticky_cookie_brings_a_client_back_to_its_pe_also_after_the_pe_restarts() {
+    let mut pes = Vec::new();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let (a, s) = pe(Pe::Answers).await;
+        pes.push(a);
+        seen.push(s);
+    }
+    let (ctx, pool, _) = ctx(&pes, ProxyConfig::default());
+    pool.set_config(
+        crate::config::PoolConfig {
+            select: crate::config::Select::P2c,
+            sticky_cookie: Some("SRV".into()),
+            ..Default::default()
+        },
+        None,
+    );
+    // Which PE (0-based) served, and the cookie the proxy set, if it set one.
+    let ask = |cookie: Option<String>| {
+        let (ctx, pool, seen) = (&ctx, &pool, &seen);
+        async move {
+            let before: Vec<usize> = seen.iter().map(|s| s.load(Ordering::Relaxed)).collect();
+            let text = match cookie {
+                Some(c) => format!("GET / HTTP/1.1\r\nHost: x\r\nCookie: a=b; SRV={c}\r\n\r\n"),
+                None => GET.to_string(),
+            };
+            let (_, got) = one(ctx, pool, &text, "").await;
+            assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+            let by = (0..seen.len())
+                .find(|&i| seen[i].load(Ordering::Relaxed) > before[i])
+                .unwrap();
+            let set = got
+                .lines()
+                .find_map(|l| l.strip_prefix("Set-Cookie: SRV="))
+                .map(|v| v.split(';').next().unwrap().to_string());
+            (by, set)
+        }
+    };
+    let (first, set) = ask(None).await;
+    let cookie = set.expect("the proxy sets its cookie");
+    assert_eq!(cookie, format!("{:08x}", first + 1));
+    for _ in 0..10 {
+        assert_eq!(
+            ask(Some(cookie.clone())).await,
+            (first, None),
+            "back to its PE"
+        );
+    }
+    // Its PE restarts elsewhere under the same identifier: the cookie still finds it.
+    let (moved, moved_seen) = pe(Pe::Answers).await;
+    let mut list = super::testbed::elements(&pes);
+    list[first] = super::testbed::elements(&[moved]).remove(0);
+    list[first].id = first as u32 + 1;
+    pool.update(list);
+    let before = moved_seen.load(Ordering::Relaxed);
+    let text = format!("GET / HTTP/1.1\r\nHost: x\r\nCookie: SRV={cookie}\r\n\r\n");
+    let (_, got) = one(&ctx, &pool, &text, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(!got.contains("Set-Cookie"), "{got}");
+    assert_eq!(moved_seen.load(Ordering::Relaxed), before + 1);
+    // Ejected: another PE serves, and the cookie moves to it.
+    assert!(pe_stats(&pool, first as u32 + 1).failed(&ctx.pools.settings.health, true));
+    let (other, set) = ask(Some(cookie.clone())).await;
+    assert_ne!(other, first);
+    assert_eq!(set, Some(format!("{:08x}", other + 1)));
+}

@@ -9,6 +9,7 @@ use crate::balance::failover::Failover;
 use crate::balance::hashing::key_of_source;
 use crate::balance::levels::RequestFacts;
 use crate::balance::pools::Pool;
+use crate::balance::select::Affinity;
 use crate::ctx::Ctx;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -74,7 +75,7 @@ pub(crate) async fn connect_pe(
     };
     // A connection shows a hashing selection only its source.
     let key = pool.hash_key().map(|_| key_of_source(peer.ip()));
-    let mut failover = Failover::new(ctx.failover()).keyed(key);
+    let mut failover = Failover::new(ctx.failover()).tied(Affinity { key, pe: None });
     match failover.attempt(pool, &ctx.pools, level, connect).await {
         Ok((attempt, backend)) => {
             let b = attempt.pe;

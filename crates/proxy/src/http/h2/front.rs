@@ -148,6 +148,7 @@ async fn call(
         deadline,
         parts,
         body: Body::Held(Bytes::new()),
+        set_cookie: None,
     };
     let ended = recv.is_end_stream();
     let head = match head_of(&s.parts, ended, ctx.cfg.max_head * 2) {

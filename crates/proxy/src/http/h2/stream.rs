@@ -32,6 +32,8 @@ pub(crate) struct Stream {
     /// The request as the client sent it (for an HTTP/2 PE).
     pub(crate) parts: http::request::Parts,
     pub(crate) body: Body,
+    /// A `Set-Cookie` the proxy adds to the response (`sticky-cookie`).
+    pub(crate) set_cookie: Option<http::HeaderValue>,
 }
 
 impl Stream {

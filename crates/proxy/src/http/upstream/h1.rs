@@ -123,14 +123,25 @@ pub(crate) fn outgoing_head_with(
 }
 
 /// The response head for the client: the status line and end-to-end headers as they came,
-/// the connection's own headers replaced by ours.
-pub(crate) fn response_head(h: &Head, out: &mut BytesMut, keep: bool, client_minor: u8) {
+/// the connection's own headers replaced by ours, and a `Set-Cookie` of the proxy's.
+pub(crate) fn response_head(
+    h: &Head,
+    out: &mut BytesMut,
+    keep: bool,
+    client_minor: u8,
+    set_cookie: Option<&HeaderValue>,
+) {
     out.put_slice(h.status_line());
     out.put_slice(b"\r\n");
     for (n, v) in h.end_to_end() {
         out.put_slice(n);
         out.put_slice(b": ");
         out.put_slice(v);
+        out.put_slice(b"\r\n");
+    }
+    if let Some(v) = set_cookie {
+        out.put_slice(b"Set-Cookie: ");
+        out.put_slice(v.as_bytes());
         out.put_slice(b"\r\n");
     }
     if !keep {
@@ -553,7 +564,7 @@ async fn pass(
         h.c.stream.linger_on_close();
     }
     let mut out = BytesMut::with_capacity(resp.raw.len() + 64);
-    response_head(resp, &mut out, keep, r.head.minor);
+    response_head(resp, &mut out, keep, r.head.minor, h.set_cookie.as_ref());
     let mut bytes = out.len() as u64;
     match stream_body(
         &mut bc.stream,
@@ -803,7 +814,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let mut out = BytesMut::new();
-        response_head(&h, &mut out, keep, 1);
+        response_head(&h, &mut out, keep, 1, None);
         out
     }
 
