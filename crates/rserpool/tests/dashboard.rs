@@ -348,8 +348,13 @@ async fn the_proxy_dashboard_counts_and_charts_requests_per_pe() {
     b = tokio::task::spawn_blocking(move || {
         b.wait(
             Duration::from_secs(5),
-            "all 60 requests counted",
-            &format!("{requests} === 60"),
+            "all 60 requests counted, the PEs in use, the pool's resilience shown",
+            &format!(
+                "{requests} === 60 && [...document.querySelectorAll('tr[data-pe]')]\
+                 .every(r => r.cells[2].textContent === 'in use') \
+                 && document.body.textContent.includes('panic mode') \
+                 && document.body.textContent.includes('retries refused')"
+            ),
         );
         b.screenshot("dashboard-proxy.png");
         b
