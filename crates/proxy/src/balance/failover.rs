@@ -7,7 +7,10 @@
 //! Overload is not death. A connect refused, reset or unreachable means the PE is down: it is
 //! reported and ejected (within the pool's ejection cap). A connect that times out means its
 //! accept queue is full: it is busy, gets no new work for a while, and is neither reported nor
-//! ejected, so that a burst does not eject the PEs one after the other and take the pool down. What happens after the connection (relaying,
+//! ejected, so that a burst does not eject the PEs one after the other and take the pool down.
+//! When every PE was tried and some were only busy, the request goes to them again (within
+//! the policy's tries): their queues drain while a connect waits, as HAProxy's `retries`
+//! find a server again after its connect timed out. What happens after the connection (relaying,
 //! whether a request that failed there may go out again) is the mode's own, but it records
 //! what it did in the same [`Failover`], so the policy's limits hold across both.
 
@@ -37,8 +40,11 @@ impl Default for FailoverPolicy {
 #[derive(Default)]
 pub(crate) struct Failover {
     policy: FailoverPolicy,
-    /// PEs that failed it; they are not selected again.
+    /// PEs that failed it; they are not selected again (while others are left).
     tried: Vec<u32>,
+    /// Of those, the ones that were only busy (their connect timed out): once every PE was
+    /// tried, they are tried again, as their queues drain.
+    busy: Vec<u32>,
     /// Selections so far.
     attempts: u32,
     /// The request went out again after a PE closed without answering.
@@ -132,6 +138,14 @@ impl Failover {
             self.attempts += 1;
             let pe = match pool.admit_keyed(level, &self.tried, self.affinity).await {
                 Ok(pe) => pe,
+                Err(NoPick::NoPe) if !self.busy.is_empty() => {
+                    // Every PE left was tried, and some were only busy: to them again (within
+                    // the policy's tries), as HAProxy retries a server whose connect timed out.
+                    self.tried.retain(|id| !self.busy.contains(id));
+                    self.busy.clear();
+                    self.attempts -= 1;
+                    continue;
+                }
                 Err(NoPick::NoPe) if !self.tried.is_empty() => return Err(GiveUp::NoneAnswered),
                 Err(why) => return Err(GiveUp::NoPick(why)),
             };
@@ -159,6 +173,7 @@ impl Failover {
                     debug!("pool {} PE {:#010x}: busy: connect: {e}", pe.pool, pe.id);
                     pools.busy(&pe);
                     self.tried.push(pe.id);
+                    self.busy.push(pe.id);
                     pool.released();
                 }
                 Err(e) => {

@@ -149,6 +149,28 @@ async fn a_pe_whose_accept_queue_is_full_is_busy_not_dead() {
 }
 
 #[tokio::test]
+async fn with_every_pe_busy_the_request_tries_them_again_as_their_queues_drain() {
+    let a = full_for(Duration::from_millis(700));
+    let cfg = ProxyConfig {
+        connect_timeout_ms: 300,
+        ..ProxyConfig::default()
+    };
+    let (ctx, pool, mut reports) = ctx(&[a], cfg);
+    let started = Instant::now();
+    let (_, got) = one(&ctx, &pool, GET, "").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "{:?}",
+        started.elapsed()
+    );
+    let b = pe_stats(&pool, 1);
+    assert!(b.stats.busy.load(Ordering::Relaxed) >= 2);
+    assert_eq!(b.stats.ejections.load(Ordering::Relaxed), 0);
+    assert!(reported(&mut reports).is_empty());
+}
+
+#[tokio::test]
 async fn an_ejection_never_takes_more_than_the_cap_of_a_pool() {
     let mut pes = Vec::new();
     for _ in 0..3 {

@@ -124,6 +124,39 @@ pub(super) fn full_queue() -> SocketAddr {
     addr
 }
 
+/// A listener whose accept queue is full for `full`, after which it accepts and answers
+/// every request 200 (and closes), as a PE whose burst has passed.
+pub(super) fn full_for(full: Duration) -> SocketAddr {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    s.listen(0).unwrap();
+    let addr = s.local_addr().unwrap().as_socket().unwrap();
+    let mut fill = Vec::new();
+    for _ in 0..4 {
+        if let Ok(c) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
+            fill.push(c);
+        }
+    }
+    let l: std::net::TcpListener = s.into();
+    std::thread::spawn(move || {
+        std::thread::sleep(full);
+        drop(fill);
+        use std::io::{Read, Write};
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let mut buf = [0u8; 4096];
+            // The fillers' connections close without a request.
+            if c.read(&mut buf).unwrap_or(0) > 0 {
+                let _ = c.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                );
+            }
+        }
+    });
+    addr
+}
+
 /// The pool elements at these addresses, IDs 1, 2, … and loads 0, 1, … in that order.
 pub(super) fn elements(pes: &[SocketAddr]) -> Vec<PoolElement> {
     pes.iter()
