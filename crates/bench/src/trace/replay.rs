@@ -13,6 +13,8 @@ use tokio::net::TcpStream;
 pub struct Request {
     pub at: Duration,
     pub path: String,
+    /// The page of the trace (sent as `X-Page`, the key of the hashing selections).
+    pub page: String,
     pub cost_us: u64,
 }
 
@@ -41,7 +43,7 @@ pub async fn replay(
         late = late.max(tokio::time::Instant::now().saturating_duration_since(due));
         let cost_us = r.cost_us;
         tasks.push(tokio::spawn(async move {
-            let first = tokio::time::timeout(timeout, one(front, &r.path))
+            let first = tokio::time::timeout(timeout, one(front, &r.path, &r.page))
                 .await
                 .ok()
                 .flatten();
@@ -58,11 +60,13 @@ pub async fn replay(
     (out, late)
 }
 
-async fn one(front: SocketAddr, path: &str) -> Option<Duration> {
+async fn one(front: SocketAddr, path: &str, page: &str) -> Option<Duration> {
     let started = tokio::time::Instant::now();
     let mut s = TcpStream::connect(front).await.ok()?;
     let _ = s.set_nodelay(true);
-    let req = format!("GET {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n");
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: bench\r\nX-Page: {page}\r\nConnection: close\r\n\r\n"
+    );
     s.write_all(req.as_bytes()).await.ok()?;
     let mut buf = vec![0u8; 64 * 1024];
     let mut got = Vec::with_capacity(512);

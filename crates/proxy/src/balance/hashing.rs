@@ -1,37 +1,10 @@
-//! Consistent hashing's shared parts: the keys of requests (a client's address, a header, a
-//! cookie, a path) as fixed 64-bit hashes, and the table a hashing selection looks them up in
-//! (`select = "maglev"` or `"ring-hash"`). The hashes are fixed functions, not seeded per
-//! process, so every proxy of a tier sends the same key to the same PE.
+//! The table a hashing selection (`select = "maglev"` or `"ring-hash"`) looks a request's key
+//! up in (the keys are in `keys.rs`), and how many keys move when a PE leaves.
 
+use crate::balance::keys::mix;
 use crate::balance::maglev::Maglev;
 use crate::balance::ring::RingHash;
 use crate::config::Select;
-
-/// splitmix64: a fixed, well-mixed hash of a 64-bit value.
-pub(crate) fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// FNV-1a over bytes, then mixed: the key of a request's source, header, cookie or path.
-pub(crate) fn key_of(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    mix(h)
-}
-
-/// The key of a client's address (IPv4 as itself, also when it came mapped into IPv6).
-pub(crate) fn key_of_source(ip: std::net::IpAddr) -> u64 {
-    match ip.to_canonical() {
-        std::net::IpAddr::V4(a) => key_of(&a.octets()),
-        std::net::IpAddr::V6(a) => key_of(&a.octets()),
-    }
-}
 
 /// Which table a hashing selection uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,4 +53,28 @@ impl Table {
             Self::Ring(t) => Box::new(t.lookup(key)),
         }
     }
+}
+
+/// The share of `keys` keys whose PE changes when one of `pes` PEs leaves, for the hashing
+/// selection `select` (`None` if it is not one): the mean and the largest over which PE
+/// leaves. For the trace benchmark's disruption table.
+#[doc(hidden)]
+pub fn key_movement(select: Select, pes: u32, keys: u64) -> Option<(f64, f64)> {
+    let kind = Kind::of(select)?;
+    // Identifiers as registrars hand them out: arbitrary 32-bit numbers.
+    let ids: Vec<u32> = (1..=u64::from(pes)).map(|i| mix(i) as u32).collect();
+    let owner = |t: &Table, k: u64| t.lookup(mix(k ^ 0x6b65_7973)).next();
+    let all = Table::new(kind, &ids);
+    let before: Vec<Option<u32>> = (0..keys).map(|k| owner(&all, k)).collect();
+    let mut shares = Vec::new();
+    for gone in &ids {
+        let rest: Vec<u32> = ids.iter().copied().filter(|i| i != gone).collect();
+        let t = Table::new(kind, &rest);
+        let moved = (0..keys)
+            .filter(|&k| owner(&t, k) != before[k as usize])
+            .count();
+        shares.push(moved as f64 / keys.max(1) as f64);
+    }
+    let mean = shares.iter().sum::<f64>() / shares.len().max(1) as f64;
+    Some((mean, shares.iter().copied().fold(0.0, f64::max)))
 }

@@ -7,7 +7,7 @@
 //! fixed hash functions, so every proxy of a tier that sees the same pool builds the same
 //! table and sends the same key to the same PE.
 
-use crate::balance::hashing::mix;
+use crate::balance::keys::mix;
 
 /// Table sizes (primes): the small one up to 160 PEs, at least 100 slots per PE (Maglev's
 /// advice for a small imbalance). The size must not change when one PE comes or goes, or
@@ -90,7 +90,7 @@ impl Maglev {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::balance::hashing::mix;
+    use crate::balance::keys::mix;
 
     fn owners(t: &Maglev, keys: u64) -> Vec<u32> {
         (0..keys)

@@ -4,7 +4,7 @@
 //! points move, each to the next point's PE; unlike Maglev, nothing else is rebuilt, at the
 //! cost of a less even share (with 256 points per PE, within about ±15 %).
 
-use crate::balance::hashing::mix;
+use crate::balance::keys::mix;
 
 /// Points per PE, the same for every pool size: a count that changed with the number of PEs
 /// would move every key when one came or went.

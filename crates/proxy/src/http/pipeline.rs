@@ -15,7 +15,7 @@
 
 use crate::balance::backend::Backend;
 use crate::balance::failover::{Attempt, Failover};
-use crate::balance::hashing::{key_of, key_of_source};
+use crate::balance::keys::{key_of, key_of_source};
 use crate::balance::levels::RequestFacts;
 use crate::balance::pools::Pool;
 use crate::balance::select::Affinity;

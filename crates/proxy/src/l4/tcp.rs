@@ -6,7 +6,7 @@
 
 use crate::balance::backend::Backend;
 use crate::balance::failover::Failover;
-use crate::balance::hashing::key_of_source;
+use crate::balance::keys::key_of_source;
 use crate::balance::levels::RequestFacts;
 use crate::balance::pools::Pool;
 use crate::balance::select::Affinity;
