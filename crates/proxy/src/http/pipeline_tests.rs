@@ -627,3 +627,18 @@ async fn a_sticky_cookie_brings_a_client_back_to_its_pe_also_after_the_pe_restar
     assert_ne!(other, first);
     assert_eq!(set, Some(format!("{:08x}", other + 1)));
 }
+
+#[tokio::test]
+async fn no_request_goes_out_again_once_response_bytes_reached_the_client() {
+    let (a, a_seen) = pe(Pe::Breaks).await;
+    let (b, b_seen) = pe(Pe::Answers).await;
+    let (ctx, pool, _) = ctx(&[a, b], ProxyConfig::default());
+    let (keep, got) = one(&ctx, &pool, GET, "").await;
+    // The client has the head and part of the body; the connection ends there.
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(got.ends_with("partial"), "{got}");
+    assert!(!keep);
+    assert_eq!(a_seen.load(Ordering::Relaxed), 1);
+    assert_eq!(b_seen.load(Ordering::Relaxed), 0, "never a second attempt");
+    assert_eq!(pool.retries_refused(), 0, "not even asked for");
+}

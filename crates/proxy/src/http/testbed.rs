@@ -43,6 +43,8 @@ pub(super) enum Pe {
     Errors,
     /// Answers 500 to every second request, 200 to the others.
     Flaky,
+    /// Sends the head and part of the body of a 200, then closes.
+    Breaks,
 }
 
 /// A PE on loopback: its address, and the requests it read.
@@ -80,6 +82,11 @@ pub(super) async fn pe(kind: Pe) -> (SocketAddr, Arc<AtomicUsize>) {
                         Pe::Drops => return,
                         Pe::Silent => {
                             tokio::time::sleep(Duration::from_secs(30)).await;
+                            return;
+                        }
+                        Pe::Breaks => {
+                            let part = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial";
+                            let _ = s.write_all(part).await;
                             return;
                         }
                         Pe::Errors => {
