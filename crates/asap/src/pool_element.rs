@@ -78,7 +78,10 @@ impl PeUpdater {
 impl PoolElement {
     /// Starts registering in the background (needs a tokio runtime).
     pub fn start(cfg: PoolElementConfig) -> std::io::Result<Self> {
-        let listener = cfg.takeover_listen.and_then(|addr| match listen(addr) {
+        let takeover = cfg
+            .takeover_listen
+            .map(|a| towards_registrars(a, &cfg.registrars));
+        let listener = takeover.and_then(|addr| match listen(addr) {
             Ok(l) => Some(l),
             Err(e) => {
                 warn!("PE: no takeover listener on {addr}: {e}");
@@ -175,6 +178,26 @@ impl Drop for PoolElement {
     fn drop(&mut self) {
         // The task sees the stop and deregisters on its own.
         self.updater.desired.send_modify(|d| d.stop = true);
+    }
+}
+
+/// Where the takeover listener binds: a wildcard address becomes the local address the PE
+/// reaches its first registrar from (the route's source), so that the listener is not open on
+/// every interface of the host (RFC 5355 §3.1); a wildcard stays when no registrar is
+/// configured (found by SERVER_ANNOUNCE) or no route is known.
+fn towards_registrars(addr: SocketAddr, registrars: &[SocketAddr]) -> SocketAddr {
+    if !addr.ip().is_unspecified() {
+        return addr;
+    }
+    let Some(reg) = registrars.iter().find(|r| r.is_ipv4() == addr.is_ipv4()) else {
+        return addr;
+    };
+    // Connecting a UDP socket sends nothing; it only picks the route and its source address.
+    let local = std::net::UdpSocket::bind(SocketAddr::new(addr.ip(), 0))
+        .and_then(|u| u.connect(reg).and_then(|()| u.local_addr()));
+    match local {
+        Ok(l) => SocketAddr::new(l.ip(), addr.port()),
+        Err(_) => addr,
     }
 }
 

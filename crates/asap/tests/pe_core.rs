@@ -176,6 +176,68 @@ fn a_pe_knowing_one_registrar_adopts_a_takeover() {
     assert!(!a.iter().any(|a| matches!(a, Action::Connect(..))));
 }
 
+/// Anyone who reaches the takeover address may claim to be a registrar (RFC 5355 §3.1): while
+/// the home answers, the PE stays with it.
+#[test]
+fn a_takeover_claimed_while_the_home_answers_is_refused() {
+    let reg = addr(1, 3863);
+    let (mut pe, c) = registered(reg);
+    let forged = pe.accept(addr(9, 4444), at(100));
+    pe.handle_data(forged, &keep_alive(0xdead_beef, true, pe.id()), at(110));
+    let a = actions(&mut pe);
+    // The claimant's keep-alive is answered; the home is asked with a registration.
+    assert!(is_ack(&sent(&a, forged)[0]), "{a:?}");
+    assert!(is_registration(&sent(&a, c)[0]), "{a:?}");
+    assert!(
+        !a.iter()
+            .any(|x| matches!(x, Action::Event(PeEvent::TakenOver { .. })))
+    );
+    assert!(!a.contains(&Action::Close(c)));
+    // The home answers: the claim is refused, the PE stays.
+    pe.handle_data(c, &accepted(pe.id()), at(120));
+    let a = actions(&mut pe);
+    assert!(a.contains(&Action::Close(forged)), "{a:?}");
+    assert!(!a.contains(&Action::Close(c)));
+    assert_eq!(
+        pe.state(),
+        &PeState::Registered {
+            registrar: reg,
+            home: 0x1001
+        }
+    );
+}
+
+/// A takeover that arrives before the PE noticed its home is gone (a hung registrar): the
+/// home does not answer the check, so the takeover is adopted after the response timeout.
+#[test]
+fn a_takeover_claimed_while_the_home_hangs_is_adopted_when_it_does_not_answer() {
+    let reg = addr(1, 3863);
+    let (mut pe, c) = registered(reg);
+    let new_home = addr(2, 40_000);
+    let t = pe.accept(new_home, at(100));
+    pe.handle_data(t, &keep_alive(0x2002, true, pe.id()), at(110));
+    let a = actions(&mut pe);
+    assert!(is_registration(&sent(&a, c)[0]));
+    // Its keep-alives are answered meanwhile.
+    pe.handle_data(t, &keep_alive(0x2002, false, pe.id()), at(500));
+    assert!(is_ack(&sent(&actions(&mut pe), t)[0]));
+    let deadline = pe.poll_timeout().unwrap();
+    pe.handle_timeout(deadline);
+    let a = actions(&mut pe);
+    assert!(a.contains(&Action::Close(c)), "{a:?}");
+    assert!(a.contains(&Action::Event(PeEvent::TakenOver {
+        registrar: new_home,
+        home: 0x2002
+    })));
+    assert_eq!(
+        pe.state(),
+        &PeState::Registered {
+            registrar: new_home,
+            home: 0x2002
+        }
+    );
+}
+
 #[test]
 fn a_connection_that_is_not_a_takeover_is_closed() {
     let (mut pe, _) = registered(addr(1, 3863));

@@ -1,6 +1,6 @@
 //! The pool element's takeover races against scripted registrars (plain sockets speaking ASAP):
-//! a takeover that arrives while the PE registers elsewhere, two takeovers in a row, and a new
-//! home that dies too. After each, the PE must serve the last new home like a home association.
+//! a takeover that arrives while the PE registers elsewhere, a second takeover while the first
+//! new home is up, and a new home that dies too. After each, the PE must serve the last new home like a home association.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use rserpool_asap::{AsapConnection, PeState, PoolElement, PoolElementConfig};
@@ -188,16 +188,28 @@ async fn taken_over_pe(registrar: &Fake) -> (PoolElement, AsapConnection, Socket
     (pe, t1, at)
 }
 
+/// A second takeover while the first new home is up is a claim the PE checks with that home
+/// (docs/SECURITY.md): refused while the home answers, adopted once the home is gone.
 #[tokio::test]
-async fn of_two_takeovers_the_last_wins() {
+async fn a_second_takeover_wins_only_when_the_first_new_home_is_gone() {
     let x = Fake::new().await;
     let (pe, mut t1, at) = taken_over_pe(&x).await;
     let id = pe.id();
-    let mut t2 = take_over(at, 0x7002, id).await;
-    home_is(&pe, 0x7002).await;
-    closed(&mut t1).await;
-    // Taken over without registering anywhere meanwhile: nothing to register.
-    answers_keep_alive(&mut t2, 0x7002, id).await;
+    let mut t2 = AsapConnection::connect(at, WAIT).await.unwrap();
+    t2.send(&keep_alive(0x7002, true, id)).await.unwrap();
+    expect_ack(&mut t2, id).await;
+    // The home is asked, answers, and keeps the PE.
+    registration(&mut t1).await;
+    accept_registration(&mut t1, id).await;
+    closed(&mut t2).await;
+    home_is(&pe, 0x7001).await;
+    answers_keep_alive(&mut t1, 0x7001, id).await;
+    // Another claim; this time the home dies while it is asked.
+    let mut t3 = take_over(at, 0x7003, id).await;
+    registration(&mut t1).await;
+    drop(t1);
+    home_is(&pe, 0x7003).await;
+    answers_keep_alive(&mut t3, 0x7003, id).await;
 }
 
 #[tokio::test]

@@ -15,6 +15,14 @@
 //! register with instead), while it backs off, and while it connects or registers elsewhere.
 //! The last takeover wins. A takeover that cuts short a registration made after the loss is
 //! followed by a registration over the new home, so that the registrars agree on it again.
+//!
+//! A takeover is only real when the home is gone (RFC 5355 §3.1: anyone who reaches the
+//! takeover address could claim to be a registrar). One that arrives while the PE's home
+//! association is up is answered (its keep-alive acknowledged, as the registrar expects) but
+//! not obeyed at once: the PE registers again with its home, and adopts the takeover only if
+//! the home does not answer within the response timeout or the association fails meanwhile.
+//! A home that answers keeps the PE, and the claimant's connection is closed (logged once).
+//! Nothing changes on the wire.
 //! Without a takeover it keeps trying the registrars it knows with back-off, and registers
 //! again once one is reachable.
 //!
@@ -53,7 +61,8 @@ pub struct PoolElementConfig {
     /// Register at start (false: wait for [`PeUpdater::set_active`](crate::PeUpdater::set_active)).
     pub initially_active: bool,
     /// Where registrars taking over reach this PE (TCP; port 0 picks one; a wildcard address
-    /// means the address the PE connects to registrars from). `None`: no takeover.
+    /// means the local address the PE reaches its first registrar from, so a PE whose
+    /// registrar is on loopback listens on loopback only). `None`: no takeover.
     pub takeover_listen: Option<SocketAddr>,
     /// After losing its home registrar, time to wait for a takeover before registering with
     /// another one (only when another one is known). A takeover is adopted at any time.
@@ -164,6 +173,14 @@ struct Offer {
     deadline: Instant,
 }
 
+/// A takeover claimed while the home association was up, waiting for the home's answer to the
+/// registration sent to check it.
+struct Claim {
+    conn: ConnId,
+    peer: SocketAddr,
+    home: u32,
+}
+
 /// A pool element's protocol state; see the module docs.
 pub struct PeCore {
     cfg: PoolElementConfig,
@@ -187,6 +204,7 @@ pub struct PeCore {
     /// race a takeover.
     lost_home: bool,
     offers: BTreeMap<ConnId, Offer>,
+    claim: Option<Claim>,
 }
 
 impl PeCore {
@@ -216,6 +234,7 @@ impl PeCore {
             next: 0,
             lost_home: false,
             offers: BTreeMap::new(),
+            claim: None,
             cfg,
         };
         if core.active {
@@ -315,6 +334,10 @@ impl PeCore {
         }
         if let Some(o) = self.offers.remove(&conn) {
             debug!("PE {:#010x}: {} is not a takeover; closed", self.id, o.peer);
+            return;
+        }
+        if self.claim.as_ref().is_some_and(|c| c.conn == conn) {
+            self.claim = None;
             return;
         }
         match &self.phase {
@@ -533,6 +556,17 @@ impl PeCore {
             self.offer(conn, msg, now);
             return;
         }
+        if self.claim.as_ref().is_some_and(|c| c.conn == conn) {
+            // The claimant's keep-alives are answered while the home is asked.
+            if let AsapMessage::EndpointKeepAlive { pool_handle, .. } = msg {
+                let ack = AsapMessage::EndpointKeepAliveAck {
+                    pool_handle,
+                    pe_id: self.id,
+                };
+                self.out.send(conn, &ack);
+            }
+            return;
+        }
         match &mut self.phase {
             Phase::Session(s) if s.conn == conn => self.in_session(msg, now),
             Phase::Deregistering { conn: c, .. } if *c == conn => {
@@ -565,13 +599,45 @@ impl PeCore {
                     pe_id: self.id,
                 };
                 self.out.send(conn, &ack);
-                self.adopt(conn, o.peer, server_id, now);
+                if self.home_is_up() {
+                    self.check_claim(conn, o.peer, server_id, now);
+                } else {
+                    self.adopt(conn, o.peer, server_id, now);
+                }
             }
             _ => {
                 debug!("PE {:#010x}: {} is not a takeover; closed", self.id, o.peer);
                 self.out.close(conn);
             }
         }
+    }
+
+    /// Whether the PE is registered over an association it did not get after losing its home:
+    /// a takeover now claims a home that is not gone.
+    fn home_is_up(&self) -> bool {
+        matches!(&self.phase, Phase::Session(s) if s.registered) && !self.lost_home
+    }
+
+    /// A takeover by `home` at `peer` while the home association is up: the home is asked (a
+    /// registration over it) before the PE moves. A newer claim replaces an older one.
+    fn check_claim(&mut self, conn: ConnId, peer: SocketAddr, home: u32, now: Instant) {
+        if let Some(old) = self.claim.take() {
+            self.out.close(old.conn);
+        }
+        let Phase::Session(s) = &mut self.phase else {
+            return;
+        };
+        info!(
+            "PE {:#010x}: registrar {home:#010x} at {peer} claims to take over while home {:#010x} \
+             at {} is up: asking the home first",
+            self.id, s.home, s.addr
+        );
+        if s.pending.is_none() {
+            s.pending = Some(now + self.cfg.response_timeout);
+            let (c, msg) = (s.conn, self.registration());
+            self.out.send(c, &msg);
+        }
+        self.claim = Some(Claim { conn, peer, home });
     }
 
     /// Registrar `home` at `peer` took over as home over `conn` (its H-bit keep-alive answered).
@@ -672,6 +738,14 @@ impl PeCore {
                     );
                 }
                 let home = s.home;
+                if let Some(c) = self.claim.take() {
+                    warn!(
+                        "PE {id:#010x}: takeover by registrar {:#010x} at {} refused: home \
+                         registrar {home:#010x} at {addr} answers",
+                        c.home, c.peer
+                    );
+                    self.out.close(c.conn);
+                }
                 self.set_state(PeState::Registered {
                     registrar: addr,
                     home,
@@ -696,6 +770,9 @@ impl PeCore {
     /// `conn` is gone without the driver's report (bad input).
     fn lost(&mut self, conn: ConnId, now: Instant) {
         self.offers.remove(&conn);
+        if self.claim.as_ref().is_some_and(|c| c.conn == conn) {
+            self.claim = None;
+        }
         match &self.phase {
             Phase::Session(s) if s.conn == conn => {
                 let registered = s.registered;
@@ -721,6 +798,17 @@ impl PeCore {
                 self.out.event(PeEvent::LostHome { registrar });
             }
             self.lost_home = true;
+            // A takeover claimed while the home was up was real: the home did not answer.
+            if let Some(c) = self.claim.take()
+                && self.out.is_open(c.conn)
+            {
+                self.phase = Phase::Waiting {
+                    until: now + self.cfg.takeover_wait,
+                    for_takeover: true,
+                };
+                self.adopt(c.conn, c.peer, c.home, now);
+                return;
+            }
             // Another registrar may take over. Before registering with another one (if any is
             // known), give it time to; a takeover is adopted at any time.
             let known = self.registrars.candidates(now).len();
@@ -801,6 +889,9 @@ impl PeCore {
             self.phase = Phase::Stopped;
             for c in std::mem::take(&mut self.offers).into_keys() {
                 self.out.close(c);
+            }
+            if let Some(c) = self.claim.take() {
+                self.out.close(c.conn);
             }
             self.set_state(PeState::Stopped);
         } else {
