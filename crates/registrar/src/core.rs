@@ -24,6 +24,7 @@ mod asap;
 mod conns;
 mod enrp;
 mod limit;
+mod probe;
 mod subscribe;
 
 use asap::Asap;
@@ -114,6 +115,9 @@ impl Registrar {
     }
 
     fn read(&mut self, id: ConnId, data: &[u8], now: Instant) {
+        if self.asap.is_probe(id) {
+            return; // A service's own bytes (a banner), not ASAP.
+        }
         let mut input = data;
         loop {
             let Some(c) = self.conns.live_mut(id) else {
@@ -162,12 +166,25 @@ impl Registrar {
         self.conns.tls_refused(id, why, now);
     }
 
-    /// The connection closed: by the peer, an error, a failed [`Action::Connect`], or after
-    /// [`Action::Close`]. Its PEs leave the handlespace.
+    /// An outgoing connection is up. Only a probe ([`Action::Probe`]) cares: the PE's
+    /// service answers, so the reports about it were false.
+    pub fn handle_connected(&mut self, id: ConnId, now: Instant) {
+        self.asap.probe_answered(id, &mut self.conns, now);
+    }
+
+    /// The connection closed: by the peer, an error, a failed [`Action::Connect`] or
+    /// [`Action::Probe`], or after [`Action::Close`]. Its PEs leave the handlespace.
     pub fn handle_close(&mut self, id: ConnId, now: Instant) {
         let Some(c) = self.conns.remove(id) else {
             return;
         };
+        if self
+            .asap
+            .probe_failed(id, &mut self.conns, &mut self.enrp, now)
+        {
+            self.asap.push_subscriptions(&mut self.conns, now);
+            return;
+        }
         if c.enrp {
             self.enrp.closed(id, &mut self.asap, &mut self.conns, now);
         }

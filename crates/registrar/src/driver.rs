@@ -267,6 +267,8 @@ struct Sock {
     deadline: Option<Instant>,
     /// An outgoing connection still being set up.
     connecting: bool,
+    /// A probe of a PE's service: its completion goes to the core, nothing is written.
+    probe: bool,
     /// The core asked to close it once its output is written ([`Action::Close`]).
     closing: bool,
 }
@@ -606,11 +608,30 @@ impl EventLoop {
             authenticated: false,
             deadline: None,
             connecting,
+            probe: false,
             closing: false,
         });
         if connecting {
             let deadline = self.now() + CONNECT_TIMEOUT;
             self.watch(id, deadline);
+        }
+    }
+
+    /// Opens a probe of a PE's service the core asked for: plain TCP, whatever the registrar's
+    /// TLS.
+    fn probe(&mut self, id: ConnId, addr: SocketAddr) {
+        match TcpStream::connect(addr) {
+            Ok(stream) => {
+                self.add_sock(id, stream, None, true);
+                if let Some(sock) = self.sock(id.index()) {
+                    sock.probe = true;
+                }
+            }
+            Err(e) => {
+                tracing::debug!("probe of {addr}: {e}");
+                let now = self.now();
+                self.core.handle_close(id, now);
+            }
         }
     }
 
@@ -810,6 +831,11 @@ impl EventLoop {
             }
             sock.connecting = false;
             sock.deadline = None;
+            if sock.probe {
+                let now = self.now();
+                self.core.handle_connected(id, now);
+                return self.after_core();
+            }
             return self.flush(id);
         }
         if sock.deadline.is_some() {
@@ -825,6 +851,7 @@ impl EventLoop {
                 Action::Transmit(id) if self.core.is_enrp(id) => self.deferred.push(id),
                 Action::Transmit(id) => self.flush(id),
                 Action::Connect(id, addr) => self.connect(id, addr),
+                Action::Probe(id, addr) => self.probe(id, addr),
                 Action::Close(id) => {
                     if let Some(sock) = self.sock(id.index()) {
                         sock.closing = true;

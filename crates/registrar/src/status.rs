@@ -60,6 +60,9 @@ pub struct Counters {
     pub keep_alive_acks: u64,
     pub unreachable_reports: u64,
     pub unreachable_rate_limited: u64,
+    /// PEs reported unreachable MAX-BAD-PE-REPORT times whose service then answered a probe.
+    #[serde(default)]
+    pub unreachable_refuted: u64,
     pub removed_keep_alive_timeout: u64,
     pub removed_connection_closed: u64,
     pub removed_unreachable: u64,
@@ -273,6 +276,12 @@ impl Counters {
                 "rserpool_registrar_unreachable_rate_limited",
                 "ENDPOINT_UNREACHABLE reports ignored by the rate limit.",
                 self.unreachable_rate_limited,
+            ),
+            (
+                "rserpool_registrar_unreachable_refuted",
+                "PEs reported unreachable MAX-BAD-PE-REPORT times whose service answered the \
+                 registrar's own connection: kept.",
+                self.unreachable_refuted,
             ),
             (
                 "rserpool_registrar_protocol_errors",

@@ -381,3 +381,112 @@ fn a_subscriber_is_pushed_each_visible_change_of_its_pool() {
     r.handle_data(pe, &credits(1), at(9));
     assert_eq!(r.handlespace().len(), 1);
 }
+
+/// RFC 5355 §3.1 and §3.7: only the association a PE registered over may change or remove it;
+/// a registration or deregistration of its identifier over another one (impersonation, or a
+/// replayed deregistration) is refused with the RFC cause and changes nothing.
+#[test]
+fn another_association_can_neither_take_over_nor_deregister_a_pe() {
+    let mut r = Registrar::new(cfg(), ID, at(0));
+    let owner = r.accept(peer(1), at(0)).unwrap();
+    r.handle_data(owner, &registration(7, -1), at(0));
+    output(&mut r, owner);
+    let intruder = r.accept(peer(2), at(10)).unwrap();
+    r.handle_data(intruder, &registration(7, -1), at(10));
+    match &output(&mut r, intruder)[..] {
+        [
+            AsapMessage::RegistrationResponse {
+                reject: true,
+                error: Some(e),
+                ..
+            },
+        ] => {
+            assert_eq!(e.causes[0].code, CauseCode::NON_UNIQUE_PE_IDENTIFIER);
+        }
+        other => panic!("{other:?}"),
+    }
+    let dereg = AsapMessage::Deregistration {
+        pool_handle: PoolHandle::from("P"),
+        pe_id: 7,
+    }
+    .to_bytes()
+    .unwrap();
+    r.handle_data(intruder, &dereg, at(20));
+    match &output(&mut r, intruder)[..] {
+        [AsapMessage::DeregistrationResponse { error: Some(e), .. }] => {
+            assert_eq!(e.causes[0].code, CauseCode::REJECTED_SECURITY);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(r.handlespace().len(), 1, "the PE stays");
+    // Its own association may.
+    r.handle_data(owner, &dereg, at(30));
+    assert_eq!(r.handlespace().len(), 0);
+}
+
+/// RFC 5355 §3.6: at MAX-BAD-PE-REPORT reports the registrar probes the PE's service itself;
+/// a service that accepts keeps the PE, one that does not removes it.
+#[test]
+fn unreachable_reports_are_checked_against_the_service() {
+    let report = AsapMessage::EndpointUnreachable {
+        pool_handle: PoolHandle::from("P"),
+        pe_id: 7,
+    }
+    .to_bytes()
+    .unwrap();
+    for service_answers in [true, false] {
+        let mut r = Registrar::new(cfg(), ID, at(0));
+        let pe = r.accept(peer(1), at(0)).unwrap();
+        r.handle_data(pe, &registration(7, -1), at(0));
+        output(&mut r, pe);
+        let pu = r.accept(peer(2), at(10)).unwrap();
+        for i in 0..3 {
+            r.handle_data(pu, &report, at(20 + i));
+        }
+        let probe = std::iter::from_fn(|| r.poll_action())
+            .find_map(|a| match a {
+                Action::Probe(c, to) => Some((c, to)),
+                _ => None,
+            })
+            .expect("a probe of the service at the third report");
+        assert_eq!(probe.1, peer(9000));
+        assert_eq!(r.handlespace().len(), 1, "not removed on reports alone");
+        if service_answers {
+            r.handle_connected(probe.0, at(40));
+            assert!(asked_to_close(&mut r, probe.0));
+            r.handle_close(probe.0, at(41));
+            assert_eq!(r.handlespace().len(), 1);
+            assert_eq!(r.status(at(50)).counters.unreachable_refuted, 1);
+        } else {
+            r.handle_close(probe.0, at(40));
+            assert_eq!(r.handlespace().len(), 0);
+            assert_eq!(r.status(at(50)).counters.removed_unreachable, 1);
+        }
+    }
+}
+
+/// RFC 5355 §3.5: credits beyond the capacity a PE declares reach no pool user.
+#[test]
+fn credits_above_the_declared_capacity_are_held_to_it() {
+    let mut r = Registrar::new(cfg(), ID, at(0));
+    let c = r.accept(peer(1), at(0)).unwrap();
+    let msg = AsapMessage::Registration {
+        pool_handle: PoolHandle::from("P"),
+        pool_element: PoolElement {
+            id: 7,
+            home_registrar: 0,
+            registration_life: -1,
+            user_transport: UserTransport::Address(TransportAddress::tcp(peer(9000))),
+            policy: Policy::Credits {
+                credits: 1_000_000,
+                capacity: 8,
+            },
+            asap_transport: None,
+        },
+    }
+    .to_bytes()
+    .unwrap();
+    r.handle_data(c, &msg, at(0));
+    let pe = &r.status(at(1)).pools[0].pes[0];
+    assert!(pe.policy.contains("8/8"), "{}", pe.policy);
+}

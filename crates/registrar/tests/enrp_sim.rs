@@ -179,6 +179,10 @@ impl Sim {
                     }
                     self.closing.insert((n, c));
                 }
+                // No PE service here to probe: the probe fails.
+                Action::Probe(c, _) => {
+                    self.closing.insert((n, c));
+                }
                 Action::Transmit(_) | Action::Announce(_) | Action::Presence(_) => {}
             }
         }

@@ -488,6 +488,14 @@ impl World {
                 }
                 Action::Announce(bytes) => self.announce(i, &bytes),
                 Action::Presence(_) => {}
+                // The simulated PEs have no service to connect to: a probe finds none, and
+                // the reports stand, as before probes.
+                Action::Probe(c, _) => {
+                    let now = self.at();
+                    if let Some(r) = self.regs[i].core.as_mut() {
+                        r.handle_close(c, now);
+                    }
+                }
             }
         }
     }

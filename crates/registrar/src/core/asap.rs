@@ -12,6 +12,7 @@ use super::Instant;
 use super::conns::{Action, ConnId, Conns};
 use super::enrp::{Enrp, HandlespaceView};
 use super::limit::LogLimiter;
+use super::probe::Probes;
 use super::subscribe::Subscriptions;
 use crate::config::Config;
 use crate::status::{Counters, PeStatus, PoolStatus};
@@ -79,6 +80,8 @@ pub(super) struct Asap {
     expired: Vec<(PeRef, TimerKind)>,
     report: Vec<ErrorCause>,
     subs: Subscriptions,
+    /// Services being checked after MAX-BAD-PE-REPORT reports.
+    probes: Probes,
 }
 
 impl Asap {
@@ -102,6 +105,7 @@ impl Asap {
             expired: Vec::new(),
             report: Vec::new(),
             subs: Subscriptions::default(),
+            probes: Probes::default(),
         }
     }
 
@@ -348,6 +352,13 @@ impl Asap {
             self.reject_registration(id, pool_handle, pe_id, cause, &why, out, now);
             return;
         }
+        // RFC 5355 §3.5: a credit report beyond the capacity the PE declares is a lie (or a
+        // bug); what the pool users see is held to the capacity.
+        if let rserpool_wire::Policy::Credits { credits, capacity } = &mut pe.policy
+            && *credits > *capacity
+        {
+            *credits = *capacity;
+        }
         pe.home_registrar = self.id;
         pe.asap_transport = Some(TransportAddress::tcp(asap_transport(
             pe.asap_transport.as_ref(),
@@ -583,11 +594,58 @@ impl Asap {
             return;
         };
         let n = self.hs.report_unreachable(r);
-        if n >= self.cfg.max_bad_pe_reports {
-            self.remove_pe(r, Removal::Unreachable, out, enrp, now);
-        } else {
+        if n < self.cfg.max_bad_pe_reports {
             self.probe(r, out, now);
+            return;
         }
+        // Reports are cheap to forge: the PE's service is checked before the PE goes.
+        let pe = self.hs.pe(r).element.clone();
+        if !self.probes.start(pool_handle, &pe, out, now) {
+            self.remove_pe(r, Removal::Unreachable, out, enrp, now);
+        }
+    }
+
+    /// Whether `id` is a probe of a PE's service.
+    pub(super) fn is_probe(&self, id: ConnId) -> bool {
+        self.probes.is_probe(id)
+    }
+
+    /// A probe's connection is up: the PE's service answers and stays; its reports are
+    /// forgotten.
+    pub(super) fn probe_answered(&mut self, id: ConnId, out: &mut Conns, now: Instant) {
+        let Some(p) = self.probes.end(id) else {
+            return;
+        };
+        out.close(id);
+        let Some(r) = self.hs.find(p.pool.as_bytes(), p.pe_id) else {
+            return;
+        };
+        self.hs.heard(r, now.as_millis());
+        self.counters.unreachable_refuted += 1;
+        if self.event_log.allow(now) {
+            warn!(
+                "PE {:#010x} of pool {} reported unreachable {} times, but its service answers: kept",
+                p.pe_id, p.pool, self.cfg.max_bad_pe_reports
+            );
+        }
+    }
+
+    /// A probe's connection failed (`id` was a probe): the PE's service does not answer, and
+    /// the PE is removed. Returns whether `id` was a probe.
+    pub(super) fn probe_failed(
+        &mut self,
+        id: ConnId,
+        out: &mut Conns,
+        enrp: &mut Enrp,
+        now: Instant,
+    ) -> bool {
+        let Some(p) = self.probes.end(id) else {
+            return false;
+        };
+        if let Some(r) = self.hs.find(p.pool.as_bytes(), p.pe_id) {
+            self.remove_pe(r, Removal::Unreachable, out, enrp, now);
+        }
+        true
     }
 
     /// Next supervision step of a home PE: a keep-alive after the interval, or the end of its

@@ -61,6 +61,11 @@ pub enum Action {
     /// [`handle_close`](super::Registrar::handle_close). For bytes that stopped being true
     /// while the other end was out of reach (a takeover, a peer declared dead).
     Abort(ConnId),
+    /// Open a plain TCP connection to a PE's service for this connection (no TLS, nothing
+    /// written: a check of ENDPOINT_UNREACHABLE reports) and report
+    /// [`handle_connected`](super::Registrar::handle_connected) once it is up, or
+    /// [`handle_close`](super::Registrar::handle_close) if it cannot be opened in time.
+    Probe(ConnId, SocketAddr),
     /// A SERVER_ANNOUNCE to send over UDP to every announce target.
     Announce(Bytes),
     /// A PRESENCE to send over UDP to the ENRP multicast group.
@@ -169,6 +174,16 @@ impl Conns {
             c.outgoing = true;
         }
         self.actions.push_back(Action::Connect(id, addr));
+        Some(id)
+    }
+
+    /// A probe of a PE's service at `addr`, for the driver to open.
+    pub(super) fn probe(&mut self, addr: SocketAddr, now: Instant) -> Option<ConnId> {
+        let id = self.open(addr, false, now)?;
+        if let Some(c) = self.get_mut(id) {
+            c.outgoing = true;
+        }
+        self.actions.push_back(Action::Probe(id, addr));
         Some(id)
     }
 
