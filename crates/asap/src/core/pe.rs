@@ -739,9 +739,15 @@ impl PeCore {
                 }
                 let home = s.home;
                 if let Some(c) = self.claim.take() {
+                    // The home's identifier is known from its first keep-alive on.
+                    let known = if home == 0 {
+                        String::new()
+                    } else {
+                        format!(" {home:#010x}")
+                    };
                     warn!(
                         "PE {id:#010x}: takeover by registrar {:#010x} at {} refused: home \
-                         registrar {home:#010x} at {addr} answers",
+                         registrar{known} at {addr} answers",
                         c.home, c.peer
                     );
                     self.out.close(c.conn);
