@@ -147,6 +147,9 @@ enum Command {
     /// Make a test CA and certificates (ECDSA P-256) for trying TLS between registrars, pool
     /// elements, pool users and the proxy.
     Cert(cmd::cert::CertArgs),
+    /// A hostile peer for testing the defences of docs/SECURITY.md: sends one of RFC 5355's
+    /// attacks (a forged takeover, false unreachable reports) at your own deployment.
+    Attack(cmd::attack::AttackArgs),
 }
 
 /// mimalloc: the proxy allocates per request (heads, header maps, HTTP/2 frames and tasks);
@@ -175,6 +178,7 @@ fn main() -> Result<()> {
         Command::SplitSplice(a) => cmd::split::run(a),
         Command::CheckConfig(a) => cmd::check::run(a),
         Command::Cert(a) => cmd::cert::run(a),
+        Command::Attack(a) => cmd::attack::run(a),
     }
 }
 
@@ -194,6 +198,7 @@ fn print_config(command: &Command) -> Result<()> {
         Command::SplitSplice(a) => toml::to_string(a)?,
         Command::CheckConfig(a) => toml::to_string(a)?,
         Command::Cert(a) => toml::to_string(a)?,
+        Command::Attack(_) => String::new(),
     };
     print!("{text}");
     Ok(())

@@ -357,6 +357,46 @@ async fn serve_follows_its_target() {
     .await;
 }
 
+/// False reports (RFC 5355 §3.6): a PE whose service answers stays, whoever reports it and
+/// however often; the registrar checks the service itself at the threshold.
+#[tokio::test]
+async fn unreachable_reports_about_a_pe_whose_service_answers_do_not_remove_it() {
+    let r = registrar(Config {
+        max_bad_pe_reports: 3,
+        ..fast_config()
+    });
+    let service = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = service.local_addr().unwrap().port();
+    let live = pe(r.asap_addr(), "F", port, Policy::RoundRobin);
+    live.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let h = PoolHandle::from("F");
+    // Three reports from one pool user, then one from each of three.
+    let mut pu = pool_user(r.asap_addr(), None);
+    for _ in 0..3 {
+        pu.report_unreachable(&h, live.id()).await.unwrap();
+    }
+    for _ in 0..3 {
+        pool_user(r.asap_addr(), None)
+            .report_unreachable(&h, live.id())
+            .await
+            .unwrap();
+    }
+    let status = r.status_addr().unwrap();
+    wait_for(
+        Duration::from_secs(5),
+        "the reports refuted",
+        || async move {
+            common::registrar_status(status)
+                .await
+                .is_some_and(|s| s.counters.unreachable_refuted >= 2)
+        },
+    )
+    .await;
+    assert_eq!(resolve_ids(r.asap_addr(), "F", 3).await, vec![live.id()]);
+    drop(service);
+}
+
+/// A PE whose service does not answer (nothing listens on its port) goes at the threshold.
 #[tokio::test]
 async fn unreachable_reports_remove_a_pe_at_the_threshold() {
     let r = registrar(Config {

@@ -4,7 +4,8 @@
 //! registered everywhere, answering keep-alives, without registering again. And a PE that knows
 //! only a dead registrar, and is not taken over, registers once a registrar is reachable there
 //! or announces itself. With short timers the new home is killed too, and the last registrar
-//! takes the PEs over.
+//! takes the PEs over. Before the kill, a forged takeover (`rserpool attack takeover`) moves
+//! none of them.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -185,6 +186,22 @@ async fn the_pes_of_a_killed_registrar_stay_with_a_survivor(
     )
     .await;
     eprintln!("3 PEs registered at the first registrar and replicated in {t:?}");
+
+    // A forged takeover first (docs/SECURITY.md): every PE answers, asks its home, stays.
+    let out = Command::new(BIN)
+        .args(["attack", "takeover", "--pool", POOL, "--hold-ms", "2000"])
+        .args(["--registrar", &asap[1].to_string()])
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    assert_eq!(said.matches(": Refused").count(), 3, "{said}");
+    owned_by(&asap, &pe_ids, &ids[..1]).await.unwrap();
+    for (pe, id) in &pes {
+        let refused = pe.lines_with("refused: home registrar");
+        assert_eq!(refused.len(), 1, "PE {id:#010x}, logged once: {refused:?}");
+    }
 
     let mut live = vec![0, 1, 2];
     // PE -> takeovers it should have logged.

@@ -132,7 +132,42 @@ async fn up_then_the_suggested_commands_work_on_defaults() {
     let m = common::scrape("127.0.0.1:8864".parse().unwrap()).await;
     assert!(common::metric(&m, "rserpool_proxy_requests_total", &[("pool", "WebPool")]) >= 1.0);
 
-    drop((c, echo));
+    // An attacker on the same host forges a takeover of every EchoPool PE (docs/SECURITY.md):
+    // each answers, stays with its registrar and closes the attacker's connection.
+    let out = Command::new(BIN)
+        .args([
+            "attack",
+            "takeover",
+            "--pool",
+            "EchoPool",
+            "--hold-ms",
+            "3000",
+        ])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(said.matches(": Refused").count(), 3, "{said}");
+    let st: rserpool_registrar::Status = serde_json::from_str(&run(&["status", "--json"])).unwrap();
+    let echo_pool = st.pools.iter().find(|p| p.handle == "EchoPool").unwrap();
+    assert_eq!(echo_pool.pes.len(), 3, "every PE still registered");
+    let mut again = tokio::net::TcpStream::connect("127.0.0.1:7000")
+        .await
+        .unwrap();
+    again.write_all(b"still\n").await.unwrap();
+    let mut got = [0u8; 6];
+    tokio::time::timeout(Duration::from_secs(5), again.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got, b"still\n");
+
+    drop((c, echo, again));
     signal(&up, rustix::process::Signal::INT);
     wait_until(
         Duration::from_secs(10),

