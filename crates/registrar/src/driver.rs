@@ -31,6 +31,8 @@ use tracing::{info, warn};
 const WRITE_TIMEOUT: Duration = Duration::from_millis(10_000);
 /// The read buffer shared by all connections.
 const READ_BUF: usize = 64 * 1024;
+/// Bytes a connection may have read per turn of the event loop before the others get theirs.
+const READ_PER_TURN: usize = 16 * 1024;
 /// The loop wakes at least this often (for write and status deadlines).
 const MAX_WAIT: Duration = Duration::from_secs(1);
 
@@ -239,6 +241,7 @@ impl Server {
             socks: Vec::new(),
             read_buf: vec![0; READ_BUF].into_boxed_slice(),
             deferred: Vec::new(),
+            unread: Vec::new(),
             last_flush: Instant::default(),
             watched: Vec::new(),
             udp,
@@ -406,6 +409,10 @@ struct EventLoop {
     /// Peer registrar connections with output, written once per loop iteration: the updates
     /// of every message handled in one wake-up go out in one write per peer.
     deferred: Vec<ConnId>,
+    /// Connections that had more to read when their turn ended: read again in the next round,
+    /// after everyone else's events, so that one peer that never stops sending (a flood)
+    /// cannot starve the others.
+    unread: Vec<usize>,
     /// When the deferred connections were last written. Peers get at most one write per
     /// `enrp_batch_ms`: an update after a quiet spell goes out at once, under load the updates
     /// of a whole interval share one write per peer (on loopback a write also costs the
@@ -464,7 +471,11 @@ impl EventLoop {
             if !self.deferred.is_empty() {
                 next = next.min(self.last_flush + self.enrp_batch());
             }
-            let wait = next.saturating_duration_since(now);
+            let wait = if self.unread.is_empty() {
+                next.saturating_duration_since(now)
+            } else {
+                Duration::ZERO
+            };
             match self.poll.poll(&mut events, Some(wait)) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -492,6 +503,9 @@ impl EventLoop {
                         }
                     }
                 }
+            }
+            for i in std::mem::take(&mut self.unread) {
+                self.on_readable(i);
             }
             let now = self.now();
             if self.accept_retry_at.is_some_and(|t| t <= now) {
@@ -702,24 +716,31 @@ impl EventLoop {
             return self.on_readable_tls(i);
         }
         let id = ConnId::from_index(i);
-        loop {
+        let mut turn = 0;
+        while turn < READ_PER_TURN {
             let Some(sock) = self.socks.get_mut(i).and_then(Option::as_mut) else {
                 return;
             };
-            let n = match sock.stream.read(&mut self.read_buf) {
+            let want = self.read_buf.len().min(READ_PER_TURN - turn);
+            let n = match sock.stream.read(&mut self.read_buf[..want]) {
                 Ok(0) => return self.close(id),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => return self.close(id),
             };
+            turn += n;
             let now = self.now();
             self.core.handle_data(id, &self.read_buf[..n], now);
             self.after_core();
-            if n < self.read_buf.len() {
+            if n < want {
                 // A short read emptied the socket; epoll reports the next arrival.
                 return;
             }
+        }
+        // Its turn is over with bytes left: edge-triggered epoll will not say so again.
+        if !self.unread.contains(&i) {
+            self.unread.push(i);
         }
     }
 

@@ -60,6 +60,10 @@ pub struct Counters {
     pub keep_alive_acks: u64,
     pub unreachable_reports: u64,
     pub unreachable_rate_limited: u64,
+    /// Associations closed for having a second's worth of requests refused by a rate limit
+    /// in a row.
+    #[serde(default)]
+    pub flooders_closed: u64,
     /// PEs reported unreachable MAX-BAD-PE-REPORT times whose service then answered a probe.
     #[serde(default)]
     pub unreachable_refuted: u64,
@@ -276,6 +280,12 @@ impl Counters {
                 "rserpool_registrar_unreachable_rate_limited",
                 "ENDPOINT_UNREACHABLE reports ignored by the rate limit.",
                 self.unreachable_rate_limited,
+            ),
+            (
+                "rserpool_registrar_flooders_closed",
+                "Associations closed for having a second's worth of requests refused by a rate \
+                 limit in a row.",
+                self.flooders_closed,
             ),
             (
                 "rserpool_registrar_unreachable_refuted",

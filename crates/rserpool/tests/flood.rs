@@ -1,0 +1,111 @@
+//! A handle-resolution flood (RFC 5355 §3.4) at a registrar process on its defaults, with
+//! `rserpool attack resolve-flood` over four associations that reconnect when closed: the rate
+//! limit refuses it, an association that has a second's worth refused in a row is closed, a
+//! legitimate pool user is
+//! still answered promptly, the registrar's memory stays bounded and it logs one line per
+//! source and minute, not one per refused request or association.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{BIN, Logged, free_port, wait_for};
+use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
+use rserpool_wire::{Policy, PoolHandle};
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resolution_flood_is_refused_and_others_are_served() {
+    let asap = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let args: Vec<String> = ["registrar", "--asap", &asap.to_string(), "--status", "off"]
+        .map(String::from)
+        .to_vec();
+    let reg = Logged::spawn("registrar", &args, "warn");
+    wait_for(
+        Duration::from_secs(10),
+        "the registrar listens",
+        || async move { tokio::net::TcpStream::connect(asap).await.is_ok() },
+    )
+    .await;
+    let service = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut cfg =
+        PoolElementConfig::new("Flooded", service.local_addr().unwrap(), Policy::RoundRobin);
+    cfg.registrars = vec![asap];
+    let pe = PoolElement::start(cfg).unwrap();
+    pe.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let before = rss_kib(reg.proc.id());
+
+    let flood = tokio::task::spawn_blocking(move || {
+        Command::new(BIN)
+            .args(["attack", "resolve-flood", "--pool", "Flooded"])
+            .args(["--associations", "4", "--duration-ms", "3000"])
+            .args(["--registrar", &asap.to_string()])
+            .env("RUST_LOG", "off")
+            .output()
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A legitimate pool user, one resolution every 50 ms on a fresh association each time.
+    let mut took = Vec::new();
+    let h = PoolHandle::from("Flooded");
+    for _ in 0..40 {
+        let mut pu = PoolUser::new(PoolUserConfig {
+            registrars: vec![asap],
+            ..PoolUserConfig::default()
+        })
+        .unwrap();
+        let t = Instant::now();
+        let res = pu.resolve(&h).await.unwrap();
+        took.push(t.elapsed());
+        assert_eq!(res.pool_elements.len(), 1);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let during = rss_kib(reg.proc.id());
+    let out = flood.await.unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    eprintln!("{said}");
+    took.sort();
+    let p95 = took[took.len() * 95 / 100];
+    eprintln!(
+        "legitimate resolutions during the flood: median {:?}, p95 {p95:?}, max {:?}; RSS {before} → {during} KiB",
+        took[took.len() / 2],
+        took[took.len() - 1]
+    );
+    // The flood went past the limit (1,000 resolutions/s per association by default).
+    let refused: u64 = said
+        .split(", ")
+        .find_map(|p| p.strip_suffix(" refused by the rate limit")?.parse().ok())
+        .unwrap();
+    assert!(refused > 0, "{said}");
+    assert!(p95 < Duration::from_millis(100), "p95 {p95:?}");
+    assert!(during < before + 64 * 1024, "RSS {before} → {during} KiB");
+    // Each flooding association is refused, then closed once it has had a second's worth
+    // refused in a row.
+    let closed: u32 = said
+        .split(", ")
+        .find_map(|p| {
+            p.trim()
+                .strip_suffix(" association(s) closed by the registrar")?
+                .parse()
+                .ok()
+        })
+        .unwrap();
+    assert!(closed >= 4, "{said}");
+    let lines = reg.lines_with("handle resolutions refused");
+    assert!(
+        (1..=2).contains(&lines.len()),
+        "one line per source and minute: {lines:?}"
+    );
+    drop(service);
+}
