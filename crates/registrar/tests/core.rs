@@ -196,6 +196,23 @@ fn limits_answer_lack_of_resources_or_refuse() {
         }
         m => panic!("{m:?}"),
     }
+    // The whole handlespace has a limit too, whatever the associations.
+    let mut r = Registrar::new(
+        Config {
+            max_pes: 2,
+            ..cfg()
+        },
+        ID,
+        at(0),
+    );
+    for (n, port) in [(1u32, 1u16), (2, 2), (3, 3)] {
+        let c = r.accept(peer(port), at(0)).unwrap();
+        r.handle_data(c, &registration(n, -1), at(0));
+        let out = output(&mut r, c);
+        let refused = matches!(&out[..], [AsapMessage::RegistrationResponse { reject: true, error: Some(e), .. }] if e.causes[0].code == CauseCode::LACK_OF_RESOURCES);
+        assert_eq!(refused, n == 3, "{out:?}");
+    }
+    assert_eq!(r.handlespace().len(), 2);
 }
 
 #[test]

@@ -343,6 +343,15 @@ impl Asap {
                 return;
             }
         }
+        if existing.is_none() && self.hs.len() >= self.cfg.max_pes {
+            let cause = ErrorCause::new(CauseCode::LACK_OF_RESOURCES);
+            let why = format!(
+                "limit of {} PEs in the handlespace reached",
+                self.cfg.max_pes
+            );
+            self.reject_registration(id, pool_handle, pe_id, cause, &why, out, now);
+            return;
+        }
         if !bound && pes_here >= self.cfg.max_pes_per_connection {
             let cause = ErrorCause::new(CauseCode::LACK_OF_RESOURCES);
             let why = format!(
