@@ -100,6 +100,22 @@ fn registered(reg: SocketAddr) -> (PeCore, ConnId) {
     (pe, c)
 }
 
+/// The PE took registrar `home` at `at` as its home (`a`: the actions that followed).
+fn adopted(pe: &PeCore, a: &[Action<PeEvent>], at: SocketAddr, home: u32) {
+    let event = Action::Event(PeEvent::TakenOver {
+        registrar: at,
+        home,
+    });
+    assert!(a.contains(&event), "{a:?}");
+    assert_eq!(
+        pe.state(),
+        &PeState::Registered {
+            registrar: at,
+            home
+        }
+    );
+}
+
 #[test]
 fn registers_reregisters_on_time_and_on_news_and_deregisters_on_stop() {
     let (mut pe, c) = registered(addr(1, 3863));
@@ -156,17 +172,7 @@ fn a_pe_knowing_one_registrar_adopts_a_takeover() {
     let out = sent(&a, t);
     assert_eq!(out.len(), 1, "only the answer: {out:?}");
     assert!(is_ack(&out[0]));
-    assert!(a.contains(&Action::Event(PeEvent::TakenOver {
-        registrar: new_home,
-        home: 0x2002
-    })));
-    assert_eq!(
-        pe.state(),
-        &PeState::Registered {
-            registrar: new_home,
-            home: 0x2002
-        }
-    );
+    adopted(&pe, &a, new_home, 0x2002);
     // Its keep-alives are answered, its re-registrations go there.
     pe.handle_data(t, &keep_alive(0x2002, false, pe.id()), at(3_000));
     assert!(is_ack(&sent(&actions(&mut pe), t)[0]));
@@ -225,17 +231,7 @@ fn a_takeover_claimed_while_the_home_hangs_is_adopted_when_it_does_not_answer() 
     pe.handle_timeout(deadline);
     let a = actions(&mut pe);
     assert!(a.contains(&Action::Close(c)), "{a:?}");
-    assert!(a.contains(&Action::Event(PeEvent::TakenOver {
-        registrar: new_home,
-        home: 0x2002
-    })));
-    assert_eq!(
-        pe.state(),
-        &PeState::Registered {
-            registrar: new_home,
-            home: 0x2002
-        }
-    );
+    adopted(&pe, &a, new_home, 0x2002);
 }
 
 #[test]

@@ -177,12 +177,7 @@ async fn proxy(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bursts_at_full_load_eject_nothing_and_fail_no_more_than_haproxy() {
-    if Command::new("haproxy").arg("-v").output().is_err() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "haproxy is missing (.ci/run installs it)"
-        );
-        eprintln!("SKIPPED: haproxy is not installed");
+    if !common::haproxy_here() {
         return;
     }
     let reg = registrar(fast_config());

@@ -208,13 +208,7 @@ async fn an_ejection_never_takes_more_than_the_cap_of_a_pool() {
 
 #[tokio::test]
 async fn with_too_few_healthy_pes_the_pool_panics_and_spreads_over_all() {
-    let mut pes = Vec::new();
-    let mut seen = Vec::new();
-    for _ in 0..4 {
-        let (a, s) = pe(Pe::Answers).await;
-        pes.push(a);
-        seen.push(s);
-    }
+    let (pes, seen) = answering(4).await;
     let (ctx, pool, _) = ctx(&pes, ProxyConfig::default());
     pool.set_config(
         crate::config::PoolConfig {
@@ -310,13 +304,7 @@ async fn ring_hash_sends_a_key_to_its_pe_on_every_proxy_and_back_after_an_ejecti
 }
 
 async fn hashing_keeps_keys(select: crate::config::Select) {
-    let mut pes = Vec::new();
-    let mut seen = Vec::new();
-    for _ in 0..4 {
-        let (a, s) = pe(Pe::Answers).await;
-        pes.push(a);
-        seen.push(s);
-    }
+    let (pes, seen) = answering(4).await;
     let maglev = || crate::config::PoolConfig {
         select,
         hash_key: "header:x-user".parse().unwrap(),
@@ -562,13 +550,7 @@ async fn a_pe_slower_than_the_try_timeout_is_busy_and_the_request_goes_elsewhere
 
 #[tokio::test]
 async fn a_sticky_cookie_brings_a_client_back_to_its_pe_also_after_the_pe_restarts() {
-    let mut pes = Vec::new();
-    let mut seen = Vec::new();
-    for _ in 0..3 {
-        let (a, s) = pe(Pe::Answers).await;
-        pes.push(a);
-        seen.push(s);
-    }
+    let (pes, seen) = answering(3).await;
     let (ctx, pool, _) = ctx(&pes, ProxyConfig::default());
     pool.set_config(
         crate::config::PoolConfig {

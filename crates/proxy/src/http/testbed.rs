@@ -115,37 +115,16 @@ pub(super) async fn pe(kind: Pe) -> (SocketAddr, Arc<AtomicUsize>) {
 
 /// A listener whose accept queue is full: the kernel drops further SYNs.
 pub(super) fn full_queue() -> SocketAddr {
-    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
-        .unwrap();
-    s.listen(0).unwrap();
-    let addr = s.local_addr().unwrap().as_socket().unwrap();
-    // Held for the rest of the test run; its queue holds one connection, then one more.
-    let mut fill = Vec::new();
-    for _ in 0..4 {
-        if let Ok(c) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
-            fill.push(c);
-        }
-    }
-    std::mem::forget((s, fill));
+    let (l, addr, fill) = filled_listener();
+    // Held for the rest of the test run.
+    std::mem::forget((l, fill));
     addr
 }
 
 /// A listener whose accept queue is full for `full`, after which it accepts and answers
 /// every request 200 (and closes), as a PE whose burst has passed.
 pub(super) fn full_for(full: Duration) -> SocketAddr {
-    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
-        .unwrap();
-    s.listen(0).unwrap();
-    let addr = s.local_addr().unwrap().as_socket().unwrap();
-    let mut fill = Vec::new();
-    for _ in 0..4 {
-        if let Ok(c) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
-            fill.push(c);
-        }
-    }
-    let l: std::net::TcpListener = s.into();
+    let (l, addr, fill) = filled_listener();
     std::thread::spawn(move || {
         std::thread::sleep(full);
         drop(fill);
@@ -162,6 +141,35 @@ pub(super) fn full_for(full: Duration) -> SocketAddr {
         }
     });
     addr
+}
+
+/// A listener with a backlog of none, filled: its queue holds one connection, then one more,
+/// and the kernel drops further SYNs. The connections that fill it come along.
+fn filled_listener() -> (std::net::TcpListener, SocketAddr, Vec<std::net::TcpStream>) {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    s.listen(0).unwrap();
+    let addr = s.local_addr().unwrap().as_socket().unwrap();
+    let mut fill = Vec::new();
+    for _ in 0..4 {
+        if let Ok(c) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
+            fill.push(c);
+        }
+    }
+    (s.into(), addr, fill)
+}
+
+/// `n` PEs that answer 200: their addresses and request counters.
+pub(super) async fn answering(n: usize) -> (Vec<SocketAddr>, Vec<Arc<AtomicUsize>>) {
+    let mut pes = Vec::new();
+    let mut seen = Vec::new();
+    for _ in 0..n {
+        let (a, s) = pe(Pe::Answers).await;
+        pes.push(a);
+        seen.push(s);
+    }
+    (pes, seen)
 }
 
 /// The pool elements at these addresses, IDs 1, 2, … and loads 0, 1, … in that order.
