@@ -78,7 +78,7 @@ settings! {
     max_pes_per_pool: usize = 100_000;
     /// PEs in the whole handlespace (all pools, those of peers too): bounds the registrar's
     /// memory against registration floods over many associations.
-    max_pes: usize = 250_000;
+    max_pes: usize = 100_000;
     /// PEs registered over one connection.
     max_pes_per_connection: usize = 1000;
     /// Longest pool handle, in bytes.

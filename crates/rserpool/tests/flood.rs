@@ -109,3 +109,75 @@ async fn a_resolution_flood_is_refused_and_others_are_served() {
     );
     drop(service);
 }
+
+/// A registration flood (RFC 5355 §3.3) over eight associations at a registrar with
+/// `--max-pes 3000`: each association gets at most `max-pes-per-connection` (1,000), the whole
+/// handlespace at most 3,000, the rest is refused with *lack of resources*, the registrar's
+/// memory stays bounded, the refusals log one line per source and minute, and once the
+/// flooder is gone a real PE registers and is resolved promptly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_flood_stops_at_the_limits() {
+    let asap = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let args: Vec<String> = [
+        "registrar",
+        "--asap",
+        &asap.to_string(),
+        "--status",
+        "off",
+        "--max-pes",
+        "3000",
+    ]
+    .map(String::from)
+    .to_vec();
+    let reg = Logged::spawn("registrar", &args, "warn");
+    wait_for(
+        Duration::from_secs(10),
+        "the registrar listens",
+        || async move { tokio::net::TcpStream::connect(asap).await.is_ok() },
+    )
+    .await;
+    let before = rss_kib(reg.proc.id());
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(BIN)
+            .args(["attack", "register-flood", "--pool", "Flood"])
+            .args(["--associations", "8", "--pes", "1500"])
+            .args(["--registrar", &asap.to_string()])
+            .env("RUST_LOG", "off")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    eprintln!("{said}");
+    assert!(said.contains("registered 3000 PEs"), "{said}");
+    assert!(said.contains("9000 Lack of Resources"), "{said}");
+    let after = rss_kib(reg.proc.id());
+    eprintln!("RSS {before} → {after} KiB");
+    assert!(after < before + 64 * 1024, "RSS {before} → {after} KiB");
+    // The flooder gone, its PEs went with its associations: a real PE registers and is found.
+    let service = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut cfg = PoolElementConfig::new("Real", service.local_addr().unwrap(), Policy::RoundRobin);
+    cfg.registrars = vec![asap];
+    let pe = PoolElement::start(cfg).unwrap();
+    pe.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let mut pu = PoolUser::new(PoolUserConfig {
+        registrars: vec![asap],
+        ..PoolUserConfig::default()
+    })
+    .unwrap();
+    let t = Instant::now();
+    let res = pu.resolve(&PoolHandle::from("Real")).await.unwrap();
+    assert_eq!(res.pool_elements.len(), 1);
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        t.elapsed()
+    );
+    let lines = reg.lines_with("rejected: limit of");
+    assert!(
+        (1..=2).contains(&lines.len()),
+        "one line per source and minute: {lines:?}"
+    );
+}

