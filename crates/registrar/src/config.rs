@@ -91,6 +91,10 @@ settings! {
     enrp: SocketAddr = SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ENRP_PORT));
     /// Peer registrars' ENRP addresses (repeatable); others are found by their PRESENCE.
     peer: Vec<SocketAddr> = Vec::new();
+    /// Take ENRP connections only from the hosts of `peer` (their IP addresses): without TLS,
+    /// the defence against a registrar that is not one of the cluster (RFC 5355 §3.2). Every
+    /// registrar of the cluster must then list the others.
+    enrp_peers_only: bool = false;
     /// Also send PRESENCE to the multicast group.
     enrp_multicast: bool = false;
     /// Multicast group and port for PRESENCE.

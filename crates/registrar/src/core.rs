@@ -93,8 +93,14 @@ impl Registrar {
         self.conns.open(peer, false, now)
     }
 
-    /// A new ENRP connection from another registrar.
+    /// A new ENRP connection from another registrar; `None` over the connection limit, or
+    /// from a host not among the configured peers with `enrp-peers-only` (close it).
     pub fn accept_enrp(&mut self, peer: SocketAddr, now: Instant) -> Option<ConnId> {
+        let cfg = self.config();
+        if cfg.enrp_peers_only && !cfg.peer.iter().any(|p| p.ip() == peer.ip()) {
+            self.conns.refuse_stranger(peer, now);
+            return None;
+        }
         self.conns.open(peer, true, now)
     }
 

@@ -507,3 +507,32 @@ fn credits_above_the_declared_capacity_are_held_to_it() {
     let pe = &r.status(at(1)).pools[0].pes[0];
     assert!(pe.policy.contains("8/8"), "{}", pe.policy);
 }
+
+/// RFC 5355 §3.2 without TLS: with `enrp-peers-only`, ENRP is taken only from the hosts of
+/// the configured peers.
+#[test]
+fn enrp_peers_only_refuses_strangers() {
+    let mut r = Registrar::new(
+        Config {
+            peer: vec!["10.0.0.2:9901".parse().unwrap()],
+            enrp_peers_only: true,
+            ..cfg()
+        },
+        ID,
+        at(0),
+    );
+    assert!(
+        r.accept_enrp("10.0.0.9:40000".parse().unwrap(), at(0))
+            .is_none()
+    );
+    assert!(
+        r.accept_enrp("10.0.0.2:40001".parse().unwrap(), at(0))
+            .is_some()
+    );
+    // Off by default: a registrar found by its PRESENCE may connect.
+    let mut open = Registrar::new(cfg(), ID, at(0));
+    assert!(
+        open.accept_enrp("10.0.0.9:40000".parse().unwrap(), at(0))
+            .is_some()
+    );
+}

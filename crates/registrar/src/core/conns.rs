@@ -200,6 +200,12 @@ impl Conns {
         let Some(ip) = self.get(id).map(|c| c.peer.ip()) else {
             return false;
         };
+        self.once_a_minute(ip, now)
+    }
+
+    /// Whether a line about `ip` may be logged: its first this minute, within the log limit of
+    /// all peers together.
+    fn once_a_minute(&mut self, ip: std::net::IpAddr, now: Instant) -> bool {
         let minute_ago = now.as_millis().saturating_sub(60_000);
         if self
             .limit_logged
@@ -217,6 +223,15 @@ impl Conns {
         }
         self.limit_logged.insert(ip, now);
         self.peer_log.allow(now)
+    }
+
+    /// An ENRP connection from a host that is not a configured peer (`enrp-peers-only`): not
+    /// taken, counted, logged once a minute per source address.
+    pub(super) fn refuse_stranger(&mut self, peer: SocketAddr, now: Instant) {
+        self.refused += 1;
+        if self.once_a_minute(peer.ip(), now) {
+            warn!("ENRP connection from {peer} refused: not a configured peer (enrp-peers-only)");
+        }
     }
 
     /// Whether association `id` had more than a second's worth (`rate`, at least 1,000) of
