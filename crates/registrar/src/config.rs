@@ -70,6 +70,10 @@ settings! {
     max_hr_rate: u32 = 1000;
     /// ENDPOINT_UNREACHABLE reports per second and pool user connection (0 = unlimited).
     max_eu_rate: u32 = 100;
+    /// Re-registrations (policy changes, e.g. load or credit reports) per second and PE
+    /// connection; beyond, the PE's lifetime is renewed but its entry stays as it was and
+    /// nothing goes to the peers, until the next one within the rate (0 = unlimited).
+    max_rereg_rate: u32 = 1000;
     /// Simultaneous ASAP connections.
     max_connections: usize = 100_000;
     /// Pools in the handlespace.

@@ -60,6 +60,9 @@ pub struct Counters {
     pub keep_alive_acks: u64,
     pub unreachable_reports: u64,
     pub unreachable_rate_limited: u64,
+    /// Re-registrations beyond `max-rereg-rate`: lifetime renewed, entry kept as it was.
+    #[serde(default)]
+    pub reregistrations_limited: u64,
     /// Associations closed for having a second's worth of requests refused by a rate limit
     /// in a row.
     #[serde(default)]
@@ -280,6 +283,12 @@ impl Counters {
                 "rserpool_registrar_unreachable_rate_limited",
                 "ENDPOINT_UNREACHABLE reports ignored by the rate limit.",
                 self.unreachable_rate_limited,
+            ),
+            (
+                "rserpool_registrar_reregistrations_limited",
+                "Re-registrations beyond max-rereg-rate: the PE's lifetime renewed, its entry \
+                 kept as it was, nothing sent to the peers.",
+                self.reregistrations_limited,
             ),
             (
                 "rserpool_registrar_flooders_closed",

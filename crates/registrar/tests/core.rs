@@ -536,3 +536,56 @@ fn enrp_peers_only_refuses_strangers() {
             .is_some()
     );
 }
+
+/// RFC 5355 §3.5: a PE changing its policy faster than `max-rereg-rate` is answered, but its
+/// entry changes only within the rate.
+#[test]
+fn policy_changes_beyond_the_rate_wait() {
+    let mut r = Registrar::new(
+        Config {
+            max_rereg_rate: 2,
+            ..cfg()
+        },
+        ID,
+        at(0),
+    );
+    let c = r.accept(peer(1), at(0)).unwrap();
+    let with_load = |load: u32| {
+        AsapMessage::Registration {
+            pool_handle: PoolHandle::from("P"),
+            pool_element: PoolElement {
+                id: 7,
+                home_registrar: 0,
+                registration_life: -1,
+                user_transport: UserTransport::Address(TransportAddress::tcp(peer(9000))),
+                policy: Policy::WeightedRoundRobin { weight: load },
+                asap_transport: None,
+            },
+        }
+        .to_bytes()
+        .unwrap()
+    };
+    r.handle_data(c, &with_load(0), at(0));
+    for load in 1..=5 {
+        r.handle_data(c, &with_load(load), at(10));
+    }
+    let answers = output(&mut r, c);
+    assert_eq!(answers.len(), 6);
+    assert!(
+        answers
+            .iter()
+            .all(|m| matches!(m, AsapMessage::RegistrationResponse { reject: false, .. })),
+        "{answers:?}"
+    );
+    let policy = |r: &Registrar| r.status(at(20)).pools[0].pes[0].policy.clone();
+    assert!(
+        policy(&r).contains("load=2") || policy(&r).contains("2"),
+        "{}",
+        policy(&r)
+    );
+    assert_eq!(r.status(at(20)).counters.reregistrations_limited, 3);
+    // A second later the rate allows it again.
+    r.handle_data(c, &with_load(9), at(1100));
+    output(&mut r, c);
+    assert_eq!(policy(&r), "wrr weight=9");
+}

@@ -378,6 +378,40 @@ impl Asap {
         )));
         // RFC 5354: seconds; -1 (or any value below 1) means infinite.
         let expiry = lifetime_expiry(pe.registration_life, now);
+        // RFC 5355 §3.5: a PE that changes its policy faster than `max-rereg-rate` would make
+        // every peer pay for each change. Its lifetime is renewed; the rest waits for the next
+        // re-registration within the rate (reports are whole values, so none is lost for long).
+        if let Some(r) = existing
+            && bound
+            && let Some(c) = out.get_mut(id)
+            && !c.rereg_bucket.take(self.cfg.max_rereg_rate, now)
+        {
+            self.counters.reregistrations_limited += 1;
+            if out.limit_log(id, now) {
+                warn!(
+                    "{peer}: re-registrations beyond {}/s from this association: the PE's entry \
+                     is kept as it was until the rate allows (logged once a minute per source \
+                     address)",
+                    self.cfg.max_rereg_rate
+                );
+            }
+            self.set_meta(
+                r,
+                PeMeta {
+                    conn: Some(id),
+                    expiry,
+                },
+            );
+            self.schedule_supervision(r, now);
+            let msg = AsapMessage::RegistrationResponse {
+                reject: false,
+                pool_handle,
+                pe_id,
+                error: None,
+            };
+            out.send_asap(id, &msg, now);
+            return;
+        }
         let result = match existing {
             Some(r) => self
                 .hs

@@ -84,6 +84,7 @@ pub(super) struct Conn {
     pub(super) outgoing: bool,
     pub(super) hr_bucket: TokenBucket,
     pub(super) eu_bucket: TokenBucket,
+    pub(super) rereg_bucket: TokenBucket,
     closing: bool,
     /// An [`Action::Transmit`] is out and the buffer has not been emptied since.
     dirty: bool,
@@ -154,6 +155,7 @@ impl Conns {
             outgoing: false,
             hr_bucket: TokenBucket::full(self.cfg.max_hr_rate, now),
             eu_bucket: TokenBucket::full(self.cfg.max_eu_rate, now),
+            rereg_bucket: TokenBucket::full(self.cfg.max_rereg_rate, now),
             closing: false,
             dirty: false,
             authenticated: false,
