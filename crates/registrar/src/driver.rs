@@ -33,6 +33,8 @@ const WRITE_TIMEOUT: Duration = Duration::from_millis(10_000);
 const READ_BUF: usize = 64 * 1024;
 /// Bytes a connection may have read per turn of the event loop before the others get theirs.
 const READ_PER_TURN: usize = 16 * 1024;
+/// The same for a TLS connection, in reads of the socket (rustls takes up to 4 KiB a read).
+const TLS_READS_PER_TURN: usize = 4;
 /// The loop wakes at least this often (for write and status deadlines).
 const MAX_WAIT: Duration = Duration::from_secs(1);
 
@@ -748,7 +750,7 @@ impl EventLoop {
     /// plaintext to the core.
     fn on_readable_tls(&mut self, i: usize) {
         let id = ConnId::from_index(i);
-        loop {
+        for _ in 0..TLS_READS_PER_TURN {
             let read = {
                 let Some(sock) = self.socks.get_mut(i).and_then(Option::as_mut) else {
                     return;
@@ -799,6 +801,10 @@ impl EventLoop {
                     }
                 }
             }
+        }
+        // Its turn is over with records left, as in `on_readable`.
+        if !self.unread.contains(&i) {
+            self.unread.push(i);
         }
     }
 
