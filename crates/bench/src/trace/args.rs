@@ -46,6 +46,9 @@ pub struct TraceArgs {
     /// Write the results as a Markdown section into this file (e.g. docs/CREDITS.md).
     #[arg(long)]
     pub markdown: Option<PathBuf>,
+    /// The generated section of `--markdown` the results replace.
+    #[arg(long, default_value = "trace")]
+    pub section: String,
     /// Write the plots (PNG) into this directory (e.g. docs); of the first seed and burst.
     #[arg(long)]
     pub plots: Option<PathBuf>,

@@ -136,7 +136,11 @@ pub fn run(args: TraceArgs, bin: &Path) -> Result<()> {
         render::plots(dir, &factors, &runs[0].results)?;
     }
     if let Some(path) = &args.markdown {
-        report::write_section(path, "trace", &format!("{}{text}", report::provenance()))?;
+        report::write_section(
+            path,
+            &args.section,
+            &format!("{}{text}", report::provenance()),
+        )?;
         println!("written into {}", path.display());
     }
     Ok(())

@@ -24,7 +24,7 @@ fn scenario(args: &TraceArgs, mean_cost_ms: Option<f64>) -> String {
         format!("; mean service time {c:.1} ms at the largest factor")
     });
     format!(
-        "{} s of the {source} per factor and scheme, open loop; back ends with {} workers (accept queue {}){cost}; a request is an error when it is not answered 200 in full within {} s. HAProxy runs with `retries 3` and `option redispatch`; hashing selections key on the page (`X-Page`).\n\n",
+        "{} s of the {source} per factor and scheme, open loop; back ends with {} workers (accept queue {}){cost}; a request is an error when it is not answered 200 in full within {} s. HAProxy runs with `retries 3` and `option redispatch`; the PEs of WRR, least connections, P2C and Prequal-style register their capacities as weights (as HAProxy's weighted schemes are given them); hashing selections key on the page (`X-Page`).\n\n",
         args.duration_s,
         workers.join(" / "),
         args.backlog,

@@ -84,7 +84,9 @@ impl Scheme {
     /// The PEs' `example` flags for a back end of `workers`.
     pub fn pe_flags(self, workers: usize) -> Vec<String> {
         let v: Vec<&str> = match self {
-            Self::Wrr => {
+            // The proxy-local selections learn the capacities as weights, as HAProxy's
+            // servers are given them.
+            Self::Wrr | Self::LeastConnections | Self::P2c | Self::Prequal => {
                 return ["--policy", "wrr", "--weight", &workers.to_string()]
                     .map(String::from)
                     .to_vec();

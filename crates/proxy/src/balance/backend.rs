@@ -74,6 +74,10 @@ pub struct Backend {
     credit_base: AtomicU64,
     /// Picks not yet under way.
     picking: AtomicI64,
+    /// What the PE's policy says it can take relative to the others (a WRR weight, a credits
+    /// capacity; 1 when it says nothing): least connections and P2C compare in flight per
+    /// weight, as HAProxy's `leastconn` with server weights.
+    weight: std::sync::atomic::AtomicU32,
     /// Latency in µs (moving average) by requests in flight when sent, 0 = none seen.
     latency_us: [AtomicU64; LATENCY_BUCKETS],
 }
@@ -151,6 +155,7 @@ impl Backend {
             credit_capacity: AtomicI64::new(0),
             credit_base: AtomicU64::new(0),
             picking: AtomicI64::new(0),
+            weight: std::sync::atomic::AtomicU32::new(1),
             latency_us: Default::default(),
         }
     }
@@ -210,6 +215,17 @@ impl Backend {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 (n > 0).then_some(n - 1)
             });
+    }
+
+    /// The PE's weight from its policy (see the field).
+    pub(crate) fn note_weight(&self, weight: u32) {
+        self.weight.store(weight.max(1), Ordering::Relaxed);
+    }
+
+    /// In flight per weight (with the pick at hand, scaled): what least connections and P2C
+    /// compare. With every weight 1 it orders as in flight does.
+    pub(crate) fn load_per_weight(&self) -> u64 {
+        ((self.in_flight() + 1) << 16) / u64::from(self.weight.load(Ordering::Relaxed).max(1))
     }
 
     /// Requests (connections in TCP mode) sent to the PE so far.

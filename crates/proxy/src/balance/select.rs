@@ -241,13 +241,13 @@ impl Selector {
             // Maglev without a key (a request waiting in the queue) balances by load.
             (Select::LeastConnections | Select::Policy | Select::Maglev | Select::RingHash, _) => c
                 .iter()
-                .min_by_key(|b| (b.in_flight(), b.requests()))
+                .min_by_key(|b| (b.load_per_weight(), b.requests()))
                 .cloned(),
             (Select::P2c, n) => {
                 self.sample(&mut c, 2.min(n));
                 c[..2]
                     .iter()
-                    .min_by_key(|b| (b.in_flight(), b.requests()))
+                    .min_by_key(|b| (b.load_per_weight(), b.requests()))
                     .cloned()
             }
             (Select::Prequal, n) => {
@@ -295,7 +295,7 @@ impl Selector {
                     continue;
                 };
                 if self.hs.pe(r).element.policy != pe.policy {
-                    note_credits(b, &pe.policy);
+                    note_policy(b, &pe.policy);
                     let _ = self.hs.update_policy(r, pe.policy, 0);
                 }
             }
@@ -312,7 +312,7 @@ impl Selector {
                 // A report the PE did not repeat keeps the count since it came.
                 Some(b) if b.is_at(&pe) => {
                     if old_policy != Some(&pe.policy) {
-                        note_credits(&b, &pe.policy);
+                        note_policy(&b, &pe.policy);
                     }
                     b
                 }
@@ -321,7 +321,7 @@ impl Selector {
                         old.retire();
                     }
                     let b = Arc::new(Backend::new(handle, &pe));
-                    note_credits(&b, &pe.policy);
+                    note_policy(&b, &pe.policy);
                     b
                 }
             };
@@ -434,9 +434,60 @@ fn rand_seed() -> u32 {
     t ^ std::process::id().rotate_left(16)
 }
 
-/// A PE's new credit report, for the proxy's own count (policy `credits` only).
-fn note_credits(b: &Backend, policy: &Policy) {
+/// A PE's policy information as the proxy uses it: its weight, and a new credit report for
+/// the proxy's own count (policy `credits`).
+fn note_policy(b: &Backend, policy: &Policy) {
+    let weight = match *policy {
+        Policy::WeightedRoundRobin { weight } | Policy::WeightedRandom { weight } => weight,
+        Policy::Credits { capacity, .. } => capacity,
+        _ => 1,
+    };
+    b.note_weight(weight);
     if let Policy::Credits { credits, capacity } = *policy {
         b.note_credits(credits, capacity);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rserpool_wire::{Protocol, TransportAddress, UserTransport};
+
+    fn pe(id: u32, weight: u32) -> PoolElement {
+        PoolElement {
+            id,
+            home_registrar: 0,
+            registration_life: -1,
+            user_transport: UserTransport::Address(TransportAddress {
+                protocol: Protocol::TCP,
+                port: 1000 + id as u16,
+                addresses: vec![std::net::IpAddr::from([127, 0, 0, 1])].into(),
+            }),
+            policy: Policy::WeightedRoundRobin { weight },
+            asap_transport: None,
+        }
+    }
+
+    /// Least connections and P2C fill PEs in proportion to their weights, as HAProxy's
+    /// `leastconn` does with server weights.
+    #[test]
+    fn least_connections_and_p2c_go_by_in_flight_per_weight() {
+        for select in [Select::LeastConnections, Select::P2c] {
+            let handle = PoolHandle::from("W");
+            let mut s = Selector::new();
+            s.replace(&handle, vec![pe(1, 1), pe(2, 3)]);
+            let cfg = PoolConfig {
+                select,
+                ..PoolConfig::default()
+            };
+            // Picks stay in flight (never done): the PEs fill up.
+            let mut got = [0; 2];
+            for _ in 0..40 {
+                let b = s.pick(&handle, &[], Affinity::default(), &cfg).unwrap();
+                got[b.id as usize - 1] += 1;
+            }
+            assert!((9..=11).contains(&got[0]), "{select:?}: {got:?}");
+            assert!((29..=31).contains(&got[1]), "{select:?}: {got:?}");
+        }
     }
 }

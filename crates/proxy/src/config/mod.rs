@@ -188,9 +188,11 @@ pub enum Select {
     /// The pool's own policy, as its PEs registered it (RFC 5356's, or `credits`).
     #[default]
     Policy,
-    /// The fewest requests (connections in TCP mode) this proxy has in flight at the PE.
+    /// The fewest requests (connections in TCP mode) this proxy has in flight at the PE, per
+    /// its weight (a WRR weight or a credits capacity it registered with; 1 otherwise), as
+    /// HAProxy's `leastconn` with server weights.
     LeastConnections,
-    /// Power of two choices: of two PEs at random, the one with fewer in flight.
+    /// Power of two choices: of two PEs at random, the one with fewer in flight per weight.
     P2c,
     /// After Prequal (NSDI 2024): a few PEs probed at random, the cold ones (in flight at or
     /// below a quantile of the probed) by lowest estimated latency, else the fewest in flight.
