@@ -142,7 +142,11 @@ impl Selector {
             return self.pick_hashed(kind, key, tried, &room_hashed, &usable, now);
         }
         if select != Select::Policy {
-            return self.pick_local(tried, select, &room, &room_hashed, &usable, now);
+            // The load-aware selections see a busy PE's pending connects in its count and
+            // send it less by themselves; shutting it out for `busy-ms` would move its whole
+            // share onto the others at once, the start of a cascade. Only ejected PEs are out.
+            let by_load = |b: &Backend| panic || b.avoid(now) != Avoid::Ejected;
+            return self.pick_local(tried, select, &room, &room_hashed, &by_load, now);
         }
         let Self {
             hs,
