@@ -198,7 +198,7 @@ fn print_config(command: &Command) -> Result<()> {
         Command::SplitSplice(a) => toml::to_string(a)?,
         Command::CheckConfig(a) => toml::to_string(a)?,
         Command::Cert(a) => toml::to_string(a)?,
-        Command::Attack(_) => String::new(),
+        Command::Attack(a) => toml::to_string(a)?,
     };
     print!("{text}");
     Ok(())

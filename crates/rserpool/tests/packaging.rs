@@ -65,6 +65,7 @@ fn every_command_prints_its_config_as_toml() {
         ("status", &[]),
         ("check-config", &[file]),
         ("cert", &["registrar"]),
+        ("attack", &["takeover", "--pool", "Web"]),
     ];
     let listed = commands();
     assert!(listed.len() >= 12, "{listed:?}");

@@ -11,13 +11,14 @@ use rserpool_wire::{AsapMessage, PoolHandle};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct AttackArgs {
     #[command(subcommand)]
     pub attack: Attack,
 }
 
-#[derive(Subcommand, Debug)]
+#[derive(Subcommand, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Attack {
     /// Forged takeover (RFC 5355 §3.1): an ENDPOINT_KEEP_ALIVE with the H bit from a made-up
     /// registrar to every PE of a pool (their takeover addresses from a handle resolution),
@@ -37,7 +38,7 @@ pub enum Attack {
     RegisterFlood(RegisterFloodArgs),
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct RegisterFloodArgs {
     #[arg(long)]
     pub pool: String,
@@ -50,7 +51,7 @@ pub struct RegisterFloodArgs {
     pub registrars: RegistrarOpts,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct FloodArgs {
     #[arg(long)]
     pub pool: String,
@@ -62,7 +63,7 @@ pub struct FloodArgs {
     pub registrars: RegistrarOpts,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct TakeoverArgs {
     /// The pool whose PEs are attacked.
     #[arg(long)]
@@ -77,7 +78,7 @@ pub struct TakeoverArgs {
     pub registrars: RegistrarOpts,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, serde::Serialize)]
 pub struct UnreachableArgs {
     #[arg(long)]
     pub pool: String,
