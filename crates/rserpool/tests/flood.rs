@@ -24,12 +24,14 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_resolution_flood_is_refused_and_others_are_served() {
+/// `rserpool registrar` on a free ASAP port with `extra` flags, logging warnings; once it
+/// listens.
+async fn registrar(extra: &[&str]) -> (Logged, SocketAddr) {
     let asap = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let args: Vec<String> = ["registrar", "--asap", &asap.to_string(), "--status", "off"]
+    let mut args: Vec<String> = ["registrar", "--asap", &asap.to_string(), "--status", "off"]
         .map(String::from)
         .to_vec();
+    args.extend(extra.iter().map(|a| a.to_string()));
     let reg = Logged::spawn("registrar", &args, "warn");
     wait_for(
         Duration::from_secs(10),
@@ -37,6 +39,24 @@ async fn a_resolution_flood_is_refused_and_others_are_served() {
         || async move { tokio::net::TcpStream::connect(asap).await.is_ok() },
     )
     .await;
+    (reg, asap)
+}
+
+/// `rserpool attack ARGS --registrar ASAP`, to its end.
+async fn attack(asap: SocketAddr, args: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("attack")
+        .args(args)
+        .args(["--registrar", &asap.to_string()])
+        .env("RUST_LOG", "off");
+    tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resolution_flood_is_refused_and_others_are_served() {
+    let (reg, asap) = registrar(&[]).await;
     let service = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut cfg =
         PoolElementConfig::new("Flooded", service.local_addr().unwrap(), Policy::RoundRobin);
@@ -45,15 +65,18 @@ async fn a_resolution_flood_is_refused_and_others_are_served() {
     pe.wait_registered(Duration::from_secs(5)).await.unwrap();
     let before = rss_kib(reg.proc.id());
 
-    let flood = tokio::task::spawn_blocking(move || {
-        Command::new(BIN)
-            .args(["attack", "resolve-flood", "--pool", "Flooded"])
-            .args(["--associations", "4", "--duration-ms", "3000"])
-            .args(["--registrar", &asap.to_string()])
-            .env("RUST_LOG", "off")
-            .output()
-            .unwrap()
-    });
+    let flood = tokio::spawn(attack(
+        asap,
+        &[
+            "resolve-flood",
+            "--pool",
+            "Flooded",
+            "--associations",
+            "4",
+            "--duration-ms",
+            "3000",
+        ],
+    ));
     tokio::time::sleep(Duration::from_millis(300)).await;
     // A legitimate pool user, one resolution every 50 ms on a fresh association each time.
     let mut took = Vec::new();
@@ -117,37 +140,21 @@ async fn a_resolution_flood_is_refused_and_others_are_served() {
 /// flooder is gone a real PE registers and is resolved promptly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registration_flood_stops_at_the_limits() {
-    let asap = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let args: Vec<String> = [
-        "registrar",
-        "--asap",
-        &asap.to_string(),
-        "--status",
-        "off",
-        "--max-pes",
-        "3000",
-    ]
-    .map(String::from)
-    .to_vec();
-    let reg = Logged::spawn("registrar", &args, "warn");
-    wait_for(
-        Duration::from_secs(10),
-        "the registrar listens",
-        || async move { tokio::net::TcpStream::connect(asap).await.is_ok() },
+    let (reg, asap) = registrar(&["--max-pes", "3000"]).await;
+    let before = rss_kib(reg.proc.id());
+    let out = attack(
+        asap,
+        &[
+            "register-flood",
+            "--pool",
+            "Flood",
+            "--associations",
+            "8",
+            "--pes",
+            "1500",
+        ],
     )
     .await;
-    let before = rss_kib(reg.proc.id());
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(BIN)
-            .args(["attack", "register-flood", "--pool", "Flood"])
-            .args(["--associations", "8", "--pes", "1500"])
-            .args(["--registrar", &asap.to_string()])
-            .env("RUST_LOG", "off")
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{said}");
     eprintln!("{said}");

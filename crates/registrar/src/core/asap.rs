@@ -346,21 +346,16 @@ impl Asap {
                 return;
             }
         }
-        if existing.is_none() && self.hs.len() >= self.cfg.max_pes {
+        let full = if existing.is_none() && self.hs.len() >= self.cfg.max_pes {
+            Some((self.cfg.max_pes, "in the handlespace"))
+        } else if !bound && pes_here >= self.cfg.max_pes_per_connection {
+            Some((self.cfg.max_pes_per_connection, "per connection"))
+        } else {
+            None
+        };
+        if let Some((limit, of)) = full {
             let cause = ErrorCause::new(CauseCode::LACK_OF_RESOURCES);
-            let why = format!(
-                "limit of {} PEs in the handlespace reached",
-                self.cfg.max_pes
-            );
-            self.reject_registration(id, pool_handle, pe_id, cause, &why, out, now);
-            return;
-        }
-        if !bound && pes_here >= self.cfg.max_pes_per_connection {
-            let cause = ErrorCause::new(CauseCode::LACK_OF_RESOURCES);
-            let why = format!(
-                "limit of {} PEs per connection reached",
-                self.cfg.max_pes_per_connection
-            );
+            let why = format!("limit of {limit} PEs {of} reached");
             self.reject_registration(id, pool_handle, pe_id, cause, &why, out, now);
             return;
         }
