@@ -55,6 +55,15 @@ fn output(r: &mut Registrar, c: ConnId) -> Vec<AsapMessage> {
     v
 }
 
+/// A registrar with PE 7 registered over a connection from port 1, its answer read.
+fn registered_pe_7() -> (Registrar, ConnId) {
+    let mut r = Registrar::new(cfg(), ID, at(0));
+    let c = r.accept(peer(1), at(0)).unwrap();
+    r.handle_data(c, &registration(7, -1), at(0));
+    output(&mut r, c);
+    (r, c)
+}
+
 /// True once the core asked the driver to close (or reset) `c`.
 fn asked_to_close(r: &mut Registrar, c: ConnId) -> bool {
     std::iter::from_fn(|| r.poll_action()).any(|a| a == Action::Close(c) || a == Action::Abort(c))
@@ -112,10 +121,7 @@ fn keep_alive_without_ack_removes_the_pe() {
 
 #[test]
 fn keep_alive_ack_keeps_the_pe() {
-    let mut r = Registrar::new(cfg(), ID, at(0));
-    let c = r.accept(peer(1), at(0)).unwrap();
-    r.handle_data(c, &registration(7, -1), at(0));
-    output(&mut r, c);
+    let (mut r, c) = registered_pe_7();
     for round in 1..=4u64 {
         let t = round * 5000 + (round - 1) * 300;
         run_until(&mut r, t - 100, t + 200);
@@ -404,10 +410,7 @@ fn a_subscriber_is_pushed_each_visible_change_of_its_pool() {
 /// replayed deregistration) is refused with the RFC cause and changes nothing.
 #[test]
 fn another_association_can_neither_take_over_nor_deregister_a_pe() {
-    let mut r = Registrar::new(cfg(), ID, at(0));
-    let owner = r.accept(peer(1), at(0)).unwrap();
-    r.handle_data(owner, &registration(7, -1), at(0));
-    output(&mut r, owner);
+    let (mut r, owner) = registered_pe_7();
     let intruder = r.accept(peer(2), at(10)).unwrap();
     r.handle_data(intruder, &registration(7, -1), at(10));
     match &output(&mut r, intruder)[..] {
