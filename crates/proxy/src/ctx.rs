@@ -1,15 +1,18 @@
-//! What a client connection needs from the proxy, taken once when it is accepted.
+//! What a client connection needs from the proxy, taken when it is accepted.
 //!
 //! A connection holds its own [`Ctx`] (configuration, pools, its listener's routes, the access
-//! log, the drain signal), so a reload, which builds new ones for new connections, never
-//! changes what an open connection sees.
+//! log, the drain signal), so a reload, which builds new ones, never changes one under a
+//! request. An HTTP connection asks [`Ctx::newer`] before each request (an HTTP/2 one before
+//! each stream), so that after a reload its next request takes the new routes, pools and
+//! levels, as HAProxy's and nginx's new workers do.
 
 use crate::access_log::AccessLog;
 use crate::balance::failover::FailoverPolicy;
 use crate::balance::pools::Pools;
 use crate::config::ProxyConfig;
 use crate::routes::Routes;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -32,9 +35,47 @@ pub(crate) struct Ctx {
     /// TLS to the PEs of the pools with `[pool.NAME.tls]`, by pool handle.
     pub(crate) pe_tls:
         Arc<std::collections::HashMap<String, Arc<rserpool_tls::rustls::ClientConfig>>>,
+    /// Where its listener's current one is, and which reload this one came from.
+    pub(crate) current: Option<Current>,
+}
+
+/// A listener's current [`Ctx`], as a connection finds it after a reload.
+#[derive(Clone)]
+pub(crate) struct Current {
+    ctx: Weak<RwLock<Ctx>>,
+    /// Bumped by every reload of the listener.
+    generation: Arc<AtomicU64>,
+    /// The generation the holding `Ctx` belongs to.
+    seen: u64,
+}
+
+/// Makes `ctx` its listener's current one, in `slot`: the first (`previous` none) or the
+/// one after a reload (`previous`: what was current), which connections then pick up.
+pub(crate) fn install(slot: &Arc<RwLock<Ctx>>, mut ctx: Ctx, previous: Option<&Ctx>) {
+    let generation = previous
+        .and_then(|p| p.current.as_ref())
+        .map_or_else(Arc::default, |c| c.generation.clone());
+    let seen = generation.fetch_add(1, Ordering::AcqRel) + 1;
+    ctx.current = Some(Current {
+        ctx: Arc::downgrade(slot),
+        generation,
+        seen,
+    });
+    *slot.write().unwrap_or_else(|p| p.into_inner()) = ctx;
 }
 
 impl Ctx {
+    /// The listener's current settings, when a reload changed them since this was taken.
+    pub(crate) fn newer(&self) -> Option<Ctx> {
+        let c = self.current.as_ref()?;
+        if c.generation.load(Ordering::Acquire) == c.seen {
+            return None;
+        }
+        let slot = c.ctx.upgrade()?;
+        let ctx = slot.read().unwrap_or_else(|p| p.into_inner()).clone();
+        Some(ctx)
+    }
+
     pub(crate) fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.cfg.connect_timeout_ms)
     }

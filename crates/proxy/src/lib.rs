@@ -239,6 +239,7 @@ impl Proxy {
             kernel: l.kernel_splice().then(|| self.kernel()).flatten(),
             tls,
             pe_tls: Arc::new(pe_tls),
+            current: None,
             http2: l.http2,
             tls_failures: i.tls_failures.clone(),
         })
@@ -276,7 +277,9 @@ impl Proxy {
             .get_ref()
             .local_addr()
             .map_err(|e| StartError::Bind(l.listen, e))?;
-        let ctx = Arc::new(RwLock::new(self.ctx(&l)?));
+        let first = self.ctx(&l)?;
+        let ctx = Arc::new(RwLock::new(first.clone()));
+        ctx::install(&ctx, first, None);
         let (stop, stopped) = watch::channel(false);
         info!(
             "proxy: {:?}{} listener on {local}",
@@ -343,7 +346,8 @@ impl Proxy {
     }
 
     /// Applies a new configuration: listeners are added and removed, routes and timeouts
-    /// change for new connections; open connections keep what they started with. Settings
+    /// change for new connections and for the next request of open HTTP connections (the
+    /// next stream of HTTP/2 ones); a request under way keeps what it started with. Settings
     /// that need a restart (registrars, refresh, limits, threads, status) are reported.
     pub async fn reload(&self, new: ProxyConfig) -> Result<Vec<String>, StartError> {
         new.validate()?;
@@ -403,7 +407,8 @@ impl Proxy {
                 .map(|x| (x.mode, x.ctx.clone()));
             match existing {
                 Some((mode, ctx)) if mode == l.mode => {
-                    *ctx.write().unwrap_or_else(|p| p.into_inner()) = self.ctx(l)?;
+                    let previous = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();
+                    ctx::install(&ctx, self.ctx(l)?, Some(&previous));
                     let socket = self.listeners().get_mut(&l.listen).and_then(|x| {
                         x.config = l.clone();
                         x.socket.as_ref().and_then(|s| s.try_clone().ok())

@@ -881,3 +881,45 @@ async fn sighup_reloads_listeners_without_dropping_connections() {
     assert_eq!(kept.get("/still").await.unwrap().code, 200);
     serving(tcp).await;
 }
+
+/// A reload reaches kept-alive connections: after SIGHUP moves the listener to another pool,
+/// the next request on a connection opened before goes to the new pool (HTTP/1.1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_reaches_the_next_request_of_a_kept_alive_connection() {
+    let reg = registrar(fast_config());
+    let _b = backends(reg.asap_addr(), 2).await;
+    let other = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let _o = KillOnDrop(
+        Command::new(BIN)
+            .args(["example", "http", "--pool", "Other", "--id", "99"])
+            .args(["--listen", &other.to_string()])
+            .args(["--registrar", &reg.asap_addr().to_string()])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let p = proxy_process(reg.asap_addr(), &listener_toml(http, "http")).await;
+    serving(http).await;
+    let mut kept = Client::connect(http).await.unwrap();
+    let before = kept.get("/").await.unwrap();
+    assert!(["0x00000001", "0x00000002"].contains(&before.header("x-pe-id").unwrap().as_str()));
+    p.rewrite(
+        reg.asap_addr(),
+        &listener_toml(http, "http").replace("pool = \"Backends\"", "pool = \"Other\""),
+    );
+    p.signal(rustix::process::Signal::HUP);
+    // The reload is in once a new connection reaches the other pool.
+    common::wait_for(Duration::from_secs(10), "the reload", || async move {
+        let Ok(mut c) = Client::connect(http).await else {
+            return false;
+        };
+        c.get("/")
+            .await
+            .is_ok_and(|r| r.header("x-pe-id").as_deref() == Some("0x00000063"))
+    })
+    .await;
+    let after = kept.get("/").await.unwrap();
+    assert_eq!(after.header("x-pe-id").as_deref(), Some("0x00000063"));
+}

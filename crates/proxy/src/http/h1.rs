@@ -70,18 +70,18 @@ async fn serve_stream(stream: ClientStream, peer: SocketAddr, ctx: Ctx) {
         buf: BytesMut::with_capacity(16 * 1024),
         peer,
     };
-    serve_requests(&mut c, &ctx).await;
+    serve_requests(&mut c, ctx).await;
     c.stream.close().await;
 }
 
-async fn serve_requests(c: &mut Client, ctx: &Ctx) {
+async fn serve_requests(c: &mut Client, mut ctx: Ctx) {
     let peer = c.peer;
     let mut first = true;
     let mut draining = ctx.draining.clone();
     loop {
         let idle = c.buf.is_empty();
         let head = tokio::select! {
-            r = read_head_in_time(c, ctx, first) => r,
+            r = read_head_in_time(c, &ctx, first) => r,
             () = until_set(&mut draining), if idle => return,
         };
         let head = match head {
@@ -89,7 +89,7 @@ async fn serve_requests(c: &mut Client, ctx: &Ctx) {
             Ok(Ok(None)) => return,
             Ok(Err(ReadHeadError::Io)) => return,
             Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
-                let _ = c.reply(431, "request head too large", ctx).await;
+                let _ = c.reply(431, "request head too large", &ctx).await;
                 return;
             }
             Ok(Err(ReadHeadError::Head(HeadError::Malformed)))
@@ -104,18 +104,22 @@ async fn serve_requests(c: &mut Client, ctx: &Ctx) {
             }
             Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
                 debug!("client {peer}: malformed request");
-                let _ = c.reply(400, "malformed request", ctx).await;
+                let _ = c.reply(400, "malformed request", &ctx).await;
                 return;
             }
             Err(_) => {
                 if !c.buf.is_empty() || first {
-                    let _ = c.reply(408, "request timeout", ctx).await;
+                    let _ = c.reply(408, "request timeout", &ctx).await;
                 }
                 return;
             }
         };
         first = false;
-        match request(c, head, ctx).await {
+        // After a reload, the next request takes the new routes, pools and levels.
+        if let Some(newer) = ctx.newer() {
+            ctx = newer;
+        }
+        match request(c, head, &ctx).await {
             Next::KeepAlive if !*ctx.draining.borrow() => {}
             _ => return,
         }

@@ -236,6 +236,7 @@ pub(super) fn ctx(
         http2: false,
         tls_failures: Arc::default(),
         pe_tls: Arc::default(),
+        current: None,
     };
     (ctx, pool, reports)
 }

@@ -53,7 +53,7 @@ fn note_flood(peer: SocketAddr, what: &str) {
 }
 
 /// Serves one HTTP/2 client connection; `pre` is what was read of it already.
-pub(crate) async fn serve<T>(io: T, pre: Bytes, peer: SocketAddr, ctx: Ctx)
+pub(crate) async fn serve<T>(io: T, pre: Bytes, peer: SocketAddr, mut ctx: Ctx)
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -82,6 +82,10 @@ where
             s = conn.accept() => match s {
                 Some(Ok((req, respond))) => {
                     idle_at = tokio::time::Instant::now() + idle;
+                    // After a reload, a new stream takes the new routes, pools and levels.
+                    if let Some(newer) = ctx.newer() {
+                        ctx = newer;
+                    }
                     // Boxed: the task holds a pointer, not the whole call's state, which would be
                     // copied on every move.
                     tokio::spawn(Box::pin(call(req, respond, peer, ctx.clone())));
