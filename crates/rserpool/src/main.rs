@@ -150,6 +150,11 @@ enum Command {
     /// A hostile peer for testing the defences of docs/SECURITY.md: sends one of RFC 5355's
     /// attacks (a forged takeover, false unreachable reports) at your own deployment.
     Attack(cmd::attack::AttackArgs),
+    /// Take a pool element out of its pool gracefully: it deregisters and serves what still
+    /// reaches it (its control socket, `example --control PATH`).
+    Drain(cmd::control::DrainArgs),
+    /// Put a drained pool element back into its pool.
+    Undrain(cmd::control::DrainArgs),
 }
 
 /// mimalloc: the proxy allocates per request (heads, header maps, HTTP/2 frames and tasks);
@@ -179,6 +184,8 @@ fn main() -> Result<()> {
         Command::CheckConfig(a) => cmd::check::run(a),
         Command::Cert(a) => cmd::cert::run(a),
         Command::Attack(a) => cmd::attack::run(a),
+        Command::Drain(a) => cmd::control::run(a, true),
+        Command::Undrain(a) => cmd::control::run(a, false),
     }
 }
 
@@ -199,6 +206,7 @@ fn print_config(command: &Command) -> Result<()> {
         Command::CheckConfig(a) => toml::to_string(a)?,
         Command::Cert(a) => toml::to_string(a)?,
         Command::Attack(a) => toml::to_string(a)?,
+        Command::Drain(a) | Command::Undrain(a) => toml::to_string(a)?,
     };
     print!("{text}");
     Ok(())

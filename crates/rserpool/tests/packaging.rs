@@ -66,6 +66,8 @@ fn every_command_prints_its_config_as_toml() {
         ("check-config", &[file]),
         ("cert", &["registrar"]),
         ("attack", &["takeover", "--pool", "Web"]),
+        ("drain", &["/tmp/pe.sock"]),
+        ("undrain", &["/tmp/pe.sock"]),
     ];
     let listed = commands();
     assert!(listed.len() >= 12, "{listed:?}");

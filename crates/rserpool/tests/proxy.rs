@@ -923,3 +923,115 @@ async fn a_reload_reaches_the_next_request_of_a_kept_alive_connection() {
     let after = kept.get("/").await.unwrap();
     assert_eq!(after.header("x-pe-id").as_deref(), Some("0x00000063"));
 }
+
+/// `rserpool drain` takes a PE out under load (its control socket, `example --control`): no
+/// request fails, and within 100 ms of the command the proxy sends it nothing new; `undrain`
+/// puts it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_pe_gets_no_new_work_and_no_request_fails() {
+    let reg = registrar(fast_config());
+    let sock = std::env::temp_dir().join(format!("rserpool-drain-{}.sock", free_port()));
+    let mut pes = Vec::new();
+    for id in ["1", "2"] {
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut cmd = Command::new(BIN);
+        cmd.args(["example", "http", "--pool", "Backends", "--policy", "rr"])
+            .args(["--id", id, "--listen", &addr.to_string()])
+            .args(["--registrar", &reg.asap_addr().to_string()]);
+        if id == "2" {
+            cmd.arg("--control").arg(&sock);
+        }
+        pes.push(KillOnDrop(
+            cmd.env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        ));
+    }
+    wait_until(Duration::from_secs(10), "the control socket", || {
+        sock.exists()
+    })
+    .await;
+    let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let _p = proxy_process(reg.asap_addr(), &listener_toml(http, "http")).await;
+    serving(http).await;
+    // Requests one after the other on a kept-alive connection: (sent, PE, status).
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut c = Client::connect(http).await.unwrap();
+            let mut seen = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let at = Instant::now();
+                let r = c.get("/").await.unwrap();
+                seen.push((at, r.header("x-pe-id").unwrap_or_default(), r.code));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            seen
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let drain = sock.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(BIN).arg("drain").arg(drain).output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let drained = Instant::now();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stop.store(true, Ordering::Relaxed);
+    let seen = load.await.unwrap();
+    assert!(
+        seen.iter().all(|(_, _, code)| *code == 200),
+        "a request failed"
+    );
+    let to_two = |s: &&(Instant, String, u16)| s.1 == "0x00000002";
+    assert!(seen.iter().filter(|s| s.0 < drained).any(|s| to_two(&s)));
+    let late: Vec<_> = seen
+        .iter()
+        .filter(|s| s.0 > drained + Duration::from_millis(100))
+        .filter(to_two)
+        .collect();
+    assert!(late.is_empty(), "{} requests to the drained PE", late.len());
+    assert!(
+        seen.iter()
+            .any(|s| s.0 > drained + Duration::from_millis(100))
+    );
+    // Back in.
+    let undrain = sock.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(BIN)
+            .arg("undrain")
+            .arg(undrain)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success());
+    common::wait_for(
+        Duration::from_secs(5),
+        "the PE back in the pool",
+        || async move {
+            let Ok(mut c) = Client::connect(http).await else {
+                return false;
+            };
+            let mut ids = Vec::new();
+            for _ in 0..4 {
+                if let Ok(r) = c.get("/").await {
+                    ids.push(r.header("x-pe-id").unwrap_or_default());
+                }
+            }
+            ids.iter().any(|i| i == "0x00000002")
+        },
+    )
+    .await;
+    drop(pes);
+    let _ = std::fs::remove_file(&sock);
+}

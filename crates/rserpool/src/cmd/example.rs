@@ -54,6 +54,10 @@ pub struct ExampleArgs {
     pub credits: CreditOpts,
     #[command(flatten)]
     pub calc: super::calc::CalcOpts,
+    /// A Unix socket (mode 0600) on which `rserpool drain` / `undrain` take the PE out of its
+    /// pool and back.
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<std::path::PathBuf>,
 }
 
 /// How much the service takes at once.
@@ -122,7 +126,13 @@ pub fn run(args: ExampleArgs) -> Result<()> {
             ex.pe.id(),
             args.pe.pool
         );
+        if let Some(path) = &args.control {
+            super::control::listen(path, ex.pe.updater())?;
+        }
         super::shutdown_signal().await;
+        if let Some(path) = &args.control {
+            let _ = std::fs::remove_file(path);
+        }
         drop(ex.credits);
         ex.pe.stop().await;
         Ok(())

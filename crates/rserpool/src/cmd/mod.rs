@@ -6,6 +6,7 @@ pub mod calc;
 pub mod cert;
 pub mod check;
 pub mod client;
+pub mod control;
 pub mod distributor;
 pub mod example;
 pub mod proxy;
