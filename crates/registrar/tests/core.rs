@@ -28,6 +28,11 @@ fn peer(port: u16) -> SocketAddr {
 }
 
 fn registration(id: u32, life: i32) -> Vec<u8> {
+    registration_with(id, life, Policy::RoundRobin)
+}
+
+/// A REGISTRATION of PE `id` in pool P (its service at port 9000) with `policy`.
+fn registration_with(id: u32, life: i32, policy: Policy) -> Vec<u8> {
     AsapMessage::Registration {
         pool_handle: PoolHandle::from("P"),
         pool_element: PoolElement {
@@ -35,7 +40,7 @@ fn registration(id: u32, life: i32) -> Vec<u8> {
             home_registrar: 0,
             registration_life: life,
             user_transport: UserTransport::Address(TransportAddress::tcp(peer(9000))),
-            policy: Policy::RoundRobin,
+            policy,
             asap_transport: None,
         },
     }
@@ -490,22 +495,14 @@ fn unreachable_reports_are_checked_against_the_service() {
 fn credits_above_the_declared_capacity_are_held_to_it() {
     let mut r = Registrar::new(cfg(), ID, at(0));
     let c = r.accept(peer(1), at(0)).unwrap();
-    let msg = AsapMessage::Registration {
-        pool_handle: PoolHandle::from("P"),
-        pool_element: PoolElement {
-            id: 7,
-            home_registrar: 0,
-            registration_life: -1,
-            user_transport: UserTransport::Address(TransportAddress::tcp(peer(9000))),
-            policy: Policy::Credits {
-                credits: 1_000_000,
-                capacity: 8,
-            },
-            asap_transport: None,
+    let msg = registration_with(
+        7,
+        -1,
+        Policy::Credits {
+            credits: 1_000_000,
+            capacity: 8,
         },
-    }
-    .to_bytes()
-    .unwrap();
+    );
     r.handle_data(c, &msg, at(0));
     let pe = &r.status(at(1)).pools[0].pes[0];
     assert!(pe.policy.contains("8/8"), "{}", pe.policy);
@@ -553,21 +550,7 @@ fn policy_changes_beyond_the_rate_wait() {
         at(0),
     );
     let c = r.accept(peer(1), at(0)).unwrap();
-    let with_load = |load: u32| {
-        AsapMessage::Registration {
-            pool_handle: PoolHandle::from("P"),
-            pool_element: PoolElement {
-                id: 7,
-                home_registrar: 0,
-                registration_life: -1,
-                user_transport: UserTransport::Address(TransportAddress::tcp(peer(9000))),
-                policy: Policy::WeightedRoundRobin { weight: load },
-                asap_transport: None,
-            },
-        }
-        .to_bytes()
-        .unwrap()
-    };
+    let with_load = |weight| registration_with(7, -1, Policy::WeightedRoundRobin { weight });
     r.handle_data(c, &with_load(0), at(0));
     for load in 1..=5 {
         r.handle_data(c, &with_load(load), at(10));

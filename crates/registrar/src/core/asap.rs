@@ -310,6 +310,23 @@ impl Asap {
         out.send_asap(id, &msg, now);
     }
 
+    /// The positive REGISTRATION_RESPONSE.
+    fn accept_registration(
+        id: ConnId,
+        pool_handle: PoolHandle,
+        pe_id: u32,
+        out: &mut Conns,
+        now: Instant,
+    ) {
+        let msg = AsapMessage::RegistrationResponse {
+            reject: false,
+            pool_handle,
+            pe_id,
+            error: None,
+        };
+        out.send_asap(id, &msg, now);
+    }
+
     fn on_registration(
         &mut self,
         id: ConnId,
@@ -398,13 +415,7 @@ impl Asap {
                 },
             );
             self.schedule_supervision(r, now);
-            let msg = AsapMessage::RegistrationResponse {
-                reject: false,
-                pool_handle,
-                pe_id,
-                error: None,
-            };
-            out.send_asap(id, &msg, now);
+            Self::accept_registration(id, pool_handle, pe_id, out, now);
             return;
         }
         let result = match existing {
@@ -440,13 +451,7 @@ impl Asap {
                 self.schedule_supervision(r, now);
                 let element = &self.hs.pe(r).element;
                 enrp.update(UpdateAction::AddPe, &pool_handle, element, out, now);
-                let msg = AsapMessage::RegistrationResponse {
-                    reject: false,
-                    pool_handle,
-                    pe_id,
-                    error: None,
-                };
-                out.send_asap(id, &msg, now);
+                Self::accept_registration(id, pool_handle, pe_id, out, now);
             }
             Err(e) => {
                 let cause = e.cause();
