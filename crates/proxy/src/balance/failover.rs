@@ -155,9 +155,8 @@ impl Failover {
             pe.pick_done();
             match conn {
                 Ok((conn, reused)) => {
-                    let try_ms = pool.config_value(|c| c.try_timeout_ms);
                     let attempt = Attempt {
-                        try_timeout: (try_ms > 0).then(|| Duration::from_millis(try_ms)),
+                        try_timeout: pool.try_timeout(),
                         pool: pool.clone(),
                         pe,
                         reused,

@@ -50,6 +50,8 @@ pub struct Pool {
     hashing: AtomicBool,
     /// `sticky-cookie` set: requests may name their PE.
     sticky: AtomicBool,
+    /// `try-timeout-ms`: read by every request, so kept out of the lock.
+    try_timeout_ms: std::sync::atomic::AtomicU64,
     /// Requests the circuit breaker (`max-requests`) refused.
     circuit_refused: std::sync::atomic::AtomicU64,
     /// Retries under way, and those the retry budget refused.
@@ -157,6 +159,7 @@ impl Pool {
             h2: AtomicBool::new(false),
             hashing: AtomicBool::new(false),
             sticky: AtomicBool::new(false),
+            try_timeout_ms: Default::default(),
             circuit_refused: Default::default(),
             retries: Arc::default(),
             retries_refused: Default::default(),
@@ -189,6 +192,8 @@ impl Pool {
         );
         self.sticky
             .store(config.sticky_cookie.is_some(), Ordering::Relaxed);
+        self.try_timeout_ms
+            .store(config.try_timeout_ms, Ordering::Relaxed);
         st.config = config;
         st.dispatch(&self.handle);
     }
@@ -253,6 +258,12 @@ impl Pool {
     /// The pool's settings.
     pub fn config(&self) -> PoolConfig {
         self.lock().config.clone()
+    }
+
+    /// The per-try timeout (`try-timeout-ms`), if the pool has one.
+    pub(crate) fn try_timeout(&self) -> Option<Duration> {
+        let ms = self.try_timeout_ms.load(Ordering::Relaxed);
+        (ms > 0).then(|| Duration::from_millis(ms))
     }
 
     /// One of the pool's settings, without a copy of them all.
