@@ -22,6 +22,7 @@ pub mod config;
 mod ctx;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod handover;
 pub mod http;
 pub mod l4;
 pub mod metrics;
@@ -34,6 +35,7 @@ pub use config::{ListenerConfig, Mode, PoolConfig, ProxyConfig, Route, Select};
 
 use access_log::AccessLog;
 use ctx::{Ctx, until_set};
+use handover::Inherited;
 use routes::Routes;
 
 use std::collections::HashMap;
@@ -48,20 +50,33 @@ use tracing::{info, warn};
 /// What the status listener serves: the same JSON under each (`/stats` is the older name).
 const STATUS_PATHS: &[&str] = &["/status", "/stats", "/", "/events", "/metrics"];
 
+/// How long a proxy taking over waits for its first view of the pools.
+const HANDOVER_FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+
 struct Listener {
     local: SocketAddr,
     mode: Mode,
     config: ListenerConfig,
     ctx: Arc<RwLock<Ctx>>,
     stop: watch::Sender<bool>,
-    /// The listening socket (a second descriptor of it), for options a reload sets.
-    socket: Option<std::net::TcpListener>,
+    /// The listening socket (a second descriptor of it), for options a reload sets and for a
+    /// hand-over.
+    socket: std::net::TcpListener,
+}
+
+/// The status listener: its configured address, a second descriptor of its socket (for a
+/// hand-over) and what stops it.
+struct StatusListener {
+    configured: SocketAddr,
+    socket: std::net::TcpListener,
+    stop: watch::Sender<bool>,
 }
 
 struct Inner {
     pools: Arc<Pools>,
     cfg: RwLock<Arc<ProxyConfig>>,
     listeners: Mutex<HashMap<SocketAddr, Listener>>,
+    status: Mutex<Option<StatusListener>>,
     conns: Arc<Semaphore>,
     max_conns: usize,
     draining: watch::Sender<bool>,
@@ -96,6 +111,15 @@ pub enum StartError {
 impl Proxy {
     /// Binds every listener (and the status listener) and starts serving.
     pub async fn start(cfg: ProxyConfig) -> Result<Proxy, StartError> {
+        Self::start_with(cfg, Inherited::default()).await
+    }
+
+    /// [`start`](Self::start), listening on the sockets a running proxy handed over where
+    /// their addresses are configured (binding the others); the rest are closed.
+    pub async fn start_with(
+        cfg: ProxyConfig,
+        mut inherited: Inherited,
+    ) -> Result<Proxy, StartError> {
         cfg.validate()?;
         let registrar_tls = cfg
             .registrar_tls
@@ -130,6 +154,7 @@ impl Proxy {
                 conns: Arc::new(Semaphore::new(cfg.max_connections)),
                 cfg: RwLock::new(Arc::new(cfg.clone())),
                 listeners: Mutex::new(HashMap::new()),
+                status: Mutex::new(None),
                 draining,
                 log: RwLock::new(log),
                 kernel: RwLock::new(kernel),
@@ -141,31 +166,90 @@ impl Proxy {
             proxy.join_tier(t.clone(), &cfg).await?;
         }
         proxy.inner.pools.configure(&cfg);
+        if !inherited.is_empty() {
+            // The running proxy serves until this one accepts: this one starts with its pools
+            // known, not with a burst of 503s.
+            for h in cfg.pools() {
+                proxy.inner.pools.pool(&h);
+            }
+            if !proxy.inner.pools.wait_fetched(HANDOVER_FETCH_TIMEOUT).await {
+                warn!("proxy: taking over with pools not fetched yet (is a registrar reachable?)");
+            }
+        }
         for l in &cfg.listeners {
-            proxy.add_listener(l.clone()).await?;
+            let taken = inherited.listeners.remove(&l.listen);
+            proxy.add_listener(l.clone(), taken).await?;
+        }
+        for a in inherited.listeners.keys() {
+            info!("proxy: listener {a} handed over but no longer configured: closed");
         }
         if let Some(addr) = cfg.status {
-            let sock = TcpListener::bind(addr)
-                .await
-                .map_err(|e| StartError::Bind(addr, e))?;
-            info!(
-                "proxy: status on http://{}/status",
-                sock.local_addr().unwrap_or(addr)
-            );
-            let inner = Arc::downgrade(&proxy.inner);
-            tokio::spawn(rserpool_status::serve(
-                sock,
-                STATUS_PATHS,
-                move |path| match (inner.upgrade(), path) {
-                    (Some(inner), "/metrics") => {
-                        rserpool_status::Reply::metrics(Proxy { inner }.metrics())
-                    }
-                    (Some(inner), _) => rserpool_status::Reply::json(&Proxy { inner }.stats_json()),
-                    (None, _) => rserpool_status::Reply::text(503, "the proxy is stopping"),
-                },
-            ));
+            let taken = inherited.status.take().filter(|(a, _)| *a == addr);
+            proxy.serve_status(addr, taken.map(|(_, l)| l))?;
         }
         Ok(proxy)
+    }
+
+    /// Serves the status listener on `taken` (handed over) or on a socket bound to `addr`.
+    fn serve_status(
+        &self,
+        addr: SocketAddr,
+        taken: Option<std::net::TcpListener>,
+    ) -> Result<(), StartError> {
+        let bound = match taken {
+            Some(l) => Ok(l),
+            None => std::net::TcpListener::bind(addr),
+        };
+        let socket = bound
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|e| StartError::Bind(addr, e))?;
+        let sock = socket
+            .try_clone()
+            .and_then(TcpListener::from_std)
+            .map_err(|e| StartError::Bind(addr, e))?;
+        info!(
+            "proxy: status on http://{}/status",
+            sock.local_addr().unwrap_or(addr)
+        );
+        let inner = Arc::downgrade(&self.inner);
+        let (stop, mut stopped) = watch::channel(false);
+        let serve = rserpool_status::serve(sock, STATUS_PATHS, move |path| {
+            match (inner.upgrade(), path) {
+                (Some(inner), "/metrics") => rserpool_status::Reply::metrics(Proxy { inner }.metrics()),
+                (Some(inner), _) => rserpool_status::Reply::json(&Proxy { inner }.stats_json()),
+                (None, _) => rserpool_status::Reply::text(503, "the proxy is stopping"),
+            }
+        });
+        tokio::spawn(async move {
+            tokio::select! {
+                () = serve => {}
+                () = until_set(&mut stopped) => {}
+            }
+        });
+        *self.inner.status.lock().unwrap_or_else(|p| p.into_inner()) = Some(StatusListener {
+            configured: addr,
+            socket,
+            stop,
+        });
+        Ok(())
+    }
+
+    /// The listening sockets for a successor (second descriptors; this proxy keeps
+    /// accepting on them until [`stop_accepting`](Self::stop_accepting)) and the state that
+    /// names them ([`handover::Inherited::from_taken`] reads it).
+    pub fn handover_sockets(&self) -> std::io::Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> {
+        let mut state = handover::State::default();
+        let mut fds = Vec::new();
+        for (configured, l) in self.listeners().iter() {
+            fds.push(rserpool_handover::dup(std::os::fd::AsFd::as_fd(&l.socket))?);
+            state.listeners.push(*configured);
+        }
+        if let Some(s) = &*self.inner.status.lock().unwrap_or_else(|p| p.into_inner()) {
+            fds.push(rserpool_handover::dup(std::os::fd::AsFd::as_fd(&s.socket))?);
+            state.status = Some(s.configured);
+        }
+        let state = serde_json::to_vec(&state).map_err(std::io::Error::other)?;
+        Ok((state, fds))
     }
 
     /// Joins the proxy tier of `[tier]`: needs the kernel splice.
@@ -263,16 +347,28 @@ impl Proxy {
         }
     }
 
-    async fn add_listener(&self, l: ListenerConfig) -> Result<(), StartError> {
+    /// Serves `l` on `taken` (a socket handed over) or on a socket bound now.
+    async fn add_listener(
+        &self,
+        l: ListenerConfig,
+        taken: Option<std::net::TcpListener>,
+    ) -> Result<(), StartError> {
         if l.kernel_splice() && self.kernel().is_none() {
             warn!(
                 "proxy: listener {} relays in user space: the kernel splice is not loaded",
                 l.listen
             );
         }
-        let sock = bind(l.listen).map_err(|e| StartError::Bind(l.listen, e))?;
-        let socket = sock.get_ref().try_clone().ok();
-        self.save_syn(&l, socket.as_ref());
+        let sock = match taken {
+            Some(t) => register(t),
+            None => bind(l.listen),
+        }
+        .map_err(|e| StartError::Bind(l.listen, e))?;
+        let socket = sock
+            .get_ref()
+            .try_clone()
+            .map_err(|e| StartError::Bind(l.listen, e))?;
+        self.save_syn(&l, Some(&socket));
         let local = sock
             .get_ref()
             .local_addr()
@@ -411,7 +507,7 @@ impl Proxy {
                     ctx::install(&ctx, self.ctx(l)?, Some(&previous));
                     let socket = self.listeners().get_mut(&l.listen).and_then(|x| {
                         x.config = l.clone();
-                        x.socket.as_ref().and_then(|s| s.try_clone().ok())
+                        x.socket.try_clone().ok()
                     });
                     self.save_syn(l, socket.as_ref());
                 }
@@ -419,9 +515,9 @@ impl Proxy {
                     if let Some(x) = self.listeners().remove(&l.listen) {
                         let _ = x.stop.send(true);
                     }
-                    self.add_listener(l.clone()).await?;
+                    self.add_listener(l.clone(), None).await?;
                 }
-                None => self.add_listener(l.clone()).await?,
+                None => self.add_listener(l.clone(), None).await?,
             }
         }
         self.inner.pools.configure(&new);
@@ -432,15 +528,24 @@ impl Proxy {
     /// connections are closed) and returns when none is left or `timeout` has passed; returns
     /// the connections still open.
     pub async fn drain(&self, timeout: Duration) -> usize {
-        for (_, l) in self.listeners().drain() {
-            let _ = l.stop.send(true);
-        }
+        self.stop_accepting();
         let _ = self.inner.draining.send(true);
         let deadline = tokio::time::Instant::now() + timeout;
         while self.active_connections() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         self.active_connections()
+    }
+
+    /// Closes every listener, the status listener too (their sockets live on in a process
+    /// they were handed over to).
+    pub fn stop_accepting(&self) {
+        for (_, l) in self.listeners().drain() {
+            let _ = l.stop.send(true);
+        }
+        if let Some(s) = self.inner.status.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = s.stop.send(true);
+        }
     }
 
     /// Counters for the status listener.
@@ -484,7 +589,12 @@ fn bind(addr: SocketAddr) -> std::io::Result<AsyncFd<std::net::TcpListener>> {
     sock.set_nonblocking(true)?;
     sock.bind(&addr.into())?;
     sock.listen(4096)?;
-    let sock: std::net::TcpListener = sock.into();
+    register(sock.into())
+}
+
+/// A listening socket on the reactor.
+fn register(sock: std::net::TcpListener) -> std::io::Result<AsyncFd<std::net::TcpListener>> {
+    sock.set_nonblocking(true)?;
     // tokio offers readiness for a plain fd only through `AsyncFd`, and registering one is
     // `unsafe` since tokio 1.53.
     #[allow(unsafe_code)]

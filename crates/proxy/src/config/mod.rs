@@ -511,6 +511,12 @@ pub struct ProxyConfig {
     pub status: Option<SocketAddr>,
     /// Append one line per request (HTTP) or connection (TCP) to this file; `-` is stdout.
     pub access_log: Option<PathBuf>,
+    /// Where a new process of this proxy (an upgrade, a restart) takes the listening sockets
+    /// over from the running one: a path, or `@NAME` for an abstract Unix socket; `""` turns
+    /// the hand-over off. Unset: an abstract name made from the configuration file's path (or,
+    /// without a file, from the listeners' addresses). See docs/OPERATIONS.md.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handover_socket: Option<String>,
     #[serde(rename = "listener")]
     pub listeners: Vec<ListenerConfig>,
     /// Settings per pool handle; a pool not named here has the defaults.
@@ -555,6 +561,7 @@ impl Default for ProxyConfig {
             threads: 0,
             status: None,
             access_log: None,
+            handover_socket: None,
             listeners: Vec::new(),
             pool_settings: BTreeMap::new(),
             levels: None,
@@ -588,6 +595,11 @@ impl ProxyConfig {
         }
         if self.registrars.is_empty() {
             return bad("no registrar configured".into());
+        }
+        if let Some(h) = self.handover_socket.as_deref().filter(|h| !h.is_empty()) {
+            if let Err(e) = h.parse::<rserpool_handover::Address>() {
+                return bad(format!("handover-socket: {e}"));
+            }
         }
         for (i, l) in self.listeners.iter().enumerate() {
             if self.listeners[..i].iter().any(|o| o.listen == l.listen) {

@@ -74,6 +74,9 @@ async fn serve_stream(stream: ClientStream, peer: SocketAddr, ctx: Ctx) {
     c.stream.close().await;
 }
 
+/// How long an idle kept-alive connection of a draining proxy may still bring a request.
+const DRAIN_IDLE_GRACE: std::time::Duration = std::time::Duration::from_millis(1000);
+
 async fn serve_requests(c: &mut Client, mut ctx: Ctx) {
     let peer = c.peer;
     let mut first = true;
@@ -82,7 +85,15 @@ async fn serve_requests(c: &mut Client, mut ctx: Ctx) {
         let idle = c.buf.is_empty();
         let head = tokio::select! {
             r = read_head_in_time(c, &ctx, first) => r,
-            () = until_set(&mut draining), if idle => return,
+            () = until_set(&mut draining), if idle => {
+                // A busy client's next request may be on its way: it is served (with
+                // `Connection: close`) rather than met with a close it cannot tell from a
+                // failure. A client that stays quiet is closed after the grace.
+                match tokio::time::timeout(DRAIN_IDLE_GRACE, read_head_in_time(c, &ctx, first)).await {
+                    Ok(r) => r,
+                    Err(_) => return,
+                }
+            }
         };
         let head = match head {
             Ok(Ok(Some(h))) => h,
@@ -119,8 +130,10 @@ async fn serve_requests(c: &mut Client, mut ctx: Ctx) {
         if let Some(newer) = ctx.newer() {
             ctx = newer;
         }
+        // A response that said keep-alive before a drain began is kept to: the client may
+        // send its next request at once, and it is served (with `Connection: close`).
         match request(c, head, &ctx).await {
-            Next::KeepAlive if !*ctx.draining.borrow() => {}
+            Next::KeepAlive => {}
             _ => return,
         }
     }

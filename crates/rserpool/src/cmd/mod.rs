@@ -12,6 +12,7 @@ pub mod example;
 pub mod proxy;
 pub mod registrar;
 pub mod serve;
+pub mod service;
 pub mod split;
 pub mod up;
 

@@ -3,7 +3,9 @@
 
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
+use rserpool_proxy::handover::{self, Inherited};
 use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig, Select};
+use tokio::signal::unix::{SignalKind, signal};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -125,13 +127,31 @@ pub fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
 pub fn run(args: ProxyArgs) -> Result<()> {
     let cfg = load(&args)?;
     super::init_logging();
+    let handover = handover_address(&args, &cfg)?;
+    // A proxy running with this configuration hands its listening sockets over: no moment
+    // with nobody listening (docs/OPERATIONS.md).
+    let mut taken = match handover.as_ref().map(rserpool_handover::take).transpose() {
+        Ok(t) => t.flatten(),
+        Err(e) => {
+            warn!("proxy: no hand-over, binding afresh: {e}");
+            None
+        }
+    };
+    let successor = super::service::Successor::here();
     runtime(cfg.threads)?.block_on(async move {
         let drain = Duration::from_millis(cfg.drain_timeout_ms);
         // Signals are caught before the listeners open, so none can kill a serving proxy.
         let mut shutdown = super::Shutdown::watch()?;
-        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-            .context("cannot watch SIGHUP")?;
-        let proxy = Proxy::start(cfg).await?;
+        let mut hup = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
+        let mut usr2 = signal(SignalKind::user_defined2()).context("cannot watch SIGUSR2")?;
+        let inherited = match taken.as_mut() {
+            Some(t) => {
+                info!("proxy: taking the listeners over from process {}", t.pid);
+                Inherited::from_taken(t).map_err(|e| anyhow!(e))?
+            }
+            None => Inherited::default(),
+        };
+        let proxy = Proxy::start_with(cfg, inherited).await?;
         for (l, a) in proxy.config().listeners.iter().zip(proxy.local_addrs()) {
             info!(
                 "proxy: {} {:?} → pool {}",
@@ -140,10 +160,59 @@ pub fn run(args: ProxyArgs) -> Result<()> {
                 l.pool.as_deref().unwrap_or("(routes)")
             );
         }
-        loop {
-            tokio::select! {
-                () = shutdown.recv() => break,
-                _ = hup.recv() => reload(&proxy, &args).await,
+        if let Some(t) = taken {
+            let pid = t.pid;
+            match tokio::task::spawn_blocking(move || t.ready(HANDOVER_DONE_TIMEOUT)).await {
+                Ok(Ok(())) => info!("proxy: process {pid} stopped accepting; this one serves"),
+                Ok(Err(e)) => warn!("proxy: process {pid}: {e}"),
+                Err(e) => warn!("proxy: hand-over: {e}"),
+            }
+        }
+        let mut offer = match &handover {
+            Some(a) => offer(a).await,
+            None => None,
+        };
+        super::service::notify_ready();
+        let handed = loop {
+            let waiting = offer.take().map(|o| {
+                let p = proxy.clone();
+                tokio::spawn(async move {
+                    let r = handover::next_successor(&o, || p.handover_sockets()).await;
+                    (o, r)
+                })
+            });
+            let mut waiting = std::pin::pin!(async move {
+                match waiting {
+                    Some(w) => w.await,
+                    None => std::future::pending().await,
+                }
+            });
+            let got = loop {
+                tokio::select! {
+                    () = shutdown.recv() => break None,
+                    _ = hup.recv() => reload(&proxy, &args).await,
+                    _ = usr2.recv() => match &successor {
+                        Some(s) if handover.is_some() => s.start(),
+                        _ => warn!("proxy: SIGUSR2 ignored: no hand-over socket"),
+                    },
+                    r = &mut waiting => break Some(r),
+                }
+            };
+            match got {
+                None => break None,
+                Some(Ok((o, Ok(giving)))) => break Some((o, giving)),
+                Some(Ok((_, Err(e)))) => {
+                    warn!("proxy: the hand-over socket failed, no more hand-overs: {e}")
+                }
+                Some(Err(e)) => warn!("proxy: the hand-over task failed: {e}"),
+            }
+        };
+        if let Some((o, giving)) = handed {
+            proxy.stop_accepting();
+            // Closed before the successor hears `DONE`, so that it can offer at that name.
+            drop(o);
+            if let Err(e) = tokio::task::spawn_blocking(move || giving.done()).await? {
+                warn!("proxy: {e}");
             }
         }
         info!(
@@ -156,6 +225,58 @@ pub fn run(args: ProxyArgs) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// How long a new proxy waits for the old one to stop accepting once it accepts itself.
+const HANDOVER_DONE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where this proxy's hand-over socket is: `handover-socket`, or an abstract name made from the
+/// configuration file's path, or (without one) from the listeners' addresses unless a port is
+/// left to the kernel (no successor could name the same one). `None`: no hand-over.
+pub fn handover_address(
+    args: &ProxyArgs,
+    cfg: &ProxyConfig,
+) -> Result<Option<rserpool_handover::Address>> {
+    let name = match (&cfg.handover_socket, &args.config) {
+        (Some(s), _) if s.is_empty() => return Ok(None),
+        (Some(s), _) => s.clone(),
+        (None, Some(file)) => {
+            let file = std::fs::canonicalize(file).unwrap_or_else(|_| file.clone());
+            format!("@rserpool-proxy:{}", file.display())
+        }
+        (None, None) if cfg.listeners.iter().any(|l| l.listen.port() == 0) => return Ok(None),
+        (None, None) => {
+            let addrs: Vec<String> = cfg.listeners.iter().map(|l| l.listen.to_string()).collect();
+            format!("@rserpool-proxy:{}", addrs.join(","))
+        }
+    };
+    // An abstract name is at most 107 bytes; a long path keeps its end.
+    let name = match name.strip_prefix('@') {
+        Some(n) if n.len() > 100 => format!("@{}", &n[n.len() - 100..]),
+        _ => name,
+    };
+    name.parse()
+        .map(Some)
+        .map_err(|e: String| anyhow!("handover-socket: {e}"))
+}
+
+/// Offers this proxy's sockets at `addr`. The process it took over from closes its offer as it
+/// stops accepting; until then (or when another process holds the name) this retries a while.
+async fn offer(addr: &rserpool_handover::Address) -> Option<rserpool_handover::Offer> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match rserpool_handover::Offer::bind(addr) {
+            Ok(o) => {
+                info!("proxy: a successor takes over at {addr}");
+                return Some(o);
+            }
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                warn!("proxy: no hand-over to a successor: {e}");
+                return None;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
 }
 
 async fn reload(proxy: &Proxy, args: &ProxyArgs) {
