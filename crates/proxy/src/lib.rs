@@ -215,7 +215,9 @@ impl Proxy {
         let (stop, mut stopped) = watch::channel(false);
         let serve = rserpool_status::serve(sock, STATUS_PATHS, move |path| {
             match (inner.upgrade(), path) {
-                (Some(inner), "/metrics") => rserpool_status::Reply::metrics(Proxy { inner }.metrics()),
+                (Some(inner), "/metrics") => {
+                    rserpool_status::Reply::metrics(Proxy { inner }.metrics())
+                }
                 (Some(inner), _) => rserpool_status::Reply::json(&Proxy { inner }.stats_json()),
                 (None, _) => rserpool_status::Reply::text(503, "the proxy is stopping"),
             }
@@ -543,7 +545,13 @@ impl Proxy {
         for (_, l) in self.listeners().drain() {
             let _ = l.stop.send(true);
         }
-        if let Some(s) = self.inner.status.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(s) = self
+            .inner
+            .status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
             let _ = s.stop.send(true);
         }
     }

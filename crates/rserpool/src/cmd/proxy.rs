@@ -5,10 +5,10 @@ use anyhow::{Context, Result, anyhow};
 use clap::Args;
 use rserpool_proxy::handover::{self, Inherited};
 use rserpool_proxy::{ListenerConfig, Mode, Proxy, ProxyConfig, Select};
-use tokio::signal::unix::{SignalKind, signal};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+use tokio::signal::unix::{SignalKind, signal};
 use tracing::{info, warn};
 
 #[derive(Args, Debug)]

@@ -57,10 +57,16 @@ impl Successor {
     /// Starts the successor (SIGUSR2): it takes the listening sockets over by the hand-over
     /// socket, and this process stops once it has. Its exit is logged.
     pub fn start(&self) {
-        match std::process::Command::new(&self.exe).args(&self.args).spawn() {
+        match std::process::Command::new(&self.exe)
+            .args(&self.args)
+            .spawn()
+        {
             Ok(mut child) => {
                 let pid = child.id();
-                info!("started {} as process {pid} to take over", self.exe.display());
+                info!(
+                    "started {} as process {pid} to take over",
+                    self.exe.display()
+                );
                 std::thread::spawn(move || match child.wait() {
                     Ok(s) if s.success() => {}
                     Ok(s) => warn!("the successor {pid} ended: {s}"),

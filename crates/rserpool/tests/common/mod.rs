@@ -53,7 +53,12 @@ pub struct Logged {
 impl Logged {
     /// Runs `rserpool ARGS` with `RUST_LOG=filter`.
     pub fn spawn(name: &str, args: &[String], filter: &str) -> Self {
-        let mut child = Command::new(BIN)
+        Self::spawn_exe(std::path::Path::new(BIN), name, args, filter)
+    }
+
+    /// [`spawn`](Self::spawn) with the binary at `exe` (a copy, as an upgrade installs).
+    pub fn spawn_exe(exe: &std::path::Path, name: &str, args: &[String], filter: &str) -> Self {
+        let mut child = Command::new(exe)
             .args(args)
             .env("RUST_LOG", filter)
             .env("NO_COLOR", "1")
