@@ -20,6 +20,7 @@ mod session;
 mod tier;
 mod trace;
 mod undo;
+mod upgrade;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -67,6 +68,9 @@ enum BenchCommand {
     /// and two proxies, a proxy failure for each heartbeat interval, split splice (the TCP
     /// splice seed's Tables 2-7; docs/TIER.md). Needs root.
     Tier(tier::TierArgs),
+    /// Upgrading a proxy under load: rserpool's hand-over beside HAProxy's master-worker
+    /// reload; refused connections, errors, p99 and maximum latency (docs/OPERATIONS.md).
+    Upgrade(upgrade::UpgradeArgs),
     /// Chaos soak: registrars, PEs, a proxy and clients in network namespaces under random
     /// kills, link cuts and packet loss; checks that no PE is lost and no request fails.
     Chaos(chaos::ChaosArgs),
@@ -90,6 +94,7 @@ fn main() -> Result<()> {
         BenchCommand::Ksplice(a) => ksplice::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Tier(a) => tier::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Session(a) => session::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::Upgrade(a) => upgrade::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
         BenchCommand::GrpcBackend(a) => proxy::grpc_backend::run(a),

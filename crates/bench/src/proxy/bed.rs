@@ -14,14 +14,14 @@ use std::time::Duration;
 
 /// The shared test bed: a registrar, three nginx backends and their sidecars. Fields drop in
 /// order: the processes go before their directory.
-pub(super) struct Bed {
+pub(crate) struct Bed {
     /// The rserpool binary: registrar, sidecars and the rserpool proxy.
-    pub(super) rserpool: PathBuf,
-    pub(super) dir: PathBuf,
-    pub(super) registrar: SocketAddr,
+    pub(crate) rserpool: PathBuf,
+    pub(crate) dir: PathBuf,
+    pub(crate) registrar: SocketAddr,
     /// The registrar's status listener.
     registrar_status: SocketAddr,
-    pub(super) backends: Vec<SocketAddr>,
+    pub(crate) backends: Vec<SocketAddr>,
     /// HTTP/2 backends answering gRPC-shaped calls (`rserpool-bench grpc-backend`), when the
     /// gRPC part runs.
     pub(super) grpc_backends: Vec<SocketAddr>,
@@ -41,7 +41,7 @@ impl Bed {
         }
     }
 
-    pub(super) fn start(sizes: &[usize], rserpool: &Path, grpc: bool) -> Result<Bed> {
+    pub(crate) fn start(sizes: &[usize], rserpool: &Path, grpc: bool) -> Result<Bed> {
         // tmpfs, so that uploads cost memory copies, not disk writes.
         let dir = PathBuf::from(format!(
             "/dev/shm/rserpool-bench-proxy-{}",

@@ -14,7 +14,7 @@
 //! the backend on a second address so that its checks are not counted.
 
 mod args;
-mod bed;
+pub(crate) mod bed;
 mod config;
 mod failover;
 mod front;
@@ -25,7 +25,7 @@ mod report;
 mod shaping;
 mod synwatch;
 mod tools;
-mod wrk;
+pub(crate) mod wrk;
 
 pub use args::ProxyBenchArgs;
 
@@ -42,14 +42,14 @@ use std::path::Path;
 use std::time::Duration;
 use wrk::Wrk;
 
-const POOL: &str = "BenchPool";
+pub(crate) const POOL: &str = "BenchPool";
 /// The gRPC part's pool: HTTP/2 backends.
 const GRPC_POOL: &str = "GrpcPool";
 /// The gRPC part's call: a 5-byte message in gRPC's framing.
 const GRPC_PATH: &str = "/bench.Echo/Echo";
 const GRPC_MESSAGE: &[u8] = b"\0\0\0\0\x05hello";
 const BACKENDS: usize = 3;
-const SMALL: &str = "/small.html";
+pub(crate) const SMALL: &str = "/small.html";
 const SMALL_SIZE: usize = 612; // nginx's welcome page
 const BULK: &str = "/bulk";
 const BULK_SIZE: usize = 256 << 20;

@@ -10,13 +10,18 @@ use std::process::Command;
 
 /// What one wrk run measured.
 #[derive(Serialize, Clone, Copy, Debug, Default)]
-pub(super) struct Wrk {
-    pub(super) rps: f64,
-    pub(super) p50_ms: f64,
-    pub(super) p99_ms: f64,
-    pub(super) errors: u64,
+pub(crate) struct Wrk {
+    pub(crate) rps: f64,
+    pub(crate) p50_ms: f64,
+    pub(crate) p99_ms: f64,
+    /// The slowest request.
+    pub(crate) max_ms: f64,
+    /// Non-2xx answers and socket errors together.
+    pub(crate) errors: u64,
+    /// Socket errors: connect (refused), read, write, timeout.
+    pub(crate) socket: [u64; 4],
     /// CPU time of the proxy (all its processes and threads) per request, µs.
-    pub(super) cpu_us: Option<f64>,
+    pub(crate) cpu_us: Option<f64>,
 }
 
 /// One wrk run; `close` sends `Connection: close` so that every request opens a connection.
@@ -63,7 +68,7 @@ impl ProxyCpu {
     }
 }
 
-fn parse_wrk(text: &str) -> Option<Wrk> {
+pub(crate) fn parse_wrk(text: &str) -> Option<Wrk> {
     let mut w = Wrk::default();
     let mut rps = None;
     for line in text.lines() {
@@ -78,8 +83,15 @@ fn parse_wrk(text: &str) -> Option<Wrk> {
             w.errors += v.trim().parse::<u64>().ok()?;
         } else if let Some(v) = t.strip_prefix("Socket errors:") {
             // "connect 0, read 0, write 0, timeout 0"
-            for part in v.split(',') {
-                w.errors += part.split_whitespace().nth(1)?.parse::<u64>().ok()?;
+            for (i, part) in v.split(',').enumerate().take(4) {
+                let n = part.split_whitespace().nth(1)?.parse::<u64>().ok()?;
+                w.socket[i] = n;
+                w.errors += n;
+            }
+        } else if let Some(v) = t.strip_prefix("Latency") {
+            // Thread stats: "Latency   2.61ms  0.86ms  11.71ms  73.17%" (avg, stdev, max).
+            if let Some(max) = v.split_whitespace().nth(2) {
+                w.max_ms = parse_duration_ms(max)?;
             }
         }
     }
@@ -110,6 +122,8 @@ mod tests {
     fn reads_wrk_output() {
         let out = "Running 5s test @ http://127.0.0.1:1/small.html
   1 threads and 50 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     2.61ms    0.86ms  11.71ms   73.17%
   Latency Distribution
      50%  770.00us
      75%    1.00ms
@@ -125,6 +139,8 @@ Transfer/sec:      6.00MB
         assert!((w.p50_ms - 0.77).abs() < 1e-9);
         assert_eq!(w.p99_ms, 2.5);
         assert_eq!(w.errors, 18);
+        assert_eq!(w.socket, [1, 2, 0, 3]);
+        assert_eq!(w.max_ms, 11.71);
         assert!(parse_wrk("garbage").is_none());
     }
 }
