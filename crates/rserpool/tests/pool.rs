@@ -787,3 +787,72 @@ async fn a_pool_user_that_does_not_read_is_disconnected() {
     assert_eq!(st.counters.slow_connections_closed, 1);
     assert_eq!(st.pools[0].pes.len(), 30);
 }
+
+/// `rserpool drain` for a PE run by `serve --control`: it leaves the pool (a resolution no
+/// longer returns it), a health check that passes does not bring it back, its agent says
+/// `drain`; `undrain` registers it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_drains_and_undrains_by_its_control_socket() {
+    let r = registrar(fast_config());
+    let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target_addr = target.local_addr().unwrap();
+    std::thread::spawn(move || for _ in target.incoming() {});
+    let dir = std::env::temp_dir().join(format!("rserpool-serve-drain-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let control = dir.join("serve.sock");
+    let agent = SocketAddr::from(([127, 0, 0, 1], common::free_port()));
+    let _serve = spawn(&[
+        "serve",
+        "--target",
+        &target_addr.to_string(),
+        "--pool",
+        "S",
+        "--id",
+        "7",
+        "--check-interval-ms",
+        "50",
+        "--agent",
+        &agent.to_string(),
+        "--control",
+        control.to_str().unwrap(),
+        "--registrar",
+        &r.asap_addr().to_string(),
+    ]);
+    let reg = r.asap_addr();
+    wait_for(
+        Duration::from_secs(10),
+        "the PE registered",
+        || async move { resolve_ids(reg, "S", 3).await == vec![7] },
+    )
+    .await;
+    let agent_says = || async move {
+        let mut s = TcpStream::connect(agent).await.unwrap();
+        let mut line = String::new();
+        s.read_to_string(&mut line).await.unwrap();
+        line
+    };
+    assert_eq!(agent_says().await, "up ready 100%\n");
+    let out = run_bin(&["drain", control.to_str().unwrap()]).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "drained");
+    wait_for(Duration::from_secs(5), "the PE gone", || async move {
+        resolve_ids(reg, "S", 3).await.is_empty()
+    })
+    .await;
+    assert_eq!(agent_says().await, "drain\n");
+    // Health checks go on passing: the PE stays out.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(resolve_ids(reg, "S", 3).await.is_empty());
+    let out = run_bin(&["undrain", control.to_str().unwrap()]).await;
+    assert!(out.status.success());
+    wait_for(Duration::from_secs(5), "the PE back", || async move {
+        resolve_ids(reg, "S", 3).await == vec![7]
+    })
+    .await;
+    assert_eq!(agent_says().await, "up ready 100%\n");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -3,8 +3,9 @@
 //! `agent-inter`, reads one line and closes; the line's words set the server's state and its
 //! weight relative to the configured one: here `up ready N%` while the target answers (N from
 //! the credits, `credits / capacity`, or from the load reported for the RFC's adaptive
-//! policies, `100 − load`; 100 otherwise; at least 1 % unless there is no credit at all) and
-//! `down` while it does not.
+//! policies, `100 − load`; 100 otherwise; at least 1 % unless there is no credit at all),
+//! `down` while it does not, and `drain` while an operator drained the PE (`rserpool drain`):
+//! HAProxy then sends it no new work and lets what it has finish.
 
 use rserpool_asap::CreditGauge;
 use std::net::SocketAddr;
@@ -19,6 +20,7 @@ use tracing::{debug, warn};
 #[derive(Clone, Debug)]
 pub struct AgentState {
     healthy: Arc<AtomicBool>,
+    drained: Arc<AtomicBool>,
     /// The weight in percent when there are no credits.
     percent: Arc<AtomicU32>,
     credits: Option<CreditGauge>,
@@ -28,6 +30,7 @@ impl AgentState {
     pub fn new(healthy: bool, credits: Option<CreditGauge>) -> Self {
         Self {
             healthy: Arc::new(AtomicBool::new(healthy)),
+            drained: Arc::new(AtomicBool::new(false)),
             percent: Arc::new(AtomicU32::new(100)),
             credits,
         }
@@ -35,6 +38,10 @@ impl AgentState {
 
     pub fn set_healthy(&self, healthy: bool) {
         self.healthy.store(healthy, Ordering::Relaxed);
+    }
+
+    pub fn set_drained(&self, drained: bool) {
+        self.drained.store(drained, Ordering::Relaxed);
     }
 
     /// The share of the configured weight for a policy without credits (from a load).
@@ -46,6 +53,9 @@ impl AgentState {
     pub fn reply(&self) -> String {
         if !self.healthy.load(Ordering::Relaxed) {
             return "down\n".into();
+        }
+        if self.drained.load(Ordering::Relaxed) {
+            return "drain\n".into();
         }
         let percent = match &self.credits {
             Some(g) => {
@@ -101,5 +111,8 @@ mod tests {
         assert_eq!(a.reply(), "up ready 40%\n");
         a.set_healthy(false);
         assert_eq!(a.reply(), "down\n");
+        a.set_healthy(true);
+        a.set_drained(true);
+        assert_eq!(a.reply(), "drain\n");
     }
 }

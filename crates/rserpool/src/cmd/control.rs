@@ -1,12 +1,12 @@
-//! Draining a pool element from the command line: the PE listens on a Unix socket (mode 0600,
-//! so only its own user on its own host may ask), and `rserpool drain SOCKET` makes it
-//! deregister (ASAP DEREGISTRATION) while it goes on serving what reaches it; `rserpool
-//! undrain SOCKET` registers it again. Pool users and proxies subscribed to the pool learn it
+//! Draining a pool element from the command line: the PE (`example` or `serve` with
+//! `--control PATH`) listens on a Unix socket (mode 0600, so only its own user on its own host
+//! may ask), and `rserpool drain SOCKET` makes it deregister (ASAP DEREGISTRATION) while it
+//! goes on serving what reaches it; `rserpool undrain SOCKET` registers it again (`serve`: once
+//! its target is healthy). Pool users and proxies subscribed to the pool learn it
 //! with the registrar's next push. HAProxy's `set server … state drain` for RSerPool.
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use rserpool_asap::PeUpdater;
 use std::path::{Path, PathBuf};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
@@ -14,13 +14,15 @@ use tracing::{info, warn};
 
 #[derive(Args, Debug, serde::Serialize)]
 pub struct DrainArgs {
-    /// The PE's control socket (`rserpool example … --control PATH`).
+    /// The PE's control socket (`rserpool example|serve … --control PATH`).
     pub socket: PathBuf,
 }
 
-/// Listens on `path` for `drain` and `undrain` lines, for as long as the runtime runs. A
-/// stale socket file is replaced; the new one is readable and writable by its owner only.
-pub fn listen(path: &Path, pe: PeUpdater) -> Result<()> {
+/// Listens on `path` for `drain` and `undrain` lines, for as long as the runtime runs, and
+/// tells `drained` each (true: drain). A stale socket file is replaced; the new one is readable
+/// and writable by its owner only.
+pub fn listen(path: &Path, drained: impl Fn(bool) + Send + Sync + 'static) -> Result<()> {
+    let drained = std::sync::Arc::new(drained);
     use std::os::unix::fs::PermissionsExt;
     let _ = std::fs::remove_file(path);
     let l =
@@ -28,9 +30,9 @@ pub fn listen(path: &Path, pe: PeUpdater) -> Result<()> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     tokio::spawn(async move {
         while let Ok((s, _)) = l.accept().await {
-            let pe = pe.clone();
+            let drained = drained.clone();
             tokio::spawn(async move {
-                if let Err(e) = answer(s, &pe).await {
+                if let Err(e) = answer(s, &*drained).await {
                     warn!("control: {e}");
                 }
             });
@@ -39,19 +41,19 @@ pub fn listen(path: &Path, pe: PeUpdater) -> Result<()> {
     Ok(())
 }
 
-async fn answer(s: UnixStream, pe: &PeUpdater) -> std::io::Result<()> {
+async fn answer(s: UnixStream, drained: &(dyn Fn(bool) + Send + Sync)) -> std::io::Result<()> {
     let (rd, mut wr) = s.into_split();
     let mut line = String::new();
     BufReader::new(rd).read_line(&mut line).await?;
     let reply = match line.trim() {
         "drain" => {
             info!("control: draining: deregistering, still serving what arrives");
-            pe.set_active(false);
+            drained(true);
             "drained\n"
         }
         "undrain" => {
             info!("control: undrained: registering again");
-            pe.set_active(true);
+            drained(false);
             "undrained\n"
         }
         _ => "unknown command (drain, undrain)\n",

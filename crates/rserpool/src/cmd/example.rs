@@ -127,7 +127,8 @@ pub fn run(args: ExampleArgs) -> Result<()> {
             args.pe.pool
         );
         if let Some(path) = &args.control {
-            super::control::listen(path, ex.pe.updater())?;
+            let pe = ex.pe.updater();
+            super::control::listen(path, move |drained| pe.set_active(!drained))?;
         }
         super::shutdown_signal().await;
         if let Some(path) = &args.control {

@@ -57,6 +57,11 @@ pub struct ServeArgs {
     /// credits or the load, `down` while the target does not answer.
     #[arg(long)]
     pub agent: Option<SocketAddr>,
+    /// Control socket (a Unix socket, mode 0600): `rserpool drain PATH` deregisters the PE
+    /// (the target goes on serving what reaches it; `--agent` says `drain`), `rserpool undrain
+    /// PATH` registers it again once the target is healthy.
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<std::path::PathBuf>,
     /// Status listener (HOST:PORT): the sidecar's state as JSON on `/status`, its metrics in
     /// the Prometheus format on `/metrics`. Off by default (one sidecar per service).
     #[arg(long)]
@@ -101,6 +106,15 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     let seen = Arc::new(Seen::default());
     seen.target_up.store(healthy, Ordering::Relaxed);
+    seen.healthy.store(healthy, Ordering::Relaxed);
+    if let Some(path) = &args.control {
+        let (pe, seen, agent) = (pe.updater(), seen.clone(), agent.clone());
+        super::control::listen(path, move |drained| {
+            seen.drained.store(drained, Ordering::Relaxed);
+            agent.set_drained(drained);
+            pe.set_active(!drained && seen.healthy.load(Ordering::Relaxed));
+        })?;
+    }
     if let Some(addr) = args.status {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -155,9 +169,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
             fails = 0;
             if !healthy && oks >= args.rise.max(1) {
                 healthy = true;
+                seen.healthy.store(true, Ordering::Relaxed);
                 agent.set_healthy(true);
-                info!("target {target} is back: registering");
-                pe.set_active(true);
+                if seen.drained.load(Ordering::Relaxed) {
+                    info!("target {target} is back; drained, so not registering");
+                } else {
+                    info!("target {target} is back: registering");
+                    pe.set_active(true);
+                }
             }
         } else {
             fails += 1;
@@ -165,6 +184,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             seen.check_failures.fetch_add(1, Ordering::Relaxed);
             if healthy && fails >= args.fall.max(1) {
                 healthy = false;
+                seen.healthy.store(false, Ordering::Relaxed);
                 agent.set_healthy(false);
                 warn!("target {target} does not accept connections: deregistering");
                 pe.set_active(false);
@@ -201,6 +221,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
             }
         }
     }
+    if let Some(path) = &args.control {
+        let _ = std::fs::remove_file(path);
+    }
     drop(credits);
     pe.stop().await;
     Ok(())
@@ -217,6 +240,10 @@ async fn check(target: SocketAddr, timeout: Duration) -> bool {
 #[derive(Default)]
 struct Seen {
     target_up: AtomicBool,
+    /// Up by the rise and fall counts: registered unless drained.
+    healthy: AtomicBool,
+    /// An operator drained the PE (`rserpool drain`).
+    drained: AtomicBool,
     checks: AtomicU64,
     check_failures: AtomicU64,
     load_reports: AtomicU64,
@@ -249,6 +276,7 @@ impl StatusView {
             "pe": format!("{:#010x}", self.pe),
             "target": self.target.to_string(),
             "target_up": s.target_up.load(Ordering::Relaxed),
+            "drained": s.drained.load(Ordering::Relaxed),
             "state": format!("{state:?}"),
             "registered": home.is_some(),
             "home_registrar": home,
