@@ -33,8 +33,10 @@ pub const TAKE: &[u8] = b"RSERPOOL-HANDOVER 1 TAKE\n";
 pub const READY: &[u8] = b"READY\n";
 /// What the old process answers once it stopped accepting.
 pub const DONE: &[u8] = b"DONE\n";
-/// The most descriptors one hand-over carries (the kernel's `SCM_MAX_FD`).
-pub const MAX_FDS: usize = 253;
+/// The most descriptors one message carries (the kernel's `SCM_MAX_FD`); more go in several.
+pub const FDS_PER_MESSAGE: usize = 253;
+/// The most descriptors one hand-over carries.
+pub const MAX_FDS: usize = 1 << 20;
 /// The largest state blob accepted.
 pub const MAX_STATE: usize = 256 << 20;
 /// Time for each step of the exchange but the wait for [`READY`].
@@ -83,6 +85,16 @@ impl std::fmt::Display for Address {
 }
 
 impl Address {
+    /// The abstract name `@PREFIX:KEY`, for a default made from what identifies a service (a
+    /// configuration file's path, its addresses); a long KEY keeps its end.
+    pub fn abstract_for(prefix: &str, key: &str) -> Address {
+        let mut name = format!("{prefix}:{key}").into_bytes();
+        if name.len() > 100 {
+            name.drain(..name.len() - 100);
+        }
+        Address::Abstract(name)
+    }
+
     fn socket_addr(&self) -> io::Result<SocketAddr> {
         match self {
             Address::Path(p) => SocketAddr::from_pathname(p),
@@ -205,26 +217,27 @@ impl Asker {
         let mut head = [0u8; 12];
         head[..4].copy_from_slice(&n.to_be_bytes());
         head[4..].copy_from_slice(&len.to_be_bytes());
-        let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len()))];
-        let mut cmsg = rustix::net::SendAncillaryBuffer::new(&mut space);
-        if !cmsg.push(rustix::net::SendAncillaryMessage::ScmRights(fds)) {
-            return Err(a.protocol("the descriptors do not fit"));
-        }
-        // The descriptors go with the first bytes of the head; the rest is plain data.
-        let mut sent = 0;
-        while sent == 0 {
-            sent = rustix::net::sendmsg(
+        (&self.stream).write_all(&head).map_err(|e| a.err(e))?;
+        // The descriptors, at most `FDS_PER_MESSAGE` with each byte of a run of `+`.
+        for chunk in fds.chunks(FDS_PER_MESSAGE) {
+            let mut space =
+                vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(chunk.len()))];
+            let mut cmsg = rustix::net::SendAncillaryBuffer::new(&mut space);
+            if !cmsg.push(rustix::net::SendAncillaryMessage::ScmRights(chunk)) {
+                return Err(a.protocol("the descriptors do not fit"));
+            }
+            let sent = rustix::net::sendmsg(
                 &self.stream,
-                &[IoSlice::new(&head)],
+                &[IoSlice::new(b"+")],
                 &mut cmsg,
                 rustix::net::SendFlags::NOSIGNAL,
             )
             .map_err(|e| a.err(e.into()))?;
+            if sent != 1 {
+                return Err(a.protocol("a descriptor message was not sent"));
+            }
         }
-        (&self.stream)
-            .write_all(&head[sent..])
-            .and_then(|()| (&self.stream).write_all(state))
-            .map_err(|e| a.err(e))?;
+        (&self.stream).write_all(state).map_err(|e| a.err(e))?;
         Ok(Giving {
             stream: self.stream,
             addr: self.addr,
@@ -296,34 +309,43 @@ pub fn take(addr: &Address) -> Result<Option<Taken>, Error> {
     set_timeouts(&stream, STEP_TIMEOUT).map_err(|e| addr.err(e))?;
     (&stream).write_all(TAKE).map_err(|e| addr.err(e))?;
     let mut head = [0u8; 12];
-    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
-    let mut cmsg = rustix::net::RecvAncillaryBuffer::new(&mut space);
-    let got = rustix::net::recvmsg(
-        &stream,
-        &mut [IoSliceMut::new(&mut head)],
-        &mut cmsg,
-        rustix::net::RecvFlags::CMSG_CLOEXEC,
-    )
-    .map_err(|e| addr.err(e.into()))?;
-    if got.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
-        return Err(addr.protocol("more descriptors than can be taken"));
-    }
-    let mut fds = Vec::new();
-    for m in cmsg.drain() {
-        if let rustix::net::RecvAncillaryMessage::ScmRights(r) = m {
-            fds.extend(r);
+    match (&stream).read_exact(&mut head) {
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            return Err(addr.protocol("the running process closed without handing over"));
         }
+        r => r.map_err(|e| addr.err(e))?,
     }
-    if got.bytes == 0 {
-        return Err(addr.protocol("the running process closed without handing over"));
-    }
-    (&stream)
-        .read_exact(&mut head[got.bytes..])
-        .map_err(|e| addr.err(e))?;
     let n = u32::from_be_bytes([head[0], head[1], head[2], head[3]]) as usize;
     let mut len8 = [0u8; 8];
     len8.copy_from_slice(&head[4..]);
     let len = u64::from_be_bytes(len8);
+    if n > MAX_FDS {
+        return Err(addr.protocol(format!("{n} sockets announced, at most {MAX_FDS}")));
+    }
+    let mut fds = Vec::with_capacity(n);
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_PER_MESSAGE))];
+    while fds.len() < n {
+        let mut cmsg = rustix::net::RecvAncillaryBuffer::new(&mut space);
+        let mut plus = [0u8; 1];
+        let got = rustix::net::recvmsg(
+            &stream,
+            &mut [IoSliceMut::new(&mut plus)],
+            &mut cmsg,
+            rustix::net::RecvFlags::CMSG_CLOEXEC,
+        )
+        .map_err(|e| addr.err(e.into()))?;
+        if got.bytes != 1 || plus != *b"+" {
+            return Err(addr.protocol(format!("{} of {n} sockets came", fds.len())));
+        }
+        if got.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
+            return Err(addr.protocol("more descriptors than can be taken"));
+        }
+        for m in cmsg.drain() {
+            if let rustix::net::RecvAncillaryMessage::ScmRights(r) = m {
+                fds.extend(r);
+            }
+        }
+    }
     if n != fds.len() {
         return Err(addr.protocol(format!("{} sockets announced, {} came", n, fds.len())));
     }

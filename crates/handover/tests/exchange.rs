@@ -115,3 +115,26 @@ fn not_a_listener_is_refused() {
     let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
     assert!(tcp_listener(OwnedFd::from(c), "a stream").is_err());
 }
+
+#[test]
+fn more_sockets_than_one_message_carries() {
+    let addr = unique("many");
+    let offer = Offer::bind(&addr).unwrap();
+    let ls: Vec<TcpListener> = (0..600)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let want: Vec<_> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+    let old = std::thread::spawn(move || {
+        let giving = asker(&offer).give(b"x", &borrow(&ls)).unwrap();
+        giving.wait_ready(Duration::from_secs(10)).unwrap();
+        giving.done().unwrap();
+    });
+    let mut taken = take(&addr).unwrap().expect("an offer");
+    let got: Vec<_> = std::mem::take(&mut taken.fds)
+        .into_iter()
+        .map(|fd| tcp_listener(fd, "l").unwrap().local_addr().unwrap())
+        .collect();
+    assert_eq!(got, want);
+    taken.ready(Duration::from_secs(10)).unwrap();
+    old.join().unwrap();
+}

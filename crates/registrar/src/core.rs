@@ -33,6 +33,25 @@ pub use conns::{Action, ConnId};
 use enrp::Enrp;
 pub use rserpool_wire::Instant;
 
+/// An ASAP association as a successor takes it over (see [`Registrar::handover`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Adoptable {
+    /// Its connection here (the driver hands the successor that socket).
+    #[serde(skip, default = "no_conn")]
+    pub id: ConnId,
+    pub peer: SocketAddr,
+    /// Its REGISTRATIONs and subscribing HANDLE_RESOLUTIONs, encoded.
+    pub replay: Vec<u8>,
+    /// Bytes read but not yet a whole message.
+    pub unread: Vec<u8>,
+    /// Bytes queued for it and not yet written.
+    pub unsent: Vec<u8>,
+}
+
+fn no_conn() -> ConnId {
+    ConnId::from_index(usize::MAX >> 33)
+}
+
 /// The registrar's protocol state: handlespace, associations, PE supervision, ENRP peers.
 pub struct Registrar {
     cfg: Arc<Config>,
@@ -204,6 +223,64 @@ impl Registrar {
     pub fn handle_datagram(&mut self, data: &[u8], now: Instant) {
         self.enrp
             .handle_datagram(data, &self.asap, &mut self.conns, now);
+    }
+
+    /// The ASAP associations a successor can take over ([`adopt`](Self::adopt)): every
+    /// accepted, live ASAP connection but probes, each with its registrations and
+    /// subscriptions encoded again as the requests that made them. ENRP connections are not
+    /// among them: the peers connect again.
+    pub fn handover(&self) -> Vec<Adoptable> {
+        let hs = self.asap.handlespace();
+        let mut v = Vec::new();
+        for id in self.conns.ids() {
+            let Some(c) = self.conns.get(id) else {
+                continue;
+            };
+            if c.enrp || c.outgoing || self.asap.is_probe(id) {
+                continue;
+            }
+            let mut replay = Vec::new();
+            for &r in &c.pes {
+                let mut element = hs.pe(r).element.clone();
+                element.asap_transport = None;
+                let msg = rserpool_wire::AsapMessage::Registration {
+                    pool_handle: hs.pool_handle_of(r).clone(),
+                    pool_element: element,
+                };
+                let _ = rserpool_wire::Message::encode(&msg, &mut replay);
+            }
+            for handle in self.asap.subscribed(id) {
+                let msg = rserpool_wire::AsapMessage::HandleResolution {
+                    subscribe: true,
+                    pool_handle: handle,
+                    items: None,
+                };
+                let _ = rserpool_wire::Message::encode(&msg, &mut replay);
+            }
+            v.push(Adoptable {
+                id,
+                peer: c.peer,
+                replay,
+                unread: c.framer.buffered_bytes().to_vec(),
+                unsent: self.conns.output(id).to_vec(),
+            });
+        }
+        v
+    }
+
+    /// Takes over an association of a predecessor ([`handover`](Self::handover)): it is
+    /// opened as accepted from `a.peer`, its registrations and subscriptions are replayed
+    /// without answering them, then its unsent output is queued and its partial input read.
+    /// `None` over the connection limit.
+    pub fn adopt(&mut self, a: &Adoptable, now: Instant) -> Option<ConnId> {
+        let id = self.conns.open(a.peer, false, now)?;
+        self.read(id, &a.replay, now);
+        self.conns.discard_output(id);
+        if !a.unsent.is_empty() {
+            self.conns.send_bytes(id, &a.unsent, now);
+        }
+        self.handle_data(id, &a.unread, now);
+        Some(id)
     }
 
     /// The next thing for the driver to do, in the order the core decided them.

@@ -12,7 +12,10 @@
 //! The status listener (HTTP `GET /status`, the handlespace as JSON: what `rserpool status`
 //! reads) is a listener of its own in the same loop ([`status_listener`]).
 
+mod handover;
 mod status_listener;
+
+pub use handover::Inherited;
 
 use crate::config::Config;
 use crate::core::{Action, ConnId, Instant, Registrar};
@@ -49,6 +52,10 @@ const WAKER: Token = Token(usize::MAX - 2);
 const ENRP_LISTENER: Token = Token(usize::MAX - 3);
 const ENRP_UDP: Token = Token(usize::MAX - 4);
 const ENRP_MULTICAST: Token = Token(usize::MAX - 5);
+const HANDOVER: Token = Token(usize::MAX - 6);
+
+/// Longest a successor may take from taking the sockets to serving on them.
+const HANDOVER_READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A bound registrar, ready to [`run`](Server::run).
 pub struct Server {
@@ -61,6 +68,12 @@ pub struct Server {
     id: u32,
     local: SocketAddr,
     stop: StopHandle,
+    /// Associations taken over from a predecessor, adopted when the loop starts, and the
+    /// predecessor to tell then.
+    adopt: Vec<(crate::core::Adoptable, std::net::TcpStream)>,
+    taken: Option<rserpool_handover::Taken>,
+    /// Where a successor may take this registrar over.
+    offer_at: Option<rserpool_handover::Address>,
 }
 
 /// Stops a running [`Server`] from any thread.
@@ -98,6 +111,15 @@ fn random_server_id() -> u32 {
 impl Server {
     /// Binds the ASAP listener.
     pub fn bind(cfg: Config) -> io::Result<Self> {
+        Self::bind_with(cfg, None)
+    }
+
+    /// [`bind`](Self::bind), or with what a running registrar handed over: its listeners,
+    /// Server Identifier and ASAP associations (docs/OPERATIONS.md).
+    pub fn bind_with(cfg: Config, inherited: Option<Inherited>) -> io::Result<Self> {
+        if let Some(i) = inherited {
+            return Self::bind_inherited(cfg, i);
+        }
         // Right after a restart the old connections may still hold the port for a moment
         // (FIN-WAIT): retry briefly before calling the address taken.
         let start = std::time::Instant::now();
@@ -149,7 +171,56 @@ impl Server {
                 flag: Arc::new(AtomicBool::new(false)),
                 waker,
             },
+            adopt: Vec::new(),
+            taken: None,
+            offer_at: None,
         })
+    }
+
+    fn bind_inherited(mut cfg: Config, i: Inherited) -> io::Result<Self> {
+        let mut listener = TcpListener::from_std(i.asap);
+        let local = listener.local_addr()?;
+        let poll = Poll::new()?;
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let tls = cfg
+            .tls_files()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?
+            .map(|f| rserpool_tls::Tls::load(&f))
+            .transpose()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let enrp = match i.enrp {
+            Some((tcp, udp)) => Some(Enrp::adopt(&cfg, &poll, tcp, udp)?),
+            None => None,
+        };
+        let status = i
+            .status
+            .map(|l| StatusListener::serve_on(TcpListener::from_std(l), poll.registry()))
+            .transpose()?;
+        cfg.server_id = i.server_id;
+        Ok(Self {
+            poll,
+            listener,
+            enrp,
+            status,
+            tls,
+            cfg,
+            id: i.server_id,
+            local,
+            stop: StopHandle {
+                flag: Arc::new(AtomicBool::new(false)),
+                waker,
+            },
+            adopt: i.conns,
+            taken: Some(i.taken),
+            offer_at: None,
+        })
+    }
+
+    /// Lets a successor take this registrar over at `addr` once it runs.
+    pub fn offer_handover(&mut self, addr: rserpool_handover::Address) {
+        self.offer_at = Some(addr);
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -252,11 +323,54 @@ impl Server {
             accept_log_at: None,
             send_log_at: None,
             stall_log_at: None,
+            offer: None,
+            handed: None,
         };
+        if !self.adopt.is_empty() {
+            let n = self.adopt.len();
+            for (a, stream) in self.adopt {
+                let now = ev.now();
+                if let Some(id) = ev.core.adopt(&a, now) {
+                    ev.add_sock(id, TcpStream::from_std(stream), None, false);
+                }
+            }
+            info!(
+                "took over {n} associations and {} PEs",
+                ev.core.handlespace().len()
+            );
+        }
         ev.after_core();
+        if let Some(t) = self.taken {
+            let pid = t.pid;
+            match t.ready(Duration::from_secs(10)) {
+                Ok(()) => info!("process {pid} stopped serving; this one serves"),
+                Err(e) => warn!("process {pid}: {e}"),
+            }
+        }
+        if let Some(at) = &self.offer_at {
+            ev.offer(at);
+        }
         let result = ev.run(&self.stop.flag);
-        info!("registrar {:#010x} shutting down", self.id);
-        ev.close_all();
+        match ev.handed.take() {
+            Some((giving, adopted)) => {
+                // Theirs now: closed here without a word (the successor holds the sockets).
+                for id in adopted {
+                    if let Some(mut s) = ev.socks.get_mut(id.index()).and_then(Option::take) {
+                        let _ = ev.poll.registry().deregister(&mut s.stream);
+                    }
+                }
+                ev.offer = None;
+                ev.close_all();
+                if let Err(e) = giving.done() {
+                    warn!("{e}");
+                }
+                info!("registrar {:#010x} handed over", self.id);
+            }
+            None => {
+                info!("registrar {:#010x} shutting down", self.id);
+                ev.close_all();
+            }
+        }
         result
     }
 }
@@ -287,6 +401,35 @@ struct Enrp {
 }
 
 impl Enrp {
+    /// ENRP on sockets handed over by a predecessor.
+    fn adopt(
+        cfg: &Config,
+        poll: &Poll,
+        tcp: std::net::TcpListener,
+        udp: std::net::UdpSocket,
+    ) -> io::Result<Self> {
+        let mut listener = TcpListener::from_std(tcp);
+        let mut udp = mio::net::UdpSocket::from_std(udp);
+        let local = listener.local_addr()?;
+        let mut multicast = if cfg.enrp_multicast {
+            Some(multicast_socket(cfg.enrp_multicast_group)?)
+        } else {
+            None
+        };
+        let r = poll.registry();
+        r.register(&mut listener, ENRP_LISTENER, Interest::READABLE)?;
+        r.register(&mut udp, ENRP_UDP, Interest::READABLE)?;
+        if let Some(m) = multicast.as_mut() {
+            r.register(m, ENRP_MULTICAST, Interest::READABLE)?;
+        }
+        Ok(Self {
+            local,
+            listener,
+            udp,
+            multicast,
+        })
+    }
+
     /// Binds ENRP's sockets. With no peer and no multicast configured, a taken address is
     /// not an error: the registrar then runs alone (several on one host, as in tests).
     fn bind(cfg: &Config, poll: &Poll) -> io::Result<Option<Self>> {
@@ -429,6 +572,10 @@ struct EventLoop {
     accept_log_at: Option<Instant>,
     send_log_at: Option<Instant>,
     stall_log_at: Option<Instant>,
+    /// Where a successor asks to take over.
+    offer: Option<(rserpool_handover::Offer, mio::net::UnixListener)>,
+    /// Handed over: what tells the successor this one stopped, and the associations it took.
+    handed: Option<(rserpool_handover::Giving, Vec<ConnId>)>,
 }
 
 enum Flush {
@@ -458,7 +605,7 @@ impl EventLoop {
 
     fn run(&mut self, stop: &AtomicBool) -> io::Result<()> {
         let mut events = Events::with_capacity(1024);
-        while !stop.load(Ordering::Acquire) {
+        while !stop.load(Ordering::Acquire) && self.handed.is_none() {
             let now = self.now();
             let mut next = now + MAX_WAIT;
             if let Some(t) = self.core.poll_timeout() {
@@ -489,6 +636,7 @@ impl EventLoop {
                     ENRP_LISTENER => self.accept_enrp(),
                     ENRP_UDP | ENRP_MULTICAST => self.receive_datagrams(event.token()),
                     WAKER => {}
+                    HANDOVER => self.on_handover(),
                     status_listener::LISTENER => {
                         let now = self.now();
                         if let Some(s) = self.status.as_mut() {
@@ -539,6 +687,106 @@ impl EventLoop {
 
     fn accept(&mut self) {
         self.accept_from(false);
+    }
+
+    /// Offers this registrar to a successor at `at`; its predecessor, if any, has just closed
+    /// its offer there, so a taken name is tried again for a moment.
+    fn offer(&mut self, at: &rserpool_handover::Address) {
+        let start = std::time::Instant::now();
+        let offer = loop {
+            match rserpool_handover::Offer::bind(at) {
+                Ok(o) => break o,
+                Err(e) if start.elapsed() >= Duration::from_secs(5) => {
+                    return warn!("no hand-over to a successor: {e}");
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        // Watched through a second descriptor; the offer keeps (and finally removes) its name.
+        let watched = offer
+            .listener()
+            .try_clone()
+            .map(mio::net::UnixListener::from_std)
+            .and_then(|mut l| {
+                self.poll
+                    .registry()
+                    .register(&mut l, HANDOVER, Interest::READABLE)
+                    .map(|()| l)
+            });
+        match watched {
+            Ok(l) => {
+                info!("a successor takes over at {at}");
+                self.offer = Some((offer, l));
+            }
+            Err(e) => warn!("no hand-over to a successor: {e}"),
+        }
+    }
+
+    /// A successor asks to take over: it gets the listeners and every plain-TCP ASAP
+    /// association with its state; this loop waits (reading nothing, so the state it gave
+    /// stays true) until the successor serves, then stops. If the successor fails first,
+    /// this one goes on.
+    fn on_handover(&mut self) {
+        let Some((offer, _)) = &self.offer else {
+            return;
+        };
+        let asker = match offer.accept() {
+            Ok(Some(a)) => a,
+            Ok(None) => return,
+            Err(e) => return warn!("hand-over: {e}"),
+        };
+        let pid = asker.pid;
+        let given = self.handover_state();
+        let (state, fds, ids) = match given {
+            Ok(g) => g,
+            Err(e) => return warn!("hand-over to process {pid}: {e}"),
+        };
+        let n = ids.len();
+        let giving = asker
+            .give(&state, &rserpool_handover::borrow(&fds))
+            .and_then(|g| g.wait_ready(HANDOVER_READY_TIMEOUT).map(|()| g));
+        match giving {
+            Ok(g) => {
+                info!("process {pid} took over the listeners and {n} associations");
+                self.handed = Some((g, ids));
+            }
+            Err(e) => warn!("a hand-over did not complete, serving on: {e}"),
+        }
+    }
+
+    /// The state and descriptors for a successor, and the associations it gets.
+    #[allow(clippy::type_complexity)]
+    fn handover_state(&self) -> io::Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>, Vec<ConnId>)> {
+        use std::os::fd::AsFd;
+        let dup = |fd: std::os::fd::BorrowedFd<'_>| fd.try_clone_to_owned();
+        let mut listeners = vec![dup(self.listener.as_fd())?];
+        if let Some(e) = &self.enrp {
+            listeners.push(dup(e.listener.as_fd())?);
+            listeners.push(dup(e.udp.as_fd())?);
+        }
+        if let Some(s) = &self.status {
+            listeners.push(dup(s.listener_fd())?);
+        }
+        let mut conns = Vec::new();
+        let mut ids = Vec::new();
+        for a in self.core.handover() {
+            let Some(s) = self.socks.get(a.id.index()).and_then(Option::as_ref) else {
+                continue;
+            };
+            if s.tls.is_some() || s.probe || s.connecting || s.closing {
+                continue;
+            }
+            ids.push(a.id);
+            conns.push((a, dup(s.stream.as_fd())?));
+        }
+        let (state, fds) = handover::state(
+            self.core.id(),
+            listeners,
+            self.enrp.is_some(),
+            self.status.is_some(),
+            conns,
+        )?;
+        Ok((state, fds, ids))
     }
 
     fn accept_enrp(&mut self) {

@@ -464,3 +464,139 @@ impl Drop for KillPid {
         }
     }
 }
+
+/// A single registrar upgraded five times in a row (a second process with the same flags takes
+/// it over) under 1,000 PEs and a pool user resolving in a loop: every resolution answers with
+/// all 1,000 PEs, no PE ever has to register again, and the Server Identifier stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registrar_upgraded_five_times_keeps_its_pes_and_answers_every_resolution() {
+    use rserpool_asap::{PeState, PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
+    use rserpool_wire::{Policy, PoolHandle};
+    let asap = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let status = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let args: Vec<String> = [
+        "registrar",
+        "--asap",
+        &asap.to_string(),
+        "--enrp",
+        &SocketAddr::from(([127, 0, 0, 1], free_port())).to_string(),
+        "--status",
+        &status.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let first = Logged::spawn("registrar-0", &args, "info");
+    common::wait_until(Duration::from_secs(10), "the registrar", || {
+        std::net::TcpStream::connect(asap).is_ok()
+    })
+    .await;
+    const N: usize = 1000;
+    let forced = Arc::new(AtomicU64::new(0));
+    let mut pes = Vec::with_capacity(N);
+    for i in 0..N {
+        let mut cfg = PoolElementConfig::new(
+            "Big",
+            SocketAddr::from(([127, 0, 0, 1], 10_000 + i as u16)),
+            Policy::RoundRobin,
+        );
+        cfg.registrars = vec![asap];
+        let pe = PoolElement::start(cfg).unwrap();
+        // Registering again after having been registered: the association was lost.
+        let mut state = pe.watch_state();
+        let forced = forced.clone();
+        tokio::spawn(async move {
+            let mut registered = false;
+            while state.changed().await.is_ok() {
+                match &*state.borrow() {
+                    PeState::Registered { .. } => registered = true,
+                    PeState::Registering if registered => {
+                        forced.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {}
+                }
+            }
+        });
+        pes.push(pe);
+    }
+    let handle = PoolHandle::from("Big");
+    let mut pu = PoolUser::new(PoolUserConfig {
+        registrars: vec![asap],
+        ..PoolUserConfig::default()
+    })
+    .unwrap();
+    common::wait_for(Duration::from_secs(30), "1,000 PEs registered", || {
+        let h = handle.clone();
+        let mut pu = PoolUser::new(PoolUserConfig {
+            registrars: vec![asap],
+            ..PoolUserConfig::default()
+        })
+        .unwrap();
+        async move { pu.pool_elements(&h).await.is_ok_and(|(_, p)| p.len() == N) }
+    })
+    .await;
+    let id_before = common::registrar_status(status).await.unwrap().server_id;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let resolving = tokio::spawn({
+        let stop = stop.clone();
+        let handle = handle.clone();
+        async move {
+            let (mut ok, mut failed) = (0u64, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                match pu.pool_elements(&handle).await {
+                    Ok((_, p)) if p.len() == N => ok += 1,
+                    Ok((_, p)) => {
+                        failed += 1;
+                        eprintln!("a resolution with {} PEs", p.len());
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        eprintln!("a resolution failed: {e}");
+                    }
+                }
+            }
+            (ok, failed)
+        }
+    });
+    let mut procs = vec![first];
+    for i in 1..=5 {
+        let p = Logged::spawn(&format!("registrar-{i}"), &args, "info");
+        common::wait_until(Duration::from_secs(20), "the hand-over", || {
+            !p.lines_with("stopped serving; this one serves").is_empty()
+        })
+        .await;
+        assert!(
+            !p.lines_with(&format!("took over {} associations", N + 1))
+                .is_empty(),
+            "every association was taken over: {:?}",
+            p.lines_with("took over")
+        );
+        procs.push(p);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed) = resolving.await.unwrap();
+    eprintln!("resolutions: {ok} answered with every PE, {failed} not");
+    assert_eq!(failed, 0);
+    assert!(ok > 10);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let s = common::registrar_status(status).await.unwrap();
+    assert_eq!(s.server_id, id_before, "the Server Identifier stays");
+    assert_eq!(s.pool_elements, N);
+    assert_eq!(
+        forced.load(Ordering::Relaxed),
+        0,
+        "no PE had to register again"
+    );
+    for (i, p) in procs.iter_mut().enumerate().take(5) {
+        let started = Instant::now();
+        while p.proc.try_wait().unwrap().is_none() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "registrar-{i} did not exit"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    drop(pes);
+}

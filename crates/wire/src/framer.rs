@@ -69,6 +69,11 @@ impl Framer {
         self.buf.len()
     }
 
+    /// Those bytes themselves (a process handing its connections over passes them on).
+    pub fn buffered_bytes(&self) -> &[u8] {
+        &self.buf
+    }
+
     /// Like [`next_message`](Self::next_message), but takes its bytes from `input` (a fresh
     /// read), advancing it. While nothing is buffered (a read holding whole messages, the common
     /// case) the message is borrowed from `input` without a copy; anything else goes through the

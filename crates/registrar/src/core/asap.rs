@@ -113,6 +113,11 @@ impl Asap {
         &self.hs
     }
 
+    /// The pools association `conn` subscribed to.
+    pub(super) fn subscribed(&self, conn: ConnId) -> Vec<PoolHandle> {
+        self.subs.of(conn)
+    }
+
     pub(super) fn counters(&self) -> &Counters {
         &self.counters
     }

@@ -459,6 +459,23 @@ impl Conns {
         self.actions.push_back(action);
     }
 
+    /// Drops the output queued for `id` (the answers to a replay, [`Registrar::adopt`](super::Registrar::adopt)).
+    pub(super) fn discard_output(&mut self, id: ConnId) {
+        if let Some(c) = self.get_mut(id) {
+            c.out.clear();
+        }
+    }
+
+    /// The ids of the live connections.
+    pub(super) fn ids(&self) -> Vec<ConnId> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.as_ref().is_some_and(|c| !c.closing))
+            .map(|(i, _)| ConnId::from_index(i))
+            .collect()
+    }
+
     pub(super) fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
     }

@@ -60,6 +60,15 @@ impl Subscriptions {
         true
     }
 
+    /// The pools `conn` subscribed to.
+    pub(super) fn of(&self, conn: ConnId) -> Vec<PoolHandle> {
+        self.subs
+            .iter()
+            .filter(|s| s.conn == conn)
+            .map(|s| s.handle.clone())
+            .collect()
+    }
+
     /// The association ended: its subscriptions with it.
     pub(super) fn closed(&mut self, conn: ConnId) {
         self.subs.retain(|s| s.conn != conn);

@@ -53,7 +53,7 @@ impl StatusListener {
         let Some(addr) = cfg.status.addr() else {
             return Ok(None);
         };
-        let mut listener = match TcpListener::bind(addr) {
+        let listener = match TcpListener::bind(addr) {
             Ok(l) => l,
             Err(e) if cfg.status.is_default() && e.kind() == io::ErrorKind::AddrInUse => {
                 warn!(
@@ -69,13 +69,23 @@ impl StatusListener {
                 ));
             }
         };
+        Self::serve_on(listener, registry).map(Some)
+    }
+
+    /// Serves on a listener already bound (handed over by a predecessor).
+    pub(super) fn serve_on(mut listener: TcpListener, registry: &Registry) -> io::Result<Self> {
         let local = listener.local_addr()?;
         registry.register(&mut listener, LISTENER, Interest::READABLE)?;
-        Ok(Some(Self {
+        Ok(Self {
             listener,
             local,
             conns: Vec::new(),
-        }))
+        })
+    }
+
+    /// The listening socket, for a hand-over.
+    pub(super) fn listener_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.listener)
     }
 
     pub(super) fn local_addr(&self) -> SocketAddr {

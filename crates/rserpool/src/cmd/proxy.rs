@@ -242,22 +242,24 @@ pub fn handover_address(
         (Some(s), _) => s.clone(),
         (None, Some(file)) => {
             let file = std::fs::canonicalize(file).unwrap_or_else(|_| file.clone());
-            format!("@rserpool-proxy:{}", file.display())
+            return Ok(Some(rserpool_handover::Address::abstract_for(
+                "rserpool-proxy",
+                &file.display().to_string(),
+            )));
         }
         (None, None) if cfg.listeners.iter().any(|l| l.listen.port() == 0) => return Ok(None),
         (None, None) => {
             let addrs: Vec<String> = cfg.listeners.iter().map(|l| l.listen.to_string()).collect();
-            format!("@rserpool-proxy:{}", addrs.join(","))
+            return Ok(Some(rserpool_handover::Address::abstract_for(
+                "rserpool-proxy",
+                &addrs.join(","),
+            )));
         }
     };
     // An abstract name is at most 107 bytes; a long path keeps its end.
-    let name = match name.strip_prefix('@') {
-        Some(n) if n.len() > 100 => format!("@{}", &n[n.len() - 100..]),
-        _ => name,
-    };
     name.parse()
         .map(Some)
-        .map_err(|e: String| anyhow!("handover-socket: {e}"))
+        .map_err(|e: String| anyhow!("handover socket: {e}"))
 }
 
 /// Offers this proxy's sockets at `addr`. The process it took over from closes its offer as it

@@ -2,14 +2,21 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use rserpool_registrar::{Config, ConfigFlags, Server};
+use rserpool_registrar::{Config, ConfigFlags, Inherited, Server};
 use std::path::PathBuf;
+use tracing::{info, warn};
 
 #[derive(Args, Debug)]
 pub struct RegistrarArgs {
     /// TOML file with settings (keys as the flags, e.g. `keep-alive-interval-ms = 5000`).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Where a new registrar process started with these settings takes this one over (its
+    /// listeners, Server Identifier, PEs and associations): a path, or `@NAME` for an abstract
+    /// Unix socket; `""` turns it off. Default: an abstract name made from the config file's
+    /// path, or from the ASAP address (none when its port is left to the kernel).
+    #[arg(long, value_name = "PATH|@NAME")]
+    pub handover_socket: Option<String>,
     #[command(flatten)]
     pub flags: ConfigFlags,
 }
@@ -30,16 +37,78 @@ pub fn load_config(args: &RegistrarArgs) -> Result<Config> {
 pub fn run(args: RegistrarArgs) -> Result<()> {
     let cfg = load_config(&args)?;
     super::init_logging();
-    let server = Server::bind(cfg)?;
+    let at = handover_address(&args, &cfg)?;
+    // A registrar running with these settings hands everything over: no PE registers again.
+    let inherited = match at.as_ref().map(Inherited::take).transpose() {
+        Ok(i) => i.flatten(),
+        Err(e) => {
+            warn!("no hand-over, binding afresh: {e}");
+            None
+        }
+    };
+    if let Some(i) = &inherited {
+        info!("taking over from process {}", i.pid());
+    }
+    let mut server = Server::bind_with(cfg, inherited)?;
+    if let Some(a) = at.clone() {
+        server.offer_handover(a);
+    }
     let stop = server.stop_handle();
     let rt = super::runtime()?;
+    let successor = super::service::Successor::here();
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
-            rt.block_on(super::shutdown_signal());
+            rt.block_on(async {
+                let Ok(mut usr2) =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())
+                else {
+                    return super::shutdown_signal().await;
+                };
+                let shutdown = super::shutdown_signal();
+                tokio::pin!(shutdown);
+                loop {
+                    tokio::select! {
+                        () = &mut shutdown => return,
+                        _ = usr2.recv() => match (&successor, &at) {
+                            (Some(s), Some(_)) => s.start(),
+                            _ => warn!("SIGUSR2 ignored: no hand-over socket"),
+                        },
+                    }
+                }
+            });
             stop.stop();
         })
         .context("cannot start the signal thread")?;
+    super::service::notify_ready();
     server.run()?;
     Ok(())
+}
+
+/// Where this registrar's hand-over socket is (see `--handover-socket`); `None`: no hand-over.
+fn handover_address(
+    args: &RegistrarArgs,
+    cfg: &Config,
+) -> Result<Option<rserpool_handover::Address>> {
+    let name = match (&args.handover_socket, &args.config) {
+        (Some(s), _) if s.is_empty() => return Ok(None),
+        (Some(s), _) => s.clone(),
+        (None, Some(file)) => {
+            let file = std::fs::canonicalize(file).unwrap_or_else(|_| file.clone());
+            return Ok(Some(rserpool_handover::Address::abstract_for(
+                "rserpool-registrar",
+                &file.display().to_string(),
+            )));
+        }
+        (None, None) if cfg.asap.port() == 0 => return Ok(None),
+        (None, None) => {
+            return Ok(Some(rserpool_handover::Address::abstract_for(
+                "rserpool-registrar",
+                &cfg.asap.to_string(),
+            )));
+        }
+    };
+    name.parse()
+        .map(Some)
+        .map_err(|e: String| anyhow::anyhow!("handover socket: {e}"))
 }
