@@ -50,7 +50,9 @@ use tracing::{info, warn};
 /// What the status listener serves: the same JSON under each (`/stats` is the older name).
 const STATUS_PATHS: &[&str] = &["/status", "/stats", "/", "/events", "/metrics"];
 
-/// How long a proxy taking over waits for its first view of the pools.
+/// How long a proxy waits for its first view of the pools before it listens.
+const FIRST_FETCH_TIMEOUT: Duration = Duration::from_secs(2);
+/// The same for a proxy taking over from a running one, which serves meanwhile.
 const HANDOVER_FETCH_TIMEOUT: Duration = Duration::from_secs(5);
 
 struct Listener {
@@ -162,19 +164,23 @@ impl Proxy {
                 tls_failures: Arc::default(),
             }),
         };
+        proxy.inner.pools.configure(&cfg);
+        // Listeners open (and a tier member joins) with the pools known: the first clients
+        // get PEs, not 503s or closed connections. A process taking over waits longer, as the
+        // running one serves meanwhile; without a registrar the proxy starts anyway.
+        for h in cfg.pools() {
+            proxy.inner.pools.pool(&h);
+        }
+        let limit = if inherited.is_empty() {
+            FIRST_FETCH_TIMEOUT
+        } else {
+            HANDOVER_FETCH_TIMEOUT
+        };
+        if !proxy.inner.pools.wait_fetched(limit).await {
+            warn!("proxy: starting with pools not fetched yet (is a registrar reachable?)");
+        }
         if let Some(t) = &cfg.tier {
             proxy.join_tier(t.clone(), &cfg).await?;
-        }
-        proxy.inner.pools.configure(&cfg);
-        if !inherited.is_empty() {
-            // The running proxy serves until this one accepts: this one starts with its pools
-            // known, not with a burst of 503s.
-            for h in cfg.pools() {
-                proxy.inner.pools.pool(&h);
-            }
-            if !proxy.inner.pools.wait_fetched(HANDOVER_FETCH_TIMEOUT).await {
-                warn!("proxy: taking over with pools not fetched yet (is a registrar reachable?)");
-            }
         }
         for l in &cfg.listeners {
             let taken = inherited.listeners.remove(&l.listen);
