@@ -482,6 +482,11 @@ async fn a_registrar_upgraded_five_times_keeps_its_pes_and_answers_every_resolut
         &SocketAddr::from(([127, 0, 0, 1], free_port())).to_string(),
         "--status",
         &status.to_string(),
+        // Keep-alive rounds every 300 ms: the adopted associations must answer them.
+        "--keep-alive-interval-ms",
+        "300",
+        "--keep-alive-timeout-ms",
+        "1000",
     ]
     .map(String::from)
     .to_vec();
@@ -574,12 +579,13 @@ async fn a_registrar_upgraded_five_times_keeps_its_pes_and_answers_every_resolut
         procs.push(p);
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+    // Several keep-alive rounds of the last registrar, resolving on.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     stop.store(true, Ordering::Relaxed);
     let (ok, failed) = resolving.await.unwrap();
     eprintln!("resolutions: {ok} answered with every PE, {failed} not");
     assert_eq!(failed, 0);
     assert!(ok > 10);
-    tokio::time::sleep(Duration::from_secs(2)).await;
     let s = common::registrar_status(status).await.unwrap();
     assert_eq!(s.server_id, id_before, "the Server Identifier stays");
     assert_eq!(s.pool_elements, N);

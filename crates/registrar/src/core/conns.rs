@@ -462,7 +462,9 @@ impl Conns {
     /// Drops the output queued for `id` (the answers to a replay, [`Registrar::adopt`](super::Registrar::adopt)).
     pub(super) fn discard_output(&mut self, id: ConnId) {
         if let Some(c) = self.get_mut(id) {
-            c.out.clear();
+            c.out = Vec::new();
+            // The Transmit already queued finds nothing; the next output queues its own.
+            c.dirty = false;
         }
     }
 
