@@ -108,6 +108,29 @@ fn random_server_id() -> u32 {
     }
 }
 
+/// Binds the ASAP listener. Right after a restart the old connections may still hold the port
+/// for a moment (FIN-WAIT): retried briefly before the address is called taken.
+fn bind_asap(cfg: &Config) -> io::Result<TcpListener> {
+    let start = std::time::Instant::now();
+    loop {
+        match TcpListener::bind(cfg.asap) {
+            Ok(l) => return Ok(l),
+            Err(e)
+                if e.kind() == io::ErrorKind::AddrInUse
+                    && start.elapsed() < Duration::from_secs(1) =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("cannot listen for ASAP on {}: {e}", cfg.asap),
+                ));
+            }
+        }
+    }
+}
+
 impl Server {
     /// Binds the ASAP listener.
     pub fn bind(cfg: Config) -> io::Result<Self> {
@@ -116,29 +139,20 @@ impl Server {
 
     /// [`bind`](Self::bind), or with what a running registrar handed over: its listeners,
     /// Server Identifier and ASAP associations (docs/OPERATIONS.md).
-    pub fn bind_with(cfg: Config, inherited: Option<Inherited>) -> io::Result<Self> {
-        if let Some(i) = inherited {
-            return Self::bind_inherited(cfg, i);
-        }
-        // Right after a restart the old connections may still hold the port for a moment
-        // (FIN-WAIT): retry briefly before calling the address taken.
-        let start = std::time::Instant::now();
-        let mut listener = loop {
-            match TcpListener::bind(cfg.asap) {
-                Ok(l) => break l,
-                Err(e)
-                    if e.kind() == io::ErrorKind::AddrInUse
-                        && start.elapsed() < Duration::from_secs(1) =>
-                {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(e) => {
-                    return Err(io::Error::new(
-                        e.kind(),
-                        format!("cannot listen for ASAP on {}: {e}", cfg.asap),
-                    ));
-                }
-            }
+    pub fn bind_with(mut cfg: Config, inherited: Option<Inherited>) -> io::Result<Self> {
+        let (mut listener, inherited) = match inherited {
+            Some(Inherited {
+                server_id,
+                asap,
+                enrp,
+                status,
+                conns,
+                taken,
+            }) => (
+                TcpListener::from_std(asap),
+                Some((server_id, enrp, status, conns, taken)),
+            ),
+            None => (bind_asap(&cfg)?, None),
         };
         let local = listener.local_addr()?;
         let poll = Poll::new()?;
@@ -151,12 +165,33 @@ impl Server {
             .map(|f| rserpool_tls::Tls::load(&f))
             .transpose()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        let enrp = Enrp::bind(&cfg, &poll)?;
-        let status = StatusListener::bind(&cfg, poll.registry())?;
-        let id = if cfg.server_id != 0 {
-            cfg.server_id
-        } else {
-            random_server_id()
+        let (enrp, status, id, adopt, taken) = match inherited {
+            Some((server_id, enrp, status, conns, taken)) => {
+                let enrp = enrp
+                    .map(|(tcp, udp)| {
+                        let (tcp, udp) = (
+                            TcpListener::from_std(tcp),
+                            mio::net::UdpSocket::from_std(udp),
+                        );
+                        Enrp::serve_on(&cfg, &poll, tcp, udp)
+                    })
+                    .transpose()?;
+                let status = status
+                    .map(|l| StatusListener::serve_on(TcpListener::from_std(l), poll.registry()))
+                    .transpose()?;
+                cfg.server_id = server_id;
+                (enrp, status, server_id, conns, Some(taken))
+            }
+            None => {
+                let enrp = Enrp::bind(&cfg, &poll)?;
+                let status = StatusListener::bind(&cfg, poll.registry())?;
+                let id = if cfg.server_id != 0 {
+                    cfg.server_id
+                } else {
+                    random_server_id()
+                };
+                (enrp, status, id, Vec::new(), None)
+            }
         };
         Ok(Self {
             poll,
@@ -171,49 +206,8 @@ impl Server {
                 flag: Arc::new(AtomicBool::new(false)),
                 waker,
             },
-            adopt: Vec::new(),
-            taken: None,
-            offer_at: None,
-        })
-    }
-
-    fn bind_inherited(mut cfg: Config, i: Inherited) -> io::Result<Self> {
-        let mut listener = TcpListener::from_std(i.asap);
-        let local = listener.local_addr()?;
-        let poll = Poll::new()?;
-        poll.registry()
-            .register(&mut listener, LISTENER, Interest::READABLE)?;
-        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let tls = cfg
-            .tls_files()
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?
-            .map(|f| rserpool_tls::Tls::load(&f))
-            .transpose()
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        let enrp = match i.enrp {
-            Some((tcp, udp)) => Some(Enrp::adopt(&cfg, &poll, tcp, udp)?),
-            None => None,
-        };
-        let status = i
-            .status
-            .map(|l| StatusListener::serve_on(TcpListener::from_std(l), poll.registry()))
-            .transpose()?;
-        cfg.server_id = i.server_id;
-        Ok(Self {
-            poll,
-            listener,
-            enrp,
-            status,
-            tls,
-            cfg,
-            id: i.server_id,
-            local,
-            stop: StopHandle {
-                flag: Arc::new(AtomicBool::new(false)),
-                waker,
-            },
-            adopt: i.conns,
-            taken: Some(i.taken),
+            adopt,
+            taken,
             offer_at: None,
         })
     }
@@ -401,15 +395,13 @@ struct Enrp {
 }
 
 impl Enrp {
-    /// ENRP on sockets handed over by a predecessor.
-    fn adopt(
+    /// ENRP on `listener` and `udp` (bound here, or handed over by a predecessor).
+    fn serve_on(
         cfg: &Config,
         poll: &Poll,
-        tcp: std::net::TcpListener,
-        udp: std::net::UdpSocket,
+        mut listener: TcpListener,
+        mut udp: mio::net::UdpSocket,
     ) -> io::Result<Self> {
-        let mut listener = TcpListener::from_std(tcp);
-        let mut udp = mio::net::UdpSocket::from_std(udp);
         let local = listener.local_addr()?;
         let mut multicast = if cfg.enrp_multicast {
             Some(multicast_socket(cfg.enrp_multicast_group)?)
@@ -434,7 +426,7 @@ impl Enrp {
     /// not an error: the registrar then runs alone (several on one host, as in tests).
     fn bind(cfg: &Config, poll: &Poll) -> io::Result<Option<Self>> {
         let configured = !cfg.peer.is_empty() || cfg.enrp_multicast;
-        let mut listener = match TcpListener::bind(cfg.enrp) {
+        let listener = match TcpListener::bind(cfg.enrp) {
             Ok(l) => l,
             Err(e) if !configured && e.kind() == io::ErrorKind::AddrInUse => {
                 info!("ENRP address {} in use: running without ENRP", cfg.enrp);
@@ -448,26 +440,10 @@ impl Enrp {
             }
         };
         let local = listener.local_addr()?;
-        let mut udp = mio::net::UdpSocket::bind(local).map_err(|e| {
+        let udp = mio::net::UdpSocket::bind(local).map_err(|e| {
             io::Error::new(e.kind(), format!("cannot bind ENRP UDP on {local}: {e}"))
         })?;
-        let mut multicast = if cfg.enrp_multicast {
-            Some(multicast_socket(cfg.enrp_multicast_group)?)
-        } else {
-            None
-        };
-        let r = poll.registry();
-        r.register(&mut listener, ENRP_LISTENER, Interest::READABLE)?;
-        r.register(&mut udp, ENRP_UDP, Interest::READABLE)?;
-        if let Some(m) = multicast.as_mut() {
-            r.register(m, ENRP_MULTICAST, Interest::READABLE)?;
-        }
-        Ok(Some(Self {
-            local,
-            listener,
-            udp,
-            multicast,
-        }))
+        Self::serve_on(cfg, poll, listener, udp).map(Some)
     }
 }
 
