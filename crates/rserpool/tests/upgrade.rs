@@ -59,6 +59,18 @@ async fn took_over(p: &Logged) -> Duration {
     .await
 }
 
+/// Waits (20 s at most) for `p` to exit.
+async fn exits(p: &mut Logged, what: &str) {
+    let started = Instant::now();
+    while p.proc.try_wait().unwrap().is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{what} did not exit"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn serving(addr: SocketAddr) {
     common::wait_for(
         Duration::from_secs(10),
@@ -318,15 +330,7 @@ async fn ten_upgrades_under_load_refuse_and_break_nothing() {
     assert!(!wrk.contains("Non-2xx"), "wrk saw failed requests: {wrk}");
     // Every process but the last has handed over; those without long-lived connections exit.
     for (i, p) in procs.iter_mut().enumerate().take(9) {
-        let started = Instant::now();
-        while p.proc.try_wait().unwrap().is_none() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "proxy-{} did not exit after handing over",
-                i + 1
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        exits(p, &format!("proxy-{} after handing over", i + 1)).await;
     }
     assert!(
         first.proc.try_wait().unwrap().is_none(),
@@ -368,14 +372,7 @@ async fn ten_upgrades_under_load_refuse_and_break_nothing() {
     assert_eq!(&last, b"last");
     drop((echo, download));
     // Its long connections ended: the first process exits.
-    let started = Instant::now();
-    while first.proc.try_wait().unwrap().is_none() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the first process did not exit"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    exits(&mut first, "the first process").await;
 
     let count = |t: &Tally| {
         (
@@ -436,14 +433,7 @@ async fn sigusr2_starts_a_successor_that_takes_over() {
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("no pid in {line:?}"));
     let _successor = KillPid(pid);
-    let started = Instant::now();
-    while old.proc.try_wait().unwrap().is_none() {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the old process did not hand over"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    exits(&mut old, "the old process, handing over").await;
     assert!(!old.lines_with("took over the listeners").is_empty());
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.store(true, Ordering::Relaxed);
@@ -595,14 +585,7 @@ async fn a_registrar_upgraded_five_times_keeps_its_pes_and_answers_every_resolut
         "no PE had to register again"
     );
     for (i, p) in procs.iter_mut().enumerate().take(5) {
-        let started = Instant::now();
-        while p.proc.try_wait().unwrap().is_none() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "registrar-{i} did not exit"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        exits(p, &format!("registrar-{i}")).await;
     }
     drop(pes);
 }

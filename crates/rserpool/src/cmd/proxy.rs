@@ -230,36 +230,19 @@ pub fn run(args: ProxyArgs) -> Result<()> {
 /// How long a new proxy waits for the old one to stop accepting once it accepts itself.
 const HANDOVER_DONE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Where this proxy's hand-over socket is: `handover-socket`, or an abstract name made from the
-/// configuration file's path, or (without one) from the listeners' addresses unless a port is
-/// left to the kernel (no successor could name the same one). `None`: no hand-over.
+/// Where this proxy's hand-over socket is: `handover-socket`, or made from the configuration
+/// file's path or the listeners' addresses. `None`: no hand-over.
 pub fn handover_address(
     args: &ProxyArgs,
     cfg: &ProxyConfig,
 ) -> Result<Option<rserpool_handover::Address>> {
-    let name = match (&cfg.handover_socket, &args.config) {
-        (Some(s), _) if s.is_empty() => return Ok(None),
-        (Some(s), _) => s.clone(),
-        (None, Some(file)) => {
-            let file = std::fs::canonicalize(file).unwrap_or_else(|_| file.clone());
-            return Ok(Some(rserpool_handover::Address::abstract_for(
-                "rserpool-proxy",
-                &file.display().to_string(),
-            )));
-        }
-        (None, None) if cfg.listeners.iter().any(|l| l.listen.port() == 0) => return Ok(None),
-        (None, None) => {
-            let addrs: Vec<String> = cfg.listeners.iter().map(|l| l.listen.to_string()).collect();
-            return Ok(Some(rserpool_handover::Address::abstract_for(
-                "rserpool-proxy",
-                &addrs.join(","),
-            )));
-        }
-    };
-    // An abstract name is at most 107 bytes; a long path keeps its end.
-    name.parse()
-        .map(Some)
-        .map_err(|e: String| anyhow!("handover socket: {e}"))
+    let addrs: Vec<SocketAddr> = cfg.listeners.iter().map(|l| l.listen).collect();
+    super::service::handover_address(
+        "rserpool-proxy",
+        cfg.handover_socket.as_deref(),
+        args.config.as_deref(),
+        &addrs,
+    )
 }
 
 /// Offers this proxy's sockets at `addr`. The process it took over from closes its offer as it

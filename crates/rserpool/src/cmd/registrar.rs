@@ -90,25 +90,10 @@ fn handover_address(
     args: &RegistrarArgs,
     cfg: &Config,
 ) -> Result<Option<rserpool_handover::Address>> {
-    let name = match (&args.handover_socket, &args.config) {
-        (Some(s), _) if s.is_empty() => return Ok(None),
-        (Some(s), _) => s.clone(),
-        (None, Some(file)) => {
-            let file = std::fs::canonicalize(file).unwrap_or_else(|_| file.clone());
-            return Ok(Some(rserpool_handover::Address::abstract_for(
-                "rserpool-registrar",
-                &file.display().to_string(),
-            )));
-        }
-        (None, None) if cfg.asap.port() == 0 => return Ok(None),
-        (None, None) => {
-            return Ok(Some(rserpool_handover::Address::abstract_for(
-                "rserpool-registrar",
-                &cfg.asap.to_string(),
-            )));
-        }
-    };
-    name.parse()
-        .map(Some)
-        .map_err(|e: String| anyhow::anyhow!("handover socket: {e}"))
+    super::service::handover_address(
+        "rserpool-registrar",
+        args.handover_socket.as_deref(),
+        args.config.as_deref(),
+        &[cfg.asap],
+    )
 }

@@ -3,7 +3,8 @@
 //! (`sd_notify`, with `NotifyAccess=all`), and starting its successor on SIGUSR2.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use tracing::{info, warn};
 
 /// Tells systemd `state` (`READY=1`, `MAINPID=…`) when it started this process as a
@@ -76,4 +77,32 @@ impl Successor {
             Err(e) => warn!("cannot start {}: {e}", self.exe.display()),
         }
     }
+}
+
+/// Where a service's hand-over socket is (docs/OPERATIONS.md): `given` (a path or `@NAME`; `""`:
+/// none), else the abstract name `@PREFIX:` and the configuration file's path, else `@PREFIX:`
+/// and `addrs` (none when a port is left to the kernel: no successor could name the same one).
+pub fn handover_address(
+    prefix: &str,
+    given: Option<&str>,
+    config: Option<&Path>,
+    addrs: &[SocketAddr],
+) -> anyhow::Result<Option<rserpool_handover::Address>> {
+    use rserpool_handover::Address;
+    Ok(match (given, config) {
+        (Some(""), _) => None,
+        (Some(s), _) => Some(
+            s.parse()
+                .map_err(|e: String| anyhow::anyhow!("handover socket: {e}"))?,
+        ),
+        (None, Some(file)) => {
+            let file = std::fs::canonicalize(file).unwrap_or_else(|_| file.to_path_buf());
+            Some(Address::abstract_for(prefix, &file.display().to_string()))
+        }
+        (None, None) if addrs.iter().any(|a| a.port() == 0) => None,
+        (None, None) => {
+            let addrs: Vec<String> = addrs.iter().map(SocketAddr::to_string).collect();
+            Some(Address::abstract_for(prefix, &addrs.join(",")))
+        }
+    })
 }
