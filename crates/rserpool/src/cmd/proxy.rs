@@ -168,45 +168,49 @@ pub fn run(args: ProxyArgs) -> Result<()> {
                 Err(e) => warn!("proxy: hand-over: {e}"),
             }
         }
-        let mut offer = match &handover {
+        let offer = match &handover {
             Some(a) => offer(a).await,
             None => None,
         };
         super::service::notify_ready();
+        // Waits for a successor to take over, beside the signals.
+        let mut successor_task = offer.map(|o| {
+            let p = proxy.clone();
+            tokio::spawn(async move {
+                let r = handover::next_successor(&o, || p.handover_sockets()).await;
+                (o, r)
+            })
+        });
         let handed = loop {
-            let waiting = offer.take().map(|o| {
-                let p = proxy.clone();
-                tokio::spawn(async move {
-                    let r = handover::next_successor(&o, || p.handover_sockets()).await;
-                    (o, r)
-                })
-            });
-            let mut waiting = std::pin::pin!(async move {
-                match waiting {
-                    Some(w) => w.await,
+            let successor_taken = async {
+                match successor_task.as_mut() {
+                    Some(t) => t.await,
                     None => std::future::pending().await,
                 }
-            });
-            let got = loop {
-                tokio::select! {
-                    () = shutdown.recv() => break None,
-                    _ = hup.recv() => reload(&proxy, &args).await,
-                    _ = usr2.recv() => match &successor {
-                        Some(s) if handover.is_some() => s.start(),
-                        _ => warn!("proxy: SIGUSR2 ignored: no hand-over socket"),
-                    },
-                    r = &mut waiting => break Some(r),
-                }
             };
-            match got {
-                None => break None,
-                Some(Ok((o, Ok(giving)))) => break Some((o, giving)),
-                Some(Ok((_, Err(e)))) => {
-                    warn!("proxy: the hand-over socket failed, no more hand-overs: {e}")
+            tokio::select! {
+                () = shutdown.recv() => break None,
+                _ = hup.recv() => reload(&proxy, &args).await,
+                _ = usr2.recv() => match &successor {
+                    Some(s) if handover.is_some() => s.start(),
+                    _ => warn!("proxy: SIGUSR2 ignored: no hand-over socket"),
+                },
+                r = successor_taken => {
+                    successor_task = None;
+                    match r {
+                        Ok((o, Ok(giving))) => break Some((o, giving)),
+                        Ok((_, Err(e))) => {
+                            warn!("proxy: the hand-over socket failed, no more hand-overs: {e}")
+                        }
+                        Err(e) => warn!("proxy: the hand-over task failed: {e}"),
+                    }
                 }
-                Some(Err(e)) => warn!("proxy: the hand-over task failed: {e}"),
             }
         };
+        // Stopping: the hand-over name is free at once for a proxy started meanwhile.
+        if let Some(t) = successor_task {
+            t.abort();
+        }
         if let Some((o, giving)) = handed {
             proxy.stop_accepting();
             // Closed before the successor hears `DONE`, so that it can offer at that name.
