@@ -440,6 +440,13 @@ pub struct Datapath {
     max_flows: u32,
 }
 
+/// Where the datapath's TC filter sits on each interface, so that a later load replaces it in
+/// place.
+#[cfg(ksplice_built)]
+const FILTER_PRIORITY: u16 = 49_152;
+#[cfg(ksplice_built)]
+const FILTER_HANDLE: u32 = 0x5253;
+
 #[cfg(ksplice_built)]
 static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("KSPLICE_OBJECT"));
 
@@ -452,7 +459,8 @@ impl Datapath {
     /// crashes or restarts): the maps are pinned by name in `pin_dir` (on bpffs, mounted at
     /// /sys/fs/bpf if it is not), so a later load finds the same flow table, and the program
     /// is attached as a classic TC filter, which stays when the process goes. A load replaces
-    /// the filter an earlier one left on the same interface. [`Datapath::remove_all`] undoes
+    /// the filter an earlier one left on the same interface in one step (same priority and
+    /// handle), so spliced connections see no moment without it. [`Datapath::remove_all`] undoes
     /// everything.
     pub fn load(interfaces: &[&str], max_flows: u32, pin_dir: &Path) -> Result<Self, Error> {
         Self::load_at(interfaces, max_flows, pin_dir, Hook::Ingress)
@@ -498,10 +506,31 @@ impl Datapath {
             for name in interfaces {
                 ifindex(name)?;
                 let _ = tc::qdisc_add_clsact(name);
-                let _ = tc::qdisc_detach_program(name, at, "splice_tc");
-                let id = prog
-                    .attach_with_options(name, at, TcAttachOptions::Netlink(NlOptions::default()))
-                    .map_err(|err| e(&format!("attaching to {name}"), &err))?;
+                // A filter an earlier load left (a proxy restarted or upgraded, its spliced
+                // connections still flowing) is replaced in one step: detaching first would
+                // leave a moment in which their packets reach a stack with no socket for
+                // them, which answers with a reset.
+                let replaced = aya::programs::tc::SchedClassifierLink::attached(
+                    name,
+                    at,
+                    FILTER_PRIORITY,
+                    FILTER_HANDLE,
+                )
+                .ok()
+                .and_then(|old| prog.attach_to_link(old).ok());
+                let id = match replaced {
+                    Some(id) => id,
+                    None => {
+                        // None of ours at that place: one attached elsewhere goes first.
+                        let _ = tc::qdisc_detach_program(name, at, "splice_tc");
+                        let options = NlOptions {
+                            priority: FILTER_PRIORITY,
+                            handle: FILTER_HANDLE,
+                        };
+                        prog.attach_with_options(name, at, TcAttachOptions::Netlink(options))
+                            .map_err(|err| e(&format!("attaching to {name}"), &err))?
+                    }
+                };
                 // Not detached when this value goes: the filter outlives the process.
                 let link = prog
                     .take_link(id)

@@ -107,10 +107,11 @@ pin-dir = "{}"
 }
 
 fn setup(extra: &str) -> Option<Setup> {
-    setup_with("kernel", extra)
+    setup_with("kernel", extra, None)
 }
 
-fn setup_with(splice: &str, extra: &str) -> Option<Setup> {
+/// `pins`: where the maps are pinned, when not in the namespaces' own directory.
+fn setup_with(splice: &str, extra: &str, pins: Option<&std::path::Path>) -> Option<Setup> {
     let (ns, c, p, s) = topology(0)?;
     let registrar = spawn_in(
         &p,
@@ -143,7 +144,7 @@ fn setup_with(splice: &str, extra: &str) -> Option<Setup> {
             "10.77.2.1:3863",
         ],
     );
-    let cfg = proxy_config(&ns.1, splice, extra);
+    let cfg = proxy_config(pins.unwrap_or(&ns.1), splice, extra);
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let dir = std::env::temp_dir().join(format!(
         "ksplice-proxy-{}-{}",
@@ -221,19 +222,21 @@ fn bytes_in(p: &str, pool: &str) -> u64 {
         .sum()
 }
 
-#[test]
-fn spliced_connections_outlive_a_killed_proxy() {
-    let Some(mut setup) = setup("") else {
-        return;
-    };
-    let (c, p) = (setup.c.clone(), setup.p.clone());
+/// `CONNS` connections through the TCP front, each routed (its first bytes echo) and then left
+/// to the kernel (the proxy holds no socket of it any more); the transfers start when the
+/// sender says so. Returns each transfer's echo and when it ended.
+#[allow(clippy::type_complexity)]
+fn spliced_transfers(
+    c: &str,
+    p: &str,
+) -> (
+    std::thread::JoinHandle<Vec<(Vec<u8>, Instant)>>,
+    std::sync::mpsc::Sender<()>,
+) {
     let front: SocketAddrV4 = FRONT.parse().unwrap();
-
-    // Each connection is routed (its first bytes echo), then left to the kernel: the proxy
-    // holds no socket of it any more. Then the transfers start.
     let (opened_tx, opened_rx) = std::sync::mpsc::channel();
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
-    let cli = in_ns(&c, move || {
+    let cli = in_ns(c, move || {
         let mut conns = Vec::new();
         for _ in 0..CONNS {
             let mut s = TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
@@ -257,19 +260,123 @@ fn spliced_connections_outlive_a_killed_proxy() {
     });
     opened_rx.recv().unwrap();
     let t0 = Instant::now();
-    while front_sockets(&p) > 0 {
+    while front_sockets(p) > 0 {
         assert!(
             t0.elapsed() < Duration::from_secs(5),
             "the proxy kept its sockets: no hand-over"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    go_tx.send(()).unwrap();
+    (cli, go_tx)
+}
+
+#[test]
+fn spliced_connections_outlive_a_killed_proxy() {
+    let Some(mut setup) = setup("") else {
+        return;
+    };
+    let (cli, go) = spliced_transfers(&setup.c, &setup.p);
+    go.send(()).unwrap();
     std::thread::sleep(Duration::from_millis(20));
     setup.proxy.0.kill().unwrap();
     setup.proxy.0.wait().unwrap();
     let killed = Instant::now();
     assert_outlived(cli.join().unwrap(), killed, BYTES, 5);
+}
+
+/// An upgrade in the middle of 20 spliced transfers (docs/OPERATIONS.md): a second proxy
+/// started with the same configuration takes the listeners over and loads the datapath again
+/// (its filter replaced in place, the pinned flow table kept); the old one exits. Every
+/// transfer completes byte-exact, and the new process hands new connections to the kernel.
+/// A bpffs of the test's own, mounted outside /sys: `ip netns exec` gives each process a
+/// /sys of its own, where a bpffs mounted by one proxy is not seen by the next. (A service
+/// manager's /sys/fs/bpf is shared by all its processes.)
+struct SharedBpffs(std::path::PathBuf);
+
+impl SharedBpffs {
+    /// `None` (the test is skipped) without root, except under `CI`, where that fails.
+    fn mount() -> Option<SharedBpffs> {
+        let dir = std::path::PathBuf::from(format!("/run/rserpool-ksplice-{}", std::process::id()));
+        let ok = std::fs::create_dir_all(&dir).is_ok()
+            && Command::new("mount")
+                .args(["-t", "bpf", "bpf"])
+                .arg(&dir)
+                .status()
+                .is_ok_and(|s| s.success());
+        if !ok {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "cannot mount a bpffs at {}",
+                dir.display()
+            );
+            eprintln!("skipped: cannot mount a bpffs (needs root)");
+            return None;
+        }
+        Some(SharedBpffs(dir))
+    }
+}
+
+impl Drop for SharedBpffs {
+    fn drop(&mut self) {
+        let _ = rserpool_ksplice::Datapath::remove_all(&[], &self.0.join("pins"));
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+#[test]
+fn spliced_connections_outlive_an_upgrade_and_the_new_process_splices() {
+    let Some(bpffs) = SharedBpffs::mount() else {
+        return;
+    };
+    let Some(mut setup) = setup_with("kernel", "", Some(&bpffs.0.join("pins"))) else {
+        return;
+    };
+    let (c, p) = (setup.c.clone(), setup.p.clone());
+    let (cli, go) = spliced_transfers(&c, &p);
+    go.send(()).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let config = setup.dir.join("proxy.toml");
+    let _next = spawn_in(&p, &["proxy", "--config", config.to_str().unwrap()]);
+    let t0 = Instant::now();
+    while setup.proxy.0.try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the old proxy did not hand over and exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let upgraded = Instant::now();
+    assert_outlived(cli.join().unwrap(), upgraded, BYTES, 5);
+    // The new process splices: a few new connections are handed to the kernel by it.
+    let before = kernel_stats(&p)["handed_over"].as_u64().unwrap();
+    let front: SocketAddrV4 = FRONT.parse().unwrap();
+    let conns = in_ns(&c, move || {
+        (0..3)
+            .map(|_| {
+                let mut s =
+                    TcpStream::connect_timeout(&front.into(), Duration::from_secs(5)).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                s.write_all(b"AGAIN").unwrap();
+                let mut b = [0u8; 5];
+                s.read_exact(&mut b).unwrap();
+                assert_eq!(&b, b"AGAIN");
+                s
+            })
+            .collect::<Vec<_>>()
+    })
+    .join()
+    .unwrap();
+    let t0 = Instant::now();
+    while kernel_stats(&p)["handed_over"].as_u64().unwrap() < before + 3 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the new process handed none of its connections to the kernel: {}",
+            kernel_stats(&p)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(conns);
 }
 
 /// A thousand short connections from 20 clients at once, each handed to the kernel or kept in
@@ -535,7 +642,7 @@ fn a_busy_upload_is_held_drained_and_handed_over() {
 /// the listener it already had hands its connections over from then on.
 #[test]
 fn a_reload_turns_the_kernel_splice_on() {
-    let Some(setup) = setup_with("user", "") else {
+    let Some(setup) = setup_with("user", "", None) else {
         return;
     };
     assert!(
