@@ -398,3 +398,102 @@ async fn a_registrar_cut_off_in_a_namespace_is_taken_over() {
     .await;
     drop(net);
 }
+
+/// A registrar of the cluster upgraded (a second process started with the same flags takes it
+/// over, docs/OPERATIONS.md): past the time a takeover would need, its peers took over none of
+/// its PEs, every PE kept its home and registered nowhere again, and all three registrars agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgraded_registrar_keeps_its_pes_in_the_cluster() {
+    let nodes = (0..3)
+        .map(|_| Node {
+            asap: SocketAddr::from(([127, 0, 0, 1], free_port())),
+            enrp: SocketAddr::from(([127, 0, 0, 1], free_port())),
+            status: SocketAddr::from(([127, 0, 0, 1], free_port())),
+            netns: None,
+            proc: None,
+        })
+        .collect();
+    let mut cluster = Cluster { nodes };
+    for i in 0..3 {
+        cluster.start(i);
+    }
+    let all = [0, 1, 2];
+    let none = BTreeSet::new();
+    wait_for(Duration::from_secs(20), "three registrars peered", || {
+        consistent(&cluster, &all, &none)
+    })
+    .await;
+    let pes = start_pes(&cluster, IpAddr::from([127, 0, 0, 1]));
+    let ids: BTreeSet<u32> = pes.iter().map(PoolElement::id).collect();
+    wait_for(Duration::from_secs(30), "100 PEs everywhere", || {
+        consistent(&cluster, &all, &ids)
+    })
+    .await;
+    // Each PE's home, as registrar 0 holds it.
+    let homes = |st: rserpool_registrar::Status| -> std::collections::BTreeMap<u32, u32> {
+        st.pools
+            .iter()
+            .flat_map(|p| &p.pes)
+            .map(|e| (e.id, e.home_registrar))
+            .collect()
+    };
+    let homes_before = homes(registrar_status(cluster.nodes[0].status).await.unwrap());
+    let upgraded = registrar_status(cluster.nodes[2].status).await.unwrap();
+    let owned = homes_before
+        .values()
+        .filter(|h| **h == upgraded.server_id)
+        .count();
+    assert!(owned > 0, "registrar 2 is home for some PEs");
+    // A PE that goes back to registering lost its association.
+    let lost = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    for pe in &pes {
+        let mut state = pe.watch_state();
+        let lost = lost.clone();
+        tokio::spawn(async move {
+            while state.changed().await.is_ok() {
+                if matches!(*state.borrow(), rserpool_asap::PeState::Registering) {
+                    lost.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        });
+    }
+
+    let mut old = cluster.nodes[2].proc.take().expect("running");
+    cluster.start(2);
+    let t0 = std::time::Instant::now();
+    while old.0.try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the old registrar did not hand over"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Longer than a peer would wait before taking the PEs over.
+    tokio::time::sleep(Duration::from_millis(
+        LAST_HEARD_MS + NO_RESPONSE_MS + KEEP_ALIVE_MS + 1000,
+    ))
+    .await;
+    wait_for(Duration::from_secs(10), "the cluster consistent", || {
+        consistent(&cluster, &all, &ids)
+    })
+    .await;
+    let st = registrar_status(cluster.nodes[2].status).await.unwrap();
+    assert_eq!(
+        st.server_id, upgraded.server_id,
+        "the Server Identifier stays"
+    );
+    for i in all {
+        let st = registrar_status(cluster.nodes[i].status).await.unwrap();
+        assert_eq!(st.enrp.takeovers, 0, "registrar {i} took PEs over");
+    }
+    assert_eq!(
+        homes(registrar_status(cluster.nodes[0].status).await.unwrap()),
+        homes_before,
+        "every PE kept its home"
+    );
+    assert_eq!(
+        lost.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "no PE lost its association"
+    );
+}
