@@ -620,3 +620,64 @@ async fn a_registrar_takes_over_a_pe_over_tls() {
     assert!(pe.lines_with("TLS handshake").is_empty());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `rserpool drain tls://ADDR` from another host: a PE with `--control-tls` drains and undrains
+/// for a client with a certificate from its CA; one from another CA, or one without any, is
+/// refused and the PE stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_drain_needs_a_certificate_from_the_ca() {
+    let dir = tempdir("drain");
+    let foreign = tempdir("drain-foreign");
+    certs(&dir, &["reg", "pe", "operator"]);
+    certs(&foreign, &["intruder"]);
+    let reg = registrar("reg", &dir, &[]);
+    let control = addr();
+    let mut pe_args = tls(&dir, "pe");
+    pe_args.extend(["--control-tls".into(), control.to_string()]);
+    let _pe = example_pe("pe", reg.asap, 5, pe_args);
+    let status = reg.status;
+    common::wait_for(
+        Duration::from_secs(10),
+        "the PE registered",
+        || async move { pes(status).await == vec![5] },
+    )
+    .await;
+    let drain = |cmd: &'static str, who: Vec<String>| {
+        let target = format!("tls://{control}");
+        async move {
+            tokio::task::spawn_blocking(move || {
+                Command::new(BIN)
+                    .args([cmd, &target])
+                    .args(who)
+                    .output()
+                    .unwrap()
+            })
+            .await
+            .unwrap()
+        }
+    };
+    // Refused: another CA's certificate, and no certificate at all.
+    let out = drain("drain", tls_trusting(&foreign, "intruder", &dir)).await;
+    assert!(!out.status.success(), "an intruder drained the PE");
+    let out = drain("drain", Vec::new()).await;
+    assert!(!out.status.success());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(pes(status).await, vec![5], "the PE stays");
+    // The CA's own operator.
+    let out = drain("drain", tls(&dir, "operator")).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    common::wait_for(Duration::from_secs(5), "the PE drained", || async move {
+        pes(status).await.is_empty()
+    })
+    .await;
+    let out = drain("undrain", tls(&dir, "operator")).await;
+    assert!(out.status.success());
+    common::wait_for(Duration::from_secs(5), "the PE back", || async move {
+        pes(status).await == vec![5]
+    })
+    .await;
+}

@@ -54,10 +54,8 @@ pub struct ExampleArgs {
     pub credits: CreditOpts,
     #[command(flatten)]
     pub calc: super::calc::CalcOpts,
-    /// A Unix socket (mode 0600) on which `rserpool drain` / `undrain` take the PE out of its
-    /// pool and back.
-    #[arg(long, value_name = "PATH")]
-    pub control: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub control: super::control::ControlOpts,
 }
 
 /// How much the service takes at once.
@@ -126,14 +124,14 @@ pub fn run(args: ExampleArgs) -> Result<()> {
             ex.pe.id(),
             args.pe.pool
         );
-        if let Some(path) = &args.control {
-            let pe = ex.pe.updater();
-            super::control::listen(path, move |drained| pe.set_active(!drained))?;
-        }
+        let pe = ex.pe.updater();
+        args.control
+            .listen(args.pe.registrars.tls()?, move |drained| {
+                pe.set_active(!drained)
+            })
+            .await?;
         super::shutdown_signal().await;
-        if let Some(path) = &args.control {
-            let _ = std::fs::remove_file(path);
-        }
+        args.control.remove();
         drop(ex.credits);
         ex.pe.stop().await;
         Ok(())

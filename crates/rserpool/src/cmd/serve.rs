@@ -57,11 +57,11 @@ pub struct ServeArgs {
     /// credits or the load, `down` while the target does not answer.
     #[arg(long)]
     pub agent: Option<SocketAddr>,
-    /// Control socket (a Unix socket, mode 0600): `rserpool drain PATH` deregisters the PE
-    /// (the target goes on serving what reaches it; `--agent` says `drain`), `rserpool undrain
-    /// PATH` registers it again once the target is healthy.
-    #[arg(long, value_name = "PATH")]
-    pub control: Option<std::path::PathBuf>,
+    /// `rserpool drain` deregisters the PE (the target goes on serving what reaches it;
+    /// `--agent` says `drain`), `rserpool undrain` registers it again once the target is
+    /// healthy.
+    #[command(flatten)]
+    pub control: super::control::ControlOpts,
     /// Status listener (HOST:PORT): the sidecar's state as JSON on `/status`, its metrics in
     /// the Prometheus format on `/metrics`. Off by default (one sidecar per service).
     #[arg(long)]
@@ -107,13 +107,15 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let seen = Arc::new(Seen::default());
     seen.target_up.store(healthy, Ordering::Relaxed);
     seen.healthy.store(healthy, Ordering::Relaxed);
-    if let Some(path) = &args.control {
+    {
         let (pe, seen, agent) = (pe.updater(), seen.clone(), agent.clone());
-        super::control::listen(path, move |drained| {
-            seen.drained.store(drained, Ordering::Relaxed);
-            agent.set_drained(drained);
-            pe.set_active(!drained && seen.healthy.load(Ordering::Relaxed));
-        })?;
+        args.control
+            .listen(args.pe.registrars.tls()?, move |drained| {
+                seen.drained.store(drained, Ordering::Relaxed);
+                agent.set_drained(drained);
+                pe.set_active(!drained && seen.healthy.load(Ordering::Relaxed));
+            })
+            .await?;
     }
     if let Some(addr) = args.status {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -221,9 +223,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             }
         }
     }
-    if let Some(path) = &args.control {
-        let _ = std::fs::remove_file(path);
-    }
+    args.control.remove();
     drop(credits);
     pe.stop().await;
     Ok(())
