@@ -21,10 +21,26 @@ pub enum Fault {
         percent: u32,
         hold: Duration,
     },
+    /// A second process started with the same flags takes `who` over (hand-over, docs/
+    /// OPERATIONS.md); the first drains and exits. Nothing heals: `settle` is the wait after.
+    Upgrade { who: Upgraded, settle: Duration },
+}
+
+/// What an upgrade replaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Upgraded {
+    Proxy,
+    Registrar(usize),
 }
 
 /// The kinds, in the order the summary lists them.
-pub const KINDS: [&str; 4] = ["registrar kill -9", "PE kill -9", "link cut", "packet loss"];
+pub const KINDS: [&str; 5] = [
+    "registrar kill -9",
+    "PE kill -9",
+    "link cut",
+    "packet loss",
+    "upgrade",
+];
 
 impl Fault {
     pub fn kind(&self) -> usize {
@@ -33,6 +49,7 @@ impl Fault {
             Fault::KillPes { .. } => 1,
             Fault::CutLink { .. } => 2,
             Fault::Loss { .. } => 3,
+            Fault::Upgrade { .. } => 4,
         }
     }
 
@@ -42,6 +59,7 @@ impl Fault {
             | Fault::KillPes { down, .. }
             | Fault::CutLink { down, .. } => *down,
             Fault::Loss { hold, .. } => *hold,
+            Fault::Upgrade { settle, .. } => *settle,
         }
     }
 
@@ -51,6 +69,12 @@ impl Fault {
             Fault::KillRegistrar { r, .. } => vec![*r],
             Fault::KillPes { pes, .. } => pes.iter().map(|&k| pe_host(k)).collect(),
             Fault::CutLink { host, .. } | Fault::Loss { host, .. } => vec![*host],
+            Fault::Upgrade {
+                who: Upgraded::Registrar(r),
+                ..
+            } => vec![*r],
+            // The proxy's host is none of the hosts faults pick.
+            Fault::Upgrade { .. } => Vec::new(),
         }
     }
 }
@@ -69,6 +93,8 @@ pub struct Layout {
 pub struct Planner {
     rng: Xoshiro256PlusPlus,
     layout: Layout,
+    /// Episodes planned so far.
+    planned: u64,
 }
 
 impl Planner {
@@ -76,6 +102,7 @@ impl Planner {
         Planner {
             rng: Xoshiro256PlusPlus::seed_from_u64(seed),
             layout,
+            planned: 0,
         }
     }
 
@@ -89,7 +116,19 @@ impl Planner {
     }
 
     /// The next episode: its faults (they start together) and the pause after it has converged.
+    /// The first is an upgrade of the proxy, so that even a short run has one.
     pub fn episode(&mut self) -> (Vec<Fault>, Duration) {
+        self.planned += 1;
+        if self.planned == 1 {
+            let settle = self.ms(500, 2000);
+            return (
+                vec![Fault::Upgrade {
+                    who: Upgraded::Proxy,
+                    settle,
+                }],
+                self.ms(0, 2000),
+            );
+        }
         let mut faults = vec![self.fault()];
         // Now and then a second fault at once, on hosts the first does not touch.
         if self.between(0, 3) == 0 {
@@ -114,7 +153,7 @@ impl Planner {
                 r: self.between(0, 2) as usize,
                 down: self.ms(500, 6000),
             },
-            25..55 => {
+            25..48 => {
                 let n = self.between(1, 3) as usize;
                 let mut v: Vec<usize> = Vec::new();
                 while v.len() < n.min(pes) {
@@ -129,6 +168,14 @@ impl Planner {
                     down: self.ms(200, 5000),
                 }
             }
+            48..55 => Fault::Upgrade {
+                who: if self.between(0, 1) == 0 {
+                    Upgraded::Proxy
+                } else {
+                    Upgraded::Registrar(self.between(0, 2) as usize)
+                },
+                settle: self.ms(500, 2000),
+            },
             55..80 => {
                 let host = self.between(0, self.layout.hosts as u64 - 1) as usize;
                 let max = if host < 3 {
@@ -170,7 +217,7 @@ mod tests {
         };
         assert_eq!(plan(7), plan(7));
         assert_ne!(plan(7), plan(8));
-        let mut kinds = [0; 4];
+        let mut kinds = [0; 5];
         for (faults, _) in plan(7) {
             for f in &faults {
                 kinds[f.kind()] += 1;
@@ -197,6 +244,9 @@ mod tests {
                     Fault::CutLink { host, .. } => assert!(*host < 8),
                     Fault::Loss { host, percent, .. } => {
                         assert!(*host < 8 && (5..=40).contains(percent))
+                    }
+                    Fault::Upgrade { who, .. } => {
+                        assert!(!matches!(who, Upgraded::Registrar(r) if *r >= 3))
                     }
                 }
             }

@@ -90,6 +90,8 @@ pub struct Fleet {
     pub status: Vec<SocketAddr>,
     /// Where clients reach the proxy.
     pub front: SocketAddr,
+    /// Processes an upgrade replaced, draining until they exit.
+    retiring: Vec<Proc>,
 }
 
 /// The host names: r1..r3, h1..hK for `pes` PEs, front (the proxy).
@@ -122,6 +124,7 @@ impl Fleet {
                 .map(|r| SocketAddr::from((ip(r), STATUS_PORT)))
                 .collect(),
             front: SocketAddr::from((ip(front_host), PROXY_PORT)),
+            retiring: Vec::new(),
         };
         for r in 0..3 {
             let mut args = vec!["registrar".to_string()];
@@ -253,6 +256,15 @@ impl Fleet {
         Ok(())
     }
 
+    /// Upgrades member `m`: a second process with the same flags takes it over (its sockets,
+    /// and for a registrar its PEs); the first drains and exits on its own, reaped quietly.
+    pub fn upgrade(&mut self, net: &Net, m: usize) -> Result<()> {
+        if let Some(old) = self.members[m].proc.take() {
+            self.retiring.push(old);
+        }
+        self.start(net, m)
+    }
+
     /// SIGKILL to member `m`.
     pub fn kill(&mut self, m: usize) {
         if let Some(mut p) = self.members[m].proc.take() {
@@ -262,6 +274,7 @@ impl Fleet {
 
     /// Members that were running and have exited on their own since the last call.
     pub fn exits(&mut self) -> Vec<(usize, ExitStatus)> {
+        self.retiring.retain_mut(|p| p.exited().is_none());
         let mut v = Vec::new();
         for (i, member) in self.members.iter_mut().enumerate() {
             if let Some(status) = member.proc.as_mut().and_then(Proc::exited) {

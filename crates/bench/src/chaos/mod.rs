@@ -18,7 +18,7 @@ use crate::process::wait_for;
 use crate::undo::{self, TempDir};
 use anyhow::{Result, bail};
 use clap::Args;
-use faults::{Fault, Layout, Planner};
+use faults::{Fault, Layout, Planner, Upgraded};
 use fleet::{Fleet, Kind};
 use netns::Net;
 use std::path::{Path, PathBuf};
@@ -354,6 +354,10 @@ impl Soak {
                 percent,
                 hold,
             } => format!("{percent} % loss on {} for {}", host(*h), s(*hold)),
+            Fault::Upgrade { who, .. } => match who {
+                Upgraded::Proxy => "upgrade of the proxy".into(),
+                Upgraded::Registrar(r) => format!("upgrade of registrar r{}", r + 1),
+            },
         }
     }
 
@@ -370,6 +374,13 @@ impl Soak {
                 self.net.set_link(*host, false)?;
             }
             Fault::Loss { host, percent, .. } => self.net.set_loss(*host, *percent)?,
+            Fault::Upgrade { who, .. } => {
+                let m = match who {
+                    Upgraded::Proxy => self.fleet.proxy,
+                    Upgraded::Registrar(r) => self.fleet.registrars[*r],
+                };
+                self.fleet.upgrade(&self.net, m)?;
+            }
         }
         Ok(())
     }
@@ -389,6 +400,27 @@ impl Soak {
                 self.tracker().set_cut(*host, false, Instant::now());
             }
             Fault::Loss { host, .. } => self.net.set_loss(*host, 0)?,
+            Fault::Upgrade { who, .. } => {
+                // The successor says it serves once the old process stopped.
+                let m = match who {
+                    Upgraded::Proxy => self.fleet.proxy,
+                    Upgraded::Registrar(r) => self.fleet.registrars[*r],
+                };
+                let log = self.fleet.log(m);
+                let handed =
+                    std::fs::read_to_string(&log).is_ok_and(|l| l.contains("; this one serves"));
+                if handed {
+                    self.record.upgrades_handed += 1;
+                } else {
+                    let why = format!(
+                        "{} did not take over within the settle time; log {}",
+                        self.fleet.members[m].name,
+                        log.display()
+                    );
+                    println!("           {why}");
+                    self.record.upgrade_failures.push(why);
+                }
+            }
         }
         Ok(())
     }

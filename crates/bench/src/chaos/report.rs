@@ -21,12 +21,15 @@ pub struct Record {
     pe_hosts: usize,
     /// Pool elements by kind: serve, example http, example echo.
     pe_kinds: [usize; 3],
-    pub faults: [u32; 4],
+    pub faults: [u32; 5],
     pub restarts: u32,
     pub setup: Duration,
     pub episodes: Vec<Episode>,
     /// Processes that exited on their own.
     pub exits: Vec<String>,
+    /// Upgrades whose successor took over, and those it did not (why).
+    pub upgrades_handed: u32,
+    pub upgrade_failures: Vec<String>,
 }
 
 /// One episode's faults and its convergence time after healing (or why it did not converge).
@@ -128,6 +131,12 @@ impl Summary {
                 self.failed
             ));
         }
+        if !self.record.upgrade_failures.is_empty() {
+            v.push(format!(
+                "{} upgrade(s) did not hand over",
+                self.record.upgrade_failures.len()
+            ));
+        }
         let nc = self.not_converged().len();
         if nc > 0 {
             v.push(format!(
@@ -162,6 +171,11 @@ impl Summary {
                 by_kind.join(", "),
                 r.restarts
             ),
+        ));
+        let upgrades = r.upgrades_handed as usize + r.upgrade_failures.len();
+        rows.push((
+            "upgrades whose successor took over (must be all)".into(),
+            format!("{} of {upgrades}", r.upgrades_handed),
         ));
         rows.push((
             "PEs lost (must be 0)".into(),
@@ -267,6 +281,9 @@ impl Summary {
         }
         for (label, why) in self.not_converged() {
             v.push(format!("not converged after {label}: {why}"));
+        }
+        for why in &self.record.upgrade_failures {
+            v.push(format!("upgrade: {why}"));
         }
         for f in &self.failures {
             v.push(format!(
