@@ -224,6 +224,11 @@ impl Backend {
 
     /// In flight per weight (with the pick at hand, scaled): what least connections and P2C
     /// compare. With every weight 1 it orders as in flight does.
+    /// Its weight (from the WRR weight or the credits capacity; 1 otherwise).
+    pub(crate) fn weight(&self) -> u64 {
+        u64::from(self.weight.load(Ordering::Relaxed).max(1))
+    }
+
     pub(crate) fn load_per_weight(&self) -> u64 {
         ((self.in_flight() + 1) << 16) / u64::from(self.weight.load(Ordering::Relaxed).max(1))
     }

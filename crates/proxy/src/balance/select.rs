@@ -53,6 +53,9 @@ pub(crate) struct Affinity {
 
 /// PEs probed per pick by the Prequal-style selection.
 const PREQUAL_PROBES: usize = 5;
+/// Consistent hashing with bounded loads: a PE takes a key's request while its requests in
+/// flight stay below this factor times its weighted share of all of them (in quarters: 1.25).
+const HASH_BALANCE_QUARTERS: u64 = 5;
 /// Of the probed, those with at most this quantile of in flight are cold.
 const PREQUAL_Q_RIF: f64 = 0.75;
 
@@ -191,8 +194,8 @@ impl Selector {
         least_avoided(backends, tried, &room_hashed, now)
     }
 
-    /// Consistent hashing: the key's PE, or while it cannot take the request the next of the
-    /// key's table that can.
+    /// Consistent hashing: the key's PE, or while it cannot take the request (or holds more
+    /// than its share of the load) the next of the key's table that can.
     fn pick_hashed(
         &mut self,
         kind: Kind,
@@ -214,9 +217,26 @@ impl Selector {
                 .get(&id)
                 .filter(|b| !tried.contains(&b.id) && usable(b) && room(b))
         };
+        // Bounded loads (Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded
+        // Loads", SODA 2018): a PE past 1.25 times its share of the requests in flight (this
+        // one counted) is passed over for the next of the key's table, so an uneven table or a
+        // hot key does not queue requests at one PE while others idle. With even loads every
+        // key stays with its PE.
+        let (in_flight, weights) = backends
+            .values()
+            .filter(|b| usable(b))
+            .fold((0u64, 0u64), |(f, w), b| {
+                (f + b.in_flight(), w + b.weight())
+            });
+        let within = |b: &&Arc<Backend>| {
+            let share = (in_flight + 1) * b.weight() * HASH_BALANCE_QUARTERS;
+            b.in_flight() * weights.max(1) * 4 < share
+        };
         table
             .lookup(key)
-            .find_map(candidate)
+            .filter_map(candidate)
+            .find(within)
+            .or_else(|| table.lookup(key).find_map(candidate))
             .cloned()
             .or_else(|| least_avoided(backends, tried, room, now))
     }
@@ -492,6 +512,37 @@ mod tests {
             }
             assert!((9..=11).contains(&got[0]), "{select:?}: {got:?}");
             assert!((29..=31).contains(&got[1]), "{select:?}: {got:?}");
+        }
+    }
+
+    /// Maglev and ring hash with bounded loads: a hot key's requests stay with its PE until
+    /// that PE holds 1.25 times its share of what is in flight, then spill to the next PEs of
+    /// the key's table; none holds more than the bound.
+    #[test]
+    fn a_hot_key_spills_past_its_bounded_share() {
+        for select in [Select::Maglev, Select::RingHash] {
+            let handle = PoolHandle::from("H");
+            let mut s = Selector::new();
+            s.replace(&handle, vec![pe(1, 1), pe(2, 1), pe(3, 1)]);
+            let cfg = PoolConfig {
+                select,
+                ..PoolConfig::default()
+            };
+            let hot = || Affinity {
+                key: Some(42),
+                pe: None,
+            };
+            // Picks stay in flight (never done).
+            let mut got = [0usize; 3];
+            let first = s.pick(&handle, &[], hot(), &cfg).unwrap().id as usize;
+            got[first - 1] += 1;
+            for _ in 1..60 {
+                let b = s.pick(&handle, &[], hot(), &cfg).unwrap();
+                got[b.id as usize - 1] += 1;
+            }
+            // 60 in flight: a third is 20, the bound 25.
+            assert!((20..=25).contains(&got[first - 1]), "{select:?}: {got:?}");
+            assert!(got.iter().all(|&n| n <= 25), "{select:?}: {got:?}");
         }
     }
 }
