@@ -40,8 +40,10 @@ pub struct Adoptable {
     #[serde(skip, default = "no_conn")]
     pub id: ConnId,
     pub peer: SocketAddr,
-    /// Its REGISTRATIONs and subscribing HANDLE_RESOLUTIONs, encoded.
-    pub replay: Vec<u8>,
+    /// Its REGISTRATIONs, encoded.
+    pub registrations: Vec<u8>,
+    /// Its subscribing HANDLE_RESOLUTIONs, encoded (replayed once every pool is back).
+    pub subscriptions: Vec<u8>,
     /// Bytes read but not yet a whole message.
     pub unread: Vec<u8>,
     /// Bytes queued for it and not yet written.
@@ -50,6 +52,19 @@ pub struct Adoptable {
 
 fn no_conn() -> ConnId {
     ConnId::from_index(usize::MAX >> 33)
+}
+
+/// A REGISTRATION of `element` in `handle`, appended to `out`.
+fn encode_registration(
+    handle: &rserpool_wire::PoolHandle,
+    element: rserpool_wire::PoolElement,
+    out: &mut Vec<u8>,
+) {
+    let msg = rserpool_wire::AsapMessage::Registration {
+        pool_handle: handle.clone(),
+        pool_element: element,
+    };
+    let _ = rserpool_wire::Message::encode(&msg, out);
 }
 
 /// The registrar's protocol state: handlespace, associations, PE supervision, ENRP peers.
@@ -239,28 +254,26 @@ impl Registrar {
             if c.enrp || c.outgoing || self.asap.is_probe(id) {
                 continue;
             }
-            let mut replay = Vec::new();
+            let mut registrations = Vec::new();
             for &r in &c.pes {
                 let mut element = hs.pe(r).element.clone();
                 element.asap_transport = None;
-                let msg = rserpool_wire::AsapMessage::Registration {
-                    pool_handle: hs.pool_handle_of(r).clone(),
-                    pool_element: element,
-                };
-                let _ = rserpool_wire::Message::encode(&msg, &mut replay);
+                encode_registration(hs.pool_handle_of(r), element, &mut registrations);
             }
+            let mut subscriptions = Vec::new();
             for handle in self.asap.subscribed(id) {
                 let msg = rserpool_wire::AsapMessage::HandleResolution {
                     subscribe: true,
                     pool_handle: handle,
                     items: None,
                 };
-                let _ = rserpool_wire::Message::encode(&msg, &mut replay);
+                let _ = rserpool_wire::Message::encode(&msg, &mut subscriptions);
             }
             v.push(Adoptable {
                 id,
                 peer: c.peer,
-                replay,
+                registrations,
+                subscriptions,
                 unread: c.framer.buffered_bytes().to_vec(),
                 unsent: self.conns.output(id).to_vec(),
             });
@@ -268,19 +281,72 @@ impl Registrar {
         v
     }
 
+    /// The PEs other registrars are home for, as REGISTRATIONs naming their homes, for a
+    /// successor ([`adopt_peer_pes`](Self::adopt_peer_pes)): it answers with the whole
+    /// handlespace at once, not only this registrar's own PEs until ENRP has synchronised it.
+    pub fn peer_pes(&self) -> Vec<u8> {
+        let hs = self.asap.handlespace();
+        let mut out = Vec::new();
+        for (handle, _, _) in hs.pools() {
+            for r in hs.members(handle.as_bytes()) {
+                let element = &hs.pe(r).element;
+                if element.home_registrar != self.id {
+                    encode_registration(hs.pool_handle_of(r), element.clone(), &mut out);
+                }
+            }
+        }
+        out
+    }
+
+    /// Takes in the PEs of other registrars a predecessor held ([`peer_pes`](Self::peer_pes)),
+    /// as ENRP would; returns how many.
+    pub fn adopt_peer_pes(&mut self, encoded: &[u8], now: Instant) -> usize {
+        use enrp::HandlespaceView;
+        let mut framer = rserpool_wire::Framer::new(self.cfg.max_message_size);
+        let mut input = encoded;
+        let mut n = 0;
+        while let Ok(Some(frame)) = framer.next_from(&mut input) {
+            if let Ok(rserpool_wire::AsapMessage::Registration {
+                pool_handle,
+                pool_element,
+            }) = <rserpool_wire::AsapMessage as rserpool_wire::Message>::decode(&frame)
+            {
+                let home = pool_element.home_registrar;
+                let added = self.asap.apply_update(
+                    home,
+                    rserpool_wire::UpdateAction::AddPe,
+                    pool_handle,
+                    pool_element,
+                    now,
+                );
+                n += usize::from(added.is_ok());
+            }
+        }
+        n
+    }
+
     /// Takes over an association of a predecessor ([`handover`](Self::handover)): it is
-    /// opened as accepted from `a.peer`, its registrations and subscriptions are replayed
-    /// without answering them, then its unsent output is queued and its partial input read.
+    /// opened as accepted from `a.peer`, its registrations are replayed without answering them,
+    /// then its unsent output is queued and its partial input read. Its subscriptions follow
+    /// once every association is in ([`adopt_subscriptions`](Self::adopt_subscriptions)).
     /// `None` over the connection limit.
     pub fn adopt(&mut self, a: &Adoptable, now: Instant) -> Option<ConnId> {
         let id = self.conns.open(a.peer, false, now)?;
-        self.read(id, &a.replay, now);
-        self.conns.discard_output(id);
+        self.read(id, &a.registrations, now);
+        self.conns.truncate_output(id, 0);
         if !a.unsent.is_empty() {
             self.conns.send_bytes(id, &a.unsent, now);
         }
         self.handle_data(id, &a.unread, now);
         Some(id)
+    }
+
+    /// Replays the subscriptions of adopted association `id` without answering them: the pools
+    /// are whole by now, so the next push is a real change.
+    pub fn adopt_subscriptions(&mut self, id: ConnId, a: &Adoptable, now: Instant) {
+        let before = self.conns.output(id).len();
+        self.read(id, &a.subscriptions, now);
+        self.conns.truncate_output(id, before);
     }
 
     /// The next thing for the driver to do, in the order the core decided them.

@@ -71,6 +71,8 @@ pub struct Server {
     /// Associations taken over from a predecessor, adopted when the loop starts, and the
     /// predecessor to tell then.
     adopt: Vec<(crate::core::Adoptable, std::net::TcpStream)>,
+    /// The PEs of other registrars it held.
+    peer_pes: Vec<u8>,
     taken: Option<rserpool_handover::Taken>,
     /// Where a successor may take this registrar over.
     offer_at: Option<rserpool_handover::Address>,
@@ -147,10 +149,11 @@ impl Server {
                 enrp,
                 status,
                 conns,
+                peer_pes,
                 taken,
             }) => (
                 TcpListener::from_std(asap),
-                Some((server_id, enrp, status, conns, taken)),
+                Some((server_id, enrp, status, conns, peer_pes, taken)),
             ),
             None => (bind_asap(&cfg)?, None),
         };
@@ -165,8 +168,8 @@ impl Server {
             .map(|f| rserpool_tls::Tls::load(&f))
             .transpose()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        let (enrp, status, id, adopt, taken) = match inherited {
-            Some((server_id, enrp, status, conns, taken)) => {
+        let (enrp, status, id, adopt, peer_pes, taken) = match inherited {
+            Some((server_id, enrp, status, conns, peer_pes, taken)) => {
                 let enrp = enrp
                     .map(|(tcp, udp)| {
                         let (tcp, udp) = (
@@ -180,7 +183,7 @@ impl Server {
                     .map(|l| StatusListener::serve_on(TcpListener::from_std(l), poll.registry()))
                     .transpose()?;
                 cfg.server_id = server_id;
-                (enrp, status, server_id, conns, Some(taken))
+                (enrp, status, server_id, conns, peer_pes, Some(taken))
             }
             None => {
                 let enrp = Enrp::bind(&cfg, &poll)?;
@@ -190,7 +193,7 @@ impl Server {
                 } else {
                     random_server_id()
                 };
-                (enrp, status, id, Vec::new(), None)
+                (enrp, status, id, Vec::new(), Vec::new(), None)
             }
         };
         Ok(Self {
@@ -207,6 +210,7 @@ impl Server {
                 waker,
             },
             adopt,
+            peer_pes,
             taken,
             offer_at: None,
         })
@@ -320,16 +324,25 @@ impl Server {
             offer: None,
             handed: None,
         };
-        if !self.adopt.is_empty() {
-            let n = self.adopt.len();
+        if self.taken.is_some() {
+            // Other registrars' PEs, then the associations with their PEs, then the
+            // subscriptions: a pool user's next push is a change, never a pool half rebuilt.
+            let peers = ev.core.adopt_peer_pes(&self.peer_pes, ev.now());
+            let mut adopted = Vec::with_capacity(self.adopt.len());
             for (a, stream) in self.adopt {
                 let now = ev.now();
                 if let Some(id) = ev.core.adopt(&a, now) {
                     ev.add_sock(id, TcpStream::from_std(stream), None, false);
+                    adopted.push((id, a));
                 }
             }
+            for (id, a) in &adopted {
+                let now = ev.now();
+                ev.core.adopt_subscriptions(*id, a, now);
+            }
             info!(
-                "took over {n} associations and {} PEs",
+                "took over {} associations and {} PEs ({peers} of other registrars)",
+                adopted.len(),
                 ev.core.handlespace().len()
             );
         }
@@ -761,6 +774,7 @@ impl EventLoop {
             self.enrp.is_some(),
             self.status.is_some(),
             conns,
+            self.core.peer_pes(),
         )?;
         Ok((state, fds, ids))
     }

@@ -458,6 +458,31 @@ async fn an_upgraded_registrar_keeps_its_pes_in_the_cluster() {
         });
     }
 
+    // A pool user of the upgraded registrar resolves all along: every answer holds all PEs,
+    // those of the other registrars too.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let resolving = tokio::spawn({
+        let (stop, asap, ids) = (stop.clone(), cluster.nodes[2].asap, ids.clone());
+        async move {
+            let mut pu = PoolUser::new(PoolUserConfig {
+                registrars: vec![asap],
+                ..PoolUserConfig::default()
+            })
+            .unwrap();
+            let (mut whole, mut partial) = (0u64, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match pu.pool_elements(&PoolHandle::from(POOL)).await {
+                    Ok((_, pes)) if pes.iter().map(|p| p.id).collect::<BTreeSet<_>>() == ids => {
+                        whole += 1
+                    }
+                    Ok((_, pes)) => partial.push(pes.len().to_string()),
+                    Err(e) => partial.push(e.to_string()),
+                }
+            }
+            (whole, partial)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let mut old = cluster.nodes[2].proc.take().expect("running");
     cluster.start(2);
     let t0 = std::time::Instant::now();
@@ -477,6 +502,12 @@ async fn an_upgraded_registrar_keeps_its_pes_in_the_cluster() {
         consistent(&cluster, &all, &ids)
     })
     .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (whole, partial) = resolving.await.unwrap();
+    assert!(
+        partial.is_empty() && whole > 10,
+        "{whole} whole answers; not whole: {partial:?}"
+    );
     let st = registrar_status(cluster.nodes[2].status).await.unwrap();
     assert_eq!(
         st.server_id, upgraded.server_id,

@@ -64,6 +64,10 @@ pub struct ChaosArgs {
     pub markdown: Option<PathBuf>,
 }
 
+/// How long an upgrade's successor may take to serve: its first fetch of the pools (5 s at
+/// most) and the old process's answer (10 s at most).
+const UPGRADE_BOUND: Duration = Duration::from_secs(15);
+
 pub fn run(args: ChaosArgs, rserpool: &Path) -> Result<()> {
     if args.pes == 0 || args.clients == 0 || args.rps == 0 {
         bail!("--pes, --clients and --rps must be at least 1");
@@ -406,15 +410,27 @@ impl Soak {
                     Upgraded::Proxy => self.fleet.proxy,
                     Upgraded::Registrar(r) => self.fleet.registrars[*r],
                 };
+                // It may take a while: the new proxy fetches its pools first, maybe past a
+                // registrar whose link is cut in the same episode.
                 let log = self.fleet.log(m);
-                let handed =
-                    std::fs::read_to_string(&log).is_ok_and(|l| l.contains("; this one serves"));
+                let deadline = Instant::now() + UPGRADE_BOUND;
+                let handed = loop {
+                    if std::fs::read_to_string(&log).is_ok_and(|l| l.contains("; this one serves"))
+                    {
+                        break true;
+                    }
+                    if Instant::now() >= deadline {
+                        break false;
+                    }
+                    self.idle_until(Instant::now() + Duration::from_millis(100))?;
+                };
                 if handed {
                     self.record.upgrades_handed += 1;
                 } else {
                     let why = format!(
-                        "{} did not take over within the settle time; log {}",
+                        "{} did not take over within {} s; log {}",
                         self.fleet.members[m].name,
+                        UPGRADE_BOUND.as_secs(),
                         log.display()
                     );
                     println!("           {why}");

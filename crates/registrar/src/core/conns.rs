@@ -459,12 +459,16 @@ impl Conns {
         self.actions.push_back(action);
     }
 
-    /// Drops the output queued for `id` (the answers to a replay, [`Registrar::adopt`](super::Registrar::adopt)).
-    pub(super) fn discard_output(&mut self, id: ConnId) {
+    /// Drops what was queued for `id` past its first `len` bytes (the answers to a replay,
+    /// [`Registrar::adopt`](super::Registrar::adopt)).
+    pub(super) fn truncate_output(&mut self, id: ConnId, len: usize) {
         if let Some(c) = self.get_mut(id) {
-            c.out = Vec::new();
-            // The Transmit already queued finds nothing; the next output queues its own.
-            c.dirty = false;
+            c.out.truncate(len);
+            if c.out.is_empty() {
+                c.out = Vec::new();
+                // The Transmit already queued finds nothing; the next output queues its own.
+                c.dirty = false;
+            }
         }
     }
 

@@ -19,6 +19,8 @@ pub(super) struct State {
     pub(super) enrp: bool,
     pub(super) status: bool,
     pub(super) conns: Vec<Adoptable>,
+    /// The PEs other registrars are home for ([`crate::core::Registrar::peer_pes`]).
+    pub(super) peer_pes: Vec<u8>,
 }
 
 /// What a new registrar took over from a running one.
@@ -28,6 +30,7 @@ pub struct Inherited {
     pub(super) enrp: Option<(std::net::TcpListener, std::net::UdpSocket)>,
     pub(super) status: Option<std::net::TcpListener>,
     pub(super) conns: Vec<(Adoptable, std::net::TcpStream)>,
+    pub(super) peer_pes: Vec<u8>,
     /// Told once the new process serves.
     pub(super) taken: Taken,
 }
@@ -85,6 +88,7 @@ impl Inherited {
             enrp,
             status,
             conns,
+            peer_pes: state.peer_pes,
             taken,
         }))
     }
@@ -102,6 +106,7 @@ pub(super) fn state(
     enrp: bool,
     status: bool,
     conns: Vec<(Adoptable, OwnedFd)>,
+    peer_pes: Vec<u8>,
 ) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
     let mut fds = listeners;
     let mut adoptable = Vec::with_capacity(conns.len());
@@ -114,6 +119,7 @@ pub(super) fn state(
         enrp,
         status,
         conns: adoptable,
+        peer_pes,
     };
     Ok((serde_json::to_vec(&state).map_err(io::Error::other)?, fds))
 }
