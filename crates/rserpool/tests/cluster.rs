@@ -37,6 +37,20 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// Three registrars on loopback, none started.
+    fn on_loopback() -> Cluster {
+        let nodes = (0..3)
+            .map(|_| Node {
+                asap: SocketAddr::from(([127, 0, 0, 1], free_port())),
+                enrp: SocketAddr::from(([127, 0, 0, 1], free_port())),
+                status: SocketAddr::from(([127, 0, 0, 1], free_port())),
+                netns: None,
+                proc: None,
+            })
+            .collect();
+        Cluster { nodes }
+    }
+
     fn start(&mut self, i: usize) {
         let n = &self.nodes[i];
         let mut args: Vec<String> = vec![
@@ -201,6 +215,28 @@ fn start_pes(cluster: &Cluster, takeover_ip: IpAddr) -> Vec<PoolElement> {
         .collect()
 }
 
+/// Starts the three registrars, waits until they peer, then starts the PEs and waits until
+/// every registrar holds them all.
+async fn with_pes(cluster: &mut Cluster, takeover_ip: IpAddr) -> (Vec<PoolElement>, BTreeSet<u32>) {
+    for i in 0..3 {
+        cluster.start(i);
+    }
+    let all = [0, 1, 2];
+    let none = BTreeSet::new();
+    wait_for(Duration::from_secs(20), "three registrars peered", || {
+        consistent(cluster, &all, &none)
+    })
+    .await;
+    let pes = start_pes(cluster, takeover_ip);
+    let ids: BTreeSet<u32> = pes.iter().map(PoolElement::id).collect();
+    let t = wait_for(Duration::from_secs(30), "100 PEs everywhere", || {
+        consistent(cluster, &all, &ids)
+    })
+    .await;
+    eprintln!("{PES} PEs registered, replicated and resolvable at all 3 registrars in {t:?}");
+    (pes, ids)
+}
+
 /// The scenario: sync, a failure of registrar 2 by `fail`, takeover, restart by `revive`.
 async fn fail_and_recover(
     mut cluster: Cluster,
@@ -208,22 +244,8 @@ async fn fail_and_recover(
     fail: impl FnOnce(&mut Cluster),
     revive: impl FnOnce(&mut Cluster),
 ) {
-    for i in 0..3 {
-        cluster.start(i);
-    }
     let all = [0, 1, 2];
-    let none = BTreeSet::new();
-    wait_for(Duration::from_secs(20), "three registrars peered", || {
-        consistent(&cluster, &all, &none)
-    })
-    .await;
-    let pes = start_pes(&cluster, takeover_ip);
-    let ids: BTreeSet<u32> = pes.iter().map(PoolElement::id).collect();
-    let t = wait_for(Duration::from_secs(30), "100 PEs everywhere", || {
-        consistent(&cluster, &all, &ids)
-    })
-    .await;
-    eprintln!("{PES} PEs registered, replicated and resolvable at all 3 registrars in {t:?}");
+    let (pes, ids) = with_pes(&mut cluster, takeover_ip).await;
     let victim = registrar_status(cluster.nodes[2].status).await.unwrap();
     let owned = victim
         .pools
@@ -273,17 +295,8 @@ async fn fail_and_recover(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_registrars_pes_are_taken_over_and_it_resyncs_after_restart() {
-    let nodes = (0..3)
-        .map(|_| Node {
-            asap: SocketAddr::from(([127, 0, 0, 1], free_port())),
-            enrp: SocketAddr::from(([127, 0, 0, 1], free_port())),
-            status: SocketAddr::from(([127, 0, 0, 1], free_port())),
-            netns: None,
-            proc: None,
-        })
-        .collect();
     fail_and_recover(
-        Cluster { nodes },
+        Cluster::on_loopback(),
         IpAddr::from([127, 0, 0, 1]),
         |c| c.kill(2),
         |c| c.start(2),
@@ -404,31 +417,9 @@ async fn a_registrar_cut_off_in_a_namespace_is_taken_over() {
 /// its PEs, every PE kept its home and registered nowhere again, and all three registrars agree.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgraded_registrar_keeps_its_pes_in_the_cluster() {
-    let nodes = (0..3)
-        .map(|_| Node {
-            asap: SocketAddr::from(([127, 0, 0, 1], free_port())),
-            enrp: SocketAddr::from(([127, 0, 0, 1], free_port())),
-            status: SocketAddr::from(([127, 0, 0, 1], free_port())),
-            netns: None,
-            proc: None,
-        })
-        .collect();
-    let mut cluster = Cluster { nodes };
-    for i in 0..3 {
-        cluster.start(i);
-    }
+    let mut cluster = Cluster::on_loopback();
     let all = [0, 1, 2];
-    let none = BTreeSet::new();
-    wait_for(Duration::from_secs(20), "three registrars peered", || {
-        consistent(&cluster, &all, &none)
-    })
-    .await;
-    let pes = start_pes(&cluster, IpAddr::from([127, 0, 0, 1]));
-    let ids: BTreeSet<u32> = pes.iter().map(PoolElement::id).collect();
-    wait_for(Duration::from_secs(30), "100 PEs everywhere", || {
-        consistent(&cluster, &all, &ids)
-    })
-    .await;
+    let (pes, ids) = with_pes(&mut cluster, IpAddr::from([127, 0, 0, 1])).await;
     // Each PE's home, as registrar 0 holds it.
     let homes = |st: rserpool_registrar::Status| -> std::collections::BTreeMap<u32, u32> {
         st.pools
