@@ -469,6 +469,8 @@ async fn an_upgraded_registrar_keeps_its_pes_in_the_cluster() {
                     Ok((_, pes)) => partial.push(pes.len().to_string()),
                     Err(e) => partial.push(e.to_string()),
                 }
+                // Within the registrar's resolution rate limit for one association.
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
             (whole, partial)
         }
