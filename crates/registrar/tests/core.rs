@@ -482,6 +482,12 @@ fn unreachable_reports_are_checked_against_the_service() {
             r.handle_close(probe.0, at(41));
             assert_eq!(r.handlespace().len(), 1);
             assert_eq!(r.status(at(50)).counters.unreachable_refuted, 1);
+            // The refuted reports are forgotten: one more report does not probe again.
+            r.handle_data(pu, &report, at(60));
+            assert!(
+                !std::iter::from_fn(|| r.poll_action()).any(|a| matches!(a, Action::Probe(..))),
+                "a report after a refutation starts counting again"
+            );
         } else {
             r.handle_close(probe.0, at(40));
             assert_eq!(r.handlespace().len(), 0);

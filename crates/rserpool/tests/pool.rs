@@ -371,27 +371,32 @@ async fn unreachable_reports_about_a_pe_whose_service_answers_do_not_remove_it()
     live.wait_registered(Duration::from_secs(5)).await.unwrap();
     let h = PoolHandle::from("F");
     // Three reports from one pool user, then one from each of three.
+    let status = r.status_addr().unwrap();
+    let refuted = |n: u64| async move {
+        wait_for(
+            Duration::from_secs(5),
+            "the reports refuted",
+            || async move {
+                common::registrar_status(status)
+                    .await
+                    .is_some_and(|s| s.counters.unreachable_refuted >= n)
+            },
+        )
+        .await;
+    };
     let mut pu = pool_user(r.asap_addr(), None);
     for _ in 0..3 {
         pu.report_unreachable(&h, live.id()).await.unwrap();
     }
+    refuted(1).await;
+    // A refutation forgets the reports: three more are needed, here from three pool users.
     for _ in 0..3 {
         pool_user(r.asap_addr(), None)
             .report_unreachable(&h, live.id())
             .await
             .unwrap();
     }
-    let status = r.status_addr().unwrap();
-    wait_for(
-        Duration::from_secs(5),
-        "the reports refuted",
-        || async move {
-            common::registrar_status(status)
-                .await
-                .is_some_and(|s| s.counters.unreachable_refuted >= 2)
-        },
-    )
-    .await;
+    refuted(2).await;
     assert_eq!(resolve_ids(r.asap_addr(), "F", 3).await, vec![live.id()]);
     drop(service);
 }

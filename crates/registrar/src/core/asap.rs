@@ -689,7 +689,7 @@ impl Asap {
         let Some(r) = self.hs.find(p.pool.as_bytes(), p.pe_id) else {
             return;
         };
-        self.hs.heard(r, now.as_millis());
+        self.hs.touch(r, now.as_millis());
         self.counters.unreachable_refuted += 1;
         if self.event_log.allow(now) {
             warn!(
