@@ -102,6 +102,14 @@ impl<E> Outbox<E> {
         }
     }
 
+    /// Forgets a connection the driver gives away (open still, to another owner), without
+    /// closing it; returns its input not yet a whole message.
+    pub(crate) fn release(&mut self, id: ConnId) -> Option<Vec<u8>> {
+        self.framers
+            .remove(&id)
+            .map(|f| f.buffered_bytes().to_vec())
+    }
+
     /// Forgets a connection the driver reported closed; false if it was not open.
     pub(crate) fn closed(&mut self, id: ConnId) -> bool {
         self.framers.remove(&id).is_some()

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// What a connection's task reports.
 pub(crate) enum ConnEvent {
@@ -62,6 +62,8 @@ enum Out {
     Bytes(Vec<u8>),
     /// Close after the bytes before it.
     Close,
+    /// Stop after the bytes before it and give the connection back (plain TCP).
+    Release(oneshot::Sender<TcpStream>),
 }
 
 /// The connections of one core, its announce listener and its clock.
@@ -148,6 +150,31 @@ impl Conns {
         self.spawn(id, Target::Stream(stream));
     }
 
+    /// Takes connection `id` back from its task once the bytes sent before are written, with
+    /// what was read from it and not yet handed to the core (`Data` reports still queued).
+    /// `None` with TLS (a TLS session cannot move to another process) or when the connection
+    /// has ended.
+    pub(crate) async fn release(&mut self, id: ConnId) -> Option<(TcpStream, Vec<u8>)> {
+        if self.tls.is_some() {
+            return None;
+        }
+        let (tx, rx) = oneshot::channel();
+        self.out.get(&id)?.send(Out::Release(tx)).ok()?;
+        let stream = rx.await.ok()?;
+        self.out.remove(&id);
+        // The task has ended: all it read is queued. Other connections' reports are dropped:
+        // the core stops with the hand-over.
+        let mut unread = Vec::new();
+        while let Ok(e) = self.events.try_recv() {
+            if let ConnEvent::Data(c, data) = e
+                && c == id
+            {
+                unread.extend_from_slice(&data);
+            }
+        }
+        Some((stream, unread))
+    }
+
     /// The next report of a connection (cancel-safe).
     pub(crate) async fn next(&mut self) -> ConnEvent {
         loop {
@@ -203,7 +230,10 @@ async fn serve(
     let stream = match target {
         Target::Stream(s) => {
             let Some(tls) = tls else {
-                return relay(id, s, rx, events).await;
+                if let Some((s, back)) = relay(id, s, rx, events).await {
+                    let _ = back.send(s);
+                }
+                return;
             };
             // A registrar taking over: it must present a certificate from the CA.
             let peer = s.peer_addr().ok();
@@ -213,7 +243,11 @@ async fn serve(
                 _ = rx.recv() => return,
             };
             match r {
-                Ok(s) => return relay(id, s, rx, events).await,
+                Ok(s) => {
+                    // Never released (TLS): dropping the stream closes it.
+                    relay(id, s, rx, events).await;
+                    return;
+                }
                 Err(e) => {
                     tracing::warn!(
                         "TLS handshake with {} refused: {e}",
@@ -255,8 +289,14 @@ async fn serve(
         }
     };
     match stream {
-        Stream::Plain(s) => relay(id, s, rx, events).await,
-        Stream::Tls(s) => relay(id, *s, rx, events).await,
+        Stream::Plain(s) => {
+            if let Some((s, back)) = relay(id, s, rx, events).await {
+                let _ = back.send(s);
+            }
+        }
+        Stream::Tls(s) => {
+            relay(id, *s, rx, events).await;
+        }
     }
 }
 
@@ -265,13 +305,14 @@ enum Stream {
     Tls(Box<rserpool_tls::tokio_rustls::client::TlsStream<TcpStream>>),
 }
 
-/// Reads and writes a connection until either end closes.
-async fn relay<S: AsyncRead + AsyncWrite>(
+/// Reads and writes a connection until either end closes, or until it is to be released:
+/// then it returns the stream and where to send it.
+async fn relay<S: AsyncRead + AsyncWrite + Unpin>(
     id: ConnId,
     stream: S,
     mut rx: mpsc::UnboundedReceiver<Out>,
     events: mpsc::UnboundedSender<ConnEvent>,
-) {
+) -> Option<(S, oneshot::Sender<TcpStream>)> {
     let (mut rd, mut wr) = tokio::io::split(stream);
     let mut buf = vec![0u8; 8192];
     loop {
@@ -282,19 +323,26 @@ async fn relay<S: AsyncRead + AsyncWrite>(
                 }
                 _ => {
                     let _ = events.send(ConnEvent::Closed(id));
-                    return;
+                    return None;
                 }
             },
             m = rx.recv() => match m {
                 Some(Out::Bytes(b)) => {
                     if wr.write_all(&b).await.is_err() {
                         let _ = events.send(ConnEvent::Closed(id));
-                        return;
+                        return None;
                     }
+                }
+                Some(Out::Release(back)) => {
+                    if wr.flush().await.is_err() {
+                        let _ = events.send(ConnEvent::Closed(id));
+                        return None;
+                    }
+                    return Some((rd.unsplit(wr), back));
                 }
                 Some(Out::Close) | None => {
                     let _ = wr.shutdown().await;
-                    return;
+                    return None;
                 }
             },
         }

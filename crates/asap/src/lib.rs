@@ -24,7 +24,7 @@ pub mod session;
 pub mod share;
 
 pub use connection::AsapConnection;
-pub use core::pe::{PeCore, PeEvent};
+pub use core::pe::{HandedOver, PeCore, PeEvent};
 pub use core::pu::{Answer, PuCore, PuEvent, QueryId};
 pub use core::{Action, ConnId, Instant};
 pub use credit_source::{CreditGauge, CreditSource, InFlight, InFlightGuard, MetricSource};

@@ -7,16 +7,19 @@
 //! core's actions. [`PeUpdater`] passes the application's wishes (policy,
 //! activity) to the task.
 //!
-//! Dropping the [`PoolElement`] or calling [`PoolElement::stop`] deregisters.
+//! Dropping the [`PoolElement`] or calling [`PoolElement::stop`] deregisters;
+//! [`PoolElement::hand_over`] gives the registration to the process that replaces this one
+//! instead ([`PoolElement::from_hand_over`]), so that the PE stays in its pool across an
+//! upgrade.
 
 use crate::Error;
-use crate::core::pe::{PeCore, PeEvent};
+use crate::core::pe::{HandedOver, PeCore, PeEvent};
 use crate::driver::{Conns, sleep_until};
 use rserpool_wire::Policy;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, warn};
 
 pub use crate::core::pe::{PeState, PoolElementConfig};
@@ -34,7 +37,14 @@ pub struct PoolElement {
     updater: PeUpdater,
     state: watch::Receiver<PeState>,
     task: Option<tokio::task::JoinHandle<()>>,
+    hand_over: mpsc::UnboundedSender<HandOverAsk>,
 }
+
+/// The registration association as given away: its state and its socket.
+pub type Association = (HandedOver, std::net::TcpStream);
+
+/// Asks the driver for the association.
+type HandOverAsk = oneshot::Sender<Option<Association>>;
 
 /// A cloneable handle that changes a PE's policy information or activity from other tasks.
 #[derive(Clone)]
@@ -78,6 +88,20 @@ impl PeUpdater {
 impl PoolElement {
     /// Starts registering in the background (needs a tokio runtime).
     pub fn start(cfg: PoolElementConfig) -> std::io::Result<Self> {
+        Self::spawn(cfg, None)
+    }
+
+    /// Carries on with a registration association another process gave away with
+    /// [`hand_over`](Self::hand_over) (needs a tokio runtime): the PE of `cfg` with the
+    /// identifier of `association`, registered all along.
+    pub fn from_hand_over(
+        cfg: PoolElementConfig,
+        association: Association,
+    ) -> std::io::Result<Self> {
+        Self::spawn(cfg, Some(association))
+    }
+
+    fn spawn(cfg: PoolElementConfig, handed: Option<Association>) -> std::io::Result<Self> {
         let takeover = cfg
             .takeover_listen
             .map(|a| towards_registrars(a, &cfg.registrars));
@@ -95,8 +119,24 @@ impl PoolElement {
             policy: cfg.policy.clone(),
             stop: false,
         };
-        let core = PeCore::new(cfg, asap_transport, crate::os_seeded_rng(), conns.now());
+        let mut conns = conns;
+        let rng = crate::os_seeded_rng();
+        let core = match handed {
+            None => PeCore::new(cfg, asap_transport, rng, conns.now()),
+            Some((h, stream)) => {
+                stream.set_nonblocking(true)?;
+                let stream = tokio::net::TcpStream::from_std(stream)?;
+                let now = conns.now();
+                let (mut core, conn) = PeCore::from_hand_over(cfg, asap_transport, rng, &h, now);
+                conns.adopt(conn, stream);
+                if !h.unread.is_empty() {
+                    core.handle_data(conn, &h.unread, now);
+                }
+                core
+            }
+        };
         let id = core.id();
+        let (hand_over, asks) = mpsc::unbounded_channel();
         let (desired_tx, desired_rx) = watch::channel(desired);
         let (state_tx, state_rx) = watch::channel(core.state().clone());
         let task = tokio::spawn(
@@ -105,6 +145,7 @@ impl PoolElement {
                 conns,
                 desired: desired_rx,
                 state: state_tx,
+                asks,
             }
             .run(listener),
         );
@@ -115,7 +156,18 @@ impl PoolElement {
             },
             state: state_rx,
             task: Some(task),
+            hand_over,
         })
+    }
+
+    /// Gives the registration association away, for the process that replaces this one
+    /// ([`from_hand_over`](Self::from_hand_over)): the PE stops here without deregistering.
+    /// `None` (and the PE carries on) unless it is registered over plain TCP: a TLS session
+    /// cannot move to another process, so with TLS the successor registers anew.
+    pub async fn hand_over(&self) -> Option<Association> {
+        let (tx, rx) = oneshot::channel();
+        self.hand_over.send(tx).ok()?;
+        rx.await.ok().flatten()
     }
 
     pub fn id(&self) -> u32 {
@@ -238,6 +290,7 @@ struct Driver {
     conns: Conns,
     desired: watch::Receiver<Desired>,
     state: watch::Sender<PeState>,
+    asks: mpsc::UnboundedReceiver<HandOverAsk>,
 }
 
 impl Driver {
@@ -274,8 +327,27 @@ impl Driver {
                     let now = self.now();
                     self.core.handle_timeout(now);
                 }
+                Some(ask) = self.asks.recv() => {
+                    let _ = ask.send(self.hand_over().await);
+                }
             }
         }
+    }
+
+    /// Takes the registration association back from its task and gives it away with the
+    /// core's state (see [`PeCore::hand_over`]).
+    async fn hand_over(&mut self) -> Option<Association> {
+        let conn = self.core.registered_conn()?;
+        // Released first: the core acts on nothing meanwhile, so all it sent is written and
+        // all that was read and not yet handed to it comes back as `unread`.
+        let (stream, more) = self.conns.release(conn).await?;
+        let (_, mut h) = self.core.hand_over()?;
+        h.unread.extend_from_slice(&more);
+        self.carry_out();
+        let stream = stream.into_std().ok()?;
+        // Blocking again, as a descriptor passed to another process is expected to be.
+        stream.set_nonblocking(false).ok()?;
+        Some((h, stream))
     }
 
     fn now(&mut self) -> rserpool_wire::Instant {

@@ -273,3 +273,61 @@ fn backoff_doubles_with_jitter_and_replays_from_its_seed() {
         base = (base * 2).min(Duration::from_secs(10));
     }
 }
+
+/// Hand-over (an upgrade): the old core gives its association away without deregistering or
+/// closing it, with the half message it read; the new core carries on over it, registers
+/// again at once and reads the rest of that message.
+#[test]
+fn a_handed_over_association_carries_on_in_the_next_core() {
+    let reg = addr(1, 3863);
+    let (mut old, c) = registered(reg);
+    let ka = keep_alive(0x1001, false, old.id());
+    old.handle_data(c, &ka[..5], at(40));
+    assert!(actions(&mut old).is_empty());
+    let (given, h) = old.hand_over().expect("registered: handed over");
+    assert_eq!(given, c);
+    assert_eq!((h.id, h.registrar, h.home), (old.id(), reg, 0x1001));
+    assert_eq!(h.unread, ka[..5]);
+    let a = actions(&mut old);
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::Close(x) if *x == c)),
+        "the association is not closed: {a:?}"
+    );
+    assert!(sent(&a, c).is_empty(), "no deregistration: {a:?}");
+    assert!(old.is_stopped());
+    assert!(old.hand_over().is_none(), "given away once");
+
+    let cfg = PoolElementConfig::new(POOL, addr(9, 80), Policy::LeastUsed { load: 0 });
+    let rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
+    let (mut new, nc) = PeCore::from_hand_over(cfg, Some(addr(9, 7001)), Box::new(rng), &h, at(50));
+    assert_eq!(new.id(), h.id);
+    assert_eq!(
+        new.state(),
+        &PeState::Registered {
+            registrar: reg,
+            home: 0x1001
+        }
+    );
+    new.handle_data(nc, &h.unread, at(50));
+    new.handle_data(nc, &ka[5..], at(51));
+    let sent_new = sent(&actions(&mut new), nc);
+    assert!(is_registration(&sent_new[0]), "{sent_new:?}");
+    assert!(sent_new[1..].iter().any(is_ack), "{sent_new:?}");
+    // Its stop deregisters as usual.
+    new.handle_data(nc, &accepted(h.id), at(60));
+    new.stop(at(70));
+    assert!(
+        sent(&actions(&mut new), nc)
+            .iter()
+            .any(|m| matches!(m, AsapMessage::Deregistration { .. }))
+    );
+}
+
+#[test]
+fn only_a_registered_pe_hands_over() {
+    let mut p = pe(vec![addr(1, 3863)], 3);
+    let (c, _) = connect(&actions(&mut p));
+    p.handle_connected(c, at(10));
+    assert!(p.hand_over().is_none(), "registering, not registered");
+    assert!(!p.is_stopped());
+}

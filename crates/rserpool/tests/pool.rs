@@ -861,3 +861,81 @@ async fn serve_drains_and_undrains_by_its_control_socket() {
     assert_eq!(agent_says().await, "up ready 100%\n");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// An upgrade of the process running a PE: the association is handed over, not closed, so the
+/// registrar sees the PE registered once, over one association, and never without it — five
+/// times in a row, with keep-alives every 300 ms.
+#[tokio::test]
+async fn a_pe_handed_over_stays_registered_over_one_association() {
+    let r = registrar(fast_config());
+    let cfg = pe_config(r.asap_addr(), "H", 7600, Policy::LeastUsed { load: 0 });
+    let mut current = PoolElement::start(cfg.clone()).unwrap();
+    current
+        .wait_registered(Duration::from_secs(5))
+        .await
+        .unwrap();
+    let id = current.id();
+    let reg = r.asap_addr();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let missing = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let (mut checked, mut missing) = (0, 0);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                checked += 1;
+                if resolve_ids(reg, "H", 3).await != vec![id] {
+                    missing += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            (checked, missing)
+        })
+    };
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let association = current.hand_over().await.expect("registered: handed over");
+        assert_eq!(association.0.id, id);
+        // The old one goes without deregistering; the next starts a moment later.
+        drop(current);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        current = PoolElement::from_hand_over(cfg.clone(), association).unwrap();
+        assert_eq!(current.id(), id);
+        current
+            .wait_registered(Duration::from_secs(5))
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (checked, missing) = missing.await.unwrap();
+    assert!(checked > 50, "{checked} resolutions");
+    assert_eq!(
+        missing, 0,
+        "{missing} of {checked} resolutions without the PE"
+    );
+    let s = common::registrar_status(r.status_addr().unwrap())
+        .await
+        .unwrap()
+        .counters;
+    assert_eq!(s.registrations, 1, "registered anew");
+    assert!(
+        s.reregistrations >= 5,
+        "{} re-registrations",
+        s.reregistrations
+    );
+    assert!(
+        s.keep_alive_acks >= 5,
+        "{} keep-alive acks",
+        s.keep_alive_acks
+    );
+    assert_eq!(
+        s.removed_keep_alive_timeout + s.removed_connection_closed + s.removed_lifetime_expired,
+        0
+    );
+    // The last one deregisters as usual.
+    current.stop().await;
+    wait_for(Duration::from_secs(2), "the deregistration", || async {
+        resolve_ids(reg, "H", 3).await.is_empty()
+    })
+    .await;
+}

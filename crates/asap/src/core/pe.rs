@@ -27,6 +27,12 @@
 //! again once one is reachable.
 //!
 //! [`PeCore::stop`] and [`PeCore::set_active`]`(false)` deregister.
+//!
+//! Hand-over (an upgrade of the process that runs the PE): [`PeCore::hand_over`] gives the
+//! registration association away without deregistering, and the next process carries on over
+//! it with [`PeCore::from_hand_over`]. The registrar sees one association throughout, so the
+//! PE never leaves its pool; the successor registers again at once, which also answers for a
+//! keep-alive the old process read but did not acknowledge.
 
 use super::{Action, ConnId, Instant, Outbox, earliest, jitter, nonzero_u32};
 use crate::registrars::RegistrarSet;
@@ -128,6 +134,20 @@ pub enum PeEvent {
     LostHome { registrar: SocketAddr },
 }
 
+/// A registration association given to the process that replaces this one
+/// ([`PeCore::hand_over`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandedOver {
+    /// The PE identifier.
+    pub id: u32,
+    /// The registrar at the other end, and its Server Identifier (the PE's home).
+    pub registrar: SocketAddr,
+    pub home: u32,
+    /// What was read from the association and is not a whole message yet: the successor reads
+    /// it first.
+    pub unread: Vec<u8>,
+}
+
 /// One association with a registrar, from registration (or takeover) to failure or stop.
 #[derive(Debug)]
 struct Session {
@@ -214,11 +234,94 @@ impl PeCore {
     pub fn new(
         cfg: PoolElementConfig,
         asap_transport: Option<SocketAddr>,
-        mut rng: Box<dyn RngCore + Send>,
+        rng: Box<dyn RngCore + Send>,
         now: Instant,
     ) -> Self {
+        let mut core = Self::idle_core(cfg, asap_transport, rng);
+        if core.active {
+            core.attempt(now);
+        } else {
+            core.set_state(PeState::Inactive);
+        }
+        core
+    }
+
+    /// The PE of `cfg` carrying on over a registration association another process handed
+    /// over ([`hand_over`](Self::hand_over)); the identifier is `h.id`, whatever `cfg` says.
+    /// The driver serves the association as the returned connection and hands the core
+    /// `h.unread` as its first data. A registration is sent at once.
+    pub fn from_hand_over(
+        mut cfg: PoolElementConfig,
+        asap_transport: Option<SocketAddr>,
+        rng: Box<dyn RngCore + Send>,
+        h: &HandedOver,
+        now: Instant,
+    ) -> (Self, ConnId) {
+        cfg.id = Some(h.id);
+        cfg.initially_active = true;
+        let mut core = Self::idle_core(cfg, asap_transport, rng);
+        let conn = core.out.open();
+        core.start_session(conn, h.registrar, Some((h.home, true)), now);
+        if let Phase::Session(s) = &mut core.phase {
+            // This PE opened the association (in the process before), no registrar taking over.
+            s.adopted = false;
+        }
+        info!(
+            "PE {:#010x}: carrying on in pool {} over the association with {} handed over",
+            core.id, core.cfg.pool_handle, h.registrar
+        );
+        (core, conn)
+    }
+
+    /// The association the PE is registered over, if any (the one [`hand_over`](Self::hand_over)
+    /// would give away).
+    pub fn registered_conn(&self) -> Option<ConnId> {
+        match &self.phase {
+            Phase::Session(s) if s.registered => Some(s.conn),
+            _ => None,
+        }
+    }
+
+    /// Gives the registration association away, for a process that replaces this one
+    /// ([`from_hand_over`](Self::from_hand_over)): the core forgets it without
+    /// deregistering or closing it, closes every other connection and stops. `None` (and
+    /// nothing changes) unless registered. The caller must have read everything the driver
+    /// received on the association into the core, or pass it on after `unread`.
+    pub fn hand_over(&mut self) -> Option<(ConnId, HandedOver)> {
+        let Phase::Session(s) = &self.phase else {
+            return None;
+        };
+        if !s.registered {
+            return None;
+        }
+        let (conn, registrar, home) = (s.conn, s.addr, s.home);
+        let unread = self.out.release(conn)?;
+        self.stop = true;
+        // Stopped, as after a deregistration, but the PE stays registered.
+        self.idle();
+        info!(
+            "PE {:#010x}: association with {registrar} handed over; still registered",
+            self.id
+        );
+        Some((
+            conn,
+            HandedOver {
+                id: self.id,
+                registrar,
+                home,
+                unread,
+            },
+        ))
+    }
+
+    /// A core with nothing under way yet.
+    fn idle_core(
+        cfg: PoolElementConfig,
+        asap_transport: Option<SocketAddr>,
+        mut rng: Box<dyn RngCore + Send>,
+    ) -> Self {
         let id = cfg.id.unwrap_or_else(|| nonzero_u32(&mut *rng));
-        let mut core = Self {
+        Self {
             id,
             asap_transport,
             rng,
@@ -236,13 +339,7 @@ impl PeCore {
             offers: BTreeMap::new(),
             claim: None,
             cfg,
-        };
-        if core.active {
-            core.attempt(now);
-        } else {
-            core.set_state(PeState::Inactive);
         }
-        core
     }
 
     pub fn id(&self) -> u32 {
