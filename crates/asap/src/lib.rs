@@ -29,7 +29,7 @@ pub use core::pu::{Answer, PuCore, PuEvent, QueryId};
 pub use core::{Action, ConnId, Instant};
 pub use credit_source::{CreditGauge, CreditSource, InFlight, InFlightGuard, MetricSource};
 pub use credits::{CreditConfig, CreditReporter, Metric, Reporting};
-pub use pool_element::{PeState, PeUpdater, PoolElement, PoolElementConfig};
+pub use pool_element::{Association, PeState, PeUpdater, PoolElement, PoolElementConfig};
 pub use pool_user::{PoolUser, PoolUserConfig, Resolution};
 pub use registrars::{AnnounceListener, RegistrarSet};
 

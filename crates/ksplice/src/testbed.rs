@@ -17,6 +17,42 @@ pub fn skip(why: &str) -> bool {
     true
 }
 
+/// A bpffs of the test's own, mounted outside /sys: `ip netns exec` gives each process a /sys
+/// of its own, where a bpffs mounted by one proxy is not seen by the next, so a process that
+/// takes over from another (an upgrade) would not find the pinned maps. (A service manager's
+/// /sys/fs/bpf is shared by all its processes.) Unmounted, with its pins, when dropped.
+pub struct SharedBpffs(pub PathBuf);
+
+impl SharedBpffs {
+    /// A bpffs at /run/`name`-PID. `None` (the test is skipped) without root, except under
+    /// `CI`, where that fails.
+    pub fn mount(name: &str) -> Option<SharedBpffs> {
+        let dir = PathBuf::from(format!("/run/{name}-{}", std::process::id()));
+        let ok = std::fs::create_dir_all(&dir).is_ok()
+            && Command::new("mount")
+                .args(["-t", "bpf", "bpf"])
+                .arg(&dir)
+                .status()
+                .is_ok_and(|s| s.success());
+        if !ok {
+            skip(&format!(
+                "cannot mount a bpffs at {} (needs root)",
+                dir.display()
+            ));
+            let _ = std::fs::remove_dir(&dir);
+            return None;
+        }
+        Some(SharedBpffs(dir))
+    }
+}
+
+impl Drop for SharedBpffs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
 /// Runs `ip` with `args`; panics when it fails.
 pub fn ip(args: &str) {
     let ok = Command::new("ip")
@@ -292,8 +328,10 @@ pub struct TierNet {
     pub router: String,
     pub proxies: Vec<String>,
     pub servers: Vec<String>,
-    /// Where each proxy pins its datapath's maps (one directory per proxy).
+    /// Where each proxy pins its datapath's maps (one directory per proxy, on `bpffs`, so
+    /// that a proxy's successor finds them).
     pub pins: Vec<PathBuf>,
+    pub bpffs: SharedBpffs,
 }
 
 pub const TIER_VIP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 88, 9, 1);
@@ -403,16 +441,7 @@ impl TierNet {
 
     /// How many members nexthop group `id` of the router has (0: none, or no group yet).
     pub fn group_members(&self, id: u32) -> usize {
-        let out = Command::new("ip")
-            .args(["-n", &self.router, "nexthop", "show", "id", &id.to_string()])
-            .output();
-        let text = out
-            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
-            .unwrap_or_default();
-        text.split_whitespace()
-            .skip_while(|w| *w != "group")
-            .nth(1)
-            .map_or(0, |g| g.split('/').count())
+        group_members(&self.router, id)
     }
 
     /// Cuts proxy `i` (1-based) off: its interface goes down (as a dead host's would).
@@ -462,6 +491,20 @@ impl TierNet {
     }
 }
 
+/// Members of nexthop group `id` in namespace `router` (0 when there is none).
+pub fn group_members(router: &str, id: u32) -> usize {
+    let out = Command::new("ip")
+        .args(["-n", router, "nexthop", "show", "id", &id.to_string()])
+        .output();
+    let text = out
+        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+        .unwrap_or_default();
+    text.split_whitespace()
+        .skip_while(|w| *w != "group")
+        .nth(1)
+        .map_or(0, |g| g.split('/').count())
+}
+
 /// Builds a [`TierNet`] of `proxies` proxies and `servers` servers. `None`: skipped (not root,
 /// or no datapath in this build).
 pub fn tier_topology(proxies: usize, servers: usize) -> Option<TierNet> {
@@ -473,8 +516,9 @@ pub fn tier_topology(proxies: usize, servers: usize) -> Option<TierNet> {
     let mut all = vec![client.clone(), router.clone()];
     all.extend(px.iter().cloned());
     all.extend(sv.iter().cloned());
+    let bpffs = SharedBpffs::mount(&format!("rserpool-tier-{tag}"))?;
     let pins: Vec<PathBuf> = (1..=proxies)
-        .map(|i| PathBuf::from(format!("/sys/fs/bpf/rserpool-tier-{tag}-p{i}")))
+        .map(|i| bpffs.0.join(format!("p{i}")))
         .collect();
     let net = TierNet {
         ns: Netns(
@@ -486,6 +530,7 @@ pub fn tier_topology(proxies: usize, servers: usize) -> Option<TierNet> {
         proxies: px.clone(),
         servers: sv.clone(),
         pins,
+        bpffs,
     };
     for n in &all {
         ip(&format!("netns add {n}"));

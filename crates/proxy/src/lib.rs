@@ -133,6 +133,14 @@ impl Proxy {
                     "[registrar-tls]: {e}"
                 )))
             })?;
+        // A tier member's registration carries on at once: the registrar waits on it.
+        if let (Some(taken), Some(t)) = (inherited.tier.as_mut(), &cfg.tier) {
+            let access = tier::RegistrarAccess {
+                addrs: cfg.registrars.clone(),
+                tls: registrar_tls.clone(),
+            };
+            tier::carry_on(taken, t, &access);
+        }
         let pools = balance::discovery::start(PoolSettings {
             registrar_tls,
             registrars: cfg.registrars.clone(),
@@ -180,7 +188,9 @@ impl Proxy {
             warn!("proxy: starting with pools not fetched yet (is a registrar reachable?)");
         }
         if let Some(t) = &cfg.tier {
-            proxy.join_tier(t.clone(), &cfg).await?;
+            proxy
+                .join_tier(t.clone(), &cfg, inherited.tier.take())
+                .await?;
         }
         for l in &cfg.listeners {
             let taken = inherited.listeners.remove(&l.listen);
@@ -245,7 +255,7 @@ impl Proxy {
     /// The listening sockets for a successor (second descriptors; this proxy keeps
     /// accepting on them until [`stop_accepting`](Self::stop_accepting)) and the state that
     /// names them ([`handover::Inherited::from_taken`] reads it).
-    pub fn handover_sockets(&self) -> std::io::Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> {
+    pub async fn handover_sockets(&self) -> std::io::Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> {
         let mut state = handover::State::default();
         let mut fds = Vec::new();
         for (configured, l) in self.listeners().iter() {
@@ -256,12 +266,62 @@ impl Proxy {
             fds.push(rserpool_handover::dup(std::os::fd::AsFd::as_fd(&s.socket))?);
             state.status = Some(s.configured);
         }
+        if let Some(t) = self.tier() {
+            let (tier, more) = t.hand_over().await?;
+            state.tier = Some(tier);
+            fds.extend(more);
+        }
         let state = serde_json::to_vec(&state).map_err(std::io::Error::other)?;
         Ok((state, fds))
     }
 
+    /// A successor given [`handover_sockets`](Self::handover_sockets) failed: what cannot be
+    /// shared (a tier member's registration) comes back.
+    pub fn handover_failed(&self) {
+        if let Some(t) = self.tier() {
+            t.resume();
+        }
+    }
+
+    /// A successor serves in this proxy's place: it stops accepting
+    /// ([`stop_accepting`](Self::stop_accepting)) and leaves the tier membership to the
+    /// successor; it drains next.
+    pub fn handed_over(&self) {
+        self.stop_accepting();
+        let tier = self
+            .inner
+            .tier
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(t) = tier {
+            t.retire();
+        }
+    }
+
+    fn tier(&self) -> Option<Arc<tier::Tier>> {
+        self.inner
+            .tier
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// How a tier member reaches the registrars.
+    fn registrar_access(&self, cfg: &ProxyConfig) -> tier::RegistrarAccess {
+        tier::RegistrarAccess {
+            addrs: cfg.registrars.clone(),
+            tls: self.inner.pools.settings.registrar_tls.clone(),
+        }
+    }
+
     /// Joins the proxy tier of `[tier]`: needs the kernel splice.
-    async fn join_tier(&self, t: config::TierConfig, cfg: &ProxyConfig) -> Result<(), StartError> {
+    async fn join_tier(
+        &self,
+        t: config::TierConfig,
+        cfg: &ProxyConfig,
+        taken: Option<tier::TakenMember>,
+    ) -> Result<(), StartError> {
         let Some(ks) = self.kernel() else {
             return Err(StartError::Config(config::ConfigError::Invalid(
                 "[tier] needs the kernel splice (a listener with splice = \"kernel\", loaded)"
@@ -275,11 +335,8 @@ impl Proxy {
             .unwrap_or_default();
         let (conns, max) = (self.inner.conns.clone(), self.inner.max_conns.max(1));
         let free = Box::new(move || conns.available_permits() as f64 / max as f64);
-        let registrars = tier::RegistrarAccess {
-            addrs: cfg.registrars.clone(),
-            tls: self.inner.pools.settings.registrar_tls.clone(),
-        };
-        let joined = tier::Tier::start(t, registrars, ks.clone(), &interface, free)
+        let registrars = self.registrar_access(cfg);
+        let joined = tier::Tier::start(t, registrars, ks.clone(), &interface, free, taken)
             .await
             .map_err(|e| StartError::Config(config::ConfigError::Invalid(e)))?;
         let joined_dyn: Arc<dyn l4::kernel::TierShare> = joined.clone();

@@ -12,7 +12,7 @@ mod common;
 
 use common::KillOnDrop;
 use rserpool_ksplice::testbed::{
-    Netns, assert_outlived, assert_pattern, in_ns, patterned, send_and_read, topology,
+    Netns, SharedBpffs, assert_outlived, assert_pattern, in_ns, patterned, send_and_read, topology,
 };
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
@@ -288,45 +288,9 @@ fn spliced_connections_outlive_a_killed_proxy() {
 /// started with the same configuration takes the listeners over and loads the datapath again
 /// (its filter replaced in place, the pinned flow table kept); the old one exits. Every
 /// transfer completes byte-exact, and the new process hands new connections to the kernel.
-/// A bpffs of the test's own, mounted outside /sys: `ip netns exec` gives each process a
-/// /sys of its own, where a bpffs mounted by one proxy is not seen by the next. (A service
-/// manager's /sys/fs/bpf is shared by all its processes.)
-struct SharedBpffs(std::path::PathBuf);
-
-impl SharedBpffs {
-    /// `None` (the test is skipped) without root, except under `CI`, where that fails.
-    fn mount() -> Option<SharedBpffs> {
-        let dir = std::path::PathBuf::from(format!("/run/rserpool-ksplice-{}", std::process::id()));
-        let ok = std::fs::create_dir_all(&dir).is_ok()
-            && Command::new("mount")
-                .args(["-t", "bpf", "bpf"])
-                .arg(&dir)
-                .status()
-                .is_ok_and(|s| s.success());
-        if !ok {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "cannot mount a bpffs at {}",
-                dir.display()
-            );
-            eprintln!("skipped: cannot mount a bpffs (needs root)");
-            return None;
-        }
-        Some(SharedBpffs(dir))
-    }
-}
-
-impl Drop for SharedBpffs {
-    fn drop(&mut self) {
-        let _ = rserpool_ksplice::Datapath::remove_all(&[], &self.0.join("pins"));
-        let _ = Command::new("umount").arg(&self.0).status();
-        let _ = std::fs::remove_dir(&self.0);
-    }
-}
-
 #[test]
 fn spliced_connections_outlive_an_upgrade_and_the_new_process_splices() {
-    let Some(bpffs) = SharedBpffs::mount() else {
+    let Some(bpffs) = SharedBpffs::mount("rserpool-ksplice") else {
         return;
     };
     let Some(mut setup) = setup_with("kernel", "", Some(&bpffs.0.join("pins"))) else {

@@ -11,7 +11,7 @@
 mod common;
 
 use common::KillOnDrop;
-use rserpool_ksplice::testbed::{TIER_VIP, TierNet, in_ns, tier_topology};
+use rserpool_ksplice::testbed::{TIER_VIP, TierNet, group_members, in_ns, tier_topology};
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
 use std::process::{Command, Stdio};
@@ -658,5 +658,106 @@ fn with_a_split_splice_a_server_answers_directly_and_a_proxy_kill_breaks_no_down
     assert!(
         r2 > 0.25,
         "server 2's answers did not go through proxy 2 ({r2:.2} of them)"
+    );
+}
+
+/// An upgrade of a tier member (docs/OPERATIONS.md): a second proxy started with proxy 1's
+/// configuration takes its listeners, its tier sockets and its registration in the tier pool;
+/// the old one exits. The member never leaves the tier (the distributor's group keeps both
+/// proxies all along, the member keeps its identifier, proxy 2 nudges nobody), 20 spliced
+/// downloads through both proxies finish intact, and the new process links to proxy 2 and
+/// takes new connections.
+#[test]
+fn a_tier_member_upgrades_and_stays_a_member() {
+    let Some(mut t) = Tier::start(2, 2) else {
+        return;
+    };
+    t.wait_ready(2, Duration::from_secs(30));
+    let member = t.status(1).unwrap()["tier"]["member"].clone();
+    assert!(member.is_string(), "{member}");
+    const N: usize = 20;
+    const LEN: usize = 30_000_000;
+    let base = t.handed();
+    let got = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let downloads: Vec<_> = (0..N)
+        .map(|_| download(&t.net.client, LEN, got.clone(), Duration::from_millis(20)))
+        .collect();
+    while t.handed() - base < N as u64 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{} of {N} downloads handed to the kernel",
+            t.handed() - base
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The group, watched all through the upgrade.
+    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let smallest = {
+        let (watching, router) = (watching.clone(), t.net.router.clone());
+        std::thread::spawn(move || {
+            let mut least = usize::MAX;
+            while watching.load(Ordering::Relaxed) {
+                least = least.min(group_members(&router, TierNet::GROUP));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            least
+        })
+    };
+    let config = t.dir.join("proxy1.toml");
+    let next = spawn_in(
+        &t.net.proxies[0],
+        &strings(&["proxy", "--config", config.to_str().unwrap()]),
+    );
+    let mut old = t.proxies[0].replace(next).unwrap();
+    let t0 = Instant::now();
+    while old.0.try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the old proxy 1 did not hand over and exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let upgraded = Instant::now();
+    eprintln!("proxy 1 upgraded in {:?}", upgraded - t0);
+    t.wait_ready(2, Duration::from_secs(30));
+    let done: Vec<(String, Instant)> = downloads.into_iter().map(|d| d.join().unwrap()).collect();
+    watching.store(false, Ordering::Relaxed);
+    assert_eq!(
+        smallest.join().unwrap(),
+        2,
+        "a proxy left the distributor's group during the upgrade"
+    );
+    assert!(
+        done.iter().any(|(_, at)| *at > upgraded),
+        "every download ended before the upgrade: the test proved nothing"
+    );
+    let broken: Vec<&String> = done.iter().map(|(a, _)| a).filter(|a| *a != "ok").collect();
+    assert!(
+        broken.is_empty(),
+        "{} of {N} downloads broken: {broken:?}",
+        broken.len()
+    );
+    assert_eq!(t.status(1).unwrap()["tier"]["member"], member);
+    assert_eq!(
+        t.number(2, &["tier", "nudges"]),
+        0,
+        "proxy 2 took proxy 1 for dead"
+    );
+    // The new process takes new connections (the router hashes about half to it).
+    let taken = |t: &Tier| {
+        t.number(1, &["kernel_splice", "handed_over"])
+            + t.number(1, &["kernel_splice", "user_space"])
+    };
+    let before = taken(&t);
+    for _ in 0..40 {
+        assert!(
+            get_through(&t.net.client).is_some(),
+            "a GET through the tier failed"
+        );
+    }
+    assert!(
+        taken(&t) > before,
+        "the new proxy 1 took none of 40 new connections"
     );
 }

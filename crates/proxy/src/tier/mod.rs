@@ -14,23 +14,30 @@
 //!
 //! A partition: both sides go on carrying what they have; splices made meanwhile reach the
 //! other side when the link is back (a member that links sends everything it knows).
+//!
+//! An upgrade ([`handover`]): the member gives its tier sockets and its registration to the
+//! process that replaces it, and retires once that one serves; it stays a member throughout.
 
+mod handover;
 pub mod split;
 use crate::config::TierConfig;
+use crate::ctx::until_set;
 use crate::l4::kernel::KernelSplice;
 use bytes::Bytes;
-use rserpool_asap::{PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
+pub(crate) use handover::{Registration, TakenMember, TierState};
+use rserpool_asap::{Association, PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
 use rserpool_ksplice::Error as DatapathError;
 use rserpool_ksplice::{Splice, SpliceState, TierMember};
 use rserpool_tier::member::{Action, Counters, LinkId, TableEntry};
 use rserpool_tier::{Hello, Instant, MemberCore, Message};
 use std::collections::{BTreeMap, HashMap};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, watch};
 use tracing::{debug, info, warn};
 
 /// The pool the servers of split splices register in: the tier's, with `.split`.
@@ -173,6 +180,45 @@ pub(crate) struct Tier {
     this: Weak<Tier>,
     /// The free fraction of this proxy's capacity (the workload factor), 0..=1.
     free: Box<dyn Fn() -> f64 + Send + Sync>,
+    /// The registration in the tier pool (replaced when a failed hand-over gives it back).
+    pe: Mutex<Arc<PoolElement>>,
+    registrars: RegistrarAccess,
+    register_in: String,
+    /// Second descriptors of the TCP listener and the UDP socket, for a successor.
+    sockets: [OwnedFd; 2],
+    /// The registration association given to a successor, until it serves.
+    given: Mutex<Option<Association>>,
+    /// Set once a successor serves: every task of the membership ends.
+    retired: watch::Sender<bool>,
+}
+
+/// The pool element a member registers as: its tier address as the transport, its load as
+/// the policy's.
+pub(crate) fn member_pe_config(
+    cfg: &TierConfig,
+    register_in: &str,
+    registrars: &RegistrarAccess,
+) -> PoolElementConfig {
+    let mut pe_cfg = PoolElementConfig::new(
+        register_in,
+        cfg.listen,
+        rserpool_wire::Policy::LeastUsed { load: 0 },
+    );
+    pe_cfg.registrars = registrars.addrs.clone();
+    pe_cfg.tls = registrars.tls.clone();
+    pe_cfg
+}
+
+/// Carries on over the registration taken from the process before, at once: the registrar's
+/// keep-alives wait on it meanwhile.
+pub(crate) fn carry_on(taken: &mut TakenMember, cfg: &TierConfig, registrars: &RegistrarAccess) {
+    let Some(a) = taken.registration.take() else {
+        return;
+    };
+    match PoolElement::from_hand_over(member_pe_config(cfg, &cfg.pool, registrars), a) {
+        Ok(pe) => taken.pe = Some(pe),
+        Err(e) => warn!("proxy: tier: cannot carry on with the registration handed over: {e}"),
+    }
 }
 
 /// How a member reaches the registrars: their addresses, and TLS when they run it.
@@ -191,14 +237,27 @@ impl Tier {
         ks: Arc<KernelSplice>,
         interface: &str,
         free: Box<dyn Fn() -> f64 + Send + Sync>,
+        taken: Option<TakenMember>,
     ) -> Result<Arc<Tier>, String> {
         let ports = cfg.port_range()?;
         let pool = cfg.pool.clone();
-        Self::start_as(cfg, pool, registrars, ks, interface, Some(ports), free).await
+        Self::start_as(
+            cfg,
+            pool,
+            registrars,
+            ks,
+            interface,
+            Some(ports),
+            free,
+            taken,
+        )
+        .await
     }
 
     /// A member of the tier `cfg.pool` registered in `register_in`: with `ports`, a proxy;
-    /// without, a server of a split splice.
+    /// without, a server of a split splice. `taken`: the sockets and registration of the
+    /// process before (an upgrade).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn start_as(
         cfg: TierConfig,
         register_in: String,
@@ -207,22 +266,56 @@ impl Tier {
         interface: &str,
         ports: Option<std::ops::RangeInclusive<u16>>,
         free: Box<dyn Fn() -> f64 + Send + Sync>,
+        taken: Option<TakenMember>,
     ) -> Result<Arc<Tier>, String> {
         let mac = mac_of(interface)?;
-        let tcp = TcpListener::bind(cfg.listen)
-            .await
-            .map_err(|e| format!("[tier] listen {}: {e}", cfg.listen))?;
-        let udp = UdpSocket::bind(cfg.listen)
-            .await
-            .map_err(|e| format!("[tier] listen {} (UDP): {e}", cfg.listen))?;
-        let mut pe_cfg = PoolElementConfig::new(
-            register_in.as_str(),
-            cfg.listen,
-            rserpool_wire::Policy::LeastUsed { load: 0 },
-        );
-        pe_cfg.registrars = registrars.addrs.clone();
-        pe_cfg.tls = registrars.tls.clone();
-        let pe = PoolElement::start(pe_cfg).map_err(|e| format!("[tier] registering: {e}"))?;
+        let (taken_sockets, taken_pe) = match taken {
+            Some(t) if t.listen == cfg.listen => (Some((t.tcp, t.udp)), Some((t.id, t.pe))),
+            Some(t) => {
+                info!(
+                    "proxy: tier: the address handed over ({}) is no longer configured; \
+                     binding {}",
+                    t.listen, cfg.listen
+                );
+                (None, Some((t.id, t.pe)))
+            }
+            None => (None, None),
+        };
+        let (tcp, udp) = match taken_sockets {
+            Some((tcp, udp)) => {
+                let tcp = tcp
+                    .set_nonblocking(true)
+                    .and_then(|()| TcpListener::from_std(tcp))
+                    .map_err(|e| format!("[tier] listener handed over: {e}"))?;
+                let udp = udp
+                    .set_nonblocking(true)
+                    .and_then(|()| UdpSocket::from_std(udp))
+                    .map_err(|e| format!("[tier] UDP socket handed over: {e}"))?;
+                (tcp, udp)
+            }
+            None => {
+                let tcp = TcpListener::bind(cfg.listen)
+                    .await
+                    .map_err(|e| format!("[tier] listen {}: {e}", cfg.listen))?;
+                let udp = UdpSocket::bind(cfg.listen)
+                    .await
+                    .map_err(|e| format!("[tier] listen {} (UDP): {e}", cfg.listen))?;
+                (tcp, udp)
+            }
+        };
+        let dup = |fd: std::os::fd::BorrowedFd<'_>| {
+            rserpool_handover::dup(fd).map_err(|e| format!("[tier] {e}"))
+        };
+        let sockets = [dup(tcp.as_fd())?, dup(udp.as_fd())?];
+        let pe = match taken_pe {
+            Some((_, Some(pe))) => pe,
+            other => {
+                let mut pe_cfg = member_pe_config(&cfg, &register_in, &registrars);
+                // The registration could not move (TLS): the same member registers again.
+                pe_cfg.id = other.map(|(id, _)| id);
+                PoolElement::start(pe_cfg).map_err(|e| format!("[tier] registering: {e}"))?
+            }
+        };
         let me = Hello {
             id: pe.id(),
             mac,
@@ -236,6 +329,7 @@ impl Tier {
         );
         let epoch = std::time::Instant::now();
         let core = MemberCore::new(me, side.shares(), Instant::from_millis(0));
+        let (retired, _) = watch::channel(false);
         let tier = Arc::new_cyclic(|this| Tier {
             cfg,
             me,
@@ -246,14 +340,94 @@ impl Tier {
             timer: Arc::new(Notify::new()),
             this: this.clone(),
             free,
+            pe: Mutex::new(Arc::new(pe)),
+            registrars: registrars.clone(),
+            register_in,
+            sockets,
+            given: Mutex::new(None),
+            retired,
         });
-        tokio::spawn(accept_loop(Arc::downgrade(&tier), tcp));
+        let until_retired = |tier: &Arc<Tier>| {
+            let mut r = tier.retired.subscribe();
+            async move { until_set(&mut r).await }
+        };
+        let weak = Arc::downgrade(&tier);
+        let spawn = |task: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>| {
+            let retired = until_retired(&tier);
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = task => {}
+                    () = retired => {}
+                }
+            });
+        };
+        spawn(Box::pin(accept_loop(weak.clone(), tcp)));
         if ports.is_some() {
-            tokio::spawn(heartbeat_loop(Arc::downgrade(&tier), udp));
+            spawn(Box::pin(heartbeat_loop(weak.clone(), udp)));
         }
-        tokio::spawn(discovery_loop(Arc::downgrade(&tier), registrars, pe));
-        tokio::spawn(timer_loop(Arc::downgrade(&tier)));
+        spawn(Box::pin(discovery_loop(weak.clone(), registrars)));
+        spawn(Box::pin(timer_loop(weak)));
         Ok(tier)
+    }
+
+    fn pe(&self) -> Arc<PoolElement> {
+        self.pe.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// For a successor: the tier's state and second descriptors of its sockets, and the
+    /// registration association, which this member gives away (its PE stops here without
+    /// deregistering; [`resume`](Self::resume) takes it back if the successor fails). This
+    /// member carries on meanwhile, links and heartbeats included.
+    pub(crate) async fn hand_over(&self) -> std::io::Result<(TierState, Vec<OwnedFd>)> {
+        let mut fds = Vec::with_capacity(3);
+        for s in &self.sockets {
+            fds.push(rserpool_handover::dup(s.as_fd())?);
+        }
+        let registration = match self.pe().hand_over().await {
+            Some((h, stream)) => {
+                fds.push(rserpool_handover::dup(stream.as_fd())?);
+                let r = Registration::of(&h);
+                *self.given.lock().unwrap_or_else(|p| p.into_inner()) = Some((h, stream));
+                Some(r)
+            }
+            None => {
+                info!(
+                    "proxy: tier: the registration cannot move (TLS): the successor registers \
+                     again once this process lets go"
+                );
+                None
+            }
+        };
+        let state = TierState {
+            listen: self.cfg.listen,
+            id: self.me.id,
+            registration,
+        };
+        Ok((state, fds))
+    }
+
+    /// The successor failed: this member registers over the association it gave away again.
+    pub(crate) fn resume(&self) {
+        let Some(a) = self.given.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return;
+        };
+        let cfg = member_pe_config(&self.cfg, &self.register_in, &self.registrars);
+        match PoolElement::from_hand_over(cfg, a) {
+            Ok(pe) => *self.pe.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(pe),
+            Err(e) => warn!("proxy: tier: cannot take the registration back: {e}"),
+        }
+    }
+
+    /// A successor serves as this member: every task of the membership ends here (links,
+    /// heartbeats, the passes), and the registration is its.
+    pub(crate) fn retire(&self) {
+        let _ = self.retired.send(true);
+        self.links.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.given.lock().unwrap_or_else(|p| p.into_inner()).take();
+        info!(
+            "proxy: tier member {:#010x}: the next process carries on",
+            self.me.id
+        );
     }
 
     fn core(&self) -> std::sync::MutexGuard<'_, MemberCore> {
@@ -574,7 +748,7 @@ async fn timer_loop(tier: Weak<Tier>) {
 }
 
 /// Keeps the core told of the members the tier pool lists, and this member's load in it.
-async fn discovery_loop(tier: Weak<Tier>, registrars: RegistrarAccess, pe: PoolElement) {
+async fn discovery_loop(tier: Weak<Tier>, registrars: RegistrarAccess) {
     let Ok(mut pu) = PoolUser::new(PoolUserConfig {
         registrars: registrars.addrs,
         tls: registrars.tls,
@@ -586,11 +760,11 @@ async fn discovery_loop(tier: Weak<Tier>, registrars: RegistrarAccess, pe: PoolE
     };
     let mut every = tokio::time::interval(Duration::from_secs(1));
     loop {
+        // Gone: its pool element deregisters as it drops.
         let Some(t) = tier.upgrade() else {
-            pe.stop().await;
             return;
         };
-        pe.update_load(1.0 - (t.free)().clamp(0.0, 1.0));
+        t.pe().update_load(1.0 - (t.free)().clamp(0.0, 1.0));
         let handle = rserpool_wire::PoolHandle::from(t.cfg.pool.as_str());
         // A proxy also links to the servers of split splices, which register apart.
         let split = (t.me.hi > 0).then(|| split_pool(&t.cfg.pool));
@@ -609,7 +783,6 @@ async fn discovery_loop(tier: Weak<Tier>, registrars: RegistrarAccess, pe: PoolE
             listed.extend(pes);
         }
         let Some(t) = tier.upgrade() else {
-            pe.stop().await;
             return;
         };
         let mut now: BTreeMap<u32, SocketAddr> = BTreeMap::new();
@@ -674,10 +847,24 @@ async fn run_link(
         if s.write_all(&bytes).await.is_err() {
             return;
         }
-        while let Some(b) = rx.recv().await {
-            if s.write_all(&b).await.is_err() {
-                debug!("proxy: tier link to member {id:#010x} at {addr} broke");
-                return;
+        // The other end sends nothing: anything read means it closed (a member that exits,
+        // or that handed its sockets to the process replacing it), and the link is made again
+        // at once rather than at the next write.
+        let (mut rd, mut wr) = s.into_split();
+        let mut probe = [0u8; 1];
+        loop {
+            tokio::select! {
+                b = rx.recv() => {
+                    let Some(b) = b else { return };
+                    if wr.write_all(&b).await.is_err() {
+                        debug!("proxy: tier link to member {id:#010x} at {addr} broke");
+                        return;
+                    }
+                }
+                _ = rd.read(&mut probe) => {
+                    debug!("proxy: tier link to member {id:#010x} at {addr} closed by it");
+                    return;
+                }
             }
         }
     };

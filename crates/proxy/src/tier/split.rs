@@ -166,6 +166,7 @@ impl SplitServer {
             &first,
             None,
             Box::new(|| 1.0),
+            None,
         )
         .await?;
         info!(

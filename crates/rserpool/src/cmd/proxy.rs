@@ -177,7 +177,9 @@ pub fn run(args: ProxyArgs) -> Result<()> {
         let mut successor_task = offer.map(|o| {
             let p = proxy.clone();
             tokio::spawn(async move {
-                let r = handover::next_successor(&o, || p.handover_sockets()).await;
+                let r =
+                    handover::next_successor(&o, || p.handover_sockets(), || p.handover_failed())
+                        .await;
                 (o, r)
             })
         });
@@ -212,7 +214,7 @@ pub fn run(args: ProxyArgs) -> Result<()> {
             t.abort();
         }
         if let Some((o, giving)) = handed {
-            proxy.stop_accepting();
+            proxy.handed_over();
             // Closed before the successor hears `DONE`, so that it can offer at that name.
             drop(o);
             if let Err(e) = tokio::task::spawn_blocking(move || giving.done()).await? {
