@@ -260,7 +260,15 @@ impl Giving {
         let mut said = [0u8; READY.len()];
         (&self.stream)
             .read_exact(&mut said)
-            .map_err(|e| self.addr.err(e))?;
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::UnexpectedEof => self
+                    .addr
+                    .protocol("the new process ended before it was ready (see its log)"),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => self
+                    .addr
+                    .protocol(format!("the new process was not ready within {limit:?}")),
+                _ => self.addr.err(e),
+            })?;
         if said != READY {
             return Err(self
                 .addr

@@ -122,6 +122,23 @@ impl Proxy {
         cfg: ProxyConfig,
         mut inherited: Inherited,
     ) -> Result<Proxy, StartError> {
+        let mut carried = None;
+        let started = Self::start_carrying(cfg, &mut inherited, &mut carried).await;
+        if started.is_err()
+            && let Some(pe) = carried
+        {
+            tier::let_go(&pe).await;
+        }
+        started
+    }
+
+    /// [`start_with`](Self::start_with); `carried` is the tier registration it carries on
+    /// with, once it does.
+    async fn start_carrying(
+        cfg: ProxyConfig,
+        inherited: &mut Inherited,
+        carried: &mut Option<Arc<rserpool_asap::PoolElement>>,
+    ) -> Result<Proxy, StartError> {
         cfg.validate()?;
         let registrar_tls = cfg
             .registrar_tls
@@ -139,7 +156,7 @@ impl Proxy {
                 addrs: cfg.registrars.clone(),
                 tls: registrar_tls.clone(),
             };
-            tier::carry_on(taken, t, &access);
+            *carried = tier::carry_on(taken, t, &access);
         }
         let pools = balance::discovery::start(PoolSettings {
             registrar_tls,

@@ -663,7 +663,7 @@ fn with_a_split_splice_a_server_answers_directly_and_a_proxy_kill_breaks_no_down
 
 /// An upgrade of a tier member (docs/OPERATIONS.md): a second proxy started with proxy 1's
 /// configuration takes its listeners, its tier sockets and its registration in the tier pool;
-/// the old one exits. The member never leaves the tier (the distributor's group keeps both
+/// the old one exits. Before it, a successor that fails to start gives everything back. The member never leaves the tier (the distributor's group keeps both
 /// proxies all along, the member keeps its identifier, proxy 2 nudges nobody), 20 spliced
 /// downloads through both proxies finish intact, and the new process links to proxy 2 and
 /// takes new connections.
@@ -704,7 +704,51 @@ fn a_tier_member_upgrades_and_stays_a_member() {
             least
         })
     };
+    // First a successor that fails: its configuration adds a listener on an address in use.
+    // It takes everything, carries the registration on, then exits; the old one takes the
+    // registration back and serves on.
     let config = t.dir.join("proxy1.toml");
+    let good = std::fs::read_to_string(&config).unwrap();
+    let taken_addr = format!("{}:7999", TierNet::proxy_addr(1));
+    let in_use = {
+        let a = taken_addr.clone();
+        in_ns(&t.net.proxies[0], move || {
+            std::net::TcpListener::bind(a).unwrap()
+        })
+        .join()
+        .unwrap()
+    };
+    let bad = good.replacen(
+        "[kernel-splice]",
+        &format!(
+            "[[listener]]\nlisten = \"{taken_addr}\"\nmode = \"tcp\"\npool = \"WebPool\"\n\
+             [kernel-splice]"
+        ),
+        1,
+    );
+    std::fs::write(&config, bad).unwrap();
+    let mut failing = spawn_in(
+        &t.net.proxies[0],
+        &strings(&["proxy", "--config", config.to_str().unwrap()]),
+    );
+    let status = failing.0.wait().unwrap();
+    assert!(
+        !status.success(),
+        "the successor started on an address in use"
+    );
+    drop(in_use);
+    std::fs::write(&config, &good).unwrap();
+    assert!(
+        t.proxies[0]
+            .as_mut()
+            .unwrap()
+            .0
+            .try_wait()
+            .unwrap()
+            .is_none(),
+        "the old proxy 1 exited after a failed hand-over"
+    );
+    assert_eq!(t.status(1).unwrap()["tier"]["member"], member);
     let next = spawn_in(
         &t.net.proxies[0],
         &strings(&["proxy", "--config", config.to_str().unwrap()]),

@@ -8,6 +8,7 @@
 use rserpool_asap::{Association, HandedOver, PoolElement};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 /// The tier part of a hand-over's state; its descriptors follow the listeners' in this
 /// order: the TCP listener, the UDP socket, then the registration association if any.
@@ -59,5 +60,5 @@ pub(crate) struct TakenMember {
     pub(crate) registration: Option<Association>,
     /// The pool element carrying on over it: started as early as possible, since the
     /// registrar's keep-alives wait meanwhile.
-    pub(crate) pe: Option<PoolElement>,
+    pub(crate) pe: Option<Arc<PoolElement>>,
 }

@@ -210,14 +210,32 @@ pub(crate) fn member_pe_config(
 }
 
 /// Carries on over the registration taken from the process before, at once: the registrar's
-/// keep-alives wait on it meanwhile.
-pub(crate) fn carry_on(taken: &mut TakenMember, cfg: &TierConfig, registrars: &RegistrarAccess) {
-    let Some(a) = taken.registration.take() else {
-        return;
-    };
+/// keep-alives wait on it meanwhile. Returns the pool element, for [`let_go`] should this
+/// process fail to start.
+pub(crate) fn carry_on(
+    taken: &mut TakenMember,
+    cfg: &TierConfig,
+    registrars: &RegistrarAccess,
+) -> Option<Arc<PoolElement>> {
+    let a = taken.registration.take()?;
     match PoolElement::from_hand_over(member_pe_config(cfg, &cfg.pool, registrars), a) {
-        Ok(pe) => taken.pe = Some(pe),
-        Err(e) => warn!("proxy: tier: cannot carry on with the registration handed over: {e}"),
+        Ok(pe) => {
+            let pe = Arc::new(pe);
+            taken.pe = Some(pe.clone());
+            Some(pe)
+        }
+        Err(e) => {
+            warn!("proxy: tier: cannot carry on with the registration handed over: {e}");
+            None
+        }
+    }
+}
+
+/// This process failed to start after [`carry_on`]: the registration is left to the process
+/// that handed it over (which takes it back) instead of deregistered.
+pub(crate) async fn let_go(pe: &PoolElement) {
+    if pe.hand_over().await.is_some() {
+        info!("proxy: tier: registration left to the process before");
     }
 }
 
@@ -313,7 +331,9 @@ impl Tier {
                 let mut pe_cfg = member_pe_config(&cfg, &register_in, &registrars);
                 // The registration could not move (TLS): the same member registers again.
                 pe_cfg.id = other.map(|(id, _)| id);
-                PoolElement::start(pe_cfg).map_err(|e| format!("[tier] registering: {e}"))?
+                let pe =
+                    PoolElement::start(pe_cfg).map_err(|e| format!("[tier] registering: {e}"))?;
+                Arc::new(pe)
             }
         };
         let me = Hello {
@@ -340,7 +360,7 @@ impl Tier {
             timer: Arc::new(Notify::new()),
             this: this.clone(),
             free,
-            pe: Mutex::new(Arc::new(pe)),
+            pe: Mutex::new(pe),
             registrars: registrars.clone(),
             register_in,
             sockets,
@@ -408,9 +428,11 @@ impl Tier {
 
     /// The successor failed: this member registers over the association it gave away again.
     pub(crate) fn resume(&self) {
-        let Some(a) = self.given.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+        let Some(mut a) = self.given.lock().unwrap_or_else(|p| p.into_inner()).take() else {
             return;
         };
+        // The successor read from the association: what was unread is its now, gone.
+        a.0.unread.clear();
         let cfg = member_pe_config(&self.cfg, &self.register_in, &self.registrars);
         match PoolElement::from_hand_over(cfg, a) {
             Ok(pe) => *self.pe.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(pe),
