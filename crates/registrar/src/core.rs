@@ -240,10 +240,11 @@ impl Registrar {
             .handle_datagram(data, &self.asap, &mut self.conns, now);
     }
 
-    /// The ASAP associations a successor can take over ([`adopt`](Self::adopt)): every
-    /// accepted, live ASAP connection but probes, each with its registrations and
-    /// subscriptions encoded again as the requests that made them. ENRP connections are not
-    /// among them: the peers connect again.
+    /// The ASAP associations a successor can take over ([`adopt`](Self::adopt)): every live
+    /// ASAP connection but probes — those PEs opened, and those this registrar opened to the
+    /// PEs it took over — each with its registrations and subscriptions encoded again as the
+    /// requests that made them (the PEs' ASAP transports included, so that a later takeover
+    /// still finds them). ENRP connections are not among them: the peers connect again.
     pub fn handover(&self) -> Vec<Adoptable> {
         let hs = self.asap.handlespace();
         let mut v = Vec::new();
@@ -251,13 +252,12 @@ impl Registrar {
             let Some(c) = self.conns.get(id) else {
                 continue;
             };
-            if c.enrp || c.outgoing || self.asap.is_probe(id) {
+            if c.enrp || self.asap.is_probe(id) {
                 continue;
             }
             let mut registrations = Vec::new();
             for &r in &c.pes {
-                let mut element = hs.pe(r).element.clone();
-                element.asap_transport = None;
+                let element = hs.pe(r).element.clone();
                 encode_registration(hs.pool_handle_of(r), element, &mut registrations);
             }
             let mut subscriptions = Vec::new();

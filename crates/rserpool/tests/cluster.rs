@@ -521,3 +521,79 @@ async fn an_upgraded_registrar_keeps_its_pes_in_the_cluster() {
         "no PE lost its association"
     );
 }
+
+/// A registrar that took PEs over (its associations with them are the connections it opened to
+/// their takeover addresses) is upgraded: the successor takes those associations too, so every
+/// PE stays at every live registrar, bound to a live association; and when the successor dies
+/// in turn, the last registrar takes every PE over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgraded_registrar_keeps_the_pes_it_took_over() {
+    let mut cluster = Cluster::on_loopback();
+    let (_pes, ids) = with_pes(&mut cluster, IpAddr::from([127, 0, 0, 1])).await;
+    cluster.kill(2);
+    let bound = Duration::from_millis(LAST_HEARD_MS + NO_RESPONSE_MS + KEEP_ALIVE_MS + 1500);
+    wait_for(bound, "the survivors to take over", || {
+        consistent(&cluster, &[0, 1], &ids)
+    })
+    .await;
+    // The survivor that took registrar 2's PEs over.
+    let homes = |st: &rserpool_registrar::Status| -> BTreeSet<u32> {
+        st.pools
+            .iter()
+            .flat_map(|p| &p.pes)
+            .filter(|e| e.home_registrar == st.server_id)
+            .map(|e| e.id)
+            .collect()
+    };
+    let mut taker = None;
+    for i in [0, 1] {
+        let st = registrar_status(cluster.nodes[i].status).await.unwrap();
+        if st.enrp.takeovers > 0 {
+            taker = Some((i, homes(&st)));
+        }
+    }
+    let (i, homed) = taker.expect("a survivor took registrar 2's PEs over");
+    assert!(homed.len() > PES / 3, "{} PEs homed at {i}", homed.len());
+    let mut old = cluster.nodes[i].proc.take().expect("running");
+    cluster.start(i);
+    let t0 = std::time::Instant::now();
+    while old.0.try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the old registrar did not hand over"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Without those associations the successor would lack the PEs until they registered
+    // again (after their takeover wait, 15 s).
+    wait_for(
+        Duration::from_secs(5),
+        "both survivors holding every PE",
+        || consistent(&cluster, &[0, 1], &ids),
+    )
+    .await;
+    // Keep-alives over the associations handed over are answered.
+    tokio::time::sleep(Duration::from_millis(3 * KEEP_ALIVE_MS)).await;
+    let st = registrar_status(cluster.nodes[i].status).await.unwrap();
+    assert_eq!(homes(&st), homed, "the successor is home for the same PEs");
+    let stale: Vec<u32> = st
+        .pools
+        .iter()
+        .flat_map(|p| &p.pes)
+        .filter(|e| homed.contains(&e.id) && e.ms_since_heard > 2 * KEEP_ALIVE_MS)
+        .map(|e| e.id)
+        .collect();
+    assert!(stale.is_empty(), "not heard from: {stale:x?}");
+    // The successor knows where each PE listens for a takeover: when it dies, the last
+    // registrar takes them all over in the usual time.
+    cluster.kill(i);
+    let last = [1 - i];
+    wait_for(bound, "the last registrar to take everything over", || {
+        consistent(&cluster, &last, &ids)
+    })
+    .await;
+    let st = registrar_status(cluster.nodes[last[0]].status)
+        .await
+        .unwrap();
+    assert_eq!(homes(&st), ids, "the last registrar is home for every PE");
+}
