@@ -24,6 +24,9 @@ pub enum Fault {
     /// A second process started with the same flags takes `who` over (hand-over, docs/
     /// OPERATIONS.md); the first drains and exits. Nothing heals: `settle` is the wait after.
     Upgrade { who: Upgraded, settle: Duration },
+    /// Proxy `p` of the proxy tier dies with its host (`kill -9` and its link cut), and comes
+    /// back after `down`.
+    KillTierProxy { p: usize, down: Duration },
 }
 
 /// What an upgrade replaces.
@@ -31,15 +34,17 @@ pub enum Fault {
 pub enum Upgraded {
     Proxy,
     Registrar(usize),
+    TierProxy(usize),
 }
 
 /// The kinds, in the order the summary lists them.
-pub const KINDS: [&str; 5] = [
+pub const KINDS: [&str; 6] = [
     "registrar kill -9",
     "PE kill -9",
     "link cut",
     "packet loss",
     "upgrade",
+    "proxy-tier host death",
 ];
 
 impl Fault {
@@ -50,6 +55,7 @@ impl Fault {
             Fault::CutLink { .. } => 2,
             Fault::Loss { .. } => 3,
             Fault::Upgrade { .. } => 4,
+            Fault::KillTierProxy { .. } => 5,
         }
     }
 
@@ -57,13 +63,16 @@ impl Fault {
         match self {
             Fault::KillRegistrar { down, .. }
             | Fault::KillPes { down, .. }
-            | Fault::CutLink { down, .. } => *down,
+            | Fault::CutLink { down, .. }
+            | Fault::KillTierProxy { down, .. } => *down,
             Fault::Loss { hold, .. } => *hold,
             Fault::Upgrade { settle, .. } => *settle,
         }
     }
 
-    /// The hosts whose processes or link it touches (registrar `r` runs on host `r`).
+    /// The hosts whose processes or link it touches (registrar `r` runs on host `r`). The proxy
+    /// tier counts as one host beyond the others: one fault of it at a time, so that one proxy
+    /// always carries the connections.
     fn hosts(&self, pe_host: impl Fn(usize) -> usize) -> Vec<usize> {
         match self {
             Fault::KillRegistrar { r, .. } => vec![*r],
@@ -73,6 +82,11 @@ impl Fault {
                 who: Upgraded::Registrar(r),
                 ..
             } => vec![*r],
+            Fault::Upgrade {
+                who: Upgraded::TierProxy(_),
+                ..
+            }
+            | Fault::KillTierProxy { .. } => vec![usize::MAX],
             // The proxy's host is none of the hosts faults pick.
             Fault::Upgrade { .. } => Vec::new(),
         }
@@ -88,6 +102,8 @@ pub struct Layout {
     pub hosts: usize,
     /// The longest cut of a registrar's link.
     pub registrar_cut_max: Duration,
+    /// Proxies of the proxy tier (0: no tier).
+    pub tier_proxies: usize,
 }
 
 pub struct Planner {
@@ -116,18 +132,27 @@ impl Planner {
     }
 
     /// The next episode: its faults (they start together) and the pause after it has converged.
-    /// The first is an upgrade of the proxy, so that even a short run has one.
+    /// The first is an upgrade of the proxy, then (with a tier) an upgrade of a tier proxy and
+    /// the death of the other's host, so that even a short run has each.
     pub fn episode(&mut self) -> (Vec<Fault>, Duration) {
         self.planned += 1;
-        if self.planned == 1 {
-            let settle = self.ms(500, 2000);
-            return (
-                vec![Fault::Upgrade {
-                    who: Upgraded::Proxy,
-                    settle,
-                }],
-                self.ms(0, 2000),
-            );
+        let first = match (self.planned, self.layout.tier_proxies) {
+            (1, _) => Some(Fault::Upgrade {
+                who: Upgraded::Proxy,
+                settle: self.ms(500, 2000),
+            }),
+            (2, n) if n > 0 => Some(Fault::Upgrade {
+                who: Upgraded::TierProxy(0),
+                settle: self.ms(500, 2000),
+            }),
+            (3, n) if n > 1 => Some(Fault::KillTierProxy {
+                p: 1,
+                down: self.ms(2000, 5000),
+            }),
+            _ => None,
+        };
+        if let Some(f) = first {
+            return (vec![f], self.ms(0, 2000));
         }
         let mut faults = vec![self.fault()];
         // Now and then a second fault at once, on hosts the first does not touch.
@@ -168,14 +193,18 @@ impl Planner {
                     down: self.ms(200, 5000),
                 }
             }
-            48..55 => Fault::Upgrade {
-                who: if self.between(0, 1) == 0 {
-                    Upgraded::Proxy
-                } else {
-                    Upgraded::Registrar(self.between(0, 2) as usize)
-                },
-                settle: self.ms(500, 2000),
-            },
+            48..55 => {
+                let tier = self.layout.tier_proxies as u64;
+                let who = match self.between(0, 2 + tier.min(1)) {
+                    0 => Upgraded::Proxy,
+                    1 | 2 => Upgraded::Registrar(self.between(0, 2) as usize),
+                    _ => Upgraded::TierProxy(self.between(0, tier - 1) as usize),
+                };
+                Fault::Upgrade {
+                    who,
+                    settle: self.ms(500, 2000),
+                }
+            }
             55..80 => {
                 let host = self.between(0, self.layout.hosts as u64 - 1) as usize;
                 let max = if host < 3 {
@@ -188,6 +217,10 @@ impl Planner {
                     down: self.ms(500, max.clamp(500, 8000)),
                 }
             }
+            95.. if self.layout.tier_proxies > 0 => Fault::KillTierProxy {
+                p: self.between(0, self.layout.tier_proxies as u64 - 1) as usize,
+                down: self.ms(1000, 8000),
+            },
             _ => Fault::Loss {
                 host: self.between(0, self.layout.hosts as u64 - 1) as usize,
                 percent: self.between(5, 40) as u32,
@@ -206,6 +239,7 @@ mod tests {
             pe_hosts: (0..50).map(|k| 3 + k % 5).collect(),
             hosts: 8,
             registrar_cut_max: Duration::from_millis(8000),
+            tier_proxies: 2,
         }
     }
 
@@ -213,11 +247,11 @@ mod tests {
     fn a_seed_gives_the_same_plan_and_every_kind_comes_up() {
         let plan = |seed| {
             let mut p = Planner::new(seed, layout());
-            (0..200).map(|_| p.episode()).collect::<Vec<_>>()
+            (0..400).map(|_| p.episode()).collect::<Vec<_>>()
         };
         assert_eq!(plan(7), plan(7));
         assert_ne!(plan(7), plan(8));
-        let mut kinds = [0; 5];
+        let mut kinds = [0; KINDS.len()];
         for (faults, _) in plan(7) {
             for f in &faults {
                 kinds[f.kind()] += 1;
@@ -245,9 +279,11 @@ mod tests {
                     Fault::Loss { host, percent, .. } => {
                         assert!(*host < 8 && (5..=40).contains(percent))
                     }
-                    Fault::Upgrade { who, .. } => {
-                        assert!(!matches!(who, Upgraded::Registrar(r) if *r >= 3))
-                    }
+                    Fault::Upgrade { who, .. } => assert!(!matches!(
+                        who,
+                        Upgraded::Registrar(3..) | Upgraded::TierProxy(2..)
+                    )),
+                    Fault::KillTierProxy { p, .. } => assert!(*p < 2),
                 }
             }
             if let [a, b] = &faults[..] {

@@ -1,10 +1,12 @@
 //! Every process of the soak, each a command line that can be started, killed with SIGKILL and
 //! started again: three registrars (an ENRP cluster), the pool elements (`rserpool serve`
 //! sidecars in front of HTTP targets, `rserpool example http` and `example echo` registering
-//! themselves), the targets, and an HTTP proxy onto the HTTP pool. Each start logs to a file of
-//! its own, so that a finding can be traced to the incarnation that made it.
+//! themselves), the targets, an HTTP proxy onto the HTTP pool, and the proxy tier
+//! ([`super::tier`]: its distributor, servers and proxies). Each start logs to a file of its
+//! own, so that a finding can be traced to the incarnation that made it.
 
 use super::netns::Net;
+use super::tier::Tier;
 use crate::process::Proc;
 use anyhow::Result;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -50,6 +52,10 @@ pub enum Kind {
     /// The HTTP server behind a sidecar: `rserpool example http` that reaches no registrar.
     Target,
     Proxy,
+    /// The proxy tier's: `rserpool distributor`, its servers and its proxies.
+    Distributor,
+    TierServer,
+    TierProxy,
 }
 
 impl Kind {
@@ -61,6 +67,9 @@ impl Kind {
             Kind::ExampleEcho => "example echo",
             Kind::Target => "target",
             Kind::Proxy => "proxy",
+            Kind::Distributor => "distributor",
+            Kind::TierServer => "tier server",
+            Kind::TierProxy => "tier proxy",
         }
     }
 }
@@ -86,6 +95,9 @@ pub struct Fleet {
     pub registrars: Vec<usize>,
     pub pes: Vec<usize>,
     pub proxy: usize,
+    /// The proxy tier's, in the order of starting.
+    pub tier: Vec<usize>,
+    pub tier_proxies: Vec<usize>,
     /// The registrars' status listeners, in the order of `registrars`.
     pub status: Vec<SocketAddr>,
     /// Where clients reach the proxy.
@@ -94,12 +106,23 @@ pub struct Fleet {
     retiring: Vec<Proc>,
 }
 
-/// The host names: r1..r3, h1..hK for `pes` PEs, front (the proxy).
+/// The host names on the bridge: r1..r3, h1..hK for `pes` PEs, front (the proxy), and the
+/// proxy tier's router and servers (its proxies hang on the router).
 pub fn host_names(pes: usize) -> Vec<String> {
     let mut v: Vec<String> = (1..=3).map(|i| format!("r{i}")).collect();
     v.extend((1..=pe_hosts(pes)).map(|i| format!("h{i}")));
-    v.push("front".into());
+    v.extend(["front", "trouter", "ts1", "ts2"].map(String::from));
     v
+}
+
+/// Where host `name` is in [`host_names`].
+pub fn host_index(pes: usize, name: &str) -> Option<usize> {
+    host_names(pes).iter().position(|n| n == name)
+}
+
+/// Hosts whose link faults may cut: the registrars' and the PEs'.
+pub fn faulted_hosts(pes: usize) -> usize {
+    3 + pe_hosts(pes)
 }
 
 fn pe_hosts(pes: usize) -> usize {
@@ -108,11 +131,11 @@ fn pe_hosts(pes: usize) -> usize {
 
 impl Fleet {
     /// The command lines for `pes` pool elements on the hosts of `net` (made from
-    /// [`host_names`]). Nothing is started.
-    pub fn plan(net: &Net, pes: usize, rserpool: &Path, logs: &Path) -> Fleet {
+    /// [`host_names`]) and for the proxy tier. Nothing is started.
+    pub fn plan(net: &Net, tier: &Tier, pes: usize, rserpool: &Path, logs: &Path) -> Result<Fleet> {
         let ip = |h: usize| net.hosts[h].ip;
         let at = |h: usize, port: u16| SocketAddr::from((ip(h), port)).to_string();
-        let front_host = net.hosts.len() - 1;
+        let front_host = faulted_hosts(pes);
         let mut f = Fleet {
             rserpool: rserpool.to_path_buf(),
             logs: logs.to_path_buf(),
@@ -120,6 +143,8 @@ impl Fleet {
             registrars: Vec::new(),
             pes: Vec::new(),
             proxy: 0,
+            tier: Vec::new(),
+            tier_proxies: Vec::new(),
             status: (0..3)
                 .map(|r| SocketAddr::from((ip(r), STATUS_PORT)))
                 .collect(),
@@ -212,7 +237,30 @@ impl Fleet {
         args.extend(flag("--status", at(front_host, PROXY_STATUS_PORT)));
         args.extend(flag("--threads", "1".into()));
         f.proxy = f.add("proxy".into(), Kind::Proxy, front_host, None, args);
-        f
+        let registrars: Vec<SocketAddr> = (0..3)
+            .map(|r| SocketAddr::from((ip(r), ASAP_PORT)))
+            .collect();
+        let d = tier.distributor_args(&registrars);
+        let m = f.add(
+            "distributor".into(),
+            Kind::Distributor,
+            tier.router,
+            None,
+            d,
+        );
+        f.tier.push(m);
+        for (j, &h) in tier.servers.iter().enumerate() {
+            let a = tier.server_args(net, j, &registrars);
+            let m = f.add(format!("ts{}", j + 1), Kind::TierServer, h, None, a);
+            f.tier.push(m);
+        }
+        for (i, &h) in tier.proxies.iter().enumerate() {
+            let a = tier.proxy_args(i, &registrars, logs)?;
+            let m = f.add(format!("tp{}", i + 1), Kind::TierProxy, h, None, a);
+            f.tier.push(m);
+            f.tier_proxies.push(m);
+        }
+        Ok(f)
     }
 
     fn add(

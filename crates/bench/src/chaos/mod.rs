@@ -6,17 +6,22 @@
 //! registrar's status; [`clients`]: the requests through the proxy), and the run ends with a
 //! summary ([`report`]) and a non-zero exit if one was broken: a PE lost, a failed request, no
 //! convergence within the settle bound after a fault, or a process that exited on its own.
+//! A proxy tier ([`tier`]) stands beside the HTTP proxy: two kernel-splicing proxies whose
+//! hosts die and which are upgraded among the other faults, under long downloads and
+//! kept-alive requests ([`tier_clients`]) of which none may break.
 
 mod clients;
 mod faults;
 mod fleet;
 mod netns;
 mod report;
+mod tier;
+mod tier_clients;
 mod watch;
 
 use crate::process::wait_for;
 use crate::undo::{self, TempDir};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use faults::{Fault, Layout, Planner, Upgraded};
 use fleet::{Fleet, Kind};
@@ -88,16 +93,20 @@ pub fn run(args: ChaosArgs, rserpool: &Path) -> Result<()> {
     };
     std::fs::create_dir_all(&logs)?;
     let names = fleet::host_names(args.pes);
-    let net = Net::create(&names.iter().map(String::as_str).collect::<Vec<_>>())?;
-    let fleet = Fleet::plan(&net, args.pes, rserpool, &logs);
+    let mut net = Net::create(&names.iter().map(String::as_str).collect::<Vec<_>>())?;
+    let host = |name: &str| fleet::host_index(args.pes, name).context("the tier's hosts");
+    let servers = [host("ts1")?, host("ts2")?];
+    let tier = tier::attach(&mut net, host("trouter")?, &servers)?;
+    let fleet = Fleet::plan(&net, &tier, args.pes, rserpool, &logs)?;
     println!(
-        "chaos soak: {} s, seed {seed}, {} PEs on {} hosts, logs in {}",
+        "chaos soak: {} s, seed {seed}, {} PEs on {} hosts, a proxy tier of {}, logs in {}",
         args.duration_s,
         args.pes,
-        net.hosts.len() - 4,
+        fleet::faulted_hosts(args.pes) - 3,
+        tier.proxies.len(),
         logs.display()
     );
-    let mut soak = Soak::new(net, fleet, &args, seed)?;
+    let mut soak = Soak::new(net, tier, fleet, &args, seed)?;
     let result = soak.run(&args);
     let summary = soak.stop(result.as_ref().err());
     println!("\n{}", summary.text());
@@ -127,15 +136,18 @@ struct Soak {
     stop_poll: Arc<AtomicBool>,
     stop_clients: Arc<AtomicBool>,
     clients: Option<tokio::task::JoinHandle<()>>,
+    tier_traffic: Arc<tier_clients::TierTraffic>,
+    tier_clients: Vec<std::thread::JoinHandle<()>>,
     planner: Planner,
     record: report::Record,
     // Last: the processes go before their network.
     fleet: Fleet,
+    tier: tier::Tier,
     net: Net,
 }
 
 impl Soak {
-    fn new(net: Net, fleet: Fleet, args: &ChaosArgs, seed: u64) -> Result<Soak> {
+    fn new(net: Net, tier: tier::Tier, fleet: Fleet, args: &ChaosArgs, seed: u64) -> Result<Soak> {
         let start = Instant::now();
         let settle = Duration::from_secs(args.settle_s);
         let pe_hosts: Vec<usize> = fleet.pes.iter().map(|&m| fleet.members[m].host).collect();
@@ -144,8 +156,8 @@ impl Soak {
             .iter()
             .filter_map(|&m| fleet.members[m].pe_id)
             .collect();
-        // Every host but the proxy's.
-        let hosts = net.hosts.len() - 1;
+        // The registrars' and the PEs' hosts.
+        let hosts = fleet::faulted_hosts(args.pes);
         let tracker = Tracker::new(start, settle, pe_ids, &pe_hosts, net.hosts.len());
         let kinds = fleet
             .pes
@@ -165,16 +177,20 @@ impl Soak {
             stop_poll: Arc::default(),
             stop_clients: Arc::default(),
             clients: None,
+            tier_traffic: Arc::default(),
+            tier_clients: Vec::new(),
             planner: Planner::new(
                 seed,
                 Layout {
                     pe_hosts,
                     hosts,
                     registrar_cut_max: Duration::from_millis(args.registrar_cut_max_ms.max(500)),
+                    tier_proxies: tier.proxies.len(),
                 },
             ),
             record: report::Record::new(args, &kinds, hosts - 3),
             fleet,
+            tier,
             net,
         })
     }
@@ -235,6 +251,7 @@ impl Soak {
             self.stop_clients.clone(),
             self.requests.clone(),
         )));
+        self.start_tier()?;
         // The faults.
         let end = Instant::now() + Duration::from_secs(args.duration_s);
         let mut n = 0;
@@ -245,6 +262,42 @@ impl Soak {
             self.idle_until(Instant::now() + pause)?;
         }
         self.tracker().set_context("after the last fault".into());
+        Ok(())
+    }
+
+    /// Starts the proxy tier (its distributor, servers, then proxies) and, once the router's
+    /// group holds every proxy and a GET passes, its clients.
+    fn start_tier(&mut self) -> Result<()> {
+        for m in self.fleet.tier.clone() {
+            self.start_member(m, true)?;
+        }
+        let t = Instant::now();
+        let want = self.tier.proxies.len();
+        let ns = self.tier.client_ns.clone();
+        loop {
+            if self.tier.group_members(&self.net) == want && tier_clients::reachable(&ns) {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                bail!(
+                    "setup: the proxy tier did not come up within 60 s (group of {} of {want})",
+                    self.tier.group_members(&self.net)
+                );
+            }
+            self.idle_until(Instant::now() + Duration::from_millis(200))?;
+        }
+        println!("proxy tier up in {:.1} s", t.elapsed().as_secs_f64());
+        let tracker = self.tracker.clone();
+        let cx = tier_clients::Context {
+            start: self.start,
+            now: Arc::new(move || tracker.lock().unwrap_or_else(|p| p.into_inner()).context()),
+        };
+        self.tier_clients = tier_clients::start(
+            &ns,
+            cx,
+            self.stop_clients.clone(),
+            self.tier_traffic.clone(),
+        );
         Ok(())
     }
 
@@ -361,7 +414,20 @@ impl Soak {
             Fault::Upgrade { who, .. } => match who {
                 Upgraded::Proxy => "upgrade of the proxy".into(),
                 Upgraded::Registrar(r) => format!("upgrade of registrar r{}", r + 1),
+                Upgraded::TierProxy(p) => format!("upgrade of tier proxy tp{}", p + 1),
             },
+            Fault::KillTierProxy { p, down } => {
+                format!("host of tier proxy tp{} dead for {}", p + 1, s(*down))
+            }
+        }
+    }
+
+    /// The member an upgrade replaces.
+    fn upgraded(&self, who: Upgraded) -> usize {
+        match who {
+            Upgraded::Proxy => self.fleet.proxy,
+            Upgraded::Registrar(r) => self.fleet.registrars[r],
+            Upgraded::TierProxy(p) => self.fleet.tier_proxies[p],
         }
     }
 
@@ -379,11 +445,13 @@ impl Soak {
             }
             Fault::Loss { host, percent, .. } => self.net.set_loss(*host, *percent)?,
             Fault::Upgrade { who, .. } => {
-                let m = match who {
-                    Upgraded::Proxy => self.fleet.proxy,
-                    Upgraded::Registrar(r) => self.fleet.registrars[*r],
-                };
+                let m = self.upgraded(*who);
                 self.fleet.upgrade(&self.net, m)?;
+            }
+            Fault::KillTierProxy { p, .. } => {
+                let m = self.fleet.tier_proxies[*p];
+                self.kill_member(m);
+                self.net.set_link(self.fleet.members[m].host, false)?;
             }
         }
         Ok(())
@@ -404,12 +472,14 @@ impl Soak {
                 self.tracker().set_cut(*host, false, Instant::now());
             }
             Fault::Loss { host, .. } => self.net.set_loss(*host, 0)?,
+            Fault::KillTierProxy { p, .. } => {
+                let m = self.fleet.tier_proxies[*p];
+                self.net.set_link(self.fleet.members[m].host, true)?;
+                self.start_member(m, false)?;
+            }
             Fault::Upgrade { who, .. } => {
                 // The successor says it serves once the old process stopped.
-                let m = match who {
-                    Upgraded::Proxy => self.fleet.proxy,
-                    Upgraded::Registrar(r) => self.fleet.registrars[*r],
-                };
+                let m = self.upgraded(*who);
                 // It may take a while: the new proxy fetches its pools first, maybe past a
                 // registrar whose link is cut in the same episode.
                 let log = self.fleet.log(m);
@@ -501,6 +571,18 @@ impl Soak {
         if let Some(c) = self.clients.take() {
             let _ = self.rt.block_on(c);
         }
+        for t in std::mem::take(&mut self.tier_clients) {
+            if let Err(panic) = t.join() {
+                let why = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                self.tier_traffic.broken.fetch_add(1, Ordering::Relaxed);
+                self.tier_traffic
+                    .finding(format!("a client thread panicked: {why}"));
+            }
+        }
         self.stop_poll.store(true, Ordering::Relaxed);
         self.tracker().finish(Instant::now());
         let record = std::mem::take(&mut self.record);
@@ -535,6 +617,7 @@ impl Soak {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
+            tier: report::TierFigures::of(&self.tier_traffic),
         }
     }
 }

@@ -18,6 +18,9 @@ pub struct Host {
     pub netns: String,
     pub veth: String,
     pub ip: Ipv4Addr,
+    /// The namespace the veth's other end is in, when it is not on the bridge here (the proxy
+    /// tier's hosts hang on its router).
+    pub behind: Option<String>,
 }
 
 /// The hosts on their bridge. Dropping it deletes the namespaces (with the processes' sockets,
@@ -66,9 +69,10 @@ impl Net {
         for (i, name) in names.iter().enumerate() {
             let host = Host {
                 name: name.to_string(),
-                netns: format!("rserpool-chaos-{tag}-{name}"),
+                netns: netns_name(name),
                 veth: format!("rsc{tag}h{i}"),
                 ip: format!("{subnet}.{}", i + 1).parse()?,
+                behind: None,
             };
             let ns = host.netns.clone();
             net.made(&["ip", "netns", "del", &ns], || ip(&["netns", "add", &ns]))?;
@@ -93,7 +97,7 @@ impl Net {
     }
 
     /// Does `make`, with `undo` registered first (undoing what was never made does no harm).
-    fn made(&mut self, undo: &[&str], make: impl FnOnce() -> Result<()>) -> Result<()> {
+    pub(super) fn made(&mut self, undo: &[&str], make: impl FnOnce() -> Result<()>) -> Result<()> {
         let c = undo::command(undo);
         undo::lock().add_command(c.clone());
         self.undo.push(c);
@@ -107,14 +111,14 @@ impl Net {
         c
     }
 
-    /// Cuts host `h` off the bridge, or links it again.
+    /// Cuts host `h` off the bridge (or the router it hangs on), or links it again.
     pub fn set_link(&self, h: usize, up: bool) -> Result<()> {
-        ip(&[
-            "link",
-            "set",
-            &self.hosts[h].veth,
-            if up { "up" } else { "down" },
-        ])
+        let host = &self.hosts[h];
+        let state = if up { "up" } else { "down" };
+        match &host.behind {
+            None => ip(&["link", "set", &host.veth, state]),
+            Some(ns) => ip(&["-n", ns, "link", "set", &host.veth, state]),
+        }
     }
 
     /// Drops `percent` % of the packets host `h` sends or receives on its link, at random
@@ -149,6 +153,11 @@ impl Drop for Net {
     }
 }
 
+/// The namespace of host `name` in this soak.
+pub(super) fn netns_name(name: &str) -> String {
+    format!("rserpool-chaos-{}-{name}", std::process::id())
+}
+
 /// `10.201.N`, the first N from `tag` on whose /24 no route here lies.
 fn free_subnet(tag: u32) -> Result<String> {
     let out = Command::new("ip")
@@ -162,7 +171,7 @@ fn free_subnet(tag: u32) -> Result<String> {
         .context("no free 10.201.N.0/24 for the soak's bridge")
 }
 
-fn ip(args: &[&str]) -> Result<()> {
+pub(super) fn ip(args: &[&str]) -> Result<()> {
     run_tool("ip", args, "iproute2")
 }
 

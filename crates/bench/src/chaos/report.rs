@@ -6,6 +6,7 @@ use super::ChaosArgs;
 use super::clients::Failure;
 use super::faults::KINDS;
 use super::fleet::{Kind, REGISTRAR_TIMERS, REREGISTRATION_MS};
+use super::tier_clients::TierTraffic;
 use super::watch::Gap;
 use crate::report::{median, provenance};
 use std::fmt::Write;
@@ -21,7 +22,7 @@ pub struct Record {
     pe_hosts: usize,
     /// Pool elements by kind: serve, example http, example echo.
     pe_kinds: [usize; 3],
-    pub faults: [u32; 5],
+    pub faults: [u32; KINDS.len()],
     pub restarts: u32,
     pub setup: Duration,
     pub episodes: Vec<Episode>,
@@ -57,6 +58,33 @@ impl Record {
     }
 }
 
+/// What the proxy tier's clients saw.
+#[derive(Default)]
+pub struct TierFigures {
+    pub downloads: u64,
+    pub bytes: u64,
+    pub broken: u64,
+    pub requests: u64,
+    pub failed: u64,
+    pub connects_retried: u64,
+    pub findings: Vec<String>,
+}
+
+impl TierFigures {
+    pub fn of(t: &TierTraffic) -> TierFigures {
+        use std::sync::atomic::Ordering::Relaxed;
+        TierFigures {
+            downloads: t.downloads.load(Relaxed),
+            bytes: t.bytes.load(Relaxed),
+            broken: t.broken.load(Relaxed),
+            requests: t.requests.load(Relaxed),
+            failed: t.failed.load(Relaxed),
+            connects_retried: t.connects_retried.load(Relaxed),
+            findings: t.findings.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        }
+    }
+}
+
 pub struct Summary {
     pub record: Record,
     pub seed: u64,
@@ -70,6 +98,7 @@ pub struct Summary {
     pub sent: u64,
     pub failed: u64,
     pub failures: Vec<Failure>,
+    pub tier: TierFigures,
 }
 
 fn secs(d: Duration) -> String {
@@ -129,6 +158,18 @@ impl Summary {
             v.push(format!(
                 "{} request(s) through the proxy failed",
                 self.failed
+            ));
+        }
+        if self.tier.broken > 0 {
+            v.push(format!(
+                "{} connection(s) through the proxy tier broken",
+                self.tier.broken
+            ));
+        }
+        if self.tier.failed > 0 {
+            v.push(format!(
+                "{} kept-alive request(s) through the proxy tier failed",
+                self.tier.failed
             ));
         }
         if !self.record.upgrade_failures.is_empty() {
@@ -227,6 +268,32 @@ impl Summary {
                 }
             ),
         ));
+        let bold = |n: u64| {
+            if n == 0 {
+                "0".to_string()
+            } else {
+                format!("**{n}**")
+            }
+        };
+        let t = &self.tier;
+        rows.push((
+            "downloads through the proxy tier (kernel-spliced, 16 MiB each, byte-exact)".into(),
+            format!(
+                "{} completed ({:.1} GB in all), {} broken",
+                t.downloads,
+                t.bytes as f64 / 1e9,
+                bold(t.broken)
+            ),
+        ));
+        rows.push((
+            "requests on kept-alive connections through the proxy tier".into(),
+            format!(
+                "{} sent, {} failed; {} connection attempts repeated (a SYN to a dead proxy)",
+                t.requests,
+                bold(t.failed),
+                t.connects_retried
+            ),
+        ));
         rows.push((
             "processes that exited on their own".into(),
             match r.exits.len() {
@@ -248,6 +315,11 @@ impl Summary {
              {} hosts ({} `serve` sidecars in front of HTTP targets, {} `example http`, {} \
              `example echo`), one HTTP proxy onto the HTTP pool, {} clients at {} requests/s in \
              all; each registrar, PE host and the proxy in a network namespace of its own. \
+             Beside them a proxy tier: two kernel-splicing proxies behind a router whose \
+             nexthop group `rserpool distributor` keeps (heartbeats every 100 ms), in front of \
+             two `example http` servers that are never killed, all registered with the \
+             cluster; 4 clients download 16 MiB each in turn and 2 send GETs on kept-alive \
+             connections through it. \
              Registrar timers: {}; PE re-registration every {REREGISTRATION_MS} ms; settle bound \
              {} s. Setup converged in {}.",
             r.duration_s,
@@ -296,6 +368,12 @@ impl Summary {
                 f.example
             ));
         }
+        v.extend(
+            self.tier
+                .findings
+                .iter()
+                .map(|f| format!("proxy tier: {f}")),
+        );
         v.extend(self.record.exits.iter().cloned());
         v
     }

@@ -199,11 +199,7 @@ impl Tracker {
             let (Some(st), Some(reg_since)) = (st, self.registrars[r].live_since) else {
                 continue;
             };
-            let present: BTreeSet<u32> = st
-                .pools
-                .iter()
-                .flat_map(|p| p.pes.iter().map(|e| e.id))
-                .collect();
+            let present = watched(st);
             for k in 0..self.pes.len() {
                 let Some(pe_since) = self.pes[k].live_since else {
                     continue;
@@ -261,11 +257,7 @@ impl Tracker {
         let ids: BTreeSet<u32> = live.iter().map(|(_, st)| st.server_id).collect();
         let all: BTreeSet<u32> = self.pe_ids.iter().copied().collect();
         for (r, st) in &live {
-            let held: BTreeSet<u32> = st
-                .pools
-                .iter()
-                .flat_map(|p| p.pes.iter().map(|e| e.id))
-                .collect();
+            let held = watched(st);
             if held != all {
                 let missing: Vec<String> =
                     all.difference(&held).map(|id| format!("{id:#x}")).collect();
@@ -333,6 +325,16 @@ pub async fn poll(status: Vec<SocketAddr>, tracker: Arc<Mutex<Tracker>>, stop: A
             .observe(at, &answers);
         tokio::time::sleep_until((at + POLL).into()).await;
     }
+}
+
+/// The PEs of a registrar's status whose fate the soak follows: all but the proxy tier's
+/// (its servers are never killed, and its proxies come back under new identifiers).
+fn watched(st: &Status) -> BTreeSet<u32> {
+    st.pools
+        .iter()
+        .filter(|p| p.handle != super::tier::SERVER_POOL && p.handle != super::tier::PROXY_POOL)
+        .flat_map(|p| p.pes.iter().map(|e| e.id))
+        .collect()
 }
 
 /// Every registrar's status, asked for at once.
