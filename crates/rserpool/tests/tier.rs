@@ -749,6 +749,22 @@ fn a_tier_member_upgrades_and_stays_a_member() {
         "the old proxy 1 exited after a failed hand-over"
     );
     assert_eq!(t.status(1).unwrap()["tier"]["member"], member);
+    // New connections all through the upgrade: some are still in user space, or being handed
+    // to the kernel, when the old process stops accepting.
+    let opening = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let fresh = {
+        let (opening, client) = (opening.clone(), t.net.client.clone());
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            while opening.load(Ordering::Relaxed) {
+                let got = Arc::new(AtomicU64::new(0));
+                v.push(download(&client, 2_000_000, got, Duration::from_millis(2)));
+                std::thread::sleep(Duration::from_millis(25));
+            }
+            v
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
     let next = spawn_in(
         &t.net.proxies[0],
         &strings(&["proxy", "--config", config.to_str().unwrap()]),
@@ -764,7 +780,22 @@ fn a_tier_member_upgrades_and_stays_a_member() {
     }
     let upgraded = Instant::now();
     eprintln!("proxy 1 upgraded in {:?}", upgraded - t0);
+    std::thread::sleep(Duration::from_millis(300));
+    opening.store(false, Ordering::Relaxed);
     t.wait_ready(2, Duration::from_secs(30));
+    let fresh: Vec<String> = fresh
+        .join()
+        .unwrap()
+        .into_iter()
+        .map(|d| d.join().unwrap().0)
+        .collect();
+    let broken_fresh: Vec<&String> = fresh.iter().filter(|a| *a != "ok").collect();
+    assert!(
+        broken_fresh.is_empty(),
+        "{} of {} downloads opened during the upgrade broken: {broken_fresh:?}",
+        broken_fresh.len(),
+        fresh.len()
+    );
     let done: Vec<(String, Instant)> = downloads.into_iter().map(|d| d.join().unwrap()).collect();
     watching.store(false, Ordering::Relaxed);
     assert_eq!(
