@@ -271,8 +271,10 @@ fn download(
 ) -> std::thread::JoinHandle<(String, Instant)> {
     in_ns(client, move || {
         let addr = SocketAddrV4::new(TIER_VIP, FRONT_PORT);
+        let mut local = None;
         let result = (|| -> std::io::Result<String> {
             let mut s = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5))?;
+            local = s.local_addr().ok();
             s.set_read_timeout(Some(Duration::from_secs(60)))?;
             let req = format!("GET /bytes/{len} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n");
             s.write_all(req.as_bytes())?;
@@ -307,7 +309,7 @@ fn download(
                 format!("{at} of {len} bytes")
             })
         })();
-        let answer = result.unwrap_or_else(|e| format!("{e}"));
+        let answer = result.unwrap_or_else(|e| format!("{e} ({local:?})"));
         (answer, Instant::now())
     })
 }
@@ -758,8 +760,11 @@ fn a_tier_member_upgrades_and_stays_a_member() {
             let mut v = Vec::new();
             while opening.load(Ordering::Relaxed) {
                 let got = Arc::new(AtomicU64::new(0));
-                v.push(download(&client, 2_000_000, got, Duration::from_millis(2)));
-                std::thread::sleep(Duration::from_millis(25));
+                // About 0.3 s each (past the hold at 50 ms), a few at a time: enough to have
+                // some in user space or being handed over at any moment, and little enough
+                // for a 2-core machine running debug builds.
+                v.push(download(&client, 2_000_000, got, Duration::from_millis(10)));
+                std::thread::sleep(Duration::from_millis(100));
             }
             v
         })

@@ -13,6 +13,18 @@
 //! on the links others keep to it. A link that comes up carries HELLO first, then every splice
 //! the member's flow table holds, including those of members that have since died: a member
 //! that joins, or comes back after a partition, so learns all that the others know.
+//! An empty TOUCH ends that table (a member of an older version ignores it as a TOUCH of
+//! nothing).
+//!
+//! A member that (re)joins does not answer the distributor's heartbeats until every member the
+//! tier pool lists has sent it its table, or [`SYNC_WAIT`] has passed: the distributor adds a
+//! member to the router's group at its first answer, and the flows that then move to it must
+//! find their splices there (a proxy restarted after its host died missed the splices made
+//! meanwhile, and the clients of those met resets). A process that takes over from another
+//! (an upgrade, [`MemberCore::taking_over`]) finds the table in the pinned maps and answers
+//! at once; it leaves the datapath's forwarding as its predecessor set it until it has heard
+//! from every listed member, since forwarding to nobody would send the packets of the
+//! others' connections to a stack with no socket for them.
 
 use crate::wire::{Datagram, Hello, Message, Splice};
 use rserpool_wire::Instant;
@@ -24,6 +36,12 @@ use tracing::{info, warn};
 
 /// How often the flow table is compared with the last pass.
 pub const PASS: Duration = Duration::from_secs(1);
+/// Longest a joining member waits, from the first listing that names it (when the others learn
+/// of it and link to it), for the other members' tables before it answers the distributor's
+/// heartbeats anyway (a member that never sends one: an older version, or one that is listed
+/// but dead). Live members send theirs within milliseconds of the listing, or at their next
+/// discovery round (1 s).
+pub const SYNC_WAIT: Duration = Duration::from_millis(1200);
 /// Most directions in one TOUCH.
 pub const TOUCH_BATCH: usize = 4096;
 
@@ -134,6 +152,16 @@ pub struct MemberCore {
     /// Where the heartbeats come from: the only source of the word of a death.
     distributor: Option<SocketAddr>,
     nudging: bool,
+    /// Heartbeats go unanswered until the tables arrive (or the wait from `first_listed` is
+    /// over).
+    sync_pending: bool,
+    /// The datapath's forwarding is left as a predecessor set it (a process taking over).
+    forwarding_held: bool,
+    /// When the pool first listed this member.
+    first_listed: Option<Instant>,
+    /// Members whose table arrived, and whether the pool was listed yet.
+    tables: std::collections::BTreeSet<u32>,
+    listing_seen: bool,
     transmits: VecDeque<Transmit>,
     actions: VecDeque<Action>,
     pub counters: Counters,
@@ -156,12 +184,63 @@ impl MemberCore {
             resend: false,
             distributor: None,
             nudging: false,
+            sync_pending: true,
+            forwarding_held: false,
+            first_listed: None,
+            tables: std::collections::BTreeSet::new(),
+            listing_seen: false,
             transmits: VecDeque::new(),
             actions: VecDeque::new(),
             counters: Counters::default(),
         }
     }
 
+    /// This member takes over from another process (an upgrade): its table is whole already
+    /// (the pinned maps), so it answers heartbeats at once, and the forwarding its predecessor
+    /// set stays until every listed member has said HELLO here (or the wait is over).
+    pub fn taking_over(&mut self) {
+        self.sync_pending = false;
+        self.forwarding_held = true;
+    }
+
+    /// Whether the wait for the others, counted from the first listing that named this
+    /// member, is over.
+    fn waited(&self, now: Instant) -> bool {
+        self.first_listed.is_some_and(|t| now >= t + SYNC_WAIT)
+    }
+
+    /// Whether heartbeats are answered: every listed member's table arrived, or the wait is
+    /// over.
+    fn synced(&mut self, now: Instant) -> bool {
+        if !self.sync_pending {
+            return true;
+        }
+        let me = self.me.id;
+        let missing: Vec<u32> = self
+            .listed
+            .keys()
+            .filter(|&&id| id != me && !self.tables.contains(&id))
+            .copied()
+            .collect();
+        if self.listing_seen && missing.is_empty() {
+            info!(
+                "tier member {me:#010x}: the tables of the {} other members arrived; answering \
+                 the distributor",
+                self.tables.len()
+            );
+        } else if self.waited(now) {
+            let missing: Vec<String> = missing.iter().map(|id| format!("{id:#010x}")).collect();
+            warn!(
+                "tier member {me:#010x}: answering the distributor without the tables of [{}] \
+                 after {SYNC_WAIT:?}",
+                missing.join(" ")
+            );
+        } else {
+            return false;
+        }
+        self.sync_pending = false;
+        true
+    }
     pub fn me(&self) -> &Hello {
         &self.me
     }
@@ -181,6 +260,10 @@ impl MemberCore {
 
     /// The members the tier pool lists now (this one may be among them).
     pub fn set_listed(&mut self, listed: BTreeMap<u32, SocketAddr>, now: Instant) {
+        self.listing_seen = true;
+        if self.first_listed.is_none() && listed.contains_key(&self.me.id) {
+            self.first_listed = Some(now);
+        }
         let gone: Vec<u32> = self
             .listed
             .keys()
@@ -261,6 +344,7 @@ impl MemberCore {
         if self.shares {
             first.extend(table.into_iter().map(Message::Add));
         }
+        first.push(Message::Touch(Vec::new()));
         first
     }
 
@@ -299,8 +383,20 @@ impl MemberCore {
     }
 
     /// What another member sent.
-    pub fn handle_message(&mut self, m: Message, _now: Instant) {
+    pub fn handle_message(&mut self, m: Message, now: Instant) {
+        self.handle_message_from(None, m, now);
+    }
+
+    /// [`handle_message`](Self::handle_message) from member `from` (the HELLO of its link
+    /// named it): an empty TOUCH from it ends its table.
+    pub fn handle_message_from(&mut self, from: Option<u32>, m: Message, _now: Instant) {
         self.counters.received += 1;
+        if let (Some(id), Message::Touch(flows)) = (from, &m)
+            && flows.is_empty()
+        {
+            self.tables.insert(id);
+            return;
+        }
         match m {
             Message::Hello(member) => {
                 if member.id == self.me.id {
@@ -344,6 +440,18 @@ impl MemberCore {
     }
 
     fn update_forwarding(&mut self) {
+        if self.forwarding_held {
+            let me = self.me.id;
+            let heard_all = self.listing_seen
+                && self
+                    .listed
+                    .keys()
+                    .all(|id| *id == me || self.members.contains_key(id));
+            if !heard_all {
+                return;
+            }
+            self.forwarding_held = false;
+        }
         let now = self.forwarding();
         if self.forwarding.as_ref() != Some(&now) {
             self.forwarding = Some(now.clone());
@@ -353,6 +461,15 @@ impl MemberCore {
 
     /// Runs the timers due at `now`.
     pub fn tick(&mut self, now: Instant) {
+        if self.forwarding_held && self.waited(now) {
+            warn!(
+                "tier member {:#010x}: not every listed member said HELLO within {SYNC_WAIT:?} \
+                 of the take-over; forwarding to those that did",
+                self.me.id
+            );
+            self.forwarding_held = false;
+            self.update_forwarding();
+        }
         if self.next_pass.is_some_and(|t| t <= now) {
             self.next_pass = None;
             self.actions.push_back(Action::ReadTable);
@@ -402,11 +519,14 @@ impl MemberCore {
         from: SocketAddr,
         bytes: &[u8],
         free: f64,
-        _now: Instant,
+        now: Instant,
     ) -> Option<Vec<u8>> {
         match Datagram::decode_at_member(bytes)? {
             Datagram::Heartbeat { seq } => {
                 self.distributor = Some(from);
+                if !self.synced(now) {
+                    return None;
+                }
                 self.counters.heartbeats += 1;
                 let free = (free.clamp(0.0, 1.0) * 1e6) as u32;
                 Some(
@@ -451,7 +571,11 @@ impl MemberCore {
 
     /// When [`Self::tick`] has something to do.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.next_pass
+        let held = self
+            .first_listed
+            .filter(|_| self.forwarding_held)
+            .map(|t| t + SYNC_WAIT);
+        [self.next_pass, held].into_iter().flatten().min()
     }
 }
 
@@ -502,7 +626,11 @@ mod tests {
         let first = c.link_up(link, [splice()], t(5));
         assert_eq!(
             first,
-            vec![Message::Hello(hello(1, 20000)), Message::Add(splice())]
+            vec![
+                Message::Hello(hello(1, 20000)),
+                Message::Add(splice()),
+                Message::Touch(Vec::new())
+            ]
         );
         assert_eq!(transmits(&mut c).len(), 1);
         // A broken link is opened again at the next listing.
@@ -532,7 +660,87 @@ mod tests {
         let Some(Action::Connect { link, .. }) = c.poll_action() else {
             panic!()
         };
-        assert_eq!(c.link_up(link, [splice()], t(1)).len(), 1);
+        assert_eq!(
+            c.link_up(link, [splice()], t(1)),
+            vec![Message::Hello(hello(1, 0)), Message::Touch(Vec::new())]
+        );
+    }
+
+    /// A joining member answers the distributor once every listed member's table arrived
+    /// (an empty TOUCH on its link ends it), or after [`SYNC_WAIT`]; one that took over from
+    /// another process at once.
+    #[test]
+    fn a_joining_member_answers_heartbeats_once_it_has_every_table() {
+        let d: SocketAddr = "10.0.0.1:5000".parse().unwrap();
+        let hb = Datagram::Heartbeat { seq: 1 }.encode();
+        let mut c = MemberCore::new(hello(1, 20000), true, t(0));
+        assert_eq!(
+            c.handle_datagram(d, &hb, 1.0, t(10)),
+            None,
+            "not listed yet"
+        );
+        c.set_listed([(1, addr(1)), (2, addr(2)), (3, addr(3))].into(), t(20));
+        for (from, m) in [
+            (2, Message::Hello(hello(2, 21000))),
+            (2, Message::Add(splice())),
+            (2, Message::Touch(Vec::new())),
+            (3, Message::Hello(hello(3, 22000))),
+        ] {
+            c.handle_message_from(Some(from), m, t(30));
+        }
+        assert_eq!(
+            c.handle_datagram(d, &hb, 1.0, t(40)),
+            None,
+            "3's table is not in"
+        );
+        c.handle_message_from(Some(3), Message::Touch(Vec::new()), t(50));
+        assert!(c.handle_datagram(d, &hb, 1.0, t(60)).is_some());
+        // A member that hears from nobody answers after the wait, counted from the first
+        // listing that names it.
+        let mut lone = MemberCore::new(hello(1, 20000), true, t(0));
+        lone.set_listed([(2, addr(2))].into(), t(0));
+        lone.set_listed([(1, addr(1)), (2, addr(2))].into(), t(100));
+        let wait = SYNC_WAIT.as_millis() as u64;
+        assert_eq!(lone.handle_datagram(d, &hb, 1.0, t(wait + 99)), None);
+        assert!(lone.handle_datagram(d, &hb, 1.0, t(wait + 100)).is_some());
+        // Alone in the pool: at once.
+        let mut first = MemberCore::new(hello(1, 20000), true, t(0));
+        first.set_listed([(1, addr(1))].into(), t(0));
+        assert!(first.handle_datagram(d, &hb, 1.0, t(1)).is_some());
+        // Taking over from another process: at once.
+        let mut next = MemberCore::new(hello(1, 20000), true, t(0));
+        next.taking_over();
+        assert!(next.handle_datagram(d, &hb, 1.0, t(0)).is_some());
+    }
+
+    /// A process taking over leaves the forwarding its predecessor set until every listed
+    /// member has said HELLO to it (they link again once the predecessor's links close).
+    #[test]
+    fn a_member_taking_over_keeps_the_forwarding_until_it_has_heard_everyone() {
+        let mut c = MemberCore::new(hello(1, 20000), true, t(0));
+        c.taking_over();
+        c.set_listed([(1, addr(1)), (2, addr(2)), (3, addr(3))].into(), t(0));
+        c.handle_message_from(Some(2), Message::Hello(hello(2, 21000)), t(10));
+        let set = |c: &mut MemberCore| {
+            actions(c)
+                .into_iter()
+                .filter_map(|a| match a {
+                    Action::SetTier(f) => Some(f.len()),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(set(&mut c), Vec::<usize>::new(), "3 has not said HELLO");
+        c.handle_message_from(Some(3), Message::Hello(hello(3, 22000)), t(20));
+        assert_eq!(set(&mut c), vec![2]);
+        // One that never says HELLO holds it for the wait only.
+        let mut d = MemberCore::new(hello(1, 20000), true, t(0));
+        d.taking_over();
+        d.set_listed([(1, addr(1)), (2, addr(2)), (3, addr(3))].into(), t(0));
+        d.handle_message_from(Some(2), Message::Hello(hello(2, 21000)), t(10));
+        assert!(d.poll_timeout() <= Some(t(SYNC_WAIT.as_millis() as u64)));
+        d.tick(t(SYNC_WAIT.as_millis() as u64));
+        assert_eq!(set(&mut d), vec![1]);
     }
 
     #[test]
@@ -652,6 +860,7 @@ mod tests {
     #[test]
     fn heartbeats_are_answered_and_only_their_sender_tells_a_death() {
         let mut c = MemberCore::new(hello(7, 20000), true, t(0));
+        c.set_listed(BTreeMap::new(), t(0));
         let d: SocketAddr = "10.0.0.1:5000".parse().unwrap();
         let dead = Datagram::Dead {
             dead: 9,

@@ -126,6 +126,7 @@ fn download(cx: &Context, stop: &AtomicBool, t: &TierTraffic) {
         .local_addr()
         .map_or_else(|_| "?".into(), |a| a.to_string());
     let mut r = BufReader::new(s);
+    let mut last = Instant::now();
     let result = (|| -> std::io::Result<Option<String>> {
         let req =
             format!("GET /bytes/{DOWNLOAD} HTTP/1.1\r\nHost: tier\r\nConnection: close\r\n\r\n");
@@ -149,6 +150,7 @@ fn download(cx: &Context, stop: &AtomicBool, t: &TierTraffic) {
                 return Ok(Some(format!("byte {} differs", at + k)));
             }
             at += n;
+            last = Instant::now();
             t.bytes.fetch_add(n as u64, Ordering::Relaxed);
             std::thread::sleep(PACE);
         }
@@ -161,7 +163,10 @@ fn download(cx: &Context, stop: &AtomicBool, t: &TierTraffic) {
         Err(e) => e.to_string(),
     };
     t.broken.fetch_add(1, Ordering::Relaxed);
-    t.finding(cx.say(&format!("download from {local} broken: {broken}")));
+    let quiet = last.elapsed().as_secs_f64();
+    t.finding(cx.say(&format!(
+        "download from {local} broken ({quiet:.1} s after its last byte): {broken}"
+    )));
     std::thread::sleep(AFTER_FAILURE);
 }
 

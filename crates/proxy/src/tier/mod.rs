@@ -299,6 +299,7 @@ impl Tier {
             }
             None => (None, None),
         };
+        let handed_over = taken_sockets.is_some();
         let (tcp, udp) = match taken_sockets {
             Some((tcp, udp)) => {
                 let tcp = tcp
@@ -348,7 +349,12 @@ impl Tier {
             cfg.pool, me.id, cfg.listen, me.lo, me.hi, me.shared
         );
         let epoch = std::time::Instant::now();
-        let core = MemberCore::new(me, side.shares(), Instant::from_millis(0));
+        let mut core = MemberCore::new(me, side.shares(), Instant::from_millis(0));
+        if handed_over {
+            // The pinned maps hold the table; the old process answered the distributor until
+            // now, and this one goes on at once.
+            core.taking_over();
+        }
         let (retired, _) = watch::channel(false);
         let tier = Arc::new_cyclic(|this| Tier {
             cfg,
@@ -702,6 +708,8 @@ async fn accept_loop(tier: Weak<Tier>, l: TcpListener) {
         let tier = tier.clone();
         tokio::spawn(async move {
             s.set_nodelay(true).ok();
+            // The member at the other end, once its HELLO named it.
+            let mut member = None;
             loop {
                 let body = match read_message(&mut s).await {
                     Ok(Some(b)) => b,
@@ -718,8 +726,11 @@ async fn accept_loop(tier: Weak<Tier>, l: TcpListener) {
                     );
                     return;
                 };
+                if let Message::Hello(h) = &m {
+                    member = Some(h.id);
+                }
                 let now = tier.now();
-                tier.core().handle_message(m, now);
+                tier.core().handle_message_from(member, m, now);
                 tier.drive();
             }
         });

@@ -27,8 +27,13 @@ const REPLICATION_MS: Ms = 200;
 /// (b): an entry goes at most this long after its connection ended: idle at a member that
 /// missed the end, plus a pass and the expiry's own period.
 pub const ENTRY_BOUND_MS: Ms = IDLE_MS + 3_000;
-/// (c): a member alive and reachable is in the group within this: listed, resolved, answered.
-pub const JOIN_BOUND_MS: Ms = LIST_LAG_MS + DISCOVERY_MS + 2 * HEARTBEAT_MS + 200;
+/// (c): a member alive and reachable is in the group within this: listed, resolved, the other
+/// members' tables received (or their wait over), answered.
+pub const JOIN_BOUND_MS: Ms = LIST_LAG_MS
+    + DISCOVERY_MS
+    + rserpool_tier::member::SYNC_WAIT.as_millis() as Ms
+    + 2 * HEARTBEAT_MS
+    + 200;
 /// How often the tables and the group are looked at.
 const CHECK_EVERY_MS: Ms = 50;
 

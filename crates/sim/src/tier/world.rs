@@ -698,8 +698,9 @@ impl TierWorld {
                         let Some((_, _, m)) = l.queue.pop_front() else {
                             break;
                         };
+                        let from = self.members[k].proc.as_ref().map(|p| p.core.me().id);
                         if let Some(p) = self.members[to].proc.as_mut() {
-                            p.core.handle_message(m, t(now));
+                            p.core.handle_message_from(from, m, t(now));
                         }
                         self.drain(to);
                     }
