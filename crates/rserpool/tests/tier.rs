@@ -841,3 +841,59 @@ fn a_tier_member_upgrades_and_stays_a_member() {
         "the new proxy 1 took none of 40 new connections"
     );
 }
+
+/// A proxy whose host died comes back while connections made during its absence (spliced at
+/// the other proxy) are still running: it answers the distributor only once it has their
+/// splices, so those of them the router then sends to it carry on. Every download completes.
+#[test]
+fn a_proxy_that_comes_back_carries_the_connections_made_while_it_was_away() {
+    let Some(mut t) = Tier::start(2, 2) else {
+        return;
+    };
+    t.wait_ready(2, Duration::from_secs(30));
+    t.kill_proxy(1);
+    while t.net.group_members(TierNet::GROUP) != 1 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // 30 downloads of about 6 s each, all made at proxy 2.
+    const N: usize = 30;
+    const LEN: usize = 20_000_000;
+    let got = Arc::new(AtomicU64::new(0));
+    let base = t.handed();
+    let downloads: Vec<_> = (0..N)
+        .map(|_| download(&t.net.client, LEN, got.clone(), Duration::from_millis(20)))
+        .collect();
+    let t0 = Instant::now();
+    while t.handed() - base < N as u64 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "not all handed over"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    t.net.restore_proxy(1);
+    t.start_proxy(1);
+    let back = Instant::now();
+    t.wait_ready(2, Duration::from_secs(30));
+    eprintln!(
+        "proxy 1 back in the group {:?} after its start",
+        back.elapsed()
+    );
+    let carried_before = t.number(1, &["kernel_splice", "packets"]);
+    let done: Vec<(String, Instant)> = downloads.into_iter().map(|d| d.join().unwrap()).collect();
+    let broken: Vec<&String> = done.iter().map(|(a, _)| a).filter(|a| *a != "ok").collect();
+    assert!(
+        broken.is_empty(),
+        "{} of {N} downloads broken: {broken:?}",
+        broken.len()
+    );
+    assert!(
+        done.iter().all(|(_, at)| *at > back),
+        "a download ended before proxy 1 came back: the test proved less"
+    );
+    let carried = t.number(1, &["kernel_splice", "packets"]) - carried_before;
+    assert!(
+        carried > 0,
+        "proxy 1 carried no packet of them after it came back: the test proved nothing"
+    );
+}
