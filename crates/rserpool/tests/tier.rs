@@ -652,13 +652,15 @@ fn with_a_split_splice_a_server_answers_directly_and_a_proxy_kill_breaks_no_down
     );
     eprintln!("proxy 2 carried {r1:.3} of server 1's answers and {r2:.3} of server 2's");
     // Without the split, proxy 2 carries the answers of its own connections that the router
-    // hashes to it (proxy 1's share moves to it at the kill): about half, or more.
+    // hashes to it (proxy 1's share moves to it at the kill): about half. Less when the
+    // servers ran far ahead of slow clients before the kill (their answers already sent, half
+    // through proxy 1): 0.22 in one CI run. Either way ten times more than the split's.
     assert!(
-        r1 < 0.1,
+        r1 < 0.05,
         "server 1's answers went through proxy 2 ({r1:.2} of them)"
     );
     assert!(
-        r2 > 0.25,
+        r2 > 0.1,
         "server 2's answers did not go through proxy 2 ({r2:.2} of them)"
     );
 }

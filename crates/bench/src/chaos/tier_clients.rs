@@ -127,6 +127,7 @@ fn download(cx: &Context, stop: &AtomicBool, t: &TierTraffic) {
         .map_or_else(|_| "?".into(), |a| a.to_string());
     let mut r = BufReader::new(s);
     let mut last = Instant::now();
+    let mut got = 0usize;
     let result = (|| -> std::io::Result<Option<String>> {
         let req =
             format!("GET /bytes/{DOWNLOAD} HTTP/1.1\r\nHost: tier\r\nConnection: close\r\n\r\n");
@@ -150,6 +151,7 @@ fn download(cx: &Context, stop: &AtomicBool, t: &TierTraffic) {
                 return Ok(Some(format!("byte {} differs", at + k)));
             }
             at += n;
+            got = at;
             last = Instant::now();
             t.bytes.fetch_add(n as u64, Ordering::Relaxed);
             std::thread::sleep(PACE);
@@ -165,7 +167,7 @@ fn download(cx: &Context, stop: &AtomicBool, t: &TierTraffic) {
     t.broken.fetch_add(1, Ordering::Relaxed);
     let quiet = last.elapsed().as_secs_f64();
     t.finding(cx.say(&format!(
-        "download from {local} broken ({quiet:.1} s after its last byte): {broken}"
+        "download from {local} broken after {got} bytes, {quiet:.1} s after the last: {broken}"
     )));
     std::thread::sleep(AFTER_FAILURE);
 }
