@@ -104,6 +104,8 @@ pub struct Layout {
     pub registrar_cut_max: Duration,
     /// Proxies of the proxy tier (0: no tier).
     pub tier_proxies: usize,
+    /// Whether their hosts die (else they are only upgraded).
+    pub tier_deaths: bool,
 }
 
 pub struct Planner {
@@ -145,9 +147,13 @@ impl Planner {
                 who: Upgraded::TierProxy(0),
                 settle: self.ms(500, 2000),
             }),
-            (3, n) if n > 1 => Some(Fault::KillTierProxy {
+            (3, n) if n > 1 && self.layout.tier_deaths => Some(Fault::KillTierProxy {
                 p: 1,
                 down: self.ms(2000, 5000),
+            }),
+            (3, n) if n > 1 => Some(Fault::Upgrade {
+                who: Upgraded::TierProxy(1),
+                settle: self.ms(500, 2000),
             }),
             _ => None,
         };
@@ -217,10 +223,12 @@ impl Planner {
                     down: self.ms(500, max.clamp(500, 8000)),
                 }
             }
-            95.. if self.layout.tier_proxies > 0 => Fault::KillTierProxy {
-                p: self.between(0, self.layout.tier_proxies as u64 - 1) as usize,
-                down: self.ms(1000, 8000),
-            },
+            95.. if self.layout.tier_proxies > 0 && self.layout.tier_deaths => {
+                Fault::KillTierProxy {
+                    p: self.between(0, self.layout.tier_proxies as u64 - 1) as usize,
+                    down: self.ms(1000, 8000),
+                }
+            }
             _ => Fault::Loss {
                 host: self.between(0, self.layout.hosts as u64 - 1) as usize,
                 percent: self.between(5, 40) as u32,
@@ -240,6 +248,7 @@ mod tests {
             hosts: 8,
             registrar_cut_max: Duration::from_millis(8000),
             tier_proxies: 2,
+            tier_deaths: true,
         }
     }
 

@@ -19,6 +19,7 @@ pub struct Record {
     settle_s: u64,
     clients: usize,
     rps: u32,
+    tier_deaths: bool,
     pe_hosts: usize,
     /// Pool elements by kind: serve, example http, example echo.
     pe_kinds: [usize; 3],
@@ -47,6 +48,7 @@ impl Record {
             settle_s: args.settle_s,
             clients: args.clients,
             rps: args.rps,
+            tier_deaths: args.tier_deaths,
             pe_hosts,
             pe_kinds: [
                 count(Kind::Serve),
@@ -319,7 +321,7 @@ impl Summary {
              nexthop group `rserpool distributor` keeps (heartbeats every 100 ms), in front of \
              two `example http` servers that are never killed, all registered with the \
              cluster; 4 clients download 16 MiB each in turn and 2 send GETs on kept-alive \
-             connections through it. \
+             connections through it; {} \
              Registrar timers: {}; PE re-registration every {REREGISTRATION_MS} ms; settle bound \
              {} s. Setup converged in {}.",
             r.duration_s,
@@ -332,6 +334,11 @@ impl Summary {
             r.pe_kinds[2],
             r.clients,
             r.rps,
+            if r.tier_deaths {
+                "its proxies are upgraded and their hosts die among the faults."
+            } else {
+                "its proxies are upgraded; their hosts do not die (`--tier-deaths false`)."
+            },
             timers.join(", "),
             r.settle_s,
             secs(r.setup)

@@ -512,6 +512,11 @@ pub(crate) async fn expire_loop(ks: Weak<KernelSplice>) {
     }
 }
 
+/// Holds let go for not draining before a connection stays in user space for good, and the
+/// relaying between two.
+const HOLD_RETRIES: u32 = 3;
+const HOLD_AGAIN_AFTER: Duration = Duration::from_millis(500);
+
 pub(crate) enum Handed {
     /// The kernel carries the connection now (its entries, if the hand-over got that far).
     Kernel(Option<Splice>),
@@ -550,7 +555,8 @@ async fn hand_over_when_quiet(
     // response is relayed.
     let mut interfaces: Option<(u32, u32)> = None;
     let started = tokio::time::Instant::now();
-    let hold_at = ks.hold_after.map(|d| started + d);
+    let mut hold_at = ks.hold_after.map(|d| started + d);
+    let mut holds_let_go = 0;
     let mut deadline = hold_at.unwrap_or(started) + ks.drain_within;
     // The hold that drains a busy connection, once it is on.
     let mut held: Option<Splice> = None;
@@ -632,6 +638,18 @@ async fn hand_over_when_quiet(
                     return Handed::Back(client, backend);
                 }
             }
+        }
+        if held.is_some() && now >= stall && holds_let_go < HOLD_RETRIES {
+            // The hold did not drain (busy both ways for a moment, or a peer that did not
+            // read): let it go, relay a while and hold again. A connection left in user space
+            // dies with its proxy, so in a tier patience pays.
+            unhold(&held);
+            held = None;
+            least = u32::MAX;
+            holds_let_go += 1;
+            hold_at = Some(now + HOLD_AGAIN_AFTER);
+            deadline = now + HOLD_AGAIN_AFTER + ks.drain_within;
+            stall = deadline;
         }
         if now >= deadline || (held.is_some() && now >= stall) {
             debug!("kernel splice: the sockets did not go quiet; relaying in user space");
