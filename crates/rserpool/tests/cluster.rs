@@ -101,6 +101,21 @@ impl Cluster {
         self.nodes[i].proc = Some(KillOnDrop(child));
     }
 
+    /// Upgrades registrar `i`: a second process with the same flags takes it over; returns
+    /// once the first has handed over and exited.
+    async fn upgrade(&mut self, i: usize) {
+        let mut old = self.nodes[i].proc.take().expect("running");
+        self.start(i);
+        let t0 = std::time::Instant::now();
+        while old.0.try_wait().unwrap().is_none() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "the old registrar did not hand over"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     fn kill(&mut self, i: usize) {
         let p = self.nodes[i].proc.take().expect("running");
         let ok = Command::new("sh")
@@ -476,16 +491,7 @@ async fn an_upgraded_registrar_keeps_its_pes_in_the_cluster() {
         }
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut old = cluster.nodes[2].proc.take().expect("running");
-    cluster.start(2);
-    let t0 = std::time::Instant::now();
-    while old.0.try_wait().unwrap().is_none() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the old registrar did not hand over"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    cluster.upgrade(2).await;
     // Longer than a peer would wait before taking the PEs over.
     tokio::time::sleep(Duration::from_millis(
         LAST_HEARD_MS + NO_RESPONSE_MS + KEEP_ALIVE_MS + 1000,
@@ -554,16 +560,7 @@ async fn an_upgraded_registrar_keeps_the_pes_it_took_over() {
     }
     let (i, homed) = taker.expect("a survivor took registrar 2's PEs over");
     assert!(homed.len() > PES / 3, "{} PEs homed at {i}", homed.len());
-    let mut old = cluster.nodes[i].proc.take().expect("running");
-    cluster.start(i);
-    let t0 = std::time::Instant::now();
-    while old.0.try_wait().unwrap().is_none() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the old registrar did not hand over"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    cluster.upgrade(i).await;
     // Without those associations the successor would lack the PEs until they registered
     // again (after their takeover wait, 15 s).
     wait_for(

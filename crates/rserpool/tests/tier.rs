@@ -188,6 +188,26 @@ impl Tier {
         }
     }
 
+    /// 40 GETs through the tier all succeed, and proxy `i` takes some of them (the router
+    /// hashes about half to it).
+    fn takes_new_connections(&self, i: usize) {
+        let taken = || {
+            self.number(i, &["kernel_splice", "handed_over"])
+                + self.number(i, &["kernel_splice", "user_space"])
+        };
+        let before = taken();
+        for _ in 0..40 {
+            assert!(
+                get_through(&self.net.client).is_some(),
+                "a GET through the tier failed"
+            );
+        }
+        assert!(
+            taken() > before,
+            "proxy {i} took none of 40 new connections"
+        );
+    }
+
     /// Proxy `i`'s host dies with its link up: the router's bridge drops its frames, and its
     /// process is killed.
     fn kill_silently(&mut self, i: usize) {
@@ -470,21 +490,7 @@ fn a_proxy_killed_mid_upload_breaks_none_of_100_connections_and_comes_back() {
     t.net.restore_proxy(1);
     t.start_proxy(1);
     t.wait_ready(2, Duration::from_secs(30));
-    let taken = |t: &Tier| {
-        t.number(1, &["kernel_splice", "handed_over"])
-            + t.number(1, &["kernel_splice", "user_space"])
-    };
-    let before = taken(&t);
-    for _ in 0..40 {
-        assert!(
-            get_through(&t.net.client).is_some(),
-            "a GET through the tier failed"
-        );
-    }
-    assert!(
-        taken(&t) > before,
-        "proxy 1 took none of 40 new connections"
-    );
+    t.takes_new_connections(1);
 }
 
 #[test]
@@ -827,21 +833,7 @@ fn a_tier_member_upgrades_and_stays_a_member() {
         "proxy 2 took proxy 1 for dead"
     );
     // The new process takes new connections (the router hashes about half to it).
-    let taken = |t: &Tier| {
-        t.number(1, &["kernel_splice", "handed_over"])
-            + t.number(1, &["kernel_splice", "user_space"])
-    };
-    let before = taken(&t);
-    for _ in 0..40 {
-        assert!(
-            get_through(&t.net.client).is_some(),
-            "a GET through the tier failed"
-        );
-    }
-    assert!(
-        taken(&t) > before,
-        "the new proxy 1 took none of 40 new connections"
-    );
+    t.takes_new_connections(1);
 }
 
 /// A proxy whose host died comes back while connections made during its absence (spliced at
