@@ -6,7 +6,7 @@ use super::ChaosArgs;
 use super::clients::Failure;
 use super::faults::KINDS;
 use super::fleet::{Kind, REGISTRAR_TIMERS, REREGISTRATION_MS};
-use super::tier_clients::TierTraffic;
+use super::tier_clients::{DOWNLOAD, DOWNLOADERS, KEEPERS, TierTraffic};
 use super::watch::Gap;
 use crate::report::{median, provenance};
 use std::fmt::Write;
@@ -279,7 +279,10 @@ impl Summary {
         };
         let t = &self.tier;
         rows.push((
-            "downloads through the proxy tier (kernel-spliced, 16 MiB each, byte-exact)".into(),
+            format!(
+                "downloads through the proxy tier (kernel-spliced, {} MiB each, byte-exact)",
+                DOWNLOAD >> 20
+            ),
             format!(
                 "{} completed ({:.1} GB in all), {} broken",
                 t.downloads,
@@ -320,8 +323,8 @@ impl Summary {
              Beside them a proxy tier: two kernel-splicing proxies behind a router whose \
              nexthop group `rserpool distributor` keeps (heartbeats every 100 ms), in front of \
              two `example http` servers that are never killed, all registered with the \
-             cluster; 4 clients download 16 MiB each in turn and 2 send GETs on kept-alive \
-             connections through it; {} \
+             cluster; {DOWNLOADERS} clients download {} MiB each in turn and {KEEPERS} send GETs \
+             on kept-alive connections through it; {} \
              Registrar timers: {}; PE re-registration every {REREGISTRATION_MS} ms; settle bound \
              {} s. Setup converged in {}.",
             r.duration_s,
@@ -334,6 +337,7 @@ impl Summary {
             r.pe_kinds[2],
             r.clients,
             r.rps,
+            DOWNLOAD >> 20,
             if r.tier_deaths {
                 "its proxies are upgraded and their hosts die among the faults."
             } else {

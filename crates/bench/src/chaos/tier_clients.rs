@@ -13,11 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Concurrent downloads, each of [`DOWNLOAD`] bytes read at about 3 MB/s (about 5 s).
-const DOWNLOADERS: usize = 4;
-const DOWNLOAD: usize = 16 << 20;
+pub(super) const DOWNLOADERS: usize = 4;
+pub(super) const DOWNLOAD: usize = 16 << 20;
 const PACE: Duration = Duration::from_millis(20);
 /// Kept-alive connections, each sending [`PER_CONNECTION`] GETs [`GAP`] apart.
-const KEEPERS: usize = 2;
+pub(super) const KEEPERS: usize = 2;
 const PER_CONNECTION: usize = 100;
 const GAP: Duration = Duration::from_millis(50);
 /// How long a client keeps trying to connect, and waits for a byte once connected.
