@@ -212,6 +212,13 @@ impl Registrar {
         self.asap.probe_answered(id, &mut self.conns, now);
     }
 
+    /// The other end closed the connection (end of stream), reset it or refused it: its host
+    /// answered, so the network reaches this registrar. Then as [`handle_close`](Self::handle_close).
+    pub fn handle_closed_by_peer(&mut self, id: ConnId, now: Instant) {
+        self.conns.heard_from_network(now);
+        self.handle_close(id, now);
+    }
+
     /// The connection closed: by the peer, an error, a failed [`Action::Connect`] or
     /// [`Action::Probe`], or after [`Action::Close`]. Its PEs leave the handlespace.
     pub fn handle_close(&mut self, id: ConnId, now: Instant) {

@@ -574,12 +574,23 @@ enum Flush {
 }
 
 /// What reading a TLS connection's socket brought.
+/// An error only the other end's host sends: it is reachable (and the registrar is not cut off).
+fn by_peer(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionRefused
+    )
+}
+
 enum TlsRead {
     Records,
     /// Records, and the socket is empty now.
     Last,
     Empty,
-    Closed,
+    /// The connection ended; `by_peer` when its other end closed or reset it.
+    Closed {
+        by_peer: bool,
+    },
     Refused(rustls::Error),
 }
 
@@ -963,10 +974,11 @@ impl EventLoop {
             };
             let want = self.read_buf.len().min(READ_PER_TURN - turn);
             let n = match sock.stream.read(&mut self.read_buf[..want]) {
-                Ok(0) => return self.close(id),
+                Ok(0) => return self.close_by_peer(id),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if by_peer(&e) => return self.close_by_peer(id),
                 Err(_) => return self.close(id),
             };
             turn += n;
@@ -1001,7 +1013,7 @@ impl EventLoop {
                     short: false,
                 };
                 match tls.read_tls(&mut reader) {
-                    Ok(0) => TlsRead::Closed,
+                    Ok(0) => TlsRead::Closed { by_peer: true },
                     Ok(_) => match tls.process_new_packets() {
                         // A short read emptied the socket: no read that finds nothing next.
                         Ok(_) if reader.short => TlsRead::Last,
@@ -1014,7 +1026,9 @@ impl EventLoop {
                     },
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => TlsRead::Empty,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(_) => TlsRead::Closed,
+                    Err(e) => TlsRead::Closed {
+                        by_peer: by_peer(&e),
+                    },
                 }
             };
             match read {
@@ -1023,9 +1037,11 @@ impl EventLoop {
                     self.core.tls_refused(id, &rserpool_tls::describe(&e), now);
                     return self.close(id);
                 }
-                TlsRead::Closed => {
-                    self.tls_plaintext(id);
-                    return self.close(id);
+                TlsRead::Closed { by_peer } => {
+                    if !self.tls_plaintext(id) {
+                        return;
+                    }
+                    return self.close_with(id, by_peer);
                 }
                 TlsRead::Empty | TlsRead::Last => {
                     if self.tls_plaintext(id) {
@@ -1062,7 +1078,7 @@ impl EventLoop {
             sock.authenticated |= certified;
             let n = match tls.reader().read(&mut self.read_buf) {
                 Ok(0) => {
-                    self.close(id); // close_notify
+                    self.close_by_peer(id); // close_notify
                     return false;
                 }
                 Ok(n) => n,
@@ -1089,9 +1105,12 @@ impl EventLoop {
         let Some(sock) = self.sock(i) else { return };
         if sock.connecting {
             // Connected, or failed: an error, or no peer address, says which.
-            if matches!(sock.stream.take_error(), Ok(Some(_)) | Err(_))
-                || sock.stream.peer_addr().is_err()
-            {
+            match sock.stream.take_error() {
+                Ok(Some(e)) if by_peer(&e) => return self.close_by_peer(id),
+                Ok(Some(_)) | Err(_) => return self.close(id),
+                Ok(None) => {}
+            }
+            if sock.stream.peer_addr().is_err() {
                 return self.close(id);
             }
             sock.connecting = false;
@@ -1233,13 +1252,26 @@ impl EventLoop {
 
     /// Closes a connection now; the core forgets it and its PEs.
     fn close(&mut self, id: ConnId) {
+        self.close_with(id, false);
+    }
+
+    /// Closes a connection that its other end closed, reset or refused.
+    fn close_by_peer(&mut self, id: ConnId) {
+        self.close_with(id, true);
+    }
+
+    fn close_with(&mut self, id: ConnId, by_peer: bool) {
         let Some(mut sock) = self.socks.get_mut(id.index()).and_then(Option::take) else {
             return;
         };
         let _ = self.poll.registry().deregister(&mut sock.stream);
         drop(sock);
         let now = self.now();
-        self.core.handle_close(id, now);
+        if by_peer {
+            self.core.handle_closed_by_peer(id, now);
+        } else {
+            self.core.handle_close(id, now);
+        }
         self.after_core();
     }
 

@@ -94,6 +94,10 @@ pub struct EnrpCounters {
     pub takeovers: u64,
     pub pes_taken_over: u64,
     pub takeovers_aborted: u64,
+    /// Takeovers not started: no other peer to agree and no PE heard since the target went
+    /// silent, so this registrar may be the one cut off.
+    #[serde(default)]
+    pub takeovers_deferred: u64,
     pub handle_table_blocks_sent: u64,
     pub handle_table_entries_received: u64,
 }
@@ -393,6 +397,11 @@ impl EnrpCounters {
                 "rserpool_enrp_takeovers_aborted",
                 "Takeovers given up (the peer answered, or another won).",
                 self.takeovers_aborted,
+            ),
+            (
+                "rserpool_enrp_takeovers_deferred",
+                "Takeovers not started: no other peer to agree and no PE heard since the peer went silent (this registrar may be the one cut off).",
+                self.takeovers_deferred,
             ),
             (
                 "rserpool_enrp_handle_table_blocks_sent",

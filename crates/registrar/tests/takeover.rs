@@ -1,9 +1,11 @@
-//! A takeover that goes unanswered, in the sans-IO core. Found by the chaos soak
-//! (`rserpool-bench chaos`, docs/RELIABILITY.md): a registrar cut off from the network takes
-//! over its silent peers' PEs, cannot reach them, and removes them when their keep-alives go
-//! unanswered; its connections to them were still being opened. Had the ENDPOINT_KEEP_ALIVE
-//! with the H bit queued on such a connection gone out when the network came back, each PE
-//! would have adopted a home that no longer had it and left the home that did.
+//! Takeovers by a registrar that may be cut off, in the sans-IO core. Found by the chaos soak
+//! (`rserpool-bench chaos`, docs/RELIABILITY.md): a registrar cut off from the network took
+//! over its silent peers' PEs, could not reach them, and removed them when their keep-alives
+//! went unanswered; its connections to them were still being opened. Had the
+//! ENDPOINT_KEEP_ALIVE with the H bit queued on such a connection gone out when the network
+//! came back, each PE would have adopted a home that no longer had it and left the home that
+//! did. Now a registrar that hears neither a peer nor a PE does not take over at all; one that
+//! hears its PEs does, and nothing of an unanswered takeover is left to deliver later.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use rserpool_registrar::{Action, Config, ConnId, Instant, Registrar};
@@ -39,8 +41,8 @@ fn actions(r: &mut Registrar) -> Vec<Action> {
     std::iter::from_fn(|| r.poll_action()).collect()
 }
 
-#[test]
-fn an_unanswered_takeover_leaves_nothing_to_deliver_later() {
+/// A registrar with one peer, which announced one PE (takeover listener at 10.0.0.9:7000).
+fn with_a_peer_and_its_pe() -> Registrar {
     let cfg = Config {
         peer_heartbeat_ms: 500,
         max_time_last_heard_ms: 1000,
@@ -86,17 +88,49 @@ fn an_unanswered_takeover_leaves_nothing_to_deliver_later() {
         at(20),
     );
     assert_eq!(r.handlespace().len(), 1);
-    // Then silence: the peer is taken over, with no one else to ask.
-    let mut taken_over = None;
-    let mut t = 20;
-    while taken_over.is_none() && t < 10_000 {
-        t += 50;
-        r.handle_timeout(at(t));
-        taken_over = actions(&mut r).into_iter().find_map(|a| match a {
+    r
+}
+
+/// A PE of this registrar's own registers at `t` ms: the registrar is not cut off.
+fn own_pe_registers(r: &mut Registrar, t: u64) {
+    let a = r.accept(addr(8, 50_000), at(t)).unwrap();
+    let reg = rserpool_wire::AsapMessage::Registration {
+        pool_handle: PoolHandle::from("P"),
+        pool_element: PoolElement {
+            id: 0x88,
+            home_registrar: 0,
+            registration_life: 60,
+            user_transport: UserTransport::Address(TransportAddress::tcp(addr(8, 8000))),
+            policy: Policy::RoundRobin,
+            asap_transport: None,
+        },
+    };
+    r.handle_data(a, &reg.to_bytes().unwrap(), at(t));
+}
+
+/// The time and connection of the first connection to the peer's PE before `until`, if any.
+fn takeover_connect(r: &mut Registrar, t: &mut u64, until: u64) -> Option<ConnId> {
+    while *t < until {
+        *t += 50;
+        r.handle_timeout(at(*t));
+        let found = actions(r).into_iter().find_map(|a| match a {
             Action::Connect(id, to) if to == addr(9, 7000) => Some(id),
             _ => None,
         });
+        if found.is_some() {
+            return found;
+        }
     }
+    None
+}
+
+#[test]
+fn an_unanswered_takeover_leaves_nothing_to_deliver_later() {
+    let mut r = with_a_peer_and_its_pe();
+    own_pe_registers(&mut r, 30);
+    // Then silence: the peer is taken over, with no one else to ask.
+    let mut t = 30;
+    let taken_over = takeover_connect(&mut r, &mut t, 10_000);
     let pe_conn: ConnId = taken_over.expect("a connection to the PE's takeover listener");
     assert!(
         !r.output(pe_conn).is_empty(),
@@ -110,10 +144,29 @@ fn an_unanswered_takeover_leaves_nothing_to_deliver_later() {
         r.handle_timeout(at(t));
         closed |= actions(&mut r).contains(&Action::Abort(pe_conn));
     }
-    assert_eq!(r.handlespace().len(), 0, "the PE is removed");
+    assert_eq!(r.handlespace().len(), 0, "the PEs are removed");
     assert!(closed, "the connection to the PE is reset");
     assert!(
         r.output(pe_conn).is_empty(),
         "nothing is left to send should the connection come up now"
     );
+}
+
+/// The peer goes silent, and so does every PE: this registrar may be the one cut off. It holds
+/// its takeover back (it would reach the PE when the link returns and take it from its live
+/// home) until it hears a PE again.
+#[test]
+fn a_registrar_that_hears_no_one_holds_its_takeover_back() {
+    let mut r = with_a_peer_and_its_pe();
+    let mut t = 20;
+    assert_eq!(takeover_connect(&mut r, &mut t, 8_000), None);
+    let c = r.enrp_counters().clone();
+    assert_eq!(c.takeovers, 0);
+    assert!(c.takeovers_deferred >= 2, "{c:?}");
+    assert_eq!(r.handlespace().len(), 1, "the peer's PE stays");
+    // A PE of its own speaks: the registrar is reachable, and the takeover goes ahead.
+    own_pe_registers(&mut r, t);
+    let until = t + 3_000;
+    assert!(takeover_connect(&mut r, &mut t, until).is_some());
+    assert_eq!(r.enrp_counters().takeovers, 1);
 }

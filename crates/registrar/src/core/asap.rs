@@ -217,6 +217,12 @@ impl Asap {
             Ok(m) => m,
             Err(e) => return out.reject_malformed(id, &e, now),
         };
+        if matches!(
+            msg,
+            AsapMessage::Registration { .. } | AsapMessage::EndpointKeepAliveAck { .. }
+        ) {
+            out.heard_from_network(now);
+        }
         match msg {
             AsapMessage::Registration {
                 pool_handle,

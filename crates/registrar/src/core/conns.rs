@@ -113,6 +113,9 @@ pub(super) struct Conns {
     tls_refused: u64,
     /// Error causes sent (in ERRORs and refusing responses), by code.
     errors_sent: BTreeMap<u16, u64>,
+    /// When the network last showed that it reaches this registrar; see
+    /// [`heard_from_network`](Self::heard_from_network).
+    network_heard: Option<Instant>,
 }
 
 impl Conns {
@@ -131,7 +134,19 @@ impl Conns {
             protocol_errors: 0,
             tls_refused: 0,
             errors_sent: BTreeMap::new(),
+            network_heard: None,
         }
+    }
+
+    /// Something arrived that only a reachable network brings: a PE's registration or
+    /// keep-alive answer, or a connection closed, reset or refused by its other end. A
+    /// registrar that hears nothing of the kind, and no peer, may be the one cut off.
+    pub(super) fn heard_from_network(&mut self, now: Instant) {
+        self.network_heard = Some(now);
+    }
+
+    pub(super) fn network_last_heard(&self) -> Option<Instant> {
+        self.network_heard
     }
 
     /// A new connection with `peer`; `None` when the connection limit is reached.

@@ -118,6 +118,8 @@ struct Peer {
     serving: Option<(SyncCursor, bool)>,
     /// Audit in progress: the peer's PEs not yet confirmed by its HANDLE_TABLE_RESPONSEs.
     marked: Option<BTreeSet<(PoolHandle, u32)>>,
+    /// A peer back after a takeover is not audited before this time; see [`Enrp::taken_over`].
+    audit_after: Option<Instant>,
 }
 
 impl Peer {
@@ -133,6 +135,7 @@ impl Peer {
             request: None,
             serving: None,
             marked: None,
+            audit_after: None,
         }
     }
 }
@@ -145,6 +148,11 @@ pub(super) struct Enrp {
     /// Our ENRP address, announced in Server Information; `None` until ENRP is enabled.
     local: Option<SocketAddr>,
     peers: Vec<Peer>,
+    /// Peers taken over lately (by us or another), and when. One that was only cut off comes
+    /// back still claiming the PEs that moved to their new home, until its keep-alives to them
+    /// fail; an audit meanwhile would take its claims for news and hand those PEs back to it.
+    /// So it is audited only after a keep-alive interval and timeout.
+    taken_over: Vec<(u32, Instant)>,
     next_heartbeat: Instant,
     /// Start-up: looking for a mentor until this time, or synchronising from `mentor`.
     starting: Option<Instant>,
@@ -163,6 +171,7 @@ impl Enrp {
             id,
             local: None,
             peers: Vec::new(),
+            taken_over: Vec::new(),
             next_heartbeat: Instant::default(),
             starting: None,
             mentor: None,
@@ -315,12 +324,14 @@ impl Enrp {
         self.send_where(msg, |_| true, out, now);
     }
 
-    /// Sends `msg` to the peers believed alive. A takeover's messages go only to them: a peer
-    /// that is silent may be cut off with us, and a takeover decided meanwhile must not reach
-    /// it when the link returns, seconds later, as if it were news (it would drop a live
-    /// registrar and hand its PEs to one that may no longer have them).
+    /// Sends `msg` to the peers believed alive: named ones (heard since their connection
+    /// opened) that are not suspected. A takeover's messages go only to them: a peer that is
+    /// silent may be cut off with us, and a takeover decided meanwhile must not reach it when
+    /// the link returns, seconds later, as if it were news (it would drop a live registrar and
+    /// hand its PEs to one that may no longer have them). A connection still opening to a peer
+    /// not yet heard is such a case: it may open only when the cut heals.
     fn send_alive(&self, msg: &EnrpMessage, out: &mut Conns, now: Instant) {
-        self.send_where(msg, |p| p.state == Liveness::Alive, out, now);
+        self.send_where(msg, |p| p.id != 0 && p.state == Liveness::Alive, out, now);
     }
 
     /// Sends `msg`, encoded once, to the connected peers that `which` picks.
@@ -722,14 +733,27 @@ impl Enrp {
         }
         let addr = si.transport.socket_addrs().next()?;
         // A configured peer names itself with its first PRESENCE.
-        if let Some(i) = self.peers.iter().position(|p| p.id == 0 && p.addr == addr) {
-            self.peers[i].id = id;
-            self.peers[i].last_heard = now;
-            info!("ENRP peer {id:#010x} at {addr}");
-            return Some(i);
+        let i = match self.peers.iter().position(|p| p.id == 0 && p.addr == addr) {
+            Some(i) => {
+                self.peers[i].id = id;
+                self.peers[i].last_heard = now;
+                info!("ENRP peer {id:#010x} at {addr}");
+                i
+            }
+            None => {
+                info!("ENRP peer {id:#010x} at {addr} (announced itself)");
+                self.add_peer(id, addr, hs, out, now)
+            }
+        };
+        let window = ms(self.cfg.keep_alive_interval_ms + self.cfg.keep_alive_timeout_ms);
+        self.taken_over.retain(|&(_, at)| at + window * 2 > now);
+        if self.taken_over.iter().any(|&(t, _)| t == id) {
+            info!(
+                "ENRP peer {id:#010x} is back after a takeover: not audited before its keep-alives have told it which PEs moved"
+            );
+            self.peers[i].audit_after = Some(now + window);
         }
-        info!("ENRP peer {id:#010x} at {addr} (announced itself)");
-        Some(self.add_peer(id, addr, hs, out, now))
+        Some(i)
     }
 
     /// Start-up: the first peer heard becomes the mentor; ask it for its peers and handlespace.
@@ -788,6 +812,9 @@ impl Enrp {
     ) {
         let p = &self.peers[i];
         if p.request.is_some() || self.starting.is_some() || p.state != Liveness::Alive {
+            return;
+        }
+        if p.audit_after.is_some_and(|t| now < t) {
             return;
         }
         let id = p.id;
@@ -909,6 +936,25 @@ impl Enrp {
             .filter(|p| p.id != 0 && p.id != target && p.state == Liveness::Alive)
             .map(|p| p.id)
             .collect();
+        if acks.is_empty() && out.network_last_heard() <= Some(self.peers[i].last_heard) {
+            // No peer to agree, and nothing heard from the network since the target went silent
+            // (no PE, no connection closed by its other end): this registrar may be the one cut
+            // off. A takeover now would reach the PEs when the link returns, seconds later, and
+            // take them from their live home. Ask again.
+            if out.peer_log.allow(now) {
+                warn!(
+                    "ENRP peer {target:#010x} silent, but no other peer and nothing from the \
+                     network heard since: this registrar may be the one cut off, so it does not \
+                     take over"
+                );
+            }
+            self.counters.takeovers_deferred += 1;
+            // The heartbeat reconnects; any message from the target revives it.
+            self.peers[i].state = Liveness::Probing {
+                deadline: now + ms(self.cfg.max_time_no_response_ms),
+            };
+            return;
+        }
         let p = &mut self.peers[i];
         p.state = Liveness::TakingOver {
             deadline: now + ms(self.cfg.takeover_expiry_ms),
@@ -975,6 +1021,7 @@ impl Enrp {
         };
         self.send_alive(&msg, out, now);
         self.remove_peer(i, hs, out, now);
+        self.taken_over.push((target, now));
         self.alone |= !self
             .peers
             .iter()
@@ -1008,6 +1055,7 @@ impl Enrp {
         if let Some(t) = self.peer_index(target) {
             self.remove_peer(t, hs, out, now);
         }
+        self.taken_over.push((target, now));
         hs.hand_over(target, sender);
     }
 
