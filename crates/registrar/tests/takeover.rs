@@ -5,7 +5,8 @@
 //! ENDPOINT_KEEP_ALIVE with the H bit queued on such a connection gone out when the network
 //! came back, each PE would have adopted a home that no longer had it and left the home that
 //! did. Now a registrar that hears neither a peer nor a PE does not take over at all; one that
-//! hears its PEs does, and nothing of an unanswered takeover is left to deliver later.
+//! hears its PEs, or whose peer's host refuses connections (the peer was killed), does, and
+//! nothing of an unanswered takeover is left to deliver later.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use rserpool_registrar::{Action, Config, ConnId, Instant, Registrar};
@@ -108,17 +109,26 @@ fn own_pe_registers(r: &mut Registrar, t: u64) {
     r.handle_data(a, &reg.to_bytes().unwrap(), at(t));
 }
 
-/// The time and connection of the first connection to the peer's PE before `until`, if any.
-fn takeover_connect(r: &mut Registrar, t: &mut u64, until: u64) -> Option<ConnId> {
+/// The first connection to the peer's PE before `until`, if any. With `peer_killed`, every
+/// connection to the peer is refused (its host answers); otherwise they stay pending, as
+/// across a cut.
+fn takeover_connect(
+    r: &mut Registrar,
+    t: &mut u64,
+    until: u64,
+    peer_killed: bool,
+) -> Option<ConnId> {
     while *t < until {
         *t += 50;
         r.handle_timeout(at(*t));
-        let found = actions(r).into_iter().find_map(|a| match a {
-            Action::Connect(id, to) if to == addr(9, 7000) => Some(id),
-            _ => None,
-        });
-        if found.is_some() {
-            return found;
+        for a in actions(r) {
+            match a {
+                Action::Connect(id, to) if to == addr(9, 7000) => return Some(id),
+                Action::Connect(id, to) if to == addr(2, 9901) && peer_killed => {
+                    r.handle_closed_by_peer(id, at(*t));
+                }
+                _ => {}
+            }
         }
     }
     None
@@ -127,10 +137,10 @@ fn takeover_connect(r: &mut Registrar, t: &mut u64, until: u64) -> Option<ConnId
 #[test]
 fn an_unanswered_takeover_leaves_nothing_to_deliver_later() {
     let mut r = with_a_peer_and_its_pe();
-    own_pe_registers(&mut r, 30);
-    // Then silence: the peer is taken over, with no one else to ask.
-    let mut t = 30;
-    let taken_over = takeover_connect(&mut r, &mut t, 10_000);
+    // The peer is killed: its host refuses connections. It is taken over, with no one else to
+    // ask.
+    let mut t = 20;
+    let taken_over = takeover_connect(&mut r, &mut t, 10_000, true);
     let pe_conn: ConnId = taken_over.expect("a connection to the PE's takeover listener");
     assert!(
         !r.output(pe_conn).is_empty(),
@@ -144,7 +154,7 @@ fn an_unanswered_takeover_leaves_nothing_to_deliver_later() {
         r.handle_timeout(at(t));
         closed |= actions(&mut r).contains(&Action::Abort(pe_conn));
     }
-    assert_eq!(r.handlespace().len(), 0, "the PEs are removed");
+    assert_eq!(r.handlespace().len(), 0, "the PE is removed");
     assert!(closed, "the connection to the PE is reset");
     assert!(
         r.output(pe_conn).is_empty(),
@@ -159,7 +169,7 @@ fn an_unanswered_takeover_leaves_nothing_to_deliver_later() {
 fn a_registrar_that_hears_no_one_holds_its_takeover_back() {
     let mut r = with_a_peer_and_its_pe();
     let mut t = 20;
-    assert_eq!(takeover_connect(&mut r, &mut t, 8_000), None);
+    assert_eq!(takeover_connect(&mut r, &mut t, 8_000, false), None);
     let c = r.enrp_counters().clone();
     assert_eq!(c.takeovers, 0);
     assert!(c.takeovers_deferred >= 2, "{c:?}");
@@ -167,6 +177,6 @@ fn a_registrar_that_hears_no_one_holds_its_takeover_back() {
     // A PE of its own speaks: the registrar is reachable, and the takeover goes ahead.
     own_pe_registers(&mut r, t);
     let until = t + 3_000;
-    assert!(takeover_connect(&mut r, &mut t, until).is_some());
+    assert!(takeover_connect(&mut r, &mut t, until, false).is_some());
     assert_eq!(r.enrp_counters().takeovers, 1);
 }

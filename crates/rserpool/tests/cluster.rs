@@ -386,18 +386,22 @@ impl Drop for Netns {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_registrar_cut_off_in_a_namespace_is_taken_over() {
-    if !sh("ip netns list") || !sh("test \"$(id -u)\" = 0") {
-        // CI runs as root with iproute2 (.ci/run installs it): there, this is a failure.
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "network namespaces need root and iproute2"
-        );
-        eprintln!("SKIPPED: network namespaces need root and iproute2");
-        return;
+/// Whether network namespaces can be made here. CI runs as root with iproute2 (.ci/run
+/// installs it): there, not being able to is a failure.
+fn namespaces_usable() -> bool {
+    if sh("ip netns list") && sh("test \"$(id -u)\" = 0") {
+        return true;
     }
-    let net = Netns::create(std::process::id() % 10_000);
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "network namespaces need root and iproute2"
+    );
+    eprintln!("SKIPPED: network namespaces need root and iproute2");
+    false
+}
+
+/// The three registrars, one in each namespace of `net`.
+fn in_namespaces(net: &Netns) -> Cluster {
     let nodes = (0..3)
         .map(|i| {
             let ip = IpAddr::from([10, 77, 0, i as u8 + 1]);
@@ -410,10 +414,19 @@ async fn a_registrar_cut_off_in_a_namespace_is_taken_over() {
             }
         })
         .collect();
+    Cluster { nodes }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registrar_cut_off_in_a_namespace_is_taken_over() {
+    if !namespaces_usable() {
+        return;
+    }
+    let net = Netns::create(std::process::id() % 10_000);
     let link = net.links[2].clone();
     let link2 = link.clone();
     fail_and_recover(
-        Cluster { nodes },
+        in_namespaces(&net),
         IpAddr::from([10, 77, 0, 254]),
         move |_| must(&format!("ip link set {link} down")),
         move |c| {
@@ -424,6 +437,61 @@ async fn a_registrar_cut_off_in_a_namespace_is_taken_over() {
         },
     )
     .await;
+    drop(net);
+}
+
+/// A registrar's link is cut for longer than a takeover takes, then comes back, with no
+/// restart (docs/RELIABILITY.md, "What earlier runs found"). Its peers take its PEs over and at
+/// no look (every 50 ms) does either lose one. Cut off, it hears neither peers nor PEs, so it
+/// takes over no one; back, it claims for a while the PEs that moved, and nothing of that
+/// reaches the others as news. Then all three agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registrar_back_from_a_cut_takes_nothing_from_the_others() {
+    if !namespaces_usable() {
+        return;
+    }
+    let net = Netns::create((std::process::id() + 5_000) % 10_000);
+    let mut cluster = in_namespaces(&net);
+    let (_pes, ids) = with_pes(&mut cluster, IpAddr::from([10, 77, 0, 254])).await;
+    let holds_all = |cluster: &Cluster, phase: &'static str| {
+        let (a, b) = (cluster.nodes[0].asap, cluster.nodes[1].asap);
+        let ids = &ids;
+        async move {
+            for (i, asap) in [(0, a), (1, b)] {
+                let got = resolve_ids(asap).await;
+                assert_eq!(
+                    &got,
+                    ids,
+                    "registrar {i} resolves {} PEs {phase}",
+                    got.len()
+                );
+            }
+        }
+    };
+    let link = &net.links[2];
+    must(&format!("ip link set {link} down"));
+    // Past a takeover: last heard, no response, the takeover's round trip.
+    let cut = Duration::from_millis(LAST_HEARD_MS + NO_RESPONSE_MS + 1_300);
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < cut {
+        holds_all(&cluster, "while registrar 2 is cut off").await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    must(&format!("ip link set {link} up"));
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < Duration::from_secs(4) {
+        holds_all(&cluster, "after registrar 2 came back").await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let t = wait_for(Duration::from_secs(20), "all three agree", || {
+        consistent(&cluster, &[0, 1, 2], &ids)
+    })
+    .await;
+    eprintln!("registrar 2 back from a {cut:?} cut; all three agree {t:?} later");
+    let st = registrar_status(cluster.nodes[2].status).await.unwrap();
+    assert_eq!(st.enrp.takeovers, 0, "cut off, it took over no one");
+    assert!(st.enrp.takeovers_deferred > 0, "{:?}", st.enrp);
+    drop(cluster);
     drop(net);
 }
 

@@ -109,6 +109,8 @@ struct Peer {
     /// The connection this registrar sends over.
     conn: Option<ConnId>,
     last_heard: Instant,
+    /// When it was last asked for a PRESENCE (it was silent, or its connection failed).
+    probed_at: Instant,
     /// The ownership checksum the peer last announced.
     checksum: Option<u16>,
     state: Liveness,
@@ -129,6 +131,7 @@ impl Peer {
             addr,
             conn: None,
             last_heard: now,
+            probed_at: now,
             checksum: None,
             state: Liveness::Alive,
             acks_pending: Vec::new(),
@@ -469,6 +472,7 @@ impl Enrp {
         p.state = Liveness::Probing {
             deadline: now + ms(self.cfg.max_time_no_response_ms),
         };
+        p.probed_at = now;
         let (id, conn) = (p.id, p.conn);
         debug!("ENRP peer {id:#010x} silent or disconnected: asking for PRESENCE");
         match conn {
@@ -936,11 +940,11 @@ impl Enrp {
             .filter(|p| p.id != 0 && p.id != target && p.state == Liveness::Alive)
             .map(|p| p.id)
             .collect();
-        if acks.is_empty() && out.network_last_heard() <= Some(self.peers[i].last_heard) {
-            // No peer to agree, and nothing heard from the network since the target went silent
-            // (no PE, no connection closed by its other end): this registrar may be the one cut
-            // off. A takeover now would reach the PEs when the link returns, seconds later, and
-            // take them from their live home. Ask again.
+        if acks.is_empty() && out.network_last_heard() < Some(self.peers[i].probed_at) {
+            // No peer to agree, and nothing heard from the network since the target was asked
+            // for a PRESENCE (no PE, no connection closed by its other end): this registrar may
+            // be the one cut off. A takeover now would reach the PEs when the link returns,
+            // seconds later, and take them from their live home. Ask again.
             if out.peer_log.allow(now) {
                 warn!(
                     "ENRP peer {target:#010x} silent, but no other peer and nothing from the \
@@ -953,6 +957,7 @@ impl Enrp {
             self.peers[i].state = Liveness::Probing {
                 deadline: now + ms(self.cfg.max_time_no_response_ms),
             };
+            self.peers[i].probed_at = now;
             return;
         }
         let p = &mut self.peers[i];
