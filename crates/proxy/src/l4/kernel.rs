@@ -516,6 +516,12 @@ pub(crate) async fn expire_loop(ks: Weak<KernelSplice>) {
 /// relaying between two.
 const HOLD_RETRIES: u32 = 3;
 const HOLD_AGAIN_AFTER: Duration = Duration::from_millis(500);
+/// What the proxy's sockets may hold (the client's send buffer, the PE's receive buffer; the
+/// kernel doubles it) while a connection waits for its hand-over. All of it must drain, at the
+/// client's pace, before the kernel takes over, and until then the connection dies with its
+/// proxy: with buffers the kernel grew to megabytes, a client reading 3 MB/s spent a second
+/// there.
+const BUFFER_BEFORE_HANDOVER: usize = 128 * 1024;
 
 pub(crate) enum Handed {
     /// The kernel carries the connection now (its entries, if the hand-over got that far).
@@ -533,6 +539,7 @@ pub(crate) async fn try_hand_over(
     pe: &Backend,
     ks: &Arc<KernelSplice>,
 ) -> Handed {
+    bound_buffers(&client, &backend);
     let handed = hand_over_when_quiet(client, backend, asked, pe, ks).await;
     match &handed {
         Handed::Kernel(_) => ks.handed_over.fetch_add(1, Ordering::Relaxed),
@@ -542,6 +549,14 @@ pub(crate) async fn try_hand_over(
         }
     };
     handed
+}
+
+/// Bounds the buffers a connection fills before its hand-over ([`BUFFER_BEFORE_HANDOVER`]).
+/// Set by hand, the kernel no longer grows them: a connection that stays in user space keeps
+/// them.
+fn bound_buffers(client: &TcpStream, backend: &TcpStream) {
+    let _ = socket2::SockRef::from(client).set_send_buffer_size(BUFFER_BEFORE_HANDOVER);
+    let _ = socket2::SockRef::from(backend).set_recv_buffer_size(BUFFER_BEFORE_HANDOVER);
 }
 
 async fn hand_over_when_quiet(
