@@ -144,6 +144,8 @@ struct Soak {
     clients: Option<tokio::task::JoinHandle<()>>,
     tier_traffic: Arc<tier_clients::TierTraffic>,
     tier_clients: Vec<std::thread::JoinHandle<()>>,
+    /// This episode's tier proxies that died: the connections they held on their sockets.
+    tier_on_dying: u64,
     planner: Planner,
     record: report::Record,
     // Last: the processes go before their network.
@@ -185,6 +187,7 @@ impl Soak {
             clients: None,
             tier_traffic: Arc::default(),
             tier_clients: Vec::new(),
+            tier_on_dying: 0,
             planner: Planner::new(
                 seed,
                 Layout {
@@ -327,6 +330,12 @@ impl Soak {
         self.fleet.kill(m);
     }
 
+    /// Connections through the tier broken and kept-alive requests failed, so far.
+    fn tier_breaks(&self) -> u64 {
+        let t = &self.tier_traffic;
+        t.broken.load(Ordering::Relaxed) + t.failed.load(Ordering::Relaxed)
+    }
+
     fn who(&self, m: usize) -> Option<Who> {
         if let Some(r) = self.fleet.registrars.iter().position(|&x| x == m) {
             return Some(Who::Registrar(r));
@@ -348,6 +357,8 @@ impl Soak {
         println!("{:7.1} s  {label}", self.start.elapsed().as_secs_f64());
         self.tracker().set_context(label.clone());
         let failed_before = self.requests.failed.load(Ordering::Relaxed);
+        let tier_before = self.tier_breaks();
+        self.tier_on_dying = 0;
         let t0 = Instant::now();
         for f in faults {
             self.record.faults[f.kind()] += 1;
@@ -380,6 +391,15 @@ impl Soak {
         let failed = self.requests.failed.load(Ordering::Relaxed) - failed_before;
         if failed > 0 {
             println!("           {failed} request(s) through the proxy failed");
+        }
+        let tier_breaks = self.tier_breaks() - tier_before;
+        if tier_breaks > 0 {
+            let dying = tier_breaks.min(self.tier_on_dying);
+            self.record.tier_on_dying += dying;
+            println!(
+                "           {tier_breaks} tier connection(s) broken or request(s) failed, {dying} \
+                 of them explained by a dying proxy's sockets"
+            );
         }
         self.tracker()
             .set_context(format!("the pause after {label}"));
@@ -457,6 +477,9 @@ impl Soak {
             }
             Fault::KillTierProxy { p, .. } => {
                 let m = self.fleet.tier_proxies[*p];
+                // What it holds on its sockets, not yet spliced, dies with it (docs/TIER.md).
+                let held = tier::on_sockets(&self.net, self.tier.router, *p);
+                self.tier_on_dying += held.unwrap_or(0);
                 self.kill_member(m);
                 self.net.set_link(self.fleet.members[m].host, false)?;
             }

@@ -32,6 +32,10 @@ pub struct Record {
     /// Upgrades whose successor took over, and those it did not (why).
     pub upgrades_handed: u32,
     pub upgrade_failures: Vec<String>,
+    /// Tier connections broken (and kept-alive requests failed) in episodes where a tier proxy
+    /// died holding at least that many on its own sockets, before their splice: the design's
+    /// limit (docs/TIER.md), not counted against the invariant.
+    pub tier_on_dying: u64,
 }
 
 /// One episode's faults and its convergence time after healing (or why it did not converge).
@@ -118,6 +122,12 @@ impl Summary {
         )
     }
 
+    /// Tier connections broken and kept-alive requests failed that no dying proxy's sockets
+    /// explain.
+    fn tier_unexplained(&self) -> u64 {
+        (self.tier.broken + self.tier.failed).saturating_sub(self.record.tier_on_dying)
+    }
+
     /// PEs with a gap beyond the settle bound.
     fn lost_pes(&self) -> usize {
         let mut v: Vec<usize> = self.lost.iter().map(|g| g.pe).collect();
@@ -162,16 +172,11 @@ impl Summary {
                 self.failed
             ));
         }
-        if self.tier.broken > 0 {
+        let unexplained = self.tier_unexplained();
+        if unexplained > 0 {
             v.push(format!(
-                "{} connection(s) through the proxy tier broken",
-                self.tier.broken
-            ));
-        }
-        if self.tier.failed > 0 {
-            v.push(format!(
-                "{} kept-alive request(s) through the proxy tier failed",
-                self.tier.failed
+                "{unexplained} connection(s) through the proxy tier broken or kept-alive \
+                 request(s) failed, beyond what dying proxies held on their sockets"
             ));
         }
         if !self.record.upgrade_failures.is_empty() {
@@ -298,6 +303,15 @@ impl Summary {
                 bold(t.failed),
                 t.connects_retried
             ),
+        ));
+        rows.push((
+            "of which on a dying tier proxy's sockets, before their splice (the design's limit)"
+                .into(),
+            r.tier_on_dying.to_string(),
+        ));
+        rows.push((
+            "tier connections broken or requests failed beyond that (must be 0)".into(),
+            bold(self.tier_unexplained()),
         ));
         rows.push((
             "processes that exited on their own".into(),

@@ -56,6 +56,27 @@ pub fn proxy_status(i: usize) -> SocketAddr {
     SocketAddr::from((proxy_addr(i), STATUS_PORT))
 }
 
+/// How many connections proxy `i` holds on its own sockets (not yet, or never, spliced): those
+/// die with it. Asked from the router's namespace; `None` if it does not answer.
+pub fn on_sockets(net: &Net, router: usize, i: usize) -> Option<u64> {
+    use std::io::{Read, Write};
+    let ns = net.hosts[router].netns.clone();
+    rserpool_ksplice::testbed::in_ns(&ns, move || {
+        let timeout = std::time::Duration::from_millis(500);
+        let mut s = std::net::TcpStream::connect_timeout(&proxy_status(i), timeout).ok()?;
+        s.set_read_timeout(Some(timeout)).ok()?;
+        s.write_all(b"GET /status HTTP/1.0\r\n\r\n").ok()?;
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).ok()?;
+        let (_, body) = answer.split_once("\r\n\r\n")?;
+        let v: serde_json::Value = serde_json::from_str(body).ok()?;
+        v.get("active_connections")?.as_u64()
+    })
+    .join()
+    .ok()
+    .flatten()
+}
+
 /// Builds the tier's network on `router` (a host of the bridge) for the servers on `servers`.
 pub fn attach(net: &mut Net, router: usize, servers: &[usize]) -> Result<Tier> {
     let rns = net.hosts[router].netns.clone();
