@@ -94,8 +94,9 @@ pub struct EnrpCounters {
     pub takeovers: u64,
     pub pes_taken_over: u64,
     pub takeovers_aborted: u64,
-    /// Takeovers not started: no other peer to agree and nothing heard from the network since
-    /// the peer was asked for a PRESENCE, so this registrar may be the one cut off.
+    /// Takeovers not started: no other peer to agree, and the network not heard both just
+    /// before the peer was asked for a PRESENCE and since, so this registrar may be the one cut
+    /// off.
     #[serde(default)]
     pub takeovers_deferred: u64,
     pub handle_table_blocks_sent: u64,
@@ -400,7 +401,7 @@ impl EnrpCounters {
             ),
             (
                 "rserpool_enrp_takeovers_deferred",
-                "Takeovers not started: no other peer to agree and nothing heard from the network (a PE, a connection closed by its other end) since the peer was asked for a PRESENCE: this registrar may be the one cut off.",
+                "Takeovers not started: no other peer to agree, and the network (a PE, a connection closed by its other end) not heard both just before the peer was asked for a PRESENCE and since: this registrar may be the one cut off.",
                 self.takeovers_deferred,
             ),
             (

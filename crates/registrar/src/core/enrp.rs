@@ -109,8 +109,10 @@ struct Peer {
     /// The connection this registrar sends over.
     conn: Option<ConnId>,
     last_heard: Instant,
-    /// When it was last asked for a PRESENCE (it was silent, or its connection failed).
+    /// When it was last asked for a PRESENCE (it was silent, or its connection failed), and
+    /// whether the network had been heard lately then (see [`Enrp::start_probe`]).
     probed_at: Instant,
+    probe_fresh: bool,
     /// The ownership checksum the peer last announced.
     checksum: Option<u16>,
     state: Liveness,
@@ -132,6 +134,7 @@ impl Peer {
             conn: None,
             last_heard: now,
             probed_at: now,
+            probe_fresh: false,
             checksum: None,
             state: Liveness::Alive,
             acks_pending: Vec::new(),
@@ -468,11 +471,8 @@ impl Enrp {
 
     /// Asks a silent peer for a PRESENCE (R bit); takeover follows without an answer.
     fn probe_peer(&mut self, i: usize, hs: &impl HandlespaceView, out: &mut Conns, now: Instant) {
-        let p = &mut self.peers[i];
-        p.state = Liveness::Probing {
-            deadline: now + ms(self.cfg.max_time_no_response_ms),
-        };
-        p.probed_at = now;
+        self.start_probe(i, out, now);
+        let p = &self.peers[i];
         let (id, conn) = (p.id, p.conn);
         debug!("ENRP peer {id:#010x} silent or disconnected: asking for PRESENCE");
         match conn {
@@ -482,6 +482,20 @@ impl Enrp {
                 out.send_enrp(conn, &msg, now);
             }
         }
+    }
+
+    /// Starts the wait for a probed peer's answer, after which it is taken over. Notes whether
+    /// the network was heard within the wait's length before: a probe sent while this registrar
+    /// was cut off proves nothing, for the answer may still be on its way when the link is
+    /// back (TCP's retransmission back-off delays it by seconds).
+    fn start_probe(&mut self, i: usize, out: &Conns, now: Instant) {
+        let wait = ms(self.cfg.max_time_no_response_ms);
+        let p = &mut self.peers[i];
+        p.state = Liveness::Probing {
+            deadline: now + wait,
+        };
+        p.probed_at = now;
+        p.probe_fresh = out.network_last_heard().is_some_and(|t| t + wait >= now);
     }
 
     /// The earliest ENRP timer.
@@ -749,7 +763,7 @@ impl Enrp {
                 self.add_peer(id, addr, hs, out, now)
             }
         };
-        let window = ms(self.cfg.keep_alive_interval_ms + self.cfg.keep_alive_timeout_ms);
+        let window = self.taken_over_window();
         self.taken_over.retain(|&(_, at)| at + window * 2 > now);
         if self.taken_over.iter().any(|&(t, _)| t == id) {
             info!(
@@ -940,24 +954,24 @@ impl Enrp {
             .filter(|p| p.id != 0 && p.id != target && p.state == Liveness::Alive)
             .map(|p| p.id)
             .collect();
-        if acks.is_empty() && out.network_last_heard() < Some(self.peers[i].probed_at) {
-            // No peer to agree, and nothing heard from the network since the target was asked
-            // for a PRESENCE (no PE, no connection closed by its other end): this registrar may
-            // be the one cut off. A takeover now would reach the PEs when the link returns,
-            // seconds later, and take them from their live home. Ask again.
+        let p = &self.peers[i];
+        let network_all_along = p.probe_fresh && out.network_last_heard() >= Some(p.probed_at);
+        if acks.is_empty() && !network_all_along {
+            // No peer to agree, and the network (a PE, a connection closed by its other end)
+            // was not heard both just before the target was asked for a PRESENCE and since:
+            // this registrar may be the one cut off, or just back. A takeover now would reach
+            // the PEs when the link returns, seconds later, and take them from their live
+            // home. Ask again.
             if out.peer_log.allow(now) {
                 warn!(
-                    "ENRP peer {target:#010x} silent, but no other peer and nothing from the \
-                     network heard since: this registrar may be the one cut off, so it does not \
-                     take over"
+                    "ENRP peer {target:#010x} silent, but no other peer, and the network was not \
+                     heard all through its probe: this registrar may be the one cut off, so it \
+                     does not take over yet"
                 );
             }
             self.counters.takeovers_deferred += 1;
             // The heartbeat reconnects; any message from the target revives it.
-            self.peers[i].state = Liveness::Probing {
-                deadline: now + ms(self.cfg.max_time_no_response_ms),
-            };
-            self.peers[i].probed_at = now;
+            self.start_probe(i, out, now);
             return;
         }
         let p = &mut self.peers[i];
@@ -1026,7 +1040,7 @@ impl Enrp {
         };
         self.send_alive(&msg, out, now);
         self.remove_peer(i, hs, out, now);
-        self.taken_over.push((target, now));
+        self.note_taken_over(target, now);
         self.alone |= !self
             .peers
             .iter()
@@ -1060,8 +1074,21 @@ impl Enrp {
         if let Some(t) = self.peer_index(target) {
             self.remove_peer(t, hs, out, now);
         }
-        self.taken_over.push((target, now));
+        self.note_taken_over(target, now);
         hs.hand_over(target, sender);
+    }
+
+    /// Remembers that `target` was taken over, for [`Self::taken_over`]'s while.
+    fn note_taken_over(&mut self, target: u32, now: Instant) {
+        let window = self.taken_over_window();
+        self.taken_over.retain(|&(_, at)| at + window * 2 > now);
+        self.taken_over.push((target, now));
+    }
+
+    /// A keep-alive interval and timeout: how long a registrar back from a cut may still
+    /// claim PEs that moved.
+    fn taken_over_window(&self) -> Duration {
+        ms(self.cfg.keep_alive_interval_ms + self.cfg.keep_alive_timeout_ms)
     }
 
     /// Forgets a peer (taken over). A configured address stays in the table, unnamed, so that
