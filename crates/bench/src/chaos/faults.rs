@@ -106,6 +106,8 @@ pub struct Layout {
     pub tier_proxies: usize,
     /// Whether their hosts die (else they are only upgraded).
     pub tier_deaths: bool,
+    /// Only the tier's faults.
+    pub only_tier: bool,
 }
 
 pub struct Planner {
@@ -178,6 +180,24 @@ impl Planner {
     }
 
     fn fault(&mut self) -> Fault {
+        let tier = self.layout.tier_proxies as u64;
+        if self.layout.only_tier && tier > 0 {
+            let p = self.between(0, tier - 1) as usize;
+            return match self.between(0, 3) {
+                0 => Fault::Upgrade {
+                    who: Upgraded::TierProxy(p),
+                    settle: self.ms(500, 2000),
+                },
+                _ if self.layout.tier_deaths => Fault::KillTierProxy {
+                    p,
+                    down: self.ms(1000, 8000),
+                },
+                _ => Fault::Upgrade {
+                    who: Upgraded::TierProxy(p),
+                    settle: self.ms(500, 2000),
+                },
+            };
+        }
         let pes = self.layout.pe_hosts.len();
         match self.between(0, 99) {
             0..25 => Fault::KillRegistrar {
@@ -249,6 +269,7 @@ mod tests {
             registrar_cut_max: Duration::from_millis(8000),
             tier_proxies: 2,
             tier_deaths: true,
+            only_tier: false,
         }
     }
 

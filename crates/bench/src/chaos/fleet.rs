@@ -290,11 +290,13 @@ impl Fleet {
         let log = self
             .logs
             .join(format!("{}.{}.log", member.name, member.starts));
+        // RSERPOOL_CHAOS_LOG: another filter for all but the targets (to look closer).
+        let chosen = std::env::var("RSERPOOL_CHAOS_LOG").unwrap_or_else(|_| "info".into());
         let filter = if member.kind == Kind::Target {
             // It reaches no registrar, and need not say so.
             "error"
         } else {
-            "info"
+            chosen.as_str()
         };
         let mut cmd = net.command(member.host, &self.rserpool);
         cmd.args(&member.args)

@@ -70,6 +70,10 @@ pub struct ChaosArgs {
     /// chance; CI's one-minute run leaves the deaths to the long runs and the tier tests.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub tier_deaths: bool,
+    /// Only the proxy tier's faults (its proxies' host deaths and upgrades), for a close look
+    /// at the tier; the rest of the soak runs undisturbed.
+    #[arg(long)]
+    pub only_tier: bool,
     /// Write the summary as a Markdown section into this file (e.g. docs/RELIABILITY.md).
     #[arg(long, value_name = "FILE")]
     pub markdown: Option<PathBuf>,
@@ -196,6 +200,7 @@ impl Soak {
                     registrar_cut_max: Duration::from_millis(args.registrar_cut_max_ms.max(500)),
                     tier_proxies: tier.proxies.len(),
                     tier_deaths: args.tier_deaths,
+                    only_tier: args.only_tier,
                 },
             ),
             record: report::Record::new(args, &kinds, hosts - 3),
