@@ -364,8 +364,9 @@ struct RawTierMember {
 // SAFETY: plain `repr(C)` data of 20 bytes without padding, as the program reads it.
 unsafe impl aya::Pod for RawTierMember {}
 
-/// CLOCK_MONOTONIC in nanoseconds: the clock of the program's bpf_ktime_get_ns.
-fn monotonic_ns() -> u64 {
+/// CLOCK_MONOTONIC in nanoseconds: the clock of the program's bpf_ktime_get_ns (and of
+/// [`SpliceState::last_ns`]).
+pub fn monotonic_ns() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     (t.tv_sec as u64)
         .saturating_mul(1_000_000_000)

@@ -58,6 +58,8 @@ pub(crate) struct KernelSplice {
     drain_within: Duration,
     handed_over: AtomicU64,
     user_space: AtomicU64,
+    /// See [`Self::distrust_adopted`]: CLOCK_MONOTONIC ns, 0 for none.
+    adopted_before: AtomicU64,
     held_to_drain: AtomicU64,
     table_full: AtomicU64,
     entries: AtomicUsize,
@@ -135,6 +137,7 @@ impl KernelSplice {
             drain_within: Duration::from_millis(cfg.drain_timeout_ms.max(1)),
             handed_over: AtomicU64::new(0),
             user_space: AtomicU64::new(0),
+            adopted_before: AtomicU64::new(0),
             held_to_drain: AtomicU64::new(0),
             table_full: AtomicU64::new(0),
             entries: AtomicUsize::new(0),
@@ -226,8 +229,27 @@ impl KernelSplice {
     }
 
     /// The spliced connections in the flow table (empty when it cannot be read).
+    /// The spliced connections, as the tier shares them: without those adopted at a fresh
+    /// start that carried no packet since ([`Self::distrust_adopted`]).
     pub(crate) fn splices(&self) -> Vec<SpliceState> {
-        self.dp().splices().unwrap_or_default()
+        let all = self.dp().splices().unwrap_or_default();
+        let since = self.adopted_before.load(Ordering::Relaxed);
+        if since == 0 {
+            return all;
+        }
+        all.into_iter()
+            .filter(|s| s.last_ns.iter().any(|&t| t >= since))
+            .collect()
+    }
+
+    /// This process started afresh (no predecessor handed it over) with a pinned flow table
+    /// that may have stood still while its host was away: connections ended meanwhile, and the
+    /// other members of the tier reused their ports. Sent to them, such an entry would take a
+    /// live connection's place. So an entry from before now is kept (it may be carried here
+    /// again) but not shared until it carries a packet; the others have every live one.
+    pub(crate) fn distrust_adopted(&self) {
+        self.adopted_before
+            .store(rserpool_ksplice::monotonic_ns(), Ordering::Relaxed);
     }
 
     /// The source address and interface towards `peer`, from the kernel's routes (a route

@@ -259,6 +259,9 @@ impl Tier {
     ) -> Result<Arc<Tier>, String> {
         let ports = cfg.port_range()?;
         let pool = cfg.pool.clone();
+        if taken.is_none() {
+            ks.distrust_adopted();
+        }
         Self::start_as(
             cfg,
             pool,
