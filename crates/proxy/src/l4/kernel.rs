@@ -543,7 +543,7 @@ const HOLD_AGAIN_AFTER: Duration = Duration::from_millis(500);
 /// client's pace, before the kernel takes over, and until then the connection dies with its
 /// proxy: with buffers the kernel grew to megabytes, a client reading 3 MB/s spent a second
 /// there.
-const BUFFER_BEFORE_HANDOVER: usize = 128 * 1024;
+const BUFFER_BEFORE_HANDOVER: usize = 64 * 1024;
 
 pub(crate) enum Handed {
     /// The kernel carries the connection now (its entries, if the hand-over got that far).
