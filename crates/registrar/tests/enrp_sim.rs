@@ -310,8 +310,8 @@ impl Sim {
     }
 
     /// The cuts heal, an isolation too. What was sent across one waits for TCP's next
-    /// retransmission, whose timer doubled from 200 ms while the cut lasted: a registrar back
-    /// from a cut hears its peers up to seconds after the link returns.
+    /// retransmission, whose timer doubled from 200–500 ms while the cut lasted: a registrar
+    /// back from a cut hears its peers up to seconds after the link returns, one before another.
     fn heal(&mut self) {
         let now = self.now;
         let mut keys: Vec<(usize, ConnId)> = self.pipes.keys().copied().collect();
@@ -322,7 +322,10 @@ impl Sim {
                 End::Pe(_) => self.isolated.filter(|i| i.0 == n).map(|i| i.1),
             };
             let Some(since) = since else { continue };
-            let (mut rto, mut retransmit) = (200, 200);
+            // The first timeout differs per connection (its round-trip estimate), and the
+            // doubling spreads it: one peer is heard again well before another.
+            let first = 200 + self.rng.below(300);
+            let (mut rto, mut retransmit) = (first, first);
             while since + retransmit < now {
                 rto *= 2;
                 retransmit += rto;
@@ -1087,4 +1090,127 @@ fn a_takeover_that_does_not_finish_is_taken_up_by_another_registrar() {
     let t = took_over.expect("A takes B over");
     // C's wait for acknowledgements and the time to tell, then A's own probe of B.
     assert!(t < 5_000, "took over at {t} ms");
+}
+
+/// Registrar C, back from a cut, hears A again before B (TCP's back-off holds B's messages)
+/// and starts taking B over. A heard B lately: it does not acknowledge at once but asks B, and
+/// B's answer ends the matter — no acknowledgement ever goes out. A second INIT_TAKEOVER for
+/// a B that stays silent is acknowledged once A's own probe of B goes unanswered.
+#[test]
+fn a_takeover_of_a_peer_heard_lately_waits_for_its_probe() {
+    use rserpool_wire::{EnrpBody, EnrpMessage, ServerInformation};
+    let (a_id, b_id, c_id) = (0x1000_0001, 0x1000_0101, 0x1000_0201);
+    let mut a = Registrar::new(config(3), a_id, at(0));
+    a.enable_enrp(enrp_addr(0), at(0));
+    let mut to = HashMap::new();
+    while let Some(action) = a.poll_action() {
+        if let Action::Connect(c, addr) = action {
+            to.insert(addr, c);
+        }
+    }
+    let (to_b, to_c) = (to[&enrp_addr(1)], to[&enrp_addr(2)]);
+    let msg = |sender: u32, body: EnrpBody| {
+        EnrpMessage {
+            sender,
+            receiver: a_id,
+            body,
+        }
+        .to_bytes()
+        .unwrap()
+    };
+    let presence = |sender: u32, node: usize| {
+        let server_info = ServerInformation {
+            server_id: sender,
+            transport: TransportAddress::tcp(enrp_addr(node)),
+        };
+        msg(
+            sender,
+            EnrpBody::Presence {
+                reply_required: false,
+                checksum: None,
+                server_info: Some(server_info),
+            },
+        )
+    };
+    let from_b = a.accept_enrp(enrp_addr(1), at(1)).unwrap();
+    let from_c = a.accept_enrp(enrp_addr(2), at(1)).unwrap();
+    a.handle_data(from_b, &presence(b_id, 1), at(2));
+    a.handle_data(from_c, &presence(c_id, 2), at(2));
+    // What A sends to C and to B from now on.
+    let sent = |a: &mut Registrar, conn: ConnId| -> Vec<EnrpBody> {
+        let mut framer = Framer::new(65_536);
+        framer.extend(a.output(conn));
+        let n = a.output(conn).len();
+        a.consume_output(conn, n);
+        std::iter::from_fn(|| framer.next_message().unwrap())
+            .map(|f| EnrpMessage::decode(&f).unwrap().body)
+            .collect()
+    };
+    let acks = |bodies: &[EnrpBody]| {
+        bodies
+            .iter()
+            .filter(|b| matches!(b, EnrpBody::InitTakeoverAck { target } if *target == b_id))
+            .count()
+    };
+    sent(&mut a, to_c);
+    sent(&mut a, to_b);
+    a.handle_data(from_b, &presence(b_id, 1), at(400));
+    a.handle_data(
+        from_c,
+        &msg(c_id, EnrpBody::InitTakeover { target: b_id }),
+        at(500),
+    );
+    assert_eq!(acks(&sent(&mut a, to_c)), 0, "no acknowledgement at once");
+    let asked = sent(&mut a, to_b).iter().any(|b| {
+        matches!(
+            b,
+            EnrpBody::Presence {
+                reply_required: true,
+                ..
+            }
+        )
+    });
+    assert!(asked, "A asks B for a PRESENCE");
+    // B answers: C's takeover is never acknowledged.
+    a.handle_data(from_b, &presence(b_id, 1), at(520));
+    for t in (600..3_000).step_by(100) {
+        a.handle_data(from_c, &presence(c_id, 2), at(t));
+        if t % 400 == 0 {
+            a.handle_data(from_b, &presence(b_id, 1), at(t));
+        }
+        if a.poll_timeout().is_some_and(|d| d <= at(t)) {
+            a.handle_timeout(at(t));
+        }
+        while a.poll_action().is_some() {}
+        assert_eq!(acks(&sent(&mut a, to_c)), 0, "acknowledged at {t} ms");
+    }
+    // Again, and B stays silent from now on: acknowledged once A's probe of B goes unanswered
+    // (MAX-TIME-NO-RESPONSE, 1 s here), and A does not take B over itself.
+    a.handle_data(
+        from_c,
+        &msg(c_id, EnrpBody::InitTakeover { target: b_id }),
+        at(3_000),
+    );
+    let mut acked = None;
+    for t in (3_000..6_000).step_by(50) {
+        if t % 200 == 0 {
+            a.handle_data(from_c, &presence(c_id, 2), at(t));
+        }
+        if a.poll_timeout().is_some_and(|d| d <= at(t)) {
+            a.handle_timeout(at(t));
+        }
+        while a.poll_action().is_some() {}
+        let to_c_now = sent(&mut a, to_c);
+        assert!(
+            !to_c_now
+                .iter()
+                .any(|b| matches!(b, EnrpBody::InitTakeover { .. })),
+            "A took B over itself"
+        );
+        if acked.is_none() && acks(&to_c_now) > 0 {
+            acked = Some(t);
+        }
+    }
+    let t = acked.expect("acknowledged after A's own probe");
+    assert!((3_900..=4_200).contains(&t), "acknowledged at {t} ms");
 }

@@ -117,6 +117,9 @@ struct Peer {
     checksum: Option<u16>,
     state: Liveness,
     acks_pending: Vec<u32>,
+    /// Registrars taking this peer over whose INIT_TAKEOVER waits for our own probe of it:
+    /// we heard it lately, and acknowledge only if it does not answer.
+    acks_owed: Vec<u32>,
     request: Option<Request>,
     /// Our traversal answering the peer's HANDLE_TABLE_REQUESTs (and its W bit).
     serving: Option<(SyncCursor, bool)>,
@@ -138,6 +141,7 @@ impl Peer {
             checksum: None,
             state: Liveness::Alive,
             acks_pending: Vec::new(),
+            acks_owed: Vec::new(),
             request: None,
             serving: None,
             marked: None,
@@ -431,8 +435,12 @@ impl Enrp {
                     }
                 }
                 Liveness::Probing { deadline } if deadline <= now => {
-                    warn!("ENRP peer {id:#010x} did not answer: taking over its PEs");
-                    self.start_takeover(i, hs, out, now);
+                    if self.peers[i].acks_owed.is_empty() {
+                        warn!("ENRP peer {id:#010x} did not answer: taking over its PEs");
+                        self.start_takeover(i, hs, out, now);
+                    } else {
+                        self.yield_takeover(i, out, now);
+                    }
                 }
                 Liveness::Inactive { deadline } if deadline <= now => {
                     info!(
@@ -541,6 +549,9 @@ impl Enrp {
         }
         match p.state {
             Liveness::Alive => self.probe_peer(i, hs, out, now),
+            Liveness::Probing { .. } if !p.acks_owed.is_empty() => {
+                self.yield_takeover(i, out, now);
+            }
             Liveness::Probing { .. } => {
                 warn!("ENRP peer {:#010x} unreachable: taking over its PEs", p.id);
                 self.start_takeover(i, hs, out, now);
@@ -720,6 +731,14 @@ impl Enrp {
     fn revive(&mut self, i: usize, now: Instant) {
         let p = &mut self.peers[i];
         p.last_heard = now;
+        if !p.acks_owed.is_empty() {
+            // It answered: the takeovers waiting for our acknowledgement expire unanswered.
+            info!(
+                "ENRP peer {:#010x} answered: not acknowledging its takeover by {:#010x?}",
+                p.id, p.acks_owed
+            );
+            p.acks_owed.clear();
+        }
         match p.state {
             Liveness::Alive => {}
             Liveness::TakingOver { .. } => {
@@ -1006,6 +1025,24 @@ impl Enrp {
         }
         if let Some(t) = self.peer_index(target) {
             let p = &mut self.peers[t];
+            let lately = p.last_heard + ms(self.cfg.max_time_last_heard_ms);
+            if (p.state == Liveness::Alive && now < lately) || !p.acks_owed.is_empty() {
+                // We heard it lately: the other registrar may be the one that was cut off (and
+                // is just back, its peers' messages still held by TCP's back-off). Ask the
+                // target first; acknowledge only if it does not answer.
+                if !p.acks_owed.contains(&sender) {
+                    p.acks_owed.push(sender);
+                }
+                if p.state == Liveness::Alive {
+                    info!(
+                        "registrar {sender:#010x} takes over {target:#010x}, which this one heard \
+                         lately: asking it first"
+                    );
+                    self.probe_peer(t, hs, out, now);
+                }
+                return;
+            }
+            let p = &mut self.peers[t];
             if matches!(p.state, Liveness::TakingOver { .. }) {
                 if self.id > sender {
                     // Ours wins the tie-break: the other registrar yields.
@@ -1021,6 +1058,24 @@ impl Enrp {
             };
         }
         self.send_to_peer(sender, EnrpBody::InitTakeoverAck { target }, out, now);
+    }
+
+    /// Our probe of a peer that other registrars take over went unanswered: acknowledge their
+    /// takeover and wait for its TAKEOVER_SERVER, as on an INIT_TAKEOVER for a silent peer.
+    fn yield_takeover(&mut self, i: usize, out: &mut Conns, now: Instant) {
+        let wait = self.cfg.takeover_expiry_ms + self.cfg.max_time_no_response_ms;
+        let p = &mut self.peers[i];
+        let target = p.id;
+        let owed = std::mem::take(&mut p.acks_owed);
+        p.state = Liveness::Inactive {
+            deadline: now + ms(wait),
+        };
+        info!(
+            "ENRP peer {target:#010x} did not answer: acknowledging its takeover by {owed:#010x?}"
+        );
+        for sender in owed {
+            self.send_to_peer(sender, EnrpBody::InitTakeoverAck { target }, out, now);
+        }
     }
 
     /// Every ACK is in: announce the takeover and become home of the target's PEs, which ASAP
