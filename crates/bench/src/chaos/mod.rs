@@ -66,8 +66,8 @@ pub struct ChaosArgs {
     pub logs: Option<PathBuf>,
     /// Whether the proxy tier's proxies die with their hosts among the faults (they are
     /// upgraded either way). A connection in its first moments, before its proxy spliced it,
-    /// dies with that proxy (docs/TIER.md), so a short run with a death fails now and then by
-    /// chance; CI's one-minute run leaves the deaths to the long runs and the tier tests.
+    /// dies with that proxy (docs/TIER.md) and is counted apart; CI's one-minute run leaves the
+    /// deaths to the long runs and the tier tests.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub tier_deaths: bool,
     /// Only the proxy tier's faults (its proxies' host deaths and upgrades), for a close look
