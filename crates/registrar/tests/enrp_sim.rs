@@ -1007,44 +1007,17 @@ fn a_malformed_enrp_message_gets_an_enrp_error() {
 /// wait for C's TAKEOVER_SERVER forever: it probes B itself and takes it over.
 #[test]
 fn a_takeover_that_does_not_finish_is_taken_up_by_another_registrar() {
-    use rserpool_wire::{EnrpBody, EnrpMessage, ServerInformation};
-    let (a_id, b_id, c_id) = (0x1000_0001, 0x1000_0101, 0x1000_0201);
-    let mut a = Registrar::new(config(3), a_id, at(0));
-    a.enable_enrp(enrp_addr(0), at(0));
-    let mut to = HashMap::new();
-    while let Some(action) = a.poll_action() {
-        if let Action::Connect(c, addr) = action {
-            to.insert(addr, c);
-        }
-    }
-    let (to_b, to_c) = (to[&enrp_addr(1)], to[&enrp_addr(2)]);
-    let msg = |sender: u32, body: EnrpBody| {
-        EnrpMessage {
-            sender,
-            receiver: a_id,
-            body,
-        }
-        .to_bytes()
-        .unwrap()
-    };
-    let presence = |sender: u32, node: usize| {
-        let server_info = ServerInformation {
-            server_id: sender,
-            transport: TransportAddress::tcp(enrp_addr(node)),
-        };
-        msg(
-            sender,
-            EnrpBody::Presence {
-                reply_required: false,
-                checksum: None,
-                server_info: Some(server_info),
-            },
-        )
-    };
-    let from_b = a.accept_enrp(enrp_addr(1), at(1)).unwrap();
-    let from_c = a.accept_enrp(enrp_addr(2), at(1)).unwrap();
-    a.handle_data(from_b, &presence(b_id, 1), at(2));
-    a.handle_data(from_c, &presence(c_id, 2), at(2));
+    use rserpool_wire::{EnrpBody, EnrpMessage};
+    let (b_id, c_id) = (B_ID, C_ID);
+    let Trio {
+        mut a,
+        to_b,
+        to_c,
+        from_b,
+        from_c,
+    } = Trio::new();
+    let msg = |sender: u32, body: EnrpBody| to_a(sender, body);
+    let presence = presence_to_a;
     // C takes B over; A yields. Then B's connections close, and C never finishes.
     a.handle_data(
         from_c,
@@ -1098,44 +1071,17 @@ fn a_takeover_that_does_not_finish_is_taken_up_by_another_registrar() {
 /// a B that stays silent is acknowledged once A's own probe of B goes unanswered.
 #[test]
 fn a_takeover_of_a_peer_heard_lately_waits_for_its_probe() {
-    use rserpool_wire::{EnrpBody, EnrpMessage, ServerInformation};
-    let (a_id, b_id, c_id) = (0x1000_0001, 0x1000_0101, 0x1000_0201);
-    let mut a = Registrar::new(config(3), a_id, at(0));
-    a.enable_enrp(enrp_addr(0), at(0));
-    let mut to = HashMap::new();
-    while let Some(action) = a.poll_action() {
-        if let Action::Connect(c, addr) = action {
-            to.insert(addr, c);
-        }
-    }
-    let (to_b, to_c) = (to[&enrp_addr(1)], to[&enrp_addr(2)]);
-    let msg = |sender: u32, body: EnrpBody| {
-        EnrpMessage {
-            sender,
-            receiver: a_id,
-            body,
-        }
-        .to_bytes()
-        .unwrap()
-    };
-    let presence = |sender: u32, node: usize| {
-        let server_info = ServerInformation {
-            server_id: sender,
-            transport: TransportAddress::tcp(enrp_addr(node)),
-        };
-        msg(
-            sender,
-            EnrpBody::Presence {
-                reply_required: false,
-                checksum: None,
-                server_info: Some(server_info),
-            },
-        )
-    };
-    let from_b = a.accept_enrp(enrp_addr(1), at(1)).unwrap();
-    let from_c = a.accept_enrp(enrp_addr(2), at(1)).unwrap();
-    a.handle_data(from_b, &presence(b_id, 1), at(2));
-    a.handle_data(from_c, &presence(c_id, 2), at(2));
+    use rserpool_wire::{EnrpBody, EnrpMessage};
+    let (b_id, c_id) = (B_ID, C_ID);
+    let Trio {
+        mut a,
+        to_b,
+        to_c,
+        from_b,
+        from_c,
+    } = Trio::new();
+    let msg = |sender: u32, body: EnrpBody| to_a(sender, body);
+    let presence = presence_to_a;
     // What A sends to C and to B from now on.
     let sent = |a: &mut Registrar, conn: ConnId| -> Vec<EnrpBody> {
         let mut framer = Framer::new(65_536);
@@ -1213,4 +1159,69 @@ fn a_takeover_of_a_peer_heard_lately_waits_for_its_probe() {
     }
     let t = acked.expect("acknowledged after A's own probe");
     assert!((3_900..=4_200).contains(&t), "acknowledged at {t} ms");
+}
+
+const A_ID: u32 = 0x1000_0001;
+const B_ID: u32 = 0x1000_0101;
+const C_ID: u32 = 0x1000_0201;
+
+/// Registrar A (node 0) with peers B and C (nodes 1 and 2), both heard: A's connections to
+/// them and theirs to it.
+struct Trio {
+    a: Registrar,
+    to_b: ConnId,
+    to_c: ConnId,
+    from_b: ConnId,
+    from_c: ConnId,
+}
+
+impl Trio {
+    fn new() -> Trio {
+        let mut a = Registrar::new(config(3), A_ID, at(0));
+        a.enable_enrp(enrp_addr(0), at(0));
+        let mut to = HashMap::new();
+        while let Some(action) = a.poll_action() {
+            if let Action::Connect(c, addr) = action {
+                to.insert(addr, c);
+            }
+        }
+        let from_b = a.accept_enrp(enrp_addr(1), at(1)).unwrap();
+        let from_c = a.accept_enrp(enrp_addr(2), at(1)).unwrap();
+        a.handle_data(from_b, &presence_to_a(B_ID, 1), at(2));
+        a.handle_data(from_c, &presence_to_a(C_ID, 2), at(2));
+        Trio {
+            a,
+            to_b: to[&enrp_addr(1)],
+            to_c: to[&enrp_addr(2)],
+            from_b,
+            from_c,
+        }
+    }
+}
+
+/// An ENRP message from `sender` to A.
+fn to_a(sender: u32, body: rserpool_wire::EnrpBody) -> Vec<u8> {
+    rserpool_wire::EnrpMessage {
+        sender,
+        receiver: A_ID,
+        body,
+    }
+    .to_bytes()
+    .unwrap()
+}
+
+/// A PRESENCE from `sender`, at node `node`, to A.
+fn presence_to_a(sender: u32, node: usize) -> Vec<u8> {
+    let server_info = rserpool_wire::ServerInformation {
+        server_id: sender,
+        transport: TransportAddress::tcp(enrp_addr(node)),
+    };
+    to_a(
+        sender,
+        rserpool_wire::EnrpBody::Presence {
+            reply_required: false,
+            checksum: None,
+            server_info: Some(server_info),
+        },
+    )
 }
