@@ -783,7 +783,7 @@ impl Enrp {
             }
         };
         let window = self.taken_over_window();
-        self.taken_over.retain(|&(_, at)| at + window * 2 > now);
+        self.forget_old_takeovers(now);
         if self.taken_over.iter().any(|&(t, _)| t == id) {
             info!(
                 "ENRP peer {id:#010x} is back after a takeover: not audited before its keep-alives have told it which PEs moved"
@@ -1135,9 +1135,15 @@ impl Enrp {
 
     /// Remembers that `target` was taken over, for [`Self::taken_over`]'s while.
     fn note_taken_over(&mut self, target: u32, now: Instant) {
+        self.forget_old_takeovers(now);
+        self.taken_over.push((target, now));
+    }
+
+    /// Takeovers older than twice [`Self::taken_over_window`]: a peer back after that long has
+    /// no PE left that it could wrongly claim.
+    fn forget_old_takeovers(&mut self, now: Instant) {
         let window = self.taken_over_window();
         self.taken_over.retain(|&(_, at)| at + window * 2 > now);
-        self.taken_over.push((target, now));
     }
 
     /// A keep-alive interval and timeout: how long a registrar back from a cut may still
