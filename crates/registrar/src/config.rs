@@ -217,6 +217,19 @@ impl Config {
         }
     }
 
+    /// The longest a PE whose keep-alive went unanswered is kept, counted from the
+    /// keep-alive: three timeouts, while the network showed nothing that proves the PE gone
+    /// (docs/RELIABILITY.md).
+    pub fn keep_alive_wait_limit(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.keep_alive_timeout_ms.saturating_mul(3))
+    }
+
+    /// A keep-alive interval and the longest wait for its answer: how long a registrar back
+    /// from a cut may still claim PEs that moved to another home meanwhile.
+    pub fn taken_over_window(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.keep_alive_interval_ms) + self.keep_alive_wait_limit()
+    }
+
     /// Reads a TOML file; missing keys keep their defaults, unknown keys are an error.
     pub fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
         toml::from_str(text)

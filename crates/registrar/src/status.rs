@@ -71,6 +71,15 @@ pub struct Counters {
     #[serde(default)]
     pub unreachable_refuted: u64,
     pub removed_keep_alive_timeout: u64,
+    /// Keep-alive timeouts that did not remove their PE yet, because the network had shown
+    /// nothing meanwhile (this registrar may have been the one cut off) or the answer may
+    /// still lag behind a dark spell.
+    #[serde(default)]
+    pub keep_alive_timeouts_held: u64,
+    /// PEs lost (association closed, keep-alive unanswered) soon after a takeover of this
+    /// registrar, or a silence long enough for one: kept as the new home's, not removed.
+    #[serde(default)]
+    pub kept_after_takeover: u64,
     pub removed_connection_closed: u64,
     pub removed_unreachable: u64,
     pub removed_lifetime_expired: u64,
@@ -278,6 +287,16 @@ impl Counters {
                 "rserpool_registrar_keep_alive_acks",
                 "ENDPOINT_KEEP_ALIVE_ACKs received.",
                 self.keep_alive_acks,
+            ),
+            (
+                "rserpool_registrar_keep_alive_timeouts_held",
+                "Keep-alive timeouts that did not remove their PE yet: the network had shown nothing meanwhile.",
+                self.keep_alive_timeouts_held,
+            ),
+            (
+                "rserpool_registrar_kept_after_takeover",
+                "PEs lost just after a takeover of this registrar (or a silence long enough for one), kept as the new home's.",
+                self.kept_after_takeover,
             ),
             (
                 "rserpool_registrar_unreachable_reports",

@@ -187,3 +187,93 @@ fn a_registrar_that_hears_no_one_holds_its_takeover_back() {
     assert!(taken.is_some(), "taken over at last");
     assert_eq!(r.enrp_counters().takeovers, 1);
 }
+
+/// ENRP messages from the peer on a new connection, decoded.
+fn enrp_out(r: &mut Registrar, c: ConnId) -> Vec<EnrpMessage> {
+    let mut framer = rserpool_wire::Framer::new(65_536);
+    framer.extend(r.output(c));
+    let n = r.output(c).len();
+    r.consume_output(c, n);
+    std::iter::from_fn(|| framer.next_message().ok().flatten())
+        .filter_map(|f| EnrpMessage::decode(&f).ok())
+        .collect()
+}
+
+fn presence_of_peer() -> Vec<u8> {
+    enrp(EnrpBody::Presence {
+        reply_required: false,
+        checksum: None,
+        server_info: Some(ServerInformation {
+            server_id: PEER,
+            transport: TransportAddress::tcp(addr(2, 9901)),
+        }),
+    })
+}
+
+/// A registrar was cut off and taken over; back, it hears so from the new home. A PE of its
+/// own that it loses then (it moved: its association here closes) stays in the handlespace as
+/// the new home's, rather than leaving it and this registrar's subscribers with an emptying
+/// pool. Without the news, the same close removes it.
+#[test]
+fn a_pe_lost_just_after_a_takeover_stays_as_the_new_homes() {
+    for told in [false, true] {
+        let mut r = with_a_peer_and_its_pe();
+        let pe = own_pe_registers(&mut r, None, 100);
+        assert_eq!(r.handlespace().len(), 2);
+        if told {
+            let c = r.accept_enrp(addr(2, 40_001), at(200)).unwrap();
+            r.handle_data(c, &presence_of_peer(), at(200));
+            let msg = EnrpMessage {
+                sender: PEER,
+                receiver: US,
+                body: EnrpBody::TakeoverServer { target: US },
+            };
+            r.handle_data(c, &msg.to_bytes().unwrap(), at(210));
+        }
+        r.handle_closed_by_peer(pe, at(300));
+        let hs = r.handlespace();
+        let homes: Vec<u32> = hs
+            .pools()
+            .flat_map(|(h, _, _)| hs.members(h.as_bytes()).collect::<Vec<_>>())
+            .map(|x| &hs.pe(x).element)
+            .filter(|e| e.id == 0x88)
+            .map(|e| e.home_registrar)
+            .collect();
+        if told {
+            assert_eq!(
+                homes,
+                [PEER],
+                "the PE stays, homed at the registrar that took us over"
+            );
+            assert_eq!(r.status(at(300)).counters.kept_after_takeover, 1);
+        } else {
+            assert_eq!(
+                homes,
+                Vec::<u32>::new(),
+                "without a takeover, a closed association removes its PE"
+            );
+        }
+    }
+}
+
+/// The registrar that took a peer over tells it so when it speaks again (it was only cut off),
+/// once, on the connection it spoke on.
+#[test]
+fn a_peer_taken_over_hears_so_when_it_is_back() {
+    let mut r = with_a_peer_and_its_pe();
+    let mut t = 20;
+    takeover_connect(&mut r, &mut t, 10_000, true).expect("taken over");
+    assert_eq!(r.enrp_counters().takeovers, 1);
+    let c = r.accept_enrp(addr(2, 40_002), at(t)).unwrap();
+    for _ in 0..2 {
+        r.handle_data(c, &presence_of_peer(), at(t));
+        actions(&mut r);
+        t += 100;
+    }
+    let told: Vec<_> = enrp_out(&mut r, c)
+        .into_iter()
+        .filter(|m| matches!(m.body, EnrpBody::TakeoverServer { target: PEER }))
+        .collect();
+    assert_eq!(told.len(), 1, "told once: {told:?}");
+    assert_eq!((told[0].sender, told[0].receiver), (US, PEER));
+}

@@ -59,11 +59,14 @@ struct PeMeta {
     conn: Option<ConnId>,
     /// When the registration life runs out; [`Instant::MAX`] = never.
     expiry: Instant,
+    /// When the last ENDPOINT_KEEP_ALIVE went to the PE.
+    keep_alive_sent: Instant,
 }
 
 const NO_META: PeMeta = PeMeta {
     conn: None,
     expiry: Instant::MAX,
+    keep_alive_sent: Instant::from_millis(0),
 };
 
 /// The handlespace as this registrar serves it over ASAP.
@@ -134,7 +137,8 @@ impl Asap {
         }
     }
 
-    /// The connection closed: the PEs registered over it leave.
+    /// The connection closed: the PEs registered over it leave, unless
+    /// [`kept_after_takeover`](Self::kept_after_takeover).
     pub(super) fn connection_closed(
         &mut self,
         pes: Vec<PeRef>,
@@ -144,9 +148,51 @@ impl Asap {
     ) {
         for r in pes {
             // Unbind first so remove_pe does not look for the connection.
-            self.meta[r.index() as usize].conn = None;
-            self.remove_pe(r, Removal::ConnectionClosed, out, enrp, now);
+            let m = self.meta_of(r);
+            self.set_meta(r, PeMeta { conn: None, ..m });
+            if !self.kept_after_takeover(r, out, enrp, now) {
+                self.remove_pe(r, Removal::ConnectionClosed, out, enrp, now);
+            }
         }
+    }
+
+    /// A PE this registrar is home for was lost (its association closed, or its keep-alive
+    /// went unanswered) soon after this registrar was taken over, or after a silence long
+    /// enough for that: the PE most likely moved to its new home, which closed the
+    /// association here. Removing it would push an emptying pool to this registrar's
+    /// subscribers and tell the peers to remove it. It stays, as the new home's when the
+    /// TAKEOVER_SERVER came ([`Enrp::new_home`]); otherwise unsupervised until that message
+    /// hands it over ([`HandlespaceView::hand_over`]) or, if none comes within
+    /// [`Config::taken_over_window`], it leaves then. Returns whether it stays.
+    fn kept_after_takeover(
+        &mut self,
+        r: PeRef,
+        out: &mut Conns,
+        enrp: &Enrp,
+        now: Instant,
+    ) -> bool {
+        if self.hs.pe(r).element.home_registrar != self.id {
+            return false;
+        }
+        let window = self.cfg.taken_over_window();
+        let m = self.meta_of(r);
+        let at = match enrp.new_home(now) {
+            Some(home) => {
+                self.hs.set_home(r, home);
+                m.expiry
+            }
+            None => {
+                let takeover_time = Duration::from_millis(self.cfg.max_time_last_heard_ms / 2);
+                if !out.back_from_dark(takeover_time, window, now) {
+                    return false;
+                }
+                // Expiring before its registration life means: removed for its closed association.
+                m.expiry.min(now + window)
+            }
+        };
+        self.counters.kept_after_takeover += 1;
+        self.schedule(r, TimerKind::LifetimeExpiry, at);
+        true
     }
 
     /// The earliest supervision timer or announce.
@@ -164,9 +210,7 @@ impl Asap {
         for (r, kind) in expired.drain(..) {
             match kind {
                 TimerKind::KeepAliveTransmission => self.send_keep_alive(r, false, out, now),
-                TimerKind::KeepAliveTimeout => {
-                    self.remove_pe(r, Removal::KeepAliveTimeout, out, enrp, now)
-                }
+                TimerKind::KeepAliveTimeout => self.keep_alive_timed_out(r, out, enrp, now),
                 TimerKind::LifetimeExpiry => {
                     let m = self.meta[r.index() as usize];
                     if let Some(conn) = m.conn {
@@ -178,7 +222,12 @@ impl Asap {
                         };
                         out.send_asap(conn, &msg, now);
                     }
-                    self.remove_pe(r, Removal::LifetimeExpired, out, enrp, now);
+                    let why = if m.expiry > now {
+                        Removal::ConnectionClosed
+                    } else {
+                        Removal::LifetimeExpired
+                    };
+                    self.remove_pe(r, why, out, enrp, now);
                 }
             }
         }
@@ -190,6 +239,49 @@ impl Asap {
             out.push(Action::Announce(data.clone()));
             *next = now + Duration::from_millis(self.cfg.announce_interval_ms.max(1));
         }
+    }
+
+    /// No ENDPOINT_KEEP_ALIVE_ACK within the keep-alive timeout. The PE is taken for gone if
+    /// the network worked meanwhile; if this registrar may have been cut off instead (nothing
+    /// heard since, or a dark spell the answer may still lag behind, see
+    /// [`Conns::answer_may_lag`]), the PE gets until then, up to three timeouts in all: a
+    /// registrar cut off for less than its peers take to take it over keeps its PEs.
+    fn keep_alive_timed_out(&mut self, r: PeRef, out: &mut Conns, enrp: &mut Enrp, now: Instant) {
+        let m = self.meta_of(r);
+        let limit = m.keep_alive_sent + self.cfg.keep_alive_wait_limit();
+        match out.answer_may_lag(m.keep_alive_sent, now) {
+            Some(due) if now < limit => {
+                self.counters.keep_alive_timeouts_held += 1;
+                if m.expiry <= due.min(limit) {
+                    self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
+                } else {
+                    self.schedule(r, TimerKind::KeepAliveTimeout, due.min(limit));
+                }
+            }
+            _ => {
+                if self.kept_after_takeover(r, out, enrp, now) {
+                    self.detach(r, out);
+                } else {
+                    self.remove_pe(r, Removal::KeepAliveTimeout, out, enrp, now);
+                }
+            }
+        }
+    }
+
+    /// Unbinds PE `r` from its association; an association left without PEs is reset (see
+    /// [`remove_pe`](Self::remove_pe)).
+    fn detach(&mut self, r: PeRef, out: &mut Conns) {
+        let m = self.meta_of(r);
+        if let Some(conn) = m.conn
+            && let Some(c) = out.get_mut(conn)
+            && let Some(pos) = c.pes.iter().position(|&x| x == r)
+        {
+            c.pes.swap_remove(pos);
+            if c.pes.is_empty() {
+                out.abort(conn);
+            }
+        }
+        self.set_meta(r, PeMeta { conn: None, ..m });
     }
 
     /// An ASAP message on connection `id`.
@@ -423,6 +515,7 @@ impl Asap {
                 PeMeta {
                     conn: Some(id),
                     expiry,
+                    ..NO_META
                 },
             );
             self.schedule_supervision(r, now);
@@ -444,6 +537,7 @@ impl Asap {
                     PeMeta {
                         conn: Some(id),
                         expiry,
+                        ..NO_META
                     },
                 );
                 if !bound && let Some(c) = out.get_mut(id) {
@@ -761,6 +855,13 @@ impl Asap {
         };
         self.counters.keep_alives_sent += 1;
         out.send_asap(conn, &msg, now);
+        self.set_meta(
+            r,
+            PeMeta {
+                keep_alive_sent: now,
+                ..m
+            },
+        );
         let timeout = now + Duration::from_millis(self.cfg.keep_alive_timeout_ms);
         if m.expiry <= timeout {
             self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
@@ -908,7 +1009,14 @@ impl HandlespaceView for Asap {
                         .register(&pool_handle, pe, now.as_millis())
                         .map(|reg| reg.pe),
                 }?;
-                self.set_meta(r, PeMeta { conn: None, expiry });
+                self.set_meta(
+                    r,
+                    PeMeta {
+                        conn: None,
+                        expiry,
+                        ..NO_META
+                    },
+                );
                 self.schedule(r, TimerKind::LifetimeExpiry, expiry);
             }
             UpdateAction::DelPe => {
@@ -993,8 +1101,8 @@ impl HandlespaceView for Asap {
                 },
                 None => None,
             };
-            let expiry = self.meta_of(r).expiry;
-            self.set_meta(r, PeMeta { conn, expiry });
+            let m = self.meta_of(r);
+            self.set_meta(r, PeMeta { conn, ..m });
             match conn {
                 Some(c) => {
                     if let Some(cc) = out.get_mut(c) {
@@ -1002,19 +1110,25 @@ impl HandlespaceView for Asap {
                     }
                     self.send_keep_alive(r, true, out, now);
                 }
-                None => self.schedule(r, TimerKind::LifetimeExpiry, expiry),
+                None => self.schedule(r, TimerKind::LifetimeExpiry, m.expiry),
             }
         }
         refs.len()
     }
 
-    fn hand_over(&mut self, target: u32, home: u32) {
+    fn hand_over(&mut self, target: u32, home: u32) -> usize {
         let refs: Vec<PeRef> = self.hs.owned(target).collect();
+        let mut moved = 0;
         for r in refs {
-            if self.meta_of(r).conn.is_none() {
+            let m = self.meta_of(r);
+            if m.conn.is_none() {
                 self.hs.set_home(r, home);
+                // A PE held after its association closed lives on as the new home's.
+                self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
+                moved += 1;
             }
         }
+        moved
     }
 }
 

@@ -23,6 +23,7 @@ use rserpool_wire::{
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 use tracing::warn;
 
 /// A connection (association) of the registrar, named by the core.
@@ -116,6 +117,12 @@ pub(super) struct Conns {
     /// When the network last showed that it reaches this registrar; see
     /// [`heard_from_network`](Self::heard_from_network).
     network_heard: Option<Instant>,
+    /// The time between the last two pieces of that evidence: short when the network is
+    /// talkative (many PEs, peers), long when it is sparse (one PE, no peer).
+    network_gap: Option<Duration>,
+    /// The latest dark spell: a silence longer than a quarter of the keep-alive timeout after
+    /// the network had been talkative; the evidence before it and the evidence that ended it.
+    network_dark: Option<(Instant, Instant)>,
 }
 
 impl Conns {
@@ -135,14 +142,57 @@ impl Conns {
             tls_refused: 0,
             errors_sent: BTreeMap::new(),
             network_heard: None,
+            network_gap: None,
+            network_dark: None,
         }
     }
 
     /// Something arrived that only a reachable network brings: a PE's registration or
-    /// keep-alive answer, or a connection closed, reset or refused by its other end. A
-    /// registrar that hears nothing of the kind, and no peer, may be the one cut off.
+    /// keep-alive answer, a peer registrar's message, or a connection closed, reset or refused
+    /// by its other end. A registrar that hears nothing of the kind may be the one cut off.
     pub(super) fn heard_from_network(&mut self, now: Instant) {
+        if let Some(last) = self.network_heard {
+            let gap = now.saturating_duration_since(last);
+            if gap > self.dark_spell() && self.talkative() {
+                self.network_dark = Some((last, now));
+            }
+            self.network_gap = Some(gap);
+        }
         self.network_heard = Some(now);
+    }
+
+    /// Whether the network brought evidence often lately: only then does a silence say
+    /// that this registrar may be cut off.
+    fn talkative(&self) -> bool {
+        self.network_gap.is_some_and(|g| g <= self.dark_spell())
+    }
+
+    /// A silence this long counts as a dark spell (the registrar may have been cut off).
+    fn dark_spell(&self) -> Duration {
+        Duration::from_millis(self.cfg.keep_alive_timeout_ms / 4)
+    }
+
+    /// Whether a dark spell of at least `len` ended within `within` before `now`: long enough
+    /// for the peers to take this registrar over, and recent enough for that to be news still.
+    pub(super) fn back_from_dark(&self, len: Duration, within: Duration, now: Instant) -> bool {
+        self.network_dark.is_some_and(|(before, back)| {
+            back.saturating_duration_since(before) >= len && back + within > now
+        })
+    }
+
+    /// An answer to what was sent at `sent` has not come by `now`: until when it may still be
+    /// on its way, or `None` if it would have come. When a talkative network has shown nothing
+    /// since `sent`, this registrar may be the one cut off: a little longer (a sparse one, as
+    /// with a single PE, proves nothing by its silence). After a dark spell that ended since
+    /// `sent`, TCP's retransmission timer doubled through the spell, and what was sent in it
+    /// arrives up to as long again after it: until the end of the spell plus twice its length.
+    pub(super) fn answer_may_lag(&self, sent: Instant, now: Instant) -> Option<Instant> {
+        if self.network_heard.is_none_or(|t| t <= sent) {
+            return self.talkative().then(|| now + self.dark_spell());
+        }
+        let (before, back) = self.network_dark?;
+        let due = back + back.saturating_duration_since(before) * 2;
+        (back > sent && due > now).then_some(due)
     }
 
     pub(super) fn network_last_heard(&self) -> Option<Instant> {

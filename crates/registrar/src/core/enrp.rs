@@ -69,8 +69,9 @@ pub(super) trait HandlespaceView {
     /// Becomes home of `target`'s PEs and tells each over a new ASAP association
     /// (ENDPOINT_KEEP_ALIVE with the H bit); returns how many.
     fn take_over(&mut self, target: u32, out: &mut Conns, now: Instant) -> usize;
-    /// Registrar `home` took over `target`: its PEs not associated here are `home`'s now.
-    fn hand_over(&mut self, target: u32, home: u32);
+    /// Registrar `home` took over `target`: its PEs not associated here are `home`'s now;
+    /// returns how many.
+    fn hand_over(&mut self, target: u32, home: u32) -> usize;
 }
 
 /// What this registrar believes about a peer.
@@ -150,6 +151,15 @@ impl Peer {
     }
 }
 
+/// A peer taken over lately; see [`Enrp::taken_over`].
+struct TakenOver {
+    target: u32,
+    at: Instant,
+    /// Taken over by us, and not yet told so: when it speaks again, it hears our
+    /// TAKEOVER_SERVER, so that it hands over the PEs that moved instead of removing them.
+    untold: bool,
+}
+
 /// ENRP's state: the peers, their takeovers, start-up synchronisation.
 pub(super) struct Enrp {
     cfg: Arc<Config>,
@@ -161,8 +171,10 @@ pub(super) struct Enrp {
     /// Peers taken over lately (by us or another), and when. One that was only cut off comes
     /// back still claiming the PEs that moved to their new home, until its keep-alives to them
     /// fail; an audit meanwhile would take its claims for news and hand those PEs back to it.
-    /// So it is audited only after a keep-alive interval and timeout.
-    taken_over: Vec<(u32, Instant)>,
+    /// So it is audited only after [`Config::taken_over_window`].
+    taken_over: Vec<TakenOver>,
+    /// The registrar that told us it took us over (TAKEOVER_SERVER), and when.
+    taken_over_by: Option<(u32, Instant)>,
     next_heartbeat: Instant,
     /// Start-up: looking for a mentor until this time, or synchronising from `mentor`.
     starting: Option<Instant>,
@@ -182,6 +194,7 @@ impl Enrp {
             local: None,
             peers: Vec::new(),
             taken_over: Vec::new(),
+            taken_over_by: None,
             next_heartbeat: Instant::default(),
             starting: None,
             mentor: None,
@@ -238,6 +251,7 @@ impl Enrp {
         if msg.sender == self.id || msg.sender == 0 {
             return;
         }
+        out.heard_from_network(now);
         if matches!(msg.body, EnrpBody::Presence { .. }) {
             self.heard_peer(msg.sender, &msg.body, hs, out, now);
         }
@@ -576,6 +590,7 @@ impl Enrp {
         if msg.sender == self.id || msg.sender == 0 {
             return;
         }
+        out.heard_from_network(now);
         if msg.receiver != 0 && msg.receiver != self.id {
             debug!(
                 "ENRP {} from {:#010x} for {:#010x} ignored",
@@ -594,6 +609,7 @@ impl Enrp {
             return;
         };
         let sender = msg.sender;
+        self.tell_taken_over(sender, id, out, now);
         match msg.body {
             EnrpBody::Presence {
                 reply_required,
@@ -782,9 +798,9 @@ impl Enrp {
                 self.add_peer(id, addr, hs, out, now)
             }
         };
-        let window = self.taken_over_window();
+        let window = self.cfg.taken_over_window();
         self.forget_old_takeovers(now);
-        if self.taken_over.iter().any(|&(t, _)| t == id) {
+        if self.taken_over.iter().any(|t| t.target == id) {
             info!(
                 "ENRP peer {id:#010x} is back after a takeover: not audited before its keep-alives have told it which PEs moved"
             );
@@ -1095,7 +1111,7 @@ impl Enrp {
         };
         self.send_alive(&msg, out, now);
         self.remove_peer(i, hs, out, now);
-        self.note_taken_over(target, now);
+        self.note_taken_over(target, true, now);
         self.alone |= !self
             .peers
             .iter()
@@ -1116,8 +1132,13 @@ impl Enrp {
     ) {
         if target == self.id {
             // Cut off for a while and declared dead. The PEs still associated here stay; the
-            // ones the new home reached moved already. Audits reconcile the rest.
-            warn!("registrar {sender:#010x} took over this registrar: announcing PRESENCE");
+            // ones the new home reached moved, and those whose associations closed since are
+            // the new home's (see `Asap::connection_closed`). Audits reconcile the rest.
+            self.taken_over_by = Some((sender, now));
+            let moved = hs.hand_over(self.id, sender);
+            warn!(
+                "registrar {sender:#010x} took over this registrar: {moved} PE(s) whose associations closed are its now; announcing PRESENCE"
+            );
             let msg = self.presence(0, false, hs);
             self.send_all(&msg, out, now);
             return;
@@ -1129,27 +1150,54 @@ impl Enrp {
         if let Some(t) = self.peer_index(target) {
             self.remove_peer(t, hs, out, now);
         }
-        self.note_taken_over(target, now);
+        self.note_taken_over(target, false, now);
         hs.hand_over(target, sender);
     }
 
-    /// Remembers that `target` was taken over, for [`Self::taken_over`]'s while.
-    fn note_taken_over(&mut self, target: u32, now: Instant) {
-        self.forget_old_takeovers(now);
-        self.taken_over.push((target, now));
+    /// The registrar that took this one over within [`Config::taken_over_window`]: the
+    /// PEs lost here meanwhile most likely moved to it.
+    pub(super) fn new_home(&self, now: Instant) -> Option<u32> {
+        let window = self.cfg.taken_over_window();
+        self.taken_over_by
+            .filter(|&(_, at)| at + window > now)
+            .map(|(home, _)| home)
     }
 
-    /// Takeovers older than twice [`Self::taken_over_window`]: a peer back after that long has
+    /// Remembers that `target` was taken over, for [`Self::taken_over`]'s while.
+    fn note_taken_over(&mut self, target: u32, by_us: bool, now: Instant) {
+        self.forget_old_takeovers(now);
+        self.taken_over.push(TakenOver {
+            target,
+            at: now,
+            untold: by_us,
+        });
+    }
+
+    /// A peer we took over speaks again (it was only cut off): tells it, once, over the
+    /// connection it spoke on.
+    fn tell_taken_over(&mut self, sender: u32, conn: ConnId, out: &mut Conns, now: Instant) {
+        let Some(t) = self
+            .taken_over
+            .iter_mut()
+            .find(|t| t.target == sender && t.untold)
+        else {
+            return;
+        };
+        t.untold = false;
+        info!("ENRP peer {sender:#010x} is back: telling it that this registrar took it over");
+        let msg = EnrpMessage {
+            sender: self.id,
+            receiver: sender,
+            body: EnrpBody::TakeoverServer { target: sender },
+        };
+        out.send_enrp(conn, &msg, now);
+    }
+
+    /// Takeovers older than twice [`Config::taken_over_window`]: a peer back after that long has
     /// no PE left that it could wrongly claim.
     fn forget_old_takeovers(&mut self, now: Instant) {
-        let window = self.taken_over_window();
-        self.taken_over.retain(|&(_, at)| at + window * 2 > now);
-    }
-
-    /// A keep-alive interval and timeout: how long a registrar back from a cut may still
-    /// claim PEs that moved.
-    fn taken_over_window(&self) -> Duration {
-        ms(self.cfg.keep_alive_interval_ms + self.cfg.keep_alive_timeout_ms)
+        let window = self.cfg.taken_over_window();
+        self.taken_over.retain(|t| t.at + window * 2 > now);
     }
 
     /// Forgets a peer (taken over). A configured address stays in the table, unnamed, so that
