@@ -217,8 +217,8 @@ impl Config {
         }
     }
 
-    /// The longest a PE whose keep-alive went unanswered is kept, counted from the
-    /// keep-alive: three timeouts, while the network showed nothing that proves the PE gone
+    /// The longest a keep-alive's answer may lag behind the end of a silence of the network
+    /// (TCP's retransmission back-off), beyond one more timeout: three timeouts
     /// (docs/RELIABILITY.md).
     pub fn keep_alive_wait_limit(&self) -> std::time::Duration {
         std::time::Duration::from_millis(self.keep_alive_timeout_ms.saturating_mul(3))

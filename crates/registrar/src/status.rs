@@ -80,6 +80,10 @@ pub struct Counters {
     /// registrar, or a silence long enough for one: kept as the new home's, not removed.
     #[serde(default)]
     pub kept_after_takeover: u64,
+    /// PEs taken over from a registrar that came back, which stayed with it (they refused
+    /// the takeover, or it did not reach them): given back rather than removed.
+    #[serde(default)]
+    pub takeovers_handed_back: u64,
     pub removed_connection_closed: u64,
     pub removed_unreachable: u64,
     pub removed_lifetime_expired: u64,
@@ -297,6 +301,11 @@ impl Counters {
                 "rserpool_registrar_kept_after_takeover",
                 "PEs lost just after a takeover of this registrar (or a silence long enough for one), kept as the new home's.",
                 self.kept_after_takeover,
+            ),
+            (
+                "rserpool_registrar_takeovers_handed_back",
+                "PEs taken over from a registrar that came back and stayed with it, given back rather than removed.",
+                self.takeovers_handed_back,
             ),
             (
                 "rserpool_registrar_unreachable_reports",

@@ -277,3 +277,54 @@ fn a_peer_taken_over_hears_so_when_it_is_back() {
     assert_eq!(told.len(), 1, "told once: {told:?}");
     assert_eq!((told[0].sender, told[0].receiver), (US, PEER));
 }
+
+/// A takeover of a registrar that comes back before its PE moved: the PE refuses it (its home
+/// answers) and closes the new association. The PE stays, as its home's again, here and at
+/// the peers (a HANDLE_UPDATE naming the home), rather than being removed everywhere while it
+/// is registered there.
+#[test]
+fn a_refused_takeover_gives_the_pe_back_to_its_home() {
+    let mut r = with_a_peer_and_its_pe();
+    let mut t = 20;
+    let pe_conn = takeover_connect(&mut r, &mut t, 10_000, true).expect("taken over");
+    r.handle_connected(pe_conn, at(t));
+    // The peer is back, and the PE, asked by the new home, keeps it.
+    let c = r.accept_enrp(addr(2, 40_003), at(t)).unwrap();
+    r.handle_data(c, &presence_of_peer(), at(t));
+    // Its entry gets a connection of ours to it again.
+    let to_peer = actions(&mut r)
+        .into_iter()
+        .find_map(|a| match a {
+            Action::Connect(id, to) if to == addr(2, 9901) => Some(id),
+            _ => None,
+        })
+        .expect("a connection to the peer");
+    r.handle_connected(to_peer, at(t));
+    enrp_out(&mut r, to_peer);
+    r.handle_closed_by_peer(pe_conn, at(t + 50));
+    actions(&mut r);
+    let hs = r.handlespace();
+    let homes: Vec<u32> = hs
+        .pools()
+        .flat_map(|(h, _, _)| hs.members(h.as_bytes()).collect::<Vec<_>>())
+        .map(|x| hs.pe(x).element.home_registrar)
+        .collect();
+    assert_eq!(homes, [PEER], "the PE stays, homed at the peer again");
+    let told: Vec<_> = enrp_out(&mut r, to_peer)
+        .into_iter()
+        .filter_map(|m| match m.body {
+            EnrpBody::HandleUpdate {
+                action: UpdateAction::AddPe,
+                pool_element,
+                ..
+            } => Some(pool_element.home_registrar),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        told,
+        [PEER],
+        "the peers hear that the PE is the peer's again"
+    );
+    assert_eq!(r.status(at(t + 50)).counters.takeovers_handed_back, 1);
+}

@@ -61,12 +61,16 @@ struct PeMeta {
     expiry: Instant,
     /// When the last ENDPOINT_KEEP_ALIVE went to the PE.
     keep_alive_sent: Instant,
+    /// The registrar this one took the PE over from, until the PE registers over the new
+    /// association (0: none); see [`Asap::handed_back`].
+    taken_from: u32,
 }
 
 const NO_META: PeMeta = PeMeta {
     conn: None,
     expiry: Instant::MAX,
     keep_alive_sent: Instant::from_millis(0),
+    taken_from: 0,
 };
 
 /// The handlespace as this registrar serves it over ASAP.
@@ -150,7 +154,8 @@ impl Asap {
             // Unbind first so remove_pe does not look for the connection.
             let m = self.meta_of(r);
             self.set_meta(r, PeMeta { conn: None, ..m });
-            if !self.kept_after_takeover(r, out, enrp, now) {
+            if !self.handed_back(r, out, enrp, now) && !self.kept_after_takeover(r, out, enrp, now)
+            {
                 self.remove_pe(r, Removal::ConnectionClosed, out, enrp, now);
             }
         }
@@ -182,8 +187,10 @@ impl Asap {
                 m.expiry
             }
             None => {
-                let takeover_time = Duration::from_millis(self.cfg.max_time_last_heard_ms / 2);
-                if !out.back_from_dark(takeover_time, window, now) {
+                let takeover_time = self.takeover_time();
+                if !out.back_from_dark(takeover_time, window, now)
+                    && !out.dark_now(takeover_time, now)
+                {
                     return false;
                 }
                 // Expiring before its registration life means: removed for its closed association.
@@ -192,6 +199,40 @@ impl Asap {
         };
         self.counters.kept_after_takeover += 1;
         self.schedule(r, TimerKind::LifetimeExpiry, at);
+        true
+    }
+
+    /// The shortest silence after which the peers may have taken this registrar over.
+    fn takeover_time(&self) -> Duration {
+        Duration::from_millis(self.cfg.max_time_last_heard_ms / 2)
+    }
+
+    /// PE `r`, taken over from a registrar that is alive again (it was only cut off), did not
+    /// move here: its new association closed (the PE refused the takeover because its home
+    /// answers, or could not be reached) or its keep-alive went unanswered. It goes back to
+    /// its home, here and at the peers (a HANDLE_UPDATE naming that home), instead of being
+    /// removed everywhere while it is registered there. Returns whether it went back.
+    fn handed_back(&mut self, r: PeRef, out: &mut Conns, enrp: &mut Enrp, now: Instant) -> bool {
+        let m = self.meta_of(r);
+        if m.taken_from == 0
+            || self.hs.pe(r).element.home_registrar != self.id
+            || !enrp.is_alive(m.taken_from)
+        {
+            return false;
+        }
+        self.hs.set_home(r, m.taken_from);
+        self.set_meta(r, PeMeta { taken_from: 0, ..m });
+        self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
+        self.counters.takeovers_handed_back += 1;
+        let handle = self.hs.pool_handle_of(r).clone();
+        let element = self.hs.pe(r).element.clone();
+        if self.event_log.allow(now) {
+            info!(
+                "PE {:#010x} of pool {handle} stays with its home {:#010x}, which is back",
+                element.id, m.taken_from
+            );
+        }
+        enrp.update(UpdateAction::AddPe, &handle, &element, out, now);
         true
     }
 
@@ -222,7 +263,15 @@ impl Asap {
                         };
                         out.send_asap(conn, &msg, now);
                     }
-                    let why = if m.expiry > now {
+                    // Expiring before its registration life: a PE kept after a takeover.
+                    let held = m.expiry > now;
+                    if held && out.dark_now(self.takeover_time(), now) {
+                        // Still cut off: nothing to decide yet.
+                        let window = self.cfg.taken_over_window();
+                        self.schedule(r, TimerKind::LifetimeExpiry, m.expiry.min(now + window));
+                        continue;
+                    }
+                    let why = if held {
                         Removal::ConnectionClosed
                     } else {
                         Removal::LifetimeExpired
@@ -242,25 +291,27 @@ impl Asap {
     }
 
     /// No ENDPOINT_KEEP_ALIVE_ACK within the keep-alive timeout. The PE is taken for gone if
-    /// the network worked meanwhile; if this registrar may have been cut off instead (nothing
-    /// heard since, or a dark spell the answer may still lag behind, see
-    /// [`Conns::answer_may_lag`]), the PE gets until then, up to three timeouts in all: a
-    /// registrar cut off for less than its peers take to take it over keeps its PEs.
+    /// the network worked meanwhile. If this registrar may be cut off instead (nothing heard
+    /// since, or a dark spell the answer may still lag behind, see [`Conns::answer_may_lag`]),
+    /// it waits: a registrar cut off for less than its peers take to take it over keeps its
+    /// PEs. A PE lost after a takeover is not removed either ([`Self::handed_back`],
+    /// [`Self::kept_after_takeover`]).
     fn keep_alive_timed_out(&mut self, r: PeRef, out: &mut Conns, enrp: &mut Enrp, now: Instant) {
         let m = self.meta_of(r);
-        let limit = m.keep_alive_sent + self.cfg.keep_alive_wait_limit();
-        match out.answer_may_lag(m.keep_alive_sent, now) {
-            Some(due) if now < limit => {
+        match out.answer_may_lag(m.keep_alive_sent, self.cfg.keep_alive_wait_limit(), now) {
+            Some(due) => {
                 self.counters.keep_alive_timeouts_held += 1;
-                if m.expiry <= due.min(limit) {
+                if m.expiry <= due {
                     self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
                 } else {
-                    self.schedule(r, TimerKind::KeepAliveTimeout, due.min(limit));
+                    self.schedule(r, TimerKind::KeepAliveTimeout, due);
                 }
             }
-            _ => {
-                if self.kept_after_takeover(r, out, enrp, now) {
-                    self.detach(r, out);
+            None => {
+                if self.handed_back(r, out, enrp, now)
+                    || self.kept_after_takeover(r, out, enrp, now)
+                {
+                    self.detach(r, true, out);
                 } else {
                     self.remove_pe(r, Removal::KeepAliveTimeout, out, enrp, now);
                 }
@@ -268,16 +319,20 @@ impl Asap {
         }
     }
 
-    /// Unbinds PE `r` from its association; an association left without PEs is reset (see
-    /// [`remove_pe`](Self::remove_pe)).
-    fn detach(&mut self, r: PeRef, out: &mut Conns) {
+    /// Unbinds PE `r` from its association. With `unanswered` (its keep-alive went
+    /// unanswered), an association left without PEs is reset: what is still queued on it must
+    /// not arrive later (an ENDPOINT_KEEP_ALIVE with the H bit would make the PE adopt a home
+    /// that no longer has it and leave the home that does), and a PE that was only out of
+    /// reach learns from the reset that it must register again, instead of at its next
+    /// re-registration.
+    fn detach(&mut self, r: PeRef, unanswered: bool, out: &mut Conns) {
         let m = self.meta_of(r);
         if let Some(conn) = m.conn
             && let Some(c) = out.get_mut(conn)
             && let Some(pos) = c.pes.iter().position(|&x| x == r)
         {
             c.pes.swap_remove(pos);
-            if c.pes.is_empty() {
+            if unanswered && c.pes.is_empty() {
                 out.abort(conn);
             }
         }
@@ -878,21 +933,7 @@ impl Asap {
         enrp: &mut Enrp,
         now: Instant,
     ) {
-        let m = self.meta_of(r);
-        if let Some(conn) = m.conn
-            && let Some(c) = out.get_mut(conn)
-            && let Some(pos) = c.pes.iter().position(|&x| x == r)
-        {
-            c.pes.swap_remove(pos);
-            // A PE that did not answer is gone from here, and its association goes too, reset:
-            // what is still queued on it must not arrive later (an ENDPOINT_KEEP_ALIVE with the
-            // H bit would make the PE adopt a home that no longer has it and leave the home
-            // that does), and a PE that was only out of reach learns from the reset that it
-            // must register again, instead of at its next re-registration.
-            if why == Removal::KeepAliveTimeout && c.pes.is_empty() {
-                out.abort(conn);
-            }
-        }
+        self.detach(r, why == Removal::KeepAliveTimeout, out);
         self.set_meta(r, NO_META);
         let handle = self.hs.pool_handle_of(r).clone();
         let pe = self.hs.remove(r);
@@ -1102,7 +1143,14 @@ impl HandlespaceView for Asap {
                 None => None,
             };
             let m = self.meta_of(r);
-            self.set_meta(r, PeMeta { conn, ..m });
+            self.set_meta(
+                r,
+                PeMeta {
+                    conn,
+                    taken_from: target,
+                    ..m
+                },
+            );
             match conn {
                 Some(c) => {
                     if let Some(cc) = out.get_mut(c) {

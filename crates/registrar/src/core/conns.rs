@@ -117,9 +117,10 @@ pub(super) struct Conns {
     /// When the network last showed that it reaches this registrar; see
     /// [`heard_from_network`](Self::heard_from_network).
     network_heard: Option<Instant>,
-    /// The time between the last two pieces of that evidence: short when the network is
-    /// talkative (many PEs, peers), long when it is sparse (one PE, no peer).
-    network_gap: Option<Duration>,
+    /// The usual time between two pieces of that evidence (a moving average over about the
+    /// last eight), and how many gaps it has seen: short when the network is talkative (many
+    /// PEs, peers), long when it is sparse (one PE, no peer).
+    network_gap: (Duration, u32),
     /// The latest dark spell: a silence longer than a quarter of the keep-alive timeout after
     /// the network had been talkative; the evidence before it and the evidence that ended it.
     network_dark: Option<(Instant, Instant)>,
@@ -142,7 +143,7 @@ impl Conns {
             tls_refused: 0,
             errors_sent: BTreeMap::new(),
             network_heard: None,
-            network_gap: None,
+            network_gap: (Duration::ZERO, 0),
             network_dark: None,
         }
     }
@@ -156,7 +157,11 @@ impl Conns {
             if gap > self.dark_spell() && self.talkative() {
                 self.network_dark = Some((last, now));
             }
-            self.network_gap = Some(gap);
+            // A dark spell counts as twice the threshold: it does not make the network sparse.
+            let (avg, n) = self.network_gap;
+            let gap = gap.min(self.dark_spell() * 2);
+            let avg = if n == 0 { gap } else { avg - avg / 8 + gap / 8 };
+            self.network_gap = (avg, n.saturating_add(1));
         }
         self.network_heard = Some(now);
     }
@@ -164,7 +169,8 @@ impl Conns {
     /// Whether the network brought evidence often lately: only then does a silence say
     /// that this registrar may be cut off.
     fn talkative(&self) -> bool {
-        self.network_gap.is_some_and(|g| g <= self.dark_spell())
+        let (avg, n) = self.network_gap;
+        n >= 8 && avg <= self.dark_spell()
     }
 
     /// A silence this long counts as a dark spell (the registrar may have been cut off).
@@ -180,18 +186,34 @@ impl Conns {
         })
     }
 
+    /// Whether the network, talkative before, has shown nothing for at least `len`: this
+    /// registrar is most likely cut off right now.
+    pub(super) fn dark_now(&self, len: Duration, now: Instant) -> bool {
+        self.talkative()
+            && self
+                .network_heard
+                .is_some_and(|t| now.saturating_duration_since(t) >= len)
+    }
+
     /// An answer to what was sent at `sent` has not come by `now`: until when it may still be
-    /// on its way, or `None` if it would have come. When a talkative network has shown nothing
-    /// since `sent`, this registrar may be the one cut off: a little longer (a sparse one, as
-    /// with a single PE, proves nothing by its silence). After a dark spell that ended since
-    /// `sent`, TCP's retransmission timer doubled through the spell, and what was sent in it
-    /// arrives up to as long again after it: until the end of the spell plus twice its length.
-    pub(super) fn answer_may_lag(&self, sent: Instant, now: Instant) -> Option<Instant> {
+    /// on its way, or `None` if it would have come. While a talkative network has shown
+    /// nothing since `sent`, this registrar may be the one cut off, and decides nothing yet
+    /// (a sparse network, as with a single PE, proves nothing by its silence). After a dark
+    /// spell that ended since `sent`, what was sent in it waits for TCP's next retransmission,
+    /// whose timer doubled through the spell: it arrives up to the spell's length (at most
+    /// `longest`) and one more retransmission timeout after the spell ends.
+    pub(super) fn answer_may_lag(
+        &self,
+        sent: Instant,
+        longest: Duration,
+        now: Instant,
+    ) -> Option<Instant> {
         if self.network_heard.is_none_or(|t| t <= sent) {
             return self.talkative().then(|| now + self.dark_spell());
         }
         let (before, back) = self.network_dark?;
-        let due = back + back.saturating_duration_since(before) * 2;
+        let spell = back.saturating_duration_since(before).min(longest);
+        let due = back + spell + self.dark_spell();
         (back > sent && due > now).then_some(due)
     }
 

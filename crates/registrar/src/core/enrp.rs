@@ -295,6 +295,12 @@ impl Enrp {
         i
     }
 
+    /// Whether `id` is a peer we hear, not suspected.
+    pub(super) fn is_alive(&self, id: u32) -> bool {
+        self.peer_index(id)
+            .is_some_and(|i| self.peers[i].state == Liveness::Alive)
+    }
+
     fn peer_index(&self, id: u32) -> Option<usize> {
         self.peers.iter().position(|p| p.id == id && id != 0)
     }
