@@ -328,3 +328,116 @@ fn a_refused_takeover_gives_the_pe_back_to_its_home() {
     );
     assert_eq!(r.status(at(t + 50)).counters.takeovers_handed_back, 1);
 }
+
+/// A registrar with many PEs (a talkative network) is cut off for longer than its peers take
+/// to take it over; when the link returns, a PE that moved to its new home meanwhile closes
+/// its association here, right after its last message arrives. The PE is kept (the new
+/// home's TAKEOVER_SERVER is on its way), not removed.
+#[test]
+fn a_pe_that_closes_just_after_a_long_silence_is_kept() {
+    let cfg = Config {
+        keep_alive_interval_ms: 1000,
+        keep_alive_timeout_ms: 1000,
+        max_time_last_heard_ms: 1500,
+        ..Config::default()
+    };
+    let mut r = Registrar::new(cfg, US, at(0));
+    let pe = |i: u32| rserpool_wire::AsapMessage::Registration {
+        pool_handle: PoolHandle::from("P"),
+        pool_element: PoolElement {
+            id: 0x100 + i,
+            home_registrar: 0,
+            registration_life: 60,
+            user_transport: UserTransport::Address(TransportAddress::tcp(addr(8, 8000))),
+            policy: Policy::RoundRobin,
+            asap_transport: None,
+        },
+    };
+    let conns: Vec<ConnId> = (0..40u32)
+        .map(|i| {
+            let c = r.accept(addr(8, 50_000 + i as u16), at(0)).unwrap();
+            r.handle_data(c, &pe(i).to_bytes().unwrap(), at(i as u64 * 25));
+            c
+        })
+        .collect();
+    // Five seconds of keep-alives, each answered at once.
+    let answer = |r: &mut Registrar, t: u64, reply: bool| {
+        r.handle_timeout(at(t));
+        actions(r);
+        for (i, &c) in conns.iter().enumerate() {
+            let n = r.output(c).len();
+            let out = r.output(c).to_vec();
+            r.consume_output(c, n);
+            let mut f = rserpool_wire::Framer::new(65_536);
+            f.extend(&out);
+            while let Ok(Some(m)) = f.next_message() {
+                if reply
+                    && let Ok(rserpool_wire::AsapMessage::EndpointKeepAlive { .. }) =
+                        rserpool_wire::AsapMessage::decode(&m)
+                {
+                    let ack = rserpool_wire::AsapMessage::EndpointKeepAliveAck {
+                        pool_handle: PoolHandle::from("P"),
+                        pe_id: 0x100 + i as u32,
+                    };
+                    r.handle_data(c, &ack.to_bytes().unwrap(), at(t));
+                }
+            }
+        }
+    };
+    let mut t = 1_000;
+    while t < 6_000 {
+        answer(&mut r, t, true);
+        t += 10;
+    }
+    // Cut off for 3.8 s: nothing arrives; no PE is removed meanwhile.
+    while t < 9_800 {
+        answer(&mut r, t, false);
+        t += 10;
+    }
+    assert_eq!(r.handlespace().len(), 40, "no PE removed while cut off");
+    // Back: PE 0's last registration arrives, then its association closes.
+    r.handle_data(conns[0], &pe(0).to_bytes().unwrap(), at(t));
+    r.handle_closed_by_peer(conns[0], at(t));
+    assert_eq!(r.handlespace().len(), 40, "PE 0 kept");
+    assert_eq!(r.status(at(t)).counters.kept_after_takeover, 1);
+}
+
+/// As above, but the PE refuses before this registrar hears the peer again: the PE answered
+/// the takeover (it is alive), so it is kept until the peer speaks, then given back. A PE
+/// that never answered (its connection refused: it died) is removed at once.
+#[test]
+fn a_pe_that_refuses_before_its_home_is_heard_waits_for_it() {
+    for answered in [true, false] {
+        let mut r = with_a_peer_and_its_pe();
+        let mut t = 20;
+        let pe_conn = takeover_connect(&mut r, &mut t, 10_000, true).expect("taken over");
+        if answered {
+            r.handle_connected(pe_conn, at(t));
+            let ack = rserpool_wire::AsapMessage::EndpointKeepAliveAck {
+                pool_handle: PoolHandle::from("P"),
+                pe_id: 0x77,
+            };
+            r.handle_data(pe_conn, &ack.to_bytes().unwrap(), at(t));
+        }
+        r.handle_closed_by_peer(pe_conn, at(t + 10));
+        if !answered {
+            assert_eq!(r.handlespace().len(), 0, "a PE that never answered is removed");
+            continue;
+        }
+        assert_eq!(r.handlespace().len(), 1, "kept while the peer is not heard");
+        // The peer speaks again, then the wait ends: the PE is the peer's.
+        let c = r.accept_enrp(addr(2, 40_004), at(t + 300)).unwrap();
+        r.handle_data(c, &presence_of_peer(), at(t + 300));
+        for step in 1..=30 {
+            r.handle_timeout(at(t + 300 + step * 50));
+            actions(&mut r);
+        }
+        let hs = r.handlespace();
+        let homes: Vec<u32> = hs
+            .pools()
+            .flat_map(|(h, _, _)| hs.members(h.as_bytes()).collect::<Vec<_>>())
+            .map(|x| hs.pe(x).element.home_registrar)
+            .collect();
+        assert_eq!(homes, [PEER], "given back once the peer is heard");
+    }
+}

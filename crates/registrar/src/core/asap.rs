@@ -64,6 +64,9 @@ struct PeMeta {
     /// The registrar this one took the PE over from, until the PE registers over the new
     /// association (0: none); see [`Asap::handed_back`].
     taken_from: u32,
+    /// The PE answered the takeover's ENDPOINT_KEEP_ALIVE: it is alive, and may still refuse
+    /// the takeover if its home answers it.
+    takeover_answered: bool,
 }
 
 const NO_META: PeMeta = PeMeta {
@@ -71,6 +74,7 @@ const NO_META: PeMeta = PeMeta {
     expiry: Instant::MAX,
     keep_alive_sent: Instant::from_millis(0),
     taken_from: 0,
+    takeover_answered: false,
 };
 
 /// The handlespace as this registrar serves it over ASAP.
@@ -168,7 +172,9 @@ impl Asap {
     /// subscribers and tell the peers to remove it. It stays, as the new home's when the
     /// TAKEOVER_SERVER came ([`Enrp::new_home`]); otherwise unsupervised until that message
     /// hands it over ([`HandlespaceView::hand_over`]) or, if none comes within
-    /// [`Config::taken_over_window`], it leaves then. Returns whether it stays.
+    /// [`Config::taken_over_window`], it leaves then. A PE this registrar took over itself
+    /// and that answered, from a registrar it has not heard again yet, waits
+    /// MAX-TIME-LAST-HEARD for that one ([`Self::handed_back`]). Returns whether it stays.
     fn kept_after_takeover(
         &mut self,
         r: PeRef,
@@ -181,24 +187,35 @@ impl Asap {
         }
         let window = self.cfg.taken_over_window();
         let m = self.meta_of(r);
+        let takeover_time = self.takeover_time();
         let at = match enrp.new_home(now) {
             Some(home) => {
                 self.hs.set_home(r, home);
                 m.expiry
             }
-            None => {
-                let takeover_time = self.takeover_time();
-                if !out.back_from_dark(takeover_time, window, now)
-                    && !out.dark_now(takeover_time, now)
-                {
-                    return false;
-                }
-                // Expiring before its registration life means: removed for its closed association.
+            // Expiring before its registration life means: removed for its closed association.
+            None if out.back_from_dark(takeover_time, window, now)
+                || out.dark_now(takeover_time, now) =>
+            {
                 m.expiry.min(now + window)
             }
+            // Taken over here from a registrar not heard again yet; the PE answered, so it did
+            // not die, and closing now it refused because it heard its home: wait a little
+            // for that one ([`Self::handed_back`]).
+            None if m.taken_from != 0 && m.takeover_answered => m
+                .expiry
+                .min(now + Duration::from_millis(self.cfg.max_time_last_heard_ms)),
+            None => return false,
         };
         self.counters.kept_after_takeover += 1;
         self.schedule(r, TimerKind::LifetimeExpiry, at);
+        if self.event_log.allow(now) {
+            let home = self.hs.pe(r).element.home_registrar;
+            info!(
+                "PE {:#010x} lost just after a takeover of this registrar or a silence that long: kept, as {home:#010x}'s",
+                self.hs.pe(r).element.id
+            );
+        }
         true
     }
 
@@ -265,10 +282,15 @@ impl Asap {
                     }
                     // Expiring before its registration life: a PE kept after a takeover.
                     let held = m.expiry > now;
-                    if held && out.dark_now(self.takeover_time(), now) {
-                        // Still cut off: nothing to decide yet.
-                        let window = self.cfg.taken_over_window();
-                        self.schedule(r, TimerKind::LifetimeExpiry, m.expiry.min(now + window));
+                    if held && self.handed_back(r, out, enrp, now) {
+                        continue;
+                    }
+                    let (tt, window) = (self.takeover_time(), self.cfg.taken_over_window());
+                    if held && (out.dark_now(tt, now) || out.back_from_dark(tt, window, now)) {
+                        // Still cut off, or just back and the new home's word may be on its
+                        // way: nothing to decide yet.
+                        let again = now + Duration::from_millis(self.cfg.keep_alive_timeout_ms / 4);
+                        self.schedule(r, TimerKind::LifetimeExpiry, m.expiry.min(again));
                         continue;
                     }
                     let why = if held {
@@ -779,6 +801,16 @@ impl Asap {
         }
         self.counters.keep_alive_acks += 1;
         self.hs.heard(r, now.as_millis());
+        let m = self.meta_of(r);
+        if m.taken_from != 0 {
+            self.set_meta(
+                r,
+                PeMeta {
+                    takeover_answered: true,
+                    ..m
+                },
+            );
+        }
         if matches!(self.hs.timer(r), Some((TimerKind::KeepAliveTimeout, _))) {
             self.schedule_supervision(r, now);
         }

@@ -196,9 +196,9 @@ impl Conns {
     }
 
     /// An answer to what was sent at `sent` has not come by `now`: until when it may still be
-    /// on its way, or `None` if it would have come. While a talkative network has shown
-    /// nothing since `sent`, this registrar may be the one cut off, and decides nothing yet
-    /// (a sparse network, as with a single PE, proves nothing by its silence). After a dark
+    /// on its way, or `None` if it would have come. While a talkative network shows nothing
+    /// (a dark spell now), this registrar may be the one cut off, and decides nothing yet (a
+    /// sparse network, as with a single PE, proves nothing by its silence). After a dark
     /// spell that ended since `sent`, what was sent in it waits for TCP's next retransmission,
     /// whose timer doubled through the spell: it arrives up to the spell's length (at most
     /// `longest`) and one more retransmission timeout after the spell ends.
@@ -208,8 +208,8 @@ impl Conns {
         longest: Duration,
         now: Instant,
     ) -> Option<Instant> {
-        if self.network_heard.is_none_or(|t| t <= sent) {
-            return self.talkative().then(|| now + self.dark_spell());
+        if self.dark_now(self.dark_spell(), now) {
+            return Some(now + self.dark_spell());
         }
         let (before, back) = self.network_dark?;
         let spell = back.saturating_duration_since(before).min(longest);
