@@ -421,7 +421,11 @@ fn a_pe_that_refuses_before_its_home_is_heard_waits_for_it() {
         }
         r.handle_closed_by_peer(pe_conn, at(t + 10));
         if !answered {
-            assert_eq!(r.handlespace().len(), 0, "a PE that never answered is removed");
+            assert_eq!(
+                r.handlespace().len(),
+                0,
+                "a PE that never answered is removed"
+            );
             continue;
         }
         assert_eq!(r.handlespace().len(), 1, "kept while the peer is not heard");
