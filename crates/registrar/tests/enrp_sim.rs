@@ -729,6 +729,21 @@ impl Sim {
         v
     }
 
+    /// Asserts that each of registrars `who` holds every PE; `case` and `phase` name the moment.
+    fn holds_all(&self, who: &[usize], case: &str, phase: &str) {
+        for &i in who {
+            let ids: BTreeSet<u32> = self.view(i).iter().map(|e| e.1).collect();
+            let missing: Vec<usize> = (0..self.pes.len())
+                .filter(|&k| !ids.contains(&self.pes[k].id))
+                .collect();
+            assert!(
+                missing.is_empty(),
+                "{case}: registrar {i} lacks PEs {missing:?} {phase} (at {} ms)",
+                self.now
+            );
+        }
+    }
+
     /// The guarantees after healing; `Err` says what is wrong.
     fn check(&self) -> Result<(), String> {
         let live = self.live();
@@ -926,29 +941,22 @@ fn a_registrar_back_from_a_short_isolation_takes_nothing_from_the_others() {
     }
 }
 
+/// Three registrars and 30 PEs, settled for 10 s (ENRP_SIM_LOG=1 logs what they do).
+fn settled(seed: u64) -> Sim {
+    let log = std::env::var_os("ENRP_SIM_LOG").is_some();
+    let mut sim = Sim::new(seed, 3, 30, log);
+    for _ in 0..1_000 {
+        sim.step(10);
+    }
+    sim.check().unwrap();
+    sim
+}
+
 fn back_from_isolation(seed: u64, cut_ms: u64) {
     {
-        let log = std::env::var_os("ENRP_SIM_LOG").is_some();
-        let mut sim = Sim::new(seed, 3, 30, log);
-        for _ in 0..1_000 {
-            sim.step(10);
-        }
-        sim.check().unwrap();
-        let holds_all = |sim: &Sim, phase: &str, who: &[usize]| {
-            for &i in who {
-                let n = sim.regs[i].as_ref().unwrap().handlespace().len();
-                let ids: BTreeSet<u32> = sim.view(i).iter().map(|e| e.1).collect();
-                let missing: Vec<usize> = (0..sim.pes.len())
-                    .filter(|&k| !ids.contains(&sim.pes[k].id))
-                    .collect();
-                assert_eq!(
-                    n, 30,
-                    "seed {seed}, cut {cut_ms} ms: registrar {i} holds {n} PEs {phase} \
-                     (missing PEs {missing:?}, at {} ms)",
-                    sim.now
-                );
-            }
-        };
+        let mut sim = settled(seed);
+        let case = format!("seed {seed}, cut {cut_ms} ms");
+        let holds_all = |sim: &Sim, phase: &str, who: &[usize]| sim.holds_all(who, &case, phase);
         sim.isolate(0);
         for _ in 0..cut_ms / 10 {
             sim.step(10);
@@ -1006,23 +1014,10 @@ fn a_registrar_cut_off_briefly_keeps_its_pes() {
 }
 
 fn brief_isolation(seed: u64, cut_ms: u64) {
-    let log = std::env::var_os("ENRP_SIM_LOG").is_some();
-    let mut sim = Sim::new(seed, 3, 30, log);
-    for _ in 0..1_000 {
-        sim.step(10);
-    }
-    sim.check().unwrap();
+    let mut sim = settled(seed);
     let registered: Vec<u32> = sim.pes.iter().map(|p| p.registrations).collect();
-    let holds_all = |sim: &Sim, phase: &str| {
-        for i in [1, 2] {
-            let n = sim.regs[i].as_ref().unwrap().handlespace().len();
-            assert_eq!(
-                n, 30,
-                "seed {seed}, cut {cut_ms} ms: registrar {i} holds {n} PEs {phase} (at {} ms)",
-                sim.now
-            );
-        }
-    };
+    let case = format!("seed {seed}, cut {cut_ms} ms");
+    let holds_all = |sim: &Sim, phase: &str| sim.holds_all(&[1, 2], &case, phase);
     sim.isolate(0);
     for _ in 0..cut_ms / 10 {
         sim.step(10);

@@ -188,7 +188,18 @@ fn a_registrar_that_hears_no_one_holds_its_takeover_back() {
     assert_eq!(r.enrp_counters().takeovers, 1);
 }
 
-/// ENRP messages from the peer on a new connection, decoded.
+/// The home registrars of the PEs whose ID passes `which`.
+fn homes(r: &Registrar, which: impl Fn(u32) -> bool) -> Vec<u32> {
+    let hs = r.handlespace();
+    hs.pools()
+        .flat_map(|(h, _, _)| hs.members(h.as_bytes()).collect::<Vec<_>>())
+        .map(|x| &hs.pe(x).element)
+        .filter(|e| which(e.id))
+        .map(|e| e.home_registrar)
+        .collect()
+}
+
+/// ENRP messages this registrar sent on connection `c`, decoded.
 fn enrp_out(r: &mut Registrar, c: ConnId) -> Vec<EnrpMessage> {
     let mut framer = rserpool_wire::Framer::new(65_536);
     framer.extend(r.output(c));
@@ -231,14 +242,7 @@ fn a_pe_lost_just_after_a_takeover_stays_as_the_new_homes() {
             r.handle_data(c, &msg.to_bytes().unwrap(), at(210));
         }
         r.handle_closed_by_peer(pe, at(300));
-        let hs = r.handlespace();
-        let homes: Vec<u32> = hs
-            .pools()
-            .flat_map(|(h, _, _)| hs.members(h.as_bytes()).collect::<Vec<_>>())
-            .map(|x| &hs.pe(x).element)
-            .filter(|e| e.id == 0x88)
-            .map(|e| e.home_registrar)
-            .collect();
+        let homes = homes(&r, |id| id == 0x88);
         if told {
             assert_eq!(
                 homes,
@@ -303,13 +307,11 @@ fn a_refused_takeover_gives_the_pe_back_to_its_home() {
     enrp_out(&mut r, to_peer);
     r.handle_closed_by_peer(pe_conn, at(t + 50));
     actions(&mut r);
-    let hs = r.handlespace();
-    let homes: Vec<u32> = hs
-        .pools()
-        .flat_map(|(h, _, _)| hs.members(h.as_bytes()).collect::<Vec<_>>())
-        .map(|x| hs.pe(x).element.home_registrar)
-        .collect();
-    assert_eq!(homes, [PEER], "the PE stays, homed at the peer again");
+    assert_eq!(
+        homes(&r, |_| true),
+        [PEER],
+        "the PE stays, homed at the peer again"
+    );
     let told: Vec<_> = enrp_out(&mut r, to_peer)
         .into_iter()
         .filter_map(|m| match m.body {
@@ -436,12 +438,10 @@ fn a_pe_that_refuses_before_its_home_is_heard_waits_for_it() {
             r.handle_timeout(at(t + 300 + step * 50));
             actions(&mut r);
         }
-        let hs = r.handlespace();
-        let homes: Vec<u32> = hs
-            .pools()
-            .flat_map(|(h, _, _)| hs.members(h.as_bytes()).collect::<Vec<_>>())
-            .map(|x| hs.pe(x).element.home_registrar)
-            .collect();
-        assert_eq!(homes, [PEER], "given back once the peer is heard");
+        assert_eq!(
+            homes(&r, |_| true),
+            [PEER],
+            "given back once the peer is heard"
+        );
     }
 }
