@@ -185,19 +185,15 @@ impl Asap {
         if self.hs.pe(r).element.home_registrar != self.id {
             return false;
         }
-        let window = self.cfg.taken_over_window();
         let m = self.meta_of(r);
-        let takeover_time = self.takeover_time();
         let at = match enrp.new_home(now) {
             Some(home) => {
                 self.hs.set_home(r, home);
                 m.expiry
             }
             // Expiring before its registration life means: removed for its closed association.
-            None if out.back_from_dark(takeover_time, window, now)
-                || out.dark_now(takeover_time, now) =>
-            {
-                m.expiry.min(now + window)
+            None if self.takeover_may_be_news(out, now) => {
+                m.expiry.min(now + self.cfg.taken_over_window())
             }
             // Taken over here from a registrar not heard again yet; the PE answered, so it did
             // not die, and closing now it refused because it heard its home: wait a little
@@ -219,9 +215,12 @@ impl Asap {
         true
     }
 
-    /// The shortest silence after which the peers may have taken this registrar over.
-    fn takeover_time(&self) -> Duration {
-        Duration::from_millis(self.cfg.max_time_last_heard_ms / 2)
+    /// Whether the peers may have taken this registrar over without its knowing yet: it is
+    /// in a silence long enough for that (half MAX-TIME-LAST-HEARD), or came back from one
+    /// within [`Config::taken_over_window`].
+    fn takeover_may_be_news(&self, out: &Conns, now: Instant) -> bool {
+        let len = Duration::from_millis(self.cfg.max_time_last_heard_ms / 2);
+        out.dark_now(len, now) || out.back_from_dark(len, self.cfg.taken_over_window(), now)
     }
 
     /// PE `r`, taken over from a registrar that is alive again (it was only cut off), did not
@@ -285,11 +284,10 @@ impl Asap {
                     if held && self.handed_back(r, out, enrp, now) {
                         continue;
                     }
-                    let (tt, window) = (self.takeover_time(), self.cfg.taken_over_window());
-                    if held && (out.dark_now(tt, now) || out.back_from_dark(tt, window, now)) {
+                    if held && self.takeover_may_be_news(out, now) {
                         // Still cut off, or just back and the new home's word may be on its
                         // way: nothing to decide yet.
-                        let again = now + Duration::from_millis(self.cfg.keep_alive_timeout_ms / 4);
+                        let again = now + out.dark_spell();
                         self.schedule(r, TimerKind::LifetimeExpiry, m.expiry.min(again));
                         continue;
                     }

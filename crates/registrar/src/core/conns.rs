@@ -174,7 +174,7 @@ impl Conns {
     }
 
     /// A silence this long counts as a dark spell (the registrar may have been cut off).
-    fn dark_spell(&self) -> Duration {
+    pub(super) fn dark_spell(&self) -> Duration {
         Duration::from_millis(self.cfg.keep_alive_timeout_ms / 4)
     }
 
