@@ -491,18 +491,43 @@ impl TierNet {
     }
 }
 
-/// Members of nexthop group `id` in namespace `router` (0 when there is none).
+/// Members of nexthop group `id` in namespace `router` (0 when there is none): the distinct
+/// gateways of its nexthops (the distributor gives each member more than one).
 pub fn group_members(router: &str, id: u32) -> usize {
     let out = Command::new("ip")
-        .args(["-n", router, "nexthop", "show", "id", &id.to_string()])
+        .args(["-n", router, "nexthop", "show"])
         .output();
     let text = out
         .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
         .unwrap_or_default();
-    text.split_whitespace()
-        .skip_while(|w| *w != "group")
-        .nth(1)
-        .map_or(0, |g| g.split('/').count())
+    let after = |words: &[&str], key: &str| -> Option<String> {
+        let i = words.iter().position(|w| *w == key)?;
+        words.get(i + 1).map(|w| w.to_string())
+    };
+    let mut via = std::collections::HashMap::new();
+    let mut group = Vec::new();
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let Some(nh) = after(&words, "id") else {
+            continue;
+        };
+        if nh == id.to_string() {
+            group = after(&words, "group")
+                .map(|g| {
+                    g.split('/')
+                        .map(|e| e.split(',').next().unwrap_or("").to_string())
+                        .collect()
+                })
+                .unwrap_or_default();
+        } else if let Some(gw) = after(&words, "via") {
+            via.insert(nh, gw);
+        }
+    }
+    group
+        .iter()
+        .filter_map(|nh| via.get(nh))
+        .collect::<std::collections::HashSet<_>>()
+        .len()
 }
 
 /// Builds a [`TierNet`] of `proxies` proxies and `servers` servers. `None`: skipped (not root,

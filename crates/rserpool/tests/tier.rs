@@ -16,7 +16,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const FRONT_PORT: u16 = 7000;
@@ -289,6 +289,17 @@ fn download(
     got: Arc<AtomicU64>,
     pace: Duration,
 ) -> std::thread::JoinHandle<(String, Instant)> {
+    download_pausing(client, len, got, pace, Arc::new(AtomicBool::new(false)))
+}
+
+/// [`download`] that stops reading while `paused` holds.
+fn download_pausing(
+    client: &str,
+    len: usize,
+    got: Arc<AtomicU64>,
+    pace: Duration,
+    paused: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<(String, Instant)> {
     in_ns(client, move || {
         let addr = SocketAddrV4::new(TIER_VIP, FRONT_PORT);
         let mut local = None;
@@ -322,6 +333,9 @@ fn download(
                 at += n;
                 got.fetch_add(n as u64, Ordering::Relaxed);
                 std::thread::sleep(pace);
+                while paused.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
             }
             Ok(if at == len {
                 "ok".into()
@@ -702,7 +716,7 @@ fn a_tier_member_upgrades_and_stays_a_member() {
         std::thread::sleep(Duration::from_millis(5));
     }
     // The group, watched all through the upgrade.
-    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watching = Arc::new(AtomicBool::new(true));
     let smallest = {
         let (watching, router) = (watching.clone(), t.net.router.clone());
         std::thread::spawn(move || {
@@ -761,7 +775,7 @@ fn a_tier_member_upgrades_and_stays_a_member() {
     assert_eq!(t.status(1).unwrap()["tier"]["member"], member);
     // New connections all through the upgrade: some are still in user space, or being handed
     // to the kernel, when the old process stops accepting.
-    let opening = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let opening = Arc::new(AtomicBool::new(true));
     let fresh = {
         let (opening, client) = (opening.clone(), t.net.client.clone());
         std::thread::spawn(move || {
@@ -838,10 +852,19 @@ fn a_tier_member_upgrades_and_stays_a_member() {
 
 /// A proxy whose host died comes back while connections made during its absence (spliced at
 /// the other proxy) are still running: it answers the distributor only once it has their
-/// splices, so those of them the router then sends to it carry on. Every download completes.
+/// splices, so those of them the router then sends to it carry on. The router moves a
+/// connection's bucket to the proxy that came back only once the bucket is idle for the
+/// group's `idle_timer` (1 s), and only while the group is unbalanced: with 16 buckets the
+/// downloads keep them all busy, then the clients stop reading for 4 s, and their flows go
+/// quiet but for the senders' zero-window probes, which back off beyond that. Every
+/// download completes.
 #[test]
 fn a_proxy_that_comes_back_carries_the_connections_made_while_it_was_away() {
-    let Some(mut t) = Tier::start(2, 2) else {
+    // 16 buckets, so that the downloads keep every bucket busy and none moves before the
+    // pause.
+    let mut distributor = TierNet::distributor_args(100, false);
+    distributor.extend(["--buckets".to_string(), "16".to_string()]);
+    let Some(mut t) = Tier::start_with(2, 2, distributor) else {
         return;
     };
     t.wait_ready(2, Duration::from_secs(30));
@@ -854,8 +877,17 @@ fn a_proxy_that_comes_back_carries_the_connections_made_while_it_was_away() {
     const LEN: usize = 20_000_000;
     let got = Arc::new(AtomicU64::new(0));
     let base = t.handed();
+    let paused = Arc::new(AtomicBool::new(false));
     let downloads: Vec<_> = (0..N)
-        .map(|_| download(&t.net.client, LEN, got.clone(), Duration::from_millis(20)))
+        .map(|_| {
+            download_pausing(
+                &t.net.client,
+                LEN,
+                got.clone(),
+                Duration::from_millis(20),
+                paused.clone(),
+            )
+        })
         .collect();
     let t0 = Instant::now();
     while t.handed() - base < N as u64 {
@@ -873,7 +905,19 @@ fn a_proxy_that_comes_back_carries_the_connections_made_while_it_was_away() {
         "proxy 1 back in the group {:?} after its start",
         back.elapsed()
     );
+    // Every bucket is busy: none moves to the proxy that came back while the downloads run.
+    // (A group of one nexthop is not hashed, so its buckets never look busy: the distributor
+    // gives each member two.)
+    let carried_at_return = t.number(1, &["kernel_splice", "packets"]);
+    std::thread::sleep(Duration::from_millis(500));
     let carried_before = t.number(1, &["kernel_splice", "packets"]);
+    assert_eq!(
+        carried_before, carried_at_return,
+        "busy flows moved to the proxy that came back"
+    );
+    paused.store(true, Ordering::Relaxed);
+    std::thread::sleep(Duration::from_secs(4));
+    paused.store(false, Ordering::Relaxed);
     let done: Vec<(String, Instant)> = downloads.into_iter().map(|d| d.join().unwrap()).collect();
     let broken: Vec<&String> = done.iter().map(|(a, _)| a).filter(|a| *a != "ok").collect();
     assert!(

@@ -202,9 +202,19 @@ fn listed(pes: &[rserpool_wire::PoolElement]) -> BTreeMap<u32, SocketAddr> {
         .collect()
 }
 
+/// Nexthops per member in the group (see [`Nexthops`]).
+const TWINS: u32 = 2;
+
 /// The router's nexthops for the members and the group over them.
+///
+/// Each member has two nexthops in the group, both via its address ([`TWINS`]): the kernel
+/// hashes a packet to a bucket (and marks the bucket busy) only when the group has more than
+/// one nexthop. With a single member's single nexthop, every bucket would look idle after
+/// `idle_timer` however busy it was, and the member that comes back next would be given
+/// half of them at once, the buckets of connections still held on the other's sockets too.
 struct Nexthops {
-    /// Each listed member's nexthop: its ID, and whether it is made.
+    /// Each listed member's first nexthop ID (the others follow it), and whether they are
+    /// made.
     ids: BTreeMap<u32, (u32, bool)>,
     next: u32,
     /// The routes point at the group.
@@ -225,8 +235,8 @@ impl Nexthops {
         self.ids.retain(|id, _| listed.contains_key(id));
         for id in listed.keys() {
             self.ids.entry(*id).or_insert_with(|| {
-                self.next += 1;
-                (self.next - 1, false)
+                self.next += TWINS;
+                (self.next - TWINS, false)
             });
         }
     }
@@ -240,10 +250,12 @@ impl Nexthops {
             let Some(&(nh, made)) = self.ids.get(&id) else {
                 continue;
             };
-            if !made {
-                new.push((nh, addr));
+            for twin in nh..nh + TWINS {
+                if !made {
+                    new.push((twin, addr));
+                }
+                want.push((twin, w));
             }
-            want.push((nh, w));
         }
         apply(args, &new, &want, !self.routed)?;
         for (id, _, _) in &g.members {
