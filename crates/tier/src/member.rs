@@ -42,6 +42,11 @@ pub const PASS: Duration = Duration::from_secs(1);
 /// but dead). Live members send theirs within milliseconds of the listing, or at their next
 /// discovery round (1 s).
 pub const SYNC_WAIT: Duration = Duration::from_millis(1200);
+/// After a link to a listed member broke or failed to connect, when it is opened again (not
+/// only at the next listing, up to a second away): a member upgraded hands its listener to
+/// the process after it and closes its links, and that process forwards by port only to the
+/// members that said HELLO to it.
+pub const RELINK_AFTER: Duration = Duration::from_millis(100);
 /// Most directions in one TOUCH.
 pub const TOUCH_BATCH: usize = 4096;
 
@@ -146,6 +151,9 @@ pub struct MemberCore {
     forwarding: Option<Vec<Forward>>,
     /// The flow table at the last pass.
     last: BTreeMap<(SocketAddrV4, SocketAddrV4), TableEntry>,
+    /// The splices the other members know of: sent by this member ([`Self::splice_made`])
+    /// or received from one, as of the last pass.
+    told: BTreeMap<(SocketAddrV4, SocketAddrV4), Splice>,
     next_pass: Option<Instant>,
     /// A member left: the next pass, run at once, sends the whole table to every link.
     resend: bool,
@@ -159,6 +167,8 @@ pub struct MemberCore {
     forwarding_held: bool,
     /// When the pool first listed this member.
     first_listed: Option<Instant>,
+    /// When the listed members without a link are linked to again ([`RELINK_AFTER`]).
+    relink: Option<Instant>,
     /// Members whose table arrived, and whether the pool was listed yet.
     tables: std::collections::BTreeSet<u32>,
     listing_seen: bool,
@@ -180,6 +190,8 @@ impl MemberCore {
             listed: BTreeMap::new(),
             forwarding: None,
             last: BTreeMap::new(),
+            told: BTreeMap::new(),
+            relink: None,
             next_pass: Some(now + PASS),
             resend: false,
             distributor: None,
@@ -349,14 +361,18 @@ impl MemberCore {
     }
 
     /// Link `link` failed to connect or broke (`fell_behind`: its queue was full). It is
-    /// opened again at the next listing, and then carries everything again.
-    pub fn link_down(&mut self, link: LinkId, fell_behind: bool, _now: Instant) {
+    /// opened again after [`RELINK_AFTER`] (or at the next listing), and then carries
+    /// everything again.
+    pub fn link_down(&mut self, link: LinkId, fell_behind: bool, now: Instant) {
         let Some((&id, _)) = self.links.iter().find(|(_, l)| l.id == link) else {
             return;
         };
         self.links.remove(&id);
         if fell_behind {
             self.counters.links_dropped += 1;
+        }
+        if self.listed.contains_key(&id) && self.relink.is_none() {
+            self.relink = Some(now + RELINK_AFTER);
         }
     }
 
@@ -379,6 +395,7 @@ impl MemberCore {
 
     /// A splice was just made here (a hand-over): every other member gets it at once.
     pub fn splice_made(&mut self, s: Splice) {
+        self.told.insert(s.key(), s);
         self.broadcast(&Message::Add(s));
     }
 
@@ -415,6 +432,7 @@ impl MemberCore {
             }
             Message::Add(s) => {
                 self.counters.splices_in += 1;
+                self.told.insert(s.key(), s);
                 self.actions.push_back(Action::Install(s));
             }
             Message::Del(s) => self.actions.push_back(Action::Remove(s)),
@@ -474,11 +492,20 @@ impl MemberCore {
             self.next_pass = None;
             self.actions.push_back(Action::ReadTable);
         }
+        if self.relink.is_some_and(|t| t <= now) {
+            self.relink = None;
+            for (id, addr) in self.listed.clone() {
+                self.member_found(id, addr, now);
+            }
+        }
     }
 
     /// The pass: the flow table now, against the last pass. What only this member saw goes
-    /// to the others: a FIN that passed, a connection that ended here (an RST, or expiry), and
-    /// the directions it carried packets of.
+    /// to the others: a splice nobody told them of, a FIN that passed, a connection that
+    /// ended here (an RST, or expiry), and the directions it carried packets of.
+    ///
+    /// A splice nobody told them of is one the process before this one made as it handed
+    /// over (an upgrade): it shares the pinned flow table, but no longer the links.
     pub fn compare(&mut self, table: Vec<TableEntry>, now: Instant) {
         self.next_pass = Some(now + PASS);
         let table: BTreeMap<_, _> = table.into_iter().map(|e| (e.splice.key(), e)).collect();
@@ -486,7 +513,15 @@ impl MemberCore {
         let mut out = Vec::new();
         if std::mem::take(&mut self.resend) {
             out.extend(table.values().map(|e| Message::Add(e.splice)));
+        } else if self.shares {
+            out.extend(
+                table
+                    .iter()
+                    .filter(|(k, e)| self.told.get(*k) != Some(&e.splice))
+                    .map(|(_, e)| Message::Add(e.splice)),
+            );
         }
+        self.told = table.iter().map(|(k, e)| (*k, e.splice)).collect();
         for (k, e) in &table {
             let before = self.last.get(k);
             for (i, (from, to)) in e.splice.directions().into_iter().enumerate() {
@@ -575,7 +610,10 @@ impl MemberCore {
             .first_listed
             .filter(|_| self.forwarding_held)
             .map(|t| t + SYNC_WAIT);
-        [self.next_pass, held].into_iter().flatten().min()
+        [self.next_pass, held, self.relink]
+            .into_iter()
+            .flatten()
+            .min()
     }
 }
 
@@ -633,14 +671,28 @@ mod tests {
             ]
         );
         assert_eq!(transmits(&mut c).len(), 1);
-        // A broken link is opened again at the next listing.
+        // A broken link is opened again soon (or at the next listing, if sooner).
         c.link_down(link, true, t(10));
         assert_eq!(c.links(), 0);
-        c.set_listed([(2, addr(2))].into(), t(1000));
+        let again = t(10) + RELINK_AFTER;
+        assert!(c.poll_timeout().is_some_and(|t| t <= again));
+        c.tick(t(10 + RELINK_AFTER.as_millis() as u64 - 1));
+        assert_eq!(c.links(), 0);
+        c.tick(again);
+        let connect = actions(&mut c);
+        assert!(matches!(connect[..], [Action::Connect { id: 2, .. }]));
+        let Action::Connect { link: second, .. } = connect[0] else {
+            panic!()
+        };
+        // One that fails to connect is tried again after the same wait.
+        c.link_down(second, false, t(200));
+        c.tick(t(200) + RELINK_AFTER);
         assert!(matches!(
             actions(&mut c)[..],
             [Action::Connect { id: 2, .. }]
         ));
+        c.set_listed([(2, addr(2))].into(), t(1000));
+        assert!(actions(&mut c).is_empty(), "linked already");
         // An event of the old link changes nothing.
         c.link_down(link, false, t(1001));
         assert_eq!(c.links(), 1);
@@ -778,6 +830,8 @@ mod tests {
         assert_eq!(actions(&mut c), vec![Action::ReadTable]);
         assert_eq!(c.poll_timeout(), None);
         let s = splice();
+        c.splice_made(s);
+        let _ = transmits(&mut c);
         let e = TableEntry {
             splice: s,
             fin: [false, false],
@@ -814,6 +868,45 @@ mod tests {
         let m: Vec<Message> = transmits(&mut c).into_iter().map(|x| x.message).collect();
         assert_eq!(m, vec![Message::Del(s)]);
         assert_eq!(c.poll_timeout(), Some(t(5001)));
+    }
+
+    /// A splice in the table that no member was told of (the process before this one made
+    /// it while handing over) goes to the others at the next pass, once; one received from
+    /// another member does not go back.
+    #[test]
+    fn the_pass_sends_a_splice_nobody_was_told_of() {
+        let mut c = MemberCore::new(hello(1, 20000), true, t(0));
+        c.member_found(2, addr(2), t(0));
+        let _ = actions(&mut c);
+        let mine = splice();
+        let theirs = Splice {
+            client: "10.0.9.9:4000".parse().unwrap(),
+            ..mine
+        };
+        c.handle_message(Message::Add(theirs), t(0));
+        let entry = |s| TableEntry {
+            splice: s,
+            fin: [false; 2],
+            packets: [0; 2],
+        };
+        c.compare(vec![entry(mine), entry(theirs)], t(1000));
+        let m: Vec<Message> = transmits(&mut c).into_iter().map(|x| x.message).collect();
+        assert_eq!(m, vec![Message::Add(mine)]);
+        c.compare(vec![entry(mine), entry(theirs)], t(2000));
+        assert!(transmits(&mut c).is_empty());
+        // The same addresses, another connection (its translation differs): sent again.
+        let again = Splice {
+            client_seq_delta: mine.client_seq_delta.wrapping_add(1),
+            ..mine
+        };
+        c.compare(vec![entry(again), entry(theirs)], t(3000));
+        let m: Vec<Message> = transmits(&mut c).into_iter().map(|x| x.message).collect();
+        assert_eq!(m, vec![Message::Add(again)]);
+        // A member that does not share (a server of a split splice) sends none.
+        let mut quiet = MemberCore::new(hello(3, 0), false, t(0));
+        quiet.member_found(2, addr(2), t(0));
+        quiet.compare(vec![entry(mine)], t(1000));
+        assert!(transmits(&mut quiet).is_empty());
     }
 
     #[test]
