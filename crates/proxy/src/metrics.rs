@@ -1,5 +1,5 @@
 //! The proxy's `GET /metrics`: its per-pool, per-PE and per-level counters, the kernel splice
-//! and the tier, in the Prometheus text format (see `rserpool_status::metrics`).
+//! and the tier (see `rserpool_status::metrics` for the formats).
 //!
 //! Cardinality: one series per PE of a pool the proxy serves, up to [`MAX_PE_SERIES`] in all
 //! (past that, a pool's remaining PEs are summed under `pe="other"`); one per service level;
@@ -8,6 +8,7 @@
 use crate::Proxy;
 use crate::balance::backend::Backend;
 use crate::balance::outlier::EjectCause;
+use crate::balance::pools::RESPONSE_CLASSES;
 use rserpool_status::metrics::{Exposition, HistogramSnapshot};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -91,6 +92,15 @@ impl Proxy {
                         b.ramp(now, window),
                     );
                 }
+            }
+            for (class, n) in RESPONSE_CLASSES.iter().zip(pool.responses()) {
+                m.counter(
+                    "rserpool_proxy_responses",
+                    "Responses to clients of requests routed to the pool, by status class (the \
+                     PE's, or the proxy's own when no PE answered).",
+                    &[("pool", &handle), ("code", class)],
+                    n,
+                );
             }
             m.counter(
                 "rserpool_proxy_circuit_refused",

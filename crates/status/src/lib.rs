@@ -44,6 +44,9 @@ pub struct Request {
     pub path: String,
     /// The query (after `?`), if any.
     pub query: Option<String>,
+    /// The `Accept` header, if any: what a scrape of the metrics is encoded as
+    /// ([`metrics::Format::negotiate`]).
+    pub accept: Option<String>,
 }
 
 /// What the bytes read so far amount to.
@@ -70,11 +73,17 @@ pub fn parse_request(buf: &[u8]) -> Parse {
                 Some((p, q)) => (p, Some(q.to_owned())),
                 None => (target, None),
             };
+            let accept = req
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("accept"))
+                .map(|h| String::from_utf8_lossy(h.value).into_owned());
             Parse::Complete(Request {
                 head_only: method == "HEAD",
                 allowed: method == "GET" || method == "HEAD",
                 path: path.to_owned(),
                 query,
+                accept,
             })
         }
         Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => Parse::Incomplete,
@@ -88,11 +97,13 @@ pub fn parse_request(buf: &[u8]) -> Parse {
 }
 
 /// An answer: status code, content type and body.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Reply {
     pub status: u16,
     pub content_type: &'static str,
     pub body: Vec<u8>,
+    /// A scrape's metrics: encoded (in place of `body`) in the format the request asks for.
+    metrics: Option<metrics::Exposition>,
 }
 
 impl Reply {
@@ -105,18 +116,20 @@ impl Reply {
                     status: 200,
                     content_type: "application/json",
                     body,
+                    metrics: None,
                 }
             }
             Err(e) => Self::text(500, &format!("cannot serialise the status: {e}")),
         }
     }
 
-    /// A scrape's answer.
+    /// A scrape's answer, in the format the request asks for ([`Reply::encode_for`]).
     pub fn metrics(m: metrics::Exposition) -> Self {
         Self {
             status: 200,
-            content_type: metrics::CONTENT_TYPE,
-            body: m.encode().into_bytes(),
+            content_type: metrics::Format::Text.content_type(),
+            body: Vec::new(),
+            metrics: Some(m),
         }
     }
 
@@ -126,17 +139,33 @@ impl Reply {
             status,
             content_type: "text/plain; charset=utf-8",
             body: format!("{text}\n").into_bytes(),
+            metrics: None,
         }
     }
 
     /// The bytes on the wire: an HTTP/1.1 response that closes the connection.
     pub fn encode(&self, head_only: bool) -> Vec<u8> {
+        self.encode_for(head_only, None)
+    }
+
+    /// [`Reply::encode`] for a request whose `Accept` header is `accept`: metrics go out in
+    /// the format it asks for.
+    pub fn encode_for(&self, head_only: bool, accept: Option<&str>) -> Vec<u8> {
+        let scraped;
+        let (content_type, body) = match &self.metrics {
+            Some(m) => {
+                let format = metrics::Format::negotiate(accept);
+                scraped = m.encode_as(format).into_bytes();
+                (format.content_type(), &scraped)
+            }
+            None => (self.content_type, &self.body),
+        };
         let mut head = format!(
             "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: close\r\n",
             self.status,
             reason(self.status),
-            self.content_type,
-            self.body.len()
+            content_type,
+            body.len()
         );
         if self.status == 405 {
             head.push_str("Allow: GET, HEAD\r\n");
@@ -144,7 +173,7 @@ impl Reply {
         head.push_str("\r\n");
         let mut out = head.into_bytes();
         if !head_only {
-            out.extend_from_slice(&self.body);
+            out.extend_from_slice(body);
         }
         out
     }
@@ -174,6 +203,7 @@ pub fn respond(req: &Request, paths: &[&str], handler: impl FnOnce(&str) -> Repl
             status: 200,
             content_type: "text/html; charset=utf-8",
             body: DASHBOARD.as_bytes().to_vec(),
+            metrics: None,
         }
     } else if let Some(path) = paths.iter().find(|p| **p == req.path) {
         handler(path)
@@ -184,7 +214,7 @@ pub fn respond(req: &Request, paths: &[&str], handler: impl FnOnce(&str) -> Repl
         }
         Reply::text(404, &hint)
     };
-    reply.encode(req.head_only)
+    reply.encode_for(req.head_only, req.accept.as_deref())
 }
 
 pub mod metrics;
@@ -216,7 +246,7 @@ pub fn event(data: &[u8]) -> Vec<u8> {
 #[cfg(feature = "tokio")]
 mod net;
 #[cfg(feature = "tokio")]
-pub use net::{get, serve};
+pub use net::{get, get_accepting, serve};
 
 #[cfg(test)]
 mod tests {

@@ -1,39 +1,98 @@
-//! `GET /metrics`: the process's counters in the Prometheus text format, for a Prometheus server
-//! to scrape.
+//! `GET /metrics`: the process's counters for a Prometheus server (or any scraper) to read.
 //!
 //! Why it is built at scrape time: every rserpool process already keeps its counters where its
 //! hot path wants them (the registrar's core, the proxy's per-PE atomics), so a scrape reads a
-//! snapshot of those into an [`Exposition`] and `prometheus-client` writes it out (OpenMetrics
-//! text: `# TYPE`, `# HELP`, `_total` on counters, `# EOF`). Nothing is registered ahead, so
-//! there are no metric handles to keep in step with pools and PEs that come and go.
+//! snapshot of those into an [`Exposition`]. Nothing is registered ahead, so there are no
+//! metric handles to keep in step with pools and PEs that come and go.
+//!
+//! Two formats, chosen by the scraper's `Accept` header ([`Format::negotiate`]): OpenMetrics
+//! (written by `prometheus-client`: `_total` on counter samples only, `# EOF`) when it asks for
+//! it, as Prometheus does; otherwise the Prometheus text format 0.0.4, which `promtool check
+//! metrics` and many other scrapers read, and which `prometheus-client` does not write (here,
+//! [`Exposition::encode_text`]).
 //!
 //! Latencies are kept in a [`LatencyHistogram`]: lock-free buckets on the hot path.
 
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::MetricType;
+use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The content type of [`Exposition::encode`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The content type of [`Exposition::encode_text`]'s text.
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The formats a scrape is answered in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    OpenMetrics,
+    /// The Prometheus text format, version 0.0.4.
+    Text,
+}
+
+impl Format {
+    /// The format for a request whose `Accept` header is `accept`: OpenMetrics if it asks for
+    /// `application/openmetrics-text` with a quality no lower than any `text/plain` it names
+    /// (Prometheus sends both, OpenMetrics preferred); otherwise the text format, also when
+    /// it names neither or sends no header.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        let mut open = None::<f32>;
+        let mut text = None::<f32>;
+        for range in accept.unwrap_or("").split(',') {
+            let mut parts = range.split(';').map(str::trim);
+            let media = parts.next().unwrap_or("").to_ascii_lowercase();
+            let q = parts
+                .filter_map(|p| p.split_once('='))
+                .find(|(k, _)| k.trim().eq_ignore_ascii_case("q"))
+                .and_then(|(_, v)| v.trim().parse::<f32>().ok())
+                .unwrap_or(1.0);
+            let best = match media.as_str() {
+                "application/openmetrics-text" => &mut open,
+                "text/plain" => &mut text,
+                _ => continue,
+            };
+            *best = Some(best.map_or(q, |b| b.max(q)));
+        }
+        match open {
+            Some(o) if o > 0.0 && text.is_none_or(|t| o >= t) => Format::OpenMetrics,
+            _ => Format::Text,
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => CONTENT_TYPE,
+            Format::Text => TEXT_CONTENT_TYPE,
+        }
+    }
+}
 
 /// The metric families of one scrape, in the order first added.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct Exposition {
     families: Vec<Family>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq)]
 struct Family {
     name: String,
     help: String,
-    kind: MetricType,
+    kind: Kind,
     samples: Vec<(Labels, Value)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
 }
 
 type Labels = Vec<(String, String)>;
 
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq)]
 enum Value {
     Int(u64),
     /// A counter of a quantity that is not whole (CPU seconds).
@@ -54,22 +113,16 @@ pub struct HistogramSnapshot {
 impl Exposition {
     /// A counter sample; `name` without `_total` (the encoder adds it).
     pub fn counter(&mut self, name: &str, help: &str, labels: &[(&str, &str)], value: u64) {
-        self.add(name, help, MetricType::Counter, labels, Value::Int(value));
+        self.add(name, help, Kind::Counter, labels, Value::Int(value));
     }
 
     /// A counter of seconds (or another quantity that is not whole); `name` without `_total`.
     pub fn counter_f64(&mut self, name: &str, help: &str, labels: &[(&str, &str)], value: f64) {
-        self.add(
-            name,
-            help,
-            MetricType::Counter,
-            labels,
-            Value::Seconds(value),
-        );
+        self.add(name, help, Kind::Counter, labels, Value::Seconds(value));
     }
 
     pub fn gauge(&mut self, name: &str, help: &str, labels: &[(&str, &str)], value: f64) {
-        self.add(name, help, MetricType::Gauge, labels, Value::Float(value));
+        self.add(name, help, Kind::Gauge, labels, Value::Float(value));
     }
 
     pub fn histogram(
@@ -80,17 +133,10 @@ impl Exposition {
         value: HistogramSnapshot,
     ) {
         let value = Value::Histogram(value);
-        self.add(name, help, MetricType::Histogram, labels, value);
+        self.add(name, help, Kind::Histogram, labels, value);
     }
 
-    fn add(
-        &mut self,
-        name: &str,
-        help: &str,
-        kind: MetricType,
-        labels: &[(&str, &str)],
-        value: Value,
-    ) {
+    fn add(&mut self, name: &str, help: &str, kind: Kind, labels: &[(&str, &str)], value: Value) {
         let labels = labels
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
@@ -107,7 +153,52 @@ impl Exposition {
         }
     }
 
-    /// The text a scrape gets.
+    /// The text of a scrape in `format`.
+    pub fn encode_as(&self, format: Format) -> String {
+        match format {
+            Format::OpenMetrics => self.clone().encode(),
+            Format::Text => self.encode_text(),
+        }
+    }
+
+    /// The Prometheus text format 0.0.4: `# HELP` and `# TYPE` for every family, named as its
+    /// samples are (a counter's with `_total`), cumulative histogram buckets with `le` last.
+    pub fn encode_text(&self) -> String {
+        let mut out = String::new();
+        for f in &self.families {
+            let (name, kind) = match f.kind {
+                Kind::Counter => (format!("{}_total", f.name), "counter"),
+                Kind::Gauge => (f.name.clone(), "gauge"),
+                Kind::Histogram => (f.name.clone(), "histogram"),
+            };
+            let _ = writeln!(out, "# HELP {name} {}", escape(&f.help, false));
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            for (labels, value) in &f.samples {
+                match value {
+                    Value::Int(v) => text_sample(&mut out, &name, labels, None, &v.to_string()),
+                    Value::Seconds(v) | Value::Float(v) => {
+                        text_sample(&mut out, &name, labels, None, &text_float(*v));
+                    }
+                    Value::Histogram(h) => {
+                        let bucket = format!("{name}_bucket");
+                        let mut below = 0u64;
+                        for (le, n) in &h.buckets {
+                            below += n;
+                            let le = text_float(*le);
+                            text_sample(&mut out, &bucket, labels, Some(&le), &below.to_string());
+                        }
+                        let sum = text_float(h.sum);
+                        text_sample(&mut out, &format!("{name}_sum"), labels, None, &sum);
+                        let count = h.count.to_string();
+                        text_sample(&mut out, &format!("{name}_count"), labels, None, &count);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The text a scrape gets in OpenMetrics.
     pub fn encode(self) -> String {
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register_collector(Box::new(self));
@@ -120,10 +211,64 @@ impl Exposition {
     }
 }
 
+/// One sample line of the text format.
+fn text_sample(out: &mut String, name: &str, labels: &Labels, le: Option<&str>, value: &str) {
+    out.push_str(name);
+    let le = le.map(|v| ("le", v));
+    let all = labels
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .chain(le);
+    for (i, (k, v)) in all.enumerate() {
+        out.push(if i == 0 { '{' } else { ',' });
+        let _ = write!(out, "{k}=\"{}\"", escape(v, true));
+    }
+    if !labels.is_empty() || le.is_some() {
+        out.push('}');
+    }
+    out.push(' ');
+    out.push_str(value);
+    out.push('\n');
+}
+
+/// A value as the text format writes it (Go's float syntax: `+Inf`, `-Inf`, `NaN`).
+fn text_float(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else {
+        v.to_string()
+    }
+}
+
+/// Escapes a help text (backslash, newline) or a label value (also the double quote).
+fn escape(s: &str, quote: bool) -> std::borrow::Cow<'_, str> {
+    let special = |c: char| c == '\\' || c == '\n' || (quote && c == '"');
+    if !s.contains(special) {
+        return s.into();
+    }
+    let mut out = String::with_capacity(s.len() + 4);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '"' if quote => out.push_str("\\\""),
+            c => out.push(c),
+        }
+    }
+    out.into()
+}
+
 impl prometheus_client::collector::Collector for Exposition {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         for f in &self.families {
-            let mut metric = encoder.encode_descriptor(&f.name, &f.help, None, f.kind)?;
+            let kind = match f.kind {
+                Kind::Counter => MetricType::Counter,
+                Kind::Gauge => MetricType::Gauge,
+                Kind::Histogram => MetricType::Histogram,
+            };
+            let mut metric = encoder.encode_descriptor(&f.name, &f.help, None, kind)?;
             match f.samples.as_slice() {
                 // Without labels (an empty label set would still write braces).
                 [(labels, value)] if labels.is_empty() => encode_value(value, metric)?,
@@ -292,6 +437,79 @@ mod tests {
         assert!(text.contains("rserpool_pool_elements 2.0\n"), "{text}");
         assert_eq!(text.matches("# TYPE rserpool_requests ").count(), 1);
         assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn the_scraper_chooses_the_format() {
+        use Format::*;
+        for (accept, want) in [
+            (None, Text),
+            (Some("*/*"), Text),
+            (Some("text/plain;version=0.0.4"), Text),
+            // Prometheus's own.
+            (
+                Some(
+                    "application/openmetrics-text;version=1.0.0;q=0.5,\
+                     application/openmetrics-text;version=0.0.1;q=0.4,\
+                     text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+                ),
+                OpenMetrics,
+            ),
+            (
+                Some("Application/OpenMetrics-Text; version=1.0.0"),
+                OpenMetrics,
+            ),
+            (Some("application/openmetrics-text;q=0"), Text),
+            (
+                Some("application/openmetrics-text;q=0.2, text/plain;q=0.9"),
+                Text,
+            ),
+        ] {
+            assert_eq!(Format::negotiate(accept), want, "{accept:?}");
+        }
+    }
+
+    #[test]
+    fn the_text_format_names_every_family_as_its_samples() {
+        let mut m = Exposition::default();
+        m.counter(
+            "rserpool_requests",
+            "Requests\\ \n served.",
+            &[("pool", "a")],
+            3,
+        );
+        m.counter("rserpool_requests", "", &[("pool", "b\"x\n")], 4);
+        m.gauge("rserpool_pool_elements", "PEs.", &[], 2.0);
+        m.gauge("rserpool_weird", "Inf.", &[], f64::INFINITY);
+        let h = LatencyHistogram::default();
+        h.observe(Duration::from_micros(300));
+        h.observe(Duration::from_millis(3));
+        m.histogram(
+            "rserpool_latency_seconds",
+            "L.",
+            &[("pe", "1")],
+            h.snapshot(),
+        );
+        let text = m.encode_as(Format::Text);
+        let want = [
+            "# HELP rserpool_requests_total Requests\\\\ \\n served.\n",
+            "# TYPE rserpool_requests_total counter\n",
+            "rserpool_requests_total{pool=\"a\"} 3\n",
+            "rserpool_requests_total{pool=\"b\\\"x\\n\"} 4\n",
+            "# TYPE rserpool_pool_elements gauge\nrserpool_pool_elements 2\n",
+            "rserpool_weird +Inf\n",
+            "# TYPE rserpool_latency_seconds histogram\n",
+            "rserpool_latency_seconds_bucket{pe=\"1\",le=\"0.0005\"} 1\n",
+            "rserpool_latency_seconds_bucket{pe=\"1\",le=\"0.005\"} 2\n",
+            "rserpool_latency_seconds_bucket{pe=\"1\",le=\"+Inf\"} 2\n",
+            "rserpool_latency_seconds_sum{pe=\"1\"} 0.0033\n",
+            "rserpool_latency_seconds_count{pe=\"1\"} 2\n",
+        ];
+        for w in want {
+            assert!(text.contains(w), "{w:?} not in\n{text}");
+        }
+        assert_eq!(text.matches("# HELP ").count(), 4);
+        assert!(!text.contains("# EOF"));
     }
 
     #[test]

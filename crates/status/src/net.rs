@@ -123,9 +123,23 @@ fn timed_out(_: tokio::time::error::Elapsed) -> io::Error {
 
 /// `GET path` from a status listener: the status code and the body.
 pub async fn get(addr: SocketAddr, path: &str) -> io::Result<(u16, Vec<u8>)> {
+    get_accepting(addr, path, None)
+        .await
+        .map(|(status, _, body)| (status, body))
+}
+
+/// [`get`] with an `Accept` header (a scrape asking for a format): the status code, the
+/// content type and the body.
+pub async fn get_accepting(
+    addr: SocketAddr,
+    path: &str,
+    accept: Option<&str>,
+) -> io::Result<(u16, String, Vec<u8>)> {
     let exchange = async {
         let mut s = TcpStream::connect(addr).await?;
-        let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        let accept = accept.map_or(String::new(), |a| format!("Accept: {a}\r\n"));
+        let req =
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{accept}Connection: close\r\n\r\n");
         s.write_all(req.as_bytes()).await?;
         let mut reply = Vec::new();
         s.read_to_end(&mut reply).await?;
@@ -141,7 +155,13 @@ pub async fn get(addr: SocketAddr, path: &str) -> io::Result<(u16, Vec<u8>)> {
         _ => return Err(bad("not an HTTP answer")),
     };
     let status = resp.code.ok_or_else(|| bad("no status code"))?;
-    Ok((status, reply[head_len..].to_vec()))
+    let content_type = resp
+        .headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("content-type"))
+        .map(|h| String::from_utf8_lossy(h.value).into_owned())
+        .unwrap_or_default();
+    Ok((status, content_type, reply[head_len..].to_vec()))
 }
 
 #[cfg(test)]

@@ -59,7 +59,12 @@ pub struct Pool {
     retries_refused: std::sync::atomic::AtomicU64,
     /// When the success-rate rule looks next, in ms of the backends' clock (0: not yet set).
     success_rate_due_ms: std::sync::atomic::AtomicU64,
+    /// Responses to clients of requests routed here, by status class (1xx to 5xx).
+    responses: [std::sync::atomic::AtomicU64; 5],
 }
+
+/// The status classes of [`Pool::responses`], as the metrics label them.
+pub const RESPONSE_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 /// A retry's place in its pool's retry budget, given back when dropped.
 pub(crate) struct RetryPermit(Arc<std::sync::atomic::AtomicU64>);
@@ -164,6 +169,7 @@ impl Pool {
             retries: Arc::default(),
             retries_refused: Default::default(),
             success_rate_due_ms: Default::default(),
+            responses: Default::default(),
             state: Mutex::new(PoolState {
                 selector: Selector::new(),
                 refreshed: None,
@@ -248,6 +254,22 @@ impl Pool {
     /// Requests the circuit breaker refused so far.
     pub fn circuit_refused(&self) -> u64 {
         self.circuit_refused.load(Ordering::Relaxed)
+    }
+
+    /// A response with status `code` went to the client of a request routed here (the PE's,
+    /// or the proxy's own when no PE answered).
+    pub(crate) fn responded(&self, code: u16) {
+        if let Some(n) = (code / 100)
+            .checked_sub(1)
+            .and_then(|i| self.responses.get(usize::from(i)))
+        {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Responses to clients so far, by status class ([`RESPONSE_CLASSES`]).
+    pub fn responses(&self) -> [u64; 5] {
+        std::array::from_fn(|i| self.responses[i].load(Ordering::Relaxed))
     }
 
     /// Retries the retry budget refused so far.

@@ -100,16 +100,19 @@ pub(crate) async fn forward(
             Ok(v) => v,
             Err(g) => {
                 let (code, why) = g.answer();
+                pool.responded(code);
                 return give_up(d, r, code, Some(why), None, ctx).await;
             }
         };
         match settle(r, replayable, &attempt, outcome, &mut f, ctx) {
             Settled::Answered { code, keep, bytes } => {
+                pool.responded(code);
                 log(ctx, d.peer(), r, code, Some(&attempt.pe), bytes);
                 return keep;
             }
             Settled::Again => f.back_off().await,
             Settled::Failed { code, why } => {
+                pool.responded(code);
                 return give_up(d, r, code, why, Some(&attempt.pe), ctx).await;
             }
         }
