@@ -1326,6 +1326,7 @@ impl EventLoop {
 pub struct RegistrarThread {
     addr: SocketAddr,
     status: Option<SocketAddr>,
+    enrp: Option<SocketAddr>,
     id: u32,
     stop: StopHandle,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -1335,9 +1336,10 @@ impl RegistrarThread {
     /// Binds and starts a registrar on a new thread; returns once it listens.
     pub fn start(cfg: Config) -> io::Result<Self> {
         let server = Server::bind(cfg)?;
-        let (addr, status, id, stop) = (
+        let (addr, status, enrp, id, stop) = (
             server.local_addr(),
             server.status_addr(),
+            server.enrp_addr(),
             server.server_id(),
             server.stop_handle(),
         );
@@ -1351,6 +1353,7 @@ impl RegistrarThread {
         Ok(Self {
             addr,
             status,
+            enrp,
             id,
             stop,
             thread: Some(thread),
@@ -1359,6 +1362,11 @@ impl RegistrarThread {
 
     pub fn asap_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The ENRP address, if ENRP runs.
+    pub fn enrp_addr(&self) -> Option<SocketAddr> {
+        self.enrp
     }
 
     /// The status listener's address, if it runs.

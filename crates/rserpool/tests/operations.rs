@@ -1,12 +1,14 @@
 //! The operator's surface over real sockets: `/metrics` of a registrar, a proxy and a `serve`
-//! sidecar (valid OpenMetrics, counting what happened), the dashboard page and its event stream
-//! on both the registrar's mio loop and the proxy's tokio listener.
+//! sidecar (valid OpenMetrics, counting what happened, and text that promtool passes), the
+//! dashboard page and its event stream on both the registrar's mio loop and the proxy's tokio
+//! listener.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use common::{
-    BIN, example_http, fast_config, free_port, metric, registrar, scrape, spawn, wait_for,
+    BIN, example_http, fast_config, free_port, metric, promtool_check, registrar, scrape, spawn,
+    wait_for,
 };
 use rserpool_proxy::http::client::Client;
 use std::net::SocketAddr;
@@ -19,7 +21,7 @@ fn local() -> SocketAddr {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metrics_are_valid_openmetrics_and_count_what_happened() {
+async fn metrics_are_valid_openmetrics_and_prometheus_text_and_count_what_happened() {
     let reg = registrar(fast_config());
     let reg_status = reg.status_addr().unwrap();
     let r = reg.asap_addr().to_string();
@@ -91,6 +93,18 @@ async fn metrics_are_valid_openmetrics_and_count_what_happened() {
     let m = scrape(proxy_status).await;
     assert_eq!(
         metric(&m, "rserpool_proxy_requests_total", &[("pool", "Web")]),
+        10.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "rserpool_proxy_responses_total",
+            &[("pool", "Web"), ("code", "2xx")]
+        ),
+        10.0
+    );
+    assert_eq!(
+        metric(&m, "rserpool_proxy_responses_total", &[("pool", "Web")]),
         10.0
     );
     let counted = metric(
@@ -173,6 +187,87 @@ async fn metrics_are_valid_openmetrics_and_count_what_happened() {
     );
     assert!(metric(&g, "process_cpu_seconds_total", &[]) >= 0.0);
     assert!(g.iter().any(|s| s.name == "process_cpu_seconds_total"));
+
+    // A scraper that does not ask for OpenMetrics (promtool, many others) gets the text
+    // format, which promtool finds nothing wrong with.
+    for status in [reg_status, proxy_status, serve_status] {
+        promtool_check(status).await;
+    }
+}
+
+/// The Grafana dashboards of `dist/grafana` use only metrics that running processes have: a
+/// cluster of two registrars (the ENRP series), PEs that report credits, a proxy that served
+/// requests through service levels. Prometheus's parser takes every expression. (The kernel
+/// splice and tier dashboard is checked in `tests/tier.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grafana_dashboards_use_only_metrics_that_exist() {
+    let r1 = registrar(fast_config());
+    let r2 = registrar(rserpool_registrar::Config {
+        peer: vec![r1.enrp_addr().unwrap()],
+        ..fast_config()
+    });
+    let r = r1.asap_addr().to_string();
+    let _pes = [
+        example_http(r1.asap_addr(), "Web", 1, &["--policy", "credits"]).await,
+        example_http(r1.asap_addr(), "Web", 2, &["--policy", "credits"]).await,
+    ];
+    let (front, proxy_status) = (local(), local());
+    let config = std::env::temp_dir().join(format!("rserpool-ops-{}.toml", std::process::id()));
+    std::fs::write(
+        &config,
+        format!(
+            "registrars = [\"{r}\"]\nrefresh-ms = 200\nstatus = \"{proxy_status}\"\n\
+             [levels]\ncount = 2\n\
+             [[listener]]\nlisten = \"{front}\"\nmode = \"http\"\npool = \"Web\"\n"
+        ),
+    )
+    .unwrap();
+    let _proxy = spawn(&["proxy", "--config", config.to_str().unwrap()]);
+    let _cleanup = Cleanup(config.clone());
+    let peered = || async {
+        let names = common::sample_names(&text_metrics(r2.status_addr().unwrap()).await);
+        names.contains("rserpool_enrp_peer_connected")
+    };
+    wait_for(Duration::from_secs(10), "the registrars peer", peered).await;
+    wait_for(Duration::from_secs(10), "the proxy has credits", || async {
+        let names = common::sample_names(&text_metrics(proxy_status).await);
+        names.contains("rserpool_proxy_pe_credits")
+    })
+    .await;
+    let mut c = Client::connect(front).await.unwrap();
+    for _ in 0..10 {
+        assert_eq!(c.get("/").await.unwrap().code, 200);
+    }
+    // An error sent (Unknown Pool Handle), so that the errors' series exist.
+    let out = Command::new(BIN)
+        .args(["resolve", "Nowhere", "--registrar", &r])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let mut registrars = common::sample_names(&text_metrics(r1.status_addr().unwrap()).await);
+    registrars.extend(common::sample_names(
+        &text_metrics(r2.status_addr().unwrap()).await,
+    ));
+    common::check_dashboard("rserpool-registrars.json", &registrars);
+    let proxy = common::sample_names(&text_metrics(proxy_status).await);
+    common::check_dashboard("rserpool-proxy.json", &proxy);
+}
+
+/// Removes a file when dropped.
+struct Cleanup(std::path::PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A scrape in the text format (empty while nothing answers).
+async fn text_metrics(status: SocketAddr) -> String {
+    match rserpool_status::get(status, "/metrics").await {
+        Ok((200, body)) => String::from_utf8(body).unwrap(),
+        _ => String::new(),
+    }
 }
 
 /// Reads an event stream's head and then `n` events; returns the events' data and when each

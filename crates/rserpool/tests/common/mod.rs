@@ -317,10 +317,19 @@ pub struct MetricSample {
 
 /// `GET /metrics` from a status listener, checked by the reference OpenMetrics parser (the
 /// Python `prometheus_client`'s, strict: it refuses what Prometheus would refuse) and returned
-/// as samples. The content type must be OpenMetrics.
+/// as samples. Asked as Prometheus asks (OpenMetrics preferred), the answer must be OpenMetrics.
 pub async fn scrape(status: SocketAddr) -> Vec<MetricSample> {
-    let (code, body) = rserpool_status::get(status, "/metrics").await.unwrap();
+    const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0;q=0.5,\
+        application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2";
+    let (code, content_type, body) =
+        rserpool_status::get_accepting(status, "/metrics", Some(PROMETHEUS_ACCEPT))
+            .await
+            .unwrap();
     assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        content_type.starts_with("application/openmetrics-text"),
+        "{content_type}"
+    );
     const CHECK: &str = "
 import json, sys
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
@@ -349,6 +358,36 @@ print(json.dumps(out))
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// `GET /metrics` from a status listener as a scraper that does not ask for OpenMetrics (no
+/// `Accept`, or the text format's), checked by `promtool check metrics` (Prometheus's own
+/// parser and linter; .ci/run installs it): text format 0.0.4, no problem reported.
+pub async fn promtool_check(status: SocketAddr) {
+    for accept in [None, Some("text/plain;version=0.0.4")] {
+        let (code, content_type, body) = rserpool_status::get_accepting(status, "/metrics", accept)
+            .await
+            .unwrap();
+        assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(content_type, "text/plain; version=0.0.4; charset=utf-8");
+        let mut child = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("promtool (Debian's prometheus package; .ci/run installs it)");
+        use std::io::Write as _;
+        child.stdin.take().unwrap().write_all(&body).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool check metrics of {status} ({accept:?}): {}{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&body)
+        );
+    }
+}
+
 /// The sum of the samples named `name` whose labels include `labels`.
 pub fn metric(samples: &[MetricSample], name: &str, labels: &[(&str, &str)]) -> f64 {
     samples
@@ -368,4 +407,103 @@ pub fn metric(samples: &[MetricSample], name: &str, labels: &[(&str, &str)]) -> 
 pub fn haproxy_here() -> bool {
     Command::new("haproxy").arg("-v").output().is_ok()
         || !rserpool_ksplice::testbed::skip("haproxy is missing (.ci/run installs it)")
+}
+
+/// The Grafana dashboard `file` of `dist/grafana`.
+fn dashboard(file: &str) -> serde_json::Value {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../dist/grafana")
+        .join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Every PromQL expression of the Grafana dashboard `file` (its panels' targets and its
+/// variables' queries).
+pub fn dashboard_exprs(file: &str) -> Vec<String> {
+    fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("expr" | "definition", serde_json::Value::String(e)) => {
+                            out.push(e.clone())
+                        }
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard(file), &mut out);
+    out
+}
+
+/// The metric names (as samples name them: `_total`, `_bucket`) that the expressions of the
+/// Grafana dashboard `file` use.
+pub fn dashboard_metrics(file: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    for e in dashboard_exprs(file) {
+        let words = e.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'));
+        names.extend(
+            words
+                .filter(|w| w.starts_with("rserpool_") || w.starts_with("process_"))
+                .map(str::to_owned),
+        );
+    }
+    names
+}
+
+/// The sample names in a scrape's text.
+pub fn sample_names(text: &str) -> std::collections::BTreeSet<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Fails unless every metric the Grafana dashboard `file` uses is among `live` (the sample
+/// names of running processes), and Prometheus's own parser (`promtool check rules`) takes
+/// every expression of it.
+pub fn check_dashboard(file: &str, live: &std::collections::BTreeSet<String>) {
+    let used = dashboard_metrics(file);
+    assert!(used.len() >= 5, "{file} uses hardly any metric: {used:?}");
+    let missing: Vec<&String> = used.difference(live).collect();
+    assert!(
+        missing.is_empty(),
+        "{file} uses metrics that no running process has: {missing:?}"
+    );
+    // As recording rules, with Grafana's variables given values.
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (i, e) in dashboard_exprs(file).iter().enumerate() {
+        if e.starts_with("label_values(") {
+            continue;
+        }
+        let e = e
+            .replace("$__rate_interval", "1m")
+            .replace("$instance", ".*");
+        let quoted = serde_json::to_string(&e).unwrap();
+        rules.push_str(&format!(
+            "      - record: dashboard:expr_{i}\n        expr: {quoted}\n"
+        ));
+    }
+    let path =
+        std::env::temp_dir().join(format!("rserpool-{}-{file}.rules.yml", std::process::id()));
+    std::fs::write(&path, rules).unwrap();
+    let out = Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&path)
+        .output()
+        .expect("promtool (Debian's prometheus package; .ci/run installs it)");
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        out.status.success(),
+        "promtool check rules on the expressions of {file}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
