@@ -6,7 +6,7 @@
 mod cmd;
 
 use anyhow::Result;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use std::net::SocketAddr;
 
 #[derive(Parser)]
@@ -155,6 +155,11 @@ enum Command {
     Drain(cmd::control::DrainArgs),
     /// Put a drained pool element back into its pool.
     Undrain(cmd::control::DrainArgs),
+    /// Print the shell completion script for bash, zsh, fish, elvish or PowerShell
+    /// (e.g. `rserpool completions bash > /etc/bash_completion.d/rserpool`).
+    Completions(cmd::manual::CompletionsArgs),
+    /// Write the man pages (rserpool.1 and one per command) into a directory.
+    Man(cmd::manual::ManArgs),
 }
 
 /// mimalloc: the proxy allocates per request (heads, header maps, HTTP/2 frames and tasks);
@@ -186,6 +191,8 @@ fn main() -> Result<()> {
         Command::Attack(a) => cmd::attack::run(a),
         Command::Drain(a) => cmd::control::run(a, true),
         Command::Undrain(a) => cmd::control::run(a, false),
+        Command::Completions(a) => cmd::manual::completions(a, Cli::command()),
+        Command::Man(a) => cmd::manual::man_pages(a, Cli::command()),
     }
 }
 
@@ -207,6 +214,8 @@ fn print_config(command: &Command) -> Result<()> {
         Command::Cert(a) => toml::to_string(a)?,
         Command::Attack(a) => toml::to_string(a)?,
         Command::Drain(a) | Command::Undrain(a) => toml::to_string(a)?,
+        Command::Completions(a) => toml::to_string(a)?,
+        Command::Man(a) => toml::to_string(a)?,
     };
     print!("{text}");
     Ok(())

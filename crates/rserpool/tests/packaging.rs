@@ -68,6 +68,8 @@ fn every_command_prints_its_config_as_toml() {
         ("attack", &["takeover", "--pool", "Web"]),
         ("drain", &["/tmp/pe.sock"]),
         ("undrain", &["/tmp/pe.sock"]),
+        ("completions", &["bash"]),
+        ("man", &[]),
     ];
     let listed = commands();
     assert!(listed.len() >= 12, "{listed:?}");
@@ -210,4 +212,67 @@ fn the_systemd_units_verify() {
         "{complaints}"
     );
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Shell completions and man pages come from the command line's own definition: bash takes
+/// the script and completes every command (and a command's options); zsh's and fish's name
+/// every command; each command has a man page that `man` renders without a warning.
+#[test]
+fn completions_and_man_pages_cover_every_command() {
+    let listed = commands();
+    let script = std::env::temp_dir().join(format!("rserpool-completion-{}.bash", free_port()));
+    std::fs::write(&script, rserpool(&["completions", "bash"]).stdout).unwrap();
+    let complete = |words: &str, cword: usize| -> Vec<String> {
+        let call = format!(
+            "source {}; COMP_WORDS=({words}); COMP_CWORD={cword}; \
+             _rserpool rserpool \"${{COMP_WORDS[$COMP_CWORD]}}\" \"${{COMP_WORDS[$COMP_CWORD-1]}}\"; \
+             printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+            script.display()
+        );
+        let out = Command::new("bash").args(["-c", &call]).output().unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout).lines().map(str::to_owned).collect()
+    };
+    let offered = complete("rserpool ''", 1);
+    for c in &listed {
+        assert!(
+            offered.contains(c),
+            "bash does not complete `{c}`: {offered:?}"
+        );
+    }
+    assert_eq!(complete("rserpool proxy --li", 2), ["--listen"]);
+    let _ = std::fs::remove_file(&script);
+    for shell in ["zsh", "fish"] {
+        let out = rserpool(&["completions", shell]);
+        assert!(out.status.success(), "{shell}");
+        let script = text(&out.stdout);
+        for c in &listed {
+            assert!(
+                script.contains(c.as_str()),
+                "{shell}'s completions lack `{c}`"
+            );
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("rserpool-man-{}", free_port()));
+    let out = rserpool(&["man", "--dir", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let pages = std::iter::once("rserpool.1".to_owned())
+        .chain(listed.iter().map(|c| format!("rserpool-{c}.1")));
+    for page in pages {
+        let path = dir.join(&page);
+        let out = Command::new("man")
+            .args(["--warnings", "-l"])
+            .arg(&path)
+            .env("MANWIDTH", "80")
+            .output()
+            .expect("man (Debian's man-db)");
+        let shown = text(&out.stdout);
+        assert!(
+            out.status.success() && shown.contains("NAME") && shown.contains("SYNOPSIS"),
+            "{page}: {}",
+            text(&out.stderr)
+        );
+        assert_eq!(text(&out.stderr), "", "{page}: warnings");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -9,6 +9,7 @@ pub mod client;
 pub mod control;
 pub mod distributor;
 pub mod example;
+pub mod manual;
 pub mod proxy;
 pub mod registrar;
 pub mod serve;
