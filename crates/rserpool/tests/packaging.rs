@@ -276,3 +276,163 @@ fn completions_and_man_pages_cover_every_command() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The Debian package (`dist/debian/build.sh`: cargo-deb) installs with dpkg: the binary runs,
+/// `man` finds its pages, the installed units pass `systemd-analyze verify`, the settings are
+/// conffiles, the completions and dashboards are in place and the system user exists; a purge
+/// leaves none of its files. Needs root and cargo-deb (.ci/run installs it): skipped elsewhere,
+/// failed under CI. Builds into `target/package`, apart from the release binaries a benchmark
+/// or soak may be running.
+#[test]
+fn the_debian_package_installs_and_purges_cleanly() {
+    let cargo_deb = Command::new("cargo").args(["deb", "--version"]).output();
+    if !cargo_deb.is_ok_and(|o| o.status.success())
+        && rserpool_ksplice::testbed::skip("cargo-deb is missing (.ci/run installs it)")
+    {
+        return;
+    }
+    if !rustix::process::geteuid().is_root()
+        && rserpool_ksplice::testbed::skip("installing a package needs root")
+    {
+        return;
+    }
+    // A /usr/bin/rserpool of another origin is not ours to replace.
+    let owner = Command::new("dpkg")
+        .args(["-S", "/usr/bin/rserpool"])
+        .output()
+        .unwrap();
+    let foreign =
+        Path::new("/usr/bin/rserpool").exists() && !text(&owner.stdout).starts_with("rserpool:");
+    if foreign && rserpool_ksplice::testbed::skip("/usr/bin/rserpool is not the package's") {
+        return;
+    }
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/package");
+    let built = Command::new(dist().join("debian/build.sh"))
+        .env("CARGO_TARGET_DIR", &target)
+        .output()
+        .unwrap();
+    assert!(built.status.success(), "{}", text(&built.stderr));
+    let deb = text(&built.stdout)
+        .lines()
+        .rev()
+        .find(|l| l.ends_with(".deb"))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("no .deb named: {}", text(&built.stdout)));
+
+    /// Purges the package when the test ends, however it ends.
+    struct Purge;
+    impl Drop for Purge {
+        fn drop(&mut self) {
+            let _ = Command::new("dpkg").args(["--purge", "rserpool"]).output();
+        }
+    }
+    let purge = Purge;
+    let installed = Command::new("dpkg").arg("-i").arg(&deb).output().unwrap();
+    assert!(
+        installed.status.success(),
+        "dpkg -i: {}",
+        text(&installed.stderr)
+    );
+
+    let version = Command::new("/usr/bin/rserpool")
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(
+        text(&version.stdout).starts_with("rserpool "),
+        "{}",
+        text(&version.stdout)
+    );
+    for page in [
+        "rserpool",
+        "rserpool-registrar",
+        "rserpool-proxy",
+        "rserpool-serve",
+    ] {
+        let found = Command::new("man").args(["-w", page]).output().unwrap();
+        assert!(
+            found.status.success(),
+            "man -w {page}: {}",
+            text(&found.stderr)
+        );
+    }
+    let units = [
+        "rserpool-registrar.service",
+        "rserpool-proxy.service",
+        "rserpool-serve@.service",
+    ];
+    for unit in units {
+        let path = Path::new("/lib/systemd/system").join(unit);
+        let out = Command::new("systemd-analyze")
+            .arg("verify")
+            .arg(&path)
+            .output()
+            .unwrap();
+        // An instance-less template is verified as an instance.
+        let checked = if unit.ends_with("@.service") {
+            let inst = Path::new("/lib/systemd/system").join("rserpool-serve@web.service");
+            let _ = std::fs::remove_file(&inst);
+            std::os::unix::fs::symlink(&path, &inst).unwrap();
+            let out = Command::new("systemd-analyze")
+                .arg("verify")
+                .arg(&inst)
+                .output()
+                .unwrap();
+            let _ = std::fs::remove_file(&inst);
+            out
+        } else {
+            out
+        };
+        let complaints: Vec<String> = text(&checked.stderr)
+            .lines()
+            .filter(|l| l.contains("rserpool"))
+            .map(str::to_owned)
+            .collect();
+        assert!(
+            checked.status.success() && complaints.is_empty(),
+            "{unit}: {complaints:?}"
+        );
+    }
+    let conffiles = Command::new("dpkg-query")
+        .args(["-W", "-f=${Conffiles}", "rserpool"])
+        .output()
+        .unwrap();
+    for f in ["registrar.toml", "proxy.toml", "serve-example.env"] {
+        assert!(
+            text(&conffiles.stdout).contains(&format!("/etc/rserpool/{f}")),
+            "{f} is not a conffile: {}",
+            text(&conffiles.stdout)
+        );
+    }
+    for f in [
+        "/usr/share/bash-completion/completions/rserpool",
+        "/usr/share/zsh/vendor-completions/_rserpool",
+        "/usr/share/fish/vendor_completions.d/rserpool.fish",
+        "/usr/share/rserpool/grafana/rserpool-proxy.json",
+    ] {
+        assert!(Path::new(f).exists(), "{f} not installed");
+    }
+    let user = Command::new("getent")
+        .args(["passwd", "rserpool"])
+        .output()
+        .unwrap();
+    assert!(user.status.success(), "no system user rserpool");
+    let listed = Command::new("dpkg-query")
+        .args(["-L", "rserpool"])
+        .output()
+        .unwrap();
+    let files: Vec<String> = text(&listed.stdout)
+        .lines()
+        .filter(|f| Path::new(f).is_file())
+        .map(str::to_owned)
+        .collect();
+    assert!(files.len() > 20, "{files:?}");
+
+    drop(purge);
+    let left: Vec<&String> = files.iter().filter(|f| Path::new(f).exists()).collect();
+    assert!(left.is_empty(), "left after the purge: {left:?}");
+    assert!(
+        !Path::new("/etc/rserpool").exists(),
+        "/etc/rserpool left after the purge"
+    );
+}

@@ -1,0 +1,17 @@
+#!/bin/sh
+# Builds the Debian package of rserpool into target/debian/: the release binary, then the man
+# pages and shell completions it generates, then `cargo deb` (cargo install cargo-deb) packs
+# them with the units and settings of dist/ (crates/rserpool/Cargo.toml, [package.metadata.deb]).
+set -eu
+cd "$(dirname "$0")/../.."
+cargo build --release -p rserpool
+target=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+out="$target/release"
+rm -rf "$out/man" "$out/completions"
+"$out/rserpool" man --dir "$out/man" >/dev/null
+gzip -9n "$out"/man/*.1
+mkdir -p "$out/completions"
+"$out/rserpool" completions bash > "$out/completions/rserpool"
+"$out/rserpool" completions zsh > "$out/completions/_rserpool"
+"$out/rserpool" completions fish > "$out/completions/rserpool.fish"
+cargo deb -p rserpool --no-build --strip "$@"
