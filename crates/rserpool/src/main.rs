@@ -115,7 +115,8 @@ pub struct CreditOpts {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run everything on loopback: a registrar and the EchoPool (three echo PEs, least used).
+    /// Run everything on loopback: a registrar, the EchoPool (echo PEs, least used) and the
+    /// WebPool (HTTP PEs), and a proxy in front of both.
     Up(cmd::up::UpArgs),
     /// Run a registrar (ASAP over TCP).
     Registrar(Box<cmd::registrar::RegistrarArgs>),

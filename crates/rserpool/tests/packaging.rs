@@ -436,3 +436,80 @@ fn the_debian_package_installs_and_purges_cleanly() {
         "/etc/rserpool left after the purge"
     );
 }
+
+/// The README's command summary ("Using it") and `--help` agree: every command `--help` lists
+/// is in it, every command and subcommand it names exists, and every option it shows for one
+/// is among that command's (or its subcommands') options.
+#[test]
+fn the_readme_and_every_commands_help_agree() {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
+            .unwrap();
+    let block: Vec<&str> = readme
+        .lines()
+        .skip_while(|l| *l != "## Using it")
+        .skip_while(|l| !l.starts_with("```sh"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("```"))
+        .collect();
+    assert!(block.len() > 10, "no command summary under \"## Using it\"");
+    let help = |args: &[&str]| -> Option<String> {
+        let mut all = args.to_vec();
+        all.push("--help");
+        let out = rserpool(&all);
+        out.status.success().then(|| text(&out.stdout))
+    };
+    let global = help(&[]).unwrap();
+    let mut named = std::collections::BTreeSet::new();
+    for line in &block {
+        let line = line.split(" #").next().unwrap_or("");
+        let Some(rest) = line.trim().strip_prefix("rserpool ") else {
+            continue;
+        };
+        let words: Vec<&str> = rest.split_whitespace().collect();
+        let is_name = |w: &str| {
+            w.chars()
+                .all(|c| c.is_ascii_lowercase() || c == '-' || c == '|')
+        };
+        let commands: Vec<&str> = match words.first() {
+            Some(w) if is_name(w) && !w.starts_with('-') => w.split('|').collect(),
+            _ => Vec::new(), // global options, or COMMAND
+        };
+        let mut helps = vec![global.clone()];
+        for c in &commands {
+            named.insert(c.to_string());
+            let h = help(&[c]).unwrap_or_else(|| panic!("README names `{c}`, which is no command"));
+            // A subcommand (`example echo|http`, `attack takeover`) when the command has some.
+            if let Some(subs) = words.get(1).filter(|w| is_name(w) && !w.starts_with('-'))
+                && h.contains("Commands:")
+            {
+                for s in subs.split('|') {
+                    let sh = help(&[c, s])
+                        .unwrap_or_else(|| panic!("README names `{c} {s}`, which is none"));
+                    helps.push(sh);
+                }
+            }
+            helps.push(h);
+        }
+        for w in &words {
+            let Some(start) = w.find("--") else { continue };
+            let flag: String = w[start..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect();
+            assert!(
+                helps
+                    .iter()
+                    .any(|h| h.contains(&format!("{flag} ")) || h.contains(&format!("{flag}\n"))),
+                "README shows `{flag}` for `rserpool {}`, which `--help` does not list",
+                commands.join("|")
+            );
+        }
+    }
+    for c in commands() {
+        assert!(
+            named.contains(&c),
+            "`{c}` is missing from the README's command summary"
+        );
+    }
+}
