@@ -19,6 +19,7 @@
 mod access_log;
 pub mod balance;
 pub mod config;
+mod csp;
 mod ctx;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -80,6 +81,9 @@ struct Inner {
     listeners: Mutex<HashMap<SocketAddr, Listener>>,
     status: Mutex<Option<StatusListener>>,
     conns: Arc<Semaphore>,
+    /// Accept loops holding a permit of `conns` while they wait for a client (one each): not
+    /// connections being served.
+    accepting: Arc<std::sync::atomic::AtomicUsize>,
     max_conns: usize,
     draining: watch::Sender<bool>,
     log: RwLock<Option<AccessLog>>,
@@ -179,6 +183,7 @@ impl Proxy {
                 pools,
                 max_conns: cfg.max_connections,
                 conns: Arc::new(Semaphore::new(cfg.max_connections)),
+                accepting: Arc::default(),
                 cfg: RwLock::new(Arc::new(cfg.clone())),
                 listeners: Mutex::new(HashMap::new()),
                 status: Mutex::new(None),
@@ -219,6 +224,9 @@ impl Proxy {
         if let Some(addr) = cfg.status {
             let taken = inherited.status.take().filter(|(a, _)| *a == addr);
             proxy.serve_status(addr, taken.map(|(_, l)| l))?;
+        }
+        if let Some(monitor) = cfg.csp {
+            proxy.report_status(monitor, Duration::from_millis(cfg.csp_interval_ms));
         }
         Ok(proxy)
     }
@@ -473,6 +481,7 @@ impl Proxy {
             l.mode,
             ctx.clone(),
             self.inner.conns.clone(),
+            self.inner.accepting.clone(),
             stopped,
         ));
         self.listeners().insert(
@@ -520,7 +529,11 @@ impl Proxy {
 
     /// Client connections being served.
     pub fn active_connections(&self) -> usize {
-        self.inner.max_conns - self.inner.conns.available_permits()
+        let waiting = self
+            .inner
+            .accepting
+            .load(std::sync::atomic::Ordering::Relaxed);
+        (self.inner.max_conns - self.inner.conns.available_permits()).saturating_sub(waiting)
     }
 
     /// Applies a new configuration: listeners are added and removed, routes and timeouts
@@ -708,14 +721,24 @@ async fn accept_loop(
     mode: Mode,
     ctx: Arc<RwLock<Ctx>>,
     conns: Arc<Semaphore>,
+    accepting: Arc<std::sync::atomic::AtomicUsize>,
     mut stop: watch::Receiver<bool>,
 ) {
+    /// Counts this loop in `accepting` while it holds a permit without a client.
+    struct Waiting<'a>(&'a std::sync::atomic::AtomicUsize);
+    impl Drop for Waiting<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
     let mut warned = false;
     loop {
         let permit = tokio::select! {
             p = conns.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
             () = until_set(&mut stop) => return,
         };
+        accepting.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let waiting = Waiting(&accepting);
         let accepted = async {
             loop {
                 let mut ready = sock.readable().await?;
@@ -742,6 +765,7 @@ async fn accept_loop(
             },
             () = until_set(&mut stop) => return,
         };
+        drop(waiting);
         warned = false;
         let _ = stream.set_nodelay(true);
         if mode == Mode::Http {

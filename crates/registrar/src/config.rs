@@ -127,6 +127,11 @@ settings! {
     tls_key: Option<PathBuf> = None;
     /// TLS: the CA certificate(s) that peers', PEs' and pool users' certificates chain to.
     tls_ca: Option<PathBuf> = None;
+    /// Send rsplib's Component Status reports to this monitor (its `cspmonitor` listens on
+    /// UDP 2960): the registrar's PEs, pools and peers, every `csp-interval-ms`.
+    csp: Option<SocketAddr> = None;
+    /// Interval of the component status reports.
+    csp_interval_ms: u64 = 1000;
 }
 
 /// Where the status listener listens: an address, or `off`. Whether it was given (in the file

@@ -12,6 +12,7 @@
 //! The status listener (HTTP `GET /status`, the handlespace as JSON: what `rserpool status`
 //! reads) is a listener of its own in the same loop ([`status_listener`]).
 
+mod csp;
 mod handover;
 mod status_listener;
 
@@ -323,7 +324,15 @@ impl Server {
             stall_log_at: None,
             offer: None,
             handed: None,
+            csp: None,
         };
+        if let Some(monitor) = self.cfg.csp {
+            let interval = Duration::from_millis(self.cfg.csp_interval_ms);
+            match csp::CspReporter::new(monitor, interval, self.local, start) {
+                Ok(c) => ev.csp = Some(c),
+                Err(e) => warn!("registrar: no component status reports to {monitor}: {e}"),
+            }
+        }
         if self.taken.is_some() {
             // Other registrars' PEs, then the associations with their PEs, then the
             // subscriptions: a pool user's next push is a change, never a pool half rebuilt.
@@ -565,6 +574,8 @@ struct EventLoop {
     offer: Option<(rserpool_handover::Offer, mio::net::UnixListener)>,
     /// Handed over: what tells the successor this one stopped, and the associations it took.
     handed: Option<(rserpool_handover::Giving, Vec<ConnId>)>,
+    /// Component status reports to an rsplib monitor (`csp`).
+    csp: Option<csp::CspReporter>,
 }
 
 enum Flush {
@@ -619,6 +630,9 @@ impl EventLoop {
             }
             if !self.deferred.is_empty() {
                 next = next.min(self.last_flush + self.enrp_batch());
+            }
+            if let Some(c) = &self.csp {
+                next = next.min(c.next());
             }
             let wait = if self.unread.is_empty() {
                 next.saturating_duration_since(now)
@@ -681,8 +695,22 @@ impl EventLoop {
                 self.last_flush = now;
                 self.flush_deferred();
             }
+            self.report_status(now, false);
+        }
+        // The monitor drops a registrar that says it stops; one handed over lives on in its
+        // successor, which reports under the same identifier.
+        if self.handed.is_none() {
+            let now = self.now();
+            self.report_status(now, true);
         }
         Ok(())
+    }
+
+    /// A component status report, when one is due (`last`: at once, the final one).
+    fn report_status(&mut self, now: Instant, last: bool) {
+        if let Some(c) = self.csp.as_mut().filter(|c| last || c.next() <= now) {
+            c.report(&self.core.metrics(now), now, last);
+        }
     }
 
     fn accept(&mut self) {

@@ -96,6 +96,13 @@ pub struct PeOpts {
     pub reregistration_interval_ms: u64,
     #[command(flatten)]
     pub registrars: RegistrarOpts,
+    /// Send rsplib's Component Status reports to this monitor (its `cspmonitor` listens on UDP
+    /// 2960): the PE's identifier, registration and load. rsplib's `CSP_SERVER` works too.
+    #[arg(long, env = "CSP_SERVER", value_parser = cmd::parse_csp_monitor)]
+    pub csp: Option<SocketAddr>,
+    /// Interval of the component status reports (rsplib's `CSP_INTERVAL`).
+    #[arg(long, env = "CSP_INTERVAL", default_value_t = 1000)]
+    pub csp_interval_ms: u64,
 }
 
 /// How a PE with policy `credits` reports them (docs/CREDITS.md).

@@ -12,6 +12,7 @@
 
 pub mod asap;
 pub mod checksum;
+pub mod csp;
 pub mod enrp;
 pub mod error;
 pub mod framer;

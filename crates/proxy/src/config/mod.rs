@@ -538,6 +538,12 @@ pub struct ProxyConfig {
     pub registrar_tls: Option<rserpool_tls::TlsFiles>,
     /// HTTP/2 from clients: its limits.
     pub http2: Http2Config,
+    /// Send rsplib's Component Status reports to this monitor (its `cspmonitor` listens on UDP
+    /// 2960): the proxy as a pool user, with its connections, pools and PEs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub csp: Option<SocketAddr>,
+    /// Interval of the component status reports.
+    pub csp_interval_ms: u64,
 }
 
 impl Default for ProxyConfig {
@@ -569,6 +575,8 @@ impl Default for ProxyConfig {
             tier: None,
             registrar_tls: None,
             http2: Http2Config::default(),
+            csp: None,
+            csp_interval_ms: 1000,
         }
     }
 }

@@ -128,6 +128,7 @@ pub fn run_pe(listen: std::net::SocketAddr, pe: PeOpts, o: CalcOpts) -> Result<(
         let addr = listener.local_addr()?;
         let opts = pe;
         let pe = rserpool_asap::PoolElement::start(super::pe_config(&opts, addr)?)?;
+        super::report_status(&pe, &opts, addr);
         info!(
             "calc service at {addr} is PE {:#010x} of pool {}",
             pe.id(),

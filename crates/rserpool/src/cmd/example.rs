@@ -166,6 +166,7 @@ pub async fn start(
     let cap = u32::try_from(capacity.max(1)).unwrap_or(u32::MAX);
     super::set_capacity(&mut cfg, cap);
     let pe = PoolElement::start(cfg)?;
+    super::report_status(&pe, opts, addr);
     // Without credit options (as from `up`), no credits are reported.
     let credits = match credit_opts {
         Some(o) => super::credit_source(

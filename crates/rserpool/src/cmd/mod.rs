@@ -81,6 +81,23 @@ pub fn parse_u32(s: &str) -> Result<u32, String> {
     r.map_err(|e| format!("{s}: {e}"))
 }
 
+/// A Component Status monitor's address: `host:port`, or an IP address alone for rsplib's
+/// port 2960 (`rserpool_wire::csp`).
+pub fn parse_csp_monitor(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(ip) = s.parse::<std::net::IpAddr>() {
+        return Ok(SocketAddr::new(ip, rserpool_wire::csp::CSP_PORT));
+    }
+    s.parse().map_err(|e| format!("{s}: {e}"))
+}
+
+/// Starts the PE's component status reports when `--csp` asks for them.
+pub fn report_status(pe: &rserpool_asap::PoolElement, opts: &PeOpts, transport: SocketAddr) {
+    if let Some(monitor) = opts.csp {
+        let interval = std::time::Duration::from_millis(opts.csp_interval_ms);
+        pe.report_status(monitor, interval, transport);
+    }
+}
+
 pub fn policy(name: &str, weight: u32) -> Result<Policy> {
     Policy::from_name(name, weight).ok_or_else(|| {
         anyhow!(

@@ -45,6 +45,10 @@ pub struct ProxyArgs {
     /// How often the pools are fetched from a registrar.
     #[arg(long)]
     pub refresh_ms: Option<u64>,
+    /// Send rsplib's Component Status reports to this monitor (`cspmonitor`, UDP 2960);
+    /// overrides the file's `csp`. rsplib's `CSP_SERVER` works too.
+    #[arg(long, env = "CSP_SERVER", value_name = "ADDR", value_parser = super::parse_csp_monitor)]
+    pub csp: Option<SocketAddr>,
 }
 
 pub fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
@@ -95,6 +99,9 @@ pub fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
     }
     if let Some(t) = args.threads {
         cfg.threads = t;
+    }
+    if args.csp.is_some() {
+        cfg.csp = args.csp;
     }
     if let Some(r) = args.refresh_ms {
         cfg.refresh_ms = r;

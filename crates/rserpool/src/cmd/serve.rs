@@ -90,6 +90,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let mut healthy = check(target, check_timeout).await;
     cfg.initially_active = healthy;
     let pe = rserpool_asap::PoolElement::start(cfg)?;
+    super::report_status(&pe, &args.pe, advertise);
     let credits = super::credit_source(
         &pe,
         &args.credits,

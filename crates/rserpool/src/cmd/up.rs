@@ -72,6 +72,8 @@ pub fn run(args: UpArgs) -> Result<()> {
                 tls_key: None,
                 tls_ca: None,
             },
+            csp: None,
+            csp_interval_ms: 1000,
         };
         let mut pes = Vec::new();
         let web_opts = PeOpts {
