@@ -166,6 +166,84 @@ names = ["a.test"]
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// WebSocket over HTTP/2 (RFC 8441): a client in cleartext (Python's h2) finds
+/// SETTINGS_ENABLE_CONNECT_PROTOCOL, opens `:protocol websocket` through the proxy to a
+/// WebSocket PE over HTTP/1.1 (Python's websockets, registered by `serve`), and 1,000
+/// messages, ten of them of 1 MB, come back intact; then the close handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_over_http2_reaches_an_http1_websocket_pe() {
+    const WS_ECHO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/ws_echo.py");
+    const CLIENT: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/h2_websocket.py"
+    );
+    let dir = tempdir("ws");
+    let reg = common::registrar(common::fast_config());
+    let target = addr();
+    let _server = KillOnDrop(
+        Command::new(PYTHON)
+            .arg(WS_ECHO)
+            .arg(target.port().to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 with python3-websockets (.ci/run installs it)"),
+    );
+    let _pe = common::spawn(&[
+        "serve",
+        "--pool",
+        "Ws",
+        "--target",
+        &target.to_string(),
+        "--registrar",
+        &reg.asap_addr().to_string(),
+        "--check-interval-ms",
+        "100",
+    ]);
+    let (front, status) = (addr(), addr());
+    let p = proxy(&dir, reg.asap_addr(), (status, front, "Ws"), "");
+    wait_for(
+        Duration::from_secs(20),
+        "the proxy has the WebSocket PE",
+        || async {
+            rserpool_status::get(status, "/status")
+                .await
+                .ok()
+                .and_then(|(_, b)| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|d| d["pools"][0]["pool_elements"].as_array().map(Vec::len))
+                == Some(1)
+        },
+    )
+    .await;
+    let mut client = Command::new(PYTHON);
+    client.args([
+        CLIENT,
+        "127.0.0.1",
+        &front.port().to_string(),
+        "/echo",
+        "1000",
+    ]);
+    let out = output(client).await;
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.starts_with("ok 1000 "),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The tunnel's bytes count for the PE, as an HTTP/1.1 upgrade's do.
+    let m = scrape(status).await;
+    assert!(metric(&m, "rserpool_proxy_pe_sent_bytes_total", &[("pool", "Ws")]) > 10e6);
+    assert!(
+        metric(
+            &m,
+            "rserpool_proxy_pe_received_bytes_total",
+            &[("pool", "Ws")]
+        ) > 10e6
+    );
+    assert!(p.lines_with("panicked").is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Waits (20 s at most) until `n` different PEs have answered: `who` asks once and says which
 /// PE answered, if one did.
 async fn every_pe_answers(n: usize, what: &str, who: impl AsyncFn() -> Option<String>) {

@@ -60,6 +60,8 @@ where
     let h = &ctx.cfg.http2;
     let (io, tripped) = Guarded::new(io, pre, h.max_resets_per_s, h.max_control_frames_per_s);
     let mut b = h2::server::Builder::new();
+    // WebSocket over HTTP/2 (RFC 8441; `super::tunnel`).
+    b.enable_connect_protocol();
     b.max_concurrent_streams(h.max_concurrent_streams)
         .initial_window_size(h.stream_window)
         .initial_connection_window_size(h.connection_window)
@@ -153,9 +155,15 @@ async fn call(
         parts,
         body: Body::Held(Bytes::new()),
         set_cookie: None,
+        tunnel: None,
     };
     let ended = recv.is_end_stream();
-    let head = match head_of(&s.parts, ended, ctx.cfg.max_head * 2) {
+    // An extended CONNECT (RFC 8441): the Upgrade request it stands for.
+    let upgrade = (s.parts.method == http::Method::CONNECT)
+        .then(|| s.parts.extensions.get::<h2::ext::Protocol>())
+        .flatten()
+        .map(|p| p.as_str().to_owned());
+    let head = match head_of(&s.parts, ended, upgrade.as_deref(), ctx.cfg.max_head * 2) {
         Some(h) => h,
         None => return s.reply(400, "malformed request", ctx).await,
     };
@@ -187,7 +195,11 @@ async fn call(
             let _ = s.respond.send_informational(h);
         }
     }
-    s.body = if hold {
+    s.body = if upgrade.is_some() {
+        // No body: the stream is the tunnel, once the PE switches protocols.
+        s.tunnel = Some(recv);
+        Body::Held(Bytes::new())
+    } else if hold {
         match gather(recv, ended, limit, ctx.idle_timeout()).await {
             Ok(b) => b,
             Err(()) => return log(ctx, peer, &r, 499, None, 0),
@@ -210,10 +222,21 @@ const CONNECTION_SPECIFIC: [&str; 5] = [
 ];
 
 /// The request head as HTTP/1.1 (`Host` from `:authority`); a body of unknown length is
-/// announced as chunked.
-fn head_of(parts: &http::request::Parts, ended: bool, max: usize) -> Option<Head> {
+/// announced as chunked. An extended CONNECT for `upgrade` (its `:protocol`) becomes the
+/// Upgrade request it stands for.
+fn head_of(
+    parts: &http::request::Parts,
+    ended: bool,
+    upgrade: Option<&str>,
+    max: usize,
+) -> Option<Head> {
     let mut b = BytesMut::with_capacity(256);
-    b.put_slice(parts.method.as_str().as_bytes());
+    let method = if upgrade.is_some() {
+        "GET"
+    } else {
+        parts.method.as_str()
+    };
+    b.put_slice(method.as_bytes());
     b.put_u8(b' ');
     let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     b.put_slice(target.as_bytes());
@@ -243,7 +266,18 @@ fn head_of(parts: &http::request::Parts, ended: bool, max: usize) -> Option<Head
         b.put_slice(v.as_bytes());
         b.put_slice(b"\r\n");
     }
-    if !ended && !parts.headers.contains_key(CONTENT_LENGTH) {
+    if let Some(protocol) = upgrade {
+        b.put_slice(b"connection: upgrade\r\nupgrade: ");
+        b.put_slice(protocol.as_bytes());
+        b.put_slice(b"\r\n");
+        if protocol.eq_ignore_ascii_case("websocket")
+            && !parts.headers.contains_key("sec-websocket-key")
+        {
+            b.put_slice(b"sec-websocket-key: ");
+            b.put_slice(super::tunnel::websocket_key().as_bytes());
+            b.put_slice(b"\r\n");
+        }
+    } else if !ended && !parts.headers.contains_key(CONTENT_LENGTH) {
         b.put_slice(b"transfer-encoding: chunked\r\n");
     }
     b.put_slice(b"\r\n");
@@ -324,7 +358,7 @@ mod tests {
             .body(())
             .unwrap();
         let (parts, ()) = req.into_parts();
-        let h = head_of(&parts, false, 4096).unwrap();
+        let h = head_of(&parts, false, None, 4096).unwrap();
         assert_eq!(h.method(), b"POST");
         assert_eq!(h.target(), b"/v1/x?q=1");
         assert_eq!(h.get("host"), Some(&b"api.example:8443"[..]));
@@ -334,7 +368,7 @@ mod tests {
             .body(())
             .unwrap()
             .into_parts();
-        let h = head_of(&parts, true, 4096).unwrap();
+        let h = head_of(&parts, true, None, 4096).unwrap();
         assert_eq!(h.get("transfer-encoding"), None);
         // h2-to-h1 request smuggling: a client's own framing is refused.
         let (parts, ()) = http::Request::post("http://a/")
@@ -342,6 +376,29 @@ mod tests {
             .body(())
             .unwrap()
             .into_parts();
-        assert!(head_of(&parts, false, 4096).is_none());
+        assert!(head_of(&parts, false, None, 4096).is_none());
+    }
+
+    /// An extended CONNECT (RFC 8441) reads as the HTTP/1.1 Upgrade request it stands for,
+    /// with a WebSocket key of the proxy's and no body framing.
+    #[test]
+    fn an_extended_connect_reads_as_an_upgrade() {
+        let (parts, ()) = http::Request::connect("http://chat.example/ws?room=1")
+            .header("sec-websocket-version", "13")
+            .header("sec-websocket-protocol", "chat")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let h = head_of(&parts, false, Some("websocket"), 4096).unwrap();
+        assert_eq!(h.method(), b"GET");
+        assert_eq!(h.target(), b"/ws?room=1");
+        assert_eq!(h.get("host"), Some(&b"chat.example"[..]));
+        assert!(h.has_token("connection", "upgrade"));
+        assert_eq!(h.get("upgrade"), Some(&b"websocket"[..]));
+        assert_eq!(h.get("sec-websocket-key").map(<[u8]>::len), Some(24));
+        assert_eq!(h.get("sec-websocket-protocol"), Some(&b"chat"[..]));
+        assert_eq!(h.get("transfer-encoding"), None);
+        let r = crate::http::request::parse(h, "127.0.0.1:1".parse().unwrap(), Instant::now());
+        assert!(r.is_ok_and(|r| r.upgrade));
     }
 }

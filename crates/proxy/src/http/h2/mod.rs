@@ -1,7 +1,8 @@
 //! HTTP/2 from clients ([`front`]), one stream each ([`stream`]), with limits on what a client
-//! may send ([`guard`]). The framing, HPACK and flow control are the `h2` crate's; the PE side
+//! may send ([`guard`]); WebSocket over HTTP/2 ([`tunnel`]). The framing, HPACK and flow control are the `h2` crate's; the PE side
 //! is `crate::http::upstream`.
 
 pub(crate) mod front;
 pub(crate) mod guard;
 pub(crate) mod stream;
+pub(crate) mod tunnel;

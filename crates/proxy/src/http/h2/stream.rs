@@ -34,6 +34,9 @@ pub(crate) struct Stream {
     pub(crate) body: Body,
     /// A `Set-Cookie` the proxy adds to the response (`sticky-cookie`).
     pub(crate) set_cookie: Option<http::HeaderValue>,
+    /// An extended CONNECT (RFC 8441): the client's side of the tunnel, once the PE switches
+    /// protocols (`super::tunnel`).
+    pub(crate) tunnel: Option<RecvStream>,
 }
 
 impl Stream {

@@ -349,7 +349,23 @@ pub(crate) async fn exchange(
                     bytes: head.raw.len() as u64,
                 });
             }
-            // An HTTP/2 stream cannot become a tunnel.
+            // An extended CONNECT (RFC 8441): the stream becomes the tunnel.
+            (101, Downstream::H2(s)) if r.upgrade => {
+                let early = std::mem::take(&mut bc.buf);
+                let Some(carried) =
+                    crate::http::h2::tunnel::relay(s, bc.stream, &early, ctx.idle_timeout()).await
+                else {
+                    return Err(Failure::Client);
+                };
+                b.stats.bytes_in.fetch_add(carried.up, Ordering::Relaxed);
+                b.stats.bytes_out.fetch_add(carried.down, Ordering::Relaxed);
+                return Ok(Relayed {
+                    code: 200,
+                    keep: false,
+                    bytes: carried.down,
+                });
+            }
+            // Any other stream cannot become a tunnel.
             (101, Downstream::H2(_)) => return Err(Failure::Broken { relayed: false }),
             (100..=199, _) if head.code != 101 => {
                 // Interim responses go to HTTP/1.1 clients; 100 releases a waiting body.
