@@ -168,78 +168,99 @@ names = ["a.test"]
 
 /// WebSocket over HTTP/2 (RFC 8441): a client in cleartext (Python's h2) finds
 /// SETTINGS_ENABLE_CONNECT_PROTOCOL, opens `:protocol websocket` through the proxy to a
-/// WebSocket PE over HTTP/1.1 (Python's websockets, registered by `serve`), and 1,000
-/// messages, ten of them of 1 MB, come back intact; then the close handshake.
+/// WebSocket PE over HTTP/1.1 (Python's websockets) and, on another listener, to one over
+/// HTTP/2 (`protocol = "h2"`; Python's h2), both registered by `serve`; each time 1,000
+/// messages, ten of them of 1 MB, come back intact, then the close handshake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn websocket_over_http2_reaches_an_http1_websocket_pe() {
+async fn websocket_over_http2_reaches_http1_and_http2_websocket_pes() {
     const WS_ECHO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/ws_echo.py");
+    const H2_ECHO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/h2_ws_echo.py");
     const CLIENT: &str = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/h2_websocket.py"
     );
     let dir = tempdir("ws");
     let reg = common::registrar(common::fast_config());
-    let target = addr();
-    let _server = KillOnDrop(
-        Command::new(PYTHON)
-            .arg(WS_ECHO)
-            .arg(target.port().to_string())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("python3 with python3-websockets (.ci/run installs it)"),
+    let r = reg.asap_addr().to_string();
+    let mut keep = Vec::new();
+    for (script, pool) in [(WS_ECHO, "Ws"), (H2_ECHO, "WsH2")] {
+        let target = addr();
+        keep.push(KillOnDrop(
+            Command::new(PYTHON)
+                .arg(script)
+                .arg(target.port().to_string())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("python3 with python3-websockets and python3-h2 (.ci/run installs them)"),
+        ));
+        keep.push(common::spawn(&[
+            "serve",
+            "--pool",
+            pool,
+            "--target",
+            &target.to_string(),
+            "--registrar",
+            &r,
+            "--check-interval-ms",
+            "100",
+        ]));
+    }
+    let (front, front_h2, status) = (addr(), addr(), addr());
+    let p = proxy(
+        &dir,
+        reg.asap_addr(),
+        (status, front, "Ws"),
+        &format!(
+            "[[listener]]\nlisten = \"{front_h2}\"\nmode = \"http\"\npool = \"WsH2\"\n\n\
+             [pool.WsH2]\nprotocol = \"h2\"\n"
+        ),
     );
-    let _pe = common::spawn(&[
-        "serve",
-        "--pool",
-        "Ws",
-        "--target",
-        &target.to_string(),
-        "--registrar",
-        &reg.asap_addr().to_string(),
-        "--check-interval-ms",
-        "100",
-    ]);
-    let (front, status) = (addr(), addr());
-    let p = proxy(&dir, reg.asap_addr(), (status, front, "Ws"), "");
     wait_for(
         Duration::from_secs(20),
-        "the proxy has the WebSocket PE",
+        "the proxy has both WebSocket PEs",
         || async {
-            rserpool_status::get(status, "/status")
+            let doc = rserpool_status::get(status, "/status")
                 .await
                 .ok()
-                .and_then(|(_, b)| serde_json::from_slice::<serde_json::Value>(&b).ok())
-                .and_then(|d| d["pools"][0]["pool_elements"].as_array().map(Vec::len))
-                == Some(1)
+                .and_then(|(_, b)| serde_json::from_slice::<serde_json::Value>(&b).ok());
+            let pes = |pool: &str| {
+                doc.as_ref()
+                    .and_then(|d| d["pools"].as_array().cloned())
+                    .unwrap_or_default()
+                    .iter()
+                    .find(|p| p["pool"] == pool)
+                    .and_then(|p| p["pool_elements"].as_array().map(Vec::len))
+            };
+            pes("Ws") == Some(1) && pes("WsH2") == Some(1)
         },
     )
     .await;
-    let mut client = Command::new(PYTHON);
-    client.args([
-        CLIENT,
-        "127.0.0.1",
-        &front.port().to_string(),
-        "/echo",
-        "1000",
-    ]);
-    let out = output(client).await;
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && said.starts_with("ok 1000 "),
-        "{said}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // The tunnel's bytes count for the PE, as an HTTP/1.1 upgrade's do.
-    let m = scrape(status).await;
-    assert!(metric(&m, "rserpool_proxy_pe_sent_bytes_total", &[("pool", "Ws")]) > 10e6);
-    assert!(
-        metric(
-            &m,
+    for (listener, pool) in [(front, "Ws"), (front_h2, "WsH2")] {
+        let mut client = Command::new(PYTHON);
+        client.args([
+            CLIENT,
+            "127.0.0.1",
+            &listener.port().to_string(),
+            "/echo",
+            "1000",
+        ]);
+        let out = output(client).await;
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && said.starts_with("ok 1000 "),
+            "{pool}: {said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The tunnel's bytes count for the PE, as an HTTP/1.1 upgrade's do.
+        let m = scrape(status).await;
+        for sent in [
+            "rserpool_proxy_pe_sent_bytes_total",
             "rserpool_proxy_pe_received_bytes_total",
-            &[("pool", "Ws")]
-        ) > 10e6
-    );
+        ] {
+            assert!(metric(&m, sent, &[("pool", pool)]) > 10e6, "{pool} {sent}");
+        }
+    }
     assert!(p.lines_with("panicked").is_empty());
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -387,5 +387,9 @@ fn upstream_request(
     *req.uri_mut() = uri;
     *req.version_mut() = http::Version::HTTP_2;
     *req.headers_mut() = headers;
+    // An extended CONNECT (RFC 8441) keeps its `:protocol`.
+    if let Some(protocol) = p.extensions.get::<h2::ext::Protocol>() {
+        req.extensions_mut().insert(protocol.clone());
+    }
     Some(req)
 }

@@ -50,69 +50,167 @@ fn base64(data: &[u8]) -> String {
     out
 }
 
-/// The PE switched protocols: answers the client's CONNECT with 200 and carries the stream's
-/// bytes to `pe` and back (`early`: what the PE sent after its 101 head). `None` when the
-/// stream was no extended CONNECT or the client is gone.
+/// One end of a tunnel: bytes come from it and go to it.
+pub(crate) trait End {
+    /// The next bytes, or how the end stopped sending.
+    async fn read(&mut self) -> Read;
+    /// Sends `data`; false when this end no longer takes it.
+    async fn write(&mut self, data: Bytes) -> bool;
+    /// No more bytes for this end (a FIN, END_STREAM).
+    async fn finish(&mut self);
+    /// Ends it abruptly (an RST_STREAM; a dropped socket).
+    fn abort(&mut self);
+}
+
+pub(crate) enum Read {
+    Data(Bytes),
+    /// Ended cleanly.
+    End,
+    Failed,
+}
+
+/// An HTTP/2 stream as a tunnel's end: the client's (or an HTTP/2 PE's) DATA frames.
+pub(crate) struct StreamEnd {
+    pub(crate) recv: h2::RecvStream,
+    pub(crate) send: h2::SendStream<Bytes>,
+}
+
+impl End for StreamEnd {
+    async fn read(&mut self) -> Read {
+        match self.recv.data().await {
+            Some(Ok(d)) => {
+                let _ = self.recv.flow_control().release_capacity(d.len());
+                Read::Data(d)
+            }
+            Some(Err(_)) => Read::Failed,
+            None => Read::End,
+        }
+    }
+    async fn write(&mut self, data: Bytes) -> bool {
+        send_data(&mut self.send, data, false).await.is_ok()
+    }
+    async fn finish(&mut self) {
+        let _ = send_data(&mut self.send, Bytes::new(), true).await;
+    }
+    fn abort(&mut self) {
+        self.send.send_reset(Reason::CANCEL);
+    }
+}
+
+/// A byte stream (an HTTP/1.1 PE's connection after its 101) as a tunnel's end.
+pub(crate) struct IoEnd<P> {
+    rd: tokio::io::ReadHalf<P>,
+    wr: tokio::io::WriteHalf<P>,
+    buf: Box<[u8]>,
+}
+
+impl<P: AsyncRead + AsyncWrite> IoEnd<P> {
+    pub(crate) fn new(io: P) -> Self {
+        let (rd, wr) = tokio::io::split(io);
+        Self {
+            rd,
+            wr,
+            buf: vec![0; 16 * 1024].into_boxed_slice(),
+        }
+    }
+}
+
+impl<P: AsyncRead + AsyncWrite + Unpin> End for IoEnd<P> {
+    async fn read(&mut self) -> Read {
+        match self.rd.read(&mut self.buf).await {
+            Ok(0) => Read::End,
+            Ok(n) => Read::Data(Bytes::copy_from_slice(&self.buf[..n])),
+            Err(_) => Read::Failed,
+        }
+    }
+    async fn write(&mut self, data: Bytes) -> bool {
+        self.wr.write_all(&data).await.is_ok()
+    }
+    async fn finish(&mut self) {
+        let _ = self.wr.shutdown().await;
+    }
+    fn abort(&mut self) {}
+}
+
+/// Carries bytes between the client's end and the PE's until both ended, one failed, or both
+/// were quiet for `idle`.
+pub(crate) async fn carry(client: &mut impl End, pe: &mut impl End, idle: Duration) -> Carried {
+    let mut carried = Carried::default();
+    let (mut up, mut down) = (true, true);
+    while up || down {
+        tokio::select! {
+            r = client.read(), if up => match r {
+                Read::Data(d) => {
+                    carried.up += d.len() as u64;
+                    if !pe.write(d).await {
+                        client.abort();
+                        break;
+                    }
+                }
+                Read::End => {
+                    pe.finish().await;
+                    up = false;
+                }
+                Read::Failed => {
+                    pe.abort();
+                    break;
+                }
+            },
+            r = pe.read(), if down => match r {
+                Read::Data(d) => {
+                    carried.down += d.len() as u64;
+                    if !client.write(d).await {
+                        pe.abort();
+                        break;
+                    }
+                }
+                Read::End => {
+                    client.finish().await;
+                    down = false;
+                }
+                Read::Failed => {
+                    client.abort();
+                    break;
+                }
+            },
+            () = tokio::time::sleep(idle) => {
+                client.abort();
+                pe.abort();
+                break;
+            }
+        }
+    }
+    carried
+}
+
+/// Answers the client's extended CONNECT with 200: its end of the tunnel. `None` when the
+/// stream was none or the client is gone.
+pub(crate) fn accept(s: &mut Stream) -> Option<StreamEnd> {
+    let recv = s.tunnel.take()?;
+    let head = http::Response::builder().status(200).body(()).ok()?;
+    let send = s.respond.send_response(head, false).ok()?;
+    Some(StreamEnd { recv, send })
+}
+
+/// The HTTP/1.1 PE switched protocols: the client gets 200 and the tunnel carries the bytes
+/// both ways (`early`: what the PE sent after its 101 head).
 pub(crate) async fn relay<P: AsyncRead + AsyncWrite + Unpin>(
     s: &mut Stream,
     pe: P,
     early: &[u8],
     idle: Duration,
 ) -> Option<Carried> {
-    let mut recv = s.tunnel.take()?;
-    let head = http::Response::builder().status(200).body(()).ok()?;
-    let mut tx = s.respond.send_response(head, false).ok()?;
+    let mut client = accept(s)?;
     let mut carried = Carried::default();
     if !early.is_empty() {
-        send_data(&mut tx, Bytes::copy_from_slice(early), false)
-            .await
-            .ok()?;
+        if !client.write(Bytes::copy_from_slice(early)).await {
+            return None;
+        }
         carried.down += early.len() as u64;
     }
-    let (mut rd, mut wr) = tokio::io::split(pe);
-    let mut buf = vec![0u8; 16 * 1024];
-    let (mut up, mut down) = (true, true);
-    while up || down {
-        tokio::select! {
-            d = recv.data(), if up => match d {
-                Some(Ok(d)) => {
-                    let n = d.len();
-                    if wr.write_all(&d).await.is_err() {
-                        tx.send_reset(Reason::CANCEL);
-                        break;
-                    }
-                    let _ = recv.flow_control().release_capacity(n);
-                    carried.up += n as u64;
-                }
-                // Reset by the client.
-                Some(Err(_)) => break,
-                None => {
-                    let _ = wr.shutdown().await;
-                    up = false;
-                }
-            },
-            r = rd.read(&mut buf), if down => match r {
-                Ok(0) => {
-                    let _ = send_data(&mut tx, Bytes::new(), true).await;
-                    down = false;
-                }
-                Ok(n) => {
-                    if send_data(&mut tx, Bytes::copy_from_slice(&buf[..n]), false).await.is_err() {
-                        break;
-                    }
-                    carried.down += n as u64;
-                }
-                Err(_) => {
-                    tx.send_reset(Reason::CANCEL);
-                    break;
-                }
-            },
-            () = tokio::time::sleep(idle) => {
-                tx.send_reset(Reason::CANCEL);
-                break;
-            }
-        }
-    }
+    let c = carry(&mut client, &mut IoEnd::new(pe), idle).await;
+    carried.up += c.up;
+    carried.down += c.down;
     Some(carried)
 }
 

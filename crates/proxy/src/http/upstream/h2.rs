@@ -28,6 +28,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing::debug;
 
+/// How long an extended CONNECT waits for a new connection's SETTINGS to say whether the PE
+/// offers it.
+const SETTINGS_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// The HTTP/2 connections to one PE.
 #[derive(Debug, Default)]
 pub(crate) struct H2Conns {
@@ -222,6 +226,11 @@ pub(crate) async fn exchange(
     let Some(req) = d.h2_request(r, ctx) else {
         return Err(Failure::BadRequest);
     };
+    if let Downstream::H2(s) = d
+        && s.tunnel.is_some()
+    {
+        return extended_connect(s, req, (send, slot), attempt, ctx).await;
+    }
     let no_body = d.held().is_some_and(Bytes::is_empty);
     let (resp, mut up) = match send.send_request(req, no_body) {
         Ok(v) => v,
@@ -333,6 +342,71 @@ pub(crate) async fn exchange(
         code,
         keep: d.keep(),
         bytes,
+    })
+}
+
+/// An extended CONNECT (RFC 8441) to a PE that offers it: the same CONNECT on a stream of its
+/// own; when the PE answers 2xx, the client gets 200 and the two streams carry the tunnel
+/// (`crate::http::h2::tunnel`). A PE that does not offer it fails the attempt.
+async fn extended_connect(
+    s: &mut crate::http::h2::stream::Stream,
+    req: http::Request<()>,
+    (mut send, slot): (SendRequest<Bytes>, Slot),
+    attempt: &Attempt,
+    ctx: &Ctx,
+) -> Result<Relayed, Failure> {
+    use crate::http::h2::tunnel::{StreamEnd, accept, carry};
+    let b = &attempt.pe;
+    // A connection just opened may not have the PE's SETTINGS yet.
+    let settled = tokio::time::Instant::now() + SETTINGS_WAIT;
+    while !send.is_extended_connect_protocol_enabled() {
+        if tokio::time::Instant::now() >= settled {
+            return Err(Failure::Broken { relayed: false });
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let (resp, up) = match send.send_request(req, false) {
+        Ok(v) => v,
+        Err(e) => {
+            slot.retire();
+            return Err(no_response(e, false));
+        }
+    };
+    let limit = attempt.head_timeout(ctx.request_timeout());
+    let resp = match tokio::time::timeout(limit, resp).await {
+        Err(_) => return Err(Failure::Timeout),
+        Ok(Err(e)) => return Err(no_response(e, false)),
+        Ok(Ok(resp)) => resp,
+    };
+    b.note_latency(attempt.rif, attempt.sent.elapsed());
+    let code = resp.status().as_u16();
+    if !resp.status().is_success() {
+        // Refused by the PE: its status (without its body) goes to the client.
+        let head = http::Response::builder().status(code).body(());
+        if let Ok(h) = head {
+            let _ = s.respond.send_response(h, true);
+        }
+        return Ok(Relayed {
+            code,
+            keep: false,
+            bytes: 0,
+        });
+    }
+    let Some(mut client) = accept(s) else {
+        return Err(Failure::Client);
+    };
+    let mut pe = StreamEnd {
+        recv: resp.into_body(),
+        send: up,
+    };
+    let carried = carry(&mut client, &mut pe, ctx.idle_timeout()).await;
+    b.stats.bytes_in.fetch_add(carried.up, Ordering::Relaxed);
+    b.stats.bytes_out.fetch_add(carried.down, Ordering::Relaxed);
+    drop(slot);
+    Ok(Relayed {
+        code: 200,
+        keep: false,
+        bytes: carried.down,
     })
 }
 
