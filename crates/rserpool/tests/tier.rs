@@ -128,15 +128,20 @@ impl Tier {
 
     /// Proxy `i`'s status document (`None` while it does not answer).
     fn status(&self, i: usize) -> Option<serde_json::Value> {
+        serde_json::from_str(&self.get(i, "/status")?).ok()
+    }
+
+    /// The body of `GET path` from proxy `i`'s status listener.
+    fn get(&self, i: usize, path: &str) -> Option<String> {
         let addr = SocketAddrV4::new(TierNet::proxy_addr(i), 8404);
+        let req = format!("GET {path} HTTP/1.0\r\n\r\n");
         in_ns(&self.net.proxies[i - 1], move || {
             let mut s = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(1)).ok()?;
             s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-            s.write_all(b"GET /status HTTP/1.0\r\n\r\n").ok()?;
+            s.write_all(req.as_bytes()).ok()?;
             let mut text = String::new();
             s.read_to_string(&mut text).ok()?;
-            let body = &text[text.find("\r\n\r\n")? + 4..];
-            serde_json::from_str(body).ok()
+            Some(text[text.find("\r\n\r\n")? + 4..].to_owned())
         })
         .join()
         .unwrap()
@@ -534,6 +539,10 @@ fn a_proxy_that_joined_late_carries_the_connections_of_one_that_dies() {
         carried > 0,
         "proxy 3 carried no packet after proxy 1 died: the test proved nothing"
     );
+    // The Grafana dashboard of the kernel splice and the tier uses only metrics a tier
+    // member has.
+    let metrics = t.get(3, "/metrics").unwrap_or_default();
+    common::check_dashboard("rserpool-proxy-tier.json", &common::sample_names(&metrics));
 }
 
 /// The client namespace's count of ICMP destination-unreachable messages received.
