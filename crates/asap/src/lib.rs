@@ -14,6 +14,7 @@ pub mod connection;
 pub mod core;
 pub mod credit_source;
 pub mod credits;
+pub mod csp;
 mod driver;
 pub mod level_gate;
 pub mod metric;

@@ -381,75 +381,48 @@ impl PoolElement {
     /// policy carries one.
     pub fn report_status(&self, monitor: SocketAddr, interval: Duration, transport: SocketAddr) {
         use rserpool_wire::csp::{Association, Component, PPID_ASAP, PROTOCOL_TCP, Report};
-        let mut state = self.state.clone();
+        let state = self.state.clone();
         let desired = self.updater.desired.subscribe();
         let sender = Component::PoolElement.id(u64::from(self.id));
-        let interval = interval.max(Duration::from_millis(100));
         let location = rserpool_wire::csp::location(&rserpool_wire::csp::host_name(), &[transport]);
-        tokio::spawn(async move {
-            let any: SocketAddr = if monitor.is_ipv4() {
-                ([0, 0, 0, 0], 0).into()
-            } else {
-                (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        let who = format!("PE {:#010x}", self.id);
+        crate::csp::spawn_reports(monitor, interval, who, move |uptime_us, interval_us| {
+            let now = state.borrow().clone();
+            // Stopped, or the PE is gone (its driver task dropped the state).
+            let last = now == PeState::Stopped || state.has_changed().is_err();
+            let (status, associations) = match &now {
+                _ if last => (String::new(), Vec::new()),
+                PeState::Registered { home, .. } => (
+                    format!("Registered at registrar ${home:08x}"),
+                    vec![Association {
+                        peer: Component::Registrar.id(u64::from(*home)),
+                        duration_us: None,
+                        protocol: PROTOCOL_TCP,
+                        ppid: PPID_ASAP,
+                    }],
+                ),
+                PeState::Registering => ("Looking for Registrar ...".into(), Vec::new()),
+                PeState::Inactive => ("Inactive (drained)".into(), Vec::new()),
+                PeState::Rejected(why) => (format!("Registration refused: {why}"), Vec::new()),
+                PeState::Stopped => (String::new(), Vec::new()),
             };
-            let socket = match tokio::net::UdpSocket::bind(any).await {
-                Ok(s) => s,
-                Err(e) => return warn!("PE {sender:#x}: no component status reports: {e}"),
-            };
-            let first = tokio::time::Instant::now();
-            let mut tick = tokio::time::interval(interval);
-            let mut failed = false;
-            loop {
-                let gone = tokio::select! {
-                    _ = tick.tick() => false,
-                    changed = state.changed() => changed.is_err(),
-                };
-                let now = state.borrow().clone();
-                let last = gone || now == PeState::Stopped;
-                let (status, associations) = match &now {
-                    PeState::Registered { home, .. } => (
-                        format!("Registered at registrar ${home:08x}"),
-                        vec![Association {
-                            peer: Component::Registrar.id(u64::from(*home)),
-                            duration_us: None,
-                            protocol: PROTOCOL_TCP,
-                            ppid: PPID_ASAP,
-                        }],
-                    ),
-                    PeState::Registering => ("Looking for Registrar ...".into(), Vec::new()),
-                    PeState::Inactive => ("Inactive (drained)".into(), Vec::new()),
-                    PeState::Rejected(why) => (format!("Registration refused: {why}"), Vec::new()),
-                    PeState::Stopped => (String::new(), Vec::new()),
-                };
-                let report = Report {
-                    sender,
-                    uptime_us: first.elapsed().as_micros() as u64,
-                    interval_us: interval.as_micros().min(u128::from(u32::MAX)) as u32,
-                    location: if last {
-                        String::new()
-                    } else {
-                        location.clone()
-                    },
-                    status: if last { String::new() } else { status },
-                    workload: desired
-                        .borrow()
-                        .policy
-                        .load()
-                        .map(rserpool_wire::policy::load_to_fraction),
-                    associations: if last { Vec::new() } else { associations },
-                    last,
-                };
-                match socket.send_to(&report.encode(), monitor).await {
-                    Ok(_) => failed = false,
-                    Err(e) if !failed => {
-                        warn!("PE {sender:#x}: component status report to {monitor}: {e}");
-                        failed = true;
-                    }
-                    Err(_) => {}
-                }
-                if last {
-                    return;
-                }
+            Report {
+                sender,
+                uptime_us,
+                interval_us,
+                location: if last {
+                    String::new()
+                } else {
+                    location.clone()
+                },
+                status,
+                workload: desired
+                    .borrow()
+                    .policy
+                    .load()
+                    .map(rserpool_wire::policy::load_to_fraction),
+                associations,
+                last,
             }
         });
     }

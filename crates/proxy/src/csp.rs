@@ -8,11 +8,10 @@ use rserpool_wire::csp::{Component, Report};
 use std::net::SocketAddr;
 use std::sync::Weak;
 use std::time::Duration;
-use tracing::warn;
 
 impl Proxy {
-    /// Reports to `monitor` every `interval` while the proxy runs; a last report when it is
-    /// gone. A pool user's component ID carries 56 random bits (as rsplib's do).
+    /// Reports to `monitor` every `interval` while the proxy runs; a last report when it
+    /// drains or is gone. A pool user's component ID carries 56 random bits (as rsplib's do).
     pub(crate) fn report_status(&self, monitor: SocketAddr, interval: Duration) {
         let inner: Weak<_> = std::sync::Arc::downgrade(&self.inner);
         // Random per process (the standard library's keyed hasher), never 0.
@@ -21,70 +20,44 @@ impl Proxy {
             std::process::id(),
         ) | 1;
         let sender = Component::PoolUser.id(object);
-        let interval = interval.max(Duration::from_millis(100));
         let listeners: Vec<SocketAddr> = self.config().listeners.iter().map(|l| l.listen).collect();
         let location = rserpool_wire::csp::location(&rserpool_wire::csp::host_name(), &listeners);
-        tokio::spawn(async move {
-            let any: SocketAddr = if monitor.is_ipv4() {
-                ([0, 0, 0, 0], 0).into()
-            } else {
-                (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-            };
-            let socket = match tokio::net::UdpSocket::bind(any).await {
-                Ok(s) => s,
-                Err(e) => return warn!("proxy: no component status reports: {e}"),
-            };
-            let first = tokio::time::Instant::now();
-            let mut tick = tokio::time::interval(interval);
-            let mut failed = false;
-            loop {
-                tick.tick().await;
-                let proxy = inner.upgrade().map(|inner| Proxy { inner });
-                let last = proxy.as_ref().is_none_or(|p| *p.inner.draining.borrow());
-                let (status, workload) = match proxy.as_ref().filter(|_| !last) {
-                    Some(p) => {
-                        let pools = p.inner.pools.all();
-                        let pes: usize = pools.iter().map(|p| p.backends().len()).sum();
-                        let conns = p.active_connections();
-                        let plural = |n: usize| if n == 1 { "" } else { "s" };
-                        let status = format!(
-                            "{conns} Connection{} to {} Pool{} of {pes} PE{}",
-                            plural(conns),
-                            pools.len(),
-                            plural(pools.len()),
-                            plural(pes)
-                        );
-                        let max = p.inner.max_conns.max(1);
-                        (status, Some(conns as f64 / max as f64))
-                    }
-                    None => (String::new(), None),
-                };
-                drop(proxy);
-                let report = Report {
-                    sender,
-                    uptime_us: first.elapsed().as_micros() as u64,
-                    interval_us: interval.as_micros().min(u128::from(u32::MAX)) as u32,
-                    location: if last {
-                        String::new()
-                    } else {
-                        location.clone()
-                    },
-                    status,
-                    workload,
-                    associations: Vec::new(),
-                    last,
-                };
-                match socket.send_to(&report.encode(), monitor).await {
-                    Ok(_) => failed = false,
-                    Err(e) if !failed => {
-                        warn!("proxy: component status report to {monitor}: {e}");
-                        failed = true;
-                    }
-                    Err(_) => {}
+        let who = "proxy".to_owned();
+        rserpool_asap::csp::spawn_reports(monitor, interval, who, move |uptime_us, interval_us| {
+            let proxy = inner.upgrade().map(|inner| Proxy { inner });
+            let running = proxy.filter(|p| !*p.inner.draining.borrow());
+            let (status, workload) = match &running {
+                Some(p) => {
+                    let pools = p.inner.pools.all();
+                    let pes: usize = pools.iter().map(|p| p.backends().len()).sum();
+                    let conns = p.active_connections();
+                    let plural = |n: usize| if n == 1 { "" } else { "s" };
+                    let status = format!(
+                        "{conns} Connection{} to {} Pool{} of {pes} PE{}",
+                        plural(conns),
+                        pools.len(),
+                        plural(pools.len()),
+                        plural(pes)
+                    );
+                    let max = p.inner.max_conns.max(1);
+                    (status, Some(conns as f64 / max as f64))
                 }
-                if last {
-                    return;
-                }
+                None => (String::new(), None),
+            };
+            let last = running.is_none();
+            Report {
+                sender,
+                uptime_us,
+                interval_us,
+                location: if last {
+                    String::new()
+                } else {
+                    location.clone()
+                },
+                status,
+                workload,
+                associations: Vec::new(),
+                last,
             }
         });
     }

@@ -177,6 +177,15 @@ fn put_text(out: &mut Vec<u8>, text: &str) {
     out.resize(out.len() + TEXT - end, 0);
 }
 
+/// The local address to send reports to `monitor` from: any, of its family.
+pub fn local_for(monitor: std::net::SocketAddr) -> std::net::SocketAddr {
+    if monitor.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    }
+}
+
 /// This host's name, which rsplib's location text starts with (Linux's, else "localhost").
 /// The one thing here that reads the system.
 pub fn host_name() -> String {

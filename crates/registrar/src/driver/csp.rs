@@ -28,12 +28,7 @@ impl CspReporter {
         asap: SocketAddr,
         now: Instant,
     ) -> std::io::Result<Self> {
-        let any: SocketAddr = if monitor.is_ipv4() {
-            ([0, 0, 0, 0], 0).into()
-        } else {
-            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-        };
-        let socket = UdpSocket::bind(any)?;
+        let socket = UdpSocket::bind(rserpool_wire::csp::local_for(monitor))?;
         socket.set_nonblocking(true)?;
         info!("registrar: component status reports to {monitor} every {interval:?}");
         Ok(Self {
