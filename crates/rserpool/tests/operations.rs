@@ -79,16 +79,7 @@ async fn metrics_are_valid_openmetrics_and_prometheus_text_and_count_what_happen
         },
     )
     .await;
-    let mut c = Client::connect(front).await.unwrap();
-    for _ in 0..10 {
-        assert_eq!(c.get("/").await.unwrap().code, 200);
-    }
-    // A resolution of a pool nobody registered is answered with Unknown Pool Handle (0x9).
-    let out = Command::new(BIN)
-        .args(["resolve", "Nowhere", "--registrar", &r])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
+    ten_requests_and_an_unknown_pool(front, &r).await;
 
     let m = scrape(proxy_status).await;
     assert_eq!(
@@ -234,16 +225,7 @@ async fn grafana_dashboards_use_only_metrics_that_exist() {
         names.contains("rserpool_proxy_pe_credits")
     })
     .await;
-    let mut c = Client::connect(front).await.unwrap();
-    for _ in 0..10 {
-        assert_eq!(c.get("/").await.unwrap().code, 200);
-    }
-    // An error sent (Unknown Pool Handle), so that the errors' series exist.
-    let out = Command::new(BIN)
-        .args(["resolve", "Nowhere", "--registrar", &r])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
+    ten_requests_and_an_unknown_pool(front, &r).await;
     let mut registrars = common::sample_names(&text_metrics(r1.status_addr().unwrap()).await);
     registrars.extend(common::sample_names(
         &text_metrics(r2.status_addr().unwrap()).await,
@@ -251,6 +233,21 @@ async fn grafana_dashboards_use_only_metrics_that_exist() {
     common::check_dashboard("rserpool-registrars.json", &registrars);
     let proxy = common::sample_names(&text_metrics(proxy_status).await);
     common::check_dashboard("rserpool-proxy.json", &proxy);
+}
+
+/// Ten GETs through the proxy at `front`, all answered 200; then a resolution of a pool nobody
+/// registered at registrar `r`, answered with Unknown Pool Handle (0x9), so that the
+/// registrar's error series exist.
+async fn ten_requests_and_an_unknown_pool(front: SocketAddr, r: &str) {
+    let mut c = Client::connect(front).await.unwrap();
+    for _ in 0..10 {
+        assert_eq!(c.get("/").await.unwrap().code, 200);
+    }
+    let out = Command::new(BIN)
+        .args(["resolve", "Nowhere", "--registrar", r])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
 }
 
 /// Removes a file when dropped.
