@@ -61,8 +61,12 @@ struct Member {
     weight: u32,
     /// In the group (or to be).
     live: bool,
-    /// A heartbeat is out, not answered yet.
-    waiting: bool,
+    /// A heartbeat is out, not answered yet: by when its answer is due.
+    waiting: Option<Instant>,
+    /// Gone from the tier pool while it answered heartbeats: its registration failed (a
+    /// registrar cut off, say), not necessarily the proxy. It stays while it answers; its
+    /// first miss is its death.
+    unlisted: bool,
     /// The watch's counts at the last look, when it last sent a frame, and the frames sent
     /// to it until then.
     seen: Traffic,
@@ -76,7 +80,6 @@ pub struct DistributorCore {
     members: BTreeMap<u32, Member>,
     seq: u32,
     next_beat: Instant,
-    answers_due: Option<Instant>,
     /// Members found dead whose peers have not heard of it yet.
     died: Vec<u32>,
     /// The group last installed, if any.
@@ -91,7 +94,6 @@ impl DistributorCore {
             members: BTreeMap::new(),
             seq: 0,
             next_beat: now,
-            answers_due: None,
             died: Vec::new(),
             applied: None,
             transmits: VecDeque::new(),
@@ -102,20 +104,33 @@ impl DistributorCore {
         &self.cfg
     }
 
-    /// The members the tier pool lists now: those gone are dead; new ones are live at their
-    /// first answer.
+    /// The members the tier pool lists now; new ones are live at their first answer. A live
+    /// one gone from the pool is asked at once (a heartbeat out of turn): dead if it does not
+    /// answer in time, as a killed proxy's registration goes with it; kept while it answers,
+    /// as a proxy whose registrar was cut off is still a proxy with connections.
     pub fn set_listed(&mut self, listed: &BTreeMap<u32, SocketAddr>, now: Instant) {
         for (id, m) in &mut self.members {
-            if m.live && !listed.contains_key(id) {
+            let here = listed.get(id) == Some(&m.addr);
+            if m.live && !here && !m.unlisted {
                 warn!(
-                    "distributor: proxy {id:#010x} at {} left the tier pool",
+                    "distributor: proxy {id:#010x} at {} left the tier pool; dead unless it \
+                     answers at once",
                     m.addr
                 );
-                m.live = false;
-                self.died.push(*id);
+                m.unlisted = true;
+                m.waiting = Some(now + self.cfg.answer.min(self.cfg.heartbeat));
+                let hb = Datagram::Heartbeat { seq: self.seq }.encode();
+                self.transmits.push_back((m.addr, hb));
+            } else if here && m.unlisted {
+                info!(
+                    "distributor: proxy {id:#010x} at {} back in the tier pool",
+                    m.addr
+                );
+                m.unlisted = false;
             }
         }
-        self.members.retain(|id, _| listed.contains_key(id));
+        self.members
+            .retain(|id, m| listed.get(id) == Some(&m.addr) || (m.live && m.unlisted));
         for (&id, &addr) in listed {
             self.members.entry(id).or_insert_with(|| {
                 info!("distributor: proxy {id:#010x} at {addr} in the tier pool");
@@ -126,7 +141,8 @@ impl DistributorCore {
                     free: 1.0,
                     weight: 1,
                     live: false,
-                    waiting: false,
+                    waiting: None,
+                    unlisted: false,
                     seen: Traffic::default(),
                     heard_at: now,
                     to_at_heard: 0,
@@ -158,7 +174,7 @@ impl DistributorCore {
             return;
         };
         m.missed = 0;
-        m.waiting = false;
+        m.waiting = None;
         m.free = f64::from(free.min(1_000_000)) / 1e6;
         if !m.answered || !m.live {
             info!("distributor: proxy {id:#010x} at {} is alive", m.addr);
@@ -194,34 +210,39 @@ impl DistributorCore {
         }
     }
 
-    /// Runs the timers due at `now`: a round's answers are due, a round of heartbeats.
+    /// Runs the timers due at `now`: answers due, a round of heartbeats.
     pub fn tick(&mut self, now: Instant) {
-        if self.answers_due.is_some_and(|t| t <= now) {
-            self.answers_due = None;
-            for (id, m) in &mut self.members {
-                if !std::mem::take(&mut m.waiting) {
-                    continue;
-                }
-                m.missed += 1;
-                if m.live && m.missed >= self.cfg.misses {
-                    warn!(
-                        "distributor: proxy {id:#010x} at {} is dead: {} heartbeats without \
-                         an answer",
-                        m.addr, m.missed
-                    );
-                    m.live = false;
-                    self.died.push(*id);
-                }
+        for (id, m) in &mut self.members {
+            if !m.waiting.is_some_and(|t| t <= now) {
+                continue;
+            }
+            m.waiting = None;
+            m.missed += 1;
+            if m.live && (m.missed >= self.cfg.misses || m.unlisted) {
+                warn!(
+                    "distributor: proxy {id:#010x} at {} is dead: {} heartbeats without an \
+                     answer{}",
+                    m.addr,
+                    m.missed,
+                    if m.unlisted {
+                        ", gone from the tier pool"
+                    } else {
+                        ""
+                    }
+                );
+                m.live = false;
+                self.died.push(*id);
             }
         }
+        self.members.retain(|_, m| m.live || !m.unlisted);
         if self.next_beat <= now {
             self.seq = self.seq.wrapping_add(1);
             let hb = Datagram::Heartbeat { seq: self.seq }.encode();
+            let due = now + self.cfg.answer.min(self.cfg.heartbeat);
             for m in self.members.values_mut() {
                 self.transmits.push_back((m.addr, hb.clone()));
-                m.waiting = true;
+                m.waiting = Some(m.waiting.map_or(due, |w| w.min(due)));
             }
-            self.answers_due = Some(now + self.cfg.answer.min(self.cfg.heartbeat));
             self.next_beat = self.next_beat + self.cfg.heartbeat;
             if self.next_beat <= now {
                 self.next_beat = now + self.cfg.heartbeat;
@@ -230,8 +251,10 @@ impl DistributorCore {
     }
 
     pub fn poll_timeout(&self) -> Instant {
-        self.answers_due
-            .map_or(self.next_beat, |a| a.min(self.next_beat))
+        self.members
+            .values()
+            .filter_map(|m| m.waiting)
+            .fold(self.next_beat, Instant::min)
     }
 
     pub fn poll_transmit(&mut self) -> Option<(SocketAddr, Vec<u8>)> {
@@ -382,16 +405,55 @@ mod tests {
         assert_eq!(d.live(), vec![1, 2]);
     }
 
+    /// A member gone from the pool is asked at once: one that does not answer (a killed
+    /// proxy, whose registration went with it) is dead within the answer time, and no group
+    /// is ever empty.
     #[test]
-    fn leaving_the_pool_is_death_and_no_group_is_empty() {
+    fn leaving_the_pool_unanswered_is_death_and_no_group_is_empty() {
         let mut d = DistributorCore::new(cfg(), t(0));
         d.set_listed(&[(1, addr(1))].into(), t(0));
         rounds(&mut d, 0, 100, &[1]);
         let g = d.poll_group().unwrap();
         d.group_applied(&g);
         d.set_listed(&BTreeMap::new(), t(100));
+        let asked: Vec<_> = std::iter::from_fn(|| d.poll_transmit()).collect();
+        assert!(matches!(
+            Datagram::decode_at_member(&asked[0].1),
+            Some(Datagram::Heartbeat { .. })
+        ));
+        assert_eq!(d.poll_timeout(), t(140));
+        d.tick(t(140));
         assert!(d.live().is_empty());
         assert!(d.poll_group().is_none());
+    }
+
+    /// A member gone from the pool that still answers (its registrar was cut off, the
+    /// proxy was not) stays in the group; back in the pool, it is as before; gone again and
+    /// then silent, it is dead at its first miss.
+    #[test]
+    fn a_member_that_answers_stays_when_its_registration_fails() {
+        let mut d = DistributorCore::new(cfg(), t(0));
+        d.set_listed(&[(1, addr(1)), (2, addr(2))].into(), t(0));
+        rounds(&mut d, 0, 100, &[1, 2]);
+        let g = d.poll_group().unwrap();
+        d.group_applied(&g);
+        d.set_listed(&[(1, addr(1))].into(), t(100));
+        answer(&mut d, 2, 1_000_000, t(101));
+        let now = rounds(&mut d, 101, 1000, &[1, 2]);
+        assert_eq!(d.live(), vec![1, 2]);
+        assert!(d.poll_group().is_none(), "the group is unchanged");
+        d.set_listed(&[(1, addr(1)), (2, addr(2))].into(), t(now));
+        let now = rounds(&mut d, now, now + 500, &[1, 2]);
+        assert_eq!(d.live(), vec![1, 2]);
+        d.set_listed(&[(1, addr(1))].into(), t(now));
+        let now = rounds(&mut d, now, now + 50, &[1]);
+        assert_eq!(d.live(), vec![1], "dead at its first miss once unlisted");
+        rounds(&mut d, now, now + 500, &[1, 2]);
+        assert_eq!(
+            d.live(),
+            vec![1],
+            "and forgotten: it comes back by the pool"
+        );
     }
 
     #[test]

@@ -169,6 +169,10 @@ pub struct MemberCore {
     first_listed: Option<Instant>,
     /// When the listed members without a link are linked to again ([`RELINK_AFTER`]).
     relink: Option<Instant>,
+    /// Gone from the pool while their link is up: their registration failed (a registrar cut
+    /// off), not necessarily they. Linked to and forwarded to until the link breaks or the
+    /// distributor says they died.
+    unlisted: std::collections::BTreeSet<u32>,
     /// Members whose table arrived, and whether the pool was listed yet.
     tables: std::collections::BTreeSet<u32>,
     listing_seen: bool,
@@ -192,6 +196,7 @@ impl MemberCore {
             last: BTreeMap::new(),
             told: BTreeMap::new(),
             relink: None,
+            unlisted: std::collections::BTreeSet::new(),
             next_pass: Some(now + PASS),
             resend: false,
             distributor: None,
@@ -283,8 +288,18 @@ impl MemberCore {
             .copied()
             .collect();
         for id in gone {
-            self.member_lost(id, now);
+            if self.links.get(&id).is_some_and(|l| l.up) {
+                if self.unlisted.insert(id) {
+                    info!(
+                        "tier member {id:#010x} left the pool but its link is up: kept until \
+                         the link breaks or the distributor says it died"
+                    );
+                }
+            } else {
+                self.member_lost(id, now);
+            }
         }
+        self.unlisted.retain(|id| !listed.contains_key(id));
         for (id, addr) in listed {
             self.member_found(id, addr, now);
         }
@@ -321,6 +336,7 @@ impl MemberCore {
     /// could not deliver before it died may have reached only some of the others: each
     /// member sends its whole table to every other once more, at once.
     pub fn member_lost(&mut self, id: u32, now: Instant) {
+        self.unlisted.remove(&id);
         if self.listed.remove(&id).is_some() {
             info!("tier member {id:#010x} left the pool");
             self.close(id);
@@ -371,7 +387,10 @@ impl MemberCore {
         if fell_behind {
             self.counters.links_dropped += 1;
         }
-        if self.listed.contains_key(&id) && self.relink.is_none() {
+        if self.unlisted.contains(&id) {
+            // Gone from the pool, and now unreachable: gone.
+            self.member_lost(id, now);
+        } else if self.listed.contains_key(&id) && self.relink.is_none() {
             self.relink = Some(now + RELINK_AFTER);
         }
     }
@@ -576,6 +595,9 @@ impl MemberCore {
             // Only the distributor that sends the heartbeats is listened to, and one nudge
             // runs at a time (each costs two probes per spliced connection).
             Datagram::Dead { dead, prober } => {
+                if self.distributor == Some(from) && self.unlisted.contains(&dead) {
+                    self.member_lost(dead, now);
+                }
                 if self.distributor == Some(from) && dead != self.me.id && !self.nudging {
                     self.nudging = true;
                     self.counters.nudges += 1;
@@ -763,6 +785,50 @@ mod tests {
         let mut next = MemberCore::new(hello(1, 20000), true, t(0));
         next.taking_over();
         assert!(next.handle_datagram(d, &hb, 1.0, t(0)).is_some());
+    }
+
+    /// A member gone from the pool whose link is up (its registrar was cut off, not it) is
+    /// still linked to and forwarded to; the distributor's word of its death, or its link
+    /// breaking, ends that.
+    #[test]
+    fn a_member_gone_from_the_pool_with_its_link_up_stays_until_it_dies() {
+        let d: SocketAddr = "10.0.0.1:5000".parse().unwrap();
+        let dead = |id| {
+            Datagram::Dead {
+                dead: id,
+                prober: false,
+            }
+            .encode()
+        };
+        for by_link in [false, true] {
+            let mut c = MemberCore::new(hello(1, 20000), true, t(0));
+            c.handle_datagram(d, &Datagram::Heartbeat { seq: 1 }.encode(), 1.0, t(0));
+            c.set_listed([(1, addr(1)), (2, addr(2))].into(), t(0));
+            let Some(Action::Connect { link, .. }) = actions(&mut c)
+                .into_iter()
+                .find(|a| matches!(a, Action::Connect { .. }))
+            else {
+                panic!("no link to 2")
+            };
+            let _ = c.link_up(link, [], t(1));
+            c.handle_message_from(Some(2), Message::Hello(hello(2, 21000)), t(2));
+            let _ = actions(&mut c);
+            c.set_listed([(1, addr(1))].into(), t(10));
+            assert_eq!(c.forwarding().len(), 1, "still forwarded to");
+            assert!(
+                !actions(&mut c)
+                    .iter()
+                    .any(|a| matches!(a, Action::Disconnect { .. })),
+                "still linked"
+            );
+            if by_link {
+                c.link_down(link, false, t(20));
+            } else {
+                c.handle_datagram(d, &dead(2), 1.0, t(20));
+            }
+            assert!(c.forwarding().is_empty(), "by_link {by_link}");
+            assert!(actions(&mut c).contains(&Action::SetTier(Vec::new())));
+        }
     }
 
     /// A process taking over leaves the forwarding its predecessor set until every listed

@@ -153,7 +153,9 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                         Ok((_, pes)) => {
                             let listed = listed(&pes);
                             core.set_listed(&listed, now());
-                            group.listed(&listed);
+                            // Members the core keeps (one gone from the pool that still
+                            // answers) keep their nexthops.
+                            group.listed(&core.members().collect());
                             if let Some(w) = watch.as_mut() {
                                 w.listed(&listed, core.members());
                             }
