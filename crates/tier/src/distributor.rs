@@ -213,7 +213,7 @@ impl DistributorCore {
     /// Runs the timers due at `now`: answers due, a round of heartbeats.
     pub fn tick(&mut self, now: Instant) {
         for (id, m) in &mut self.members {
-            if !m.waiting.is_some_and(|t| t <= now) {
+            if m.waiting.is_none_or(|t| t > now) {
                 continue;
             }
             m.waiting = None;
