@@ -389,9 +389,10 @@ impl PoolElement {
         crate::csp::spawn_reports(monitor, interval, who, move |uptime_us, interval_us| {
             let now = state.borrow().clone();
             // Stopped, or the PE is gone (its driver task dropped the state).
-            let last = now == PeState::Stopped || state.has_changed().is_err();
+            if now == PeState::Stopped || state.has_changed().is_err() {
+                return Report::last(sender, uptime_us, interval_us);
+            }
             let (status, associations) = match &now {
-                _ if last => (String::new(), Vec::new()),
                 PeState::Registered { home, .. } => (
                     format!("Registered at registrar ${home:08x}"),
                     vec![Association {
@@ -410,11 +411,7 @@ impl PoolElement {
                 sender,
                 uptime_us,
                 interval_us,
-                location: if last {
-                    String::new()
-                } else {
-                    location.clone()
-                },
+                location: location.clone(),
                 status,
                 workload: desired
                     .borrow()
@@ -422,7 +419,7 @@ impl PoolElement {
                     .load()
                     .map(rserpool_wire::policy::load_to_fraction),
                 associations,
-                last,
+                last: false,
             }
         });
     }

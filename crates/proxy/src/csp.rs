@@ -25,39 +25,28 @@ impl Proxy {
         let who = "proxy".to_owned();
         rserpool_asap::csp::spawn_reports(monitor, interval, who, move |uptime_us, interval_us| {
             let proxy = inner.upgrade().map(|inner| Proxy { inner });
-            let running = proxy.filter(|p| !*p.inner.draining.borrow());
-            let (status, workload) = match &running {
-                Some(p) => {
-                    let pools = p.inner.pools.all();
-                    let pes: usize = pools.iter().map(|p| p.backends().len()).sum();
-                    let conns = p.active_connections();
-                    let plural = |n: usize| if n == 1 { "" } else { "s" };
-                    let status = format!(
-                        "{conns} Connection{} to {} Pool{} of {pes} PE{}",
-                        plural(conns),
-                        pools.len(),
-                        plural(pools.len()),
-                        plural(pes)
-                    );
-                    let max = p.inner.max_conns.max(1);
-                    (status, Some(conns as f64 / max as f64))
-                }
-                None => (String::new(), None),
+            let Some(p) = proxy.filter(|p| !*p.inner.draining.borrow()) else {
+                return Report::last(sender, uptime_us, interval_us);
             };
-            let last = running.is_none();
+            let pools = p.inner.pools.all();
+            let pes: usize = pools.iter().map(|p| p.backends().len()).sum();
+            let conns = p.active_connections();
+            let plural = |n: usize| if n == 1 { "" } else { "s" };
             Report {
                 sender,
                 uptime_us,
                 interval_us,
-                location: if last {
-                    String::new()
-                } else {
-                    location.clone()
-                },
-                status,
-                workload,
+                location: location.clone(),
+                status: format!(
+                    "{conns} Connection{} to {} Pool{} of {pes} PE{}",
+                    plural(conns),
+                    pools.len(),
+                    plural(pools.len()),
+                    plural(pes)
+                ),
+                workload: Some(conns as f64 / p.inner.max_conns.max(1) as f64),
                 associations: Vec::new(),
-                last,
+                last: false,
             }
         });
     }

@@ -91,6 +91,21 @@ pub enum CspError {
 }
 
 impl Report {
+    /// The last report of a component that stops (as rsplib sends it: no location, status or
+    /// associations): the monitor drops the component at once.
+    pub fn last(sender: u64, uptime_us: u64, interval_us: u32) -> Report {
+        Report {
+            sender,
+            uptime_us,
+            interval_us,
+            location: String::new(),
+            status: String::new(),
+            workload: Some(0.0),
+            associations: Vec::new(),
+            last: true,
+        }
+    }
+
     /// The datagram. Texts longer than 127 bytes are cut (at a character boundary), and
     /// associations beyond [`MAX_ASSOCIATIONS`] left out.
     pub fn encode(&self) -> Vec<u8> {
@@ -271,6 +286,11 @@ mod tests {
         assert_eq!(back.workload, None);
         assert!(back.last);
         assert_eq!(Report::decode(&b[..287]), Err(CspError::Short));
+        let end = Report::last(r.sender, 7, 1_000_000).encode();
+        assert_eq!(
+            (end.len(), end[1], &end[284..288]),
+            (288, 1, &[0u8, 0, 0, 0][..])
+        );
         let mut longer = b.clone();
         longer.push(0);
         assert_eq!(Report::decode(&longer), Err(CspError::Length));

@@ -58,30 +58,26 @@ impl CspReporter {
         let pools = view.pool_sizes.len();
         let peers = view.peers.len();
         let plural = |n: usize| if n == 1 { "" } else { "s" };
-        let report = Report {
-            sender: Component::Registrar.id(u64::from(view.server_id)),
-            uptime_us: now.saturating_duration_since(first).as_micros() as u64,
-            interval_us: self.interval.as_micros().min(u128::from(u32::MAX)) as u32,
-            location: if last {
-                String::new()
-            } else {
-                self.location.clone()
-            },
-            status: if last {
-                String::new()
-            } else {
-                format!(
+        let sender = Component::Registrar.id(u64::from(view.server_id));
+        let uptime_us = now.saturating_duration_since(first).as_micros() as u64;
+        let interval_us = self.interval.as_micros().min(u128::from(u32::MAX)) as u32;
+        let report = if last {
+            Report::last(sender, uptime_us, interval_us)
+        } else {
+            Report {
+                sender,
+                uptime_us,
+                interval_us,
+                location: self.location.clone(),
+                status: format!(
                     "{pes}[{}] PEs in {pools} Pool{}, {peers} Peer{}",
                     view.home_pes,
                     plural(pools),
                     plural(peers)
-                )
-            },
-            workload: None,
-            associations: if last {
-                Vec::new()
-            } else {
-                view.peers
+                ),
+                workload: None,
+                associations: view
+                    .peers
                     .iter()
                     .filter(|p| p.connected)
                     .map(|p| Association {
@@ -90,9 +86,9 @@ impl CspReporter {
                         protocol: PROTOCOL_TCP,
                         ppid: PPID_ENRP,
                     })
-                    .collect()
-            },
-            last,
+                    .collect(),
+                last: false,
+            }
         };
         match self.socket.send_to(&report.encode(), self.monitor) {
             Ok(_) => self.failed = false,

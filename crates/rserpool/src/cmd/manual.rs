@@ -36,9 +36,8 @@ pub fn completions(a: CompletionsArgs, mut cli: clap::Command) -> Result<()> {
 /// Writes the man pages of `cli` and of each of its commands into `a.dir`.
 pub fn man_pages(a: ManArgs, cli: clap::Command) -> Result<()> {
     std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
-    let written = clap_mangen::generate_to(cli, &a.dir)
-        .with_context(|| format!("writing the man pages into {}", a.dir.display()));
-    written?;
+    clap_mangen::generate_to(cli, &a.dir)
+        .with_context(|| format!("writing the man pages into {}", a.dir.display()))?;
     let mut pages: Vec<String> = std::fs::read_dir(&a.dir)?
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
