@@ -114,6 +114,10 @@ pub struct EnrpCounters {
     pub takeovers_deferred: u64,
     pub handle_table_blocks_sent: u64,
     pub handle_table_entries_received: u64,
+    /// HANDLE_UPDATEs that named this registrar home of a PE not registered here: removed
+    /// everywhere with a DEL_PE.
+    #[serde(default)]
+    pub disowned: u64,
 }
 
 /// One peer as `rserpool status` shows it.
@@ -441,6 +445,11 @@ impl EnrpCounters {
                 "rserpool_enrp_handle_table_entries_received",
                 "PEs received in HANDLE_TABLE_RESPONSEs.",
                 self.handle_table_entries_received,
+            ),
+            (
+                "rserpool_enrp_pool_elements_disowned",
+                "HANDLE_UPDATEs that named this registrar home of a PE not registered here, answered with a DEL_PE.",
+                self.disowned,
             ),
         ];
         for (name, help, v) in counters {

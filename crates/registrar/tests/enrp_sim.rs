@@ -16,7 +16,8 @@
 use rserpool_registrar::{Action, Config, ConnId, Instant, Registrar};
 use rserpool_wire::Message;
 use rserpool_wire::{
-    AsapMessage, Framer, Policy, PoolElement, PoolHandle, TransportAddress, UserTransport,
+    AsapMessage, EnrpBody, EnrpMessage, Framer, Policy, PoolElement, PoolHandle, TransportAddress,
+    UpdateAction, UserTransport,
 };
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
@@ -509,7 +510,9 @@ impl Sim {
             return;
         }
         if let Some((n, c)) = self.pes[k].assoc {
-            if !self.pipes.contains_key(&(n, c)) && !self.is_isolated(n) {
+            // The registrar reuses connection ids: a pipe under the same key may be another's.
+            let gone = !self.pipes.get(&(n, c)).is_some_and(|p| p.to == End::Pe(k));
+            if gone && !self.is_isolated(n) {
                 // Closed at the registrar while cut off: the PE's next message is reset.
                 let pe = &mut self.pes[k];
                 pe.assoc = None;
@@ -664,7 +667,14 @@ impl Sim {
 
     fn fault(&mut self) {
         let n = self.regs.len();
-        match self.rng.below(7) {
+        match self.rng.below(8) {
+            7 => {
+                let live = self.live();
+                if self.isolated.is_none() && live.len() > 1 {
+                    let i = live[self.rng.below(live.len() as u64) as usize];
+                    self.isolate(i);
+                }
+            }
             5 => {
                 let k = self.rng.below(self.pes.len() as u64) as usize;
                 if self.pes[k].alive {
@@ -939,6 +949,96 @@ fn a_registrar_back_from_a_short_isolation_takes_nothing_from_the_others() {
             back_from_isolation(seed, cut_ms);
         }
     }
+}
+
+impl Sim {
+    /// Registrar `n` hears `update` as a HANDLE_UPDATE from registrar `from`, over a connection
+    /// of its own (nothing it answers there goes anywhere).
+    fn inject_update(&mut self, n: usize, from: usize, pe: usize, home: u32) {
+        let AsapMessage::Registration {
+            pool_handle,
+            mut pool_element,
+        } = self.registration(pe)
+        else {
+            unreachable!()
+        };
+        pool_element.home_registrar = home;
+        let msg = EnrpMessage {
+            sender: self.regs[from].as_ref().unwrap().id(),
+            receiver: 0,
+            body: EnrpBody::HandleUpdate {
+                takeover_suggested: false,
+                action: UpdateAction::AddPe,
+                pool_handle,
+                pool_element,
+            },
+        };
+        let now = at(self.now);
+        let r = self.regs[n].as_mut().unwrap();
+        let c = r.accept_enrp(enrp_addr(from), now).unwrap();
+        r.handle_data(c, &msg.to_bytes().unwrap(), now);
+    }
+
+    /// PE `k` ends, and starts again without registering: only a takeover can reach it.
+    fn restart_pe_silently(&mut self, k: usize) {
+        self.pes[k].alive = false;
+        self.reset(End::Pe(k));
+        for _ in 0..100 {
+            self.step(10);
+        }
+        self.pes[k].alive = true;
+        self.pes[k].lost_at = Some(u64::MAX / 2);
+    }
+}
+
+/// A peer hands on a PE homed at a registrar no live one knows (gone before they heard of it,
+/// and its takeover forgotten): nobody's silence will take it over, so the registrars holding
+/// it do, the lowest ID first, and the PE is supervised again instead of lingering until its
+/// registration life runs out.
+#[test]
+fn a_pe_homed_at_a_registrar_nobody_knows_is_taken_over() {
+    let mut sim = settled(3);
+    sim.restart_pe_silently(5);
+    // Only the registrar with the highest ID holds it: the others step aside, then it steps in.
+    sim.inject_update(2, 1, 5, 0x0dea_d001);
+    let mut adopted = None;
+    for t in 0..3_000 {
+        sim.step(10);
+        if adopted.is_none() && sim.pes[5].assoc.is_some() {
+            adopted = Some(t * 10);
+        }
+    }
+    assert_eq!(
+        sim.pes[5].assoc.map(|a| a.0),
+        Some(2),
+        "registrar 2 took the PE over"
+    );
+    assert!(
+        adopted.is_some_and(|t| t < 15_000),
+        "adopted after {adopted:?} ms"
+    );
+    sim.check().unwrap();
+}
+
+/// A peer names a registrar home of a PE that is not registered there (it handed back a
+/// takeover the PE had accepted, and the PE ended since): that registrar, the only one that
+/// may remove it, removes it everywhere.
+#[test]
+fn a_registrar_named_home_of_a_pe_it_does_not_have_removes_it() {
+    let mut sim = settled(4);
+    sim.pes[5].alive = false;
+    sim.reset(End::Pe(5));
+    for _ in 0..100 {
+        sim.step(10);
+    }
+    let home = sim.regs[0].as_ref().unwrap().id();
+    sim.inject_update(2, 1, 5, home);
+    sim.inject_update(0, 1, 5, home);
+    for _ in 0..100 {
+        sim.step(10);
+    }
+    sim.check().unwrap();
+    assert_eq!(sim.regs[0].as_ref().unwrap().enrp_counters().disowned, 1);
 }
 
 /// Three registrars and 30 PEs, settled for 10 s (ENRP_SIM_LOG=1 logs what they do).

@@ -1044,6 +1044,10 @@ impl HandlespaceView for Asap {
         self.hs.len()
     }
 
+    fn homes(&self) -> Vec<u32> {
+        self.hs.owners().collect()
+    }
+
     fn owned_pes(&self, owner: u32) -> BTreeSet<(PoolHandle, u32)> {
         self.hs
             .owned(owner)
@@ -1102,6 +1106,18 @@ impl HandlespaceView for Asap {
             }
         }
         Ok(())
+    }
+
+    fn disown(&mut self, pool_handle: &PoolHandle, pe_id: u32) -> bool {
+        let Some(r) = self.hs.find(pool_handle.as_bytes(), pe_id) else {
+            return true;
+        };
+        if self.meta_of(r).conn.is_some() {
+            return false;
+        }
+        self.set_meta(r, NO_META);
+        self.hs.remove(r);
+        true
     }
 
     fn remove_stale(&mut self, owner: u32, marked: BTreeSet<(PoolHandle, u32)>) -> usize {

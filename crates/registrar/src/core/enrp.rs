@@ -45,6 +45,8 @@ pub(super) trait HandlespaceView {
     fn owned_count(&self, owner: u32) -> usize;
     /// PEs in the handlespace.
     fn len(&self) -> usize;
+    /// Every registrar some PE names as its home.
+    fn homes(&self) -> Vec<u32>;
     /// The PEs `owner` is home for, by pool handle and PE ID (an audit starts from these).
     fn owned_pes(&self, owner: u32) -> BTreeSet<(PoolHandle, u32)>;
     /// A peer's HANDLE_UPDATE, or an entry of its HANDLE_TABLE_RESPONSE. A PE with an
@@ -57,6 +59,9 @@ pub(super) trait HandlespaceView {
         pe: PoolElement,
         now: Instant,
     ) -> Result<(), RegistrationError>;
+    /// A peer names this registrar home of PE `pe_id` of `pool_handle`: true when it has no
+    /// association here, after removing any entry of it (it is not registered here).
+    fn disown(&mut self, pool_handle: &PoolHandle, pe_id: u32) -> bool;
     /// Removes those of `marked` that are still `owner`'s and have no association here (an
     /// audit found that `owner` no longer has them); returns how many.
     fn remove_stale(&mut self, owner: u32, marked: BTreeSet<(PoolHandle, u32)>) -> usize;
@@ -154,6 +159,8 @@ impl Peer {
 /// A peer taken over lately; see [`Enrp::taken_over`].
 struct TakenOver {
     target: u32,
+    /// The registrar that took it over (this one, or a peer).
+    by: u32,
     at: Instant,
     /// Taken over by us, and not yet told so: when it speaks again, it hears our
     /// TAKEOVER_SERVER, so that it hands over the PEs that moved instead of removing them.
@@ -175,6 +182,10 @@ pub(super) struct Enrp {
     taken_over: Vec<TakenOver>,
     /// The registrar that told us it took us over (TAKEOVER_SERVER), and when.
     taken_over_by: Option<(u32, Instant)>,
+    /// Homes of PEs that are neither this registrar nor a peer it knows, and since when: a
+    /// registrar gone before this one heard of it, whose PEs still arrived in a peer's handle
+    /// table. No peer's silence will ever take them over, so [`Self::adopt_orphans`] does.
+    orphans: Vec<(u32, Instant)>,
     next_heartbeat: Instant,
     /// Start-up: looking for a mentor until this time, or synchronising from `mentor`.
     starting: Option<Instant>,
@@ -195,6 +206,7 @@ impl Enrp {
             peers: Vec::new(),
             taken_over: Vec::new(),
             taken_over_by: None,
+            orphans: Vec::new(),
             next_heartbeat: Instant::default(),
             starting: None,
             mentor: None,
@@ -435,6 +447,7 @@ impl Enrp {
         }
         if self.next_heartbeat <= now {
             self.heartbeat(hs, out, now);
+            self.adopt_orphans(hs, out, now);
         }
         for i in (0..self.peers.len()).rev() {
             let p = &self.peers[i];
@@ -494,6 +507,61 @@ impl Enrp {
             && let Ok(bytes) = msg.to_bytes()
         {
             out.push(Action::Presence(Bytes::from(bytes)));
+        }
+    }
+
+    /// Takes over the PEs of a home no peer knows, once it has stayed unknown as long as a
+    /// silent peer takes to be taken over, times one more for each live peer with a lower ID:
+    /// the lowest goes first, so that two do not race for the PEs, and the next ones step in
+    /// when it does not hold them. It tells the others with a TAKEOVER_SERVER, after which
+    /// they hold the PEs as its own.
+    fn adopt_orphans(&mut self, hs: &mut impl HandlespaceView, out: &mut Conns, now: Instant) {
+        if self.starting.is_some() {
+            return;
+        }
+        let homes: Vec<u32> = hs
+            .homes()
+            .into_iter()
+            .filter(|&h| h != 0 && h != self.id && self.peer_index(h).is_none())
+            .filter(|&h| !self.taken_over.iter().any(|t| t.target == h))
+            .collect();
+        self.orphans.retain(|(h, _)| homes.contains(h));
+        for h in homes {
+            if !self.orphans.iter().any(|o| o.0 == h) {
+                self.orphans.push((h, now));
+            }
+        }
+        let grace = ms(self.cfg.max_time_last_heard_ms
+            + self.cfg.max_time_no_response_ms
+            + self.cfg.takeover_expiry_ms);
+        let rank = self
+            .peers
+            .iter()
+            .filter(|p| p.id != 0 && p.id < self.id && p.state == Liveness::Alive)
+            .count();
+        let wait = grace * (1 + rank as u32);
+        let due: Vec<u32> = self
+            .orphans
+            .iter()
+            .filter(|o| o.1 + wait <= now)
+            .map(|o| o.0)
+            .collect();
+        for target in due {
+            self.orphans.retain(|o| o.0 != target);
+            let msg = EnrpMessage {
+                sender: self.id,
+                receiver: 0,
+                body: EnrpBody::TakeoverServer { target },
+            };
+            self.send_alive(&msg, out, now);
+            self.note_taken_over(target, self.id, now);
+            let taken = hs.take_over(target, out, now);
+            self.counters.takeovers += 1;
+            self.counters.pes_taken_over += taken as u64;
+            warn!(
+                "{taken} PE(s) homed at {target:#010x}, a registrar no peer knows, for {} s: taken over",
+                wait.as_secs()
+            );
         }
     }
 
@@ -646,7 +714,28 @@ impl Enrp {
                 {
                     marked.remove(&(pool_handle.clone(), pool_element.id));
                 }
+                if action == UpdateAction::AddPe
+                    && pool_element.home_registrar == self.id
+                    && hs.disown(&pool_handle, pool_element.id)
+                {
+                    // Named home of a PE not registered here (a peer handed back a takeover
+                    // the PE had accepted, and the PE left since): only the home removes a
+                    // PE, so this one does, everywhere.
+                    if out.peer_log.allow(now) {
+                        info!(
+                            "{sender:#010x} names this registrar home of PE {:#010x} of pool {pool_handle}, not registered here: removing it",
+                            pool_element.id
+                        );
+                    }
+                    self.counters.disowned += 1;
+                    self.update(UpdateAction::DelPe, &pool_handle, &pool_element, out, now);
+                    return;
+                }
+                let home = pool_element.home_registrar;
                 apply_update(hs, sender, action, pool_handle, pool_element, out, now);
+                if self.taken_over.iter().any(|t| t.target == home) {
+                    self.rehome_taken_over(hs, out, now);
+                }
             }
             EnrpBody::HandleTableRequest { own_children_only } => {
                 self.serve_handle_table(i, own_children_only, hs, out, now);
@@ -956,6 +1045,7 @@ impl Enrp {
             return;
         }
         self.peers[i].request = None;
+        self.rehome_taken_over(hs, out, now);
         if let Some(marked) = self.peers[i].marked.take() {
             let swept = hs.remove_stale(sender, marked);
             if swept > 0 {
@@ -1117,7 +1207,7 @@ impl Enrp {
         };
         self.send_alive(&msg, out, now);
         self.remove_peer(i, hs, out, now);
-        self.note_taken_over(target, true, now);
+        self.note_taken_over(target, self.id, now);
         self.alone |= !self
             .peers
             .iter()
@@ -1156,27 +1246,56 @@ impl Enrp {
         if let Some(t) = self.peer_index(target) {
             self.remove_peer(t, hs, out, now);
         }
-        self.note_taken_over(target, false, now);
+        self.note_taken_over(target, sender, now);
         hs.hand_over(target, sender);
     }
 
     /// The registrar that took this one over within [`Config::taken_over_window`]: the
-    /// PEs lost here meanwhile most likely moved to it.
+    /// PEs lost here meanwhile most likely moved to it. Not one taken over since itself: a
+    /// PE homed there would have nobody left to supervise or take it over.
     pub(super) fn new_home(&self, now: Instant) -> Option<u32> {
         let window = self.cfg.taken_over_window();
         self.taken_over_by
             .filter(|&(_, at)| at + window > now)
             .map(|(home, _)| home)
+            .filter(|&home| !self.taken_over.iter().any(|t| t.target == home))
     }
 
     /// Remembers that `target` was taken over, for [`Self::taken_over`]'s while.
-    fn note_taken_over(&mut self, target: u32, by_us: bool, now: Instant) {
+    fn note_taken_over(&mut self, target: u32, by: u32, now: Instant) {
         self.forget_old_takeovers(now);
         self.taken_over.push(TakenOver {
             target,
+            by,
             at: now,
-            untold: by_us,
+            untold: by == self.id,
         });
+    }
+
+    /// PEs that arrived after a takeover (in a handle table composed before it, or a late
+    /// update) homed at the registrar taken over, which is still gone: they go to the one that
+    /// took it over, as its other PEs did; to this one over a new association, as in the
+    /// takeover itself. Otherwise nobody would supervise them until their registration life
+    /// ran out.
+    fn rehome_taken_over(&mut self, hs: &mut impl HandlespaceView, out: &mut Conns, now: Instant) {
+        for i in 0..self.taken_over.len() {
+            let TakenOver { target, by, .. } = self.taken_over[i];
+            if self.is_alive(target) || hs.owned_count(target) == 0 {
+                continue;
+            }
+            let moved = if by == self.id {
+                let n = hs.take_over(target, out, now);
+                self.counters.pes_taken_over += n as u64;
+                n
+            } else {
+                hs.hand_over(target, by)
+            };
+            if out.peer_log.allow(now) {
+                info!(
+                    "{moved} PE(s) heard of after {by:#010x} took over {target:#010x}: {by:#010x}'s now"
+                );
+            }
+        }
     }
 
     /// A peer we took over speaks again (it was only cut off): tells it, once, over the
