@@ -206,6 +206,21 @@ impl Registrar {
         self.conns.tls_refused(id, why, now);
     }
 
+    /// The driver can answer [`Action::CheckDelivery`]: a keep-alive that times out while TCP
+    /// still carries it (a lossy path) waits for its answer, within
+    /// [`Config::keep_alive_wait_limit`].
+    pub fn enable_delivery_checks(&mut self) {
+        self.conns.delivery_checks = true;
+    }
+
+    /// The answer to [`Action::CheckDelivery`]: `on_its_way` when what was written to `id` may
+    /// not have arrived yet.
+    pub fn handle_delivery(&mut self, id: ConnId, on_its_way: bool, now: Instant) {
+        self.asap
+            .delivery_checked(id, on_its_way, &mut self.conns, &mut self.enrp, now);
+        self.asap.push_subscriptions(&mut self.conns, now);
+    }
+
     /// An outgoing connection is up. Only a probe ([`Action::Probe`]) cares: the PE's
     /// service answers, so the reports about it were false.
     pub fn handle_connected(&mut self, id: ConnId, now: Instant) {

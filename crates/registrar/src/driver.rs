@@ -13,6 +13,7 @@
 //! reads) is a listener of its own in the same loop ([`status_listener`]).
 
 mod csp;
+mod delivery;
 mod handover;
 mod status_listener;
 
@@ -250,6 +251,7 @@ impl Server {
         let epoch = std::time::Instant::now();
         let start = elapsed(epoch);
         let mut core = Registrar::new(self.cfg.clone(), self.id, start);
+        core.enable_delivery_checks();
         let mut targets = self.cfg.announce.clone();
         if self.cfg.announce_multicast {
             targets.push(self.cfg.multicast_group);
@@ -406,6 +408,8 @@ struct Sock {
     probe: bool,
     /// The core asked to close it once its output is written ([`Action::Close`]).
     closing: bool,
+    /// What the core asks of its TCP state ([`Action::CheckDelivery`]).
+    delivery: delivery::Delivery,
 }
 
 /// ENRP's sockets: the TCP listener for peer registrars, and UDP for PRESENCE datagrams.
@@ -903,6 +907,7 @@ impl EventLoop {
             connecting,
             probe: false,
             closing: false,
+            delivery: delivery::Delivery::default(),
         });
         if connecting {
             let deadline = self.now() + CONNECT_TIMEOUT;
@@ -1180,6 +1185,13 @@ impl EventLoop {
                 }
                 Action::Announce(data) => self.announce(&data),
                 Action::Presence(data) => self.send_presence(&data),
+                Action::CheckDelivery(id) => {
+                    let on_its_way = self
+                        .sock(id.index())
+                        .is_some_and(|s| s.delivery.on_its_way(&s.stream));
+                    let now = self.now();
+                    self.core.handle_delivery(id, on_its_way, now);
+                }
             }
         }
     }

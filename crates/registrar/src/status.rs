@@ -76,6 +76,10 @@ pub struct Counters {
     /// still lag behind a dark spell.
     #[serde(default)]
     pub keep_alive_timeouts_held: u64,
+    /// Keep-alive timeouts that did not remove their PE yet, because the keep-alive was still
+    /// on its way (TCP had not delivered it, or retransmitted lately over that connection).
+    #[serde(default)]
+    pub keep_alive_timeouts_held_on_lossy_path: u64,
     /// PEs lost (association closed, keep-alive unanswered) soon after a takeover of this
     /// registrar, or a silence long enough for one: kept as the new home's, not removed.
     #[serde(default)]
@@ -300,6 +304,11 @@ impl Counters {
                 "rserpool_registrar_keep_alive_timeouts_held",
                 "Keep-alive timeouts that did not remove their PE yet: the network had shown nothing meanwhile.",
                 self.keep_alive_timeouts_held,
+            ),
+            (
+                "rserpool_registrar_keep_alive_timeouts_held_on_lossy_path",
+                "Keep-alive timeouts that did not remove their PE yet: TCP had not delivered the keep-alive, or retransmitted lately over its connection.",
+                self.keep_alive_timeouts_held_on_lossy_path,
             ),
             (
                 "rserpool_registrar_kept_after_takeover",

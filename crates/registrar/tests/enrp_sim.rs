@@ -223,7 +223,10 @@ impl Sim {
                 Action::Probe(c, _) => {
                     self.closing.insert((n, c));
                 }
-                Action::Transmit(_) | Action::Announce(_) | Action::Presence(_) => {}
+                Action::Transmit(_)
+                | Action::Announce(_)
+                | Action::Presence(_)
+                | Action::CheckDelivery(_) => {}
             }
         }
     }

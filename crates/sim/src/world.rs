@@ -488,6 +488,8 @@ impl World {
                 }
                 Action::Announce(bytes) => self.announce(i, &bytes),
                 Action::Presence(_) => {}
+                // Not asked: the simulation does not enable delivery checks.
+                Action::CheckDelivery(_) => {}
                 // The simulated PEs have no service to connect to: a probe finds none, and
                 // the reports stand, as before probes.
                 Action::Probe(c, _) => {

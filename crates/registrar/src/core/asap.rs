@@ -67,7 +67,14 @@ struct PeMeta {
     /// The PE answered the takeover's ENDPOINT_KEEP_ALIVE: it is alive, and may still refuse
     /// the takeover if its home answers it.
     takeover_answered: bool,
+    /// Its keep-alive timed out and the driver was asked whether the keep-alive is still on
+    /// its way ([`Action::CheckDelivery`]); the answer, or the timer, decides.
+    delivery_asked: bool,
 }
+
+/// How long the driver has to answer an [`Action::CheckDelivery`]: it answers at once, so
+/// this only matters to one that does not.
+const DELIVERY_ANSWER: Duration = Duration::from_millis(100);
 
 const NO_META: PeMeta = PeMeta {
     conn: None,
@@ -75,6 +82,7 @@ const NO_META: PeMeta = PeMeta {
     keep_alive_sent: Instant::from_millis(0),
     taken_from: 0,
     takeover_answered: false,
+    delivery_asked: false,
 };
 
 /// The handlespace as this registrar serves it over ASAP.
@@ -314,27 +322,94 @@ impl Asap {
     /// the network worked meanwhile. If this registrar may be cut off instead (nothing heard
     /// since, or a dark spell the answer may still lag behind, see [`Conns::answer_may_lag`]),
     /// it waits: a registrar cut off for less than its peers take to take it over keeps its
-    /// PEs. A PE lost after a takeover is not removed either ([`Self::handed_back`],
-    /// [`Self::kept_after_takeover`]).
+    /// PEs. So it does when the keep-alive itself may still be on its way (a lossy path: TCP
+    /// retransmits it), which it asks the driver ([`Self::delivery_checked`]). A PE lost after
+    /// a takeover is not removed either ([`Self::handed_back`], [`Self::kept_after_takeover`]).
     fn keep_alive_timed_out(&mut self, r: PeRef, out: &mut Conns, enrp: &mut Enrp, now: Instant) {
         let m = self.meta_of(r);
-        match out.answer_may_lag(m.keep_alive_sent, self.cfg.keep_alive_wait_limit(), now) {
-            Some(due) => {
-                self.counters.keep_alive_timeouts_held += 1;
-                if m.expiry <= due {
-                    self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
-                } else {
-                    self.schedule(r, TimerKind::KeepAliveTimeout, due);
-                }
+        let limit = self.cfg.keep_alive_wait_limit();
+        if let Some(due) = out.answer_may_lag(m.keep_alive_sent, limit, now) {
+            self.counters.keep_alive_timeouts_held += 1;
+            self.hold_keep_alive(r, due);
+            return;
+        }
+        if out.delivery_checks
+            && !m.delivery_asked
+            && let Some(conn) = m.conn
+            && now < m.keep_alive_sent + limit
+        {
+            // The driver answers at once; without an answer, this timer decides.
+            self.set_meta(
+                r,
+                PeMeta {
+                    delivery_asked: true,
+                    ..m
+                },
+            );
+            out.check_delivery(conn);
+            self.schedule(r, TimerKind::KeepAliveTimeout, now + DELIVERY_ANSWER);
+            return;
+        }
+        self.keep_alive_unanswered(r, out, enrp, now);
+    }
+
+    /// Waits for PE `r`'s keep-alive answer until `due` (or its registration life).
+    fn hold_keep_alive(&mut self, r: PeRef, due: Instant) {
+        let m = self.meta_of(r);
+        if m.expiry <= due {
+            self.schedule(r, TimerKind::LifetimeExpiry, m.expiry);
+        } else {
+            self.schedule(r, TimerKind::KeepAliveTimeout, due);
+        }
+    }
+
+    /// PE `r`'s keep-alive went unanswered: it leaves, unless lost after a takeover.
+    fn keep_alive_unanswered(&mut self, r: PeRef, out: &mut Conns, enrp: &mut Enrp, now: Instant) {
+        if self.handed_back(r, out, enrp, now) || self.kept_after_takeover(r, out, enrp, now) {
+            self.detach(r, true, out);
+        } else {
+            self.remove_pe(r, Removal::KeepAliveTimeout, out, enrp, now);
+        }
+    }
+
+    /// The driver's answer to [`Action::CheckDelivery`] for connection `id`: `on_its_way` when
+    /// what was written to it may not have arrived yet. The PEs over it whose keep-alive
+    /// timed out then wait another keep-alive timeout, up to
+    /// [`Config::keep_alive_wait_limit`] after the keep-alive; the others are unanswered.
+    /// A PE that hangs over a path that lost packets lately so leaves that much later.
+    pub(super) fn delivery_checked(
+        &mut self,
+        id: ConnId,
+        on_its_way: bool,
+        out: &mut Conns,
+        enrp: &mut Enrp,
+        now: Instant,
+    ) {
+        let Some(pes) = out.delivery_answered(id) else {
+            return;
+        };
+        for r in pes {
+            let m = self.meta_of(r);
+            if !m.delivery_asked || m.conn != Some(id) {
+                continue;
             }
-            None => {
-                if self.handed_back(r, out, enrp, now)
-                    || self.kept_after_takeover(r, out, enrp, now)
-                {
-                    self.detach(r, true, out);
-                } else {
-                    self.remove_pe(r, Removal::KeepAliveTimeout, out, enrp, now);
-                }
+            let waiting = matches!(self.hs.timer(r), Some((TimerKind::KeepAliveTimeout, _)));
+            self.set_meta(
+                r,
+                PeMeta {
+                    delivery_asked: false,
+                    ..m
+                },
+            );
+            let limit = m.keep_alive_sent + self.cfg.keep_alive_wait_limit();
+            if !waiting {
+                // Answered meanwhile.
+            } else if on_its_way && now < limit {
+                self.counters.keep_alive_timeouts_held_on_lossy_path += 1;
+                let due = (now + Duration::from_millis(self.cfg.keep_alive_timeout_ms)).min(limit);
+                self.hold_keep_alive(r, due);
+            } else {
+                self.keep_alive_unanswered(r, out, enrp, now);
             }
         }
     }
@@ -944,6 +1019,7 @@ impl Asap {
             r,
             PeMeta {
                 keep_alive_sent: now,
+                delivery_asked: false,
                 ..m
             },
         );

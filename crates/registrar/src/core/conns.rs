@@ -71,6 +71,11 @@ pub enum Action {
     Announce(Bytes),
     /// A PRESENCE to send over UDP to the ENRP multicast group.
     Presence(Bytes),
+    /// Tell [`handle_delivery`](super::Registrar::handle_delivery) whether what was written to
+    /// this connection is still on its way: the other end's TCP has not acknowledged all of
+    /// it, or this end retransmitted since the last check (`TCP_INFO`). Only given after
+    /// [`enable_delivery_checks`](super::Registrar::enable_delivery_checks).
+    CheckDelivery(ConnId),
 }
 
 pub(super) struct Conn {
@@ -93,6 +98,8 @@ pub(super) struct Conn {
     pub(super) authenticated: bool,
     /// Requests refused by a rate limit since the last one let through.
     pub(super) refused_in_a_row: u32,
+    /// An [`Action::CheckDelivery`] is out, not answered yet.
+    delivery_asked: bool,
 }
 
 /// The connection table and the outbox.
@@ -124,6 +131,8 @@ pub(super) struct Conns {
     /// The latest dark spell: a silence longer than a quarter of the keep-alive timeout after
     /// the network had been talkative; the evidence before it and the evidence that ended it.
     network_dark: Option<(Instant, Instant)>,
+    /// The driver answers [`Action::CheckDelivery`].
+    pub(super) delivery_checks: bool,
 }
 
 impl Conns {
@@ -145,6 +154,7 @@ impl Conns {
             network_heard: None,
             network_gap: (Duration::ZERO, 0),
             network_dark: None,
+            delivery_checks: false,
         }
     }
 
@@ -247,6 +257,7 @@ impl Conns {
             dirty: false,
             authenticated: false,
             refused_in_a_row: 0,
+            delivery_asked: false,
         };
         let idx = match self.free.pop() {
             Some(i) => {
@@ -544,6 +555,22 @@ impl Conns {
     /// A SERVER_ANNOUNCE or PRESENCE datagram for the driver.
     pub(super) fn push(&mut self, action: Action) {
         self.actions.push_back(action);
+    }
+
+    /// Asks the driver whether `id`'s output is still on its way (once until answered).
+    pub(super) fn check_delivery(&mut self, id: ConnId) {
+        if let Some(c) = self.get_mut(id)
+            && !std::mem::replace(&mut c.delivery_asked, true)
+        {
+            self.actions.push_back(Action::CheckDelivery(id));
+        }
+    }
+
+    /// The driver answered [`Action::CheckDelivery`]: `id`'s PEs, if it is still open.
+    pub(super) fn delivery_answered(&mut self, id: ConnId) -> Option<Vec<PeRef>> {
+        let c = self.get_mut(id)?;
+        c.delivery_asked = false;
+        Some(c.pes.clone())
     }
 
     /// Drops what was queued for `id` past its first `len` bytes (the answers to a replay,
