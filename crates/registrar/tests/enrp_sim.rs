@@ -447,7 +447,7 @@ impl Sim {
 
     fn registration(&self, k: usize) -> AsapMessage {
         AsapMessage::Registration {
-            pool_handle: PoolHandle::from(if k % 2 == 0 { "even" } else { "odd" }),
+            pool_handle: PoolHandle::from(if k.is_multiple_of(2) { "even" } else { "odd" }),
             pool_element: PoolElement {
                 id: self.pes[k].id,
                 home_registrar: 0,
@@ -486,7 +486,7 @@ impl Sim {
                 }
                 adopt |= !current && home;
                 let ack = AsapMessage::EndpointKeepAliveAck {
-                    pool_handle: PoolHandle::from(if k % 2 == 0 { "even" } else { "odd" }),
+                    pool_handle: PoolHandle::from(if k.is_multiple_of(2) { "even" } else { "odd" }),
                     pe_id: self.pes[k].id,
                 };
                 self.pe_send(n, c, &ack);

@@ -117,7 +117,7 @@ async fn bursts(front: SocketAddr) -> (usize, usize) {
     let mut seq = 0;
     while at < LOAD {
         // 300 ms at 130 %, 300 ms at 70 %.
-        let high = (at.as_millis() / 300) % 2 == 0;
+        let high = (at.as_millis() / 300).is_multiple_of(2);
         let rate = capacity * if high { 1.3 } else { 0.7 };
         tokio::time::sleep_until(start + at).await;
         let failed = failed.clone();

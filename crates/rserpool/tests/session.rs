@@ -250,10 +250,10 @@ async fn a_hung_pe_is_left_after_the_response_timeout_and_a_slow_one_is_not() {
 async fn next_asap(s: &mut TcpStream, r: &mut ChunkReader) -> Option<AsapMessage> {
     loop {
         while let Some(c) = r.next_chunk().unwrap() {
-            if let Chunk::Data { ppid, payload, .. } = c {
-                if ppid == ASAP_PPID {
-                    return Some(AsapMessage::decode(&payload).unwrap());
-                }
+            if let Chunk::Data { ppid, payload, .. } = c
+                && ppid == ASAP_PPID
+            {
+                return Some(AsapMessage::decode(&payload).unwrap());
             }
         }
         if s.read_buf(r.buffer_mut()).await.unwrap_or(0) == 0 {
@@ -426,10 +426,10 @@ impl Recorder {
         r.buffer_mut().extend_from_slice(&bytes.lock().unwrap());
         let mut out = Vec::new();
         while let Some(c) = r.next_chunk().unwrap() {
-            if let Chunk::Data { ppid, payload, .. } = c {
-                if ppid == ASAP_PPID {
-                    out.push(payload.to_vec());
-                }
+            if let Chunk::Data { ppid, payload, .. } = c
+                && ppid == ASAP_PPID
+            {
+                out.push(payload.to_vec());
             }
         }
         out

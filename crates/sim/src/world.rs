@@ -281,7 +281,7 @@ impl World {
     pub fn start_pe(&mut self, k: usize) {
         let node = &mut self.pes[k];
         node.life += 1;
-        let policy = if k % 2 == 0 {
+        let policy = if k.is_multiple_of(2) {
             Policy::RoundRobin
         } else {
             Policy::LeastUsed { load: 0 }

@@ -442,11 +442,10 @@ mod tests {
             for piece in b.chunks(cut) {
                 r.buffer_mut().extend_from_slice(piece);
                 while let Some(c) = r.next_chunk().unwrap() {
-                    if let Chunk::Data { flags, ppid, payload } = c {
-                        if let Some((_, m)) = re.push(flags, ppid, payload).unwrap() {
+                    if let Chunk::Data { flags, ppid, payload } = c
+                        && let Some((_, m)) = re.push(flags, ppid, payload).unwrap() {
                             got.push(m.to_vec());
                         }
-                    }
                 }
             }
             prop_assert_eq!(got, msgs);

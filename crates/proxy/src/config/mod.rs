@@ -604,10 +604,10 @@ impl ProxyConfig {
         if self.registrars.is_empty() {
             return bad("no registrar configured".into());
         }
-        if let Some(h) = self.handover_socket.as_deref().filter(|h| !h.is_empty()) {
-            if let Err(e) = h.parse::<rserpool_handover::Address>() {
-                return bad(format!("handover-socket: {e}"));
-            }
+        if let Some(h) = self.handover_socket.as_deref().filter(|h| !h.is_empty())
+            && let Err(e) = h.parse::<rserpool_handover::Address>()
+        {
+            return bad(format!("handover-socket: {e}"));
         }
         for (i, l) in self.listeners.iter().enumerate() {
             if self.listeners[..i].iter().any(|o| o.listen == l.listen) {

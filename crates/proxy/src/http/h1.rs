@@ -165,10 +165,10 @@ async fn read_head_in_time(
 
 async fn read_head(c: &mut Client, max: usize) -> Result<Option<Head>, ReadHeadError> {
     loop {
-        if !c.buf.is_empty() {
-            if let Some(h) = Head::request(&mut c.buf, max).map_err(ReadHeadError::Head)? {
-                return Ok(Some(h));
-            }
+        if !c.buf.is_empty()
+            && let Some(h) = Head::request(&mut c.buf, max).map_err(ReadHeadError::Head)?
+        {
+            return Ok(Some(h));
         }
         c.buf.reserve(16 * 1024);
         let n = c

@@ -74,7 +74,7 @@ pub(super) async fn pe(kind: Pe) -> (SocketAddr, Arc<AtomicUsize>) {
                     }
                     let n = count.fetch_add(1, Ordering::Relaxed);
                     let kind = match kind {
-                        Pe::Flaky if n % 2 == 0 => Pe::Errors,
+                        Pe::Flaky if n.is_multiple_of(2) => Pe::Errors,
                         Pe::Flaky => Pe::Answers,
                         k => k,
                     };

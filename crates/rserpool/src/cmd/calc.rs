@@ -199,12 +199,12 @@ fn is_prime(k: u64) -> bool {
     if k < 2 {
         return false;
     }
-    if k % 2 == 0 {
+    if k.is_multiple_of(2) {
         return k == 2;
     }
     let mut d = 3;
     while d * d <= k {
-        if k % d == 0 {
+        if k.is_multiple_of(d) {
             return false;
         }
         d += 2;

@@ -56,7 +56,7 @@ impl Checks {
         for fact in std::mem::take(&mut w.facts) {
             self.judge(w, fact);
         }
-        if w.now % CHECK_EVERY_MS == 0 {
+        if w.now.is_multiple_of(CHECK_EVERY_MS) {
             self.state(w);
         }
         self.violation.clone().map_or(Ok(()), Err)

@@ -401,10 +401,12 @@ pub(crate) async fn exchange(
         Downstream::H1(h) => pass(h, &mut bc, &resp, framing, &sent, relayed, r, b, ctx).await?,
         Downstream::H2(_) => pieces(d, &mut bc, &resp, framing, r, b, ctx).await?,
     };
-    if backend_keep && bc.buf.is_empty() && !sent.body_left {
-        if let Some(i) = idle(b) {
-            i.put(bc, ctx.pools.settings.max_idle_per_pe);
-        }
+    if backend_keep
+        && bc.buf.is_empty()
+        && !sent.body_left
+        && let Some(i) = idle(b)
+    {
+        i.put(bc, ctx.pools.settings.max_idle_per_pe);
     }
     Ok(answered)
 }
