@@ -132,6 +132,9 @@ settings! {
     csp: Option<SocketAddr> = None;
     /// Interval of the component status reports.
     csp_interval_ms: u64 = 1000;
+    /// Serve the pools over xDS (the aggregated discovery service, state of the world) on this
+    /// address, for Envoy and proxyless gRPC clients (docs/XDS.md). Off by default.
+    xds: Option<SocketAddr> = None;
 }
 
 /// Where the status listener listens: an address, or `off`. Whether it was given (in the file

@@ -78,7 +78,12 @@ pub struct Server {
     taken: Option<rserpool_handover::Taken>,
     /// Where a successor may take this registrar over.
     offer_at: Option<rserpool_handover::Address>,
+    observer: Option<Observer>,
 }
+
+/// Told of the handlespace after each turn of the loop in which it changed (the xDS server's
+/// snapshots).
+pub type Observer = Box<dyn FnMut(&rserpool_handlespace::Handlespace) + Send>;
 
 /// Stops a running [`Server`] from any thread.
 #[derive(Clone)]
@@ -215,12 +220,21 @@ impl Server {
             peer_pes,
             taken,
             offer_at: None,
+            observer: None,
         })
     }
 
     /// Lets a successor take this registrar over at `addr` once it runs.
     pub fn offer_handover(&mut self, addr: rserpool_handover::Address) {
         self.offer_at = Some(addr);
+    }
+
+    /// Calls `observer` with the handlespace once the loop runs and after each turn of it;
+    /// it should return at once when nothing changed ([`Handlespace::changes`]).
+    ///
+    /// [`Handlespace::changes`]: rserpool_handlespace::Handlespace::changes
+    pub fn observe(&mut self, observer: Observer) {
+        self.observer = Some(observer);
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -327,6 +341,7 @@ impl Server {
             offer: None,
             handed: None,
             csp: None,
+            observer: self.observer,
         };
         if let Some(monitor) = self.cfg.csp {
             let interval = Duration::from_millis(self.cfg.csp_interval_ms);
@@ -580,6 +595,7 @@ struct EventLoop {
     handed: Option<(rserpool_handover::Giving, Vec<ConnId>)>,
     /// Component status reports to an rsplib monitor (`csp`).
     csp: Option<csp::CspReporter>,
+    observer: Option<Observer>,
 }
 
 enum Flush {
@@ -700,6 +716,9 @@ impl EventLoop {
                 self.flush_deferred();
             }
             self.report_status(now, false);
+            if let Some(observe) = self.observer.as_mut() {
+                observe(self.core.handlespace());
+            }
         }
         // The monitor drops a registrar that says it stops; one handed over lives on in its
         // successor, which reports under the same identifier.

@@ -12,5 +12,5 @@ pub mod status;
 
 pub use config::{Config, ConfigFlags, DEFAULT_STATUS, StatusListen};
 pub use core::{Action, ConnId, Instant, Registrar};
-pub use driver::{Inherited, RegistrarThread, Server, StopHandle};
+pub use driver::{Inherited, Observer, RegistrarThread, Server, StopHandle};
 pub use status::Status;

@@ -7,17 +7,15 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop, Logged, example_http, free_port, metric, scrape, wait_for};
+use common::{
+    BIN, GRPC_ECHO, KillOnDrop, Logged, PYTHON, example_http, free_port, metric, scrape, wait_for,
+};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-const GRPC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/grpc_echo.py");
-/// Debian's python3-grpcio is for the system interpreter.
-const PYTHON: &str = "/usr/bin/python3";
 
 fn addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))
@@ -285,29 +283,7 @@ struct GrpcPe {
 }
 
 async fn grpc_pe(reg: SocketAddr, name: &str) -> GrpcPe {
-    // The server takes a free port itself and says which: a port picked here could be taken
-    // by a process of a test running beside this one before the server binds it.
-    let mut child = Command::new(PYTHON)
-        .args([GRPC, "serve", "0", name])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let server = KillOnDrop(child);
-    let line = tokio::task::spawn_blocking(move || {
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).map(|_| line)
-    });
-    let line = tokio::time::timeout(Duration::from_secs(15), line)
-        .await
-        .expect("the gRPC server listens within 15 s")
-        .unwrap()
-        .unwrap();
-    let port: u16 = line
-        .trim()
-        .strip_prefix("listening ")
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("the gRPC server says {line:?}"));
+    let (server, port) = common::grpc_server(name).await;
     let sidecar = KillOnDrop(
         Command::new(BIN)
             .args(["serve", "--target", &format!("127.0.0.1:{port}")])
@@ -327,7 +303,7 @@ async fn grpc_pe(reg: SocketAddr, name: &str) -> GrpcPe {
 /// One call of the gRPC client: code, details, reply and trailing metadata as JSON.
 async fn grpc_call(front: SocketAddr, method: &str, timeout: Option<&str>) -> serde_json::Value {
     let mut cmd = Command::new(PYTHON);
-    cmd.args([GRPC, "call", &front.to_string(), method]);
+    cmd.args([GRPC_ECHO, "call", &front.to_string(), method]);
     if let Some(t) = timeout {
         cmd.arg(t);
     }
@@ -427,7 +403,7 @@ idempotent = ["/test.Echo/Echo"]
 
     // Calls back to back from 4 threads for 4 s; PE "a" dies after 1.5 s.
     let mut load = Command::new(PYTHON);
-    load.args([GRPC, "load", &front.to_string(), "4", "4"]);
+    load.args([GRPC_ECHO, "load", &front.to_string(), "4", "4"]);
     let load = output(load);
     let kill = async {
         tokio::time::sleep(Duration::from_millis(1500)).await;

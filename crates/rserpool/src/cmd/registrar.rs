@@ -49,9 +49,19 @@ pub fn run(args: RegistrarArgs) -> Result<()> {
     if let Some(i) = &inherited {
         info!("taking over from process {}", i.pid());
     }
+    let xds = cfg.xds.map(xds_listener).transpose()?;
     let mut server = Server::bind_with(cfg, inherited)?;
     if let Some(a) = at.clone() {
         server.offer_handover(a);
+    }
+    if let Some(listener) = xds {
+        let (mut publisher, snapshots) = rserpool_xds::publish::Publisher::channel();
+        server.observe(Box::new(move |hs| publisher.update(hs)));
+        let ads = rserpool_xds::ads::Ads::new(snapshots, rserpool_xds::ads::Limits::default());
+        std::thread::Builder::new()
+            .name("xds".into())
+            .spawn(move || serve_xds(listener, ads))
+            .context("cannot start the xDS thread")?;
     }
     let stop = server.stop_handle();
     let rt = super::runtime()?;
@@ -83,6 +93,47 @@ pub fn run(args: RegistrarArgs) -> Result<()> {
     super::service::notify_ready();
     server.run()?;
     Ok(())
+}
+
+/// The xDS listener. `SO_REUSEPORT`: a registrar's successor (an upgrade) listens beside it
+/// until it stops; the xDS clients' streams to the old process end then, and they open new
+/// ones, which the successor answers from its own handlespace.
+fn xds_listener(addr: std::net::SocketAddr) -> Result<std::net::TcpListener> {
+    let bind = || -> std::io::Result<std::net::TcpListener> {
+        let s = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            None,
+        )?;
+        s.set_reuse_address(true)?;
+        s.set_reuse_port(true)?;
+        s.set_nonblocking(true)?;
+        s.bind(&addr.into())?;
+        s.listen(1024)?;
+        Ok(s.into())
+    };
+    bind().with_context(|| format!("cannot listen for xDS on {addr}"))
+}
+
+fn serve_xds(listener: std::net::TcpListener, ads: rserpool_xds::ads::Ads) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return warn!("xDS: no runtime: {e}"),
+    };
+    rt.block_on(async move {
+        let addr = listener.local_addr().ok();
+        let listener = match tokio::net::TcpListener::from_std(listener) {
+            Ok(l) => l,
+            Err(e) => return warn!("xDS: {e}"),
+        };
+        info!("xDS (ADS, state of the world) on {addr:?}");
+        if let Err(e) = rserpool_xds::ads::serve(listener, ads).await {
+            warn!("xDS server stopped: {e}");
+        }
+    });
 }
 
 /// Where this registrar's hand-over socket is (see `--handover-socket`); `None`: no hand-over.

@@ -507,3 +507,37 @@ pub fn check_dashboard(file: &str, live: &std::collections::BTreeSet<String>) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The Python of the Debian packages the fixtures use (grpcio, h2, websockets).
+pub const PYTHON: &str = "/usr/bin/python3";
+
+/// `tests/fixtures/grpc_echo.py`: a gRPC server of `test.Echo` that answers `NAME:request`.
+pub const GRPC_ECHO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/grpc_echo.py");
+
+/// A gRPC echo server named `name` on a port of its own choosing, and that port.
+pub async fn grpc_server(name: &str) -> (KillOnDrop, u16) {
+    // The server takes a free port itself and says which: a port picked here could be taken
+    // by a process of a test running beside this one before the server binds it.
+    let mut child = Command::new(PYTHON)
+        .args([GRPC_ECHO, "serve", "0", name])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let server = KillOnDrop(child);
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).map(|_| line)
+    });
+    let line = tokio::time::timeout(Duration::from_secs(15), line)
+        .await
+        .expect("the gRPC server listens within 15 s")
+        .unwrap()
+        .unwrap();
+    let port: u16 = line
+        .trim()
+        .strip_prefix("listening ")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("the gRPC server says {line:?}"));
+    (server, port)
+}
