@@ -12,7 +12,7 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::BorrowedFd;
 
 /// A listening socket's accept queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,28 +27,8 @@ const TCP_LISTEN: u8 = 10;
 
 /// The accept queue of the listening TCP socket `fd`.
 pub fn listen_queue(fd: BorrowedFd<'_>) -> io::Result<ListenQueue> {
-    // SAFETY: tcp_info is plain data; getsockopt writes at most `len` bytes into it and
-    // reports how many it wrote.
-    #[allow(unsafe_code)]
-    let (info, len) = unsafe {
-        let mut info: libc::tcp_info = std::mem::zeroed();
-        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-        let rc = libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&raw mut info).cast::<libc::c_void>(),
-            &mut len,
-        );
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        (info, len)
-    };
     // tcpi_unacked and tcpi_sacked lie well inside the oldest tcp_info.
-    if (len as usize) < 32 {
-        return Err(io::Error::other("TCP_INFO too short"));
-    }
+    let info = rserpool_tcpinfo::tcp_info(&fd, 32)?;
     if info.tcpi_state != TCP_LISTEN {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
