@@ -21,6 +21,7 @@ mod tier;
 mod trace;
 mod undo;
 mod upgrade;
+mod xds;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -68,6 +69,10 @@ enum BenchCommand {
     /// and two proxies, a proxy failure for each heartbeat interval, split splice (the TCP
     /// splice seed's Tables 2-7; docs/TIER.md). Needs root.
     Tier(tier::TierArgs),
+    /// The registrar as an xDS control plane: time from a registration, credit change or
+    /// death to an xDS client's view, and the registrar's CPU with many subscribers
+    /// (docs/XDS.md).
+    Xds(xds::XdsArgs),
     /// Upgrading a proxy under load: rserpool's hand-over beside HAProxy's master-worker
     /// reload; refused connections, errors, p99 and maximum latency (docs/OPERATIONS.md).
     Upgrade(upgrade::UpgradeArgs),
@@ -89,6 +94,7 @@ fn main() -> Result<()> {
         BenchCommand::Registrar(a) => registrar::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Proxy(a) => proxy::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Push(a) => push::run(a),
+        BenchCommand::Xds(a) => xds::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Trace(a) => trace::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Levels(a) => levels::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Ksplice(a) => ksplice::run(a, &product::locate(cli.rserpool)?),

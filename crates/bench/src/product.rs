@@ -87,13 +87,28 @@ pub fn start_registrar(
     std::net::SocketAddr,
     std::net::SocketAddr,
 )> {
+    start_registrar_with(bin, dir, &[])
+}
+
+/// [`start_registrar`] with `extra` flags.
+pub fn start_registrar_with(
+    bin: &Path,
+    dir: &Path,
+    extra: &[&str],
+) -> Result<(
+    crate::process::Proc,
+    std::net::SocketAddr,
+    std::net::SocketAddr,
+)> {
     use crate::net::{free_port, local};
     let (reg, status) = (local(free_port()?), local(free_port()?));
     let p = crate::process::Proc::spawn(
         command(bin)
             .args(["registrar", "--asap", &reg.to_string()])
             .args(["--enrp", &local(free_port()?).to_string()])
-            .args(["--status", &status.to_string()]),
+            .args(["--status", &status.to_string()])
+            .args(["--handover-socket", ""])
+            .args(extra),
         &dir.join("registrar.log"),
     )?;
     crate::process::wait_for("the registrar", std::time::Duration::from_secs(5), || {
