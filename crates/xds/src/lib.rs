@@ -7,5 +7,10 @@
 #![allow(clippy::module_name_repetitions)]
 
 pub mod ads;
+mod delta;
+mod limits;
 pub mod publish;
 pub mod resources;
+pub mod snapshot;
+mod sotw;
+mod stream;

@@ -5,8 +5,8 @@
 //! whose version moved are encoded again; the new snapshot goes to every ADS stream at once
 //! (a `watch` channel), and each stream sends what its subscriptions see changed.
 
-use crate::ads::Snapshot;
 use crate::resources::{Member, PoolResources};
+use crate::snapshot::Snapshot;
 use rserpool_handlespace::Handlespace;
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -233,3 +233,120 @@ async fn too_many_names_or_streams_are_refused() {
         .expect_err("a third stream is refused");
     assert_eq!(third.code(), tonic::Code::ResourceExhausted);
 }
+
+/// The incremental protocol: only what changed, and the names of what went.
+#[tokio::test]
+async fn delta_sends_changes_and_removals_only() {
+    use envoy_types::pb::envoy::service::discovery::v3::{
+        DeltaDiscoveryRequest, DeltaDiscoveryResponse,
+    };
+    let two = [member(1, 50051, 1), member(2, 50052, 2)];
+    let (addr, snapshots, _ads) =
+        server(snapshot(1, &[("A", &two), ("B", &two)]), Limits::default()).await;
+    let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let (tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(8);
+    let mut responses = client
+        .delta_aggregated_resources(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut step = 0;
+    let mut next = async || -> DeltaDiscoveryResponse {
+        step += 1;
+        tokio::time::timeout(Duration::from_secs(2), responses.message())
+            .await
+            .unwrap_or_else(|_| panic!("no response {step} within 2 s"))
+            .unwrap()
+            .expect("the stream is open")
+    };
+    let names = |r: &DeltaDiscoveryResponse| -> Vec<String> {
+        r.resources.iter().map(|r| r.name.clone()).collect()
+    };
+    let ack = |r: &DeltaDiscoveryResponse| DeltaDiscoveryRequest {
+        type_url: r.type_url.clone(),
+        response_nonce: r.nonce.clone(),
+        ..Default::default()
+    };
+
+    // EDS by name: A is there, Nope is not (told as removed).
+    tx.send(DeltaDiscoveryRequest {
+        type_url: Kind::Endpoints.type_url(),
+        resource_names_subscribe: vec!["A".into(), "Nope".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let r = next().await;
+    assert_eq!(names(&r), ["A"]);
+    assert_eq!(r.removed_resources, ["Nope"]);
+    tx.send(ack(&r)).await.unwrap();
+
+    // B changes: nothing for this stream. A changes: A alone.
+    snapshots
+        .send(Arc::new(Snapshot {
+            version: 2,
+            pools: [
+                (
+                    "A".to_string(),
+                    (1, Arc::new(PoolResources::new("A", &two))),
+                ),
+                (
+                    "B".to_string(),
+                    (2, Arc::new(PoolResources::new("B", &two[..1]))),
+                ),
+            ]
+            .into(),
+        }))
+        .unwrap();
+    snapshots
+        .send(Arc::new(Snapshot {
+            version: 3,
+            pools: [
+                (
+                    "A".to_string(),
+                    (3, Arc::new(PoolResources::new("A", &two[..1]))),
+                ),
+                (
+                    "B".to_string(),
+                    (2, Arc::new(PoolResources::new("B", &two[..1]))),
+                ),
+            ]
+            .into(),
+        }))
+        .unwrap();
+    let r = next().await;
+    assert_eq!(names(&r), ["A"]);
+    assert!(r.removed_resources.is_empty());
+    let cla =
+        ClusterLoadAssignment::decode(r.resources[0].resource.as_ref().unwrap().value.as_slice())
+            .unwrap();
+    assert_eq!(cla.endpoints.len(), 1);
+    tx.send(ack(&r)).await.unwrap();
+
+    // A goes: its name comes back as removed.
+    snapshots.send(snapshot(4, &[("B", &two[..1])])).unwrap();
+    let r = next().await;
+    assert!(r.resources.is_empty());
+    assert_eq!(r.removed_resources, ["A"]);
+    tx.send(ack(&r)).await.unwrap();
+
+    // CDS, a wildcard type: every cluster at first, then only a new one.
+    tx.send(DeltaDiscoveryRequest {
+        type_url: Kind::Cluster.type_url(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let r = next().await;
+    assert_eq!(names(&r), ["B"]);
+    tx.send(ack(&r)).await.unwrap();
+    snapshots
+        .send(snapshot(5, &[("B", &two[..1]), ("C", &two)]))
+        .unwrap();
+    // (The endpoints subscription, to A and Nope, sees no change.)
+    let cds = next().await;
+    assert_eq!(cds.type_url, Kind::Cluster.type_url());
+    assert_eq!(names(&cds), ["C"], "only the new cluster");
+}
