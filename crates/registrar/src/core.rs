@@ -432,6 +432,7 @@ impl Registrar {
             counters: self.counters(),
             enrp: self.enrp.counters().clone(),
             peers: self.peer_status(now),
+            xds: None,
         }
     }
 
@@ -453,6 +454,7 @@ impl Registrar {
             counters,
             peers: self.peer_status(now),
             enrp: self.enrp.counters().clone(),
+            xds: None,
         }
     }
 }

@@ -79,11 +79,15 @@ pub struct Server {
     /// Where a successor may take this registrar over.
     offer_at: Option<rserpool_handover::Address>,
     observer: Option<Observer>,
+    xds: Option<XdsCounterSource>,
 }
 
 /// Told of the handlespace after each turn of the loop in which it changed (the xDS server's
 /// snapshots).
 pub type Observer = Box<dyn FnMut(&rserpool_handlespace::Handlespace) + Send>;
+
+/// The xDS server's counters, for the status document and `/metrics`.
+pub type XdsCounterSource = Box<dyn Fn() -> crate::status::XdsCounters + Send>;
 
 /// Stops a running [`Server`] from any thread.
 #[derive(Clone)]
@@ -221,6 +225,7 @@ impl Server {
             taken,
             offer_at: None,
             observer: None,
+            xds: None,
         })
     }
 
@@ -235,6 +240,11 @@ impl Server {
     /// [`Handlespace::changes`]: rserpool_handlespace::Handlespace::changes
     pub fn observe(&mut self, observer: Observer) {
         self.observer = Some(observer);
+    }
+
+    /// Shows the xDS server's counters in the status document and `/metrics`.
+    pub fn xds_counters(&mut self, source: XdsCounterSource) {
+        self.xds = Some(source);
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -342,6 +352,7 @@ impl Server {
             handed: None,
             csp: None,
             observer: self.observer,
+            xds: self.xds,
         };
         if let Some(monitor) = self.cfg.csp {
             let interval = Duration::from_millis(self.cfg.csp_interval_ms);
@@ -596,6 +607,7 @@ struct EventLoop {
     /// Component status reports to an rsplib monitor (`csp`).
     csp: Option<csp::CspReporter>,
     observer: Option<Observer>,
+    xds: Option<XdsCounterSource>,
 }
 
 enum Flush {
@@ -705,9 +717,9 @@ impl EventLoop {
             }
             if let Some(s) = self.status.as_mut().filter(|s| s.has_conns()) {
                 s.expire(now, self.poll.registry());
-                let core = &self.core;
+                let (core, xds) = (&self.core, &self.xds);
                 s.tick(self.poll.registry(), now, || {
-                    serde_json::to_vec(&core.status(now)).unwrap_or_default()
+                    serde_json::to_vec(&status_document(core, xds, now)).unwrap_or_default()
                 });
             }
             let now = self.now();
@@ -1367,18 +1379,33 @@ impl EventLoop {
             return;
         };
         let now = elapsed(self.epoch);
-        let core = &self.core;
+        let (core, xds) = (&self.core, &self.xds);
         status.on_event(
             slot,
             self.poll.registry(),
             &mut self.read_buf,
             now,
             |path| match path {
-                "/metrics" => rserpool_status::Reply::metrics(core.metrics(now).metrics()),
-                _ => rserpool_status::Reply::json(&core.status(now)),
+                "/metrics" => {
+                    let mut m = core.metrics(now);
+                    m.xds = xds.as_ref().map(|f| f());
+                    rserpool_status::Reply::metrics(m.metrics())
+                }
+                _ => rserpool_status::Reply::json(&status_document(core, xds, now)),
             },
         );
     }
+}
+
+/// The status document, with the xDS server's counters when it runs.
+fn status_document(
+    core: &Registrar,
+    xds: &Option<XdsCounterSource>,
+    now: Instant,
+) -> crate::Status {
+    let mut s = core.status(now);
+    s.xds = xds.as_ref().map(|f| f());
+    s
 }
 
 /// A registrar running on its own thread (for `rserpool up`, tests and embedding).

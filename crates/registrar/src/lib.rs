@@ -12,5 +12,5 @@ pub mod status;
 
 pub use config::{Config, ConfigFlags, DEFAULT_STATUS, StatusListen};
 pub use core::{Action, ConnId, Instant, Registrar};
-pub use driver::{Inherited, Observer, RegistrarThread, Server, StopHandle};
-pub use status::Status;
+pub use driver::{Inherited, Observer, RegistrarThread, Server, StopHandle, XdsCounterSource};
+pub use status::{Status, XdsCounters};

@@ -17,6 +17,70 @@ pub struct Status {
     pub peers: Vec<PeerStatus>,
     #[serde(default)]
     pub enrp: EnrpCounters,
+    /// The xDS server's, when it runs (`xds`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xds: Option<XdsCounters>,
+}
+
+/// What the xDS server did (docs/XDS.md).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct XdsCounters {
+    pub streams_open: u64,
+    pub streams_opened: u64,
+    /// Streams refused beyond the limit of open streams.
+    pub streams_refused: u64,
+    pub responses: u64,
+    pub acks: u64,
+    /// Responses the clients rejected.
+    pub nacks: u64,
+    /// Requests for a resource type the server does not serve.
+    pub unknown_types: u64,
+}
+
+impl XdsCounters {
+    fn metrics(&self, m: &mut rserpool_status::metrics::Exposition) {
+        m.gauge(
+            "rserpool_xds_streams",
+            "ADS streams open now.",
+            &[],
+            self.streams_open as f64,
+        );
+        let counters = [
+            (
+                "rserpool_xds_streams_opened",
+                "ADS streams opened.",
+                self.streams_opened,
+            ),
+            (
+                "rserpool_xds_streams_refused",
+                "ADS streams refused beyond the limit of open streams.",
+                self.streams_refused,
+            ),
+            (
+                "rserpool_xds_responses",
+                "xDS responses sent.",
+                self.responses,
+            ),
+            (
+                "rserpool_xds_acks",
+                "xDS responses the clients accepted.",
+                self.acks,
+            ),
+            (
+                "rserpool_xds_nacks",
+                "xDS responses the clients rejected (logged).",
+                self.nacks,
+            ),
+            (
+                "rserpool_xds_unknown_types",
+                "Requests for a resource type the server does not serve.",
+                self.unknown_types,
+            ),
+        ];
+        for (name, help, v) in counters {
+            m.counter(name, help, &[], v);
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -156,6 +220,7 @@ pub struct MetricsView {
     pub counters: Counters,
     pub enrp: EnrpCounters,
     pub peers: Vec<PeerStatus>,
+    pub xds: Option<XdsCounters>,
 }
 
 impl MetricsView {
@@ -206,6 +271,9 @@ impl MetricsView {
         }
         self.counters.metrics(&mut m);
         self.enrp.metrics(&mut m);
+        if let Some(x) = &self.xds {
+            x.metrics(&mut m);
+        }
         let peers = "ENRP peers";
         for p in &self.peers {
             let peer = format!("{:#010x}", p.id);

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop, Logged, PYTHON, free_port, grpc_server, wait_for};
+use common::{BIN, KillOnDrop, Logged, PYTHON, free_port, grpc_server, metric, scrape, wait_for};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
@@ -108,6 +108,7 @@ fn by_server(calls: &[(u64, String)]) -> BTreeMap<String, u64> {
 async fn a_grpc_client_follows_the_pool_over_xds() {
     let asap = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let xds = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let status = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let args: Vec<String> = [
         "registrar",
         "--asap",
@@ -115,7 +116,7 @@ async fn a_grpc_client_follows_the_pool_over_xds() {
         "--enrp",
         "127.0.0.1:0",
         "--status",
-        "off",
+        &status.to_string(),
         "--handover-socket",
         "",
         "--xds",
@@ -223,6 +224,12 @@ async fn a_grpc_client_follows_the_pool_over_xds() {
             .any(|l| l.contains("state of the world")),
         "the registrar says where xDS is"
     );
+    // The registrar's metrics count the streams and what the client accepted.
+    let samples = scrape(status).await;
+    assert!(metric(&samples, "rserpool_xds_streams_opened_total", &[]) >= 2.0);
+    assert!(metric(&samples, "rserpool_xds_responses_total", &[]) >= 8.0);
+    assert!(metric(&samples, "rserpool_xds_acks_total", &[]) >= 8.0);
+    assert_eq!(metric(&samples, "rserpool_xds_nacks_total", &[]), 0.0);
     drop((s1, s2));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -404,6 +404,7 @@ mod tests {
                 })
                 .collect(),
             enrp: EnrpCounters::default(),
+            xds: None,
         }
     }
 

@@ -58,6 +58,19 @@ pub fn run(args: RegistrarArgs) -> Result<()> {
         let (mut publisher, snapshots) = rserpool_xds::publish::Publisher::channel();
         server.observe(Box::new(move |hs| publisher.update(hs)));
         let ads = rserpool_xds::ads::Ads::new(snapshots, rserpool_xds::ads::Limits::default());
+        let (counters, open) = (ads.counters(), ads.clone());
+        server.xds_counters(Box::new(move || {
+            use std::sync::atomic::Ordering::Relaxed;
+            rserpool_registrar::XdsCounters {
+                streams_open: open.open_streams() as u64,
+                streams_opened: counters.streams_opened.load(Relaxed),
+                streams_refused: counters.streams_refused.load(Relaxed),
+                responses: counters.responses.load(Relaxed),
+                acks: counters.acks.load(Relaxed),
+                nacks: counters.nacks.load(Relaxed),
+                unknown_types: counters.unknown_types.load(Relaxed),
+            }
+        }));
         std::thread::Builder::new()
             .name("xds".into())
             .spawn(move || serve_xds(listener, ads))
@@ -129,7 +142,7 @@ fn serve_xds(listener: std::net::TcpListener, ads: rserpool_xds::ads::Ads) {
             Ok(l) => l,
             Err(e) => return warn!("xDS: {e}"),
         };
-        info!("xDS (ADS, state of the world) on {addr:?}");
+        info!("xDS (ADS, state of the world and incremental) on {addr:?}");
         if let Err(e) = rserpool_xds::ads::serve(listener, ads).await {
             warn!("xDS server stopped: {e}");
         }
