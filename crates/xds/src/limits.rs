@@ -28,4 +28,27 @@ pub struct Counters {
     pub acks: AtomicU64,
     pub nacks: AtomicU64,
     pub unknown_types: AtomicU64,
+    /// When a NACK was last logged (seconds since the Unix epoch): one line a second at most.
+    pub(crate) nack_logged: AtomicU64,
+}
+
+impl Counters {
+    /// Whether a NACK may be logged now (one a second: a client that rejects everything,
+    /// or thousands that do, make one line a second, not a flood).
+    pub(crate) fn may_log_nack(&self) -> bool {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let last = self.nack_logged.load(std::sync::atomic::Ordering::Relaxed);
+        now > last
+            && self
+                .nack_logged
+                .compare_exchange(
+                    last,
+                    now,
+                    std::sync::atomic::Ordering::Relaxed,
+                    std::sync::atomic::Ordering::Relaxed,
+                )
+                .is_ok()
+    }
 }

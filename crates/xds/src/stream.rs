@@ -75,7 +75,9 @@ impl<P: Protocol> Stream<P> {
                 m = self.requests.message() => match m {
                     Ok(Some(req)) => match self.check(&req, &mut node) {
                         Ok(Some(kind)) => {
-                            let snapshot = self.snapshots.borrow_and_update().clone();
+                            // Not `borrow_and_update`: a change that came meanwhile must
+                            // still wake the other subscriptions.
+                            let snapshot = self.snapshots.borrow().clone();
                             let first = !self.watches.contains_key(&kind);
                             let watch = self.watches.entry(kind).or_default();
                             P::subscribe(watch, kind, req, first)
@@ -146,8 +148,13 @@ impl<P: Protocol> Stream<P> {
             }
             match head.error {
                 Some(e) => {
-                    self.counters.nacks.fetch_add(1, Ordering::Relaxed);
-                    warn!("xDS: {node:?} rejected {}: {e}", head.type_url);
+                    let n = self.counters.nacks.fetch_add(1, Ordering::Relaxed) + 1;
+                    if self.counters.may_log_nack() {
+                        warn!(
+                            "xDS: {node:?} rejected {}: {e} ({n} rejections in all, at most one logged a second)",
+                            head.type_url
+                        );
+                    }
                 }
                 None => {
                     self.counters.acks.fetch_add(1, Ordering::Relaxed);

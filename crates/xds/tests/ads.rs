@@ -350,3 +350,96 @@ async fn delta_sends_changes_and_removals_only() {
     assert_eq!(cds.type_url, Kind::Cluster.type_url());
     assert_eq!(names(&cds), ["C"], "only the new cluster");
 }
+
+fn rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Thousands of idle streams and a client that rejects everything, thousands of times: the
+/// others are still served, and an idle stream costs little.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_streams_and_a_nack_storm_leave_the_others_served() {
+    let two = [member(1, 50051, 1), member(2, 50052, 2)];
+    let (addr, snapshots, ads) = server(snapshot(1, &[("A", &two)]), Limits::default()).await;
+    let before = rss_kb();
+    const IDLE: usize = 2_000;
+    let mut idle = Vec::new();
+    for _ in 0..IDLE / 100 {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        for _ in 0..100 {
+            let mut c = AggregatedDiscoveryServiceClient::new(channel.clone());
+            let (tx, rx) = mpsc::channel(1);
+            tx.send(DiscoveryRequest {
+                type_url: Kind::Cluster.type_url(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let responses = c
+                .stream_aggregated_resources(ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            idle.push((tx, responses));
+        }
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while ads.open_streams() < IDLE {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} streams",
+            ads.open_streams()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let per_stream = (rss_kb().saturating_sub(before)) * 1024 / IDLE as u64;
+    eprintln!("{IDLE} idle streams: {per_stream} bytes each (client and server)");
+    assert!(per_stream < 64 << 10, "{per_stream} bytes per idle stream");
+
+    // A client NACKs the same response a thousand times.
+    let mut storm = Client::open(addr).await;
+    storm.ask(Kind::Endpoints, &["A"], None).await;
+    let r = storm.next().await;
+    for _ in 0..1_000 {
+        storm
+            .requests
+            .send(DiscoveryRequest {
+                type_url: Kind::Endpoints.type_url(),
+                resource_names: vec!["A".into()],
+                response_nonce: r.nonce.clone(),
+                error_detail: Some(RpcStatus {
+                    code: 3,
+                    message: "no".into(),
+                    details: Vec::new(),
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    // Another client is served meanwhile, and a change still reaches it.
+    let mut c = Client::open(addr).await;
+    c.ask(Kind::Endpoints, &["A"], None).await;
+    let first = c.next().await;
+    assert_eq!(first.resources.len(), 1);
+    c.ask(Kind::Endpoints, &["A"], Some(&first)).await;
+    snapshots.send(snapshot(2, &[("A", &two[..1])])).unwrap();
+    let pushed = c.next().await;
+    assert_eq!(pushed.version_info, "2");
+    let counters = ads.counters();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while counters.nacks.load(Ordering::Relaxed) < 1_000 {
+        assert!(tokio::time::Instant::now() < deadline, "NACKs not all read");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(idle);
+}
