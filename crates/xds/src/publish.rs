@@ -64,7 +64,11 @@ impl Publisher {
                 changed = true;
                 self.version += 1;
             }
-            let resources = Arc::new(PoolResources::new(&name, &members));
+            let adaptive = hs
+                .members(handle.as_bytes())
+                .next()
+                .is_some_and(|r| crate::resources::adaptive(&hs.pe(r).element.policy));
+            let resources = Arc::new(PoolResources::new(&name, &members, adaptive));
             self.pools.insert(name.clone(), (self.version, resources));
             self.pool_versions.insert(name, v);
         }

@@ -5,15 +5,17 @@
 //! | pool handle | a `Cluster` (EDS, over ADS) and its `ClusterLoadAssignment`, both named after the handle; for gRPC an API `Listener` and a `RouteConfiguration` of that name routing every call to the cluster |
 //! | pool element | an endpoint of the assignment at its user transport address, in a locality of its own (`sub_zone` = its PE ID) |
 //! | policy information | the endpoint's and its locality's `load_balancing_weight`: a weighted policy's weight, the free share of a load (1–101), the credits |
-//! | pool policy | `ROUND_ROBIN` over those weights (the one policy every xDS client honours; gRPC picks a locality by weight, Envoy an endpoint by weight) |
+//! | pool policy | `lb_policy: ROUND_ROBIN` over those weights (the one policy every xDS client honours; gRPC picks a locality by weight, Envoy an endpoint by weight), and for clients that read the typed policy list (`load_balancing_policy`: Envoy) least request first where the policy adapts to load or credits, then round robin |
 //!
 //! A PE is in the assignment while the registrar holds it: the registrar's supervision
 //! (keep-alives, ENDPOINT_UNREACHABLE) removes a dead one, so every endpoint sent is `HEALTHY`.
 
-use envoy_types::pb::envoy::config::cluster::v3::{Cluster, cluster};
+use envoy_types::pb::envoy::config::cluster::v3::{
+    Cluster, LoadBalancingPolicy, cluster, load_balancing_policy,
+};
 use envoy_types::pb::envoy::config::core::v3::{
     Address, AggregatedConfigSource, ApiVersion, ConfigSource, HealthStatus, Locality,
-    SocketAddress, address, config_source, socket_address,
+    SocketAddress, TypedExtensionConfig, address, config_source, socket_address,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -27,6 +29,8 @@ use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
     HttpConnectionManager, HttpFilter, Rds, http_connection_manager, http_filter,
 };
+use envoy_types::pb::envoy::extensions::load_balancing_policies::least_request::v3::LeastRequest;
+use envoy_types::pb::envoy::extensions::load_balancing_policies::round_robin::v3::RoundRobin;
 use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
 use prost::{Message, Name};
 use rserpool_wire::{Policy, PoolElement, UserTransport};
@@ -102,6 +106,11 @@ pub fn weight(policy: &Policy) -> u32 {
     }
 }
 
+/// Whether a pool of this policy balances by what its PEs report (load, credits).
+pub fn adaptive(policy: &Policy) -> bool {
+    policy.is_adaptive() || matches!(policy, Policy::Credits { .. })
+}
+
 /// A pool's four resources, encoded once for every stream that asks.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolResources {
@@ -113,10 +122,10 @@ pub struct PoolResources {
 
 impl PoolResources {
     /// The resources of pool `handle` with `members` (sorted by PE ID, so that the same pool
-    /// encodes the same bytes).
-    pub fn new(handle: &str, members: &[Member]) -> PoolResources {
+    /// encodes the same bytes); `adaptive` when its policy follows load or credits.
+    pub fn new(handle: &str, members: &[Member], adaptive: bool) -> PoolResources {
         PoolResources {
-            cluster: any(&cluster(handle)),
+            cluster: any(&cluster(handle, adaptive)),
             endpoints: any(&assignment(handle, members)),
             listener: any(&listener(handle)),
             route: any(&route_config(handle)),
@@ -151,7 +160,24 @@ fn ads() -> ConfigSource {
     }
 }
 
-fn cluster(handle: &str) -> Cluster {
+fn cluster(handle: &str, adaptive: bool) -> Cluster {
+    let policy = |name: &str, config: Any| load_balancing_policy::Policy {
+        typed_extension_config: Some(TypedExtensionConfig {
+            name: name.to_string(),
+            typed_config: Some(config),
+        }),
+    };
+    let mut policies = Vec::new();
+    if adaptive {
+        policies.push(policy(
+            "envoy.load_balancing_policies.least_request",
+            any(&LeastRequest::default()),
+        ));
+    }
+    policies.push(policy(
+        "envoy.load_balancing_policies.round_robin",
+        any(&RoundRobin::default()),
+    ));
     Cluster {
         name: handle.to_string(),
         cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
@@ -162,6 +188,7 @@ fn cluster(handle: &str) -> Cluster {
             service_name: String::new(),
         }),
         lb_policy: cluster::LbPolicy::RoundRobin as i32,
+        load_balancing_policy: Some(LoadBalancingPolicy { policies }),
         connect_timeout: Some(Duration {
             seconds: 1,
             nanos: 0,
@@ -288,7 +315,7 @@ mod tests {
                 weight: 4,
             },
         ];
-        let r = PoolResources::new("EchoGrpc", &members);
+        let r = PoolResources::new("EchoGrpc", &members, false);
         let c: Cluster = decode(&r.cluster);
         assert_eq!(c.name, "EchoGrpc");
         assert_eq!(r.cluster.type_url, Kind::Cluster.type_url());

@@ -30,7 +30,12 @@ fn member(id: u32, port: u16, weight: u32) -> Member {
 fn snapshot(version: u64, pools: &[(&str, &[Member])]) -> Arc<Snapshot> {
     let pools: BTreeMap<String, (u64, Arc<PoolResources>)> = pools
         .iter()
-        .map(|(h, m)| (h.to_string(), (version, Arc::new(PoolResources::new(h, m)))))
+        .map(|(h, m)| {
+            (
+                h.to_string(),
+                (version, Arc::new(PoolResources::new(h, m, false))),
+            )
+        })
         .collect();
     Arc::new(Snapshot { version, pools })
 }
@@ -290,11 +295,11 @@ async fn delta_sends_changes_and_removals_only() {
             pools: [
                 (
                     "A".to_string(),
-                    (1, Arc::new(PoolResources::new("A", &two))),
+                    (1, Arc::new(PoolResources::new("A", &two, false))),
                 ),
                 (
                     "B".to_string(),
-                    (2, Arc::new(PoolResources::new("B", &two[..1]))),
+                    (2, Arc::new(PoolResources::new("B", &two[..1], false))),
                 ),
             ]
             .into(),
@@ -306,11 +311,11 @@ async fn delta_sends_changes_and_removals_only() {
             pools: [
                 (
                     "A".to_string(),
-                    (3, Arc::new(PoolResources::new("A", &two[..1]))),
+                    (3, Arc::new(PoolResources::new("A", &two[..1], false))),
                 ),
                 (
                     "B".to_string(),
-                    (2, Arc::new(PoolResources::new("B", &two[..1]))),
+                    (2, Arc::new(PoolResources::new("B", &two[..1], false))),
                 ),
             ]
             .into(),

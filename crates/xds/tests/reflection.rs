@@ -61,7 +61,7 @@ fn every_resource_decodes_as_the_protos_describe_it() {
             weight: 4,
         },
     ];
-    let r = PoolResources::new("EchoGrpc", &members);
+    let r = PoolResources::new("EchoGrpc", &members, true);
     let dir = std::env::temp_dir().join(format!("rserpool-xds-reflect-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut files = Vec::new();
@@ -117,6 +117,23 @@ fn every_resource_decodes_as_the_protos_describe_it() {
     assert_eq!(c["connectTimeout"], "1s");
     // ROUND_ROBIN is the enum's zero: the JSON mapping leaves it out.
     assert!(c.get("lbPolicy").is_none(), "{c}");
+    // For clients that read the typed list (Envoy): least request first (an adaptive pool).
+    let policies = c["loadBalancingPolicy"]["policies"].as_array().unwrap();
+    let types: Vec<&str> = policies
+        .iter()
+        .map(|p| {
+            p["typedExtensionConfig"]["typedConfig"]["@type"]
+                .as_str()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        types,
+        [
+            "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+            "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+        ]
+    );
 
     assert_eq!(
         endpoints["type"],
