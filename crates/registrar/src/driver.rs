@@ -82,9 +82,10 @@ pub struct Server {
     xds: Option<XdsCounterSource>,
 }
 
-/// Told of the handlespace after each turn of the loop in which it changed (the xDS server's
-/// snapshots).
-pub type Observer = Box<dyn FnMut(&rserpool_handlespace::Handlespace) + Send>;
+/// Told of the handlespace after each turn of the loop (the xDS server's snapshots), and
+/// whether the registrar serves it yet (false while it synchronises from a mentor at start:
+/// it may still lack pools).
+pub type Observer = Box<dyn FnMut(&rserpool_handlespace::Handlespace, bool) + Send>;
 
 /// The xDS server's counters, for the status document and `/metrics`.
 pub type XdsCounterSource = Box<dyn Fn() -> crate::status::XdsCounters + Send>;
@@ -729,7 +730,7 @@ impl EventLoop {
             }
             self.report_status(now, false);
             if let Some(observe) = self.observer.as_mut() {
-                observe(self.core.handlespace());
+                observe(self.core.handlespace(), !self.core.is_starting());
             }
         }
         // The monitor drops a registrar that says it stops; one handed over lives on in its

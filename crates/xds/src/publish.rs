@@ -38,11 +38,13 @@ impl Publisher {
         )
     }
 
-    /// Publishes the pools of `hs` if it changed since the last call.
-    pub fn update(&mut self, hs: &Handlespace) {
-        if self.seen == Some(hs.changes()) {
+    /// Publishes the pools of `hs` if it changed since the last call, once `serving` (the
+    /// registrar is past its start-up synchronisation).
+    pub fn update(&mut self, hs: &Handlespace, serving: bool) {
+        if !serving || self.seen == Some(hs.changes()) {
             return;
         }
+        let first = self.seen.is_none();
         self.seen = Some(hs.changes());
         let mut changed = false;
         let mut live: BTreeMap<String, u64> = BTreeMap::new();
@@ -79,8 +81,9 @@ impl Publisher {
             changed = true;
             self.version += 1;
         }
-        if changed {
+        if changed || first {
             self.tx.send_replace(Arc::new(Snapshot {
+                ready: true,
                 version: self.version,
                 pools: self.pools.clone(),
             }));

@@ -10,6 +10,9 @@ use std::sync::Arc;
 /// Every pool as the registrar holds it now.
 #[derive(Debug, Default)]
 pub struct Snapshot {
+    /// The registrar serves this handlespace: until then (it synchronises from a mentor at
+    /// start, and may lack pools) nothing is sent, lest clients drop what they have.
+    pub ready: bool,
     /// Grows with every change; the `version_info` of the responses.
     pub version: u64,
     /// By pool handle: the version at which the pool last changed, and its resources.

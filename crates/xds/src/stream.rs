@@ -80,7 +80,9 @@ impl<P: Protocol> Stream<P> {
                             let snapshot = self.snapshots.borrow().clone();
                             let first = !self.watches.contains_key(&kind);
                             let watch = self.watches.entry(kind).or_default();
+                            // Not ready: the subscription is noted, and answered once it is.
                             P::subscribe(watch, kind, req, first)
+                                .filter(|_| snapshot.ready)
                                 .and_then(|force| P::respond(watch, kind, &snapshot, &mut nonce, force))
                                 .into_iter()
                                 .collect()
@@ -102,6 +104,9 @@ impl<P: Protocol> Stream<P> {
                         return;
                     }
                     let snapshot = self.snapshots.borrow_and_update().clone();
+                    if !snapshot.ready {
+                        continue;
+                    }
                     self.watches
                         .iter_mut()
                         .filter_map(|(kind, w)| P::respond(w, *kind, &snapshot, &mut nonce, false))

@@ -37,7 +37,11 @@ fn snapshot(version: u64, pools: &[(&str, &[Member])]) -> Arc<Snapshot> {
             )
         })
         .collect();
-    Arc::new(Snapshot { version, pools })
+    Arc::new(Snapshot {
+        ready: true,
+        version,
+        pools,
+    })
 }
 
 /// A server on a free port, the sender of its snapshots, and the service (for its counters).
@@ -291,6 +295,7 @@ async fn delta_sends_changes_and_removals_only() {
     // B changes: nothing for this stream. A changes: A alone.
     snapshots
         .send(Arc::new(Snapshot {
+            ready: true,
             version: 2,
             pools: [
                 (
@@ -307,6 +312,7 @@ async fn delta_sends_changes_and_removals_only() {
         .unwrap();
     snapshots
         .send(Arc::new(Snapshot {
+            ready: true,
             version: 3,
             pools: [
                 (
@@ -447,4 +453,18 @@ async fn idle_streams_and_a_nack_storm_leave_the_others_served() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     drop(idle);
+}
+
+/// While the registrar synchronises at start (its handlespace may lack pools) a subscription
+/// gets nothing; once it serves, the subscription is answered.
+#[tokio::test]
+async fn nothing_is_sent_before_the_registrar_serves() {
+    let two = [member(1, 50051, 1), member(2, 50052, 2)];
+    let (addr, snapshots, _ads) = server(Arc::new(Snapshot::default()), Limits::default()).await;
+    let mut c = Client::open(addr).await;
+    c.ask(Kind::Cluster, &[], None).await;
+    assert!(c.quiet().await, "no answer before the registrar serves");
+    snapshots.send(snapshot(1, &[("A", &two)])).unwrap();
+    let cds = c.next().await;
+    assert_eq!(cds.resources.len(), 1);
 }

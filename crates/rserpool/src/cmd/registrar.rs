@@ -56,7 +56,7 @@ pub fn run(args: RegistrarArgs) -> Result<()> {
     }
     if let Some(listener) = xds {
         let (mut publisher, snapshots) = rserpool_xds::publish::Publisher::channel();
-        server.observe(Box::new(move |hs| publisher.update(hs)));
+        server.observe(Box::new(move |hs, serving| publisher.update(hs, serving)));
         let ads = rserpool_xds::ads::Ads::new(snapshots, rserpool_xds::ads::Limits::default());
         let (counters, open) = (ads.counters(), ads.clone());
         server.xds_counters(Box::new(move || {
