@@ -69,7 +69,7 @@ pub struct TakeoverArgs {
     #[arg(long)]
     pub pool: String,
     /// The registrar identifier claimed.
-    #[arg(long, default_value = "0xdeadbeef", value_parser = parse_u32)]
+    #[arg(long, default_value = "0xdeadbeef", value_parser = super::parse_u32)]
     pub server_id: u32,
     /// How long to hold each connection open (answering keep-alives as a registrar would not).
     #[arg(long, default_value_t = 5000)]
@@ -83,7 +83,7 @@ pub struct UnreachableArgs {
     #[arg(long)]
     pub pool: String,
     /// The PE reported.
-    #[arg(long, value_parser = parse_u32)]
+    #[arg(long, value_parser = super::parse_u32)]
     pub pe: u32,
     /// Reports per association.
     #[arg(long, default_value_t = 3)]
@@ -93,15 +93,6 @@ pub struct UnreachableArgs {
     pub associations: u32,
     #[command(flatten)]
     pub registrars: RegistrarOpts,
-}
-
-fn parse_u32(s: &str) -> Result<u32, String> {
-    let t = s.trim();
-    match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
-        Some(h) => u32::from_str_radix(h, 16),
-        None => t.parse(),
-    }
-    .map_err(|e| format!("{s:?}: {e}"))
 }
 
 pub fn run(args: AttackArgs) -> Result<()> {
