@@ -32,7 +32,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::ops::RangeInclusive;
 use std::time::Duration;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// How often the flow table is compared with the last pass.
 pub const PASS: Duration = Duration::from_secs(1);
@@ -414,6 +414,14 @@ impl MemberCore {
 
     /// A splice was just made here (a hand-over): every other member gets it at once.
     pub fn splice_made(&mut self, s: Splice) {
+        // Debug lines trace a splice from its making to every replica (`rserpool_tier=debug`).
+        debug!(
+            "tier member {:#010x}: splice {} ↔ {} made, sent to {} link(s)",
+            self.me.id,
+            s.client,
+            s.server,
+            self.links.len()
+        );
         self.told.insert(s.key(), s);
         self.broadcast(&Message::Add(s));
     }
@@ -450,6 +458,13 @@ impl MemberCore {
                 self.update_forwarding();
             }
             Message::Add(s) => {
+                debug!(
+                    "tier member {:#010x}: splice {} ↔ {} from {}",
+                    self.me.id,
+                    s.client,
+                    s.server,
+                    from.map_or_else(|| "a member".into(), |f| format!("{f:#010x}"))
+                );
                 self.counters.splices_in += 1;
                 self.told.insert(s.key(), s);
                 self.actions.push_back(Action::Install(s));
