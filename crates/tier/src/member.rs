@@ -275,6 +275,20 @@ impl MemberCore {
             .count()
     }
 
+    /// Listed other members whose whole table arrived here (their link's first empty TOUCH).
+    pub fn tables_received(&self) -> usize {
+        self.listed
+            .keys()
+            .filter(|&&id| id != self.me.id && self.tables.contains(&id))
+            .count()
+    }
+
+    /// Whether this member answers the distributor's heartbeats (its start-up wait for the
+    /// others' tables is over).
+    pub fn answering(&self) -> bool {
+        !self.sync_pending
+    }
+
     /// The members the tier pool lists now (this one may be among them).
     pub fn set_listed(&mut self, listed: BTreeMap<u32, SocketAddr>, now: Instant) {
         self.listing_seen = true;

@@ -82,6 +82,9 @@ pub struct ChaosArgs {
 /// How long an upgrade's successor may take to serve: its first fetch of the pools (5 s at
 /// most) and the old process's answer (10 s at most).
 const UPGRADE_BOUND: Duration = Duration::from_secs(15);
+/// How long after a dead tier proxy's host is back a break may still be what it held: the
+/// client's retransmission, backed off while the host was away, meets the new stack then.
+const TIER_LATE: Duration = Duration::from_secs(15);
 
 pub fn run(args: ChaosArgs, rserpool: &Path) -> Result<()> {
     if args.pes == 0 || args.clients == 0 || args.rps == 0 {
@@ -148,8 +151,11 @@ struct Soak {
     clients: Option<tokio::task::JoinHandle<()>>,
     tier_traffic: Arc<tier_clients::TierTraffic>,
     tier_clients: Vec<std::thread::JoinHandle<()>>,
-    /// This episode's tier proxies that died: the connections they held on their sockets.
-    tier_on_dying: u64,
+    /// Connections killed tier proxies held on their sockets, not yet matched with a break,
+    /// and until when they may be (unset while the host is dead).
+    tier_held: Option<(u64, Option<Instant>)>,
+    /// Tier breaks counted so far by [`Soak::account_tier`].
+    tier_seen: u64,
     planner: Planner,
     record: report::Record,
     // Last: the processes go before their network.
@@ -191,7 +197,8 @@ impl Soak {
             clients: None,
             tier_traffic: Arc::default(),
             tier_clients: Vec::new(),
-            tier_on_dying: 0,
+            tier_held: None,
+            tier_seen: 0,
             planner: Planner::new(
                 seed,
                 Layout {
@@ -341,6 +348,41 @@ impl Soak {
         t.broken.load(Ordering::Relaxed) + t.failed.load(Ordering::Relaxed)
     }
 
+    /// Counts the tier breaks since the last call (`when`: a note for the printout) and how
+    /// many of them the connections a killed proxy held on its sockets explain. Such a break
+    /// may show only once the dead host is back (its new stack resets the client's
+    /// retransmission), after the episode: what was held stays to explain breaks until
+    /// [`TIER_LATE`] after the heal.
+    fn account_tier(&mut self, when: &str) {
+        let total = self.tier_breaks();
+        let new = total - self.tier_seen;
+        self.tier_seen = total;
+        if self
+            .tier_held
+            .is_some_and(|(_, until)| until.is_some_and(|u| Instant::now() > u))
+        {
+            self.tier_held = None;
+        }
+        if new == 0 {
+            return;
+        }
+        let dying = self.tier_held.as_mut().map_or(0, |(held, _)| {
+            let d = new.min(*held);
+            *held -= d;
+            d
+        });
+        self.record.tier_on_dying += dying;
+        let when = if when.is_empty() {
+            String::new()
+        } else {
+            format!(" {when}")
+        };
+        println!(
+            "           {new} tier connection(s) broken or request(s) failed{when}, {dying} of \
+             them explained by a dying proxy's sockets"
+        );
+    }
+
     fn who(&self, m: usize) -> Option<Who> {
         if let Some(r) = self.fleet.registrars.iter().position(|&x| x == m) {
             return Some(Who::Registrar(r));
@@ -362,8 +404,7 @@ impl Soak {
         println!("{:7.1} s  {label}", self.start.elapsed().as_secs_f64());
         self.tracker().set_context(label.clone());
         let failed_before = self.requests.failed.load(Ordering::Relaxed);
-        let tier_before = self.tier_breaks();
-        self.tier_on_dying = 0;
+        self.account_tier("in the pause before it");
         let t0 = Instant::now();
         for f in faults {
             self.record.faults[f.kind()] += 1;
@@ -393,24 +434,52 @@ impl Soak {
             println!("           NOT converged within {:?}: {why}", self.settle);
             Err(why)
         };
+        self.await_tier_whole(&label)?;
         let failed = self.requests.failed.load(Ordering::Relaxed) - failed_before;
         if failed > 0 {
             println!("           {failed} request(s) through the proxy failed");
         }
-        let tier_breaks = self.tier_breaks() - tier_before;
-        if tier_breaks > 0 {
-            let dying = tier_breaks.min(self.tier_on_dying);
-            self.record.tier_on_dying += dying;
-            println!(
-                "           {tier_breaks} tier connection(s) broken or request(s) failed, {dying} \
-                 of them explained by a dying proxy's sockets"
-            );
-        }
+        self.account_tier("");
         self.tracker()
             .set_context(format!("the pause after {label}"));
         self.record
             .episodes
             .push(report::Episode { label, outcome });
+        Ok(())
+    }
+
+    /// Waits, at most the settle bound, until the router's group holds every tier proxy and
+    /// each is a whole member again (linked to the others, their tables arrived, answering
+    /// the distributor). The next fault waits for it: killing a member before the one that
+    /// came back has the other's table is a double fault, beyond what the tier survives.
+    fn await_tier_whole(&mut self, label: &str) -> Result<()> {
+        let t = Instant::now();
+        let n = self.tier.proxies.len();
+        loop {
+            let whole = self.tier.group_members(&self.net) == n
+                && (0..n).all(|i| tier::whole(&self.net, self.tier.router, i, n) == Some(true));
+            if whole {
+                break;
+            }
+            if t.elapsed() >= self.settle {
+                let why = format!("after {label}, within {:?}", self.settle);
+                println!("           proxy tier NOT whole again {why}");
+                self.record.tier_not_whole.push(why);
+                return Ok(());
+            }
+            self.idle_until(Instant::now() + Duration::from_millis(100))?;
+        }
+        let d = t.elapsed();
+        if d >= Duration::from_millis(100) {
+            println!(
+                "           proxy tier whole again {:.2} s later",
+                d.as_secs_f64()
+            );
+        }
+        let r = &mut self.record;
+        if r.tier_whole_longest.as_ref().is_none_or(|(l, _)| d > *l) {
+            r.tier_whole_longest = Some((d, label.to_string()));
+        }
         Ok(())
     }
 
@@ -484,7 +553,8 @@ impl Soak {
                 let m = self.fleet.tier_proxies[*p];
                 // What it holds on its sockets, not yet spliced, dies with it (docs/TIER.md).
                 let held = tier::on_sockets(&self.net, self.tier.router, *p);
-                self.tier_on_dying += held.unwrap_or(0);
+                let (n, _) = self.tier_held.get_or_insert((0, None));
+                *n += held.unwrap_or(0);
                 self.kill_member(m);
                 self.net.set_link(self.fleet.members[m].host, false)?;
             }
@@ -509,6 +579,9 @@ impl Soak {
             Fault::Loss { host, .. } => self.net.set_loss(*host, 0)?,
             Fault::KillTierProxy { p, .. } => {
                 let m = self.fleet.tier_proxies[*p];
+                if let Some((_, until)) = &mut self.tier_held {
+                    *until = Some(Instant::now() + TIER_LATE);
+                }
                 self.net.set_link(self.fleet.members[m].host, true)?;
                 self.start_member(m, false)?;
             }
@@ -618,6 +691,7 @@ impl Soak {
                     .finding(format!("a client thread panicked: {why}"));
             }
         }
+        self.account_tier("after the last episode");
         self.stop_poll.store(true, Ordering::Relaxed);
         self.tracker().finish(Instant::now());
         let record = std::mem::take(&mut self.record);

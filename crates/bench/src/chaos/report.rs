@@ -36,6 +36,11 @@ pub struct Record {
     /// died holding at least that many on its own sockets, before their splice: the design's
     /// limit (docs/TIER.md), not counted against the invariant.
     pub tier_on_dying: u64,
+    /// The longest wait after an episode until every tier proxy was a whole member again
+    /// (linked, tables exchanged), and the episodes after which it was not within the settle
+    /// bound: the next fault waits for it, since two members down at once is a double fault.
+    pub tier_whole_longest: Option<(Duration, String)>,
+    pub tier_not_whole: Vec<String>,
 }
 
 /// One episode's faults and its convergence time after healing (or why it did not converge).
@@ -53,6 +58,8 @@ impl Record {
             clients: args.clients,
             rps: args.rps,
             tier_deaths: args.tier_deaths,
+            tier_whole_longest: None,
+            tier_not_whole: Vec::new(),
             pe_hosts,
             pe_kinds: [
                 count(Kind::Serve),
@@ -192,6 +199,13 @@ impl Summary {
                 self.record.settle_s
             ));
         }
+        if !self.record.tier_not_whole.is_empty() {
+            v.push(format!(
+                "{} time(s) the proxy tier was not whole again within {} s",
+                self.record.tier_not_whole.len(),
+                self.record.settle_s
+            ));
+        }
         if !self.record.exits.is_empty() {
             v.push(format!(
                 "{} process(es) exited on their own",
@@ -314,6 +328,15 @@ impl Summary {
             bold(self.tier_unexplained()),
         ));
         rows.push((
+            "longest wait until the tier was whole again (each member linked to the other, \
+             tables exchanged) before the next fault"
+                .into(),
+            match &r.tier_whole_longest {
+                Some((d, label)) => format!("{} (after {label})", secs(*d)),
+                None => "always whole".into(),
+            },
+        ));
+        rows.push((
             "processes that exited on their own".into(),
             match r.exits.len() {
                 0 => "0".into(),
@@ -381,6 +404,9 @@ impl Summary {
         }
         for why in &self.record.upgrade_failures {
             v.push(format!("upgrade: {why}"));
+        }
+        for why in &self.record.tier_not_whole {
+            v.push(format!("proxy tier not whole: {why}"));
         }
         for f in &self.failures {
             v.push(format!(

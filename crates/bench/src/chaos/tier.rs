@@ -57,8 +57,28 @@ pub fn proxy_status(i: usize) -> SocketAddr {
 }
 
 /// How many connections proxy `i` holds on its own sockets (not yet, or never, spliced): those
-/// die with it. Asked from the router's namespace; `None` if it does not answer.
+/// die with it. `None` if it does not answer.
 pub fn on_sockets(net: &Net, router: usize, i: usize) -> Option<u64> {
+    status(net, router, i)?.get("active_connections")?.as_u64()
+}
+
+/// Whether proxy `i` is a whole member of the tier of `members`: linked to every other, their
+/// tables arrived, and answering the distributor. `None` if it does not answer.
+pub fn whole(net: &Net, router: usize, i: usize, members: usize) -> Option<bool> {
+    let v = status(net, router, i)?;
+    let t = v.get("tier")?;
+    let count = |k: &str| t.get(k).and_then(|x| x.as_u64()).unwrap_or(0) as usize;
+    let others = members.saturating_sub(1);
+    Some(
+        count("links") >= others
+            && count("members_known") >= others
+            && count("tables_received") >= others
+            && t.get("answering").and_then(|a| a.as_bool()) == Some(true),
+    )
+}
+
+/// Proxy `i`'s status page, asked from the router's namespace.
+fn status(net: &Net, router: usize, i: usize) -> Option<serde_json::Value> {
     use std::io::{Read, Write};
     let ns = net.hosts[router].netns.clone();
     rserpool_ksplice::testbed::in_ns(&ns, move || {
@@ -69,8 +89,7 @@ pub fn on_sockets(net: &Net, router: usize, i: usize) -> Option<u64> {
         let mut answer = String::new();
         s.read_to_string(&mut answer).ok()?;
         let (_, body) = answer.split_once("\r\n\r\n")?;
-        let v: serde_json::Value = serde_json::from_str(body).ok()?;
-        v.get("active_connections")?.as_u64()
+        serde_json::from_str(body).ok()
     })
     .join()
     .ok()
@@ -239,7 +258,8 @@ impl Tier {
         a
     }
 
-    /// Writes proxy `i`'s configuration into `dir`; returns its flags. A successor started
+    /// Writes proxy `i`'s configuration into `dir` (its access log goes there too, one line per
+    /// connection: how each one ended); returns its flags. A successor started
     /// with the same file takes the proxy over (docs/OPERATIONS.md).
     pub fn proxy_args(
         &self,
@@ -253,7 +273,7 @@ impl Tier {
         let (lo, hi) = (20_000 + 1000 * (i + 1), 20_999 + 1000 * (i + 1));
         // A held hand-over waits up to 1 s for a slow server (debug builds on a busy CPU).
         let cfg = format!(
-            "registrars = [{}]\nrefresh-ms = 200\nstatus = \"{}\"\n\
+            "registrars = [{}]\nrefresh-ms = 200\nstatus = \"{}\"\naccess-log = \"{}\"\n\
              [[listener]]\nlisten = \"{VIP}:{FRONT_PORT}\"\nmode = \"tcp\"\npool = \"{SERVER_POOL}\"\n\
              splice = \"kernel\"\n\
              [kernel-splice]\ninterfaces = [\"t0\"]\npin-dir = \"{}\"\nhold-after-ms = 50\n\
@@ -262,6 +282,7 @@ impl Tier {
              ports = \"{lo}-{hi}\"\n",
             list.join(", "),
             proxy_status(i),
+            dir.join(format!("tp{}.access.log", i + 1)).display(),
             pins.display(),
         );
         let path = dir.join(format!("tier-proxy{}.toml", i + 1));

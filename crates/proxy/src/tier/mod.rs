@@ -653,11 +653,17 @@ impl Tier {
     pub(crate) fn snapshot(&self) -> serde_json::Value {
         // Members forwarded to: listed in the pool, and their HELLO received.
         let (c, links, members) = self.counters();
+        let (tables, answering) = {
+            let core = self.core();
+            (core.tables_received(), core.answering())
+        };
         serde_json::json!({
             "pool": self.cfg.pool,
             "member": format!("{:#010x}", self.me.id),
             "links": links,
             "members_known": members,
+            "tables_received": tables,
+            "answering": answering,
             "messages_sent": c.sent,
             "messages_received": c.received,
             "splices_received": c.splices_in,
