@@ -10,7 +10,8 @@
 //!   would hide exactly the change it is for. It needs no clang.
 //!   Every struct must be free of implicit padding (checked here): then the host's layout is
 //!   the BPF target's too.
-//! - **The datapath.** `bpf/splice.c` (and the distributor's `bpf/watch.c`) compiled with
+//! - **The datapath.** `bpf/splice.c` (and the distributor's `bpf/watch.c`, the sidecar's
+//!   `bpf/conncount.c`) compiled with
 //!   clang when there is one. Without clang (or when it fails) the crate still builds: it
 //!   then says at run time, once, why the kernel splice is unavailable — never a build
 //!   failure, never a silent fallback.
@@ -26,12 +27,15 @@ const ABI_STRUCTS: &[(&str, &str)] = &[
     ("counters", "crate::RawCounters"),
     ("tier_member", "crate::RawTierMember"),
     ("traffic", "crate::watch::Traffic"),
+    ("conn_port", "crate::conncount::ConnPort"),
+    ("conn_count", "crate::conncount::ConnCount"),
 ];
 
 fn main() {
     println!("cargo::rerun-if-changed=bpf/abi.h");
     println!("cargo::rerun-if-changed=bpf/splice.c");
     println!("cargo::rerun-if-changed=bpf/watch.c");
+    println!("cargo::rerun-if-changed=bpf/conncount.c");
     for var in ["CLANG", "CC", "HOST_CC"] {
         println!("cargo::rerun-if-env-changed={var}");
     }
@@ -45,6 +49,11 @@ fn main() {
     for (source, object, env) in [
         ("bpf/splice.c", "splice.bpf.o", "KSPLICE_OBJECT"),
         ("bpf/watch.c", "watch.bpf.o", "KSPLICE_WATCH_OBJECT"),
+        (
+            "bpf/conncount.c",
+            "conncount.bpf.o",
+            "KSPLICE_CONNCOUNT_OBJECT",
+        ),
     ] {
         let out = dir.join(object);
         match compile(&clang, source, &out) {

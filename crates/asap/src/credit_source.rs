@@ -10,9 +10,9 @@
 use crate::PeUpdater;
 use crate::core::Instant;
 use crate::credits::{CreditConfig, CreditReporter, Metric};
-use crate::metric::{listen_queue, port_load};
+use crate::metric::listen_queue;
+use crate::port_sampler::PortSampler;
 use rserpool_wire::Policy;
-use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -65,9 +65,9 @@ pub enum MetricSource {
     /// The service's own listening socket (a duplicate is fine); the work in flight is what
     /// the service counts in [`CreditSource::in_flight`].
     Listener(OwnedFd),
-    /// Another process's listening port (a sidecar's target), by sock_diag: its accept queue,
-    /// and its established connections as the work in flight.
-    Port(SocketAddr),
+    /// Another process's listening port (a sidecar's target): its accept queue, and its
+    /// established connections as the work in flight.
+    Port(Box<PortSampler>),
     /// No socket: only the work counted in [`CreditSource::in_flight`].
     InFlightOnly,
 }
@@ -160,7 +160,7 @@ impl Drop for CreditSource {
 
 async fn sample_task(
     updater: PeUpdater,
-    source: MetricSource,
+    mut source: MetricSource,
     cfg: CreditConfig,
     period: Duration,
     in_flight: InFlight,
@@ -188,12 +188,12 @@ async fn sample_task(
             send(c);
         }
         let counted = in_flight.get();
-        let sampled = match &source {
+        let sampled = match &mut source {
             MetricSource::Listener(fd) => listen_queue(fd.as_fd()).map(|q| Metric {
                 accept_queue: q.waiting,
                 in_flight: counted,
             }),
-            MetricSource::Port(addr) => port_load(*addr).map(|l| {
+            MetricSource::Port(sampler) => sampler.sample().map(|l| {
                 let l = l.unwrap_or_default();
                 Metric {
                     accept_queue: l.backlog,

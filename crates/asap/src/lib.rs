@@ -20,9 +20,11 @@ pub mod level_gate;
 pub mod metric;
 pub mod pool_element;
 pub mod pool_user;
+pub mod port_sampler;
 pub mod registrars;
 pub mod session;
 pub mod share;
+pub mod sock_diag;
 
 pub use connection::AsapConnection;
 pub use core::pe::{HandedOver, PeCore, PeEvent};

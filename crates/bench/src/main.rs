@@ -17,6 +17,7 @@ mod push;
 mod registrar;
 mod report;
 mod session;
+mod sidecar;
 mod tier;
 mod trace;
 mod undo;
@@ -73,6 +74,10 @@ enum BenchCommand {
     /// death to an xDS client's view, and the registrar's CPU with many subscribers
     /// (docs/XDS.md).
     Xds(xds::XdsArgs),
+    /// What an `rserpool serve` sidecar with policy credits costs, idle and at a rate of new
+    /// connections to its target, per way of counting them (docs/PERFORMANCE.md). `ebpf`
+    /// needs root.
+    Sidecar(sidecar::SidecarArgs),
     /// Upgrading a proxy under load: rserpool's hand-over beside HAProxy's master-worker
     /// reload; refused connections, errors, p99 and maximum latency (docs/OPERATIONS.md).
     Upgrade(upgrade::UpgradeArgs),
@@ -100,6 +105,7 @@ fn main() -> Result<()> {
         BenchCommand::Ksplice(a) => ksplice::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Tier(a) => tier::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Session(a) => session::run(a, &product::locate(cli.rserpool)?),
+        BenchCommand::Sidecar(a) => sidecar::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Upgrade(a) => upgrade::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),

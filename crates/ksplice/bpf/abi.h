@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 //
-// What the datapath (splice.c, watch.c) and its loader (src/, Rust) share: the maps' names,
+// What the datapath (splice.c, watch.c, conncount.c) and its loader (src/, Rust) share: the maps' names,
 // sizes and value layouts, and the flags. build.rs compiles this header with the host's C
 // compiler and checks the Rust structs against it field by field; the build fails where they
 // differ. So: change a struct here and in src/ together.
@@ -19,6 +19,7 @@
 #define TIER_MAP splice_tier
 #define TIER_REDIRECTS_MAP splice_tier_redirects
 #define WATCH_MAP watch_macs
+#define CONNCOUNT_MAP conncount_ports
 
 // The flow table's size in the object; the loader sets its own.
 #define FLOWS_MAX 65536
@@ -100,5 +101,20 @@ struct traffic {
 
 // Slots of the watch map.
 #define WATCH_MAX 256
+
+// conncount.c: a listening port in one network namespace, and its count.
+struct conn_port {
+	__u64 netns; // the namespace's cookie (SO_NETNS_COOKIE)
+	__u32 port;  // host byte order
+	__u32 zero;
+};
+
+struct conn_count {
+	__s64 established; // connections that became established since the port was added, less those that left the state
+	__u64 changes;     // events counted (both ways)
+};
+
+// Slots of the conncount map: ports counted by one loader.
+#define CONNCOUNT_MAX 64
 
 #endif

@@ -20,6 +20,7 @@
 //! ([`Datapath::expire`]).
 
 mod abi;
+pub mod conncount;
 mod handover;
 pub mod nudge;
 #[doc(hidden)]

@@ -243,3 +243,105 @@ async fn futures_join<T>(handles: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
     }
     v
 }
+
+/// `rserpool serve --policy credits` in front of a target whose connections this test holds:
+/// the proxy sees the credits follow them, whichever way the sidecar counts them. `ebpf` needs
+/// root (skipped without, a failure under `CI`).
+async fn sidecar_credits_follow_the_targets_connections(how: &str) {
+    let reg = registrar(fast_config());
+    // The target keeps the connections from the ports in `ours` (the work) and closes the
+    // others (the sidecar's health checks) at once.
+    let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = target.local_addr().unwrap();
+    let ours = Arc::new(std::sync::Mutex::new(Vec::<u16>::new()));
+    let held = Arc::new(std::sync::Mutex::new(Vec::<std::net::TcpStream>::new()));
+    {
+        let (ours, held) = (ours.clone(), held.clone());
+        std::thread::spawn(move || {
+            for s in target.incoming() {
+                let Ok(s) = s else { break };
+                let from = s.peer_addr().map(|a| a.port()).unwrap_or(0);
+                if ours.lock().unwrap().contains(&from) {
+                    held.lock().unwrap().push(s);
+                }
+            }
+        });
+    }
+    let status = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let serve = common::Logged::spawn(
+        "serve",
+        &[
+            "serve",
+            "--target",
+            &addr.to_string(),
+            "--pool",
+            POOL,
+            "--policy",
+            "credits",
+            "--capacity",
+            "4",
+            "--id",
+            "0x51",
+            "--count-connections",
+            how,
+            "--status",
+            &status.to_string(),
+            "--registrar",
+            &reg.asap_addr().to_string(),
+        ]
+        .map(String::from),
+        "info",
+    );
+    let p = proxy(reg.asap_addr()).await;
+    wait_until(Duration::from_secs(10), "the proxy sees 4 credits", || {
+        credits_at_proxy(&p, 0x51) == Some(4)
+    })
+    .await;
+    let counted_by = serve.lines_with("counting the connections of");
+    assert!(
+        counted_by
+            .iter()
+            .any(|l| l.contains(if how == "ebpf" { "(eBPF)" } else { "sock_diag" })),
+        "{counted_by:?}"
+    );
+    // Three connections held by the target.
+    let clients: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| {
+            let s =
+                socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+            s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+                .unwrap();
+            let port = s.local_addr().unwrap().as_socket().unwrap().port();
+            ours.lock().unwrap().push(port);
+            s.connect(&addr.into()).unwrap();
+            std::net::TcpStream::from(s)
+        })
+        .collect();
+    wait_until(Duration::from_secs(5), "the proxy sees 1 credit", || {
+        credits_at_proxy(&p, 0x51) == Some(1)
+    })
+    .await;
+    held.lock().unwrap().clear();
+    drop(clients);
+    wait_until(
+        Duration::from_secs(5),
+        "the proxy sees 4 credits again",
+        || credits_at_proxy(&p, 0x51) == Some(4),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_counting_by_ebpf_pushes_credits_that_follow_the_connections() {
+    if !rustix::process::geteuid().is_root() {
+        assert!(std::env::var_os("CI").is_none(), "needs root (eBPF)");
+        eprintln!("SKIPPED: needs root (eBPF)");
+        return;
+    }
+    sidecar_credits_follow_the_targets_connections("ebpf").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_counting_by_dumps_pushes_credits_that_follow_the_connections() {
+    sidecar_credits_follow_the_targets_connections("dump").await;
+}

@@ -7,7 +7,10 @@
 //! ([`rserpool_asap::metric::port_load`]) — and reports load = (backlog + established) /
 //! capacity when it moved by at least the threshold, at most once per load interval. With
 //! policy `credits` it samples the same figures every few milliseconds and pushes credits
-//! (docs/CREDITS.md). With `--agent ADDR` it also answers HAProxy's agent-check there
+//! (docs/CREDITS.md): the accept queue by one sock_diag lookup, the established connections
+//! from an eBPF counter the kernel moves per connection event (`--count-connections`; with
+//! root), corrected by a sock_diag dump once a second — a dump walks every TCP socket of the
+//! host, too costly for every sample (docs/PERFORMANCE.md). With `--agent ADDR` it also answers HAProxy's agent-check there
 //! ([`super::agent`]). With `--status ADDR` it serves its state as JSON (`/status`) and its
 //! metrics (`/metrics`).
 
@@ -15,6 +18,8 @@ use crate::{CreditOpts, PeOpts};
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
 use rserpool_asap::metric::port_load;
+use rserpool_asap::port_sampler::{ConnectionCount, PortSampler};
+use rserpool_ksplice::conncount::ConnCounter;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -66,6 +71,12 @@ pub struct ServeArgs {
     /// the Prometheus format on `/metrics`. Off by default (one sidecar per service).
     #[arg(long)]
     pub status: Option<SocketAddr>,
+    /// With policy `credits`, how the target's established connections are counted between
+    /// the sock_diag dumps: `ebpf` (a sock_ops program on the root cgroup, moved per
+    /// connection event; needs root and cgroup v2), `dump` (a dump every 100 ms), `auto`
+    /// (eBPF where it loads, else dumps; says which).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "ebpf", "dump"])]
+    pub count_connections: String,
     #[command(flatten)]
     pub pe: PeOpts,
     #[command(flatten)]
@@ -91,11 +102,22 @@ async fn serve(args: ServeArgs) -> Result<()> {
     cfg.initially_active = healthy;
     let pe = rserpool_asap::PoolElement::start(cfg)?;
     super::report_status(&pe, &args.pe, advertise);
+    let is_credits = matches!(pe.updater().policy(), rserpool_wire::Policy::Credits { .. });
+    let sampler = if is_credits {
+        sampler(target, &args.count_connections)?
+    } else {
+        PortSampler::new(target)
+    };
+    let counted_by = if sampler.counted() {
+        "ebpf"
+    } else {
+        "sock_diag"
+    };
     let credits = super::credit_source(
         &pe,
         &args.credits,
         args.capacity.max(1),
-        rserpool_asap::MetricSource::Port(target),
+        rserpool_asap::MetricSource::Port(Box::new(sampler)),
     )?;
     // Credits are pushed by their own task; other adaptive policies report load here.
     let adaptive = pe.updater().policy().is_adaptive() && credits.is_none();
@@ -130,6 +152,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             state: pe.watch_state(),
             seen: seen.clone(),
             credits: credits.as_ref().map(|c| c.gauge()),
+            counted_by: credits.as_ref().map(|_| counted_by),
         };
         tokio::spawn(rserpool_status::serve(
             listener,
@@ -230,6 +253,46 @@ async fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// The sampler of `target` for credits, its established connections counted as `how` says.
+fn sampler(target: SocketAddr, how: &str) -> Result<PortSampler> {
+    let s = PortSampler::new(target);
+    let every = rserpool_asap::port_sampler::DUMP_EVERY.as_millis();
+    if how == "dump" {
+        info!("counting the connections of {target} by sock_diag dumps every {every} ms");
+        return Ok(s);
+    }
+    let attached = ConnCounter::attach().and_then(|mut c| c.watch(target).map(|()| c));
+    match attached {
+        Ok(counter) => {
+            info!("counting the connections of {target} in the kernel (eBPF)");
+            Ok(s.with_counter(Box::new(KernelCount { counter, target })))
+        }
+        Err(e) if how == "auto" => {
+            info!(
+                "counting the connections of {target} by sock_diag dumps every {every} ms (the \
+                 kernel counter needs root: {e})"
+            );
+            Ok(s)
+        }
+        Err(e) => Err(anyhow!("--count-connections ebpf: {e}")),
+    }
+}
+
+/// The eBPF counter of the target's port.
+struct KernelCount {
+    counter: ConnCounter,
+    target: SocketAddr,
+}
+
+impl ConnectionCount for KernelCount {
+    fn established(&mut self) -> std::io::Result<i64> {
+        self.counter
+            .read(self.target)
+            .map(|c| c.established)
+            .map_err(std::io::Error::other)
+    }
+}
+
 async fn check(target: SocketAddr, timeout: Duration) -> bool {
     matches!(
         tokio::time::timeout(timeout, TcpStream::connect(target)).await,
@@ -259,6 +322,8 @@ struct StatusView {
     state: tokio::sync::watch::Receiver<rserpool_asap::PeState>,
     seen: Arc<Seen>,
     credits: Option<rserpool_asap::CreditGauge>,
+    /// How the target's connections are counted, with credits.
+    counted_by: Option<&'static str>,
 }
 
 impl StatusView {
@@ -289,6 +354,7 @@ impl StatusView {
             "credits": self.credits.as_ref().map(|g| g.credits()),
             "capacity": self.credits.as_ref().map(|g| g.capacity()),
             "credit_reports": self.credits.as_ref().map(|g| g.reports()),
+            "connections_counted_by": self.counted_by,
         })
     }
 
