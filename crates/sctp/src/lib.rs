@@ -1,0 +1,19 @@
+//! SCTP (RFC 9260) for ASAP and ENRP on hosts whose kernel has none, and for talking to rsplib.
+//!
+//! Why a crate of our own: RFC 5352 and RFC 5353 run ASAP and ENRP over SCTP (PPIDs 11 and
+//! 12), and the one other RSerPool implementation, rsplib, speaks nothing else. The SCTP crate
+//! that exists on crates.io (`sctp-proto`) is made for WebRTC data channels: it carries only
+//! their PPIDs and refuses INITs with address parameters, which every multi-homed peer sends.
+//! So the protocol is here, sans-IO like the rest of rserpool's cores (docs/ARCHITECTURE.md):
+//! bytes in, bytes and events out, time passed in; drivers put it on UDP (RFC 6951) or raw IP.
+//!
+//! This first part is the wire format: [`packet`] (the common header, CRC32c, the chunk
+//! list) and [`chunk`] (each chunk type, and INIT's parameters). Decoding never panics and
+//! never trusts a length field; what it does not know it keeps, with what RFC 9260 §3.2 says
+//! to do about it (its type's upper two bits).
+
+pub mod chunk;
+pub mod packet;
+
+pub use chunk::{Chunk, Data, Init, InitParam, Sack, Unrecognized};
+pub use packet::{Packet, PacketError};
