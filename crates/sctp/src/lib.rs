@@ -7,13 +7,23 @@
 //! So the protocol is here, sans-IO like the rest of rserpool's cores (docs/ARCHITECTURE.md):
 //! bytes in, bytes and events out, time passed in; drivers put it on UDP (RFC 6951) or raw IP.
 //!
-//! This first part is the wire format: [`packet`] (the common header, CRC32c, the chunk
-//! list) and [`chunk`] (each chunk type, and INIT's parameters). Decoding never panics and
-//! never trusts a length field; what it does not know it keeps, with what RFC 9260 §3.2 says
-//! to do about it (its type's upper two bits).
+//! What is here: the wire format — [`packet`] (the common header, CRC32c, the chunk list)
+//! and [`chunk`] (each chunk type, and INIT's parameters); decoding never panics and never
+//! trusts a length field, and what it does not know it keeps, with what RFC 9260 §3.2 says to
+//! do about it. Then one association ([`assoc`], with its halves [`send`] and [`recv`]) and
+//! the listening side's [`endpoint`], which answers INIT statelessly with a signed [`cookie`].
+//! Not yet: several paths per association (multi-homing), INIT collision and restart, the
+//! drivers.
 
+pub mod assoc;
 pub mod chunk;
+pub mod cookie;
+pub mod endpoint;
 pub mod packet;
+pub mod recv;
+pub mod send;
 
+pub use assoc::{Association, Config, Event, State};
 pub use chunk::{Chunk, Data, Init, InitParam, Sack, Unrecognized};
+pub use endpoint::{Endpoint, Outcome};
 pub use packet::{Packet, PacketError};
