@@ -1,0 +1,248 @@
+//! The association against another SCTP stack: rsplib's registrar on sctplib, over SCTP in
+//! UDP (port 9899 at both ends, RFC 6951 style), each side in a network namespace of its
+//! own. Our association (driven here by a few lines over a UDP socket) makes the four-way
+//! handshake with `rspregistrar`, registers a pool element with ASAP (PPID 11) and gets a
+//! REGISTRATION RESPONSE that accepts it, then deregisters and shuts down gracefully.
+//!
+//! Needs root and the peer built by the interoperability script into `target/rsplib-udp`
+//! (`.ci/run` does); without them the test says SKIPPED (and fails under `CI`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use bytes::Bytes;
+use rserpool_sctp::assoc::Config;
+use rserpool_sctp::{Association, Event, Packet, State};
+use rserpool_wire::{
+    AsapMessage, Message, PoolElement, PoolHandle, Protocol, TransportAddress, UserTransport,
+};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const REGISTRAR: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+const US: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 2);
+const UDP_PORT: u16 = 9899;
+
+fn peer_bin(name: &str) -> Option<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/rsplib-udp/bin");
+    let p = root.join(name);
+    p.exists().then_some(p)
+}
+
+fn skip(why: &str) {
+    assert!(std::env::var_os("CI").is_none(), "{why}");
+    eprintln!("SKIPPED: {why}");
+}
+
+/// Two namespaces joined by a veth pair; removed on drop.
+struct Pair(String, String);
+
+impl Pair {
+    fn new() -> Self {
+        let tag = std::process::id() % 100_000;
+        let (a, b) = (format!("sctpr{tag}"), format!("sctpu{tag}"));
+        let ip = |args: &[&str]| {
+            let ok = Command::new("ip").args(args).status().unwrap().success();
+            assert!(ok, "ip {args:?}");
+        };
+        for ns in [&a, &b] {
+            let _ = Command::new("ip")
+                .args(["netns", "del", ns])
+                .stderr(Stdio::null())
+                .status();
+        }
+        ip(&["netns", "add", &a]);
+        ip(&["netns", "add", &b]);
+        ip(&[
+            "link", "add", "sr0", "netns", &a, "type", "veth", "peer", "name", "su0", "netns", &b,
+        ]);
+        for (ns, dev, addr) in [(&a, "sr0", REGISTRAR), (&b, "su0", US)] {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev]);
+            ip(&["-n", ns, "link", "set", dev, "up"]);
+            ip(&["-n", ns, "link", "set", "lo", "up"]);
+        }
+        Pair(a, b)
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        let _ = Command::new("ip").args(["netns", "del", &self.1]).status();
+    }
+}
+
+struct Kill(Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Drives `a` over `sock` until `done` says so or `limit` passes; returns the events seen.
+fn drive(
+    sock: &UdpSocket,
+    peer: SocketAddr,
+    a: &mut Association,
+    limit: Duration,
+    mut done: impl FnMut(&Association, &[Event]) -> bool,
+) -> Vec<Event> {
+    let t0 = Instant::now();
+    let mut events = Vec::new();
+    let mut buf = vec![0u8; 65_536];
+    while t0.elapsed() < limit {
+        let now = Instant::now();
+        while let Some(p) = a.poll_transmit(now) {
+            sock.send_to(&p.encode(), peer).unwrap();
+        }
+        while let Some(e) = a.poll_event() {
+            events.push(e);
+        }
+        if done(a, &events) {
+            break;
+        }
+        let wait = a
+            .poll_timeout()
+            .map_or(Duration::from_millis(50), |t| {
+                t.saturating_duration_since(now)
+            })
+            .clamp(Duration::from_millis(1), Duration::from_millis(50));
+        sock.set_read_timeout(Some(wait)).unwrap();
+        if let Ok((n, from)) = sock.recv_from(&mut buf)
+            && from.ip() == peer.ip()
+        {
+            match Packet::decode(&buf[..n]) {
+                Ok(p) => a.handle(p, Instant::now()),
+                Err(e) => panic!("rsplib sent a packet we cannot decode: {e}"),
+            }
+        }
+        a.handle_timeout(Instant::now());
+    }
+    events
+}
+
+fn asap(events: &[Event]) -> Vec<AsapMessage> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Message(m) if m.ppid == 11 => Some(AsapMessage::decode(&m.data).unwrap()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn an_association_with_rsplibs_registrar_registers_a_pool_element() {
+    if !rustix::process::geteuid().is_root() {
+        return skip("the rsplib test needs root (network namespaces)");
+    }
+    let Some(registrar) = peer_bin("rspregistrar") else {
+        return skip(
+            "rsplib is not built in target/rsplib-udp (../shared/interop/build-rsplib.sh)",
+        );
+    };
+    let pair = Pair::new();
+    let log = std::env::temp_dir().join(format!("rsplib-registrar-{}.log", std::process::id()));
+    let _registrar = Kill(
+        Command::new("ip")
+            .args(["netns", "exec", &pair.0])
+            .arg(registrar)
+            .args([
+                &format!("-asap={REGISTRAR}:3863"),
+                &format!("-enrp={REGISTRAR}:9901"),
+                "-disable-ipv6",
+                "-loglevel=3",
+                "-logcolor=off",
+                &format!("-logfile={}", log.display()),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let ns = pair.1.clone();
+    let outcome = rserpool_ksplice::testbed::in_ns(&ns, move || {
+        let sock = UdpSocket::bind((US, UDP_PORT)).unwrap();
+        let peer = SocketAddr::from((REGISTRAR, UDP_PORT));
+        // rspregistrar needs a moment to listen; INIT is retransmitted meanwhile anyway.
+        let now = Instant::now();
+        let mut a = Association::connect(Config::default(), 41000, 3863, 0x5a5a_0001, 77, now);
+        let events = drive(&sock, peer, &mut a, Duration::from_secs(20), |a, _| {
+            a.state() == State::Established
+        });
+        assert_eq!(a.state(), State::Established, "no handshake: {events:?}");
+        let pe = PoolElement {
+            id: 0x0102_0304,
+            home_registrar: 0,
+            registration_life: 30_000,
+            user_transport: UserTransport::Address(TransportAddress {
+                protocol: Protocol::Sctp { transport_use: 0 },
+                port: 7777,
+                addresses: smallvec::smallvec![IpAddr::V4(US)],
+            }),
+            policy: rserpool_wire::Policy::RoundRobin,
+            asap_transport: None,
+        };
+        let handle = PoolHandle::new(&b"SctpInterop"[..]);
+        let reg = AsapMessage::Registration {
+            pool_handle: handle.clone(),
+            pool_element: pe,
+        };
+        a.send(0, 11, Bytes::from(reg.to_bytes().unwrap()), false)
+            .unwrap();
+        let events = drive(&sock, peer, &mut a, Duration::from_secs(10), |_, ev| {
+            !asap(ev).is_empty()
+        });
+        let answers = asap(&events);
+        let dereg = AsapMessage::Deregistration {
+            pool_handle: handle,
+            pe_id: 0x0102_0304,
+        };
+        a.send(0, 11, Bytes::from(dereg.to_bytes().unwrap()), false)
+            .unwrap();
+        let more = drive(&sock, peer, &mut a, Duration::from_secs(10), |_, ev| {
+            !asap(ev).is_empty()
+        });
+        a.shutdown(Instant::now());
+        let end = drive(&sock, peer, &mut a, Duration::from_secs(10), |a, _| {
+            a.state() == State::Closed
+        });
+        (answers, asap(&more), end, a.state())
+    })
+    .join();
+    let (answers, deregistered, end, state) = match outcome {
+        Ok(o) => o,
+        Err(_) => panic!(
+            "the client side failed; rspregistrar's log: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        ),
+    };
+    let _ = std::fs::remove_file(&log);
+    assert!(
+        matches!(
+            answers.first(),
+            Some(AsapMessage::RegistrationResponse {
+                reject: false,
+                pe_id: 0x0102_0304,
+                ..
+            })
+        ),
+        "{answers:?}"
+    );
+    assert!(
+        matches!(
+            deregistered.first(),
+            Some(AsapMessage::DeregistrationResponse {
+                pe_id: 0x0102_0304,
+                error: None,
+                ..
+            })
+        ),
+        "{deregistered:?}"
+    );
+    assert_eq!(state, State::Closed, "{end:?}");
+    assert!(end.contains(&Event::Closed), "{end:?}");
+    drop(pair);
+}
