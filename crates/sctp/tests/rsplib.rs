@@ -39,7 +39,9 @@ struct Pair(String, String);
 
 impl Pair {
     fn new() -> Self {
-        let tag = std::process::id() % 100_000;
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("{}x{n}", std::process::id() % 100_000);
         let (a, b) = (format!("sctpr{tag}"), format!("sctpu{tag}"));
         let ip = |args: &[&str]| {
             let ok = Command::new("ip").args(args).status().unwrap().success();
@@ -244,5 +246,130 @@ fn an_association_with_rsplibs_registrar_registers_a_pool_element() {
     );
     assert_eq!(state, State::Closed, "{end:?}");
     assert!(end.contains(&Event::Closed), "{end:?}");
+    drop(pair);
+}
+
+/// The other way round: rsplib's pool element (`rspserver`) opens the association to our
+/// listening endpoint (stateless INIT ACK with our cookie, then COOKIE ECHO), registers, and
+/// our REGISTRATION RESPONSE reaches it (it acknowledges the data and stays associated).
+#[test]
+fn rsplibs_pool_element_associates_with_our_endpoint_and_registers() {
+    if !rustix::process::geteuid().is_root() {
+        return skip("the rsplib test needs root (network namespaces)");
+    }
+    let Some(server) = peer_bin("rspserver") else {
+        return skip("rsplib is not built in target/rsplib-udp (.ci/run builds it)");
+    };
+    let pair = Pair::new();
+    let log = std::env::temp_dir().join(format!("rsplib-pe-{}.log", std::process::id()));
+    // rsplib's PE in the first namespace, pointed at our "registrar" in the second.
+    let _pe = Kill(
+        Command::new("ip")
+            .args(["netns", "exec", &pair.0])
+            .arg(server)
+            .args([
+                "-echo",
+                "-poolhandle=FromRsplib",
+                &format!("-registrar={US}:3863"),
+                &format!("-local={REGISTRAR}:7777"),
+                "-loglevel=3",
+                "-logcolor=off",
+                &format!("-logfile={}", log.display()),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let ns = pair.1.clone();
+    let outcome = rserpool_ksplice::testbed::in_ns(&ns, move || {
+        let sock = UdpSocket::bind((US, UDP_PORT)).unwrap();
+        let peer = SocketAddr::from((REGISTRAR, UDP_PORT));
+        let mut endpoint = rserpool_sctp::Endpoint::new(
+            Config::default(),
+            3863,
+            [0x42; 32],
+            0x1234_5678,
+            Instant::now(),
+        );
+        let mut buf = vec![0u8; 65_536];
+        sock.set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        let t0 = Instant::now();
+        let mut assoc = loop {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "no association from rspserver"
+            );
+            let Ok((n, from)) = sock.recv_from(&mut buf) else {
+                continue;
+            };
+            if from.ip() != peer.ip() {
+                continue;
+            }
+            let p = Packet::decode(&buf[..n]).unwrap();
+            match endpoint.handle(p, Instant::now()) {
+                rserpool_sctp::Outcome::Reply(r) => {
+                    sock.send_to(&r.encode(), peer).unwrap();
+                }
+                rserpool_sctp::Outcome::Accept(a) => break *a,
+                rserpool_sctp::Outcome::BadCookie(e) => panic!("our own cookie: {e}"),
+                rserpool_sctp::Outcome::Ignore => {}
+            }
+        };
+        let events = drive(&sock, peer, &mut assoc, Duration::from_secs(20), |_, ev| {
+            !asap(ev).is_empty()
+        });
+        let registration = asap(&events).into_iter().next();
+        if let Some(AsapMessage::Registration {
+            pool_handle,
+            pool_element,
+        }) = &registration
+        {
+            let answer = AsapMessage::RegistrationResponse {
+                reject: false,
+                pool_handle: pool_handle.clone(),
+                pe_id: pool_element.id,
+                error: None,
+            };
+            assoc
+                .send(0, 11, Bytes::from(answer.to_bytes().unwrap()), false)
+                .unwrap();
+        }
+        // The answer acknowledged, the association still up a while later.
+        let _ = drive(&sock, peer, &mut assoc, Duration::from_secs(3), |_, _| {
+            false
+        });
+        (registration, events, assoc.state(), assoc.debug())
+    })
+    .join();
+    let (registration, events, state, sender) = match outcome {
+        Ok(o) => o,
+        Err(_) => panic!(
+            "our side failed; rspserver's log: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        ),
+    };
+    let _ = std::fs::remove_file(&log);
+    match registration {
+        Some(AsapMessage::Registration {
+            pool_handle,
+            pool_element,
+        }) => {
+            assert_eq!(pool_handle, PoolHandle::new(&b"FromRsplib"[..]));
+            let UserTransport::Address(t) = &pool_element.user_transport else {
+                panic!("{pool_element:?}")
+            };
+            assert_eq!(t.port, 7777);
+            assert!(t.addresses.contains(&IpAddr::V4(REGISTRAR)), "{t:?}");
+        }
+        other => panic!("no REGISTRATION from rspserver: {other:?} ({events:?})"),
+    }
+    assert_eq!(state, State::Established);
+    assert!(
+        sender.contains("flight 0"),
+        "our answer unacknowledged: {sender}"
+    );
     drop(pair);
 }
