@@ -109,26 +109,28 @@ impl Endpoint {
                     Err(e) => Outcome::BadCookie(e),
                 }
             }
-            Chunk::ShutdownAck => Outcome::Reply(Packet::new(
-                self.local_port,
-                p.src_port,
-                p.tag,
-                vec![Chunk::ShutdownComplete { reflected: true }],
-            )),
-            Chunk::Abort { .. }
-            | Chunk::ShutdownComplete { .. }
-            | Chunk::CookieAck
-            | Chunk::Error { .. }
-            | Chunk::Init(_) => Outcome::Ignore,
-            _ => Outcome::Reply(Packet::new(
-                self.local_port,
-                p.src_port,
-                p.tag,
-                vec![Chunk::Abort {
-                    reflected: true,
-                    causes: Bytes::new(),
-                }],
-            )),
+            Chunk::Init(_) => Outcome::Ignore,
+            _ => out_of_the_blue(&p).map_or(Outcome::Ignore, Outcome::Reply),
         }
+    }
+}
+
+/// The answer to a packet no association and no listener claims (RFC 9260 §8.4): SHUTDOWN
+/// COMPLETE to a SHUTDOWN ACK, nothing to an ABORT, SHUTDOWN COMPLETE, COOKIE ACK or ERROR,
+/// an ABORT to anything else (to an INIT with the INIT's tag, else reflecting the packet's).
+pub fn out_of_the_blue(p: &Packet) -> Option<Packet> {
+    let reply = |tag, chunk| Some(Packet::new(p.dst_port, p.src_port, tag, vec![chunk]));
+    let abort = |reflected| Chunk::Abort {
+        reflected,
+        causes: Bytes::new(),
+    };
+    match p.chunks.first()? {
+        Chunk::ShutdownAck => reply(p.tag, Chunk::ShutdownComplete { reflected: true }),
+        Chunk::Abort { .. }
+        | Chunk::ShutdownComplete { .. }
+        | Chunk::CookieAck
+        | Chunk::Error { .. } => None,
+        Chunk::Init(i) => reply(i.initiate_tag, abort(false)),
+        _ => reply(p.tag, abort(true)),
     }
 }

@@ -22,8 +22,10 @@ pub mod endpoint;
 pub mod packet;
 pub mod recv;
 pub mod send;
+pub mod stack;
 
 pub use assoc::{Association, Config, Event, State};
 pub use chunk::{Chunk, Data, Init, InitParam, Sack, Unrecognized};
 pub use endpoint::{Endpoint, Outcome};
 pub use packet::{Packet, PacketError};
+pub use stack::{AssocId, Stack, StackEvent};

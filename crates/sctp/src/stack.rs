@@ -1,0 +1,275 @@
+//! Many associations behind one socket, sans-IO: what a driver owns per UDP socket (SCTP over
+//! UDP) or raw socket. Datagrams in with their source address ([`Stack::handle_datagram`]),
+//! datagrams out with their destination ([`Stack::poll_transmit`]); associations are found by
+//! the peer's address and the two SCTP ports, and named by an [`AssocId`] that a driver maps
+//! to its own connection handles (the registrar's `ConnId`, say).
+//!
+//! A stack listens on the ports it is given ([`Stack::listen`]): INITs to them get the
+//! endpoint's stateless answer, and a valid COOKIE ECHO becomes an accepted association.
+
+use crate::assoc::{Association, Config, Event, SendError, State};
+use crate::endpoint::{Endpoint, Outcome};
+use crate::packet::Packet;
+use crate::recv::Message;
+use bytes::Bytes;
+use rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::time::Instant;
+
+/// An association of a stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AssocId(pub u64);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StackEvent {
+    /// A peer's association to one of our listening ports is up.
+    Accepted {
+        id: AssocId,
+        peer: SocketAddr,
+        local_port: u16,
+    },
+    /// An association we opened is up.
+    Connected(AssocId),
+    Message(AssocId, Message),
+    /// Ended, gracefully (`None`) or not (why); the id is free afterwards.
+    Closed(AssocId, Option<String>),
+}
+
+/// Where an association is: the peer's address (with its UDP port, or 0 on raw IP) and the
+/// SCTP ports of both ends.
+type Key = (SocketAddr, u16, u16);
+
+struct Entry {
+    assoc: Association,
+    key: Key,
+    /// Made from a peer's COOKIE ECHO at a listening port (else opened here).
+    accepted: bool,
+}
+
+pub struct Stack {
+    cfg: Config,
+    rng: Xoshiro256PlusPlus,
+    secret: [u8; 32],
+    epoch: Instant,
+    endpoints: HashMap<u16, Endpoint>,
+    assocs: HashMap<AssocId, Entry>,
+    by_key: HashMap<Key, AssocId>,
+    next: u64,
+    out: VecDeque<(SocketAddr, Bytes)>,
+    events: VecDeque<StackEvent>,
+    /// Datagrams that did not decode (bad checksum, malformed), for the driver's counters.
+    pub malformed: u64,
+}
+
+impl Stack {
+    /// `secret` signs cookies and `seed` draws tags: both from the operating system's
+    /// randomness.
+    pub fn new(cfg: Config, secret: [u8; 32], seed: u64, now: Instant) -> Self {
+        Self {
+            cfg,
+            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
+            secret,
+            epoch: now,
+            endpoints: HashMap::new(),
+            assocs: HashMap::new(),
+            by_key: HashMap::new(),
+            next: 1,
+            out: VecDeque::new(),
+            events: VecDeque::new(),
+            malformed: 0,
+        }
+    }
+
+    /// Accepts associations to SCTP port `port`.
+    pub fn listen(&mut self, port: u16) {
+        let seed = self.rng.next_u64();
+        self.endpoints.insert(
+            port,
+            Endpoint::new(self.cfg.clone(), port, self.secret, seed, self.epoch),
+        );
+    }
+
+    /// Opens an association from `local_port` to `peer_port` at `peer`.
+    pub fn connect(
+        &mut self,
+        peer: SocketAddr,
+        local_port: u16,
+        peer_port: u16,
+        now: Instant,
+    ) -> AssocId {
+        let tag = loop {
+            let t = self.rng.next_u32();
+            if t != 0 {
+                break t;
+            }
+        };
+        let tsn = self.rng.next_u32();
+        let a = Association::connect(self.cfg.clone(), local_port, peer_port, tag, tsn, now);
+        self.insert((peer, local_port, peer_port), a, false)
+    }
+
+    fn insert(&mut self, key: Key, assoc: Association, accepted: bool) -> AssocId {
+        let id = AssocId(self.next);
+        self.next += 1;
+        self.by_key.insert(key, id);
+        self.assocs.insert(
+            id,
+            Entry {
+                assoc,
+                key,
+                accepted,
+            },
+        );
+        id
+    }
+
+    pub fn send(
+        &mut self,
+        id: AssocId,
+        stream: u16,
+        ppid: u32,
+        data: Bytes,
+    ) -> Result<(), SendError> {
+        self.assocs
+            .get_mut(&id)
+            .ok_or(SendError::Closed)?
+            .assoc
+            .send(stream, ppid, data, false)
+    }
+
+    pub fn shutdown(&mut self, id: AssocId, now: Instant) {
+        if let Some(e) = self.assocs.get_mut(&id) {
+            e.assoc.shutdown(now);
+        }
+    }
+
+    pub fn abort(&mut self, id: AssocId, why: &str) {
+        if let Some(e) = self.assocs.get_mut(&id) {
+            e.assoc.abort(why);
+        }
+    }
+
+    pub fn state(&self, id: AssocId) -> Option<State> {
+        self.assocs.get(&id).map(|e| e.assoc.state())
+    }
+
+    /// Associations open or opening.
+    pub fn len(&self) -> usize {
+        self.assocs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.assocs.is_empty()
+    }
+
+    /// A datagram from `from` (its payload: one SCTP packet).
+    pub fn handle_datagram(&mut self, from: SocketAddr, data: &[u8], now: Instant) {
+        let p = match Packet::decode(data) {
+            Ok(p) => p,
+            Err(_) => {
+                self.malformed += 1;
+                return;
+            }
+        };
+        let key = (from, p.dst_port, p.src_port);
+        if let Some(id) = self.by_key.get(&key).copied() {
+            if let Some(e) = self.assocs.get_mut(&id) {
+                e.assoc.handle(p, now);
+            }
+            self.collect(id, now);
+            return;
+        }
+        let Some(endpoint) = self.endpoints.get_mut(&p.dst_port) else {
+            // Nobody listens there.
+            if let Some(r) = crate::endpoint::out_of_the_blue(&p) {
+                self.out.push_back((from, r.encode()));
+            }
+            return;
+        };
+        let (local_port, peer_port) = (p.dst_port, p.src_port);
+        match endpoint.handle(p, now) {
+            Outcome::Reply(r) => self.out.push_back((from, r.encode())),
+            Outcome::Accept(a) => {
+                let id = self.insert((from, local_port, peer_port), *a, true);
+                self.collect(id, now);
+            }
+            Outcome::Ignore | Outcome::BadCookie(_) => {}
+        }
+    }
+
+    /// Moves an association's packets and events out; forgets it once closed.
+    fn collect(&mut self, id: AssocId, now: Instant) {
+        let Some(e) = self.assocs.get_mut(&id) else {
+            return;
+        };
+        let (peer, local_port, _) = e.key;
+        while let Some(p) = e.assoc.poll_transmit(now) {
+            self.out.push_back((peer, p.encode()));
+        }
+        let mut closed = false;
+        while let Some(ev) = e.assoc.poll_event() {
+            self.events.push_back(match ev {
+                Event::Connected if e.accepted => StackEvent::Accepted {
+                    id,
+                    peer,
+                    local_port,
+                },
+                Event::Connected => StackEvent::Connected(id),
+                Event::Message(m) => StackEvent::Message(id, m),
+                Event::Closed => {
+                    closed = true;
+                    StackEvent::Closed(id, None)
+                }
+                Event::Aborted(why) => {
+                    closed = true;
+                    StackEvent::Closed(id, Some(why))
+                }
+            });
+        }
+        if closed {
+            // What is left to send (a SHUTDOWN COMPLETE, an ABORT) was taken above.
+            if let Some(e) = self.assocs.remove(&id) {
+                self.by_key.remove(&e.key);
+            }
+        }
+    }
+
+    /// The next datagram to send, and where.
+    pub fn poll_transmit(&mut self, now: Instant) -> Option<(SocketAddr, Bytes)> {
+        if self.out.is_empty() {
+            let ids: Vec<AssocId> = self.assocs.keys().copied().collect();
+            for id in ids {
+                self.collect(id, now);
+            }
+        }
+        self.out.pop_front()
+    }
+
+    pub fn poll_event(&mut self) -> Option<StackEvent> {
+        self.events.pop_front()
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.assocs
+            .values()
+            .filter_map(|e| e.assoc.poll_timeout())
+            .min()
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let due: Vec<AssocId> = self
+            .assocs
+            .iter()
+            .filter(|(_, e)| e.assoc.poll_timeout().is_some_and(|t| t <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            if let Some(e) = self.assocs.get_mut(&id) {
+                e.assoc.handle_timeout(now);
+            }
+            self.collect(id, now);
+        }
+    }
+}
