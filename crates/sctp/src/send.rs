@@ -75,6 +75,9 @@ pub struct Sender {
     t3: Option<Instant>,
     /// Retransmission timeouts in a row (reset by a SACK that acknowledges something).
     pub errors: u32,
+    /// Bytes that may be sent again now: one packet after a timeout or a fast
+    /// retransmission, more as acknowledgements open the window (§6.3.3 E3, §7.2.4).
+    rtx_budget: usize,
 }
 
 /// Bytes of a DATA chunk's header and the packet's common header.
@@ -102,6 +105,7 @@ impl Sender {
             rto: timing.rto_initial,
             t3: None,
             errors: 0,
+            rtx_budget: 0,
         }
     }
 
@@ -249,6 +253,9 @@ impl Sender {
                 }
             }
         }
+        if fast {
+            self.rtx_budget = self.rtx_budget.max(self.mtu);
+        }
         if fast && self.recovery.is_none() {
             self.ssthresh = (self.cwnd / 2).max(4 * self.mtu);
             self.cwnd = self.ssthresh;
@@ -265,6 +272,9 @@ impl Sender {
         }
         if out.bytes > 0 {
             self.errors = 0;
+            if self.flight.iter().any(|f| f.again) {
+                self.rtx_budget += out.bytes;
+            }
         }
         if advanced && self.recovery.is_none() {
             self.grow(out.bytes);
@@ -309,6 +319,7 @@ impl Sender {
         for f in self.flight.iter_mut().filter(|f| !f.gap_acked) {
             f.again = true;
         }
+        self.rtx_budget = self.mtu;
         self.t3 = Some(now + self.rto);
         true
     }
@@ -318,18 +329,22 @@ impl Sender {
     pub fn chunks(&mut self, room: usize, now: Instant) -> Vec<Data> {
         let mut out = Vec::new();
         let mut left = room;
+        let mut waiting = false;
         for f in self.flight.iter_mut().filter(|f| f.again) {
             let size = DATA_HEADER + f.data.payload.len().next_multiple_of(4);
-            if size > left {
+            if size > left || f.data.payload.len() > self.rtx_budget {
+                waiting = true;
                 break;
             }
             left -= size;
+            self.rtx_budget -= f.data.payload.len();
             f.again = false;
             f.retransmits += 1;
             f.sent = Some(now);
             out.push(f.data.clone());
         }
-        while let Some(d) = self.queue.front() {
+        // Retransmissions before new data.
+        while let Some(d) = self.queue.front().filter(|_| !waiting) {
             let size = DATA_HEADER + d.payload.len().next_multiple_of(4);
             let window_full = self.outstanding >= self.cwnd
                 || (d.payload.len() > self.peer_rwnd && !self.flight.is_empty());

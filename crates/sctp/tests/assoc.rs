@@ -186,7 +186,7 @@ fn exchange(loss: u64, seed: u64) {
     }
     assert!(
         // Simulated time: generous, as a path losing 15 % each way backs the RTO off far.
-        sim.run(Duration::from_secs(900), |s| s.server.is_some()
+        sim.run(Duration::from_secs(7200), |s| s.server.is_some()
             && messages(&s.server_events).len() == n),
         "seed {seed}: {} of {n} messages arrived; client {}",
         messages(&sim.server_events).len(),
@@ -200,7 +200,7 @@ fn exchange(loss: u64, seed: u64) {
             .unwrap();
     }
     assert!(sim.run(
-        Duration::from_secs(1800),
+        Duration::from_secs(14_400),
         |s| messages(&s.client_events).len() == n
     ));
     // Per stream, in order and exactly once.
@@ -235,7 +235,7 @@ fn exchange(loss: u64, seed: u64) {
     let now = sim.now;
     sim.client.shutdown(now);
     assert!(
-        sim.run(Duration::from_secs(2700), |s| s.client.state()
+        sim.run(Duration::from_secs(18_000), |s| s.client.state()
             == State::Closed
             && s.server
                 .as_ref()
