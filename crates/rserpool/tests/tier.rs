@@ -615,6 +615,37 @@ fn the_traffic_watch_finds_a_silent_proxy_long_before_its_heartbeats() {
     check_uploads(u.threads, &u.body, killed);
 }
 
+/// The distributor resolves the tier pool in a task of its own: with its registrar stopped
+/// (SIGSTOP: connections accepted, nothing answered) a resolution hangs for seconds, yet a
+/// proxy that dies is taken out of the group within its heartbeats. (It used to wait for the
+/// resolution: in the chaos soak a dead proxy stayed in the group while a registrar's link
+/// was cut, and its restarted successor took connections before it had the other's splices.)
+#[test]
+fn a_dead_proxy_leaves_the_group_at_once_while_the_registrar_does_not_answer() {
+    let Some(mut t) = Tier::start(2, 2) else {
+        return;
+    };
+    t.wait_ready(2, Duration::from_secs(30));
+    common::signal(&t._fixed[0].0, rustix::process::Signal::STOP);
+    // The next resolutions (once a second) now wait for an answer that does not come.
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed = Instant::now();
+    t.kill_silently(1);
+    while t.net.group_members(TierNet::GROUP) != 1 {
+        assert!(
+            killed.elapsed() < Duration::from_millis(1000),
+            "proxy 1 is still in the group {:?} after it died, with the registrar stopped",
+            killed.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    eprintln!(
+        "proxy 1 left the group {:?} after it died",
+        killed.elapsed()
+    );
+    common::signal(&t._fixed[0].0, rustix::process::Signal::CONT);
+}
+
 #[test]
 fn with_a_split_splice_a_server_answers_directly_and_a_proxy_kill_breaks_no_download() {
     let Some(mut t) = Tier::start(2, 2) else {

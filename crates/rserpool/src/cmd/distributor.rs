@@ -94,7 +94,7 @@ pub fn run(args: DistributorArgs) -> Result<()> {
     }
     let cfg = super::pu_config(&args.registrars)?;
     super::runtime()?.block_on(async move {
-        let mut pu = PoolUser::new(rserpool_asap::PoolUserConfig {
+        let pu = PoolUser::new(rserpool_asap::PoolUserConfig {
             subscribe: true,
             ..cfg
         })?;
@@ -112,7 +112,7 @@ pub fn run(args: DistributorArgs) -> Result<()> {
         };
         let mut look = tokio::time::interval(Duration::from_millis(5));
         look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        let mut resolve_at = Instant::now();
+        let mut resolutions = resolver(pu, handle);
         let mut buf = [0u8; 64];
         info!(
             "distributor: tier pool {}, nexthop group {}, heartbeat {} ms × {}{}",
@@ -145,12 +145,9 @@ pub fn run(args: DistributorArgs) -> Result<()> {
                         core.traffic(&traffic, now());
                     }
                 }
-                // A change of the pool: resolve it now.
-                _ = pu.next_push(), if Instant::now() < resolve_at => resolve_at = Instant::now(),
-                () = tokio::time::sleep_until(resolve_at) => {
-                    resolve_at = Instant::now() + Duration::from_secs(1);
-                    match pu.pool_elements(&handle).await {
-                        Ok((_, pes)) => {
+                Some(resolved) = resolutions.recv() => {
+                    match resolved {
+                        Ok(pes) => {
                             let listed = listed(&pes);
                             core.set_listed(&listed, now());
                             // Members the core keeps (one gone from the pool that still
@@ -176,6 +173,39 @@ pub fn run(args: DistributorArgs) -> Result<()> {
             }
         }
     })
+}
+
+/// Resolves the tier pool once a second, and at once when a registrar pushes a change, in a
+/// task of its own: a resolution waits for a registrar (seconds when the one it asks is cut
+/// off), and the heartbeats, the traffic watch and the group must not wait with it — a dead
+/// proxy stayed in the group for the 3 s a registrar's link was cut, and the connections of
+/// its successor's first second were reset when it was taken out.
+fn resolver(
+    mut pu: PoolUser,
+    handle: PoolHandle,
+) -> tokio::sync::mpsc::Receiver<Result<Vec<rserpool_wire::PoolElement>, String>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        let mut resolve_at = Instant::now();
+        loop {
+            tokio::select! {
+                // A change of the pool: resolve it now.
+                _ = pu.next_push(), if Instant::now() < resolve_at => resolve_at = Instant::now(),
+                () = tokio::time::sleep_until(resolve_at) => {
+                    resolve_at = Instant::now() + Duration::from_secs(1);
+                    let got = pu
+                        .pool_elements(&handle)
+                        .await
+                        .map(|(_, pes)| pes)
+                        .map_err(|e| e.to_string());
+                    if tx.send(got).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    rx
 }
 
 /// The core's settings from the command line.
