@@ -61,6 +61,10 @@ pub struct Pool {
     success_rate_due_ms: std::sync::atomic::AtomicU64,
     /// Responses to clients of requests routed here, by status class (1xx to 5xx).
     responses: [std::sync::atomic::AtomicU64; 5],
+    /// Whether a waiting request looks for room every 100 ms on behalf of all (see
+    /// [`Pool::admit_keyed`]), and how it hands that on when it leaves.
+    looker: AtomicBool,
+    look_handoff: tokio::sync::Notify,
 }
 
 /// The status classes of [`Pool::responses`], as the metrics label them.
@@ -136,10 +140,23 @@ struct Queued<'a> {
     id: u64,
     rx: tokio::sync::oneshot::Receiver<crate::balance::admit::Outcome>,
     done: bool,
+    /// This request is the pool's looker.
+    looking: bool,
+}
+
+impl Queued<'_> {
+    /// Stops looking for the others, and wakes one of them to look instead.
+    fn resign(&mut self) {
+        if std::mem::take(&mut self.looking) {
+            self.pool.looker.store(false, Ordering::SeqCst);
+            self.pool.look_handoff.notify_one();
+        }
+    }
 }
 
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
+        self.resign();
         if self.done {
             return;
         }
@@ -170,6 +187,8 @@ impl Pool {
             retries_refused: Default::default(),
             success_rate_due_ms: Default::default(),
             responses: Default::default(),
+            looker: AtomicBool::new(false),
+            look_handoff: tokio::sync::Notify::new(),
             state: Mutex::new(PoolState {
                 selector: Selector::new(),
                 refreshed: None,
@@ -355,25 +374,45 @@ impl Pool {
             id,
             rx,
             done: false,
+            // The first to wait looks for all.
+            looking: !self.looker.swap(true, Ordering::SeqCst),
         };
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             // Places free on events (a request finished, a report, a new copy); a look every
-            // 100 ms covers the rest (an ejection ending).
-            let next = (tokio::time::Instant::now() + Duration::from_millis(100)).min(deadline);
-            match tokio::time::timeout_at(next, &mut q.rx).await {
-                Ok(Ok(outcome)) => {
+            // 100 ms covers the rest (an ejection ending). One waiting request looks, for all:
+            // every waiter looking took the lock 10 times a second each, which with a queue of
+            // thousands cost several times the request itself.
+            let next = if q.looking {
+                (tokio::time::Instant::now() + Duration::from_millis(100)).min(deadline)
+            } else {
+                deadline
+            };
+            let woke = tokio::select! {
+                got = &mut q.rx => Some(got),
+                () = self.look_handoff.notified(), if !q.looking => {
+                    q.looking = true;
+                    self.looker.store(true, Ordering::SeqCst);
+                    continue;
+                }
+                () = tokio::time::sleep_until(next) => None,
+            };
+            match woke {
+                Some(Ok(outcome)) => {
                     q.done = true;
+                    q.resign();
                     return outcome;
                 }
-                Ok(Err(_)) => {
+                Some(Err(_)) => {
                     q.done = true;
+                    q.resign();
                     return Err(NoPick::QueueFull);
                 }
-                Err(_) if tokio::time::Instant::now() < deadline => {
+                None if tokio::time::Instant::now() < deadline => {
                     self.lock().dispatch(&self.handle);
                 }
-                Err(_) => {
+                None => {
+                    q.resign();
                     let mut st = self.lock();
                     q.done = true;
                     if st.admission.remove(level, id, true) {
