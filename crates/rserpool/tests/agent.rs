@@ -8,11 +8,10 @@ mod common;
 
 use common::{KillOnDrop, Logged, fast_config, free_port, registrar, wait_until};
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The `weight` and `status` of server `b/s1` from HAProxy's `show stat`.
@@ -39,23 +38,9 @@ async fn haproxy_follows_the_agent_check() {
         return;
     }
     let reg = registrar(fast_config());
-    // The target: holds the connections from the ports in `busy` (the work), closes the
-    // others (the sidecar's health checks) at once.
-    let target = TcpListener::bind("127.0.0.1:0").unwrap();
-    let target_addr = target.local_addr().unwrap();
-    let busy = Arc::new(Mutex::new(Vec::<u16>::new()));
-    let held = Arc::new(Mutex::new(Vec::<TcpStream>::new()));
-    let (keep, ports) = (held.clone(), busy.clone());
-    let listener = target.try_clone().unwrap();
-    std::thread::spawn(move || {
-        for s in listener.incoming() {
-            let Ok(s) = s else { break };
-            let from = s.peer_addr().map(|a| a.port()).unwrap_or(0);
-            if ports.lock().unwrap().contains(&from) {
-                keep.lock().unwrap().push(s);
-            }
-        }
-    });
+    // The target: holds the work's connections, closes the sidecar's health checks at once.
+    let t = common::HoldingTarget::start();
+    let target_addr = t.addr;
     let agent = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let _serve = Logged::spawn(
         "serve",
@@ -116,18 +101,7 @@ async fn haproxy_follows_the_agent_check() {
     .await;
 
     // Two connections being served: credits 2 of 4, half the weight.
-    let _busy: Vec<TcpStream> = (0..2)
-        .map(|_| {
-            let s =
-                socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-            s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
-                .unwrap();
-            let port = s.local_addr().unwrap().as_socket().unwrap().port();
-            busy.lock().unwrap().push(port);
-            s.connect(&target_addr.into()).unwrap();
-            TcpStream::from(s)
-        })
-        .collect();
+    let _busy: Vec<TcpStream> = (0..2).map(|_| t.connect()).collect();
     wait_until(Duration::from_secs(5), "HAProxy at half weight", || {
         stat().is_some_and(|(w, _)| w == 50)
     })
@@ -135,9 +109,9 @@ async fn haproxy_follows_the_agent_check() {
 
     // The target stops answering: the agent says down. (Shutting the listening socket down
     // stops it listening, and ends the accept thread, which holds a clone.)
-    rustix::net::shutdown(&target, rustix::net::Shutdown::Both).unwrap();
-    drop(target);
-    held.lock().unwrap().clear();
+    rustix::net::shutdown(&t.listener, rustix::net::Shutdown::Both).unwrap();
+    t.held.lock().unwrap().clear();
+    drop(t);
     drop(_busy);
     wait_until(
         Duration::from_secs(5),

@@ -249,24 +249,9 @@ async fn futures_join<T>(handles: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
 /// root (skipped without, a failure under `CI`).
 async fn sidecar_credits_follow_the_targets_connections(how: &str) {
     let reg = registrar(fast_config());
-    // The target keeps the connections from the ports in `ours` (the work) and closes the
-    // others (the sidecar's health checks) at once.
-    let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = target.local_addr().unwrap();
-    let ours = Arc::new(std::sync::Mutex::new(Vec::<u16>::new()));
-    let held = Arc::new(std::sync::Mutex::new(Vec::<std::net::TcpStream>::new()));
-    {
-        let (ours, held) = (ours.clone(), held.clone());
-        std::thread::spawn(move || {
-            for s in target.incoming() {
-                let Ok(s) = s else { break };
-                let from = s.peer_addr().map(|a| a.port()).unwrap_or(0);
-                if ours.lock().unwrap().contains(&from) {
-                    held.lock().unwrap().push(s);
-                }
-            }
-        });
-    }
+    // The target holds the work's connections, closes the sidecar's health checks at once.
+    let t = common::HoldingTarget::start();
+    let addr = t.addr;
     let status = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let serve = common::Logged::spawn(
         "serve",
@@ -305,23 +290,12 @@ async fn sidecar_credits_follow_the_targets_connections(how: &str) {
         "{counted_by:?}"
     );
     // Three connections held by the target.
-    let clients: Vec<std::net::TcpStream> = (0..3)
-        .map(|_| {
-            let s =
-                socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-            s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
-                .unwrap();
-            let port = s.local_addr().unwrap().as_socket().unwrap().port();
-            ours.lock().unwrap().push(port);
-            s.connect(&addr.into()).unwrap();
-            std::net::TcpStream::from(s)
-        })
-        .collect();
+    let clients: Vec<std::net::TcpStream> = (0..3).map(|_| t.connect()).collect();
     wait_until(Duration::from_secs(5), "the proxy sees 1 credit", || {
         credits_at_proxy(&p, 0x51) == Some(1)
     })
     .await;
-    held.lock().unwrap().clear();
+    t.held.lock().unwrap().clear();
     drop(clients);
     wait_until(
         Duration::from_secs(5),

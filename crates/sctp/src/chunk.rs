@@ -252,15 +252,7 @@ impl Chunk {
             kind::HEARTBEAT | kind::HEARTBEAT_ACK => {
                 // One parameter, heartbeat info; its value goes back untouched.
                 need(4)?;
-                let plen = usize::from(u16::from_be_bytes([v[2], v[3]]));
-                if plen < 4 || plen > v.len() {
-                    return Err(ChunkError::Param {
-                        ty,
-                        length: plen,
-                        left: v.len(),
-                    });
-                }
-                let info = v.slice(4..plen);
+                let (_, info, _) = param_at(ty, &v)?;
                 if ty == kind::HEARTBEAT {
                     Chunk::Heartbeat(info)
                 } else {
@@ -406,19 +398,25 @@ impl Chunk {
     }
 }
 
+/// The parameter at the start of `v` (of a chunk of type `ty`): its type, its value and its
+/// length without padding.
+fn param_at(ty: u8, v: &Bytes) -> Result<(u16, Bytes, usize), ChunkError> {
+    let pty = u16::from_be_bytes([v[0], v[1]]);
+    let plen = usize::from(u16::from_be_bytes([v[2], v[3]]));
+    if plen < 4 || plen > v.len() {
+        return Err(ChunkError::Param {
+            ty,
+            length: plen,
+            left: v.len(),
+        });
+    }
+    Ok((pty, v.slice(4..plen), plen))
+}
+
 fn decode_params(ty: u8, mut v: Bytes) -> Result<Vec<InitParam>, ChunkError> {
     let mut params = Vec::new();
     while v.len() >= 4 {
-        let pty = u16::from_be_bytes([v[0], v[1]]);
-        let plen = usize::from(u16::from_be_bytes([v[2], v[3]]));
-        if plen < 4 || plen > v.len() {
-            return Err(ChunkError::Param {
-                ty,
-                length: plen,
-                left: v.len(),
-            });
-        }
-        let value = v.slice(4..plen);
+        let (pty, value, plen) = param_at(ty, &v)?;
         v.advance(padded(plen).min(v.len()));
         let p = match (pty, value.len()) {
             (param::IPV4, 4) => {

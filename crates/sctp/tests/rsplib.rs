@@ -82,6 +82,23 @@ impl Drop for Kill {
     }
 }
 
+/// An rsplib program in namespace `ns`, logging into `log`.
+fn peer(ns: &str, bin: PathBuf, args: &[&str], log: &std::path::Path) -> Kill {
+    Kill(
+        Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(bin)
+            .args(args)
+            .args(["-loglevel=3", "-logcolor=off"])
+            .arg(format!("-logfile={}", log.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// Drives `a` over `sock` until `done` says so or `limit` passes; returns the events seen.
 fn drive(
     sock: &UdpSocket,
@@ -146,23 +163,15 @@ fn an_association_with_rsplibs_registrar_registers_a_pool_element() {
     };
     let pair = Pair::new();
     let log = std::env::temp_dir().join(format!("rsplib-registrar-{}.log", std::process::id()));
-    let _registrar = Kill(
-        Command::new("ip")
-            .args(["netns", "exec", &pair.0])
-            .arg(registrar)
-            .args([
-                &format!("-asap={REGISTRAR}:3863"),
-                &format!("-enrp={REGISTRAR}:9901"),
-                "-disable-ipv6",
-                "-loglevel=3",
-                "-logcolor=off",
-                &format!("-logfile={}", log.display()),
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    let _registrar = peer(
+        &pair.0,
+        registrar,
+        &[
+            &format!("-asap={REGISTRAR}:3863"),
+            &format!("-enrp={REGISTRAR}:9901"),
+            "-disable-ipv6",
+        ],
+        &log,
     );
     let ns = pair.1.clone();
     let outcome = rserpool_ksplice::testbed::in_ns(&ns, move || {
@@ -263,24 +272,16 @@ fn rsplibs_pool_element_associates_with_our_endpoint_and_registers() {
     let pair = Pair::new();
     let log = std::env::temp_dir().join(format!("rsplib-pe-{}.log", std::process::id()));
     // rsplib's PE in the first namespace, pointed at our "registrar" in the second.
-    let _pe = Kill(
-        Command::new("ip")
-            .args(["netns", "exec", &pair.0])
-            .arg(server)
-            .args([
-                "-echo",
-                "-poolhandle=FromRsplib",
-                &format!("-registrar={US}:3863"),
-                &format!("-local={REGISTRAR}:7777"),
-                "-loglevel=3",
-                "-logcolor=off",
-                &format!("-logfile={}", log.display()),
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    let _pe = peer(
+        &pair.0,
+        server,
+        &[
+            "-echo",
+            "-poolhandle=FromRsplib",
+            &format!("-registrar={US}:3863"),
+            &format!("-local={REGISTRAR}:7777"),
+        ],
+        &log,
     );
     let ns = pair.1.clone();
     let outcome = rserpool_ksplice::testbed::in_ns(&ns, move || {

@@ -541,3 +541,50 @@ pub async fn grpc_server(name: &str) -> (KillOnDrop, u16) {
         .unwrap_or_else(|| panic!("the gRPC server says {line:?}"));
     (server, port)
 }
+
+/// A target for sidecar tests: it keeps the connections that come from the ports of
+/// [`HoldingTarget::connect`] (the work) and closes the others (the sidecar's health checks)
+/// at once.
+pub struct HoldingTarget {
+    pub listener: std::net::TcpListener,
+    pub addr: SocketAddr,
+    ours: Arc<Mutex<Vec<u16>>>,
+    pub held: Arc<Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl HoldingTarget {
+    pub fn start() -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let ours = Arc::new(Mutex::new(Vec::<u16>::new()));
+        let held = Arc::new(Mutex::new(Vec::<std::net::TcpStream>::new()));
+        let (keep, ports) = (held.clone(), ours.clone());
+        let accepting = listener.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for s in accepting.incoming() {
+                let Ok(s) = s else { break };
+                let from = s.peer_addr().map(|a| a.port()).unwrap_or(0);
+                if ports.lock().unwrap().contains(&from) {
+                    keep.lock().unwrap().push(s);
+                }
+            }
+        });
+        Self {
+            listener,
+            addr,
+            ours,
+            held,
+        }
+    }
+
+    /// A connection the target holds.
+    pub fn connect(&self) -> std::net::TcpStream {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        let port = s.local_addr().unwrap().as_socket().unwrap().port();
+        self.ours.lock().unwrap().push(port);
+        s.connect(&self.addr.into()).unwrap();
+        std::net::TcpStream::from(s)
+    }
+}
