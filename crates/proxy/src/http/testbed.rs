@@ -54,6 +54,16 @@ pub(super) async fn pe(kind: Pe) -> (SocketAddr, Arc<AtomicUsize>) {
     let seen = Arc::new(AtomicUsize::new(0));
     if let Pe::Refuses = kind {
         drop(l);
+        // The port stays bound, without listening, for the test's life: connects are refused,
+        // and no other test (they run in parallel) can take the port and answer there.
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        let addr = s.local_addr().unwrap().as_socket().unwrap();
+        tokio::spawn(async move {
+            let _bound = s;
+            std::future::pending::<()>().await
+        });
         return (addr, seen);
     }
     if let Pe::Full = kind {
