@@ -714,9 +714,10 @@ fn with_a_split_splice_a_server_answers_directly_and_a_proxy_kill_breaks_no_down
     // Without the split, proxy 2 carries the answers of its own connections that the router
     // hashes to it (proxy 1's share moves to it at the kill): about half. Less when the
     // servers ran far ahead of slow clients before the kill (their answers already sent, half
-    // through proxy 1): 0.22 in one CI run. Either way ten times more than the split's.
+    // through proxy 1): 0.22 in one CI run. With the split, what proxy 2 relayed before its
+    // connections were handed over: 0.007–0.03 on a quiet machine, 0.074 in a loaded CI run.
     assert!(
-        r1 < 0.05,
+        r1 < 0.15,
         "server 1's answers went through proxy 2 ({r1:.2} of them)"
     );
     assert!(
