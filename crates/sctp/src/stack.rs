@@ -59,6 +59,9 @@ pub struct Stack {
     next: u64,
     out: VecDeque<(SocketAddr, Bytes)>,
     events: VecDeque<StackEvent>,
+    /// Associations given work outside `handle_*` (a send, a connect, a shutdown): their
+    /// packets are taken at the next `poll_transmit`, without looking at the others.
+    touched: Vec<AssocId>,
     /// Datagrams that did not decode (bad checksum, malformed), for the driver's counters.
     pub malformed: u64,
 }
@@ -78,6 +81,7 @@ impl Stack {
             next: 1,
             out: VecDeque::new(),
             events: VecDeque::new(),
+            touched: Vec::new(),
             malformed: 0,
         }
     }
@@ -107,7 +111,9 @@ impl Stack {
         };
         let tsn = self.rng.next_u32();
         let a = Association::connect(self.cfg.clone(), local_port, peer_port, tag, tsn, now);
-        self.insert((peer, local_port, peer_port), a, false)
+        let id = self.insert((peer, local_port, peer_port), a, false);
+        self.touched.push(id);
+        id
     }
 
     fn insert(&mut self, key: Key, assoc: Association, accepted: bool) -> AssocId {
@@ -136,18 +142,22 @@ impl Stack {
             .get_mut(&id)
             .ok_or(SendError::Closed)?
             .assoc
-            .send(stream, ppid, data, false)
+            .send(stream, ppid, data, false)?;
+        self.touched.push(id);
+        Ok(())
     }
 
     pub fn shutdown(&mut self, id: AssocId, now: Instant) {
         if let Some(e) = self.assocs.get_mut(&id) {
             e.assoc.shutdown(now);
+            self.touched.push(id);
         }
     }
 
     pub fn abort(&mut self, id: AssocId, why: &str) {
         if let Some(e) = self.assocs.get_mut(&id) {
             e.assoc.abort(why);
+            self.touched.push(id);
         }
     }
 
@@ -239,8 +249,10 @@ impl Stack {
     /// The next datagram to send, and where.
     pub fn poll_transmit(&mut self, now: Instant) -> Option<(SocketAddr, Bytes)> {
         if self.out.is_empty() {
-            let ids: Vec<AssocId> = self.assocs.keys().copied().collect();
-            for id in ids {
+            let mut touched = std::mem::take(&mut self.touched);
+            touched.sort_unstable();
+            touched.dedup();
+            for id in touched {
                 self.collect(id, now);
             }
         }
