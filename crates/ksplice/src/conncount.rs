@@ -41,11 +41,9 @@ pub struct ConnCount {
     pub changes: u64,
 }
 
-#[cfg(ksplice_built)]
 #[allow(unsafe_code)]
 // SAFETY: plain `repr(C)` integers without padding, as the program reads and writes them.
 unsafe impl aya::Pod for ConnPort {}
-#[cfg(ksplice_built)]
 #[allow(unsafe_code)]
 // SAFETY: as above.
 unsafe impl aya::Pod for ConnCount {}
@@ -53,7 +51,7 @@ unsafe impl aya::Pod for ConnCount {}
 /// The program, attached to the root cgroup for as long as the value lives.
 pub struct ConnCounter {
     netns: u64,
-    #[cfg(ksplice_built)]
+    /// Only `attach` makes one, and only where the program was built.
     ebpf: aya::Ebpf,
 }
 
@@ -97,33 +95,17 @@ impl ConnCounter {
     /// [`CONNCOUNT_MAX`] ports).
     pub fn watch(&mut self, addr: SocketAddr) -> Result<(), Error> {
         let key = self.key(addr);
-        #[cfg(not(ksplice_built))]
-        {
-            let _ = key;
-            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
-        }
-        #[cfg(ksplice_built)]
-        {
-            self.map()?
-                .insert(key, ConnCount::default(), 0)
-                .map_err(|err| Error::Ebpf(format!("conncount map: {err}")))
-        }
+        self.map()?
+            .insert(key, ConnCount::default(), 0)
+            .map_err(|err| Error::Ebpf(format!("conncount map: {err}")))
     }
 
     /// The count of `addr.port()` since [`watch`](Self::watch).
     pub fn read(&mut self, addr: SocketAddr) -> Result<ConnCount, Error> {
         let key = self.key(addr);
-        #[cfg(not(ksplice_built))]
-        {
-            let _ = key;
-            Err(Error::Unavailable(env!("KSPLICE_UNAVAILABLE")))
-        }
-        #[cfg(ksplice_built)]
-        {
-            self.map()?
-                .get(&key, 0)
-                .map_err(|err| Error::Ebpf(format!("conncount map: {err}")))
-        }
+        self.map()?
+            .get(&key, 0)
+            .map_err(|err| Error::Ebpf(format!("conncount map: {err}")))
     }
 
     fn key(&self, addr: SocketAddr) -> ConnPort {
@@ -134,7 +116,6 @@ impl ConnCounter {
         }
     }
 
-    #[cfg(ksplice_built)]
     fn map(
         &mut self,
     ) -> Result<aya::maps::HashMap<&mut aya::maps::MapData, ConnPort, ConnCount>, Error> {
