@@ -69,6 +69,14 @@ fn main() {
         Some(why) => {
             println!("cargo::warning=kernel splice unavailable: {why}");
             println!("cargo::rustc-env=KSPLICE_UNAVAILABLE={why}");
+            // Installing clang or libbpf-dev later must rebuild the datapath: watch where
+            // they land (a directory's listing changes when a file is added to it).
+            let path = std::env::var_os("PATH").unwrap_or_default();
+            for dir in std::env::split_paths(&path).chain([PathBuf::from("/usr/include")]) {
+                if dir.is_dir() {
+                    println!("cargo::rerun-if-changed={}", dir.display());
+                }
+            }
         }
     }
 }

@@ -5,6 +5,7 @@
 //! the flag names: `keep-alive-interval-ms = 5000` in the file, `--keep-alive-interval-ms 5000`
 //! on the command line.
 
+use rserpool_wire::{Address, AddressList};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -39,8 +40,11 @@ macro_rules! settings {
 }
 
 settings! {
-    /// ASAP listening address (TCP).
-    asap: SocketAddr = SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT));
+    /// ASAP listening addresses: one TCP address (`tcp://`, the default scheme) and any
+    /// number of SCTP ones (`sctp+udp://ADDR` for SCTP over UDP port 9899, `sctp://ADDR` for
+    /// SCTP on a raw IP socket, which needs root); comma-separated on the command line, a
+    /// string or a list in the file.
+    asap: AddressList = AddressList::from(Address::tcp(SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT))));
     /// Status listener (HTTP: `GET /status`, the handlespace as JSON), or `off`. When the
     /// default address is taken (a second registrar on the host), the registrar runs without one.
     status: StatusListen = StatusListen::default();
@@ -212,6 +216,23 @@ impl<'de> serde::Deserialize<'de> for StatusListen {
 }
 
 impl Config {
+    /// The TCP address of `asap`: there is exactly one (SCTP-only registrars are not built
+    /// yet; docs/SCTP.md).
+    pub fn asap_tcp(&self) -> Result<SocketAddr, String> {
+        let mut tcp = self.asap.tcp();
+        match (tcp.next(), tcp.next()) {
+            (Some(a), None) => Ok(a),
+            (None, _) => Err(format!(
+                "asap = {:?} has no TCP address; give one (e.g. tcp://127.0.0.1:3863) beside the SCTP ones",
+                self.asap.to_string()
+            )),
+            (Some(_), Some(_)) => Err(format!(
+                "asap = {:?} has more than one TCP address; a registrar listens on one",
+                self.asap.to_string()
+            )),
+        }
+    }
+
     /// The TLS files, when TLS is on: all three of `tls-cert`, `tls-key` and `tls-ca`, or none.
     pub fn tls_files(&self) -> Result<Option<rserpool_tls::TlsFiles>, String> {
         match (&self.tls_cert, &self.tls_key, &self.tls_ca) {

@@ -15,6 +15,7 @@
 mod csp;
 mod delivery;
 mod handover;
+mod sctp;
 mod status_listener;
 
 pub use handover::Inherited;
@@ -63,6 +64,8 @@ const HANDOVER_READY_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct Server {
     poll: Poll,
     listener: TcpListener,
+    /// ASAP over SCTP; bound in `run` instead when a predecessor still holds its sockets.
+    sctp: Option<sctp::Sctp>,
     enrp: Option<Enrp>,
     status: Option<StatusListener>,
     tls: Option<rserpool_tls::Tls>,
@@ -125,9 +128,12 @@ fn random_server_id() -> u32 {
 /// Binds the ASAP listener. Right after a restart the old connections may still hold the port
 /// for a moment (FIN-WAIT): retried briefly before the address is called taken.
 fn bind_asap(cfg: &Config) -> io::Result<TcpListener> {
+    let at = cfg
+        .asap_tcp()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let start = std::time::Instant::now();
     loop {
-        match TcpListener::bind(cfg.asap) {
+        match TcpListener::bind(at) {
             Ok(l) => return Ok(l),
             Err(e)
                 if e.kind() == io::ErrorKind::AddrInUse
@@ -138,7 +144,7 @@ fn bind_asap(cfg: &Config) -> io::Result<TcpListener> {
             Err(e) => {
                 return Err(io::Error::new(
                     e.kind(),
-                    format!("cannot listen for ASAP on {}: {e}", cfg.asap),
+                    format!("cannot listen for ASAP on {at}: {e}"),
                 ));
             }
         }
@@ -174,6 +180,12 @@ impl Server {
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let sctp_addrs: Vec<_> = cfg.asap.sctp().collect();
+        let sctp = if inherited.is_none() {
+            sctp::Sctp::bind(&sctp_addrs, poll.registry())?
+        } else {
+            None
+        };
         let tls = cfg
             .tls_files()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?
@@ -211,6 +223,7 @@ impl Server {
         Ok(Self {
             poll,
             listener,
+            sctp,
             enrp,
             status,
             tls,
@@ -329,9 +342,13 @@ impl Server {
                 }
             );
         }
+        if let Some(s) = &self.sctp {
+            s.log_listening();
+        }
         let mut ev = EventLoop {
             poll: self.poll,
             listener: self.listener,
+            sctp: self.sctp,
             enrp: self.enrp,
             status: self.status,
             tls: self.tls,
@@ -341,6 +358,7 @@ impl Server {
             read_buf: vec![0; READ_BUF].into_boxed_slice(),
             deferred: Vec::new(),
             unread: Vec::new(),
+            sctp_unread: Vec::new(),
             last_flush: Instant::default(),
             watched: Vec::new(),
             udp,
@@ -391,6 +409,8 @@ impl Server {
                 Ok(()) => info!("process {pid} stopped serving; this one serves"),
                 Err(e) => warn!("process {pid}: {e}"),
             }
+            // Its SCTP sockets (and associations) are not handed over: bound once it lets go.
+            ev.bind_sctp_after_predecessor();
         }
         if let Some(at) = &self.offer_at {
             ev.offer(at);
@@ -572,6 +592,7 @@ fn multicast_socket(group: SocketAddr) -> io::Result<mio::net::UdpSocket> {
 struct EventLoop {
     poll: Poll,
     listener: TcpListener,
+    sctp: Option<sctp::Sctp>,
     enrp: Option<Enrp>,
     status: Option<StatusListener>,
     tls: Option<rserpool_tls::Tls>,
@@ -587,6 +608,8 @@ struct EventLoop {
     /// after everyone else's events, so that one peer that never stops sending (a flood)
     /// cannot starve the others.
     unread: Vec<usize>,
+    /// The same for the SCTP sockets.
+    sctp_unread: Vec<usize>,
     /// When the deferred connections were last written. Peers get at most one write per
     /// `enrp_batch_ms`: an update after a quiet spell goes out at once, under load the updates
     /// of a whole interval share one write per peer (on loopback a write also costs the
@@ -609,6 +632,19 @@ struct EventLoop {
     csp: Option<csp::CspReporter>,
     observer: Option<Observer>,
     xds: Option<XdsCounterSource>,
+}
+
+/// The connection an action is about.
+fn action_conn(a: &Action) -> Option<ConnId> {
+    Some(match a {
+        Action::Transmit(id)
+        | Action::Connect(id, _)
+        | Action::Probe(id, _)
+        | Action::Close(id)
+        | Action::Abort(id)
+        | Action::CheckDelivery(id) => *id,
+        Action::Announce(_) | Action::Presence(_) => return None,
+    })
 }
 
 enum Flush {
@@ -667,7 +703,10 @@ impl EventLoop {
             if let Some(c) = &self.csp {
                 next = next.min(c.next());
             }
-            let wait = if self.unread.is_empty() {
+            if let Some(d) = self.sctp.as_ref().and_then(sctp::Sctp::poll_timeout) {
+                next = next.min(now + d);
+            }
+            let wait = if self.unread.is_empty() && self.sctp_unread.is_empty() {
                 next.saturating_duration_since(now)
             } else {
                 Duration::ZERO
@@ -691,6 +730,11 @@ impl EventLoop {
                         }
                     }
                     t if StatusListener::slot(t).is_some() => self.on_status(t),
+                    t if sctp::Sctp::socket_of(t).is_some() => {
+                        if let Some(k) = sctp::Sctp::socket_of(t) {
+                            self.on_sctp(k);
+                        }
+                    }
                     Token(i) => {
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
                             self.on_readable(i);
@@ -703,6 +747,9 @@ impl EventLoop {
             }
             for i in std::mem::take(&mut self.unread) {
                 self.on_readable(i);
+            }
+            for k in std::mem::take(&mut self.sctp_unread) {
+                self.on_sctp(k);
             }
             let now = self.now();
             if self.accept_retry_at.is_some_and(|t| t <= now) {
@@ -727,6 +774,14 @@ impl EventLoop {
             if !self.deferred.is_empty() && self.last_flush + self.enrp_batch() <= now {
                 self.last_flush = now;
                 self.flush_deferred();
+            }
+            if let Some(s) = self.sctp.as_mut() {
+                s.handle_timeout(&mut self.core, now);
+                s.retry_waiting(&mut self.core);
+                self.after_core();
+                if let Some(s) = self.sctp.as_mut() {
+                    s.transmit();
+                }
             }
             self.report_status(now, false);
             if let Some(observe) = self.observer.as_mut() {
@@ -1196,6 +1251,27 @@ impl EventLoop {
     /// datagrams.
     fn after_core(&mut self) {
         while let Some(action) = self.core.poll_action() {
+            if let Some(s) = self
+                .sctp
+                .as_mut()
+                .filter(|s| action_conn(&action).is_some_and(|id| s.owns(id)))
+            {
+                match action {
+                    Action::Transmit(id) => s.flush(id, &mut self.core),
+                    Action::Close(id) | Action::Abort(id) => {
+                        s.close(id, &mut self.core, matches!(action, Action::Abort(_)));
+                        let now = elapsed(self.epoch);
+                        self.core.handle_close(id, now);
+                    }
+                    Action::CheckDelivery(id) => {
+                        let on_its_way = s.in_flight(id);
+                        let now = elapsed(self.epoch);
+                        self.core.handle_delivery(id, on_its_way, now);
+                    }
+                    _ => {}
+                }
+                continue;
+            }
             match action {
                 Action::Transmit(id) if self.core.is_enrp(id) => self.deferred.push(id),
                 Action::Transmit(id) => self.flush(id),
@@ -1223,6 +1299,51 @@ impl EventLoop {
                         .is_some_and(|s| s.delivery.on_its_way(&s.stream));
                     let now = self.now();
                     self.core.handle_delivery(id, on_its_way, now);
+                }
+            }
+        }
+    }
+
+    /// Reads SCTP socket `k` and carries out what the core makes of it.
+    fn on_sctp(&mut self, k: usize) {
+        let now = self.now();
+        let Some(s) = self.sctp.as_mut() else { return };
+        if s.on_readable(k, &mut self.core, now) {
+            self.sctp_unread.push(k);
+        }
+        s.retry_waiting(&mut self.core);
+        self.after_core();
+        if let Some(s) = self.sctp.as_mut() {
+            s.transmit();
+        }
+    }
+
+    /// Binds the SCTP sockets a predecessor held until now (retried for a moment while it
+    /// lets go of them).
+    fn bind_sctp_after_predecessor(&mut self) {
+        let addrs: Vec<_> = self.core.config().asap.sctp().collect();
+        if addrs.is_empty() {
+            return;
+        }
+        let start = std::time::Instant::now();
+        loop {
+            match sctp::Sctp::bind(&addrs, self.poll.registry()) {
+                Ok(s) => {
+                    if let Some(s) = &s {
+                        s.log_listening();
+                    }
+                    self.sctp = s;
+                    return;
+                }
+                Err(e)
+                    if e.kind() == io::ErrorKind::AddrInUse
+                        && start.elapsed() < Duration::from_secs(5) =>
+                {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    warn!("no ASAP over SCTP: {e}");
+                    return;
                 }
             }
         }
@@ -1348,6 +1469,9 @@ impl EventLoop {
     }
 
     fn close_all(&mut self) {
+        if let Some(s) = self.sctp.as_mut() {
+            s.abort_all();
+        }
         for i in 0..self.socks.len() {
             // Last answers first (e.g. deregistration responses), as far as sockets take them.
             let id = ConnId::from_index(i);

@@ -643,7 +643,7 @@ async fn registrar_restart_makes_pes_reregister() {
     let old_id = r.server_id();
     r.stop();
     let r2 = registrar(Config {
-        asap: addr,
+        asap: addr.into(),
         ..fast_config()
     });
     assert_ne!(r2.server_id(), old_id);

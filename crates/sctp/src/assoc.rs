@@ -227,6 +227,12 @@ impl Association {
         self.state
     }
 
+    /// Payload bytes given to [`send`](Self::send) and not yet acknowledged by the peer.
+    pub fn buffered(&self) -> usize {
+        self.sender.as_ref().map_or(0, Sender::buffered)
+            + self.early.iter().map(|e| e.2.len()).sum::<usize>()
+    }
+
     pub fn local_tag(&self) -> u32 {
         self.local_tag
     }

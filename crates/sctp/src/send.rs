@@ -161,6 +161,16 @@ impl Sender {
         self.queue.is_empty() && self.flight.is_empty()
     }
 
+    /// Payload bytes not yet acknowledged: queued and in flight.
+    pub fn buffered(&self) -> usize {
+        self.queue.iter().map(|d| d.payload.len()).sum::<usize>()
+            + self
+                .flight
+                .iter()
+                .map(|f| f.data.payload.len())
+                .sum::<usize>()
+    }
+
     pub fn cum_acked(&self) -> u32 {
         self.cum_acked
     }

@@ -86,6 +86,20 @@ impl Stack {
         }
     }
 
+    /// A stack whose cookie secret and tag seed come from the operating system's randomness
+    /// (the clock's nanoseconds where it has none: tags then still differ per process).
+    pub fn with_os_randomness(cfg: Config, now: Instant) -> Self {
+        use rand_core::{OsRng, TryRngCore};
+        let mut secret = [0u8; 32];
+        let seed = match OsRng.try_fill_bytes(&mut secret) {
+            Ok(()) => OsRng.try_next_u64().unwrap_or_default(),
+            Err(_) => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+        };
+        Self::new(cfg, secret, seed ^ u64::from(std::process::id()), now)
+    }
+
     /// Accepts associations to SCTP port `port`.
     pub fn listen(&mut self, port: u16) {
         let seed = self.rng.next_u64();
@@ -163,6 +177,11 @@ impl Stack {
 
     pub fn state(&self, id: AssocId) -> Option<State> {
         self.assocs.get(&id).map(|e| e.assoc.state())
+    }
+
+    /// Payload bytes sent on the association and not yet acknowledged (0 when it is gone).
+    pub fn buffered(&self, id: AssocId) -> usize {
+        self.assocs.get(&id).map_or(0, |e| e.assoc.buffered())
     }
 
     /// Associations open or opening.

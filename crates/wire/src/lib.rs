@@ -10,6 +10,7 @@
 //! parameter); decoders also accept rsplib's (lengths include it). Unknown message and parameter
 //! types are handled by their top two bits (RFC 5354 §2.2).
 
+pub mod address;
 pub mod asap;
 pub mod checksum;
 pub mod csp;
@@ -26,6 +27,7 @@ pub mod ptype;
 pub mod time;
 mod tlv;
 
+pub use address::{Address, AddressList, Scheme};
 pub use asap::AsapMessage;
 pub use checksum::PeChecksum;
 pub use enrp::{EnrpBody, EnrpMessage, PoolEntry, UpdateAction};

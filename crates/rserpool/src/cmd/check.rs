@@ -58,6 +58,7 @@ pub fn check(text: &str, kind: Option<&str>) -> (&'static str, Vec<ConfigProblem
     let registrar = || {
         problems::<rserpool_registrar::Config>(text, |c| {
             let mut out = Vec::new();
+            out.extend(c.asap_tcp().err());
             match c.tls_files() {
                 Err(e) => out.push(e),
                 Ok(Some(f)) => out.extend(rserpool_tls::Tls::load(&f).err().map(|e| e.to_string())),
@@ -283,6 +284,18 @@ pool = \"Echo\"
         assert!(
             p[0].message.contains("cannot read /nonexistent/r.pem"),
             "{p:#?}"
+        );
+        let (_, p) = check("asap = \"sctp+udp://0.0.0.0:3863\"\n", Some("registrar"));
+        assert!(
+            p.iter().any(|p| p.message.contains("no TCP address")),
+            "{p:?}"
+        );
+        let (_, p) = check("asap = \"tcp://0.0.0.0:3863\"\n", Some("registrar"));
+        assert!(p.is_empty(), "{p:?}");
+        let (_, p) = check("asap = \"udp://0.0.0.0:3863\"\n", Some("registrar"));
+        assert!(
+            p.iter().any(|p| p.message.contains("unknown scheme")),
+            "{p:?}"
         );
         let (_, p) = check("tls-cert = \"a.pem\"\n", Some("registrar"));
         assert!(p[0].message.contains("all three"), "{p:#?}");

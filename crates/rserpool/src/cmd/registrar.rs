@@ -158,6 +158,6 @@ fn handover_address(
         "rserpool-registrar",
         args.handover_socket.as_deref(),
         args.config.as_deref(),
-        &[cfg.asap],
+        &cfg.asap.tcp().collect::<Vec<_>>(),
     )
 }

@@ -47,7 +47,7 @@ macro_rules! say {
 pub fn run(args: UpArgs) -> Result<()> {
     super::init_logging();
     let cfg = Config {
-        asap: args.asap,
+        asap: args.asap.into(),
         ..Config::default()
     };
     let registrar = RegistrarThread::start(cfg).with_context(|| {

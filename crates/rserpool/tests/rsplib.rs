@@ -1,0 +1,314 @@
+//! rserpool and rsplib, the other RSerPool implementation, in one system over SCTP: rsplib's
+//! pool elements (`rspserver -echo`) register at `rserpool registrar` over SCTP in UDP
+//! (`sctp+udp://`, RFC 6951), `rserpool resolve` and the status page list them, rsplib's pool
+//! user (`rspterminal`) resolves the pool through our registrar and is echoed by a PE, and a
+//! PE killed without a word is removed by our registrar's keep-alives.
+//!
+//! rsplib runs on its user-space SCTP stack (sctplib) as separate processes, built by the
+//! interoperability script into `target/rsplib-udp` (`.ci/run` does). sctplib reads every UDP
+//! packet of its network namespace, so each rsplib process gets a namespace of its own, all on
+//! one bridge with TEST-NET addresses (rsplib's PEs refuse loopback). Needs root; without it
+//! or the peer the test says SKIPPED (and fails under `CI`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
+
+fn rsplib_bin(name: &str) -> Option<PathBuf> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/rsplib-udp/bin")
+        .join(name);
+    p.exists().then_some(p)
+}
+
+/// Whether the test can run; under `CI` a missing piece fails it.
+fn runnable() -> bool {
+    if !rustix::process::geteuid().is_root() {
+        return !rserpool_ksplice::testbed::skip("the rsplib test needs root (network namespaces)");
+    }
+    rsplib_bin("rspserver").is_some()
+        || !rserpool_ksplice::testbed::skip(
+            "rsplib is not built in target/rsplib-udp (.ci/run builds it)",
+        )
+}
+
+fn sh(args: &[&str]) {
+    let ok = Command::new(args[0])
+        .args(&args[1..])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "{args:?}");
+}
+
+/// Network namespaces on one bridge: the first holds the bridge and 192.0.2.1, the others
+/// 192.0.2.2, 192.0.2.3, … on veths to it.
+struct Net {
+    names: Vec<String>,
+}
+
+impl Net {
+    fn new(hosts: usize) -> Self {
+        let tag = std::process::id() % 100_000;
+        let names: Vec<String> = (0..hosts).map(|i| format!("rsp{tag}h{i}")).collect();
+        for n in &names {
+            let _ = Command::new("ip")
+                .args(["netns", "del", n])
+                .stderr(Stdio::null())
+                .status();
+            sh(&["ip", "netns", "add", n]);
+            sh(&["ip", "-n", n, "link", "set", "lo", "up"]);
+        }
+        let hub = &names[0];
+        sh(&["ip", "-n", hub, "link", "add", "br0", "type", "bridge"]);
+        sh(&["ip", "-n", hub, "addr", "add", "192.0.2.1/24", "dev", "br0"]);
+        sh(&["ip", "-n", hub, "link", "set", "br0", "up"]);
+        for (i, n) in names.iter().enumerate().skip(1) {
+            let port = format!("v{i}");
+            sh(&[
+                "ip", "-n", hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
+                "netns", n,
+            ]);
+            sh(&["ip", "-n", hub, "link", "set", &port, "master", "br0", "up"]);
+            let addr = format!("{}/24", Self::addr(i));
+            sh(&["ip", "-n", n, "addr", "add", &addr, "dev", "eth0"]);
+            sh(&["ip", "-n", n, "link", "set", "eth0", "up"]);
+        }
+        Net { names }
+    }
+
+    fn addr(i: usize) -> String {
+        format!("192.0.2.{}", i + 1)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+struct Kill(Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// An rsplib program in namespace `ns`, logging into `log`.
+fn rsplib(ns: &str, name: &str, args: &[&str], log: &Path) -> Kill {
+    Kill(
+        Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(rsplib_bin(name).unwrap())
+            .args(args)
+            .args(["-loglevel=3", "-logcolor=off"])
+            .arg(format!("-logfile={}", log.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// `rserpool ARGS` in `ns`: its standard output.
+fn rserpool_out(ns: &str, args: &[&str]) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, BIN])
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits until `check` holds, or fails with what it last saw.
+fn wait_until(what: &str, limit: Duration, mut check: impl FnMut() -> (bool, String)) {
+    let start = Instant::now();
+    loop {
+        let (ok, seen) = check();
+        if ok {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{what} within {limit:?}; saw:\n{seen}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The lines of `rserpool resolve` listing PEs over SCTP.
+fn sctp_pes(ns: &str, pool: &str) -> (Vec<String>, String) {
+    let out = rserpool_out(
+        ns,
+        &[
+            "resolve",
+            "--registrar",
+            "192.0.2.1:3863",
+            "--items",
+            "10",
+            pool,
+        ],
+    );
+    let pes = out
+        .lines()
+        .filter(|l| l.contains(" sctp "))
+        .map(str::to_string)
+        .collect();
+    (pes, out)
+}
+
+#[test]
+fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is_echoed() {
+    if !runnable() {
+        return;
+    }
+    // h0: our registrar; h1, h2: rsplib PEs; h3: rsplib's pool user.
+    let net = Net::new(4);
+    let logs = std::env::temp_dir().join(format!("rsplib-interop-{}", std::process::id()));
+    std::fs::create_dir_all(&logs).unwrap();
+    let reg = &net.names[0];
+    let _registrar = Kill(
+        Command::new("ip")
+            .args(["netns", "exec", reg, BIN, "registrar"])
+            .args([
+                "--asap",
+                "tcp://192.0.2.1:3863,sctp+udp://192.0.2.1:3863",
+                "--enrp",
+                "192.0.2.1:9901",
+                "--keep-alive-interval-ms",
+                "1000",
+                "--keep-alive-timeout-ms",
+                "1000",
+            ])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(logs.join("registrar.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let pe = |i: usize| {
+        rsplib(
+            &net.names[i],
+            "rspserver",
+            &[
+                "-echo",
+                "-poolhandle=EchoPool",
+                "-registrar=192.0.2.1:3863",
+                &format!("-local={}:7777", Net::addr(i)),
+            ],
+            &logs.join(format!("pe{i}.log")),
+        )
+    };
+    let mut pe1 = Some(pe(1));
+    let _pe2 = pe(2);
+
+    // Both registered over SCTP: the registrar lists them with their SCTP transport.
+    wait_until(
+        "both rsplib PEs listed by `rserpool resolve`",
+        Duration::from_secs(20),
+        || {
+            let (pes, out) = sctp_pes(reg, "EchoPool");
+            let both = pes.iter().any(|l| l.contains("192.0.2.2:7777"))
+                && pes.iter().any(|l| l.contains("192.0.2.3:7777"));
+            (both, out)
+        },
+    );
+    let status = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            reg,
+            "curl",
+            "-s",
+            "http://127.0.0.1:8863/status",
+        ])
+        .output()
+        .unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status.contains("EchoPool") && status.contains("192.0.2.2") && status.contains("192.0.2.3"),
+        "the status page lists the pool and both PEs: {status}"
+    );
+
+    // rsplib's pool user resolves through our registrar and is echoed by a PE.
+    let mut terminal = Command::new("ip")
+        .args(["netns", "exec", &net.names[3]])
+        .arg(rsplib_bin("rspterminal").unwrap())
+        .args([
+            "-poolhandle=EchoPool",
+            "-registrar=192.0.2.1:3863",
+            "-loglevel=0",
+            "-logcolor=off",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = terminal.stdin.take().unwrap();
+    std::io::Write::write_all(&mut stdin, b"hello-from-rsplib\n").unwrap();
+    let mut stdout = terminal.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(15) {
+            match std::io::Read::read(&mut stdout, &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+            }
+            if String::from_utf8_lossy(&seen).contains("hello-from-rsplib") {
+                break;
+            }
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+    });
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !reader.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(stdin);
+    let _ = terminal.kill();
+    let _ = terminal.wait();
+    let seen = reader.join().unwrap();
+    assert!(
+        seen.contains("from PE") && seen.contains("hello-from-rsplib"),
+        "rspterminal echoed through our registrar: {seen:?}"
+    );
+
+    // A PE killed without a word: our keep-alives (1 s, 1 s to answer) remove it.
+    let killed = Instant::now();
+    if let Some(mut k) = pe1.take() {
+        // `ip netns exec` runs the program in its own process (no fork): SIGKILL reaches it.
+        let _ = k.0.kill();
+        let _ = k.0.wait();
+        std::mem::forget(k);
+    }
+    wait_until(
+        "the killed PE removed, the other kept",
+        Duration::from_secs(10),
+        || {
+            let (pes, out) = sctp_pes(reg, "EchoPool");
+            let ok = pes.len() == 1 && pes[0].contains("192.0.2.3:7777");
+            (ok, out)
+        },
+    );
+    eprintln!("killed PE removed after {:?}", killed.elapsed());
+    let log = std::fs::read_to_string(logs.join("registrar.log")).unwrap();
+    assert!(
+        log.contains("ASAP over SCTP on sctp+udp://192.0.2.1:3863"),
+        "the registrar says where it listens: {log}"
+    );
+    let _ = std::fs::remove_dir_all(&logs);
+    drop(net);
+}
