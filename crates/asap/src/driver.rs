@@ -6,22 +6,15 @@
 //! taking over), and a failed one is a failed connection.
 
 use crate::core::{Action, ConnId, Instant};
+pub(crate) use crate::link::{ConnEvent, Out};
 use crate::registrars::AnnounceListener;
 use rserpool_tls::Tls;
-use std::collections::HashMap;
+use rserpool_wire::{Address, Scheme};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
-
-/// What a connection's task reports.
-pub(crate) enum ConnEvent {
-    Connected(ConnId),
-    Data(ConnId, Vec<u8>),
-    /// Closed by the peer or an error.
-    Closed(ConnId),
-    ConnectFailed(ConnId, std::io::Error),
-}
 
 /// The entry points both cores share, for [`Conns::feed`].
 pub(crate) trait Core {
@@ -57,15 +50,6 @@ macro_rules! core_entry_points {
 core_entry_points!(crate::core::pe::PeCore);
 core_entry_points!(crate::core::pu::PuCore);
 
-/// What a connection's task is told.
-enum Out {
-    Bytes(Vec<u8>),
-    /// Close after the bytes before it.
-    Close,
-    /// Stop after the bytes before it and give the connection back (plain TCP).
-    Release(oneshot::Sender<TcpStream>),
-}
-
 /// The connections of one core, its announce listener and its clock.
 pub(crate) struct Conns {
     out: HashMap<ConnId, mpsc::UnboundedSender<Out>>,
@@ -74,6 +58,8 @@ pub(crate) struct Conns {
     announce: Option<AnnounceListener>,
     epoch: std::time::Instant,
     tls: Option<std::sync::Arc<Tls>>,
+    /// Registrars reached over SCTP (the others over TCP).
+    schemes: BTreeMap<SocketAddr, Scheme>,
 }
 
 impl Conns {
@@ -81,6 +67,7 @@ impl Conns {
     pub(crate) fn new(
         announce_listen: Option<SocketAddr>,
         tls: Option<std::sync::Arc<Tls>>,
+        schemes: BTreeMap<SocketAddr, Scheme>,
     ) -> std::io::Result<Self> {
         let (events_tx, events) = mpsc::unbounded_channel();
         Ok(Self {
@@ -90,6 +77,7 @@ impl Conns {
             announce: announce_listen.map(AnnounceListener::start).transpose()?,
             epoch: std::time::Instant::now(),
             tls,
+            schemes,
         })
     }
 
@@ -128,7 +116,19 @@ impl Conns {
     /// Carries out an action; returns the core's event, if it was one.
     pub(crate) fn carry_out<E>(&mut self, a: Action<E>) -> Option<E> {
         match a {
-            Action::Connect(id, addr) => self.spawn(id, Target::Connect(addr)),
+            Action::Connect(id, addr) => match self.schemes.get(&addr) {
+                Some(&scheme) => {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    self.out.insert(id, tx);
+                    tokio::spawn(crate::sctp::serve(
+                        id,
+                        Address { scheme, addr },
+                        rx,
+                        self.events_tx.clone(),
+                    ));
+                }
+                None => self.spawn(id, Target::Connect(addr)),
+            },
             Action::Transmit(id, bytes) => {
                 if let Some(tx) = self.out.get(&id) {
                     let _ = tx.send(Out::Bytes(bytes));

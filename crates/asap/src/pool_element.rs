@@ -113,7 +113,11 @@ impl PoolElement {
             }
         });
         let asap_transport = listener.as_ref().and_then(|l| l.local_addr().ok());
-        let conns = Conns::new(cfg.announce_listen, cfg.tls.clone())?;
+        let conns = Conns::new(
+            cfg.announce_listen,
+            cfg.tls.clone(),
+            cfg.registrar_schemes.clone(),
+        )?;
         let desired = Desired {
             active: cfg.initially_active,
             policy: cfg.policy.clone(),

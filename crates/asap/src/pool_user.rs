@@ -26,7 +26,11 @@ pub struct PoolUser {
 impl PoolUser {
     pub fn new(cfg: PoolUserConfig) -> std::io::Result<Self> {
         Ok(Self {
-            conns: Conns::new(cfg.announce_listen, cfg.tls.clone())?,
+            conns: Conns::new(
+                cfg.announce_listen,
+                cfg.tls.clone(),
+                cfg.registrar_schemes.clone(),
+            )?,
             core: PuCore::new(cfg),
             pushed: std::collections::VecDeque::new(),
         })

@@ -147,3 +147,19 @@ fn announce_socket(addr: SocketAddr) -> std::io::Result<UdpSocket> {
     }
     UdpSocket::from_std(sock.into())
 }
+
+/// Registrar addresses as the cores keep them, and which of them are reached over SCTP.
+pub fn split(
+    registrars: &[rserpool_wire::Address],
+) -> (
+    Vec<SocketAddr>,
+    std::collections::BTreeMap<SocketAddr, rserpool_wire::Scheme>,
+) {
+    let addrs = registrars.iter().map(|a| a.addr).collect();
+    let schemes = registrars
+        .iter()
+        .filter(|a| a.scheme.is_sctp())
+        .map(|a| (a.addr, a.scheme))
+        .collect();
+    (addrs, schemes)
+}

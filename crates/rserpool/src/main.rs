@@ -36,13 +36,14 @@ struct Cli {
 /// Where to find registrars (pool element and pool user commands).
 #[derive(Args, Debug, Clone, serde::Serialize)]
 pub struct RegistrarOpts {
-    /// Registrar ASAP address (repeatable; tried in order, then announced ones).
+    /// Registrar ASAP address (repeatable; tried in order, then announced ones): TCP, or
+    /// SCTP with `sctp+udp://ADDR` (SCTP over UDP 9899) or `sctp://ADDR` (raw IP, root).
     #[arg(
         long = "registrar",
         value_name = "ADDR",
         default_value = "127.0.0.1:3863"
     )]
-    pub registrars: Vec<SocketAddr>,
+    pub registrars: Vec<rserpool_wire::Address>,
     /// Also learn registrars from SERVER_ANNOUNCE received on this UDP address
     /// (e.g. 0.0.0.0:3863, or 239.0.0.1:3863 to join the multicast group).
     #[arg(long, value_name = "ADDR")]

@@ -1,8 +1,13 @@
-//! rserpool and rsplib, the other RSerPool implementation, in one system over SCTP: rsplib's
-//! pool elements (`rspserver -echo`) register at `rserpool registrar` over SCTP in UDP
-//! (`sctp+udp://`, RFC 6951), `rserpool resolve` and the status page list them, rsplib's pool
-//! user (`rspterminal`) resolves the pool through our registrar and is echoed by a PE, and a
-//! PE killed without a word is removed by our registrar's keep-alives.
+//! rserpool and rsplib, the other RSerPool implementation, in one system over SCTP in UDP
+//! (`sctp+udp://`, RFC 6951), both ways:
+//! - rsplib's pool elements (`rspserver -echo`) register at `rserpool registrar`,
+//!   `rserpool resolve` and the status page list them, rsplib's pool user (`rspterminal`)
+//!   resolves the pool through our registrar and is echoed by a PE, and a PE killed without a
+//!   word is removed by our registrar's keep-alives;
+//! - our pool elements (`rserpool example echo` over SCTP) register at `rspregistrar`,
+//!   rsplib's `hsdump` lists them, our pool user (`rserpool resolve`) resolves them at
+//!   rsplib's registrar over SCTP, `rspterminal` is echoed by them, and one stopped
+//!   deregisters.
 //!
 //! rsplib runs on its user-space SCTP stack (sctplib) as separate processes, built by the
 //! interoperability script into `target/rsplib-udp` (`.ci/run` does). sctplib reads every UDP
@@ -52,7 +57,9 @@ struct Net {
 
 impl Net {
     fn new(hosts: usize) -> Self {
-        let tag = std::process::id() % 100_000;
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("{}n{n}", std::process::id() % 100_000);
         let names: Vec<String> = (0..hosts).map(|i| format!("rsp{tag}h{i}")).collect();
         for n in &names {
             let _ = Command::new("ip")
@@ -146,18 +153,11 @@ fn wait_until(what: &str, limit: Duration, mut check: impl FnMut() -> (bool, Str
     }
 }
 
-/// The lines of `rserpool resolve` listing PEs over SCTP.
-fn sctp_pes(ns: &str, pool: &str) -> (Vec<String>, String) {
+/// The lines of `rserpool resolve` (asking `registrar`) listing PEs over SCTP.
+fn sctp_pes(ns: &str, registrar: &str, pool: &str) -> (Vec<String>, String) {
     let out = rserpool_out(
         ns,
-        &[
-            "resolve",
-            "--registrar",
-            "192.0.2.1:3863",
-            "--items",
-            "10",
-            pool,
-        ],
+        &["resolve", "--registrar", registrar, "--items", "10", pool],
     );
     let pes = out
         .lines()
@@ -167,6 +167,52 @@ fn sctp_pes(ns: &str, pool: &str) -> (Vec<String>, String) {
     (pes, out)
 }
 
+/// What `rspterminal` in `ns` prints after sending `line` to pool EchoPool through the
+/// registrar at 192.0.2.1 (up to 15 s, until the line comes back).
+fn rspterminal(ns: &str, line: &str) -> String {
+    let mut terminal = Command::new("ip")
+        .args(["netns", "exec", ns])
+        .arg(rsplib_bin("rspterminal").unwrap())
+        .args([
+            "-poolhandle=EchoPool",
+            "-registrar=192.0.2.1:3863",
+            "-loglevel=0",
+            "-logcolor=off",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = terminal.stdin.take().unwrap();
+    std::io::Write::write_all(&mut stdin, format!("{line}\n").as_bytes()).unwrap();
+    let mut stdout = terminal.stdout.take().unwrap();
+    let needle = line.to_string();
+    let reader = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(15) {
+            match std::io::Read::read(&mut stdout, &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+            }
+            if String::from_utf8_lossy(&seen).contains(&needle) {
+                break;
+            }
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+    });
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !reader.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(stdin);
+    let _ = terminal.kill();
+    let _ = terminal.wait();
+    reader.join().unwrap()
+}
+
 #[test]
 fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is_echoed() {
     if !runnable() {
@@ -174,7 +220,7 @@ fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is
     }
     // h0: our registrar; h1, h2: rsplib PEs; h3: rsplib's pool user.
     let net = Net::new(4);
-    let logs = std::env::temp_dir().join(format!("rsplib-interop-{}", std::process::id()));
+    let logs = std::env::temp_dir().join(format!("rsplib-interop-{}-a", std::process::id()));
     std::fs::create_dir_all(&logs).unwrap();
     let reg = &net.names[0];
     let _registrar = Kill(
@@ -217,7 +263,7 @@ fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is
         "both rsplib PEs listed by `rserpool resolve`",
         Duration::from_secs(20),
         || {
-            let (pes, out) = sctp_pes(reg, "EchoPool");
+            let (pes, out) = sctp_pes(reg, "192.0.2.1:3863", "EchoPool");
             let both = pes.iter().any(|l| l.contains("192.0.2.2:7777"))
                 && pes.iter().any(|l| l.contains("192.0.2.3:7777"));
             (both, out)
@@ -241,46 +287,7 @@ fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is
     );
 
     // rsplib's pool user resolves through our registrar and is echoed by a PE.
-    let mut terminal = Command::new("ip")
-        .args(["netns", "exec", &net.names[3]])
-        .arg(rsplib_bin("rspterminal").unwrap())
-        .args([
-            "-poolhandle=EchoPool",
-            "-registrar=192.0.2.1:3863",
-            "-loglevel=0",
-            "-logcolor=off",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut stdin = terminal.stdin.take().unwrap();
-    std::io::Write::write_all(&mut stdin, b"hello-from-rsplib\n").unwrap();
-    let mut stdout = terminal.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(15) {
-            match std::io::Read::read(&mut stdout, &mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => seen.extend_from_slice(&buf[..n]),
-            }
-            if String::from_utf8_lossy(&seen).contains("hello-from-rsplib") {
-                break;
-            }
-        }
-        String::from_utf8_lossy(&seen).into_owned()
-    });
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !reader.is_finished() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    drop(stdin);
-    let _ = terminal.kill();
-    let _ = terminal.wait();
-    let seen = reader.join().unwrap();
+    let seen = rspterminal(&net.names[3], "hello-from-rsplib");
     assert!(
         seen.contains("from PE") && seen.contains("hello-from-rsplib"),
         "rspterminal echoed through our registrar: {seen:?}"
@@ -298,7 +305,7 @@ fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is
         "the killed PE removed, the other kept",
         Duration::from_secs(10),
         || {
-            let (pes, out) = sctp_pes(reg, "EchoPool");
+            let (pes, out) = sctp_pes(reg, "192.0.2.1:3863", "EchoPool");
             let ok = pes.len() == 1 && pes[0].contains("192.0.2.3:7777");
             (ok, out)
         },
@@ -309,6 +316,105 @@ fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is
         log.contains("ASAP over SCTP on sctp+udp://192.0.2.1:3863"),
         "the registrar says where it listens: {log}"
     );
+    let _ = std::fs::remove_dir_all(&logs);
+    drop(net);
+}
+
+#[test]
+fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_and_rsplibs_tools_see_them() {
+    if !runnable() {
+        return;
+    }
+    // h0: rsplib's registrar; h1, h2: our PEs; h3: pool users, ours and rsplib's, one at a
+    // time (each binds UDP 9899 in its namespace).
+    let net = Net::new(4);
+    let logs = std::env::temp_dir().join(format!("rsplib-interop-{}-b", std::process::id()));
+    std::fs::create_dir_all(&logs).unwrap();
+    let _registrar = rsplib(
+        &net.names[0],
+        "rspregistrar",
+        &[
+            "-asap=192.0.2.1:3863",
+            "-enrp=192.0.2.1:9901",
+            "-disable-ipv6",
+        ],
+        &logs.join("registrar.log"),
+    );
+    let pe = |i: usize| {
+        let listen = format!("sctp+udp://{}:7777", Net::addr(i));
+        Kill(
+            Command::new("ip")
+                .args(["netns", "exec", &net.names[i], BIN, "example", "echo"])
+                .args(["--listen", &listen, "--pool", "EchoPool"])
+                .args(["--registrar", "sctp+udp://192.0.2.1:3863"])
+                .env("RUST_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(logs.join(format!("pe{i}.log"))).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let mut pe1 = Some(pe(1));
+    let _pe2 = pe(2);
+    let pu = &net.names[3];
+
+    // rsplib's hsdump asks its registrar (over ENRP) for the handlespace.
+    let hsdump = || {
+        let out = Command::new("timeout")
+            .args(["10", "ip", "netns", "exec", pu])
+            .arg(rsplib_bin("hsdump").unwrap())
+            .args(["192.0.2.1:9901", "-logcolor=off", "-loglevel=0"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    wait_until(
+        "both our PEs listed by rsplib's hsdump",
+        Duration::from_secs(30),
+        || {
+            let out = hsdump();
+            let ok = out.contains("EchoPool")
+                && out.contains("{192.0.2.2} 7777/SCTP")
+                && out.contains("{192.0.2.3} 7777/SCTP");
+            (ok, out)
+        },
+    );
+
+    // Our pool user resolves at rsplib's registrar over SCTP.
+    let (pes, out) = sctp_pes(pu, "sctp+udp://192.0.2.1:3863", "EchoPool");
+    assert!(
+        pes.len() == 2
+            && pes.iter().any(|l| l.contains("192.0.2.2:7777"))
+            && pes.iter().any(|l| l.contains("192.0.2.3:7777")),
+        "`rserpool resolve` over SCTP at rspregistrar lists both: {out}"
+    );
+
+    // rsplib's pool user is echoed by our PEs.
+    let seen = rspterminal(pu, "hello-from-rserpool");
+    assert!(
+        seen.contains("from PE") && seen.contains("hello-from-rserpool"),
+        "rspterminal echoed by an rserpool PE: {seen:?}"
+    );
+
+    // A PE stopped (SIGTERM) deregisters: rsplib's registrar drops it at once.
+    if let Some(k) = pe1.take() {
+        let pid = rustix::process::Pid::from_child(&k.0);
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+        let mut k = k;
+        let _ = k.0.wait();
+    }
+    wait_until(
+        "the stopped PE gone from rsplib's registrar, the other kept",
+        Duration::from_secs(10),
+        || {
+            let out = hsdump();
+            let ok =
+                !out.contains("{192.0.2.2} 7777/SCTP") && out.contains("{192.0.2.3} 7777/SCTP");
+            (ok, out)
+        },
+    );
+    let log = std::fs::read_to_string(logs.join("pe1.log")).unwrap();
+    assert!(log.contains("deregistered"), "PE 1 deregistered: {log}");
     let _ = std::fs::remove_dir_all(&logs);
     drop(net);
 }

@@ -12,13 +12,17 @@
 //! trusts a length field, and what it does not know it keeps, with what RFC 9260 §3.2 says to
 //! do about it. Then one association ([`assoc`], with its halves [`send`] and [`recv`]) and
 //! the listening side's [`endpoint`], which answers INIT statelessly with a signed [`cookie`].
-//! Not yet: several paths per association (multi-homing), INIT collision and restart, the
-//! drivers.
+//! Many associations behind one socket are a [`stack`]; with the `tokio` feature, [`host`]
+//! runs one on a UDP or raw IP socket for the PE and PU library (the registrar drives the
+//! stack from its own event loop). Not yet: several paths per association (multi-homing),
+//! INIT collision and restart.
 
 pub mod assoc;
 pub mod chunk;
 pub mod cookie;
 pub mod endpoint;
+#[cfg(feature = "tokio")]
+pub mod host;
 pub mod packet;
 pub mod recv;
 pub mod send;

@@ -27,6 +27,17 @@ impl std::ops::Deref for Frame<'_> {
     }
 }
 
+/// The bytes of the first message of `buf` with its padding to a multiple of 4 (as far as
+/// `buf` has it), when `buf` holds the whole message: how a sender with messages back to back
+/// (a TCP mapping output buffer) cuts them for a message transport such as SCTP.
+pub fn first_message_len(buf: &[u8]) -> Option<usize> {
+    let [_, _, l0, l1, ..] = *buf else {
+        return None;
+    };
+    let len = usize::from(u16::from_be_bytes([l0, l1])).max(4);
+    (buf.len() >= len).then(|| len.next_multiple_of(4).min(buf.len()))
+}
+
 /// Reassembles messages from stream reads.
 #[derive(Debug)]
 pub struct Framer {
@@ -142,6 +153,17 @@ impl Framer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_back_to_back_are_cut_with_their_padding() {
+        // Length 7 (padded to 8), then length 4.
+        let buf = [1, 0, 0, 7, 9, 9, 9, 0, 2, 0, 0, 4];
+        assert_eq!(first_message_len(&buf), Some(8));
+        assert_eq!(first_message_len(&buf[8..]), Some(4));
+        assert_eq!(first_message_len(&buf[..6]), None);
+        assert_eq!(first_message_len(&buf[..7]), Some(7));
+        assert_eq!(first_message_len(&[]), None);
+    }
 
     #[test]
     fn splits_back_to_back_and_partial_messages() {

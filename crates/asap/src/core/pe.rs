@@ -37,7 +37,9 @@
 use super::{Action, ConnId, Instant, Outbox, earliest, jitter, nonzero_u32};
 use crate::registrars::RegistrarSet;
 use rand_core::RngCore;
-use rserpool_wire::{AsapMessage, Policy, PoolHandle, TransportAddress, UserTransport};
+use rserpool_wire::{
+    Address, AsapMessage, Policy, PoolHandle, Protocol, Scheme, TransportAddress, UserTransport,
+};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -55,6 +57,12 @@ pub struct PoolElementConfig {
     /// PE identifier; random when `None`.
     pub id: Option<u32>,
     pub registrars: Vec<SocketAddr>,
+    /// The registrars of `registrars` reached over SCTP, with how (the others: TCP); see
+    /// [`set_registrars`](Self::set_registrars).
+    pub registrar_schemes: BTreeMap<SocketAddr, Scheme>,
+    /// Pool users reach the service over SCTP (a transport parameter for SCTP is registered),
+    /// not TCP.
+    pub service_over_sctp: bool,
     /// Listen for SERVER_ANNOUNCE here (UDP; multicast groups are joined).
     pub announce_listen: Option<SocketAddr>,
     /// Re-registration interval (rsplib: 30 s). The registration life sent is three times it.
@@ -86,6 +94,8 @@ impl PoolElementConfig {
             policy,
             id: None,
             registrars: vec![SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT))],
+            registrar_schemes: BTreeMap::new(),
+            service_over_sctp: false,
             announce_listen: None,
             reregistration_interval: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(2),
@@ -97,6 +107,11 @@ impl PoolElementConfig {
             takeover_wait: Duration::from_secs(5),
             tls: None,
         }
+    }
+
+    /// The registrars, each over the transport its address names (`tcp://`, `sctp+udp://`…).
+    pub fn set_registrars(&mut self, registrars: &[Address]) {
+        (self.registrars, self.registrar_schemes) = crate::registrars::split(registrars);
     }
 
     /// Registration life in seconds (RFC 5354 unit): three reregistration intervals.
@@ -228,6 +243,16 @@ pub struct PeCore {
 }
 
 impl PeCore {
+    /// Where pool users reach the service, as registered.
+    fn service_transport(&self) -> TransportAddress {
+        let mut t = TransportAddress::tcp(self.cfg.transport);
+        if self.cfg.service_over_sctp {
+            // Data only: pool users exchange no ASAP with this PE (RFC 5354 §3.3.4).
+            t.protocol = Protocol::Sctp { transport_use: 0 };
+        }
+        t
+    }
+
     /// A pool element with the settings of `cfg`; `asap_transport` is where registrars taking
     /// over reach it (the driver's listener; `None`: no takeover). Randomness (the PE
     /// identifier when `cfg.id` is `None`, back-off jitter) comes from `rng`.
@@ -583,7 +608,7 @@ impl PeCore {
                 id: self.id,
                 home_registrar: 0,
                 registration_life: self.cfg.registration_life(),
-                user_transport: UserTransport::Address(TransportAddress::tcp(self.cfg.transport)),
+                user_transport: UserTransport::Address(self.service_transport()),
                 policy: self.sent_policy.clone(),
                 asap_transport: self.asap_transport.map(TransportAddress::tcp),
             },

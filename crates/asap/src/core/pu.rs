@@ -20,8 +20,8 @@ use super::{Action, ConnId, Instant, Outbox, earliest};
 use crate::Error;
 use crate::registrars::RegistrarSet;
 use rserpool_handlespace::Handlespace;
-use rserpool_wire::{AsapMessage, CauseCode, Policy, PoolElement, PoolHandle};
-use std::collections::{HashMap, VecDeque};
+use rserpool_wire::{Address, AsapMessage, CauseCode, Policy, PoolElement, PoolHandle, Scheme};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::Duration;
 use tracing::debug;
@@ -29,6 +29,9 @@ use tracing::debug;
 #[derive(Debug, Clone)]
 pub struct PoolUserConfig {
     pub registrars: Vec<SocketAddr>,
+    /// The registrars of `registrars` reached over SCTP, with how (the others: TCP); see
+    /// [`set_registrars`](Self::set_registrars).
+    pub registrar_schemes: BTreeMap<SocketAddr, Scheme>,
     /// Listen for SERVER_ANNOUNCE here (UDP; multicast groups are joined).
     pub announce_listen: Option<SocketAddr>,
     /// How long a resolution may be served from the cache (0 = no cache).
@@ -48,10 +51,18 @@ pub struct PoolUserConfig {
     pub tls: Option<std::sync::Arc<rserpool_tls::Tls>>,
 }
 
+impl PoolUserConfig {
+    /// The registrars, each over the transport its address names (`tcp://`, `sctp+udp://`…).
+    pub fn set_registrars(&mut self, registrars: &[Address]) {
+        (self.registrars, self.registrar_schemes) = crate::registrars::split(registrars);
+    }
+}
+
 impl Default for PoolUserConfig {
     fn default() -> Self {
         Self {
             registrars: vec![SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT))],
+            registrar_schemes: BTreeMap::new(),
             announce_listen: None,
             stale_cache: Duration::ZERO,
             items: None,

@@ -265,7 +265,7 @@ impl Sctp {
                 return;
             }
             let out = core.output(id);
-            let Some(len) = whole_message(out) else {
+            let Some(len) = rserpool_wire::framer::first_message_len(out) else {
                 return;
             };
             let msg = Bytes::copy_from_slice(&out[..len]);
@@ -371,13 +371,4 @@ impl Sctp {
             info!("ASAP over SCTP on {}", s.local);
         }
     }
-}
-
-/// The length of the first whole message of `out`, from its header's length field.
-fn whole_message(out: &[u8]) -> Option<usize> {
-    let [_, _, l0, l1, ..] = *out else {
-        return None;
-    };
-    let len = usize::from(u16::from_be_bytes([l0, l1])).max(4);
-    (out.len() >= len).then_some(len)
 }

@@ -210,7 +210,7 @@ struct Flooded {
 }
 
 async fn resolve_flood(a: FloodArgs) -> Result<()> {
-    let Some(&reg) = a.registrars.registrars.first() else {
+    let Some(&reg) = super::tcp_registrars(&a.registrars)?.first() else {
         bail!("no registrar given");
     };
     let msg = rserpool_wire::Message::to_bytes(&AsapMessage::HandleResolution {
@@ -304,7 +304,7 @@ async fn flood_one(reg: SocketAddr, batch: &[u8], until: tokio::time::Instant) -
 }
 
 async fn register_flood(a: RegisterFloodArgs) -> Result<()> {
-    let Some(&reg) = a.registrars.registrars.first() else {
+    let Some(&reg) = super::tcp_registrars(&a.registrars)?.first() else {
         bail!("no registrar given");
     };
     let mut tasks = Vec::new();

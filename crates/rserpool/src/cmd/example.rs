@@ -43,9 +43,10 @@ pub enum Service {
 #[derive(Args, Debug, serde::Serialize)]
 pub struct ExampleArgs {
     pub service: Service,
-    /// Listening address of the service (port 0 = any free port).
+    /// Listening address of the service (port 0 = any free port); `sctp+udp://ADDR` or
+    /// `sctp://ADDR` serves echo, discard or daytime over SCTP, as rsplib's `rspserver` does.
     #[arg(long, default_value = "127.0.0.1:0")]
-    pub listen: SocketAddr,
+    pub listen: rserpool_wire::Address,
     #[command(flatten)]
     pub shape: ServiceOpts,
     #[command(flatten)]
@@ -104,14 +105,17 @@ impl ServiceOpts {
 }
 
 pub fn run(args: ExampleArgs) -> Result<()> {
+    if args.listen.scheme.is_sctp() {
+        return super::example_sctp::run(args.service, args.listen, args.pe);
+    }
     if args.service == Service::Calc {
-        return super::calc::run_pe(args.listen, args.pe, args.calc);
+        return super::calc::run_pe(args.listen.addr, args.pe, args.calc);
     }
     super::init_logging();
     super::runtime()?.block_on(async move {
         let ex = start(
             args.service,
-            args.listen,
+            args.listen.addr,
             &args.shape,
             &args.pe,
             Some(&args.credits),
@@ -574,7 +578,7 @@ impl Fnv {
 }
 
 /// "2026-11-21 14:03:07 UTC\r\n" from the system clock.
-fn daytime() -> String {
+pub(super) fn daytime() -> String {
     let (y, m, d, secs) = rserpool::util::utc_now();
     format!(
         "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC\r\n",

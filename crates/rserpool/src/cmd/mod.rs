@@ -9,6 +9,7 @@ pub mod client;
 pub mod control;
 pub mod distributor;
 pub mod example;
+pub mod example_sctp;
 pub mod manual;
 pub mod proxy;
 pub mod registrar;
@@ -116,7 +117,7 @@ pub fn pe_config(opts: &PeOpts, transport: SocketAddr) -> Result<PoolElementConf
         policy(&opts.policy, opts.weight)?,
     );
     cfg.id = opts.id;
-    cfg.registrars = opts.registrars.registrars.clone();
+    cfg.set_registrars(&opts.registrars.registrars);
     cfg.announce_listen = opts.registrars.announce_listen;
     cfg.reregistration_interval = Duration::from_millis(opts.reregistration_interval_ms.max(100));
     cfg.tls = opts.registrars.tls()?;
@@ -164,11 +165,25 @@ pub fn credit_source(
     )))
 }
 
+/// The registrars of a command that reaches them over TCP only.
+pub fn tcp_registrars(opts: &RegistrarOpts) -> Result<Vec<SocketAddr>> {
+    opts.registrars
+        .iter()
+        .map(|a| match a.scheme {
+            rserpool_wire::Scheme::Tcp => Ok(a.addr),
+            _ => Err(anyhow!(
+                "{a}: this command reaches registrars over TCP only"
+            )),
+        })
+        .collect()
+}
+
 pub fn pu_config(opts: &RegistrarOpts) -> Result<PoolUserConfig> {
-    Ok(PoolUserConfig {
-        registrars: opts.registrars.clone(),
+    let mut cfg = PoolUserConfig {
         announce_listen: opts.announce_listen,
         tls: opts.tls()?,
         ..PoolUserConfig::default()
-    })
+    };
+    cfg.set_registrars(&opts.registrars);
+    Ok(cfg)
 }

@@ -42,7 +42,7 @@ pub fn run(args: SplitArgs) -> Result<()> {
             tier: args.tier,
             listen: args.listen,
             registrar_tls: args.registrars.tls()?,
-            registrars: args.registrars.registrars,
+            registrars: super::tcp_registrars(&args.registrars)?,
             interfaces: args.interfaces,
             pin_dir: args.pin_dir,
             max_flows: args.max_flows,

@@ -66,7 +66,7 @@ pub fn run(args: UpArgs) -> Result<()> {
             id: None,
             reregistration_interval_ms: 30_000,
             registrars: RegistrarOpts {
-                registrars: vec![asap],
+                registrars: vec![asap.into()],
                 announce_listen: None,
                 tls_cert: None,
                 tls_key: None,

@@ -1,0 +1,113 @@
+//! A registrar association over SCTP for the pool element and pool user drivers (RFC 5352:
+//! ASAP over SCTP, PPID 11), where the registrar's address says `sctp+udp://` or `sctp://`.
+//!
+//! The cores speak in bytes as over TCP: each SCTP message read is handed over whole, and what
+//! a core transmits (messages back to back) is cut into one SCTP message each. The association
+//! runs on the process's SCTP host (`rserpool_sctp::host`): over UDP it binds port 9899 (rsplib's
+//! stack answers to that port only), or an ephemeral port when another process has 9899.
+
+use crate::core::ConnId;
+use crate::link::{ConnEvent, Out};
+use bytes::Bytes;
+pub use rserpool_sctp::host::{Association, Carrier, Host};
+use rserpool_wire::{ASAP_PPID, Address, Scheme};
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// The process's SCTP host for reaching `to`.
+pub fn host_for(to: &Address) -> io::Result<(Arc<Host>, SocketAddr)> {
+    let any: IpAddr = if to.addr.is_ipv4() {
+        Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        Ipv6Addr::UNSPECIFIED.into()
+    };
+    match to.scheme {
+        Scheme::SctpUdp { udp_port } => {
+            let peer = SocketAddr::new(to.addr.ip(), udp_port);
+            let host = match Host::shared(Carrier::Udp, SocketAddr::new(any, udp_port)) {
+                Ok(h) => h,
+                Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+                    tracing::warn!(
+                        "UDP port {udp_port} is taken on this host: SCTP over UDP from an \
+                         ephemeral port (rsplib's peers answer to port {udp_port} only)"
+                    );
+                    Host::shared(Carrier::Udp, SocketAddr::new(any, 0))?
+                }
+                Err(e) => return Err(e),
+            };
+            Ok((host, peer))
+        }
+        Scheme::Sctp => Ok((
+            Host::shared(Carrier::RawIp, SocketAddr::new(any, 0))?,
+            SocketAddr::new(to.addr.ip(), 0),
+        )),
+        Scheme::Tcp => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{to} is not an SCTP address"),
+        )),
+    }
+}
+
+/// Opens an association with the ASAP or ENRP speaker at `to`.
+pub async fn connect(to: &Address) -> io::Result<Association> {
+    let (host, peer) = host_for(to)?;
+    host.connect_ephemeral(peer, to.addr.port()).await
+}
+
+/// One registrar association: connects, then carries messages both ways until either end
+/// closes. Like the TCP connections' task in `driver.rs`, it reports to `events`.
+pub(crate) async fn serve(
+    id: ConnId,
+    to: Address,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    events: mpsc::UnboundedSender<ConnEvent>,
+) {
+    let r = tokio::select! {
+        r = connect(&to) => r,
+        // Closed by the core (or it ended) before the association was up.
+        _ = rx.recv() => return,
+    };
+    let mut assoc = match r {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = events.send(ConnEvent::ConnectFailed(id, e));
+            return;
+        }
+    };
+    let _ = events.send(ConnEvent::Connected(id));
+    let mut unsent: Vec<u8> = Vec::new();
+    loop {
+        tokio::select! {
+            m = assoc.recv() => match m {
+                Some(m) if m.ppid == ASAP_PPID => {
+                    let _ = events.send(ConnEvent::Data(id, m.data.to_vec()));
+                }
+                Some(m) => tracing::debug!("{to}: ignored a message with PPID {}", m.ppid),
+                None => {
+                    let _ = events.send(ConnEvent::Closed(id));
+                    return;
+                }
+            },
+            o = rx.recv() => match o {
+                Some(Out::Bytes(b)) => {
+                    unsent.extend_from_slice(&b);
+                    while let Some(n) = rserpool_wire::framer::first_message_len(&unsent) {
+                        let msg = Bytes::copy_from_slice(&unsent[..n]);
+                        unsent.drain(..n);
+                        if assoc.send(0, ASAP_PPID, msg).is_err() {
+                            let _ = events.send(ConnEvent::Closed(id));
+                            return;
+                        }
+                    }
+                }
+                // An SCTP association cannot move to another process: not released (the
+                // requester gets nothing back), served on.
+                Some(Out::Release(_)) => {}
+                // Dropping the association shuts it down gracefully.
+                Some(Out::Close) | None => return,
+            },
+        }
+    }
+}
