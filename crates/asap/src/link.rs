@@ -22,4 +22,3 @@ pub(crate) enum Out {
     /// Stop after the bytes before it and give the connection back (plain TCP).
     Release(oneshot::Sender<TcpStream>),
 }
-

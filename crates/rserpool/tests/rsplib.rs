@@ -1,5 +1,5 @@
-//! rserpool and rsplib, the other RSerPool implementation, in one system over SCTP in UDP
-//! (`sctp+udp://`, RFC 6951), both ways:
+//! rserpool and rsplib, the other RSerPool implementation, in one system over SCTP — in UDP
+//! (`sctp+udp://`, RFC 6951) and as IP protocol 132 on raw sockets (`sctp://`) — both ways:
 //! - rsplib's pool elements (`rspserver -echo`) register at `rserpool registrar`,
 //!   `rserpool resolve` and the status page list them, rsplib's pool user (`rspterminal`)
 //!   resolves the pool through our registrar and is echoed by a PE, and a PE killed without a
@@ -9,11 +9,14 @@
 //!   rsplib's registrar over SCTP, `rspterminal` is echoed by them, and one stopped
 //!   deregisters.
 //!
+//! Every frame on the bridge is captured and decoded by tshark: ASAP (and ENRP where hsdump
+//! asks) decoded inside SCTP, no malformed frame, every CRC32c good.
+//!
 //! rsplib runs on its user-space SCTP stack (sctplib) as separate processes, built by the
-//! interoperability script into `target/rsplib-udp` (`.ci/run` does). sctplib reads every UDP
-//! packet of its network namespace, so each rsplib process gets a namespace of its own, all on
-//! one bridge with TEST-NET addresses (rsplib's PEs refuse loopback). Needs root; without it
-//! or the peer the test says SKIPPED (and fails under `CI`).
+//! interoperability script into `target/rsplib-udp` and `target/rsplib-raw` (`.ci/run` does).
+//! sctplib reads every UDP (or SCTP) packet of its network namespace, so each rsplib process
+//! gets a namespace of its own, all on one bridge with TEST-NET addresses (rsplib's PEs refuse
+//! loopback). Needs root; without it or the peer the test says SKIPPED (and fails under `CI`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
@@ -22,22 +25,47 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_rserpool");
 
-fn rsplib_bin(name: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../target/rsplib-udp/bin")
-        .join(name);
-    p.exists().then_some(p)
+/// How SCTP travels: rsplib is built for one or the other.
+#[derive(Clone, Copy)]
+enum Carrier {
+    Udp,
+    Raw,
+}
+
+impl Carrier {
+    fn scheme(self) -> &'static str {
+        match self {
+            Carrier::Udp => "sctp+udp",
+            Carrier::Raw => "sctp",
+        }
+    }
+
+    fn build(self) -> &'static str {
+        match self {
+            Carrier::Udp => "rsplib-udp",
+            Carrier::Raw => "rsplib-raw",
+        }
+    }
+
+    fn bin(self, name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target")
+            .join(self.build())
+            .join("bin")
+            .join(name)
+    }
 }
 
 /// Whether the test can run; under `CI` a missing piece fails it.
-fn runnable() -> bool {
+fn runnable(c: Carrier) -> bool {
     if !rustix::process::geteuid().is_root() {
         return !rserpool_ksplice::testbed::skip("the rsplib test needs root (network namespaces)");
     }
-    rsplib_bin("rspserver").is_some()
-        || !rserpool_ksplice::testbed::skip(
-            "rsplib is not built in target/rsplib-udp (.ci/run builds it)",
-        )
+    c.bin("rspserver").exists()
+        || !rserpool_ksplice::testbed::skip(&format!(
+            "rsplib is not built in target/{} (.ci/run builds it)",
+            c.build()
+        ))
 }
 
 fn sh(args: &[&str]) {
@@ -110,11 +138,11 @@ impl Drop for Kill {
 }
 
 /// An rsplib program in namespace `ns`, logging into `log`.
-fn rsplib(ns: &str, name: &str, args: &[&str], log: &Path) -> Kill {
+fn rsplib(c: Carrier, ns: &str, name: &str, args: &[&str], log: &Path) -> Kill {
     Kill(
         Command::new("ip")
             .args(["netns", "exec", ns])
-            .arg(rsplib_bin(name).unwrap())
+            .arg(c.bin(name))
             .args(args)
             .args(["-loglevel=3", "-logcolor=off"])
             .arg(format!("-logfile={}", log.display()))
@@ -169,10 +197,10 @@ fn sctp_pes(ns: &str, registrar: &str, pool: &str) -> (Vec<String>, String) {
 
 /// What `rspterminal` in `ns` prints after sending `line` to pool EchoPool through the
 /// registrar at 192.0.2.1 (up to 15 s, until the line comes back).
-fn rspterminal(ns: &str, line: &str) -> String {
+fn rspterminal(c: Carrier, ns: &str, line: &str) -> String {
     let mut terminal = Command::new("ip")
         .args(["netns", "exec", ns])
-        .arg(rsplib_bin("rspterminal").unwrap())
+        .arg(c.bin("rspterminal"))
         .args([
             "-poolhandle=EchoPool",
             "-registrar=192.0.2.1:3863",
@@ -213,22 +241,163 @@ fn rspterminal(ns: &str, line: &str) -> String {
     reader.join().unwrap()
 }
 
+/// Logs and captures are kept with `RSPLIB_TEST_KEEP=1`.
+fn remove_logs(dir: &Path) {
+    if std::env::var_os("RSPLIB_TEST_KEEP").is_none() {
+        let _ = std::fs::remove_dir_all(dir);
+    } else {
+        eprintln!("logs and capture kept in {}", dir.display());
+    }
+}
+
+/// Everything on the bridge of `ns` into a file, until [`Capture::decode`].
+struct Capture {
+    child: Kill,
+    file: PathBuf,
+}
+
+impl Capture {
+    fn start(ns: &str, file: PathBuf) -> Capture {
+        let child = Kill(
+            Command::new("ip")
+                .args(["netns", "exec", ns, "dumpcap", "-q", "-i", "br0", "-w"])
+                .arg(&file)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let mut c = Capture { child, file };
+        // dumpcap says "Capturing on 'br0'" once it does.
+        let mut err = c.child.0.stderr.take().unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 256];
+        let start = Instant::now();
+        while !String::from_utf8_lossy(&seen).contains("Capturing on") {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "dumpcap did not start"
+            );
+            match std::io::Read::read(&mut err, &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+            }
+        }
+        let log = c.file.with_extension("log");
+        std::thread::spawn(move || {
+            let mut f = std::fs::File::create(log).unwrap();
+            std::io::copy(&mut err, &mut f)
+        });
+        c
+    }
+
+    /// Stops the capture; every frame's protocols, CRC32c status and malformed marks.
+    fn decode(mut self) -> Vec<String> {
+        // libpcap hands packets over in blocks, at the latest after its 1 s buffer timeout,
+        // and dumpcap drops an unfinished block when interrupted: let the last one go first.
+        std::thread::sleep(Duration::from_millis(1500));
+        let pid = rustix::process::Pid::from_child(&self.child.0);
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
+        let _ = self.child.0.wait();
+        let out = Command::new("tshark")
+            .args(["-n", "-r"])
+            .arg(&self.file)
+            .args([
+                "-o",
+                "sctp.checksum:CRC-32C",
+                "-T",
+                "fields",
+                "-E",
+                "separator=|",
+            ])
+            .args(["-e", "frame.protocols", "-e", "sctp.checksum.status"])
+            .args(["-e", "_ws.malformed", "-e", "_ws.expert.severity"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+/// The capture of a test: SCTP with ASAP inside (and ENRP if `enrp`), nothing malformed, every
+/// checksum good.
+fn assert_clean(frames: &[String], enrp: bool) {
+    let sctp: Vec<&String> = frames.iter().filter(|f| f.contains(":sctp")).collect();
+    let asap = sctp.iter().filter(|f| f.contains(":asap")).count();
+    assert!(
+        asap > 0,
+        "no ASAP decoded in {} frames: {frames:#?}",
+        frames.len()
+    );
+    if enrp {
+        assert!(
+            sctp.iter().any(|f| f.contains(":enrp")),
+            "no ENRP decoded: {frames:#?}"
+        );
+    }
+    let bad: Vec<&&String> = sctp
+        .iter()
+        .filter(|f| {
+            let cols: Vec<&str> = f.split('|').collect();
+            // Checksum status 1 is "Good"; malformed or error-level expert info is bad.
+            cols.get(1)
+                .is_some_and(|c| !c.is_empty() && !c.split(',').all(|s| s == "1"))
+                || cols.get(2).is_some_and(|c| !c.is_empty())
+        })
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "frames with a bad checksum or malformed: {bad:#?}"
+    );
+    eprintln!(
+        "capture: {} SCTP frames, {asap} with ASAP, none malformed",
+        sctp.len()
+    );
+}
+
 #[test]
-fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is_echoed() {
-    if !runnable() {
+fn rsplib_pool_elements_register_at_our_registrar_over_sctp_in_udp() {
+    rsplib_pool_elements_at_our_registrar(Carrier::Udp);
+}
+
+#[test]
+fn rsplib_pool_elements_register_at_our_registrar_over_sctp_on_raw_ip() {
+    rsplib_pool_elements_at_our_registrar(Carrier::Raw);
+}
+
+#[test]
+fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_in_udp() {
+    our_pool_elements_at_rsplibs_registrar(Carrier::Udp);
+}
+
+#[test]
+fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_on_raw_ip() {
+    our_pool_elements_at_rsplibs_registrar(Carrier::Raw);
+}
+
+fn rsplib_pool_elements_at_our_registrar(c: Carrier) {
+    if !runnable(c) {
         return;
     }
     // h0: our registrar; h1, h2: rsplib PEs; h3: rsplib's pool user.
     let net = Net::new(4);
-    let logs = std::env::temp_dir().join(format!("rsplib-interop-{}-a", std::process::id()));
+    let logs = std::env::temp_dir().join(format!(
+        "rsplib-interop-{}-{}-a",
+        std::process::id(),
+        c.build()
+    ));
     std::fs::create_dir_all(&logs).unwrap();
     let reg = &net.names[0];
+    let capture = Capture::start(reg, logs.join("capture.pcapng"));
+    let asap = format!("tcp://192.0.2.1:3863,{}://192.0.2.1:3863", c.scheme());
     let _registrar = Kill(
         Command::new("ip")
             .args(["netns", "exec", reg, BIN, "registrar"])
             .args([
                 "--asap",
-                "tcp://192.0.2.1:3863,sctp+udp://192.0.2.1:3863",
+                &asap,
                 "--enrp",
                 "192.0.2.1:9901",
                 "--keep-alive-interval-ms",
@@ -244,6 +413,7 @@ fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is
     );
     let pe = |i: usize| {
         rsplib(
+            c,
             &net.names[i],
             "rspserver",
             &[
@@ -287,7 +457,7 @@ fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is
     );
 
     // rsplib's pool user resolves through our registrar and is echoed by a PE.
-    let seen = rspterminal(&net.names[3], "hello-from-rsplib");
+    let seen = rspterminal(c, &net.names[3], "hello-from-rsplib");
     assert!(
         seen.contains("from PE") && seen.contains("hello-from-rsplib"),
         "rspterminal echoed through our registrar: {seen:?}"
@@ -313,24 +483,34 @@ fn rsplib_pool_elements_register_at_our_registrar_over_sctp_and_its_pool_user_is
     eprintln!("killed PE removed after {:?}", killed.elapsed());
     let log = std::fs::read_to_string(logs.join("registrar.log")).unwrap();
     assert!(
-        log.contains("ASAP over SCTP on sctp+udp://192.0.2.1:3863"),
+        log.contains(&format!(
+            "ASAP over SCTP on {}://192.0.2.1:3863",
+            c.scheme()
+        )),
         "the registrar says where it listens: {log}"
     );
-    let _ = std::fs::remove_dir_all(&logs);
+    assert_clean(&capture.decode(), false);
+    remove_logs(&logs);
     drop(net);
 }
 
-#[test]
-fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_and_rsplibs_tools_see_them() {
-    if !runnable() {
+fn our_pool_elements_at_rsplibs_registrar(c: Carrier) {
+    if !runnable(c) {
         return;
     }
     // h0: rsplib's registrar; h1, h2: our PEs; h3: pool users, ours and rsplib's, one at a
     // time (each binds UDP 9899 in its namespace).
     let net = Net::new(4);
-    let logs = std::env::temp_dir().join(format!("rsplib-interop-{}-b", std::process::id()));
+    let logs = std::env::temp_dir().join(format!(
+        "rsplib-interop-{}-{}-b",
+        std::process::id(),
+        c.build()
+    ));
     std::fs::create_dir_all(&logs).unwrap();
+    let capture = Capture::start(&net.names[0], logs.join("capture.pcapng"));
+    let registrar_at = format!("{}://192.0.2.1:3863", c.scheme());
     let _registrar = rsplib(
+        c,
         &net.names[0],
         "rspregistrar",
         &[
@@ -341,12 +521,12 @@ fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_and_rsplibs_tools_s
         &logs.join("registrar.log"),
     );
     let pe = |i: usize| {
-        let listen = format!("sctp+udp://{}:7777", Net::addr(i));
+        let listen = format!("{}://{}:7777", c.scheme(), Net::addr(i));
         Kill(
             Command::new("ip")
                 .args(["netns", "exec", &net.names[i], BIN, "example", "echo"])
                 .args(["--listen", &listen, "--pool", "EchoPool"])
-                .args(["--registrar", "sctp+udp://192.0.2.1:3863"])
+                .args(["--registrar", &registrar_at])
                 .env("RUST_LOG", "info")
                 .stdout(Stdio::null())
                 .stderr(std::fs::File::create(logs.join(format!("pe{i}.log"))).unwrap())
@@ -362,7 +542,7 @@ fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_and_rsplibs_tools_s
     let hsdump = || {
         let out = Command::new("timeout")
             .args(["10", "ip", "netns", "exec", pu])
-            .arg(rsplib_bin("hsdump").unwrap())
+            .arg(c.bin("hsdump"))
             .args(["192.0.2.1:9901", "-logcolor=off", "-loglevel=0"])
             .output()
             .unwrap();
@@ -381,7 +561,7 @@ fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_and_rsplibs_tools_s
     );
 
     // Our pool user resolves at rsplib's registrar over SCTP.
-    let (pes, out) = sctp_pes(pu, "sctp+udp://192.0.2.1:3863", "EchoPool");
+    let (pes, out) = sctp_pes(pu, &registrar_at, "EchoPool");
     assert!(
         pes.len() == 2
             && pes.iter().any(|l| l.contains("192.0.2.2:7777"))
@@ -390,7 +570,7 @@ fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_and_rsplibs_tools_s
     );
 
     // rsplib's pool user is echoed by our PEs.
-    let seen = rspterminal(pu, "hello-from-rserpool");
+    let seen = rspterminal(c, pu, "hello-from-rserpool");
     assert!(
         seen.contains("from PE") && seen.contains("hello-from-rserpool"),
         "rspterminal echoed by an rserpool PE: {seen:?}"
@@ -415,6 +595,7 @@ fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_and_rsplibs_tools_s
     );
     let log = std::fs::read_to_string(logs.join("pe1.log")).unwrap();
     assert!(log.contains("deregistered"), "PE 1 deregistered: {log}");
-    let _ = std::fs::remove_dir_all(&logs);
+    assert_clean(&capture.decode(), true);
+    remove_logs(&logs);
     drop(net);
 }
