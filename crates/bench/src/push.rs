@@ -56,8 +56,8 @@ pub fn run(args: PushArgs) -> Result<()> {
     let registrar = |enrp: SocketAddr, peer: Vec<SocketAddr>| -> Result<RegistrarThread> {
         RegistrarThread::start(Config {
             asap: "127.0.0.1:0".parse()?,
-            enrp,
-            peer,
+            enrp: enrp.into(),
+            peer: peer.into_iter().map(Into::into).collect(),
             status: StatusListen::given(None),
             enrp_batch_ms: args.enrp_batch_ms,
             ..Config::default()

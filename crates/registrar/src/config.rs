@@ -95,10 +95,13 @@ settings! {
     max_message_size: usize = 16384;
     /// Bytes queued for a connection that does not read before it is closed.
     max_pending_bytes: usize = 1 << 20;
-    /// ENRP listening address (TCP; PRESENCE also on UDP at the same address).
-    enrp: SocketAddr = SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ENRP_PORT));
-    /// Peer registrars' ENRP addresses (repeatable); others are found by their PRESENCE.
-    peer: Vec<SocketAddr> = Vec::new();
+    /// ENRP listening addresses: one TCP address (PRESENCE also on UDP at the same address)
+    /// and any SCTP ones (`sctp+udp://`, `sctp://`), as for `asap`.
+    enrp: AddressList = AddressList::from(Address::tcp(SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ENRP_PORT))));
+    /// Peer registrars' ENRP addresses (repeatable; `sctp+udp://ADDR` or `sctp://ADDR` for a
+    /// peer reached over SCTP, such as rsplib's registrar); others are found by their
+    /// PRESENCE (and reached over TCP).
+    peer: Vec<Address> = Vec::new();
     /// Take ENRP connections only from the hosts of `peer` (their IP addresses): without TLS,
     /// the defence against a registrar that is not one of the cluster (RFC 5355 §3.2). Every
     /// registrar of the cluster must then list the others.
@@ -215,22 +218,37 @@ impl<'de> serde::Deserialize<'de> for StatusListen {
     }
 }
 
+/// The one TCP address of a list of listening addresses.
+fn one_tcp(name: &str, list: &AddressList) -> Result<SocketAddr, String> {
+    let mut tcp = list.tcp();
+    match (tcp.next(), tcp.next()) {
+        (Some(a), None) => Ok(a),
+        (None, _) => Err(format!(
+            "{name} = {:?} has no TCP address; give one (e.g. tcp://127.0.0.1:0) beside the SCTP ones",
+            list.to_string()
+        )),
+        (Some(_), Some(_)) => Err(format!(
+            "{name} = {:?} has more than one TCP address; a registrar listens on one",
+            list.to_string()
+        )),
+    }
+}
+
 impl Config {
     /// The TCP address of `asap`: there is exactly one (SCTP-only registrars are not built
     /// yet; docs/SCTP.md).
     pub fn asap_tcp(&self) -> Result<SocketAddr, String> {
-        let mut tcp = self.asap.tcp();
-        match (tcp.next(), tcp.next()) {
-            (Some(a), None) => Ok(a),
-            (None, _) => Err(format!(
-                "asap = {:?} has no TCP address; give one (e.g. tcp://127.0.0.1:3863) beside the SCTP ones",
-                self.asap.to_string()
-            )),
-            (Some(_), Some(_)) => Err(format!(
-                "asap = {:?} has more than one TCP address; a registrar listens on one",
-                self.asap.to_string()
-            )),
-        }
+        one_tcp("asap", &self.asap)
+    }
+
+    /// The TCP address of `enrp`, likewise.
+    pub fn enrp_tcp(&self) -> Result<SocketAddr, String> {
+        one_tcp("enrp", &self.enrp)
+    }
+
+    /// The peers' addresses, whatever their transport.
+    pub fn peer_addrs(&self) -> impl Iterator<Item = SocketAddr> + '_ {
+        self.peer.iter().map(|a| a.addr)
     }
 
     /// The TLS files, when TLS is on: all three of `tls-cert`, `tls-key` and `tls-ca`, or none.

@@ -131,11 +131,23 @@ impl Registrar {
     /// from a host not among the configured peers with `enrp-peers-only` (close it).
     pub fn accept_enrp(&mut self, peer: SocketAddr, now: Instant) -> Option<ConnId> {
         let cfg = self.config();
-        if cfg.enrp_peers_only && !cfg.peer.iter().any(|p| p.ip() == peer.ip()) {
+        if cfg.enrp_peers_only && !cfg.peer_addrs().any(|p| p.ip() == peer.ip()) {
             self.conns.refuse_stranger(peer, now);
             return None;
         }
         self.conns.open(peer, true, now)
+    }
+
+    /// Connection `id` is an SCTP association: PRESENCE over it names the SCTP address.
+    pub fn mark_sctp(&mut self, id: ConnId) {
+        if let Some(c) = self.conns.get_mut(id) {
+            c.sctp = true;
+        }
+    }
+
+    /// This registrar's ENRP address over SCTP, named to peers connected over SCTP.
+    pub fn enable_enrp_sctp(&mut self, local: SocketAddr) {
+        self.enrp.local_sctp = Some(local);
     }
 
     /// True for a connection to or from a peer registrar.

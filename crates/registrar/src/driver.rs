@@ -180,9 +180,8 @@ impl Server {
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let sctp_addrs: Vec<_> = cfg.asap.sctp().collect();
         let sctp = if inherited.is_none() {
-            sctp::Sctp::bind(&sctp_addrs, poll.registry())?
+            bind_sctp(&cfg, poll.registry())?
         } else {
             None
         };
@@ -330,6 +329,9 @@ impl Server {
             }
         );
         if let Some(e) = &self.enrp {
+            if let Some(a) = self.cfg.enrp.sctp().next() {
+                core.enable_enrp_sctp(a.addr);
+            }
             core.enable_enrp(e.local, start);
             info!(
                 "ENRP on {} (TCP and UDP), peers: {:?}{}",
@@ -341,9 +343,6 @@ impl Server {
                     String::new()
                 }
             );
-        }
-        if let Some(s) = &self.sctp {
-            s.log_listening();
         }
         let mut ev = EventLoop {
             poll: self.poll,
@@ -499,16 +498,19 @@ impl Enrp {
     /// not an error: the registrar then runs alone (several on one host, as in tests).
     fn bind(cfg: &Config, poll: &Poll) -> io::Result<Option<Self>> {
         let configured = !cfg.peer.is_empty() || cfg.enrp_multicast;
-        let listener = match TcpListener::bind(cfg.enrp) {
+        let at = cfg
+            .enrp_tcp()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let listener = match TcpListener::bind(at) {
             Ok(l) => l,
             Err(e) if !configured && e.kind() == io::ErrorKind::AddrInUse => {
-                info!("ENRP address {} in use: running without ENRP", cfg.enrp);
+                info!("ENRP address {at} in use: running without ENRP");
                 return Ok(None);
             }
             Err(e) => {
                 return Err(io::Error::new(
                     e.kind(),
-                    format!("cannot listen for ENRP on {}: {e}", cfg.enrp),
+                    format!("cannot listen for ENRP on {at}: {e}"),
                 ));
             }
         };
@@ -632,6 +634,13 @@ struct EventLoop {
     csp: Option<csp::CspReporter>,
     observer: Option<Observer>,
     xds: Option<XdsCounterSource>,
+}
+
+/// The SCTP side of the configuration, bound.
+fn bind_sctp(cfg: &Config, registry: &mio::Registry) -> io::Result<Option<sctp::Sctp>> {
+    let asap: Vec<_> = cfg.asap.sctp().collect();
+    let enrp: Vec<_> = cfg.enrp.sctp().collect();
+    sctp::Sctp::bind(&asap, &enrp, &cfg.peer, registry)
 }
 
 /// The connection an action is about.
@@ -1275,7 +1284,13 @@ impl EventLoop {
             match action {
                 Action::Transmit(id) if self.core.is_enrp(id) => self.deferred.push(id),
                 Action::Transmit(id) => self.flush(id),
-                Action::Connect(id, addr) => self.connect(id, addr),
+                Action::Connect(id, addr) => match self.sctp.as_mut() {
+                    Some(s) if s.reaches(addr) => {
+                        let now = elapsed(self.epoch);
+                        s.connect(id, addr, &mut self.core, now);
+                    }
+                    _ => self.connect(id, addr),
+                },
                 Action::Probe(id, addr) => self.probe(id, addr),
                 Action::Close(id) => {
                     if let Some(sock) = self.sock(id.index()) {
@@ -1321,17 +1336,10 @@ impl EventLoop {
     /// Binds the SCTP sockets a predecessor held until now (retried for a moment while it
     /// lets go of them).
     fn bind_sctp_after_predecessor(&mut self) {
-        let addrs: Vec<_> = self.core.config().asap.sctp().collect();
-        if addrs.is_empty() {
-            return;
-        }
         let start = std::time::Instant::now();
         loop {
-            match sctp::Sctp::bind(&addrs, self.poll.registry()) {
+            match bind_sctp(self.core.config(), self.poll.registry()) {
                 Ok(s) => {
-                    if let Some(s) = &s {
-                        s.log_listening();
-                    }
                     self.sctp = s;
                     return;
                 }

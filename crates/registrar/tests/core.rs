@@ -313,7 +313,7 @@ fn a_resolution_larger_than_a_message_is_halved_until_it_fits() {
 fn a_synchronising_registrar_does_not_deny_a_pool() {
     let mut r = Registrar::new(
         Config {
-            peer: vec![peer(29_999)],
+            peer: vec![peer(29_999).into()],
             mentor_discovery_ms: 1000,
             ..cfg()
         },

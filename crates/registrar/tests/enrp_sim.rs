@@ -144,7 +144,7 @@ struct Sim {
 
 fn config(n: usize) -> Config {
     Config {
-        peer: (0..n).map(enrp_addr).collect(),
+        peer: (0..n).map(enrp_addr).map(Into::into).collect(),
         peer_heartbeat_ms: 500,
         max_time_last_heard_ms: 1200,
         max_time_no_response_ms: 1000,

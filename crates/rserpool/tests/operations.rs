@@ -194,7 +194,7 @@ async fn metrics_are_valid_openmetrics_and_prometheus_text_and_count_what_happen
 async fn grafana_dashboards_use_only_metrics_that_exist() {
     let r1 = registrar(fast_config());
     let r2 = registrar(rserpool_registrar::Config {
-        peer: vec![r1.enrp_addr().unwrap()],
+        peer: vec![r1.enrp_addr().unwrap().into()],
         ..fast_config()
     });
     let r = r1.asap_addr().to_string();

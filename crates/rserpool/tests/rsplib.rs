@@ -599,3 +599,111 @@ fn our_pool_elements_at_rsplibs_registrar(c: Carrier) {
     remove_logs(&logs);
     drop(net);
 }
+
+#[test]
+fn our_registrar_and_rsplibs_form_one_enrp_cluster_over_sctp_in_udp() {
+    one_enrp_cluster(Carrier::Udp);
+}
+
+#[test]
+fn our_registrar_and_rsplibs_form_one_enrp_cluster_over_sctp_on_raw_ip() {
+    one_enrp_cluster(Carrier::Raw);
+}
+
+/// `rserpool registrar` and `rspregistrar` peers over ENRP on SCTP: an rsplib PE registered at
+/// each, both resolvable at both (`rserpool resolve` at ours, `hsdump` at rsplib's).
+fn one_enrp_cluster(c: Carrier) {
+    if !runnable(c) {
+        return;
+    }
+    // h0: our registrar; h1: rsplib's; h2, h3: rsplib PEs, one at each; h4: hsdump.
+    let net = Net::new(5);
+    let logs = std::env::temp_dir().join(format!(
+        "rsplib-interop-{}-{}-c",
+        std::process::id(),
+        c.build()
+    ));
+    std::fs::create_dir_all(&logs).unwrap();
+    let capture = Capture::start(&net.names[0], logs.join("capture.pcapng"));
+    let s = c.scheme();
+    let _ours = Kill(
+        Command::new("ip")
+            .args(["netns", "exec", &net.names[0], BIN, "registrar"])
+            .args([
+                "--asap",
+                &format!("tcp://192.0.2.1:3863,{s}://192.0.2.1:3863"),
+            ])
+            .args([
+                "--enrp",
+                &format!("tcp://192.0.2.1:9901,{s}://192.0.2.1:9901"),
+            ])
+            .args(["--peer", &format!("{s}://192.0.2.2:9901")])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(logs.join("registrar.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let _theirs = rsplib(
+        c,
+        &net.names[1],
+        "rspregistrar",
+        &[
+            "-asap=192.0.2.2:3863",
+            "-enrp=192.0.2.2:9901",
+            "-peer=192.0.2.1:9901",
+            "-disable-ipv6",
+        ],
+        &logs.join("rspregistrar.log"),
+    );
+    let pe = |i: usize, registrar: &str| {
+        rsplib(
+            c,
+            &net.names[i],
+            "rspserver",
+            &[
+                "-echo",
+                "-poolhandle=EchoPool",
+                &format!("-registrar={registrar}"),
+                &format!("-local={}:7777", Net::addr(i)),
+            ],
+            &logs.join(format!("pe{i}.log")),
+        )
+    };
+    // 192.0.2.3 registers at rsplib's registrar, 192.0.2.4 at ours.
+    let _pe_theirs = pe(2, "192.0.2.2:3863");
+    let _pe_ours = pe(3, "192.0.2.1:3863");
+    wait_until(
+        "both PEs resolvable at our registrar",
+        Duration::from_secs(30),
+        || {
+            let (pes, out) = sctp_pes(&net.names[0], "192.0.2.1:3863", "EchoPool");
+            let both = pes.iter().any(|l| l.contains("192.0.2.3:7777"))
+                && pes.iter().any(|l| l.contains("192.0.2.4:7777"));
+            (both, out)
+        },
+    );
+    wait_until(
+        "both PEs in rsplib's registrar's handlespace",
+        Duration::from_secs(30),
+        || {
+            let out = Command::new("timeout")
+                .args(["10", "ip", "netns", "exec", &net.names[4]])
+                .arg(c.bin("hsdump"))
+                .args(["192.0.2.2:9901", "-logcolor=off", "-loglevel=0"])
+                .output()
+                .unwrap();
+            let out = String::from_utf8_lossy(&out.stdout).into_owned();
+            let ok = out.contains("{192.0.2.3} 7777/SCTP") && out.contains("{192.0.2.4} 7777/SCTP");
+            (ok, out)
+        },
+    );
+    let log = std::fs::read_to_string(logs.join("rspregistrar.log")).unwrap_or_default();
+    assert!(
+        !log.contains("rejecting request") && !log.contains("no usable ENRP endpoint"),
+        "rsplib's registrar took our registrar as a peer: {log}"
+    );
+    assert_clean(&capture.decode(), true);
+    remove_logs(&logs);
+    drop(net);
+}

@@ -279,6 +279,7 @@ async fn run(
                     id,
                     peer,
                     local_port,
+                    ..
                 } => {
                     let Some(cmd) = handles.upgrade() else { break };
                     let (tx, rx) = mpsc::unbounded_channel();

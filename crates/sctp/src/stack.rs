@@ -27,8 +27,11 @@ pub enum StackEvent {
     /// A peer's association to one of our listening ports is up.
     Accepted {
         id: AssocId,
+        /// The peer's address as datagrams come from it (with its UDP port, or 0 on raw IP).
         peer: SocketAddr,
         local_port: u16,
+        /// The peer's SCTP port.
+        peer_port: u16,
     },
     /// An association we opened is up.
     Connected(AssocId),
@@ -179,6 +182,12 @@ impl Stack {
         self.assocs.get(&id).map(|e| e.assoc.state())
     }
 
+    /// The association with `peer` between these SCTP ports, if there is one (opened by
+    /// either end): SCTP allows one per pair of endpoints.
+    pub fn find(&self, peer: SocketAddr, local_port: u16, peer_port: u16) -> Option<AssocId> {
+        self.by_key.get(&(peer, local_port, peer_port)).copied()
+    }
+
     /// Payload bytes sent on the association and not yet acknowledged (0 when it is gone).
     pub fn buffered(&self, id: AssocId) -> usize {
         self.assocs.get(&id).map_or(0, |e| e.assoc.buffered())
@@ -233,7 +242,7 @@ impl Stack {
         let Some(e) = self.assocs.get_mut(&id) else {
             return;
         };
-        let (peer, local_port, _) = e.key;
+        let (peer, local_port, peer_port) = e.key;
         while let Some(p) = e.assoc.poll_transmit(now) {
             self.out.push_back((peer, p.encode()));
         }
@@ -244,6 +253,7 @@ impl Stack {
                     id,
                     peer,
                     local_port,
+                    peer_port,
                 },
                 Event::Connected => StackEvent::Connected(id),
                 Event::Message(m) => StackEvent::Message(id, m),

@@ -59,7 +59,7 @@ pub fn pool_of(k: usize) -> PoolHandle {
 
 pub fn registrar_config(n: usize) -> Config {
     Config {
-        peer: (0..n).map(enrp_addr).collect(),
+        peer: (0..n).map(enrp_addr).map(Into::into).collect(),
         peer_heartbeat_ms: PEER_HEARTBEAT_MS,
         max_time_last_heard_ms: MAX_TIME_LAST_HEARD_MS,
         max_time_no_response_ms: MAX_TIME_NO_RESPONSE_MS,

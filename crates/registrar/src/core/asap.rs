@@ -590,7 +590,7 @@ impl Asap {
         now: Instant,
     ) {
         let Some(c) = out.get(id) else { return };
-        let peer = c.peer;
+        let (peer, over_sctp) = (c.peer, c.sctp);
         let pes_here = c.pes.len();
         let pe_id = pe.id;
         if self.cfg.tls_cert.is_some() && !c.authenticated {
@@ -637,10 +637,11 @@ impl Asap {
             *credits = *capacity;
         }
         pe.home_registrar = self.id;
-        pe.asap_transport = Some(TransportAddress::tcp(asap_transport(
-            pe.asap_transport.as_ref(),
-            peer,
-        )));
+        let mut asap = TransportAddress::tcp(asap_transport(pe.asap_transport.as_ref(), peer));
+        if over_sctp {
+            asap.protocol = rserpool_wire::Protocol::Sctp { transport_use: 0 };
+        }
+        pe.asap_transport = Some(asap);
         // RFC 5354: seconds; -1 (or any value below 1) means infinite.
         let expiry = lifetime_expiry(pe.registration_life, now);
         // RFC 5355 §3.5: a PE that changes its policy faster than `max-rereg-rate` would make

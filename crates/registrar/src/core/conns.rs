@@ -100,6 +100,8 @@ pub(super) struct Conn {
     pub(super) refused_in_a_row: u32,
     /// An [`Action::CheckDelivery`] is out, not answered yet.
     delivery_asked: bool,
+    /// An SCTP association (the driver says so), not a TCP connection.
+    pub(super) sctp: bool,
 }
 
 /// The connection table and the outbox.
@@ -258,6 +260,7 @@ impl Conns {
             authenticated: false,
             refused_in_a_row: 0,
             delivery_asked: false,
+            sctp: false,
         };
         let idx = match self.free.pop() {
             Some(i) => {
@@ -366,6 +369,10 @@ impl Conns {
 
     pub(super) fn len(&self) -> usize {
         self.count
+    }
+
+    pub(super) fn is_sctp(&self, id: ConnId) -> bool {
+        self.get(id).is_some_and(|c| c.sctp)
     }
 
     pub(super) fn is_enrp(&self, id: ConnId) -> bool {

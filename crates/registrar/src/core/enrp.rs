@@ -174,6 +174,9 @@ pub(super) struct Enrp {
     id: u32,
     /// Our ENRP address, announced in Server Information; `None` until ENRP is enabled.
     local: Option<SocketAddr>,
+    /// Our ENRP address over SCTP, announced instead to peers connected over SCTP (rsplib's
+    /// registrar uses only an SCTP address it is given).
+    pub(super) local_sctp: Option<SocketAddr>,
     peers: Vec<Peer>,
     /// Peers taken over lately (by us or another), and when. One that was only cut off comes
     /// back still claiming the PEs that moved to their new home, until its keep-alives to them
@@ -203,6 +206,7 @@ impl Enrp {
             cfg,
             id,
             local: None,
+            local_sctp: None,
             peers: Vec::new(),
             taken_over: Vec::new(),
             taken_over_by: None,
@@ -225,7 +229,7 @@ impl Enrp {
         now: Instant,
     ) {
         self.local = Some(local);
-        for addr in self.cfg.peer.clone() {
+        for addr in self.cfg.peer_addrs().collect::<Vec<_>>() {
             if addr != local && !self.peers.iter().any(|p| p.addr == addr) {
                 self.add_peer(0, addr, hs, out, now);
             }
@@ -323,16 +327,28 @@ impl Enrp {
             return;
         };
         self.peers[i].conn = Some(conn);
+        // A peer configured with an SCTP address is reached over SCTP (the driver sees to it).
+        let sctp = self
+            .cfg
+            .peer
+            .iter()
+            .any(|p| p.addr == addr && p.scheme.is_sctp());
+        if let Some(c) = out.get_mut(conn).filter(|_| sctp) {
+            c.sctp = true;
+        }
         // Introduce ourselves; the peer answers with its own PRESENCE.
-        let msg = self.presence(self.peers[i].id, true, hs);
+        let msg = self.presence(self.peers[i].id, true, hs, sctp);
         out.send_enrp(conn, &msg, now);
     }
 
+    /// A PRESENCE for `receiver` (0: anyone), naming our address over SCTP when it travels
+    /// over SCTP.
     fn presence(
         &self,
         receiver: u32,
         reply_required: bool,
         hs: &impl HandlespaceView,
+        over_sctp: bool,
     ) -> EnrpMessage {
         EnrpMessage {
             sender: self.id,
@@ -342,7 +358,13 @@ impl Enrp {
                 checksum: Some(hs.checksum(self.id)),
                 server_info: self.local.map(|a| ServerInformation {
                     server_id: self.id,
-                    transport: TransportAddress::tcp(a),
+                    transport: match self.local_sctp.filter(|_| over_sctp) {
+                        Some(s) => TransportAddress {
+                            protocol: rserpool_wire::Protocol::Sctp { transport_use: 0 },
+                            ..TransportAddress::tcp(s)
+                        },
+                        None => TransportAddress::tcp(a),
+                    },
                 }),
             },
         }
@@ -362,6 +384,14 @@ impl Enrp {
     }
 
     /// Sends `msg` to every peer, encoded once.
+    /// A PRESENCE to every connected peer, each naming the address of its transport.
+    fn send_presence_all(&self, hs: &impl HandlespaceView, out: &mut Conns, now: Instant) {
+        for conn in self.peers.iter().filter_map(|p| p.conn) {
+            let msg = self.presence(0, false, hs, out.is_sctp(conn));
+            out.send_enrp(conn, &msg, now);
+        }
+    }
+
     fn send_all(&self, msg: &EnrpMessage, out: &mut Conns, now: Instant) {
         self.send_where(msg, |_| true, out, now);
     }
@@ -501,8 +531,13 @@ impl Enrp {
                 self.connect_peer(i, hs, out, now);
             }
         }
-        let msg = self.presence(0, false, hs);
-        self.send_all(&msg, out, now);
+        let msg = self.presence(0, false, hs, false);
+        if self.local_sctp.is_some() {
+            self.send_presence_all(hs, out, now);
+        } else {
+            // Encoded once for all.
+            self.send_all(&msg, out, now);
+        }
         if self.cfg.enrp_multicast
             && let Ok(bytes) = msg.to_bytes()
         {
@@ -574,7 +609,7 @@ impl Enrp {
         match conn {
             None => self.connect_peer(i, hs, out, now),
             Some(conn) => {
-                let msg = self.presence(id, true, hs);
+                let msg = self.presence(id, true, hs, out.is_sctp(conn));
                 out.send_enrp(conn, &msg, now);
             }
         }
@@ -691,11 +726,9 @@ impl Enrp {
                 ..
             } => {
                 self.peers[i].checksum = checksum;
-                if reply_required {
-                    let reply = self.presence(sender, false, hs);
-                    if let Some(conn) = self.peers[i].conn {
-                        out.send_enrp(conn, &reply, now);
-                    }
+                if reply_required && let Some(conn) = self.peers[i].conn {
+                    let reply = self.presence(sender, false, hs, out.is_sctp(conn));
+                    out.send_enrp(conn, &reply, now);
                 }
                 self.choose_mentor(i, out, now);
                 if let Some(c) = checksum {
@@ -1131,8 +1164,7 @@ impl Enrp {
     ) {
         if target == self.id {
             info!("registrar {sender:#010x} believes this one dead: announcing PRESENCE");
-            let msg = self.presence(0, false, hs);
-            self.send_all(&msg, out, now);
+            self.send_presence_all(hs, out, now);
             return;
         }
         if let Some(t) = self.peer_index(target) {
@@ -1235,8 +1267,7 @@ impl Enrp {
             warn!(
                 "registrar {sender:#010x} took over this registrar: {moved} PE(s) whose associations closed are its now; announcing PRESENCE"
             );
-            let msg = self.presence(0, false, hs);
-            self.send_all(&msg, out, now);
+            self.send_presence_all(hs, out, now);
             return;
         }
         info!(
@@ -1344,7 +1375,9 @@ impl Enrp {
         if self.mentor == Some(p.id) {
             self.mentor = None;
         }
-        if self.cfg.peer.contains(&p.addr) && !self.peers.iter().any(|q| q.addr == p.addr) {
+        if self.cfg.peer_addrs().any(|a| a == p.addr)
+            && !self.peers.iter().any(|q| q.addr == p.addr)
+        {
             self.peers.push(Peer::new(0, p.addr, now));
         }
     }

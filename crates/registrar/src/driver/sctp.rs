@@ -1,7 +1,11 @@
-//! ASAP over SCTP in the registrar's event loop, as RFC 5352 runs it (PPID 11): one socket per
-//! `sctp+udp://` address (SCTP in UDP, RFC 6951) or `sctp://` address (IP protocol 132 on a
-//! raw socket, for hosts whose kernel has no SCTP; needs root), each with the user-space SCTP
-//! stack of `rserpool-sctp` behind it.
+//! ASAP and ENRP over SCTP in the registrar's event loop, as RFC 5352 and RFC 5353 run them
+//! (PPIDs 11 and 12): a socket per local carrier — a UDP address for `sctp+udp://` (SCTP in
+//! UDP, RFC 6951), an IP address for `sctp://` (IP protocol 132 on a raw socket, for hosts
+//! whose kernel has no SCTP; needs root) — each with the user-space SCTP stack of
+//! `rserpool-sctp` behind it, listening on the ASAP and ENRP ports given for it. SCTP over UDP
+//! puts a host's associations behind one UDP port, so ASAP and ENRP on the same address share
+//! one socket. Associations to peer registrars configured with an SCTP address are opened here
+//! too, from our ENRP port.
 //!
 //! To the core an association is a connection like a TCP one. SCTP keeps message boundaries,
 //! so each message read is whole, and the core's output (messages back to back) is cut at the
@@ -14,7 +18,7 @@ use bytes::Bytes;
 use mio::{Interest, Registry, Token};
 use rserpool_sctp::stack::AssocId;
 use rserpool_sctp::{Stack, StackEvent};
-use rserpool_wire::{ASAP_PPID, Address, Scheme};
+use rserpool_wire::{ASAP_PPID, Address, ENRP_PPID, Scheme};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::HashMap;
 use std::io;
@@ -66,7 +70,19 @@ impl Io {
 struct SctpSocket {
     io: Io,
     stack: Stack,
-    local: Address,
+    /// The carrier: the scheme, and the local UDP address (or IP address with port 0).
+    scheme: Scheme,
+    at: SocketAddr,
+    /// Listening SCTP ports and whether each is ENRP's.
+    ports: Vec<(u16, bool)>,
+}
+
+/// Where an address's SCTP travels: its scheme and the local socket address to bind for it.
+fn carrier(a: &Address) -> (Scheme, SocketAddr) {
+    match a.scheme {
+        Scheme::SctpUdp { udp_port } => (a.scheme, SocketAddr::new(a.addr.ip(), udp_port)),
+        _ => (a.scheme, SocketAddr::new(a.addr.ip(), 0)),
+    }
 }
 
 /// The registrar's SCTP sockets and the associations on them.
@@ -76,6 +92,14 @@ pub(super) struct Sctp {
     by_assoc: HashMap<(usize, AssocId), ConnId>,
     /// Connections whose output waits for room in their association.
     waiting: Vec<ConnId>,
+    /// Associations we opened, until they are up.
+    connecting: HashMap<(usize, AssocId), ConnId>,
+    /// Configured peer registrars reached over SCTP.
+    peers: HashMap<SocketAddr, Scheme>,
+    /// Connections the core opened to a peer that had already opened the association
+    /// between our ENRP ports (SCTP has one per pair of endpoints): they share it with the
+    /// accepted connection, which receives.
+    aliases: HashMap<(usize, AssocId), Vec<ConnId>>,
     buf: Box<[u8]>,
     log_at: Option<Instant>,
 }
@@ -86,10 +110,7 @@ fn bind(a: &Address) -> io::Result<Io> {
         Scheme::SctpUdp { udp_port } => {
             let at = SocketAddr::new(a.addr.ip(), udp_port);
             let s = std::net::UdpSocket::bind(at).map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("cannot listen for ASAP on {a}: UDP {at}: {e}"),
-                )
+                io::Error::new(e.kind(), format!("cannot listen on {a}: UDP {at}: {e}"))
             })?;
             s.set_nonblocking(true)?;
             Ok(Io {
@@ -103,7 +124,7 @@ fn bind(a: &Address) -> io::Result<Io> {
             if Socket::new(domain, Type::STREAM, Some(Protocol::from(IPPROTO_SCTP))).is_ok() {
                 // The kernel would answer every association our raw socket sees with an ABORT.
                 return Err(io::Error::other(format!(
-                    "cannot listen for ASAP on {a}: this host's kernel has SCTP, which rserpool \
+                    "cannot listen on {a}: this host's kernel has SCTP, which rserpool \
                      does not use yet; listen on sctp+udp:// instead (docs/SCTP.md)"
                 )));
             }
@@ -112,7 +133,7 @@ fn bind(a: &Address) -> io::Result<Io> {
                     io::Error::new(
                         e.kind(),
                         format!(
-                            "cannot listen for ASAP on {a}: a raw socket for SCTP needs root \
+                            "cannot listen on {a}: a raw socket for SCTP needs root \
                              (CAP_NET_RAW): {e}; sctp+udp:// needs no privilege"
                         ),
                     )
@@ -129,39 +150,128 @@ fn bind(a: &Address) -> io::Result<Io> {
 }
 
 impl Sctp {
-    /// Binds every SCTP address of `addrs` and watches its socket; `None` without any.
-    pub(super) fn bind(addrs: &[Address], registry: &Registry) -> io::Result<Option<Self>> {
-        if addrs.is_empty() {
+    /// Binds a socket per carrier of the SCTP addresses of `asap` and `enrp` and watches it;
+    /// `peers` are the peer registrars to reach over SCTP. `None` without any SCTP address.
+    pub(super) fn bind(
+        asap: &[Address],
+        enrp: &[Address],
+        peers: &[Address],
+        registry: &Registry,
+    ) -> io::Result<Option<Self>> {
+        if asap.is_empty() && enrp.is_empty() {
             return Ok(None);
         }
-        if addrs.len() > MAX_SOCKETS {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("at most {MAX_SOCKETS} SCTP addresses to listen on"),
-            ));
-        }
-        let mut sockets = Vec::with_capacity(addrs.len());
-        for (k, a) in addrs.iter().enumerate() {
-            let mut io = bind(a)?;
-            let token = Token(FIRST_TOKEN - k);
-            registry.register(&mut io.socket, token, Interest::READABLE)?;
-            let mut stack =
-                Stack::with_os_randomness(rserpool_sctp::Config::default(), Instant::now());
-            stack.listen(a.addr.port());
-            sockets.push(SctpSocket {
-                io,
-                stack,
-                local: *a,
-            });
+        let mut sockets: Vec<SctpSocket> = Vec::new();
+        let roles = asap.iter().map(|a| (a, false));
+        for (a, is_enrp) in roles.chain(enrp.iter().map(|a| (a, true))) {
+            let (scheme, at) = carrier(a);
+            let k = match sockets
+                .iter()
+                .position(|s| s.scheme == scheme && s.at == at)
+            {
+                Some(k) => k,
+                None => {
+                    if sockets.len() == MAX_SOCKETS {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidInput,
+                            format!("at most {MAX_SOCKETS} SCTP carriers to listen on"),
+                        ));
+                    }
+                    let mut io = bind(a)?;
+                    let token = Token(FIRST_TOKEN - sockets.len());
+                    registry.register(&mut io.socket, token, Interest::READABLE)?;
+                    let stack =
+                        Stack::with_os_randomness(rserpool_sctp::Config::default(), Instant::now());
+                    sockets.push(SctpSocket {
+                        io,
+                        stack,
+                        scheme,
+                        at,
+                        ports: Vec::new(),
+                    });
+                    sockets.len() - 1
+                }
+            };
+            let s = &mut sockets[k];
+            if s.ports.iter().any(|(p, _)| *p == a.addr.port()) {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{a}: ASAP and ENRP need SCTP ports of their own"),
+                ));
+            }
+            s.stack.listen(a.addr.port());
+            s.ports.push((a.addr.port(), is_enrp));
+            info!("{} over SCTP on {a}", if is_enrp { "ENRP" } else { "ASAP" });
         }
         Ok(Some(Self {
             sockets,
             by_conn: HashMap::new(),
             by_assoc: HashMap::new(),
             waiting: Vec::new(),
+            connecting: HashMap::new(),
+            aliases: HashMap::new(),
+            peers: peers
+                .iter()
+                .filter(|p| p.scheme.is_sctp())
+                .map(|p| (p.addr, p.scheme))
+                .collect(),
             buf: vec![0; DATAGRAM].into_boxed_slice(),
             log_at: None,
         }))
+    }
+
+    /// Whether the core's connection to `addr` (a peer registrar) goes over SCTP.
+    pub(super) fn reaches(&self, addr: SocketAddr) -> bool {
+        self.peers.contains_key(&addr)
+    }
+
+    /// Opens the association the core asked for as `id` to the peer registrar at `addr`; the
+    /// core hears of it as of a TCP connection (connected, or closed).
+    pub(super) fn connect(
+        &mut self,
+        id: ConnId,
+        addr: SocketAddr,
+        core: &mut Registrar,
+        now: crate::core::Instant,
+    ) {
+        let Some(&scheme) = self.peers.get(&addr) else {
+            return core.handle_close(id, now);
+        };
+        let peer = match scheme {
+            Scheme::SctpUdp { udp_port } => SocketAddr::new(addr.ip(), udp_port),
+            _ => SocketAddr::new(addr.ip(), 0),
+        };
+        // A socket of the same carrier and address family.
+        let Some(k) = self.sockets.iter().position(|s| {
+            std::mem::discriminant(&s.scheme) == std::mem::discriminant(&scheme)
+                && s.at.is_ipv4() == addr.is_ipv4()
+        }) else {
+            warn!("no SCTP socket to reach the peer registrar at {addr} from; listen on one");
+            return core.handle_close(id, now);
+        };
+        let s = &mut self.sockets[k];
+        // From our ENRP port, as a kernel SCTP socket bound to it would: rsplib's registrar
+        // takes a peer's PRESENCE only over an association from the address it names.
+        let Some(local_port) = s.ports.iter().find(|(_, e)| *e).map(|(p, _)| *p) else {
+            warn!("no ENRP port over SCTP to reach the peer registrar at {addr} from");
+            return core.handle_close(id, now);
+        };
+        if let Some(existing) = s.stack.find(peer, local_port, addr.port()) {
+            core.mark_sctp(id);
+            self.by_conn.insert(id, (k, existing));
+            self.aliases.entry((k, existing)).or_default().push(id);
+            if !self.connecting.contains_key(&(k, existing)) {
+                core.handle_connected(id, now);
+            }
+            return;
+        }
+        let assoc = s
+            .stack
+            .connect(peer, local_port, addr.port(), Instant::now());
+        core.mark_sctp(id);
+        self.connecting.insert((k, assoc), id);
+        self.by_conn.insert(id, (k, assoc));
+        self.by_assoc.insert((k, assoc), id);
     }
 
     /// The socket a token stands for.
@@ -210,41 +320,70 @@ impl Sctp {
         };
         while let Some(ev) = s.stack.poll_event() {
             match ev {
-                StackEvent::Accepted { id, peer, .. } => match core.accept(peer, now) {
-                    Some(c) => {
-                        self.by_conn.insert(c, (k, id));
-                        self.by_assoc.insert((k, id), c);
+                StackEvent::Accepted {
+                    id,
+                    peer,
+                    local_port,
+                    peer_port,
+                } => {
+                    // To the core, an association's peer is its address and SCTP port.
+                    let peer = SocketAddr::new(peer.ip(), peer_port);
+                    let enrp = s.ports.iter().any(|&(p, e)| p == local_port && e);
+                    let accepted = if enrp {
+                        core.accept_enrp(peer, now)
+                    } else {
+                        core.accept(peer, now)
+                    };
+                    match accepted {
+                        Some(c) => {
+                            core.mark_sctp(c);
+                            self.by_conn.insert(c, (k, id));
+                            self.by_assoc.insert((k, id), c);
+                        }
+                        // Over the connection limit or a stranger; the core logged it.
+                        None => s.stack.abort(id, "refused"),
                     }
-                    // Over the connection limit; the core logged it.
-                    None => s.stack.abort(id, "over the connection limit"),
-                },
-                StackEvent::Connected(_) => {}
+                }
+                StackEvent::Connected(id) => {
+                    if let Some(c) = self.connecting.remove(&(k, id)) {
+                        core.handle_connected(c, now);
+                    }
+                }
                 StackEvent::Message(id, m) => {
                     let Some(&c) = self.by_assoc.get(&(k, id)) else {
                         continue;
                     };
-                    if m.ppid == ASAP_PPID {
+                    let want = if core.is_enrp(c) {
+                        ENRP_PPID
+                    } else {
+                        ASAP_PPID
+                    };
+                    if m.ppid == want {
                         core.handle_data(c, &m.data, now);
                     } else if self.log_at.is_none_or(|t| t.elapsed() >= LOG_INTERVAL) {
                         self.log_at = Some(Instant::now());
                         warn!(
-                            "{}: ignored a message with PPID {} on the ASAP port (ASAP is 11)",
+                            "{}: ignored a message with PPID {} (expected {want})",
                             core.peer(c).map(|p| p.to_string()).unwrap_or_default(),
                             m.ppid
                         );
                     }
                 }
                 StackEvent::Closed(id, why) => {
-                    let Some(c) = self.by_assoc.remove(&(k, id)) else {
-                        continue;
-                    };
-                    self.by_conn.remove(&c);
+                    self.connecting.remove(&(k, id));
+                    let aliases = self.aliases.remove(&(k, id)).unwrap_or_default();
+                    let primary = self.by_assoc.remove(&(k, id));
                     let by_peer = why.as_deref().is_none_or(|w| w == "the peer aborted");
-                    if by_peer {
-                        core.handle_closed_by_peer(c, now);
-                    } else {
+                    if !by_peer {
                         tracing::debug!("association closed: {why:?}");
-                        core.handle_close(c, now);
+                    }
+                    for c in primary.into_iter().chain(aliases) {
+                        self.by_conn.remove(&c);
+                        if by_peer {
+                            core.handle_closed_by_peer(c, now);
+                        } else {
+                            core.handle_close(c, now);
+                        }
                     }
                 }
             }
@@ -269,7 +408,12 @@ impl Sctp {
                 return;
             };
             let msg = Bytes::copy_from_slice(&out[..len]);
-            if s.stack.send(assoc, 0, ASAP_PPID, msg).is_err() {
+            let ppid = if core.is_enrp(id) {
+                ENRP_PPID
+            } else {
+                ASAP_PPID
+            };
+            if s.stack.send(assoc, 0, ppid, msg).is_err() {
                 return; // Closing: its Closed event tells the core.
             }
             core.consume_output(id, len);
@@ -293,7 +437,16 @@ impl Sctp {
         let Some((k, assoc)) = self.by_conn.remove(&id) else {
             return;
         };
+        if let Some(a) = self.aliases.get_mut(&(k, assoc))
+            && let Some(i) = a.iter().position(|c| *c == id)
+        {
+            // The association lives on for the connection that shares it.
+            a.swap_remove(i);
+            return;
+        }
         self.by_assoc.remove(&(k, assoc));
+        self.connecting.remove(&(k, assoc));
+        // Connections sharing it end with it (its Closed event finds them).
         if let Some(s) = self.sockets.get_mut(k) {
             if abort {
                 s.stack.abort(assoc, "closed by the registrar");
@@ -363,12 +516,8 @@ impl Sctp {
         }
         self.by_assoc.clear();
         self.by_conn.clear();
+        self.connecting.clear();
+        self.aliases.clear();
         self.transmit();
-    }
-
-    pub(super) fn log_listening(&self) {
-        for s in &self.sockets {
-            info!("ASAP over SCTP on {}", s.local);
-        }
     }
 }

@@ -59,6 +59,7 @@ pub fn check(text: &str, kind: Option<&str>) -> (&'static str, Vec<ConfigProblem
         problems::<rserpool_registrar::Config>(text, |c| {
             let mut out = Vec::new();
             out.extend(c.asap_tcp().err());
+            out.extend(c.enrp_tcp().err());
             match c.tls_files() {
                 Err(e) => out.push(e),
                 Ok(Some(f)) => out.extend(rserpool_tls::Tls::load(&f).err().map(|e| e.to_string())),
