@@ -145,6 +145,11 @@ impl Registrar {
         }
     }
 
+    /// Whether connection `id` is (or is to be opened as) an SCTP association.
+    pub fn is_sctp(&self, id: ConnId) -> bool {
+        self.conns.is_sctp(id)
+    }
+
     /// This registrar's ENRP address over SCTP, named to peers connected over SCTP.
     pub fn enable_enrp_sctp(&mut self, local: SocketAddr) {
         self.enrp.local_sctp = Some(local);

