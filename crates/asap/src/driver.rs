@@ -60,6 +60,8 @@ pub(crate) struct Conns {
     tls: Option<std::sync::Arc<Tls>>,
     /// Registrars reached over SCTP (the others over TCP).
     schemes: BTreeMap<SocketAddr, Scheme>,
+    /// Where associations opened to our registrar associations' ports go (a PE's takeovers).
+    sctp_takeovers: Option<mpsc::UnboundedSender<crate::sctp::Association>>,
 }
 
 impl Conns {
@@ -78,6 +80,7 @@ impl Conns {
             epoch: std::time::Instant::now(),
             tls,
             schemes,
+            sctp_takeovers: None,
         })
     }
 
@@ -125,6 +128,7 @@ impl Conns {
                         Address { scheme, addr },
                         rx,
                         self.events_tx.clone(),
+                        self.sctp_takeovers.clone(),
                     ));
                 }
                 None => self.spawn(id, Target::Connect(addr)),
@@ -142,6 +146,23 @@ impl Conns {
             Action::Event(e) => return Some(e),
         }
         None
+    }
+
+    /// From now on, associations a registrar opens to the port of one of our SCTP registrar
+    /// associations (to take this PE over) arrive on the returned channel.
+    pub(crate) fn take_sctp_takeovers(
+        &mut self,
+    ) -> mpsc::UnboundedReceiver<crate::sctp::Association> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.sctp_takeovers = Some(tx);
+        rx
+    }
+
+    /// Serves an SCTP association accepted for the core as `id`.
+    pub(crate) fn adopt_sctp(&mut self, id: ConnId, assoc: crate::sctp::Association) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.out.insert(id, tx);
+        tokio::spawn(crate::sctp::relay(id, assoc, rx, self.events_tx.clone()));
     }
 
     /// Serves a connection accepted for the core as `id`.

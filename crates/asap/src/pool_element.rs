@@ -301,6 +301,7 @@ impl Driver {
     async fn run(mut self, listener: Option<tokio::net::TcpListener>) {
         let (accepted_tx, mut accepted) = mpsc::channel(4);
         let _accepting = listener.map(|l| Guard(tokio::spawn(accept_takeovers(l, accepted_tx))));
+        let mut sctp_takeovers = self.conns.take_sctp_takeovers();
         loop {
             self.carry_out();
             if self.core.is_stopped() {
@@ -313,6 +314,11 @@ impl Driver {
                     let now = self.now();
                     let c = self.core.accept(peer, now);
                     self.conns.adopt(c, stream);
+                }
+                Some(a) = sctp_takeovers.recv() => {
+                    let now = self.now();
+                    let c = self.core.accept(a.peer(), now);
+                    self.conns.adopt_sctp(c, a);
                 }
                 r = self.desired.changed() => {
                     let now = self.now();

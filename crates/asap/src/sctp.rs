@@ -57,26 +57,60 @@ pub async fn connect(to: &Address) -> io::Result<Association> {
 }
 
 /// One registrar association: connects, then carries messages both ways until either end
-/// closes. Like the TCP connections' task in `driver.rs`, it reports to `events`.
+/// closes. Like the TCP connections' task in `driver.rs`, it reports to `events`. With
+/// `takeovers`, associations that a registrar taking over opens to the port of this one (where
+/// registrars reach a PE that registered over SCTP) are handed there.
 pub(crate) async fn serve(
     id: ConnId,
     to: Address,
     mut rx: mpsc::UnboundedReceiver<Out>,
     events: mpsc::UnboundedSender<ConnEvent>,
+    takeovers: Option<mpsc::UnboundedSender<Association>>,
 ) {
     let r = tokio::select! {
         r = connect(&to) => r,
         // Closed by the core (or it ended) before the association was up.
         _ = rx.recv() => return,
     };
-    let mut assoc = match r {
+    let assoc = match r {
         Ok(a) => a,
         Err(e) => {
             let _ = events.send(ConnEvent::ConnectFailed(id, e));
             return;
         }
     };
+    if let Some(t) = takeovers {
+        listen_for_takeovers(&to, assoc.local_port(), t);
+    }
     let _ = events.send(ConnEvent::Connected(id));
+    relay(id, assoc, rx, events).await;
+}
+
+/// Hands associations opened to our port `port` (on the host that reaches `to`) to `takeovers`.
+fn listen_for_takeovers(to: &Address, port: u16, takeovers: mpsc::UnboundedSender<Association>) {
+    let accepted = host_for(to).and_then(|(host, _)| host.listen(port));
+    match accepted {
+        Ok(mut accepted) => {
+            tokio::spawn(async move {
+                while let Some(a) = accepted.recv().await {
+                    if takeovers.send(a).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        Err(e) => tracing::warn!("no takeovers over SCTP at port {port}: {e}"),
+    }
+}
+
+/// Carries ASAP messages both ways over `assoc` until either end closes.
+pub(crate) async fn relay(
+    id: ConnId,
+    mut assoc: Association,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    events: mpsc::UnboundedSender<ConnEvent>,
+) {
+    let peer = assoc.peer();
     let mut unsent: Vec<u8> = Vec::new();
     loop {
         tokio::select! {
@@ -84,7 +118,7 @@ pub(crate) async fn serve(
                 Some(m) if m.ppid == ASAP_PPID => {
                     let _ = events.send(ConnEvent::Data(id, m.data.to_vec()));
                 }
-                Some(m) => tracing::debug!("{to}: ignored a message with PPID {}", m.ppid),
+                Some(m) => tracing::debug!("{peer}: ignored a message with PPID {}", m.ppid),
                 None => {
                     let _ = events.send(ConnEvent::Closed(id));
                     return;
@@ -94,7 +128,7 @@ pub(crate) async fn serve(
                 Some(Out::Bytes(b)) => {
                     unsent.extend_from_slice(&b);
                     while let Some(n) = rserpool_wire::framer::first_message_len(&unsent) {
-                        let msg = Bytes::copy_from_slice(&unsent[..n]);
+                        let msg = for_sctp(&unsent[..n]);
                         unsent.drain(..n);
                         if assoc.send(0, ASAP_PPID, msg).is_err() {
                             let _ = events.send(ConnEvent::Closed(id));
@@ -110,4 +144,26 @@ pub(crate) async fn serve(
             },
         }
     }
+}
+
+/// A message as it goes over SCTP: a REGISTRATION's Registration Life in milliseconds
+/// (`rserpool_wire::sctp_life`), anything else as it is.
+fn for_sctp(msg: &[u8]) -> Bytes {
+    use rserpool_wire::{AsapMessage, Message};
+    if let Ok(AsapMessage::Registration {
+        pool_handle,
+        mut pool_element,
+    }) = AsapMessage::decode(msg)
+    {
+        pool_element.registration_life =
+            rserpool_wire::sctp_life::to_sctp(pool_element.registration_life);
+        let m = AsapMessage::Registration {
+            pool_handle,
+            pool_element,
+        };
+        if let Ok(b) = m.to_bytes() {
+            return Bytes::from(b);
+        }
+    }
+    Bytes::copy_from_slice(msg)
 }

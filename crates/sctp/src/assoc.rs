@@ -233,6 +233,67 @@ impl Association {
             + self.early.iter().map(|e| e.2.len()).sum::<usize>()
     }
 
+    /// The INIT ACK that answers a peer's INIT while our own INIT is out (an INIT collision,
+    /// RFC 9260 §5.2.1): our Initiate Tag and initial TSN as in our INIT, and a state cookie
+    /// for the stack to seal. `None` in any other state.
+    pub fn collision_ack(&self, init: &Init, now_ms: u64) -> Option<(Init, CookieState)> {
+        if !matches!(self.state, State::CookieWait | State::CookieEchoed) {
+            return None;
+        }
+        let state = CookieState {
+            local_tag: self.local_tag,
+            local_tsn: self.local_tsn,
+            peer_tag: init.initiate_tag,
+            peer_tsn: init.initial_tsn,
+            peer_rwnd: init.a_rwnd,
+            outbound: self.cfg.outbound_streams.min(init.inbound_streams),
+            inbound: init.outbound_streams.min(self.cfg.max_inbound_streams),
+            local_port: self.local_port,
+            peer_port: self.peer_port,
+            created_ms: now_ms,
+        };
+        let ack = Init {
+            initiate_tag: self.local_tag,
+            a_rwnd: self.cfg.window.min(u32::MAX as usize) as u32,
+            outbound_streams: self.cfg.outbound_streams,
+            inbound_streams: self.cfg.max_inbound_streams,
+            initial_tsn: self.local_tsn,
+            params: Vec::new(),
+        };
+        Some((ack, state))
+    }
+
+    /// A COOKIE ECHO from an INIT collision, its cookie opened and ours (its local tag is
+    /// ours): RFC 9260 §5.2.4 case D — established, with the peer's tag and TSN from the
+    /// cookie, and a COOKIE ACK to go out.
+    pub fn collision_cookie(&mut self, c: &CookieState, now: Instant) {
+        if c.local_tag != self.local_tag {
+            return;
+        }
+        match self.state {
+            State::CookieWait => {
+                self.peer_tag = c.peer_tag;
+                self.outbound_streams = c.outbound;
+                self.start(c.peer_tsn, c.peer_rwnd, c.inbound, now);
+            }
+            State::CookieEchoed => {}
+            _ => {
+                if self.state == State::Established {
+                    self.control.push_back(Chunk::CookieAck);
+                }
+                return;
+            }
+        }
+        // Our own INIT or COOKIE ECHO is answered by this: no more retransmissions of it.
+        self.control
+            .retain(|c| !matches!(c, Chunk::Init(_) | Chunk::CookieEcho(_)));
+        self.t1 = None;
+        self.init_chunk = None;
+        self.state = State::Established;
+        self.control.push_back(Chunk::CookieAck);
+        self.events.push_back(Event::Connected);
+    }
+
     pub fn local_tag(&self) -> u32 {
         self.local_tag
     }

@@ -67,6 +67,7 @@ pub struct Host {
 pub struct Association {
     id: AssocId,
     peer: SocketAddr,
+    local_port: u16,
     cmd: mpsc::UnboundedSender<Cmd>,
     rx: mpsc::UnboundedReceiver<Message>,
     ended: bool,
@@ -76,6 +77,11 @@ impl Association {
     /// The peer's address (with its UDP port, or 0 on raw IP).
     pub fn peer(&self) -> SocketAddr {
         self.peer
+    }
+
+    /// Our SCTP port of the association.
+    pub fn local_port(&self) -> u16 {
+        self.local_port
     }
 
     /// Queues a message; an error once the association has ended.
@@ -238,8 +244,7 @@ async fn run(
     let raw_v4 = carrier == Carrier::RawIp && v4;
     let mut stack = Stack::with_os_randomness(Config::default(), Instant::now());
     let mut conns: HashMap<AssocId, (SocketAddr, mpsc::UnboundedSender<Message>)> = HashMap::new();
-    let mut connecting: HashMap<AssocId, (SocketAddr, oneshot::Sender<io::Result<Association>>)> =
-        HashMap::new();
+    let mut connecting: HashMap<AssocId, Connecting> = HashMap::new();
     let mut listeners: HashMap<u16, mpsc::UnboundedSender<Association>> = HashMap::new();
     let mut buf = vec![0u8; 65_536];
     loop {
@@ -286,6 +291,7 @@ async fn run(
                     let a = Association {
                         id,
                         peer,
+                        local_port,
                         cmd,
                         rx,
                         ended: false,
@@ -296,13 +302,14 @@ async fn run(
                     }
                 }
                 StackEvent::Connected(id) => {
-                    if let Some((peer, done)) = connecting.remove(&id)
+                    if let Some((peer, local_port, done)) = connecting.remove(&id)
                         && let Some(cmd) = handles.upgrade()
                     {
                         let (tx, rx) = mpsc::unbounded_channel();
                         let a = Association {
                             id,
                             peer,
+                            local_port,
                             cmd,
                             rx,
                             ended: false,
@@ -320,7 +327,7 @@ async fn run(
                 }
                 StackEvent::Closed(id, why) => {
                     conns.remove(&id);
-                    if let Some((peer, done)) = connecting.remove(&id) {
+                    if let Some((peer, _, done)) = connecting.remove(&id) {
                         let why = why.unwrap_or_else(|| "closed".into());
                         let _ = done.send(Err(io::Error::new(
                             io::ErrorKind::ConnectionRefused,
@@ -342,10 +349,13 @@ async fn run(
     }
 }
 
+/// An association opening: the peer, our port, and who waits for it.
+type Connecting = (SocketAddr, u16, oneshot::Sender<io::Result<Association>>);
+
 fn command(
     c: Cmd,
     stack: &mut Stack,
-    connecting: &mut HashMap<AssocId, (SocketAddr, oneshot::Sender<io::Result<Association>>)>,
+    connecting: &mut HashMap<AssocId, Connecting>,
     listeners: &mut HashMap<u16, mpsc::UnboundedSender<Association>>,
 ) {
     match c {
@@ -356,7 +366,7 @@ fn command(
             done,
         } => {
             let id = stack.connect(peer, local_port, peer_port, Instant::now());
-            connecting.insert(id, (peer, done));
+            connecting.insert(id, (peer, local_port, done));
         }
         Cmd::Listen { port, accepted } => {
             stack.listen(port);

@@ -8,6 +8,8 @@
 //! endpoint's stateless answer, and a valid COOKIE ECHO becomes an accepted association.
 
 use crate::assoc::{Association, Config, Event, SendError, State};
+use crate::chunk::{Chunk, InitParam};
+use crate::cookie::CookieState;
 use crate::endpoint::{Endpoint, Outcome};
 use crate::packet::Packet;
 use crate::recv::Message;
@@ -213,8 +215,15 @@ impl Stack {
         };
         let key = (from, p.dst_port, p.src_port);
         if let Some(id) = self.by_key.get(&key).copied() {
-            if let Some(e) = self.assocs.get_mut(&id) {
-                e.assoc.handle(p, now);
+            let keys = Keys {
+                secret: &self.secret,
+                epoch: self.epoch,
+                cookie_life: self.cfg.cookie_life,
+            };
+            if let Some(e) = self.assocs.get_mut(&id)
+                && let Some(reply) = collision(&keys, &mut e.assoc, p, now)
+            {
+                self.out.push_back((from, reply.encode()));
             }
             self.collect(id, now);
             return;
@@ -311,6 +320,53 @@ impl Stack {
                 e.assoc.handle_timeout(now);
             }
             self.collect(id, now);
+        }
+    }
+}
+
+/// What opens and seals the stack's cookies.
+struct Keys<'a> {
+    secret: &'a [u8; 32],
+    epoch: Instant,
+    cookie_life: std::time::Duration,
+}
+
+/// Both ends opened the association at once (RFC 9260 §5.2): the peer's INIT while ours
+/// is out is answered with an INIT ACK that keeps our tag, and its COOKIE ECHO then
+/// establishes the association we have. Anything else goes to the association; the
+/// returned packet is a direct answer to send.
+fn collision(k: &Keys<'_>, a: &mut Association, p: Packet, now: Instant) -> Option<Packet> {
+    let ms = now.saturating_duration_since(k.epoch).as_millis() as u64;
+    match p.chunks.first() {
+        Some(Chunk::Init(i)) if p.tag == 0 => {
+            let (mut ack, state) = a.collision_ack(i, ms)?;
+            ack.params
+                .push(InitParam::StateCookie(Bytes::from(state.seal(k.secret))));
+            Some(Packet::new(
+                p.dst_port,
+                p.src_port,
+                i.initiate_tag,
+                vec![Chunk::InitAck(ack)],
+            ))
+        }
+        Some(Chunk::CookieEcho(cookie))
+            if matches!(a.state(), State::CookieWait | State::CookieEchoed) =>
+        {
+            let life = k.cookie_life.as_millis() as u64;
+            if let Ok(c) = CookieState::open(cookie, k.secret, ms, life)
+                && c.local_tag == p.tag
+            {
+                a.collision_cookie(&c, now);
+                let rest = Packet::new(p.src_port, p.dst_port, p.tag, p.chunks[1..].to_vec());
+                if !rest.chunks.is_empty() {
+                    a.handle(rest, now);
+                }
+            }
+            None
+        }
+        _ => {
+            a.handle(p, now);
+            None
         }
     }
 }

@@ -148,3 +148,75 @@ fn many_associations_behind_one_socket_echo_and_close() {
     assert!(net.stacks[0].is_empty() && net.stacks[1].is_empty());
     assert_eq!(closed.get(&1), Some(&20));
 }
+
+/// Both ends open the association between the same two ports at once (two registrars that
+/// are each other's configured ENRP peer): an INIT collision (RFC 9260 §5.2). Each side ends
+/// with one established association, and messages go both ways on it; with loss too.
+#[test]
+fn an_init_collision_ends_in_one_association_each_side() {
+    for seed in 0..50 {
+        let now = Instant::now();
+        let cfg = Config::default();
+        let mut a = Stack::new(cfg.clone(), [1; 32], 100 + seed, now);
+        let mut b = Stack::new(cfg, [2; 32], 200 + seed, now);
+        a.listen(9901);
+        b.listen(9901);
+        let addrs: [SocketAddr; 2] = [
+            "192.0.2.1:9899".parse().unwrap(),
+            "192.0.2.2:9899".parse().unwrap(),
+        ];
+        let ia = a.connect(addrs[1], 9901, 9901, now);
+        let ib = b.connect(addrs[0], 9901, 9901, now);
+        let mut net = Net {
+            now,
+            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
+            loss: if seed % 2 == 0 { 0 } else { 15 },
+            wire: Vec::new(),
+            stacks: [a, b],
+            addrs,
+            events: [Vec::new(), Vec::new()],
+        };
+        net.stacks[0]
+            .send(ia, 0, 12, Bytes::from_static(b"from a"))
+            .unwrap();
+        net.stacks[1]
+            .send(ib, 0, 12, Bytes::from_static(b"from b"))
+            .unwrap();
+        let t0 = net.now;
+        let got = |events: &[StackEvent], text: &[u8]| {
+            events
+                .iter()
+                .any(|e| matches!(e, StackEvent::Message(_, m) if m.data.as_ref() == text))
+        };
+        while net.now - t0 < Duration::from_secs(120)
+            && !(got(&net.events[0], b"from b") && got(&net.events[1], b"from a"))
+        {
+            net.step();
+        }
+        for (i, (id, from)) in [(ia, "from b"), (ib, "from a")].into_iter().enumerate() {
+            let ev = &net.events[i];
+            assert!(
+                got(ev, from.as_bytes()),
+                "seed {seed}: side {i} got no message: {ev:?}"
+            );
+            assert!(
+                ev.iter().any(|e| *e == StackEvent::Connected(id)),
+                "seed {seed}: side {i} not connected: {ev:?}"
+            );
+            assert!(
+                !ev.iter()
+                    .any(|e| matches!(e, StackEvent::Closed(..) | StackEvent::Accepted { .. })),
+                "seed {seed}: side {i}: {ev:?}"
+            );
+            assert_eq!(
+                net.stacks[i].len(),
+                1,
+                "seed {seed}: one association on side {i}"
+            );
+            assert_eq!(
+                net.stacks[i].state(id),
+                Some(rserpool_sctp::State::Established)
+            );
+        }
+    }
+}

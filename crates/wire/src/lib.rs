@@ -24,6 +24,7 @@ pub mod message;
 pub mod param;
 pub mod policy;
 pub mod ptype;
+pub mod sctp_life;
 pub mod time;
 mod tlv;
 

@@ -60,8 +60,8 @@ pub struct PoolElementConfig {
     /// The registrars of `registrars` reached over SCTP, with how (the others: TCP); see
     /// [`set_registrars`](Self::set_registrars).
     pub registrar_schemes: BTreeMap<SocketAddr, Scheme>,
-    /// Pool users reach the service over SCTP (a transport parameter for SCTP is registered),
-    /// not TCP.
+    /// Pool users reach the service over SCTP (a transport parameter for SCTP, data plus
+    /// control, is registered), not TCP.
     pub service_over_sctp: bool,
     /// Listen for SERVER_ANNOUNCE here (UDP; multicast groups are joined).
     pub announce_listen: Option<SocketAddr>,
@@ -247,8 +247,10 @@ impl PeCore {
     fn service_transport(&self) -> TransportAddress {
         let mut t = TransportAddress::tcp(self.cfg.transport);
         if self.cfg.service_over_sctp {
-            // Data only: pool users exchange no ASAP with this PE (RFC 5354 §3.3.4).
-            t.protocol = Protocol::Sctp { transport_use: 0 };
+            // Data plus control, as rsplib's PEs register: a pool's PEs must agree on it
+            // (RFC 5352 §3.10's Inconsistent Data/Control Configuration), so only so can
+            // rserpool's and rsplib's PEs share a pool.
+            t.protocol = Protocol::Sctp { transport_use: 1 };
         }
         t
     }

@@ -637,9 +637,17 @@ impl Asap {
             *credits = *capacity;
         }
         pe.home_registrar = self.id;
-        let mut asap = TransportAddress::tcp(asap_transport(pe.asap_transport.as_ref(), peer));
+        // Over SCTP, a new home reaches the PE at its association's address and port (as
+        // rsplib's PEs and rserpool's listen there); over TCP, at what it announced.
+        let mut asap = if over_sctp {
+            TransportAddress::tcp(peer)
+        } else {
+            TransportAddress::tcp(asap_transport(pe.asap_transport.as_ref(), peer))
+        };
         if over_sctp {
             asap.protocol = Protocol::Sctp { transport_use: 0 };
+            // Milliseconds over SCTP (rserpool_wire::sctp_life).
+            pe.registration_life = rserpool_wire::sctp_life::from_sctp(pe.registration_life);
         }
         pe.asap_transport = Some(asap);
         // RFC 5354: seconds; -1 (or any value below 1) means infinite.

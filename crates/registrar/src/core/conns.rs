@@ -484,6 +484,15 @@ impl Conns {
         if let EnrpBody::Error { error } = &msg.body {
             self.count_causes(error);
         }
+        if self.is_sctp(id) {
+            let mut m = msg.clone();
+            rserpool_wire::sctp_life::convert_enrp(&mut m, rserpool_wire::sctp_life::to_sctp);
+            return self.write_enrp(id, &m, now);
+        }
+        self.write_enrp(id, msg, now);
+    }
+
+    fn write_enrp(&mut self, id: ConnId, msg: &EnrpMessage, now: Instant) {
         let Some(out) = self.buffer(id) else { return };
         if let Err(e) = msg.encode(out) {
             warn!("cannot encode {}: {e}", msg.body.name());

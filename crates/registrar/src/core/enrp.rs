@@ -428,7 +428,12 @@ impl Enrp {
             }
         };
         for conn in std::iter::once(first).chain(to) {
-            out.send_bytes(conn, &bytes, now);
+            if out.is_sctp(conn) {
+                // Registration Life in milliseconds (rserpool_wire::sctp_life).
+                out.send_enrp(conn, msg, now);
+            } else {
+                out.send_bytes(conn, &bytes, now);
+            }
         }
     }
 
@@ -692,10 +697,13 @@ impl Enrp {
         out: &mut Conns,
         now: Instant,
     ) {
-        let msg = match EnrpMessage::decode(buf) {
+        let mut msg = match EnrpMessage::decode(buf) {
             Ok(m) => m,
             Err(e) => return out.reject_malformed(id, &e, now),
         };
+        if out.is_sctp(id) {
+            rserpool_wire::sctp_life::convert_enrp(&mut msg, rserpool_wire::sctp_life::from_sctp);
+        }
         if msg.sender == self.id || msg.sender == 0 {
             return;
         }
