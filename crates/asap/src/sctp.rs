@@ -148,7 +148,7 @@ pub(crate) async fn relay(
 
 /// A message as it goes over SCTP: a REGISTRATION's Registration Life in milliseconds
 /// (`rserpool_wire::sctp_life`), anything else as it is.
-fn for_sctp(msg: &[u8]) -> Bytes {
+pub(crate) fn for_sctp(msg: &[u8]) -> Bytes {
     use rserpool_wire::{AsapMessage, Message};
     if let Ok(AsapMessage::Registration {
         pool_handle,

@@ -22,8 +22,9 @@ const CONNS_PER_SOURCE: usize = 20_000;
 
 #[derive(Args, Debug, Clone)]
 pub struct LoadGenArgs {
+    /// The registrar's ASAP address; `sctp+udp://ADDR` for SCTP over UDP.
     #[arg(long)]
-    pub registrar: SocketAddr,
+    pub registrar: rserpool_wire::Address,
     #[arg(long)]
     pub pes: usize,
     #[arg(long)]
@@ -160,10 +161,15 @@ pub fn run(args: LoadGenArgs) -> Result<()> {
 }
 
 async fn connect(
-    reg: SocketAddr,
+    reg: rserpool_wire::Address,
     i: usize,
     tls: Option<&rserpool_tls::Tls>,
 ) -> Result<AsapConnection> {
+    if reg.scheme.is_sctp() {
+        // All associations behind the process's one SCTP socket.
+        return Ok(AsapConnection::connect_to(&reg, Duration::from_secs(30)).await?);
+    }
+    let reg = reg.addr;
     let source = Ipv4Addr::new(127, 0, 0, 1 + (i / CONNS_PER_SOURCE) as u8);
     let sock = TcpSocket::new_v4()?;
     // Reset instead of FIN at exit: no TIME_WAIT holding ports the next point needs.

@@ -63,6 +63,10 @@ pub struct RegistrarBenchArgs {
     /// authentication (ECDSA P-256 certificates of a test CA); the report gives the ratio.
     #[arg(long)]
     pub tls: bool,
+    /// Measure every point twice, side by side: ASAP over TCP and over SCTP in UDP (RFC 6951;
+    /// rserpool's user-space SCTP at both ends); the report gives the ratio.
+    #[arg(long, conflicts_with = "tls")]
+    pub sctp: bool,
     /// One JSON object per point on stdout.
     #[arg(long)]
     pub json: bool,
@@ -108,11 +112,24 @@ pub struct Sample {
     /// ASAP over TLS.
     #[serde(default)]
     pub tls: bool,
+    /// ASAP over SCTP in UDP.
+    #[serde(default)]
+    pub sctp: bool,
     /// Runs behind this point (each figure is their median) and the spread of CPU and p99.
     pub runs: u32,
     pub registrar_cpu_min: f64,
     pub registrar_cpu_max: f64,
     pub p99_us_max: u64,
+}
+
+/// How the load generator reaches the registrar.
+#[derive(Debug, Clone, Copy)]
+enum Mode<'a> {
+    Tcp,
+    /// TLS, with the certificates in this directory.
+    Tls(&'a Path),
+    /// SCTP over UDP.
+    Sctp,
 }
 
 /// Each figure's median over repeated runs of one point.
@@ -248,12 +265,13 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
         );
     }
     let tls_dir = args.tls.then(tls_certificates).transpose()?;
-    let modes: Vec<Option<&Path>> = match &tls_dir {
-        Some(d) => vec![None, Some(d.path())],
-        None => vec![None],
+    let modes: Vec<Mode> = match &tls_dir {
+        Some(d) => vec![Mode::Tcp, Mode::Tls(d.path())],
+        None if args.sctp => vec![Mode::Tcp, Mode::Sctp],
+        None => vec![Mode::Tcp],
     };
     let mut samples = Vec::new();
-    for (p, tls) in points
+    for (p, mode) in points
         .iter()
         .flat_map(|p| modes.iter().map(move |m| (*p, *m)))
     {
@@ -264,7 +282,7 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
             let mut attempt = 0;
             let sample = loop {
                 attempt += 1;
-                match run_point(p, &args, rserpool, tls) {
+                match run_point(p, &args, rserpool, mode) {
                     Ok(s) => break s,
                     Err(e) if attempt < 3 => eprintln!("point {p:?}: {e:#}; again"),
                     Err(e) => return Err(e.context(format!("point {p:?}"))),
@@ -302,6 +320,12 @@ pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
         }
         return Ok(());
     }
+    if args.sctp {
+        if let Some(path) = &args.markdown {
+            write_section(path, "registrar-sctp", &report::sctp_markdown(&samples))?;
+        }
+        return Ok(());
+    }
     // A cluster run (Figure 7 right) has its own table and plot, K = 1 included.
     let cluster = args.figures.iter().any(|f| f == "7r") || args.registrars.iter().any(|&k| k > 1);
     if let Some(path) = &args.markdown {
@@ -329,8 +353,13 @@ fn run_point(
     p: Point,
     args: &RegistrarBenchArgs,
     rserpool: &Path,
-    tls: Option<&Path>,
+    mode: Mode<'_>,
 ) -> Result<Sample> {
+    let tls = match mode {
+        Mode::Tls(d) => Some(d),
+        _ => None,
+    };
+    let sctp = matches!(mode, Mode::Sctp);
     let exe = std::env::current_exe()?;
     let k = p.registrars.max(1) as usize;
     let mut asap = Vec::new();
@@ -346,21 +375,20 @@ fn run_point(
     let mut pids = Vec::new();
     for i in 0..k {
         let mut cmd = Command::new(rserpool);
-        cmd.args([
-            "registrar",
-            "--asap",
-            &asap[i].to_string(),
-            "--max-hr-rate",
-            "0",
-        ])
-        .args([
-            "--max-connections",
-            "200000",
-            "--max-pes-per-pool",
-            "200000",
-        ])
-        .args(["--enrp", &enrp[i].to_string()])
-        .args(["--status", &status[i].to_string()]);
+        let listen = if sctp && i == 0 {
+            format!("tcp://{a},sctp+udp://{a}", a = asap[i])
+        } else {
+            asap[i].to_string()
+        };
+        cmd.args(["registrar", "--asap", &listen, "--max-hr-rate", "0"])
+            .args([
+                "--max-connections",
+                "200000",
+                "--max-pes-per-pool",
+                "200000",
+            ])
+            .args(["--enrp", &enrp[i].to_string()])
+            .args(["--status", &status[i].to_string()]);
         if let Some(d) = tls {
             cmd.arg("--tls-cert")
                 .arg(d.join("registrar.pem"))
@@ -407,7 +435,14 @@ fn run_point(
         generator.arg("load-gen");
     }
     let mut generator = generator
-        .args(["--registrar", &addr.to_string()])
+        .args([
+            "--registrar",
+            &if sctp {
+                format!("sctp+udp://{addr}")
+            } else {
+                addr.to_string()
+            },
+        ])
         .args([
             "--pes",
             &p.pes.to_string(),
@@ -484,6 +519,7 @@ fn run_point(
         errors: r.errors,
         loadgen_cpu,
         tls: tls.is_some(),
+        sctp,
         runs: 1,
         registrar_cpu_min: cpu,
         registrar_cpu_max: cpu,

@@ -83,26 +83,51 @@ pub(super) fn markdown(samples: &[Sample]) -> String {
 
 /// `--tls`: every point in plain TCP and over TLS, side by side, and the CPU ratio.
 pub(super) fn tls_markdown(samples: &[Sample]) -> String {
-    use std::fmt::Write;
-    let mut s = section_head(
-        "Registrar with TLS (`rserpool-bench registrar --tls`)",
+    side_by_side(
         samples,
-    );
-    let _ = writeln!(
-        s,
+        "Registrar with TLS (`rserpool-bench registrar --tls`)",
         "Each point twice in one run, back to back: ASAP in plain TCP, then over TLS 1.3 with \
          mutual authentication (ECDSA P-256 certificates of a test CA, one handshake per \
          connection at setup). Target: registrar CPU with TLS at most 1.5× plain \
-         for 1,000 PEs re-registering every 250 ms.\n"
-    );
+         for 1,000 PEs re-registering every 250 ms.",
+        ("plain", "TLS"),
+        |x| x.tls,
+    )
+}
+
+/// `--sctp`: every point over TCP and over SCTP in UDP, side by side, and the CPU ratio.
+pub(super) fn sctp_markdown(samples: &[Sample]) -> String {
+    side_by_side(
+        samples,
+        "Registrar over SCTP (`rserpool-bench registrar --sctp`)",
+        "Each point twice in one run, back to back: ASAP over TCP, then over SCTP in UDP \
+         (RFC 6951; rserpool's user-space SCTP in the registrar and in the load generator, \
+         all of whose associations share one UDP socket). Target: registrar CPU per message \
+         over SCTP at most 1.5× TCP's.",
+        ("TCP", "SCTP"),
+        |x| x.sctp,
+    )
+}
+
+/// Each point in two modes side by side (`is_b` picks the second's samples).
+fn side_by_side(
+    samples: &[Sample],
+    title: &str,
+    intro: &str,
+    (a, b): (&str, &str),
+    is_b: fn(&Sample) -> bool,
+) -> String {
+    use std::fmt::Write;
+    let mut s = section_head(title, samples);
+    let _ = writeln!(s, "{intro}\n");
     let _ = writeln!(
         s,
-        "| PEs | PUs | re-reg every (ms) | CPU plain | CPU TLS | TLS / plain | RSS plain (MB) | RSS TLS (MB) | p99 plain (µs) | p99 TLS (µs) | errors |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| PEs | PUs | re-reg every (ms) | CPU {a} | CPU {b} | {b} / {a} | RSS {a} (MB) | RSS {b} (MB) | p99 {a} (µs) | p99 {b} (µs) | errors |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
-    for t in samples.iter().filter(|x| x.tls) {
+    for t in samples.iter().filter(|x| is_b(x)) {
         let Some(p) = samples
             .iter()
-            .find(|x| !x.tls && x.pes == t.pes && x.pus == t.pus && x.rereg_ms == t.rereg_ms)
+            .find(|x| !is_b(x) && x.pes == t.pes && x.pus == t.pus && x.rereg_ms == t.rereg_ms)
         else {
             continue;
         };
