@@ -16,7 +16,7 @@ use crate::recv::Message;
 use bytes::Bytes;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::Instant;
 
@@ -51,6 +51,8 @@ struct Entry {
     key: Key,
     /// Made from a peer's COOKIE ECHO at a listening port (else opened here).
     accepted: bool,
+    /// Its timer as filed in `Stack::timers`.
+    deadline: Option<Instant>,
 }
 
 pub struct Stack {
@@ -67,6 +69,10 @@ pub struct Stack {
     /// Associations given work outside `handle_*` (a send, a connect, a shutdown): their
     /// packets are taken at the next `poll_transmit`, without looking at the others.
     touched: Vec<AssocId>,
+    /// Every association's next timer, in order: a registrar holds thousands of
+    /// associations, and looking at each for the next deadline on every wake-up would cost
+    /// more than the messages.
+    timers: BTreeSet<(Instant, AssocId)>,
     /// Datagrams that did not decode (bad checksum, malformed), for the driver's counters.
     pub malformed: u64,
 }
@@ -87,6 +93,7 @@ impl Stack {
             out: VecDeque::new(),
             events: VecDeque::new(),
             touched: Vec::new(),
+            timers: BTreeSet::new(),
             malformed: 0,
         }
     }
@@ -145,6 +152,7 @@ impl Stack {
                 assoc,
                 key,
                 accepted,
+                deadline: None,
             },
         );
         id
@@ -276,6 +284,17 @@ impl Stack {
                 }
             });
         }
+        // Refile its timer.
+        let next = if closed { None } else { e.assoc.poll_timeout() };
+        if next != e.deadline {
+            if let Some(t) = e.deadline {
+                self.timers.remove(&(t, id));
+            }
+            if let Some(t) = next {
+                self.timers.insert((t, id));
+            }
+            e.deadline = next;
+        }
         if closed {
             // What is left to send (a SHUTDOWN COMPLETE, an ABORT) was taken above.
             if let Some(e) = self.assocs.remove(&id) {
@@ -301,22 +320,21 @@ impl Stack {
         self.events.pop_front()
     }
 
+    /// The earliest timer of any association; up to date once
+    /// [`poll_transmit`](Self::poll_transmit) has run since the last send, connect, shutdown
+    /// or abort.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.assocs
-            .values()
-            .filter_map(|e| e.assoc.poll_timeout())
-            .min()
+        self.timers.first().map(|(t, _)| *t)
     }
 
     pub fn handle_timeout(&mut self, now: Instant) {
-        let due: Vec<AssocId> = self
-            .assocs
-            .iter()
-            .filter(|(_, e)| e.assoc.poll_timeout().is_some_and(|t| t <= now))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in due {
+        while let Some(&(t, id)) = self.timers.first() {
+            if t > now {
+                break;
+            }
+            self.timers.pop_first();
             if let Some(e) = self.assocs.get_mut(&id) {
+                e.deadline = None;
                 e.assoc.handle_timeout(now);
             }
             self.collect(id, now);
