@@ -241,6 +241,41 @@ fn rspterminal(c: Carrier, ns: &str, line: &str) -> String {
     reader.join().unwrap()
 }
 
+/// `rserpool registrar` in namespace `ns` as host `i` of the bridge (`Net::addr`), listening
+/// on TCP and `scheme` for ASAP and ENRP, peered with host `peer` over `scheme`; quick to
+/// take over, with keep-alives often enough to show that the network works.
+fn our_registrar(ns: &str, scheme: &str, i: usize, peer: Option<usize>, log: &Path) -> Kill {
+    let me = Net::addr(i);
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns, BIN, "registrar"])
+        .args(["--asap", &format!("tcp://{me}:3863,{scheme}://{me}:3863")])
+        .args(["--enrp", &format!("tcp://{me}:9901,{scheme}://{me}:9901")])
+        .args(["--max-time-last-heard-ms", "1000"])
+        .args(["--max-time-no-response-ms", "1000"])
+        .args(["--keep-alive-interval-ms", "300"])
+        .args(["--keep-alive-timeout-ms", "1000"]);
+    if let Some(p) = peer {
+        cmd.args(["--peer", &format!("{scheme}://{}:9901", Net::addr(p))]);
+    }
+    Kill(
+        cmd.env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// A test's namespaces, its log directory (kept with `RSPLIB_TEST_KEEP=1`) and the capture
+/// on the first namespace's bridge.
+fn setup(hosts: usize, name: &str) -> (Net, PathBuf, Capture) {
+    let net = Net::new(hosts);
+    let logs = std::env::temp_dir().join(format!("rsplib-interop-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&logs).unwrap();
+    let capture = Capture::start(&net.names[0], logs.join("capture.pcapng"));
+    (net, logs, capture)
+}
+
 /// Logs and captures are kept with `RSPLIB_TEST_KEEP=1`.
 fn remove_logs(dir: &Path) {
     if std::env::var_os("RSPLIB_TEST_KEEP").is_none() {
@@ -359,60 +394,41 @@ fn assert_clean(frames: &[String], enrp: bool, ours: &[&str]) {
     );
 }
 
-#[test]
-fn rsplib_pool_elements_register_at_our_registrar_over_sctp_in_udp() {
-    rsplib_pool_elements_at_our_registrar(Carrier::Udp);
+/// A test over SCTP in UDP and one over SCTP on raw IP, each with rsplib built for it.
+macro_rules! both_carriers {
+    ($udp:ident, $raw:ident, $body:ident) => {
+        #[test]
+        fn $udp() {
+            $body(Carrier::Udp);
+        }
+
+        #[test]
+        fn $raw() {
+            $body(Carrier::Raw);
+        }
+    };
 }
 
-#[test]
-fn rsplib_pool_elements_register_at_our_registrar_over_sctp_on_raw_ip() {
-    rsplib_pool_elements_at_our_registrar(Carrier::Raw);
-}
+both_carriers!(
+    rsplib_pool_elements_register_at_our_registrar_over_sctp_in_udp,
+    rsplib_pool_elements_register_at_our_registrar_over_sctp_on_raw_ip,
+    rsplib_pool_elements_at_our_registrar
+);
 
-#[test]
-fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_in_udp() {
-    our_pool_elements_at_rsplibs_registrar(Carrier::Udp);
-}
-
-#[test]
-fn our_pool_elements_register_at_rsplibs_registrar_over_sctp_on_raw_ip() {
-    our_pool_elements_at_rsplibs_registrar(Carrier::Raw);
-}
+both_carriers!(
+    our_pool_elements_register_at_rsplibs_registrar_over_sctp_in_udp,
+    our_pool_elements_register_at_rsplibs_registrar_over_sctp_on_raw_ip,
+    our_pool_elements_at_rsplibs_registrar
+);
 
 fn rsplib_pool_elements_at_our_registrar(c: Carrier) {
     if !runnable(c) {
         return;
     }
     // h0: our registrar; h1, h2: rsplib PEs; h3: rsplib's pool user.
-    let net = Net::new(4);
-    let logs = std::env::temp_dir().join(format!(
-        "rsplib-interop-{}-{}-a",
-        std::process::id(),
-        c.build()
-    ));
-    std::fs::create_dir_all(&logs).unwrap();
+    let (net, logs, capture) = setup(4, &format!("{}-a", c.build()));
     let reg = &net.names[0];
-    let capture = Capture::start(reg, logs.join("capture.pcapng"));
-    let asap = format!("tcp://192.0.2.1:3863,{}://192.0.2.1:3863", c.scheme());
-    let _registrar = Kill(
-        Command::new("ip")
-            .args(["netns", "exec", reg, BIN, "registrar"])
-            .args([
-                "--asap",
-                &asap,
-                "--enrp",
-                "192.0.2.1:9901",
-                "--keep-alive-interval-ms",
-                "1000",
-                "--keep-alive-timeout-ms",
-                "1000",
-            ])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(logs.join("registrar.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    );
+    let _registrar = our_registrar(reg, c.scheme(), 0, None, &logs.join("registrar.log"));
     let pe = |i: usize| {
         rsplib(
             c,
@@ -502,14 +518,7 @@ fn our_pool_elements_at_rsplibs_registrar(c: Carrier) {
     }
     // h0: rsplib's registrar; h1, h2: our PEs; h3: pool users, ours and rsplib's, one at a
     // time (each binds UDP 9899 in its namespace).
-    let net = Net::new(4);
-    let logs = std::env::temp_dir().join(format!(
-        "rsplib-interop-{}-{}-b",
-        std::process::id(),
-        c.build()
-    ));
-    std::fs::create_dir_all(&logs).unwrap();
-    let capture = Capture::start(&net.names[0], logs.join("capture.pcapng"));
+    let (net, logs, capture) = setup(4, &format!("{}-b", c.build()));
     let registrar_at = format!("{}://192.0.2.1:3863", c.scheme());
     let _registrar = rsplib(
         c,
@@ -606,15 +615,11 @@ fn our_pool_elements_at_rsplibs_registrar(c: Carrier) {
     drop(net);
 }
 
-#[test]
-fn our_registrar_and_rsplibs_form_one_enrp_cluster_over_sctp_in_udp() {
-    one_enrp_cluster(Carrier::Udp);
-}
-
-#[test]
-fn our_registrar_and_rsplibs_form_one_enrp_cluster_over_sctp_on_raw_ip() {
-    one_enrp_cluster(Carrier::Raw);
-}
+both_carriers!(
+    our_registrar_and_rsplibs_form_one_enrp_cluster_over_sctp_in_udp,
+    our_registrar_and_rsplibs_form_one_enrp_cluster_over_sctp_on_raw_ip,
+    one_enrp_cluster
+);
 
 /// `rserpool registrar` and `rspregistrar` peers over ENRP on SCTP: an rsplib PE registered at
 /// each, both resolvable at both (`rserpool resolve` at ours, `hsdump` at rsplib's). Then
@@ -625,46 +630,9 @@ fn one_enrp_cluster(c: Carrier) {
         return;
     }
     // h0: our registrar; h1: rsplib's; h2, h3: rsplib PEs, one at each; h4: hsdump.
-    let net = Net::new(5);
-    let logs = std::env::temp_dir().join(format!(
-        "rsplib-interop-{}-{}-c",
-        std::process::id(),
-        c.build()
-    ));
-    std::fs::create_dir_all(&logs).unwrap();
-    let capture = Capture::start(&net.names[0], logs.join("capture.pcapng"));
+    let (net, logs, capture) = setup(5, &format!("{}-c", c.build()));
     let s = c.scheme();
-    let _ours = Kill(
-        Command::new("ip")
-            .args(["netns", "exec", &net.names[0], BIN, "registrar"])
-            .args([
-                "--asap",
-                &format!("tcp://192.0.2.1:3863,{s}://192.0.2.1:3863"),
-            ])
-            .args([
-                "--enrp",
-                &format!("tcp://192.0.2.1:9901,{s}://192.0.2.1:9901"),
-            ])
-            .args(["--peer", &format!("{s}://192.0.2.2:9901")])
-            // Quick to take over; keep-alives often enough to show that the network works.
-            .args([
-                "--max-time-last-heard-ms",
-                "1000",
-                "--max-time-no-response-ms",
-                "1000",
-            ])
-            .args([
-                "--keep-alive-interval-ms",
-                "300",
-                "--keep-alive-timeout-ms",
-                "1000",
-            ])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(logs.join("registrar.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    );
+    let _ours = our_registrar(&net.names[0], s, 0, Some(1), &logs.join("registrar.log"));
     let mut theirs = rsplib(
         c,
         &net.names[1],
@@ -786,31 +754,8 @@ fn our_sctp_pool_element_is_taken_over_over_sctp() {
     let logs = std::env::temp_dir().join(format!("sctp-takeover-{}", std::process::id()));
     std::fs::create_dir_all(&logs).unwrap();
     let registrar = |i: usize, peer: usize| {
-        let (me, other) = (Net::addr(i), Net::addr(peer));
-        Kill(
-            Command::new("ip")
-                .args(["netns", "exec", &net.names[i], BIN, "registrar"])
-                .args(["--asap", &format!("tcp://{me}:3863,sctp+udp://{me}:3863")])
-                .args(["--enrp", &format!("tcp://{me}:9901,sctp+udp://{me}:9901")])
-                .args(["--peer", &format!("sctp+udp://{other}:9901")])
-                .args([
-                    "--max-time-last-heard-ms",
-                    "1000",
-                    "--max-time-no-response-ms",
-                    "1000",
-                ])
-                .args([
-                    "--keep-alive-interval-ms",
-                    "300",
-                    "--keep-alive-timeout-ms",
-                    "1000",
-                ])
-                .env("RUST_LOG", "info")
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(logs.join(format!("registrar{i}.log"))).unwrap())
-                .spawn()
-                .unwrap(),
-        )
+        let log = logs.join(format!("registrar{i}.log"));
+        our_registrar(&net.names[i], "sctp+udp", i, Some(peer), &log)
     };
     let mut first = registrar(0, 1);
     let _second = registrar(1, 0);

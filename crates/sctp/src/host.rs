@@ -74,6 +74,25 @@ pub struct Association {
 }
 
 impl Association {
+    /// A handle, and where the host sends its messages.
+    fn new(
+        id: AssocId,
+        peer: SocketAddr,
+        local_port: u16,
+        cmd: mpsc::UnboundedSender<Cmd>,
+    ) -> (Self, mpsc::UnboundedSender<Message>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let a = Association {
+            id,
+            peer,
+            local_port,
+            cmd,
+            rx,
+            ended: false,
+        };
+        (a, tx)
+    }
+
     /// The peer's address (with its UDP port, or 0 on raw IP).
     pub fn peer(&self) -> SocketAddr {
         self.peer
@@ -287,15 +306,7 @@ async fn run(
                     ..
                 } => {
                     let Some(cmd) = handles.upgrade() else { break };
-                    let (tx, rx) = mpsc::unbounded_channel();
-                    let a = Association {
-                        id,
-                        peer,
-                        local_port,
-                        cmd,
-                        rx,
-                        ended: false,
-                    };
+                    let (a, tx) = Association::new(id, peer, local_port, cmd);
                     // Nobody accepting any more drops the handle: the association shuts down.
                     if let Some(Ok(())) = listeners.get(&local_port).map(|l| l.send(a)) {
                         conns.insert(id, (peer, tx));
@@ -305,15 +316,7 @@ async fn run(
                     if let Some((peer, local_port, done)) = connecting.remove(&id)
                         && let Some(cmd) = handles.upgrade()
                     {
-                        let (tx, rx) = mpsc::unbounded_channel();
-                        let a = Association {
-                            id,
-                            peer,
-                            local_port,
-                            cmd,
-                            rx,
-                            ended: false,
-                        };
+                        let (a, tx) = Association::new(id, peer, local_port, cmd);
                         if done.send(Ok(a)).is_ok() {
                             conns.insert(id, (peer, tx));
                         }
