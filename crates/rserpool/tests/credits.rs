@@ -29,7 +29,7 @@ const POOL: &str = "Credits";
 /// A proxy onto `POOL` that learns of changes only by push.
 async fn proxy(reg: SocketAddr) -> Proxy {
     Proxy::start(ProxyConfig {
-        registrars: vec![reg],
+        registrars: vec![reg.into()],
         refresh_ms: 60_000,
         listeners: vec![ListenerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], free_port())),

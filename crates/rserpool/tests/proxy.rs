@@ -64,7 +64,7 @@ fn pe(reg: SocketAddr, pool: &str, id: u32, target: SocketAddr, policy: Policy) 
 
 fn proxy_config(reg: SocketAddr, listeners: Vec<(Mode, &str)>) -> ProxyConfig {
     ProxyConfig {
-        registrars: vec![reg],
+        registrars: vec![reg.into()],
         refresh_ms: 200,
         listeners: listeners
             .into_iter()
@@ -1034,4 +1034,30 @@ async fn a_drained_pe_gets_no_new_work_and_no_request_fails() {
     .await;
     drop(pes);
     let _ = std::fs::remove_file(&sock);
+}
+
+/// The proxy's pool user reaches its registrar over SCTP in UDP (`registrars =
+/// ["sctp+udp://…"]`): it finds the pool and every PE answers through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_finds_its_pools_at_a_registrar_over_sctp() {
+    let udp = free_port();
+    let sctp: rserpool_wire::Address = format!("sctp+udp://127.0.0.1:3863?udp={udp}")
+        .parse()
+        .unwrap();
+    let mut cfg = fast_config();
+    cfg.asap = format!("127.0.0.1:0,{sctp}").parse().unwrap();
+    let reg = registrar(cfg);
+    let b = backends(reg.asap_addr(), 3).await;
+    let mut pcfg = proxy_config(reg.asap_addr(), vec![(Mode::Http, "Backends")]);
+    pcfg.registrars = vec![sctp];
+    let proxy = start_proxy(pcfg, 3).await;
+    let mut c = Client::connect(proxy.local_addrs()[0]).await.unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..9 {
+        let r = c.get("/over-sctp").await.unwrap();
+        assert_eq!(r.code, 200);
+        seen.insert(r.header("x-pe-id").unwrap());
+    }
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    drop(b);
 }

@@ -23,7 +23,7 @@ const POOL: &str = "Select";
 
 async fn proxy(reg: SocketAddr, select: Select) -> Proxy {
     let p = Proxy::start(ProxyConfig {
-        registrars: vec![reg],
+        registrars: vec![reg.into()],
         listeners: vec![ListenerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], free_port())),
             mode: Mode::Http,

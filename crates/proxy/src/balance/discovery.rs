@@ -34,14 +34,15 @@ async fn refresh_task(
     let s = p.settings.clone();
     let added = p.added();
     drop(p);
-    let mut pu = match PoolUser::new(PoolUserConfig {
-        registrars: s.registrars.clone(),
+    let mut cfg = PoolUserConfig {
         connect_timeout: s.connect_timeout.max(Duration::from_millis(500)),
         request_timeout: s.refresh.max(Duration::from_secs(1)),
         subscribe: true,
         tls: s.registrar_tls.clone(),
         ..Default::default()
-    }) {
+    };
+    cfg.set_registrars(&s.registrars);
+    let mut pu = match PoolUser::new(cfg) {
         Ok(pu) => pu,
         Err(e) => {
             warn!("proxy: cannot start the pool user: {e}");

@@ -15,7 +15,6 @@ use crate::config::{PoolConfig, ProxyConfig};
 use rserpool_wire::{PoolElement, PoolHandle};
 use serde::Serialize;
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -24,7 +23,7 @@ use tokio::sync::mpsc;
 /// Settings of the pool view and of passive health.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
-    pub registrars: Vec<SocketAddr>,
+    pub registrars: Vec<rserpool_wire::Address>,
     pub refresh: Duration,
     pub connect_timeout: Duration,
     pub health: HealthSettings,

@@ -472,8 +472,9 @@ impl Default for PoolConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct ProxyConfig {
-    /// Registrars' ASAP addresses, tried in order.
-    pub registrars: Vec<SocketAddr>,
+    /// Registrars' ASAP addresses, tried in order: TCP, or SCTP with `sctp+udp://ADDR` (SCTP
+    /// over UDP) or `sctp://ADDR` (raw IP, root).
+    pub registrars: Vec<rserpool_wire::Address>,
     /// How often each pool's PEs and load are fetched from a registrar.
     pub refresh_ms: u64,
     /// Most client connections at once; further ones wait in the listen backlog.
@@ -549,7 +550,10 @@ pub struct ProxyConfig {
 impl Default for ProxyConfig {
     fn default() -> Self {
         Self {
-            registrars: vec![SocketAddr::from(([127, 0, 0, 1], rserpool_wire::ASAP_PORT))],
+            registrars: vec![rserpool_wire::Address::tcp(SocketAddr::from((
+                [127, 0, 0, 1],
+                rserpool_wire::ASAP_PORT,
+            )))],
             refresh_ms: 500,
             max_connections: 10_000,
             connect_timeout_ms: 1000,

@@ -204,7 +204,7 @@ pub(crate) fn member_pe_config(
         cfg.listen,
         rserpool_wire::Policy::LeastUsed { load: 0 },
     );
-    pe_cfg.registrars = registrars.addrs.clone();
+    pe_cfg.set_registrars(&registrars.addrs);
     pe_cfg.tls = registrars.tls.clone();
     pe_cfg
 }
@@ -242,7 +242,7 @@ pub(crate) async fn let_go(pe: &PoolElement) {
 /// How a member reaches the registrars: their addresses, and TLS when they run it.
 #[derive(Clone, Debug)]
 pub(crate) struct RegistrarAccess {
-    pub(crate) addrs: Vec<SocketAddr>,
+    pub(crate) addrs: Vec<rserpool_wire::Address>,
     pub(crate) tls: Option<Arc<rserpool_tls::Tls>>,
 }
 
@@ -791,12 +791,13 @@ async fn timer_loop(tier: Weak<Tier>) {
 
 /// Keeps the core told of the members the tier pool lists, and this member's load in it.
 async fn discovery_loop(tier: Weak<Tier>, registrars: RegistrarAccess) {
-    let Ok(mut pu) = PoolUser::new(PoolUserConfig {
-        registrars: registrars.addrs,
+    let mut cfg = PoolUserConfig {
         tls: registrars.tls,
         subscribe: true,
         ..PoolUserConfig::default()
-    }) else {
+    };
+    cfg.set_registrars(&registrars.addrs);
+    let Ok(mut pu) = PoolUser::new(cfg) else {
         warn!("proxy: tier: cannot start the pool user");
         return;
     };

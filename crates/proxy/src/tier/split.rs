@@ -114,7 +114,7 @@ pub struct SplitConfig {
     /// This server's tier address (links from the proxies), registered in the tier's
     /// `.split` pool.
     pub listen: SocketAddr,
-    pub registrars: Vec<SocketAddr>,
+    pub registrars: Vec<rserpool_wire::Address>,
     /// TLS with the registrars, when they run it.
     pub registrar_tls: Option<Arc<rserpool_tls::Tls>>,
     /// Where the answers leave (the datapath is attached at their egress).

@@ -30,9 +30,10 @@ pub struct ProxyArgs {
     /// choices) or `prequal` (Prequal-style hot-cold selection).
     #[arg(long, value_name = "HOW", value_parser = Select::NAMES)]
     pub select: Option<String>,
-    /// Registrar ASAP address (repeatable, tried in order); overrides the file's.
+    /// Registrar ASAP address (repeatable, tried in order; `sctp+udp://ADDR` for SCTP over
+    /// UDP); overrides the file's.
     #[arg(long = "registrar", value_name = "ADDR")]
-    pub registrars: Vec<SocketAddr>,
+    pub registrars: Vec<rserpool_wire::Address>,
     /// Status listener: per-PE counters as JSON on http://ADDR/status.
     #[arg(long, visible_alias = "stats", value_name = "ADDR")]
     pub status: Option<SocketAddr>,

@@ -42,7 +42,7 @@ pub fn run(args: SplitArgs) -> Result<()> {
             tier: args.tier,
             listen: args.listen,
             registrar_tls: args.registrars.tls()?,
-            registrars: super::tcp_registrars(&args.registrars)?,
+            registrars: args.registrars.registrars,
             interfaces: args.interfaces,
             pin_dir: args.pin_dir,
             max_flows: args.max_flows,

@@ -110,7 +110,7 @@ pub fn run(args: UpArgs) -> Result<()> {
             ex.pe.wait_registered(Duration::from_secs(5)).await?;
         }
         let proxy = Proxy::start(ProxyConfig {
-            registrars: vec![asap],
+            registrars: vec![asap.into()],
             listeners: vec![
                 ListenerConfig {
                     listen: args.proxy_http,
