@@ -1,5 +1,5 @@
-//! Two associations over a simulated network (delay, random loss, a clock that jumps to the
-//! next event): the handshake, messages both ways delivered exactly once and in stream order
+//! Two associations over a simulated network (delay, random loss, duplication and reordering,
+//! a clock that jumps to the next event): the handshake, messages both ways delivered exactly once and in stream order
 //! through loss, graceful shutdown, and the ends that give up on a silent peer.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -18,6 +18,9 @@ struct Sim {
     rng: Xoshiro256PlusPlus,
     /// Per cent of packets lost each way.
     loss: u64,
+    /// Per cent of packets delivered twice, and held back 30 ms (so that later ones overtake).
+    dup: u64,
+    reorder: u64,
     /// In flight: when it arrives, whether to the server, the encoded packet.
     wire: Vec<(Instant, bool, Bytes)>,
     client: Association,
@@ -47,6 +50,8 @@ impl Sim {
             start: now,
             rng,
             loss,
+            dup: 0,
+            reorder: 0,
             wire: Vec::new(),
             client,
             endpoint,
@@ -76,9 +81,19 @@ impl Sim {
         if lost {
             return;
         }
-        let jitter = Duration::from_micros(self.rng.next_u64() % 2000);
-        self.wire
-            .push((self.now + DELAY + jitter, to_server, p.encode()));
+        let copies = if self.rng.next_u64() % 100 < self.dup {
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let mut jitter = Duration::from_micros(self.rng.next_u64() % 2000);
+            if self.rng.next_u64() % 100 < self.reorder {
+                jitter += Duration::from_millis(30);
+            }
+            self.wire
+                .push((self.now + DELAY + jitter, to_server, p.encode()));
+        }
     }
 
     /// Runs until `done` or `limit` of simulated time.
@@ -177,7 +192,10 @@ fn message(i: usize) -> Bytes {
 }
 
 fn exchange(loss: u64, seed: u64) {
-    let mut sim = Sim::new(loss, seed, Config::default());
+    exchange_on(Sim::new(loss, seed, Config::default()), seed);
+}
+
+fn exchange_on(mut sim: Sim, seed: u64) {
     let n = 200;
     for i in 0..n {
         sim.client
@@ -273,6 +291,16 @@ fn messages_cross_a_lossy_path_exactly_once_in_order() {
     };
     for seed in seeds {
         exchange(15, seed);
+    }
+}
+
+#[test]
+fn messages_cross_a_path_that_duplicates_and_reorders_exactly_once_in_order() {
+    for seed in 1..=10 {
+        let mut sim = Sim::new(5, seed, Config::default());
+        sim.dup = 10;
+        sim.reorder = 10;
+        exchange_on(sim, seed);
     }
 }
 
