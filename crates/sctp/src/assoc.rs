@@ -598,7 +598,16 @@ impl Association {
             let c = self.control.pop_front()?;
             return Some(Packet::new(self.local_port, self.peer_port, 0, vec![c]));
         }
-        let ready = self.sack_now || self.sack_at.is_some_and(|t| now >= t);
+        // A delayed SACK goes with DATA that leaves before it is due (RFC 9260 §6.2): an
+        // answer carries the acknowledgement of its request, with no timer and no packet of
+        // its own.
+        let with_data = self.sack_at.is_some()
+            && self.sender.as_ref().is_some_and(Sender::has_new)
+            && matches!(
+                self.state,
+                State::Established | State::ShutdownPending | State::ShutdownReceived
+            );
+        let ready = self.sack_now || with_data || self.sack_at.is_some_and(|t| now >= t);
         if ready && let Some(r) = self.receiver.as_mut() {
             let s = Chunk::Sack(r.sack());
             room = room.saturating_sub(s.padded_len());

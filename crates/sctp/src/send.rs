@@ -156,6 +156,11 @@ impl Sender {
         )
     }
 
+    /// New data queued, not sent yet.
+    pub fn has_new(&self) -> bool {
+        !self.queue.is_empty()
+    }
+
     /// Nothing queued or in flight.
     pub fn idle(&self) -> bool {
         self.queue.is_empty() && self.flight.is_empty()
