@@ -388,6 +388,11 @@ impl Association {
         }
         let mut had_data = false;
         for c in p.chunks {
+            if self.state == State::Closed {
+                // A chunk before this one ended the association (an ABORT it had to send):
+                // the rest of the packet is for an association that no longer exists.
+                return;
+            }
             match c {
                 Chunk::InitAck(i) => self.on_init_ack(i, now),
                 Chunk::CookieAck => {
