@@ -13,7 +13,7 @@
 mod clients;
 mod faults;
 mod fleet;
-mod netns;
+pub(crate) mod netns;
 mod report;
 mod tier;
 mod tier_clients;

@@ -37,6 +37,10 @@ pub struct LoadGenArgs {
     pub warmup_ms: u64,
     #[arg(long)]
     pub duration_ms: u64,
+    /// The PEs' service address is this IP (port 1024 + PE number) instead of one of 10/8 per
+    /// PE: rsplib's registrar accepts only addresses of the registering association.
+    #[arg(long)]
+    pub user_ip: Option<Ipv4Addr>,
     /// TLS: the PEs and PUs present DIR/pe.pem (key DIR/pe.key) and trust DIR/ca.pem.
     #[arg(long, value_name = "DIR")]
     pub tls_dir: Option<std::path::PathBuf>,
@@ -99,7 +103,7 @@ pub fn run(args: LoadGenArgs) -> Result<()> {
                 let conn = connect(reg, i, tls.as_deref()).await?;
                 let mut conn = conn;
                 if i < args.pes {
-                    conn.send(&registration(i, 0)).await?;
+                    conn.send(&registration(i, 0, args.user_ip)).await?;
                     loop {
                         if let AsapMessage::RegistrationResponse { reject, .. } =
                             conn.recv().await?
@@ -122,7 +126,7 @@ pub fn run(args: LoadGenArgs) -> Result<()> {
         for (i, conn) in conns {
             let shared = shared.clone();
             if i < args.pes {
-                tokio::spawn(pe_task(i, conn, args.rereg_ms, shared));
+                tokio::spawn(pe_task(i, conn, args.rereg_ms, args.user_ip, shared));
             } else {
                 tokio::spawn(pu_task(i, conn, args.resolve_ms, pools, shared));
             }
@@ -192,7 +196,7 @@ pub(super) fn tls_of(dir: &std::path::Path) -> Result<rserpool_tls::Tls> {
     })?)
 }
 
-fn registration(i: usize, round: u64) -> AsapMessage {
+fn registration(i: usize, round: u64, user_ip: Option<Ipv4Addr>) -> AsapMessage {
     // A new load each time, so every re-registration moves the PE in its pool's LU order.
     let load = ((i as u64)
         .wrapping_mul(2_654_435_761)
@@ -205,10 +209,13 @@ fn registration(i: usize, round: u64) -> AsapMessage {
             id: i as u32 + 1,
             home_registrar: 0,
             registration_life: 60,
-            user_transport: UserTransport::Address(TransportAddress::tcp(SocketAddr::from((
-                Ipv4Addr::new(10, (i >> 16) as u8, (i >> 8) as u8, i as u8),
-                8000,
-            )))),
+            user_transport: UserTransport::Address(TransportAddress::tcp(match user_ip {
+                Some(ip) => SocketAddr::from((ip, 1024 + (i % 60_000) as u16)),
+                None => SocketAddr::from((
+                    Ipv4Addr::new(10, (i >> 16) as u8, (i >> 8) as u8, i as u8),
+                    8000,
+                )),
+            })),
             policy: Policy::LeastUsed {
                 load: rserpool_wire::policy::load_from_fraction(load),
             },
@@ -222,7 +229,13 @@ fn phase(i: usize, period_ms: u64) -> Duration {
     Duration::from_millis((i as u64).wrapping_mul(7919) % period_ms.max(1))
 }
 
-async fn pe_task(i: usize, mut conn: AsapConnection, period_ms: u64, shared: Arc<Shared>) {
+async fn pe_task(
+    i: usize,
+    mut conn: AsapConnection,
+    period_ms: u64,
+    user_ip: Option<Ipv4Addr>,
+    shared: Arc<Shared>,
+) {
     let period = Duration::from_millis(period_ms.max(1));
     let mut tick =
         tokio::time::interval_at(tokio::time::Instant::now() + phase(i, period_ms), period);
@@ -232,7 +245,7 @@ async fn pe_task(i: usize, mut conn: AsapConnection, period_ms: u64, shared: Arc
         tick.tick().await;
         round += 1;
         let t0 = Instant::now();
-        if conn.send(&registration(i, round)).await.is_err() {
+        if conn.send(&registration(i, round, user_ip)).await.is_err() {
             shared.errors.fetch_add(1, Ordering::Relaxed);
             return;
         }

@@ -15,6 +15,7 @@
 
 mod load_gen;
 mod report;
+mod rsplib;
 
 pub use load_gen::{LoadGenArgs, run as load_gen};
 
@@ -67,6 +68,11 @@ pub struct RegistrarBenchArgs {
     /// rserpool's user-space SCTP at both ends); the report gives the ratio.
     #[arg(long, conflicts_with = "tls")]
     pub sctp: bool,
+    /// Instead: rserpool's registrar and rsplib's `rspregistrar` (from DIR, built for SCTP over
+    /// UDP by the interoperability script) under the same load over SCTP in UDP, in network
+    /// namespaces (root); the report gives registrations per CPU second of each.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["tls", "sctp"])]
+    pub against_rsplib: Option<std::path::PathBuf>,
     /// One JSON object per point on stdout.
     #[arg(long)]
     pub json: bool,
@@ -212,6 +218,9 @@ fn figure_points(fig: &str) -> Result<Vec<Point>> {
 }
 
 pub fn run(args: RegistrarBenchArgs, rserpool: &Path) -> Result<()> {
+    if let Some(dir) = &args.against_rsplib {
+        return rsplib::run(&args, rserpool, dir);
+    }
     let points = if args.pes.is_empty() {
         let figs = if args.figures.is_empty() {
             vec!["7".to_string(), "8".into(), "further".into()]
@@ -468,6 +477,56 @@ fn run_point(
         .take()
         .ok_or_else(|| anyhow!("no load generator stdout"))?;
     reaper.0.push(generator);
+    let Measured {
+        cpu,
+        loadgen_cpu,
+        sync_cpu,
+        rss,
+        result: r,
+    } = measure(out, pid, gen_pid, sync_pid)?;
+    Ok(Sample {
+        pes: p.pes,
+        pus: p.pus,
+        rereg_ms: p.rereg_ms,
+        resolve_ms: p.resolve_ms,
+        registrars: p.registrars,
+        registrar_cpu: cpu,
+        sync_cpu,
+        rss_bytes: rss,
+        p50_us: r.p50_us,
+        p99_us: r.p99_us,
+        offered_per_s: p.pes as f64 * 1000.0 / p.rereg_ms as f64
+            + p.pus as f64 * 1000.0 / p.resolve_ms as f64,
+        answered_per_s: r.answered as f64 / r.seconds,
+        errors: r.errors,
+        loadgen_cpu,
+        tls: tls.is_some(),
+        sctp,
+        runs: 1,
+        registrar_cpu_min: cpu,
+        registrar_cpu_max: cpu,
+        p99_us_max: r.p99_us,
+    })
+}
+
+/// What one run measured: the registrar's CPU (and a synchronising peer's) over the load
+/// generator's window, the generator's own CPU, the registrar's RSS and the generator's result.
+struct Measured {
+    cpu: f64,
+    loadgen_cpu: f64,
+    sync_cpu: Option<f64>,
+    rss: u64,
+    result: load_gen::GenResult,
+}
+
+/// Reads the load generator's output (`start`, `stop`, its result) and measures `pid` in its
+/// window.
+fn measure(
+    out: std::process::ChildStdout,
+    pid: u32,
+    gen_pid: u32,
+    sync_pid: Option<u32>,
+) -> Result<Measured> {
     let mut lines = BufReader::new(out).lines();
     let mut cpu0 = None;
     let mut cpu = None;
@@ -500,30 +559,14 @@ fn run_point(
             _ => {}
         }
     }
-    let r = result.ok_or_else(|| anyhow!("load generator ended without a result"))?;
+    let result = result.ok_or_else(|| anyhow!("load generator ended without a result"))?;
     let (cpu, loadgen_cpu) = cpu.ok_or_else(|| anyhow!("no CPU measurement"))?;
-    Ok(Sample {
-        pes: p.pes,
-        pus: p.pus,
-        rereg_ms: p.rereg_ms,
-        resolve_ms: p.resolve_ms,
-        registrars: p.registrars,
-        registrar_cpu: cpu,
-        sync_cpu,
-        rss_bytes: rss,
-        p50_us: r.p50_us,
-        p99_us: r.p99_us,
-        offered_per_s: p.pes as f64 * 1000.0 / p.rereg_ms as f64
-            + p.pus as f64 * 1000.0 / p.resolve_ms as f64,
-        answered_per_s: r.answered as f64 / r.seconds,
-        errors: r.errors,
+    Ok(Measured {
+        cpu,
         loadgen_cpu,
-        tls: tls.is_some(),
-        sctp,
-        runs: 1,
-        registrar_cpu_min: cpu,
-        registrar_cpu_max: cpu,
-        p99_us_max: r.p99_us,
+        sync_cpu,
+        rss,
+        result,
     })
 }
 
