@@ -5,6 +5,8 @@
 // Each test file uses its own subset.
 #![allow(dead_code)]
 
+pub mod bridge;
+
 use rserpool_registrar::{Config, RegistrarThread, Status, StatusListen};
 use std::future::Future;
 use std::io::BufRead;

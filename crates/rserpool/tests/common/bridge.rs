@@ -1,0 +1,64 @@
+//! Network namespaces on one bridge, for tests that need hosts of their own (rsplib's and
+//! usrsctp's SCTP stacks read every packet of their namespace).
+
+use std::process::{Command, Stdio};
+
+pub fn sh(args: &[&str]) {
+    let ok = Command::new(args[0])
+        .args(&args[1..])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "{args:?}");
+}
+
+/// Network namespaces on one bridge: the first holds the bridge and 192.0.2.1, the others
+/// 192.0.2.2, 192.0.2.3, … on veths to it.
+pub struct Net {
+    pub names: Vec<String>,
+}
+
+impl Net {
+    pub fn new(hosts: usize) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("{}n{n}", std::process::id() % 100_000);
+        let names: Vec<String> = (0..hosts).map(|i| format!("rsp{tag}h{i}")).collect();
+        for n in &names {
+            let _ = Command::new("ip")
+                .args(["netns", "del", n])
+                .stderr(Stdio::null())
+                .status();
+            sh(&["ip", "netns", "add", n]);
+            sh(&["ip", "-n", n, "link", "set", "lo", "up"]);
+        }
+        let hub = &names[0];
+        sh(&["ip", "-n", hub, "link", "add", "br0", "type", "bridge"]);
+        sh(&["ip", "-n", hub, "addr", "add", "192.0.2.1/24", "dev", "br0"]);
+        sh(&["ip", "-n", hub, "link", "set", "br0", "up"]);
+        for (i, n) in names.iter().enumerate().skip(1) {
+            let port = format!("v{i}");
+            sh(&[
+                "ip", "-n", hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
+                "netns", n,
+            ]);
+            sh(&["ip", "-n", hub, "link", "set", &port, "master", "br0", "up"]);
+            let addr = format!("{}/24", Self::addr(i));
+            sh(&["ip", "-n", n, "addr", "add", &addr, "dev", "eth0"]);
+            sh(&["ip", "-n", n, "link", "set", "eth0", "up"]);
+        }
+        Net { names }
+    }
+
+    pub fn addr(i: usize) -> String {
+        format!("192.0.2.{}", i + 1)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
