@@ -443,7 +443,7 @@ fn run_point(
     } else {
         generator.arg("load-gen");
     }
-    let mut generator = generator
+    generator
         .args([
             "--registrar",
             &if sctp {
@@ -463,27 +463,14 @@ fn run_point(
             &p.pus.to_string(),
             "--resolve-ms",
             &p.resolve_ms.to_string(),
-        ])
-        .args(["--warmup-ms", &args.warmup_ms.to_string()])
-        .args(["--duration-ms", &args.duration_ms.to_string()])
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("starting the load generator")?;
-    let gen_pid = generator.id();
-    let out = generator
-        .stdout
-        .take()
-        .ok_or_else(|| anyhow!("no load generator stdout"))?;
-    reaper.0.push(generator);
+        ]);
     let Measured {
         cpu,
         loadgen_cpu,
         sync_cpu,
         rss,
         result: r,
-    } = measure(out, pid, gen_pid, sync_pid)?;
+    } = run_generator(generator, args, &mut reaper, pid, sync_pid)?;
     Ok(Sample {
         pes: p.pes,
         pus: p.pus,
@@ -507,6 +494,32 @@ fn run_point(
         registrar_cpu_max: cpu,
         p99_us_max: r.p99_us,
     })
+}
+
+/// Runs the load generator `cmd` (its load arguments given) over the measurement window of
+/// `args` and measures registrar `pid` (and `sync_pid`) in it; the processes go to `reaper`.
+fn run_generator(
+    mut cmd: Command,
+    args: &RegistrarBenchArgs,
+    reaper: &mut Reaper,
+    pid: u32,
+    sync_pid: Option<u32>,
+) -> Result<Measured> {
+    let mut generator = cmd
+        .args(["--warmup-ms", &args.warmup_ms.to_string()])
+        .args(["--duration-ms", &args.duration_ms.to_string()])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting the load generator")?;
+    let gen_pid = generator.id();
+    let out = generator
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow!("no load generator stdout"))?;
+    reaper.0.push(generator);
+    measure(out, pid, gen_pid, sync_pid)
 }
 
 /// What one run measured: the registrar's CPU (and a synchronising peer's) over the load

@@ -5,11 +5,11 @@
 //! reads every UDP packet of its namespace), at a registrar in another. The figure compared is
 //! registrations answered per CPU second of the registrar.
 
-use super::{Measured, RegistrarBenchArgs, measure};
+use super::{Measured, RegistrarBenchArgs, run_generator};
 use crate::chaos::netns::Net;
 use crate::process::Reaper;
 use crate::report::{machine, provenance, write_section};
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -87,27 +87,15 @@ pub(super) fn run(args: &RegistrarBenchArgs, rserpool: &Path, rsplib: &Path) -> 
                     reaper.0.push(child);
                     // The generator's INITs are retransmitted until the registrar answers.
                     std::thread::sleep(Duration::from_millis(500));
-                    let mut generator = net
-                        .command(1, &exe)
+                    let mut generator = net.command(1, &exe);
+                    generator
                         .arg("load-gen")
                         .args(["--registrar", &format!("sctp+udp://{reg_ip}:3863")])
                         .args(["--user-ip", &gen_ip.to_string()])
                         .args(["--pes", &n.to_string(), "--rereg-ms", &rereg_ms.to_string()])
-                        .args(["--pus", "0", "--resolve-ms", "1000"])
-                        .args(["--warmup-ms", &args.warmup_ms.to_string()])
-                        .args(["--duration-ms", &args.duration_ms.to_string()])
-                        .env("RUST_LOG", "error")
-                        .stdout(Stdio::piped())
-                        .stderr(Stdio::inherit())
-                        .spawn()
-                        .context("starting the load generator")?;
-                    let gen_pid = generator.id();
-                    let out = generator
-                        .stdout
-                        .take()
-                        .ok_or_else(|| anyhow!("no load generator stdout"))?;
-                    reaper.0.push(generator);
-                    let Measured { cpu, result, .. } = measure(out, pid, gen_pid, None)?;
+                        .args(["--pus", "0", "--resolve-ms", "1000"]);
+                    let Measured { cpu, result, .. } =
+                        run_generator(generator, args, &mut reaper, pid, None)?;
                     runs.push(Run {
                         pes: n,
                         rereg_ms,
