@@ -150,6 +150,10 @@ pub(crate) async fn relay(
 /// (`rserpool_wire::sctp_life`), anything else as it is.
 pub(crate) fn for_sctp(msg: &[u8]) -> Bytes {
     use rserpool_wire::{AsapMessage, Message};
+    // Only a REGISTRATION carries a lifetime: anything else goes as it is, undecoded.
+    if msg.first() != Some(&rserpool_wire::asap::msg_type::REGISTRATION) {
+        return Bytes::copy_from_slice(msg);
+    }
     if let Ok(AsapMessage::Registration {
         pool_handle,
         mut pool_element,

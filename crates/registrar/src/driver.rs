@@ -1285,7 +1285,7 @@ impl EventLoop {
                 Action::Transmit(id) if self.core.is_enrp(id) => self.deferred.push(id),
                 Action::Transmit(id) => self.flush(id),
                 Action::Connect(id, addr) => match self.sctp.as_mut() {
-                    Some(s) if s.reaches(addr) || self.core.is_sctp(id) => {
+                    Some(s) if self.core.is_sctp(id) => {
                         let now = elapsed(self.epoch);
                         s.connect(id, addr, &mut self.core, now);
                     }

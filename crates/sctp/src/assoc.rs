@@ -87,6 +87,10 @@ pub enum SendError {
     Closed,
 }
 
+/// Why an association ended when the peer sent an ABORT (`Event::Aborted`): the one end
+/// that says the peer's host is there.
+pub const PEER_ABORTED: &str = "the peer aborted";
+
 /// Error cause "Unrecognized Chunk Type" (RFC 9260 §3.3.10.6).
 const CAUSE_UNRECOGNIZED_CHUNK: u16 = 6;
 
@@ -415,7 +419,7 @@ impl Association {
                 Chunk::Heartbeat(info) => self.control.push_back(Chunk::HeartbeatAck(info)),
                 Chunk::HeartbeatAck(info) => self.on_heartbeat_ack(&info, now),
                 Chunk::Abort { .. } => {
-                    self.close_with(Event::Aborted("the peer aborted".into()));
+                    self.close_with(Event::Aborted(PEER_ABORTED.into()));
                     return;
                 }
                 Chunk::Shutdown { cum_tsn } => self.on_shutdown(cum_tsn, now),

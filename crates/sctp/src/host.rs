@@ -162,14 +162,13 @@ impl Host {
     /// A host of its own on `local` (needs a tokio runtime).
     pub fn start(carrier: Carrier, local: SocketAddr) -> io::Result<Host> {
         let socket = match carrier {
-            Carrier::Udp => std::net::UdpSocket::bind(local)?,
-            Carrier::RawIp => raw_socket(local)?,
+            Carrier::Udp => crate::socket::udp(local)?,
+            Carrier::RawIp => crate::socket::raw(local)?,
         };
-        socket.set_nonblocking(true)?;
         let local = socket.local_addr().unwrap_or(local);
         let socket = UdpSocket::from_std(socket)?;
         let (cmd, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(socket, carrier, local.is_ipv4(), rx, cmd.downgrade()));
+        tokio::spawn(run(socket, carrier, rx, cmd.downgrade()));
         let start = {
             use rand_core::{OsRng, TryRngCore};
             OsRng.try_next_u32().unwrap_or(std::process::id()) as u16
@@ -232,35 +231,14 @@ impl Host {
     }
 }
 
-/// A raw IP socket for protocol 132, driven through the datagram calls of a UDP socket.
-fn raw_socket(local: SocketAddr) -> io::Result<std::net::UdpSocket> {
-    use socket2::{Domain, Protocol, SockAddr, Socket, Type};
-    let domain = if local.is_ipv4() {
-        Domain::IPV4
-    } else {
-        Domain::IPV6
-    };
-    let s = Socket::new(domain, Type::RAW, Some(Protocol::from(132))).map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!("a raw socket for SCTP needs root (CAP_NET_RAW): {e}"),
-        )
-    })?;
-    s.bind(&SockAddr::from(SocketAddr::new(local.ip(), 0)))?;
-    Ok(std::net::UdpSocket::from(std::os::fd::OwnedFd::from(s)))
-}
-
 /// The task that owns the socket and the stack; it ends once the host and every association
 /// handle are gone (it holds only a weak sender to its own commands, for the handles it makes).
 async fn run(
     socket: UdpSocket,
     carrier: Carrier,
-    v4: bool,
     mut cmds: mpsc::UnboundedReceiver<Cmd>,
     handles: mpsc::WeakUnboundedSender<Cmd>,
 ) {
-    // IPv4 raw sockets deliver the IP header too.
-    let raw_v4 = carrier == Carrier::RawIp && v4;
     let mut stack = Stack::with_os_randomness(Config::default(), Instant::now());
     let mut conns: HashMap<AssocId, (SocketAddr, mpsc::UnboundedSender<Message>)> = HashMap::new();
     let mut connecting: HashMap<AssocId, Connecting> = HashMap::new();
@@ -277,16 +255,9 @@ async fn run(
         tokio::select! {
             r = socket.recv_from(&mut buf) => match r {
                 Ok((n, from)) => {
-                    let start = if raw_v4 {
-                        buf.first().map_or(n, |b| usize::from(b & 0x0f) * 4).min(n)
-                    } else {
-                        0
-                    };
-                    let from = match carrier {
-                        Carrier::RawIp => SocketAddr::new(from.ip(), 0),
-                        Carrier::Udp => from,
-                    };
-                    stack.handle_datagram(from, &buf[start..n], Instant::now());
+                    let raw = carrier == Carrier::RawIp;
+                    let (packet, from) = crate::socket::payload(&buf, n, from, raw);
+                    stack.handle_datagram(from, packet, Instant::now());
                 }
                 Err(e) => tracing::debug!("SCTP host: {e}"),
             },

@@ -26,6 +26,8 @@ pub mod host;
 pub mod packet;
 pub mod recv;
 pub mod send;
+#[cfg(feature = "sockets")]
+pub mod socket;
 pub mod stack;
 
 pub use assoc::{Association, Config, Event, State};

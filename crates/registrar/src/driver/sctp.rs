@@ -19,7 +19,6 @@ use mio::{Interest, Registry, Token};
 use rserpool_sctp::stack::AssocId;
 use rserpool_sctp::{Stack, StackEvent};
 use rserpool_wire::{ASAP_PPID, Address, ENRP_PPID, Scheme};
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
@@ -39,32 +38,10 @@ const DATAGRAM: usize = 65_536;
 /// Messages with a PPID other than ASAP's are logged at most this often.
 const LOG_INTERVAL: Duration = Duration::from_secs(60);
 
-/// IP protocol number of SCTP.
-const IPPROTO_SCTP: i32 = 132;
-
-/// The socket under a stack: UDP, or a raw IP socket for protocol 132 driven through the
-/// same datagram calls (its peers' "ports" are 0; IPv4 datagrams arrive with their IP header).
+/// The socket under a stack; `raw` for a raw IP socket (`rserpool_sctp::socket`).
 struct Io {
     socket: mio::net::UdpSocket,
-    raw_v4: bool,
-}
-
-impl Io {
-    /// A datagram into `buf`: where its SCTP packet starts and ends, and its source.
-    fn recv_from(&self, buf: &mut [u8]) -> io::Result<(usize, usize, SocketAddr)> {
-        let (n, from) = self.socket.recv_from(buf)?;
-        // Skip the IPv4 header: IHL words.
-        let start = if self.raw_v4 {
-            buf.first().map_or(n, |b| usize::from(b & 0x0f) * 4)
-        } else {
-            0
-        };
-        Ok((start.min(n), n, from))
-    }
-
-    fn send_to(&self, data: &[u8], to: SocketAddr) -> io::Result<usize> {
-        self.socket.send_to(data, to)
-    }
+    raw: bool,
 }
 
 struct SctpSocket {
@@ -105,48 +82,18 @@ pub(super) struct Sctp {
 }
 
 fn bind(a: &Address) -> io::Result<Io> {
-    match a.scheme {
-        Scheme::Tcp => Err(io::Error::other("not an SCTP address")),
-        Scheme::SctpUdp { udp_port } => {
-            let at = SocketAddr::new(a.addr.ip(), udp_port);
-            let s = std::net::UdpSocket::bind(at).map_err(|e| {
-                io::Error::new(e.kind(), format!("cannot listen on {a}: UDP {at}: {e}"))
-            })?;
-            s.set_nonblocking(true)?;
-            Ok(Io {
-                socket: mio::net::UdpSocket::from_std(s),
-                raw_v4: false,
-            })
-        }
-        Scheme::Sctp => {
-            let v4 = a.addr.is_ipv4();
-            let domain = if v4 { Domain::IPV4 } else { Domain::IPV6 };
-            if Socket::new(domain, Type::STREAM, Some(Protocol::from(IPPROTO_SCTP))).is_ok() {
-                // The kernel would answer every association our raw socket sees with an ABORT.
-                return Err(io::Error::other(format!(
-                    "cannot listen on {a}: this host's kernel has SCTP, which rserpool \
-                     does not use yet; listen on sctp+udp:// instead (docs/SCTP.md)"
-                )));
-            }
-            let socket = Socket::new(domain, Type::RAW, Some(Protocol::from(IPPROTO_SCTP)))
-                .map_err(|e| {
-                    io::Error::new(
-                        e.kind(),
-                        format!(
-                            "cannot listen on {a}: a raw socket for SCTP needs root \
-                             (CAP_NET_RAW): {e}; sctp+udp:// needs no privilege"
-                        ),
-                    )
-                })?;
-            socket.bind(&SockAddr::from(SocketAddr::new(a.addr.ip(), 0)))?;
-            socket.set_nonblocking(true)?;
-            let socket = std::net::UdpSocket::from(std::os::fd::OwnedFd::from(socket));
-            Ok(Io {
-                socket: mio::net::UdpSocket::from_std(socket),
-                raw_v4: v4,
-            })
-        }
-    }
+    let (_, at) = carrier(a);
+    let (socket, raw) = match a.scheme {
+        Scheme::Tcp => return Err(io::Error::other("not an SCTP address")),
+        Scheme::SctpUdp { .. } => (rserpool_sctp::socket::udp(at), false),
+        Scheme::Sctp => (rserpool_sctp::socket::raw(at), true),
+    };
+    let socket =
+        socket.map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {a}: {e}")))?;
+    Ok(Io {
+        socket: mio::net::UdpSocket::from_std(socket),
+        raw,
+    })
 }
 
 impl Sctp {
@@ -220,13 +167,8 @@ impl Sctp {
         }))
     }
 
-    /// Whether the core's connection to `addr` (a peer registrar) goes over SCTP.
-    pub(super) fn reaches(&self, addr: SocketAddr) -> bool {
-        self.peers.contains_key(&addr)
-    }
-
-    /// Opens the association the core asked for as `id` — to the peer registrar at `addr`, or
-    /// to a PE taken over that registered over SCTP — and tells the core as of a TCP connection
+    /// Opens the association the core asked for as `id` (a connection it marked SCTP) — to the
+    /// peer registrar at `addr`, or to a PE taken over that registered over SCTP — and tells the core as of a TCP connection
     /// (connected, or closed). It goes from our ENRP or ASAP port, as from a kernel SCTP socket
     /// bound to it: rsplib's registrar takes a peer's PRESENCE only over an association from
     /// the address the PRESENCE names.
@@ -265,7 +207,6 @@ impl Sctp {
             .find(|(_, e)| *e == enrp)
             .map_or(0, |(p, _)| *p);
         if let Some(existing) = s.stack.find(peer, local_port, addr.port()) {
-            core.mark_sctp(id);
             self.by_conn.insert(id, (k, existing));
             self.aliases.entry((k, existing)).or_default().push(id);
             if !self.connecting.contains_key(&(k, existing)) {
@@ -276,7 +217,6 @@ impl Sctp {
         let assoc = s
             .stack
             .connect(peer, local_port, addr.port(), Instant::now());
-        core.mark_sctp(id);
         self.connecting.insert((k, assoc), id);
         self.by_conn.insert(id, (k, assoc));
         self.by_assoc.insert((k, assoc), id);
@@ -305,10 +245,11 @@ impl Sctp {
         };
         let mut more = true;
         for _ in 0..READS_PER_TURN {
-            match s.io.recv_from(&mut self.buf) {
-                Ok((start, end, from)) => {
-                    s.stack
-                        .handle_datagram(from, &self.buf[start..end], Instant::now())
+            match s.io.socket.recv_from(&mut self.buf) {
+                Ok((n, from)) => {
+                    let (packet, from) =
+                        rserpool_sctp::socket::payload(&self.buf, n, from, s.io.raw);
+                    s.stack.handle_datagram(from, packet, Instant::now())
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
@@ -381,7 +322,9 @@ impl Sctp {
                     self.connecting.remove(&(k, id));
                     let aliases = self.aliases.remove(&(k, id)).unwrap_or_default();
                     let primary = self.by_assoc.remove(&(k, id));
-                    let by_peer = why.as_deref().is_none_or(|w| w == "the peer aborted");
+                    let by_peer = why
+                        .as_deref()
+                        .is_none_or(|w| w == rserpool_sctp::assoc::PEER_ABORTED);
                     if !by_peer {
                         tracing::debug!("association closed: {why:?}");
                     }
@@ -484,7 +427,7 @@ impl Sctp {
             while let Some((to, data)) = s.stack.poll_transmit(now) {
                 // A datagram the socket refuses is lost like one on the path: SCTP sends it
                 // again.
-                if let Err(e) = s.io.send_to(&data, to)
+                if let Err(e) = s.io.socket.send_to(&data, to)
                     && e.kind() != io::ErrorKind::WouldBlock
                 {
                     tracing::debug!("SCTP to {to}: {e}");
