@@ -5,18 +5,22 @@
 //! The initiating side starts with [`Association::connect`]; the listening side is made by an
 //! `Endpoint` (module `endpoint`) from a valid COOKIE ECHO. What is here: the four-way
 //! handshake's initiator half with T1 retransmissions, data transfer in both directions
-//! (the halves are `crate::send` and `crate::recv`), delayed and immediate SACKs, heartbeats
-//! on the one path, graceful shutdown and abort, and unknown chunks handled by their type
-//! bits. Not yet: multi-homing (several paths, failover), INIT collision and peer restart
-//! (§5.2), PMTU discovery, ECN.
+//! (the halves are `crate::send` and `crate::recv`), delayed and immediate SACKs, the
+//! peer's addresses as paths with heartbeats and failover (`crate::path`), INIT collisions
+//! (§5.2.1, §5.2.4 D), graceful shutdown and abort, and unknown chunks handled by their type
+//! bits. Packets come in with the address they came from and go out with the address they
+//! go to. Not yet: peer restart (§5.2.4 A), PMTU discovery, ECN, adding and removing
+//! addresses of a live association (RFC 5061).
 
 use crate::chunk::{Chunk, Init, InitParam, Unrecognized};
 use crate::cookie::CookieState;
 use crate::packet::Packet;
+use crate::path::{PathConfig, PathEvent, Paths};
 use crate::recv::{Message, Receiver};
 use crate::send::{Sender, Timing};
 use bytes::{BufMut, Bytes, BytesMut};
 use std::collections::VecDeque;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -31,12 +35,17 @@ pub struct Config {
     pub timing: Timing,
     /// INIT and COOKIE ECHO retransmissions before giving up.
     pub max_init_retransmits: u32,
-    /// Retransmission timeouts in a row (data or heartbeats) before the peer counts as
-    /// unreachable and the association is aborted.
+    /// Retransmission timeouts in a row (data, or heartbeats on the path data goes to)
+    /// before the peer counts as unreachable and the association is aborted
+    /// (`Association.Max.Retrans`).
     pub max_retransmits: u32,
-    pub heartbeat_interval: Duration,
+    /// Heartbeats and failover between the peer's addresses.
+    pub paths: PathConfig,
     pub sack_delay: Duration,
     pub cookie_life: Duration,
+    /// Our addresses, listed in INIT and INIT ACK so that the peer can reach us on each
+    /// (multi-homing); none: the peer knows only the address our packets come from.
+    pub local_addresses: Vec<IpAddr>,
 }
 
 impl Default for Config {
@@ -49,9 +58,10 @@ impl Default for Config {
             timing: Timing::default(),
             max_init_retransmits: 8,
             max_retransmits: 10,
-            heartbeat_interval: Duration::from_secs(30),
+            paths: PathConfig::default(),
             sack_delay: Duration::from_millis(200),
             cookie_life: Duration::from_secs(60),
+            local_addresses: Vec::new(),
         }
     }
 }
@@ -65,6 +75,34 @@ pub enum Event {
     Closed,
     /// Ended by an ABORT (received, or sent because the peer stopped answering).
     Aborted(String),
+    /// One of the peer's addresses came up or went down.
+    Path(PathEvent),
+}
+
+impl Config {
+    /// Our addresses as INIT parameters.
+    pub(crate) fn address_params(&self) -> Vec<InitParam> {
+        self.local_addresses
+            .iter()
+            .map(|a| match a {
+                IpAddr::V4(v4) => InitParam::Ipv4(*v4),
+                IpAddr::V6(v6) => InitParam::Ipv6(*v6),
+            })
+            .collect()
+    }
+}
+
+/// The IP addresses an INIT or INIT ACK lists.
+pub fn listed_addresses(params: &[InitParam]) -> Vec<IpAddr> {
+    params
+        .iter()
+        .filter_map(|p| match p {
+            InitParam::Ipv4(a) => Some(IpAddr::V4(*a)),
+            InitParam::Ipv6(a) => Some(IpAddr::V6(*a)),
+            _ => None,
+        })
+        .take(crate::cookie::MAX_PEER_ADDRESSES)
+        .collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,8 +148,11 @@ pub struct Association {
     early: Vec<(u16, u32, Bytes, bool)>,
     /// Control chunks to send, in order.
     control: VecDeque<Chunk>,
-    /// Whole packets to send first (answers with a reflected tag).
-    replies: VecDeque<Packet>,
+    /// Chunks for one address, each in a packet of its own (HEARTBEAT to a path, HEARTBEAT
+    /// ACK to where its HEARTBEAT came from).
+    directed: VecDeque<(SocketAddr, Chunk)>,
+    /// Whole packets to send first (answers with a reflected tag), and where.
+    replies: VecDeque<(SocketAddr, Packet)>,
     events: VecDeque<Event>,
     /// T1 (INIT, COOKIE ECHO) and T2 (SHUTDOWN, SHUTDOWN ACK): when, and how often so far.
     t1: Option<(Instant, u32)>,
@@ -123,51 +164,57 @@ pub struct Association {
     sack_at: Option<Instant>,
     /// Packets with DATA since the last SACK.
     unacked_packets: u32,
-    /// Heartbeats: when the next goes, and the one outstanding (nonce, sent).
-    heartbeat_at: Option<Instant>,
-    heartbeat: Option<(u64, Instant)>,
-    nonce: u64,
+    /// Where the latest DATA came from: its SACK goes back there (RFC 9260 §6.4), which
+    /// may not be the path our own data takes.
+    sack_to: Option<SocketAddr>,
+    paths: Paths,
+    /// The path DATA last went to: a retransmission timeout counts against it.
+    data_path: usize,
 }
 
 impl Association {
-    /// Starts an association to `peer_port` from `local_port`: INIT goes out at the next
-    /// [`poll_transmit`](Self::poll_transmit). `tag` and `tsn` must be random (and `tag`
-    /// not 0).
+    /// Starts an association to `peer_port` at `peer` from `local_port`: INIT goes out at
+    /// the next [`poll_transmit`](Self::poll_transmit). `tag` and `tsn` must be random (and
+    /// `tag` not 0).
     pub fn connect(
         cfg: Config,
+        peer: SocketAddr,
         local_port: u16,
         peer_port: u16,
         tag: u32,
         tsn: u32,
         now: Instant,
     ) -> Self {
+        let mut params = cfg.address_params();
+        params.push(InitParam::SupportedAddressTypes(vec![5, 6]));
         let init = Chunk::Init(Init {
             initiate_tag: tag,
             a_rwnd: cfg.window.min(u32::MAX as usize) as u32,
             outbound_streams: cfg.outbound_streams,
             inbound_streams: cfg.max_inbound_streams,
             initial_tsn: tsn,
-            params: vec![InitParam::SupportedAddressTypes(vec![5, 6])],
+            params,
         });
-        let mut a = Self::blank(cfg, local_port, peer_port, tag, 0, tsn, State::CookieWait);
+        let ids = (local_port, peer_port, tag, 0, tsn);
+        let mut a = Self::blank(cfg, peer, ids, State::CookieWait);
         a.control.push_back(init.clone());
         a.init_chunk = Some(init);
         a.t1 = Some((now + a.cfg.timing.rto_initial, 0));
         a
     }
 
-    /// The listening side's association, from a cookie its endpoint opened: established,
-    /// COOKIE ACK to go out.
-    pub fn accept(cfg: Config, c: &CookieState, now: Instant) -> Self {
-        let mut a = Self::blank(
-            cfg,
+    /// The listening side's association, from a cookie its endpoint opened and the address
+    /// its COOKIE ECHO came from: established, COOKIE ACK to go out.
+    pub fn accept(cfg: Config, c: &CookieState, from: SocketAddr, now: Instant) -> Self {
+        let ids = (
             c.local_port,
             c.peer_port,
             c.local_tag,
             c.peer_tag,
             c.local_tsn,
-            State::Established,
         );
+        let mut a = Self::blank(cfg, from, ids, State::Established);
+        a.paths.add_listed(&c.peer_addrs, now);
         a.outbound_streams = c.outbound;
         a.start(c.peer_tsn, c.peer_rwnd, c.inbound, now);
         a.control.push_back(Chunk::CookieAck);
@@ -175,17 +222,15 @@ impl Association {
         a
     }
 
-    fn blank(
-        cfg: Config,
-        local_port: u16,
-        peer_port: u16,
-        local_tag: u32,
-        peer_tag: u32,
-        local_tsn: u32,
-        state: State,
-    ) -> Self {
+    /// `ids`: local port, peer port, local tag, peer tag, local TSN.
+    fn blank(cfg: Config, peer: SocketAddr, ids: (u16, u16, u32, u32, u32), state: State) -> Self {
+        let (local_port, peer_port, local_tag, peer_tag, local_tsn) = ids;
+        // Heartbeat nonces from the random tag and TSN: not guessable off the path.
+        let nonce = (u64::from(local_tag) << 32) | u64::from(local_tsn);
         Self {
             outbound_streams: cfg.outbound_streams,
+            paths: Paths::new(peer, cfg.paths, cfg.timing, nonce),
+            data_path: 0,
             cfg,
             state,
             local_port,
@@ -197,6 +242,7 @@ impl Association {
             receiver: None,
             early: Vec::new(),
             control: VecDeque::new(),
+            directed: VecDeque::new(),
             replies: VecDeque::new(),
             events: VecDeque::new(),
             t1: None,
@@ -205,9 +251,7 @@ impl Association {
             sack_now: false,
             sack_at: None,
             unacked_packets: 0,
-            heartbeat_at: None,
-            heartbeat: None,
-            nonce: u64::from(local_tag) << 32,
+            sack_to: None,
         }
     }
 
@@ -219,7 +263,21 @@ impl Association {
         }
         self.sender = Some(s);
         self.receiver = Some(Receiver::new(peer_tsn, inbound, self.cfg.window));
-        self.heartbeat_at = Some(now + self.cfg.heartbeat_interval);
+        self.paths.start(now);
+    }
+
+    /// The peer's addresses, primary first.
+    pub fn peer_addrs(&self) -> impl Iterator<Item = SocketAddr> + '_ {
+        self.paths.addrs()
+    }
+
+    pub fn path_count(&self) -> usize {
+        self.paths.len()
+    }
+
+    /// Where data goes now.
+    pub fn current_path(&self) -> SocketAddr {
+        self.paths.addr(self.paths.data_path())
     }
 
     /// A line on the sending side's state, for logs and failing tests.
@@ -255,6 +313,7 @@ impl Association {
             local_port: self.local_port,
             peer_port: self.peer_port,
             created_ms: now_ms,
+            peer_addrs: listed_addresses(&init.params),
         };
         let ack = Init {
             initiate_tag: self.local_tag,
@@ -262,7 +321,7 @@ impl Association {
             outbound_streams: self.cfg.outbound_streams,
             inbound_streams: self.cfg.max_inbound_streams,
             initial_tsn: self.local_tsn,
-            params: Vec::new(),
+            params: self.cfg.address_params(),
         };
         Some((ack, state))
     }
@@ -274,6 +333,7 @@ impl Association {
         if c.local_tag != self.local_tag {
             return;
         }
+        self.paths.add_listed(&c.peer_addrs, now);
         match self.state {
             State::CookieWait => {
                 self.peer_tag = c.peer_tag;
@@ -353,13 +413,12 @@ impl Association {
         self.t1 = None;
         self.t2 = None;
         self.sack_at = None;
-        self.heartbeat_at = None;
-        self.heartbeat = None;
+        self.directed.clear();
         self.events.push_back(e);
     }
 
-    /// A packet from the peer (its checksum already checked by decoding).
-    pub fn handle(&mut self, p: Packet, now: Instant) {
+    /// A packet from the peer, from `from` (its checksum already checked by decoding).
+    pub fn handle(&mut self, p: Packet, from: SocketAddr, now: Instant) {
         if p.src_port != self.peer_port || p.dst_port != self.local_port {
             return;
         }
@@ -381,12 +440,13 @@ impl Association {
         if self.state == State::Closed {
             // Our SHUTDOWN COMPLETE was lost: answer as for an unknown association (§8.4).
             if matches!(p.chunks.first(), Some(Chunk::ShutdownAck)) {
-                self.replies.push_back(Packet::new(
+                let reply = Packet::new(
                     self.local_port,
                     self.peer_port,
                     p.tag,
                     vec![Chunk::ShutdownComplete { reflected: true }],
-                ));
+                );
+                self.replies.push_back((from, reply));
             }
             return;
         }
@@ -408,15 +468,20 @@ impl Association {
                 }
                 Chunk::Data(d) => {
                     had_data = true;
+                    self.sack_to = Some(from);
                     self.on_data(d);
                 }
                 Chunk::Sack(s) => {
-                    if let Some(snd) = self.sender.as_mut() {
-                        snd.sack(&s, now);
+                    if let Some(snd) = self.sender.as_mut()
+                        && snd.sack(&s, now).bytes > 0
+                    {
+                        self.paths.acknowledged(self.data_path);
                     }
                     self.try_shutdown(now);
                 }
-                Chunk::Heartbeat(info) => self.control.push_back(Chunk::HeartbeatAck(info)),
+                Chunk::Heartbeat(info) => {
+                    self.directed.push_back((from, Chunk::HeartbeatAck(info)));
+                }
                 Chunk::HeartbeatAck(info) => self.on_heartbeat_ack(&info, now),
                 Chunk::Abort { .. } => {
                     self.close_with(Event::Aborted(PEER_ABORTED.into()));
@@ -492,6 +557,7 @@ impl Association {
             return;
         };
         self.peer_tag = i.initiate_tag;
+        self.paths.add_listed(&listed_addresses(&i.params), now);
         self.outbound_streams = self.outbound_streams.min(i.inbound_streams);
         let inbound = i.outbound_streams.min(self.cfg.max_inbound_streams);
         self.state = State::CookieEchoed;
@@ -525,14 +591,15 @@ impl Association {
     }
 
     fn on_heartbeat_ack(&mut self, info: &[u8], now: Instant) {
-        let Some((nonce, sent)) = self.heartbeat else {
+        let Some((i, rtt)) = self.paths.heartbeat_ack(info, now) else {
             return;
         };
-        if info.len() == 8 && info == nonce.to_be_bytes() {
-            self.heartbeat = None;
-            if let Some(s) = self.sender.as_mut() {
-                s.errors = 0;
-                s.rtt_sample(now.saturating_duration_since(sent));
+        // An answer from any of the peer's addresses clears the association's errors
+        // (RFC 9260 §8.1); the RTT is the data path's only when it was measured there.
+        if let Some(s) = self.sender.as_mut() {
+            s.errors = 0;
+            if i == self.data_path {
+                s.rtt_sample(rtt);
             }
         }
     }
@@ -595,17 +662,30 @@ impl Association {
             .map_or(self.cfg.timing.rto_initial, Sender::rto)
     }
 
-    /// The next packet to send, if any.
-    pub fn poll_transmit(&mut self, now: Instant) -> Option<Packet> {
+    /// The next packet to send, if any, and where.
+    pub fn poll_transmit(&mut self, now: Instant) -> Option<(SocketAddr, Packet)> {
         if let Some(p) = self.replies.pop_front() {
             return Some(p);
+        }
+        if let Some((to, c)) = self.directed.pop_front() {
+            let p = Packet::new(self.local_port, self.peer_port, self.peer_tag, vec![c]);
+            return Some((to, p));
         }
         let mut chunks = Vec::new();
         let mut room = self.cfg.mtu - crate::packet::HEADER;
         // INIT is sent with tag 0 and alone.
         if let Some(Chunk::Init(_)) = self.control.front() {
             let c = self.control.pop_front()?;
-            return Some(Packet::new(self.local_port, self.peer_port, 0, vec![c]));
+            let p = Packet::new(self.local_port, self.peer_port, 0, vec![c]);
+            return Some((self.paths.primary(), p));
+        }
+        // Data follows the path in use; moving to another, the sender takes its RTO.
+        let path = self.paths.data_path();
+        if path != self.data_path {
+            self.data_path = path;
+            if let Some(s) = self.sender.as_mut() {
+                s.set_rto(self.paths.rto(path));
+            }
         }
         // A delayed SACK goes with DATA that leaves before it is due (RFC 9260 §6.2): an
         // answer carries the acknowledgement of its request, with no timer and no packet of
@@ -617,6 +697,19 @@ impl Association {
                 State::Established | State::ShutdownPending | State::ShutdownReceived
             );
         let ready = self.sack_now || with_data || self.sack_at.is_some_and(|t| now >= t);
+        let data_to = self.paths.addr(path);
+        let sack_elsewhere = self.sack_to.filter(|a| *a != data_to);
+        if ready
+            && let Some(to) = sack_elsewhere
+            && let Some(r) = self.receiver.as_mut()
+        {
+            let s = Chunk::Sack(r.sack());
+            self.sack_now = false;
+            self.sack_at = None;
+            self.unacked_packets = 0;
+            let p = Packet::new(self.local_port, self.peer_port, self.peer_tag, vec![s]);
+            return Some((to, p));
+        }
         if ready && let Some(r) = self.receiver.as_mut() {
             let s = Chunk::Sack(r.sack());
             room = room.saturating_sub(s.padded_len());
@@ -650,15 +743,14 @@ impl Association {
         if chunks.is_empty() {
             return None;
         }
-        Some(Packet::new(
-            self.local_port,
-            self.peer_port,
-            self.peer_tag,
-            chunks,
-        ))
+        let p = Packet::new(self.local_port, self.peer_port, self.peer_tag, chunks);
+        Some((data_to, p))
     }
 
     pub fn poll_event(&mut self) -> Option<Event> {
+        for e in self.paths.take_events() {
+            self.events.push_back(Event::Path(e));
+        }
         self.events.pop_front()
     }
 
@@ -671,14 +763,9 @@ impl Association {
             self.t1.map(|(t, _)| t),
             self.t2.map(|(t, _)| t),
             self.sack_at,
-            self.heartbeat.map(|(_, sent)| sent + self.rto()),
-            self.heartbeat_at.filter(|_| {
-                self.heartbeat.is_none()
-                    && matches!(
-                        self.state,
-                        State::Established | State::ShutdownPending | State::ShutdownReceived
-                    )
-            }),
+            self.paths
+                .poll_timeout()
+                .filter(|_| self.heartbeats_allowed()),
             self.sender.as_ref().and_then(Sender::timeout),
         ]
         .into_iter()
@@ -721,44 +808,38 @@ impl Association {
         }
         if let Some(s) = self.sender.as_mut()
             && s.handle_timeout(now)
-            && s.errors > self.cfg.max_retransmits
         {
-            self.abort("the peer stopped acknowledging data");
-            return;
-        }
-        if let Some((_, sent)) = self.heartbeat
-            && now >= sent + self.rto()
-        {
-            self.heartbeat = None;
-            // One error count for the association (§8.1): timeouts of data and of
-            // heartbeats, cleared by an acknowledgement of either.
-            let errors = self.sender.as_mut().map_or(0, |s| {
-                s.errors += 1;
-                s.back_off();
-                s.errors
-            });
-            if errors > self.cfg.max_retransmits {
-                self.abort("the peer stopped answering heartbeats");
+            self.paths.data_timeout(self.data_path);
+            if s.errors > self.cfg.max_retransmits {
+                self.abort("the peer stopped acknowledging data");
                 return;
             }
-            self.heartbeat_at = Some(now);
         }
-        let heartbeats = matches!(
+        if self.heartbeats_allowed() {
+            let mut beats = Vec::new();
+            let missed = self.paths.handle_timeout(now, self.data_path, &mut beats);
+            // One error count for the association (§8.1): timeouts of data and of
+            // heartbeats on the data path, cleared by an acknowledgement of either.
+            if missed > 0
+                && let Some(s) = self.sender.as_mut()
+            {
+                s.errors += missed;
+                s.back_off();
+                if s.errors > self.cfg.max_retransmits {
+                    self.abort("the peer stopped answering heartbeats");
+                    return;
+                }
+            }
+            for (to, info) in beats {
+                self.directed.push_back((to, Chunk::Heartbeat(info)));
+            }
+        }
+    }
+
+    fn heartbeats_allowed(&self) -> bool {
+        matches!(
             self.state,
             State::Established | State::ShutdownPending | State::ShutdownReceived
-        );
-        if let Some(t) = self.heartbeat_at
-            && now >= t
-            && self.heartbeat.is_none()
-            && heartbeats
-        {
-            self.nonce = self.nonce.wrapping_add(1);
-            self.heartbeat = Some((self.nonce, now));
-            self.control
-                .push_back(Chunk::Heartbeat(Bytes::copy_from_slice(
-                    &self.nonce.to_be_bytes(),
-                )));
-            self.heartbeat_at = Some(now + self.cfg.heartbeat_interval + self.rto());
-        }
+        )
     }
 }

@@ -3,13 +3,14 @@
 //! ECHO whose cookie opens becomes an [`Association`]; anything else "out of the blue" gets
 //! what §8.4 says (mostly an ABORT with the T bit, never an answer to an ABORT).
 
-use crate::assoc::{Association, Config};
+use crate::assoc::{Association, Config, listed_addresses};
 use crate::chunk::{Chunk, Init, InitParam};
 use crate::cookie::{CookieError, CookieState};
 use crate::packet::Packet;
 use bytes::Bytes;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
+use std::net::SocketAddr;
 use std::time::Instant;
 
 /// What to do with a packet no association claimed.
@@ -47,7 +48,8 @@ impl Endpoint {
         now.saturating_duration_since(self.epoch).as_millis() as u64
     }
 
-    pub fn handle(&mut self, p: Packet, now: Instant) -> Outcome {
+    /// A packet from `from` that no association claimed.
+    pub fn handle(&mut self, p: Packet, from: SocketAddr, now: Instant) -> Outcome {
         if p.dst_port != self.local_port {
             return Outcome::Ignore;
         }
@@ -74,16 +76,19 @@ impl Endpoint {
                     local_port: self.local_port,
                     peer_port: p.src_port,
                     created_ms: self.ms(now),
+                    peer_addrs: listed_addresses(&i.params),
                 };
+                let mut params = self.cfg.address_params();
+                params.push(InitParam::StateCookie(Bytes::from(
+                    state.seal(&self.secret),
+                )));
                 let ack = Init {
                     initiate_tag: tag,
                     a_rwnd: self.cfg.window.min(u32::MAX as usize) as u32,
                     outbound_streams: self.cfg.outbound_streams,
                     inbound_streams: self.cfg.max_inbound_streams,
                     initial_tsn: tsn,
-                    params: vec![InitParam::StateCookie(Bytes::from(
-                        state.seal(&self.secret),
-                    ))],
+                    params,
                 };
                 Outcome::Reply(Packet::new(
                     self.local_port,
@@ -96,12 +101,12 @@ impl Endpoint {
                 let life = self.cfg.cookie_life.as_millis() as u64;
                 match CookieState::open(cookie, &self.secret, self.ms(now), life) {
                     Ok(c) if c.local_tag == p.tag && c.peer_port == p.src_port => {
-                        let mut a = Association::accept(self.cfg.clone(), &c, now);
+                        let mut a = Association::accept(self.cfg.clone(), &c, from, now);
                         // DATA bundled behind the COOKIE ECHO.
                         let rest =
                             Packet::new(p.src_port, p.dst_port, p.tag, p.chunks[1..].to_vec());
                         if !rest.chunks.is_empty() {
-                            a.handle(rest, now);
+                            a.handle(rest, from, now);
                         }
                         Outcome::Accept(Box::new(a))
                     }

@@ -168,7 +168,11 @@ impl Host {
         let local = socket.local_addr().unwrap_or(local);
         let socket = UdpSocket::from_std(socket)?;
         let (cmd, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(socket, carrier, rx, cmd.downgrade()));
+        let cfg = Config {
+            local_addresses: crate::socket::local_addresses(local),
+            ..Config::default()
+        };
+        tokio::spawn(run(socket, carrier, cfg, rx, cmd.downgrade()));
         let start = {
             use rand_core::{OsRng, TryRngCore};
             OsRng.try_next_u32().unwrap_or(std::process::id()) as u16
@@ -236,10 +240,11 @@ impl Host {
 async fn run(
     socket: UdpSocket,
     carrier: Carrier,
+    cfg: Config,
     mut cmds: mpsc::UnboundedReceiver<Cmd>,
     handles: mpsc::WeakUnboundedSender<Cmd>,
 ) {
-    let mut stack = Stack::with_os_randomness(Config::default(), Instant::now());
+    let mut stack = Stack::with_os_randomness(cfg, Instant::now());
     let mut conns: HashMap<AssocId, (SocketAddr, mpsc::UnboundedSender<Message>)> = HashMap::new();
     let mut connecting: HashMap<AssocId, Connecting> = HashMap::new();
     let mut listeners: HashMap<u16, mpsc::UnboundedSender<Association>> = HashMap::new();
@@ -299,6 +304,7 @@ async fn run(
                         let _ = tx.send(m);
                     }
                 }
+                StackEvent::Path(id, e) => tracing::info!("SCTP association {}: {e}", id.0),
                 StackEvent::Closed(id, why) => {
                     conns.remove(&id);
                     if let Some((peer, _, done)) = connecting.remove(&id) {

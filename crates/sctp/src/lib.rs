@@ -14,8 +14,9 @@
 //! the listening side's [`endpoint`], which answers INIT statelessly with a signed [`cookie`].
 //! Many associations behind one socket are a [`stack`]; with the `tokio` feature, [`host`]
 //! runs one on a UDP or raw IP socket for the PE and PU library (the registrar drives the
-//! stack from its own event loop). Not yet: several paths per association (multi-homing),
-//! INIT collision and restart.
+//! stack from its own event loop). An association's paths (the peer's addresses, with
+//! heartbeats and failover) are [`path`]. Not yet: peer restart, addresses added to a live
+//! association.
 
 pub mod assoc;
 pub mod chunk;
@@ -24,6 +25,7 @@ pub mod endpoint;
 #[cfg(feature = "tokio")]
 pub mod host;
 pub mod packet;
+pub mod path;
 pub mod recv;
 pub mod send;
 #[cfg(feature = "sockets")]

@@ -202,6 +202,13 @@ impl Sender {
         self.rto = (srtt + 4 * rttvar).clamp(self.timing.rto_min, self.timing.rto_max);
     }
 
+    /// Data moves to another path: its RTO, and RTT samples from scratch (§6.3.1: RTO per
+    /// destination).
+    pub fn set_rto(&mut self, rto: Duration) {
+        self.rto = rto;
+        self.srtt = None;
+    }
+
     /// A heartbeat went unanswered: the RTO doubles, as after a retransmission timeout.
     pub fn back_off(&mut self) {
         self.rto = (self.rto * 2).min(self.timing.rto_max);

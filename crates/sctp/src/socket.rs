@@ -5,7 +5,7 @@
 
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 /// IP protocol number of SCTP.
 const IPPROTO_SCTP: i32 = 132;
@@ -43,6 +43,30 @@ pub fn raw(at: SocketAddr) -> io::Result<std::net::UdpSocket> {
     s.bind(&SockAddr::from(SocketAddr::new(at.ip(), 0)))?;
     s.set_nonblocking(true)?;
     Ok(std::net::UdpSocket::from(std::os::fd::OwnedFd::from(s)))
+}
+
+/// The addresses to list in INIT and INIT ACK for a socket bound to `bound`: on the
+/// wildcard address, every address of this host's interfaces of its family but loopback
+/// and IPv6 link-local ones (at most eight) — the socket receives on all of them, and a peer
+/// that knows them can fail over between them (multi-homing); on one address, none (the
+/// peer takes the address packets come from).
+pub fn local_addresses(bound: SocketAddr) -> Vec<IpAddr> {
+    if !bound.ip().is_unspecified() {
+        return Vec::new();
+    }
+    let Ok(ifs) = if_addrs::get_if_addrs() else {
+        return Vec::new();
+    };
+    let mut out: Vec<IpAddr> = Vec::new();
+    for ip in ifs.iter().map(if_addrs::Interface::ip) {
+        let link_local = matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local());
+        if ip.is_ipv4() == bound.is_ipv4() && !ip.is_loopback() && !link_local && !out.contains(&ip)
+        {
+            out.push(ip);
+        }
+    }
+    out.truncate(crate::cookie::MAX_PEER_ADDRESSES);
+    out
 }
 
 /// The SCTP packet of a datagram of `n` bytes in `buf` as the socket delivered it, and its

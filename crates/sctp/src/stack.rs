@@ -6,12 +6,14 @@
 //!
 //! A stack listens on the ports it is given ([`Stack::listen`]): INITs to them get the
 //! endpoint's stateless answer, and a valid COOKIE ECHO becomes an accepted association.
+//! A multi-homed peer's association is found from each of its addresses.
 
 use crate::assoc::{Association, Config, Event, SendError, State};
 use crate::chunk::{Chunk, InitParam};
 use crate::cookie::CookieState;
 use crate::endpoint::{Endpoint, Outcome};
 use crate::packet::Packet;
+use crate::path::PathEvent;
 use crate::recv::Message;
 use bytes::Bytes;
 use rand_core::{RngCore, SeedableRng};
@@ -40,6 +42,8 @@ pub enum StackEvent {
     Message(AssocId, Message),
     /// Ended, gracefully (`None`) or not (why); the id is free afterwards.
     Closed(AssocId, Option<String>),
+    /// One of the peer's addresses came up or went down (for the log).
+    Path(AssocId, PathEvent),
 }
 
 /// Where an association is: the peer's address (with its UDP port, or 0 on raw IP) and the
@@ -48,7 +52,8 @@ type Key = (SocketAddr, u16, u16);
 
 struct Entry {
     assoc: Association,
-    key: Key,
+    /// Where it is found: its primary first, then the peer's other addresses.
+    keys: Vec<Key>,
     /// Made from a peer's COOKIE ECHO at a listening port (else opened here).
     accepted: bool,
     /// Its timer as filed in `Stack::timers`.
@@ -136,7 +141,7 @@ impl Stack {
             }
         };
         let tsn = self.rng.next_u32();
-        let a = Association::connect(self.cfg.clone(), local_port, peer_port, tag, tsn, now);
+        let a = Association::connect(self.cfg.clone(), peer, local_port, peer_port, tag, tsn, now);
         let id = self.insert((peer, local_port, peer_port), a, false);
         self.touched.push(id);
         id
@@ -150,7 +155,7 @@ impl Stack {
             id,
             Entry {
                 assoc,
-                key,
+                keys: vec![key],
                 accepted,
                 deadline: None,
             },
@@ -229,7 +234,7 @@ impl Stack {
                 cookie_life: self.cfg.cookie_life,
             };
             if let Some(e) = self.assocs.get_mut(&id)
-                && let Some(reply) = collision(&keys, &mut e.assoc, p, now)
+                && let Some(reply) = collision(&keys, &mut e.assoc, p, from, now)
             {
                 self.out.push_back((from, reply.encode()));
             }
@@ -244,7 +249,7 @@ impl Stack {
             return;
         };
         let (local_port, peer_port) = (p.dst_port, p.src_port);
-        match endpoint.handle(p, now) {
+        match endpoint.handle(p, from, now) {
             Outcome::Reply(r) => self.out.push_back((from, r.encode())),
             Outcome::Accept(a) => {
                 let id = self.insert((from, local_port, peer_port), *a, true);
@@ -259,9 +264,9 @@ impl Stack {
         let Some(e) = self.assocs.get_mut(&id) else {
             return;
         };
-        let (peer, local_port, peer_port) = e.key;
-        while let Some(p) = e.assoc.poll_transmit(now) {
-            self.out.push_back((peer, p.encode()));
+        let (peer, local_port, peer_port) = e.keys[0];
+        while let Some((to, p)) = e.assoc.poll_transmit(now) {
+            self.out.push_back((to, p.encode()));
         }
         let mut closed = false;
         while let Some(ev) = e.assoc.poll_event() {
@@ -282,7 +287,17 @@ impl Stack {
                     closed = true;
                     StackEvent::Closed(id, Some(why))
                 }
+                Event::Path(pe) => StackEvent::Path(id, pe),
             });
+        }
+        // The peer's other addresses, once its INIT or INIT ACK named them: datagrams from
+        // each find the association (an address another association has stays with it).
+        if !closed && e.assoc.path_count() != e.keys.len() {
+            for addr in e.assoc.peer_addrs().skip(e.keys.len()) {
+                let key = (addr, local_port, peer_port);
+                self.by_key.entry(key).or_insert(id);
+                e.keys.push(key);
+            }
         }
         // Refile its timer.
         let next = if closed { None } else { e.assoc.poll_timeout() };
@@ -298,7 +313,11 @@ impl Stack {
         if closed {
             // What is left to send (a SHUTDOWN COMPLETE, an ABORT) was taken above.
             if let Some(e) = self.assocs.remove(&id) {
-                self.by_key.remove(&e.key);
+                for k in e.keys {
+                    if self.by_key.get(&k) == Some(&id) {
+                        self.by_key.remove(&k);
+                    }
+                }
             }
         }
     }
@@ -353,7 +372,13 @@ struct Keys<'a> {
 /// is out is answered with an INIT ACK that keeps our tag, and its COOKIE ECHO then
 /// establishes the association we have. Anything else goes to the association; the
 /// returned packet is a direct answer to send.
-fn collision(k: &Keys<'_>, a: &mut Association, p: Packet, now: Instant) -> Option<Packet> {
+fn collision(
+    k: &Keys<'_>,
+    a: &mut Association,
+    p: Packet,
+    from: SocketAddr,
+    now: Instant,
+) -> Option<Packet> {
     let ms = now.saturating_duration_since(k.epoch).as_millis() as u64;
     match p.chunks.first() {
         Some(Chunk::Init(i)) if p.tag == 0 => {
@@ -377,13 +402,13 @@ fn collision(k: &Keys<'_>, a: &mut Association, p: Packet, now: Instant) -> Opti
                 a.collision_cookie(&c, now);
                 let rest = Packet::new(p.src_port, p.dst_port, p.tag, p.chunks[1..].to_vec());
                 if !rest.chunks.is_empty() {
-                    a.handle(rest, now);
+                    a.handle(rest, from, now);
                 }
             }
             None
         }
         _ => {
-            a.handle(p, now);
+            a.handle(p, from, now);
             None
         }
     }

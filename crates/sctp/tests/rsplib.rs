@@ -112,8 +112,8 @@ fn drive(
     let mut buf = vec![0u8; 65_536];
     while t0.elapsed() < limit {
         let now = Instant::now();
-        while let Some(p) = a.poll_transmit(now) {
-            sock.send_to(&p.encode(), peer).unwrap();
+        while let Some((to, p)) = a.poll_transmit(now) {
+            sock.send_to(&p.encode(), to).unwrap();
         }
         while let Some(e) = a.poll_event() {
             events.push(e);
@@ -132,7 +132,7 @@ fn drive(
             && from.ip() == peer.ip()
         {
             match Packet::decode(&buf[..n]) {
-                Ok(p) => a.handle(p, Instant::now()),
+                Ok(p) => a.handle(p, from, Instant::now()),
                 Err(e) => panic!("rsplib sent a packet we cannot decode: {e}"),
             }
         }
@@ -179,7 +179,8 @@ fn an_association_with_rsplibs_registrar_registers_a_pool_element() {
         let peer = SocketAddr::from((REGISTRAR, UDP_PORT));
         // rspregistrar needs a moment to listen; INIT is retransmitted meanwhile anyway.
         let now = Instant::now();
-        let mut a = Association::connect(Config::default(), 41000, 3863, 0x5a5a_0001, 77, now);
+        let mut a =
+            Association::connect(Config::default(), peer, 41000, 3863, 0x5a5a_0001, 77, now);
         let events = drive(&sock, peer, &mut a, Duration::from_secs(20), |a, _| {
             a.state() == State::Established
         });
@@ -310,7 +311,7 @@ fn rsplibs_pool_element_associates_with_our_endpoint_and_registers() {
                 continue;
             }
             let p = Packet::decode(&buf[..n]).unwrap();
-            match endpoint.handle(p, Instant::now()) {
+            match endpoint.handle(p, from, Instant::now()) {
                 rserpool_sctp::Outcome::Reply(r) => {
                     sock.send_to(&r.encode(), peer).unwrap();
                 }

@@ -11,30 +11,41 @@ use bytes::Bytes;
 use proptest::prelude::*;
 use rserpool_sctp::assoc::Config;
 use rserpool_sctp::{Association, Endpoint, Event, Outcome, Packet, Stack};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use strategies::{bytes, chunk};
+
+fn client_addr() -> SocketAddr {
+    SocketAddr::from(([192, 0, 2, 2], 9899))
+}
+fn server_addr() -> SocketAddr {
+    SocketAddr::from(([192, 0, 2, 1], 9899))
+}
 
 /// A client and a server association, established over a clean exchange.
 fn established(now: Instant) -> (Association, Association) {
     let cfg = Config::default();
-    let mut client = Association::connect(cfg.clone(), 5000, 3863, 0x1111_2222, 77, now);
+    let mut client =
+        Association::connect(cfg.clone(), server_addr(), 5000, 3863, 0x1111_2222, 77, now);
     let mut endpoint = Endpoint::new(cfg, 3863, [7; 32], 9, now);
     let mut server = None;
     for _ in 0..10 {
-        while let Some(p) = client.poll_transmit(now) {
+        while let Some((_, p)) = client.poll_transmit(now) {
             let p = Packet::decode(&p.encode()).unwrap();
             match &mut server {
-                Some(s) => Association::handle(s, p, now),
-                None => match endpoint.handle(p, now) {
-                    Outcome::Reply(r) => client.handle(Packet::decode(&r.encode()).unwrap(), now),
+                Some(s) => Association::handle(s, p, client_addr(), now),
+                None => match endpoint.handle(p, client_addr(), now) {
+                    Outcome::Reply(r) => {
+                        client.handle(Packet::decode(&r.encode()).unwrap(), server_addr(), now)
+                    }
                     Outcome::Accept(a) => server = Some(*a),
                     _ => {}
                 },
             }
         }
         if let Some(s) = server.as_mut() {
-            while let Some(p) = s.poll_transmit(now) {
-                client.handle(Packet::decode(&p.encode()).unwrap(), now);
+            while let Some((_, p)) = s.poll_transmit(now) {
+                client.handle(Packet::decode(&p.encode()).unwrap(), server_addr(), now);
             }
         }
     }
@@ -47,7 +58,7 @@ fn established(now: Instant) -> (Association, Association) {
 /// Everything `a` sends now: each packet must encode and decode again.
 fn drain(a: &mut Association, now: Instant) -> Vec<Packet> {
     let mut out = Vec::new();
-    while let Some(p) = a.poll_transmit(now) {
+    while let Some((_, p)) = a.poll_transmit(now) {
         let wire = p.encode();
         out.push(Packet::decode(&wire).expect("what we send decodes"));
         assert!(
@@ -89,7 +100,7 @@ proptest! {
             let p = Packet::new(5000, 3863, if right_tag { tag } else { other }, chunks);
             // As a stack gets it: encoded and decoded.
             if let Ok(p) = Packet::decode(&p.encode()) {
-                server.handle(p, now);
+                server.handle(p, client_addr(), now);
             }
             server.handle_timeout(now);
             drain(&mut server, now);
@@ -113,14 +124,14 @@ proptest! {
             // is not meant to test.
             let other = if other == tag || other == 0 { tag ^ 1 } else { other };
             if let Ok(p) = Packet::decode(&Packet::new(5000, 3863, other, chunks).encode()) {
-                server.handle(p, now);
+                server.handle(p, client_addr(), now);
             }
             prop_assert!(drain(&mut server, now).is_empty(), "an answer to a packet with a wrong tag");
             prop_assert!(events(&mut server, &mut ended).is_empty());
         }
         client.send(0, 11, Bytes::from_static(b"still here"), false).unwrap();
         for p in drain(&mut client, now) {
-            server.handle(p, now);
+            server.handle(p, client_addr(), now);
         }
         let got: Vec<Event> = events(&mut server, &mut ended);
         let messages: Vec<Bytes> = got

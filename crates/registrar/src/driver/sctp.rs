@@ -127,8 +127,14 @@ impl Sctp {
                     let mut io = bind(a)?;
                     let token = Token(FIRST_TOKEN - sockets.len());
                     registry.register(&mut io.socket, token, Interest::READABLE)?;
-                    let stack =
-                        Stack::with_os_randomness(rserpool_sctp::Config::default(), Instant::now());
+                    // Bound to the wildcard address, every interface address goes into INIT
+                    // and INIT ACK: peers fail over between them (multi-homing).
+                    let local = io.socket.local_addr().unwrap_or(a.addr);
+                    let cfg = rserpool_sctp::Config {
+                        local_addresses: rserpool_sctp::socket::local_addresses(local),
+                        ..rserpool_sctp::Config::default()
+                    };
+                    let stack = Stack::with_os_randomness(cfg, Instant::now());
                     sockets.push(SctpSocket {
                         io,
                         stack,
@@ -317,6 +323,10 @@ impl Sctp {
                             m.ppid
                         );
                     }
+                }
+                StackEvent::Path(id, e) => {
+                    let peer = self.by_assoc.get(&(k, id)).and_then(|c| core.peer(*c));
+                    tracing::info!("SCTP association {} ({peer:?}): {e}", id.0);
                 }
                 StackEvent::Closed(id, why) => {
                     self.connecting.remove(&(k, id));

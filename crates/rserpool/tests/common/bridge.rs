@@ -53,6 +53,39 @@ impl Net {
     pub fn addr(i: usize) -> String {
         format!("192.0.2.{}", i + 1)
     }
+
+    /// A second network beside the first (multi-homing): a bridge `br1` in the first
+    /// namespace with 198.51.100.1, and 198.51.100.2, 198.51.100.3, … on `eth1` of the others.
+    pub fn second_network(&self) {
+        let hub = &self.names[0];
+        sh(&["ip", "-n", hub, "link", "add", "br1", "type", "bridge"]);
+        sh(&[
+            "ip",
+            "-n",
+            hub,
+            "addr",
+            "add",
+            "198.51.100.1/24",
+            "dev",
+            "br1",
+        ]);
+        sh(&["ip", "-n", hub, "link", "set", "br1", "up"]);
+        for (i, n) in self.names.iter().enumerate().skip(1) {
+            let port = format!("w{i}");
+            sh(&[
+                "ip", "-n", hub, "link", "add", &port, "type", "veth", "peer", "name", "eth1",
+                "netns", n,
+            ]);
+            sh(&["ip", "-n", hub, "link", "set", &port, "master", "br1", "up"]);
+            let addr = format!("{}/24", Self::second_addr(i));
+            sh(&["ip", "-n", n, "addr", "add", &addr, "dev", "eth1"]);
+            sh(&["ip", "-n", n, "link", "set", "eth1", "up"]);
+        }
+    }
+
+    pub fn second_addr(i: usize) -> String {
+        format!("198.51.100.{}", i + 1)
+    }
 }
 
 impl Drop for Net {
