@@ -4,7 +4,8 @@
 //! The cores speak in bytes as over TCP: each SCTP message read is handed over whole, and what
 //! a core transmits (messages back to back) is cut into one SCTP message each. The association
 //! runs on the process's SCTP host (`rserpool_sctp::host`): over UDP it binds port 9899 (rsplib's
-//! stack answers to that port only), or an ephemeral port when another process has 9899.
+//! stack answers to that port only), or an ephemeral port when another process has 9899; on IP
+//! (`sctp://`) it is the kernel's SCTP where the kernel has it, else ours on a raw socket.
 
 use crate::core::ConnId;
 use crate::link::{ConnEvent, Out};
@@ -39,8 +40,9 @@ pub fn host_for(to: &Address) -> io::Result<(Arc<Host>, SocketAddr)> {
             };
             Ok((host, peer))
         }
+        // The kernel's SCTP where it has it, else ours on a raw socket.
         Scheme::Sctp => Ok((
-            Host::shared(Carrier::RawIp, SocketAddr::new(any, 0))?,
+            Host::shared(Carrier::ip(to.addr.is_ipv4()), SocketAddr::new(any, 0))?,
             SocketAddr::new(to.addr.ip(), 0),
         )),
         Scheme::Tcp => Err(io::Error::new(

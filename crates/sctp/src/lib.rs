@@ -24,6 +24,8 @@ pub mod cookie;
 pub mod endpoint;
 #[cfg(feature = "tokio")]
 pub mod host;
+#[cfg(feature = "sockets")]
+pub mod kernel;
 pub mod packet;
 pub mod path;
 pub mod recv;

@@ -18,17 +18,17 @@ pub fn udp(at: SocketAddr) -> io::Result<std::net::UdpSocket> {
 }
 
 /// A non-blocking raw socket for SCTP on `ip` (the port of `at` is not used). Refused where
-/// the kernel has SCTP: it would answer every association the raw socket sees with an ABORT.
+/// the kernel has SCTP: it would answer every association the raw socket sees with an ABORT
+/// (`crate::kernel` is used there instead).
 pub fn raw(at: SocketAddr) -> io::Result<std::net::UdpSocket> {
     let domain = if at.is_ipv4() {
         Domain::IPV4
     } else {
         Domain::IPV6
     };
-    if Socket::new(domain, Type::STREAM, Some(Protocol::from(IPPROTO_SCTP))).is_ok() {
+    if crate::kernel::available(at.is_ipv4()) {
         return Err(io::Error::other(
-            "this host's kernel has SCTP, which rserpool does not use yet; use sctp+udp:// \
-             instead (docs/SCTP.md)",
+            "this host's kernel has SCTP: its sockets carry sctp://, not a raw one (docs/SCTP.md)",
         ));
     }
     let s = Socket::new(domain, Type::RAW, Some(Protocol::from(IPPROTO_SCTP))).map_err(|e| {

@@ -2,7 +2,9 @@
 //! (PPIDs 11 and 12): a socket per local carrier — a UDP address for `sctp+udp://` (SCTP in
 //! UDP, RFC 6951), an IP address for `sctp://` (IP protocol 132 on a raw socket, for hosts
 //! whose kernel has no SCTP; needs root) — each with the user-space SCTP stack of
-//! `rserpool-sctp` behind it, listening on the ASAP and ENRP ports given for it. SCTP over UDP
+//! `rserpool-sctp` behind it, listening on the ASAP and ENRP ports given for it. Where the
+//! kernel has SCTP, `sctp://` runs on it instead: its one-to-one sockets on a thread of their
+//! own (`rserpool_sctp::host::Bridge`), whose events wake this loop. SCTP over UDP
 //! puts a host's associations behind one UDP port, so ASAP and ENRP on the same address share
 //! one socket. Associations to peer registrars configured with an SCTP address are opened here
 //! too, from our ENRP port.
@@ -16,6 +18,7 @@
 use crate::core::{ConnId, Registrar};
 use bytes::Bytes;
 use mio::{Interest, Registry, Token};
+use rserpool_sctp::host::{Bridge, Carrier};
 use rserpool_sctp::stack::AssocId;
 use rserpool_sctp::{Stack, StackEvent};
 use rserpool_wire::{ASAP_PPID, Address, ENRP_PPID, Scheme};
@@ -44,9 +47,17 @@ struct Io {
     raw: bool,
 }
 
+/// What runs a carrier's associations: our stack on a socket this loop reads, or the
+/// kernel's SCTP behind a bridge that wakes it.
+// At most `MAX_SOCKETS` of them: the stack inline costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
+enum Engine {
+    User { io: Io, stack: Stack },
+    Kernel(Bridge),
+}
+
 struct SctpSocket {
-    io: Io,
-    stack: Stack,
+    engine: Engine,
     /// The carrier: the scheme, and the local UDP address (or IP address with port 0).
     scheme: Scheme,
     at: SocketAddr,
@@ -81,19 +92,103 @@ pub(super) struct Sctp {
     log_at: Option<Instant>,
 }
 
-fn bind(a: &Address) -> io::Result<Io> {
+/// The engine for `a`'s carrier, watched under `token`.
+fn bind(a: &Address, registry: &Registry, token: Token) -> io::Result<Engine> {
     let (_, at) = carrier(a);
+    let named = |e: io::Error| io::Error::new(e.kind(), format!("cannot listen on {a}: {e}"));
     let (socket, raw) = match a.scheme {
         Scheme::Tcp => return Err(io::Error::other("not an SCTP address")),
         Scheme::SctpUdp { .. } => (rserpool_sctp::socket::udp(at), false),
+        Scheme::Sctp if Carrier::ip(at.is_ipv4()) == Carrier::Kernel => {
+            let waker = std::sync::Arc::new(mio::Waker::new(registry, token)?);
+            let bridge = Bridge::start(Carrier::Kernel, at, move || {
+                let _ = waker.wake();
+            })
+            .map_err(named)?;
+            info!("SCTP on {a} is the kernel's");
+            return Ok(Engine::Kernel(bridge));
+        }
         Scheme::Sctp => (rserpool_sctp::socket::raw(at), true),
     };
-    let socket =
-        socket.map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {a}: {e}")))?;
-    Ok(Io {
-        socket: mio::net::UdpSocket::from_std(socket),
-        raw,
+    let mut socket = mio::net::UdpSocket::from_std(socket.map_err(named)?);
+    registry.register(&mut socket, token, Interest::READABLE)?;
+    // Bound to the wildcard address, every interface address goes into INIT and INIT ACK:
+    // peers fail over between them (multi-homing).
+    let local = socket.local_addr().unwrap_or(at);
+    let cfg = rserpool_sctp::Config {
+        local_addresses: rserpool_sctp::socket::local_addresses(local),
+        ..rserpool_sctp::Config::default()
+    };
+    Ok(Engine::User {
+        io: Io { socket, raw },
+        stack: Stack::with_os_randomness(cfg, Instant::now()),
     })
+}
+
+impl SctpSocket {
+    fn listen(&mut self, port: u16) {
+        match &mut self.engine {
+            Engine::User { stack, .. } => stack.listen(port),
+            Engine::Kernel(b) => b.listen(port),
+        }
+    }
+
+    /// The association with `peer` between these ports, where the stack keeps one per pair
+    /// (the kernel settles that itself).
+    fn find(&self, peer: SocketAddr, local_port: u16, peer_port: u16) -> Option<AssocId> {
+        match &self.engine {
+            Engine::User { stack, .. } => stack.find(peer, local_port, peer_port),
+            Engine::Kernel(_) => None,
+        }
+    }
+
+    fn connect(&mut self, peer: SocketAddr, local_port: u16, peer_port: u16) -> AssocId {
+        match &mut self.engine {
+            Engine::User { stack, .. } => {
+                stack.connect(peer, local_port, peer_port, Instant::now())
+            }
+            Engine::Kernel(b) => b.connect(peer, local_port, peer_port),
+        }
+    }
+
+    fn poll_event(&mut self) -> Option<StackEvent> {
+        match &mut self.engine {
+            Engine::User { stack, .. } => stack.poll_event(),
+            Engine::Kernel(b) => b.poll_event(),
+        }
+    }
+
+    fn send(&mut self, id: AssocId, ppid: u32, msg: Bytes) -> bool {
+        match &mut self.engine {
+            Engine::User { stack, .. } => stack.send(id, 0, ppid, msg).is_ok(),
+            Engine::Kernel(b) => {
+                b.send(id, 0, ppid, msg);
+                true
+            }
+        }
+    }
+
+    /// Bytes not yet acknowledged (the kernel's socket buffer holds its own).
+    fn buffered(&self, id: AssocId) -> usize {
+        match &self.engine {
+            Engine::User { stack, .. } => stack.buffered(id),
+            Engine::Kernel(_) => 0,
+        }
+    }
+
+    fn abort(&mut self, id: AssocId, why: &str) {
+        match &mut self.engine {
+            Engine::User { stack, .. } => stack.abort(id, why),
+            Engine::Kernel(b) => b.abort(id),
+        }
+    }
+
+    fn shutdown(&mut self, id: AssocId) {
+        match &mut self.engine {
+            Engine::User { stack, .. } => stack.shutdown(id, Instant::now()),
+            Engine::Kernel(b) => b.shutdown(id),
+        }
+    }
 }
 
 impl Sctp {
@@ -124,20 +219,10 @@ impl Sctp {
                             format!("at most {MAX_SOCKETS} SCTP carriers to listen on"),
                         ));
                     }
-                    let mut io = bind(a)?;
                     let token = Token(FIRST_TOKEN - sockets.len());
-                    registry.register(&mut io.socket, token, Interest::READABLE)?;
-                    // Bound to the wildcard address, every interface address goes into INIT
-                    // and INIT ACK: peers fail over between them (multi-homing).
-                    let local = io.socket.local_addr().unwrap_or(a.addr);
-                    let cfg = rserpool_sctp::Config {
-                        local_addresses: rserpool_sctp::socket::local_addresses(local),
-                        ..rserpool_sctp::Config::default()
-                    };
-                    let stack = Stack::with_os_randomness(cfg, Instant::now());
+                    let engine = bind(a, registry, token)?;
                     sockets.push(SctpSocket {
-                        io,
-                        stack,
+                        engine,
                         scheme,
                         at,
                         ports: Vec::new(),
@@ -152,7 +237,7 @@ impl Sctp {
                     format!("{a}: ASAP and ENRP need SCTP ports of their own"),
                 ));
             }
-            s.stack.listen(a.addr.port());
+            s.listen(a.addr.port());
             s.ports.push((a.addr.port(), is_enrp));
             info!("{} over SCTP on {a}", if is_enrp { "ENRP" } else { "ASAP" });
         }
@@ -212,7 +297,7 @@ impl Sctp {
             .iter()
             .find(|(_, e)| *e == enrp)
             .map_or(0, |(p, _)| *p);
-        if let Some(existing) = s.stack.find(peer, local_port, addr.port()) {
+        if let Some(existing) = s.find(peer, local_port, addr.port()) {
             self.by_conn.insert(id, (k, existing));
             self.aliases.entry((k, existing)).or_default().push(id);
             if !self.connecting.contains_key(&(k, existing)) {
@@ -220,9 +305,7 @@ impl Sctp {
             }
             return;
         }
-        let assoc = s
-            .stack
-            .connect(peer, local_port, addr.port(), Instant::now());
+        let assoc = s.connect(peer, local_port, addr.port());
         self.connecting.insert((k, assoc), id);
         self.by_conn.insert(id, (k, assoc));
         self.by_assoc.insert((k, assoc), id);
@@ -249,18 +332,21 @@ impl Sctp {
         let Some(s) = self.sockets.get_mut(k) else {
             return false;
         };
-        let mut more = true;
-        for _ in 0..READS_PER_TURN {
-            match s.io.socket.recv_from(&mut self.buf) {
-                Ok((n, from)) => {
-                    let (packet, from) =
-                        rserpool_sctp::socket::payload(&self.buf, n, from, s.io.raw);
-                    s.stack.handle_datagram(from, packet, Instant::now())
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => {
-                    more = false;
-                    break;
+        // The kernel's associations: their events are waiting.
+        let mut more = matches!(s.engine, Engine::User { .. });
+        if let Engine::User { io, stack } = &mut s.engine {
+            for _ in 0..READS_PER_TURN {
+                match io.socket.recv_from(&mut self.buf) {
+                    Ok((n, from)) => {
+                        let (packet, from) =
+                            rserpool_sctp::socket::payload(&self.buf, n, from, io.raw);
+                        stack.handle_datagram(from, packet, Instant::now())
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => {
+                        more = false;
+                        break;
+                    }
                 }
             }
         }
@@ -273,7 +359,7 @@ impl Sctp {
         let Some(s) = self.sockets.get_mut(k) else {
             return;
         };
-        while let Some(ev) = s.stack.poll_event() {
+        while let Some(ev) = s.poll_event() {
             match ev {
                 StackEvent::Accepted {
                     id,
@@ -296,7 +382,7 @@ impl Sctp {
                             self.by_assoc.insert((k, id), c);
                         }
                         // Over the connection limit or a stranger; the core logged it.
-                        None => s.stack.abort(id, "refused"),
+                        None => s.abort(id, "refused"),
                     }
                 }
                 StackEvent::Connected(id) => {
@@ -360,7 +446,7 @@ impl Sctp {
             return;
         };
         loop {
-            if s.stack.buffered(assoc) >= SEND_AHEAD {
+            if s.buffered(assoc) >= SEND_AHEAD {
                 self.waiting.push(id);
                 return;
             }
@@ -374,7 +460,7 @@ impl Sctp {
             } else {
                 ASAP_PPID
             };
-            if s.stack.send(assoc, 0, ppid, msg).is_err() {
+            if !s.send(assoc, ppid, msg) {
                 return; // Closing: its Closed event tells the core.
             }
             core.consume_output(id, len);
@@ -385,7 +471,7 @@ impl Sctp {
     pub(super) fn in_flight(&self, id: ConnId) -> bool {
         self.by_conn
             .get(&id)
-            .and_then(|(k, a)| self.sockets.get(*k).map(|s| s.stack.buffered(*a) > 0))
+            .and_then(|(k, a)| self.sockets.get(*k).map(|s| s.buffered(*a) > 0))
             .unwrap_or(false)
     }
 
@@ -410,9 +496,9 @@ impl Sctp {
         // Connections sharing it end with it (its Closed event finds them).
         if let Some(s) = self.sockets.get_mut(k) {
             if abort {
-                s.stack.abort(assoc, "closed by the registrar");
+                s.abort(assoc, "closed by the registrar");
             } else {
-                s.stack.shutdown(assoc, Instant::now());
+                s.shutdown(assoc);
             }
         }
     }
@@ -434,10 +520,13 @@ impl Sctp {
     pub(super) fn transmit(&mut self) {
         let now = Instant::now();
         for s in &mut self.sockets {
-            while let Some((to, data)) = s.stack.poll_transmit(now) {
+            let Engine::User { io, stack } = &mut s.engine else {
+                continue;
+            };
+            while let Some((to, data)) = stack.poll_transmit(now) {
                 // A datagram the socket refuses is lost like one on the path: SCTP sends it
                 // again.
-                if let Err(e) = s.io.socket.send_to(&data, to)
+                if let Err(e) = io.socket.send_to(&data, to)
                     && e.kind() != io::ErrorKind::WouldBlock
                 {
                     tracing::debug!("SCTP to {to}: {e}");
@@ -451,7 +540,10 @@ impl Sctp {
         let now = Instant::now();
         self.sockets
             .iter()
-            .filter_map(|s| s.stack.poll_timeout())
+            .filter_map(|s| match &s.engine {
+                Engine::User { stack, .. } => stack.poll_timeout(),
+                Engine::Kernel(_) => None,
+            })
             .min()
             .map(|t| t.saturating_duration_since(now))
     }
@@ -459,10 +551,13 @@ impl Sctp {
     pub(super) fn handle_timeout(&mut self, core: &mut Registrar, now: crate::core::Instant) {
         let at = Instant::now();
         for k in 0..self.sockets.len() {
-            if let Some(s) = self.sockets.get_mut(k)
-                && s.stack.poll_timeout().is_some_and(|t| t <= at)
+            if let Some(SctpSocket {
+                engine: Engine::User { stack, .. },
+                ..
+            }) = self.sockets.get_mut(k)
+                && stack.poll_timeout().is_some_and(|t| t <= at)
             {
-                s.stack.handle_timeout(at);
+                stack.handle_timeout(at);
                 self.events(k, core, now);
             }
         }
@@ -472,7 +567,7 @@ impl Sctp {
     pub(super) fn abort_all(&mut self) {
         for (&(k, assoc), _) in self.by_assoc.iter() {
             if let Some(s) = self.sockets.get_mut(k) {
-                s.stack.abort(assoc, "the registrar stops");
+                s.abort(assoc, "the registrar stops");
             }
         }
         self.by_assoc.clear();
