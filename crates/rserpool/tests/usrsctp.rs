@@ -18,7 +18,7 @@ mod common;
 
 use bytes::Bytes;
 use common::bridge::{Net, sh};
-use rserpool_asap::sctp::{Carrier, Host};
+use rserpool_asap::sctp::{Association, Carrier, Host};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -61,6 +61,32 @@ fn message(i: usize) -> Bytes {
             .map(|k| (i.wrapping_mul(31) + k) as u8)
             .collect::<Vec<u8>>(),
     )
+}
+
+/// Runs `body` in namespace `ns` with an association from our host (on the wildcard address,
+/// UDP 9899) to the echo server at 192.0.2.1.
+fn associated<T, F, Fut>(ns: &str, body: F) -> std::thread::JoinHandle<T>
+where
+    T: Send + 'static,
+    F: FnOnce(Association) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = T>,
+{
+    rserpool_ksplice::testbed::in_ns(ns, move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let host = Host::start(Carrier::Udp, "0.0.0.0:9899".parse().unwrap()).unwrap();
+            let peer: SocketAddr = "192.0.2.1:9899".parse().unwrap();
+            let a =
+                tokio::time::timeout(Duration::from_secs(60), host.connect_ephemeral(peer, 7000))
+                    .await
+                    .expect("associated in time")
+                    .expect("associated");
+            body(a).await
+        })
+    })
 }
 
 /// An nftables table `name` in namespace `ns` with an input and an output chain, each with
@@ -128,39 +154,26 @@ fn an_association_with_usrsctp_carries_every_message_through_loss() {
     );
     let mut child = start_server(ns, &server);
     let ours = net.names[1].clone();
-    let result = rserpool_ksplice::testbed::in_ns(&ours, move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let host = Host::start(Carrier::Udp, "0.0.0.0:9899".parse().unwrap()).unwrap();
-            let peer: SocketAddr = "192.0.2.1:9899".parse().unwrap();
-            let mut a =
-                tokio::time::timeout(Duration::from_secs(60), host.connect_ephemeral(peer, 7000))
-                    .await
-                    .expect("associated in time")
-                    .expect("associated");
-            let n = 300;
-            for i in 0..n {
-                a.send((i % 3) as u16, 50 + (i % 2) as u32, message(i))
-                    .unwrap();
-            }
-            let mut got: Vec<Vec<(u32, Bytes)>> = vec![Vec::new(); 3];
-            let mut count = 0;
-            while count < n {
-                let m = tokio::time::timeout(Duration::from_secs(120), a.recv())
-                    .await
-                    .expect("echoes keep coming")
-                    .expect("the association lives");
-                got[usize::from(m.stream)].push((m.ppid, m.data));
-                count += 1;
-            }
-            drop(a);
-            // The shutdown goes out on the host's task.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            got
-        })
+    let result = associated(&ours, |mut a| async move {
+        let n = 300;
+        for i in 0..n {
+            a.send((i % 3) as u16, 50 + (i % 2) as u32, message(i))
+                .unwrap();
+        }
+        let mut got: Vec<Vec<(u32, Bytes)>> = vec![Vec::new(); 3];
+        let mut count = 0;
+        while count < n {
+            let m = tokio::time::timeout(Duration::from_secs(120), a.recv())
+                .await
+                .expect("echoes keep coming")
+                .expect("the association lives");
+            got[usize::from(m.stream)].push((m.ppid, m.data));
+            count += 1;
+        }
+        drop(a);
+        // The shutdown goes out on the host's task.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        got
     });
     let got = result.join();
     let _ = child.kill();
@@ -212,57 +225,44 @@ fn a_multi_homed_association_with_usrsctp_survives_the_loss_of_a_network() {
     let mut child = start_server(&ns, &server);
     let ours = net.names[1].clone();
     let cut_ns = ours.clone();
-    let result = rserpool_ksplice::testbed::in_ns(&ours, move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            // Bound to the wildcard address: INIT lists 192.0.2.2 and 198.51.100.2.
-            let host = Host::start(Carrier::Udp, "0.0.0.0:9899".parse().unwrap()).unwrap();
-            let peer: SocketAddr = "192.0.2.1:9899".parse().unwrap();
-            let mut a =
-                tokio::time::timeout(Duration::from_secs(60), host.connect_ephemeral(peer, 7000))
-                    .await
-                    .expect("associated in time")
-                    .expect("associated");
-            let mut got = Vec::new();
-            for i in 0..50 {
-                a.send(0, 51, message(i)).unwrap();
-            }
-            while got.len() < 50 {
-                let m = tokio::time::timeout(Duration::from_secs(30), a.recv())
-                    .await
-                    .expect("echoes before the cut")
-                    .expect("the association lives");
-                got.push(m.data);
-            }
-            // Both ends confirm each other's second address by heartbeat first.
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            // Network 1 goes dark, both ways: dropped on our side, where it costs us a
-            // refused send and the server nothing but silence (a sender told of the drop
-            // at once, as usrsctp would be on its own host, does not time out).
-            nft_both_ways(
-                &cut_ns,
-                "cut",
-                &["IFACE", "eth0", "udp", "DIR", "9899", "drop"],
-            );
-            let cut = std::time::Instant::now();
-            for i in 50..250 {
-                a.send(0, 51, message(i)).unwrap();
-            }
-            while got.len() < 250 {
-                let m = tokio::time::timeout(Duration::from_secs(60), a.recv())
-                    .await
-                    .unwrap_or_else(|_| panic!("{} echoes, then none after the cut", got.len()))
-                    .expect("the association survives the cut");
-                got.push(m.data);
-            }
-            let took = cut.elapsed();
-            drop(a);
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            (got, took)
-        })
+    // Bound to the wildcard address, our host's INIT lists 192.0.2.2 and 198.51.100.2.
+    let result = associated(&ours, move |mut a| async move {
+        let mut got = Vec::new();
+        for i in 0..50 {
+            a.send(0, 51, message(i)).unwrap();
+        }
+        while got.len() < 50 {
+            let m = tokio::time::timeout(Duration::from_secs(30), a.recv())
+                .await
+                .expect("echoes before the cut")
+                .expect("the association lives");
+            got.push(m.data);
+        }
+        // Both ends confirm each other's second address by heartbeat first.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Network 1 goes dark, both ways: dropped on our side, where it costs us a
+        // refused send and the server nothing but silence (a sender told of the drop
+        // at once, as usrsctp would be on its own host, does not time out).
+        nft_both_ways(
+            &cut_ns,
+            "cut",
+            &["IFACE", "eth0", "udp", "DIR", "9899", "drop"],
+        );
+        let cut = std::time::Instant::now();
+        for i in 50..250 {
+            a.send(0, 51, message(i)).unwrap();
+        }
+        while got.len() < 250 {
+            let m = tokio::time::timeout(Duration::from_secs(60), a.recv())
+                .await
+                .unwrap_or_else(|_| panic!("{} echoes, then none after the cut", got.len()))
+                .expect("the association survives the cut");
+            got.push(m.data);
+        }
+        let took = cut.elapsed();
+        drop(a);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        (got, took)
     });
     let outcome = result.join();
     let on_second = nft_packets(&ns, "second", "in") + nft_packets(&ns, "second", "out");

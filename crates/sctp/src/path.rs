@@ -364,9 +364,8 @@ mod tests {
         assert_eq!(out[0].0, addr("198.51.100.1:9899"));
     }
 
-    #[test]
-    fn a_failing_primary_hands_data_to_a_confirmed_path_and_takes_it_back() {
-        let t0 = Instant::now();
+    /// Paths to 192.0.2.1 (primary) and 198.51.100.1, listed at `t0`.
+    fn two(t0: Instant) -> Paths {
         let mut p = Paths::new(
             addr("192.0.2.1:0"),
             PathConfig::default(),
@@ -374,6 +373,13 @@ mod tests {
             1,
         );
         p.add_listed(&["198.51.100.1".parse().unwrap()], t0);
+        p
+    }
+
+    #[test]
+    fn a_failing_primary_hands_data_to_a_confirmed_path_and_takes_it_back() {
+        let t0 = Instant::now();
+        let mut p = two(t0);
         p.start(t0);
         let mut out = Vec::new();
         p.handle_timeout(t0, 0, &mut out);
@@ -399,13 +405,7 @@ mod tests {
     #[test]
     fn a_nonce_that_is_not_outstanding_confirms_nothing() {
         let t0 = Instant::now();
-        let mut p = Paths::new(
-            addr("192.0.2.1:0"),
-            PathConfig::default(),
-            Timing::default(),
-            1,
-        );
-        p.add_listed(&["198.51.100.1".parse().unwrap()], t0);
+        let mut p = two(t0);
         let mut out = Vec::new();
         p.handle_timeout(t0, 0, &mut out);
         assert_eq!(p.heartbeat_ack(&99u64.to_be_bytes(), t0), None);

@@ -32,22 +32,34 @@ impl Net {
             sh(&["ip", "netns", "add", n]);
             sh(&["ip", "-n", n, "link", "set", "lo", "up"]);
         }
-        let hub = &names[0];
-        sh(&["ip", "-n", hub, "link", "add", "br0", "type", "bridge"]);
-        sh(&["ip", "-n", hub, "addr", "add", "192.0.2.1/24", "dev", "br0"]);
-        sh(&["ip", "-n", hub, "link", "set", "br0", "up"]);
-        for (i, n) in names.iter().enumerate().skip(1) {
-            let port = format!("v{i}");
+        let net = Net { names };
+        net.network(("br0", "v", "eth0"), Self::addr);
+        net
+    }
+
+    /// A bridge in the first namespace with address 0 of `addr`, and in each other one an
+    /// interface on it with address i: `names` are the bridge's, the prefix of its ports and
+    /// the hosts' interface.
+    fn network(&self, names: (&str, &str, &str), addr: fn(usize) -> String) {
+        let (bridge, prefix, iface) = names;
+        let hub = &self.names[0];
+        let hub_addr = format!("{}/24", addr(0));
+        sh(&["ip", "-n", hub, "link", "add", bridge, "type", "bridge"]);
+        sh(&["ip", "-n", hub, "addr", "add", &hub_addr, "dev", bridge]);
+        sh(&["ip", "-n", hub, "link", "set", bridge, "up"]);
+        for (i, n) in self.names.iter().enumerate().skip(1) {
+            let port = format!("{prefix}{i}");
             sh(&[
-                "ip", "-n", hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
+                "ip", "-n", hub, "link", "add", &port, "type", "veth", "peer", "name", iface,
                 "netns", n,
             ]);
-            sh(&["ip", "-n", hub, "link", "set", &port, "master", "br0", "up"]);
-            let addr = format!("{}/24", Self::addr(i));
-            sh(&["ip", "-n", n, "addr", "add", &addr, "dev", "eth0"]);
-            sh(&["ip", "-n", n, "link", "set", "eth0", "up"]);
+            sh(&[
+                "ip", "-n", hub, "link", "set", &port, "master", bridge, "up",
+            ]);
+            let a = format!("{}/24", addr(i));
+            sh(&["ip", "-n", n, "addr", "add", &a, "dev", iface]);
+            sh(&["ip", "-n", n, "link", "set", iface, "up"]);
         }
-        Net { names }
     }
 
     pub fn addr(i: usize) -> String {
@@ -57,30 +69,7 @@ impl Net {
     /// A second network beside the first (multi-homing): a bridge `br1` in the first
     /// namespace with 198.51.100.1, and 198.51.100.2, 198.51.100.3, … on `eth1` of the others.
     pub fn second_network(&self) {
-        let hub = &self.names[0];
-        sh(&["ip", "-n", hub, "link", "add", "br1", "type", "bridge"]);
-        sh(&[
-            "ip",
-            "-n",
-            hub,
-            "addr",
-            "add",
-            "198.51.100.1/24",
-            "dev",
-            "br1",
-        ]);
-        sh(&["ip", "-n", hub, "link", "set", "br1", "up"]);
-        for (i, n) in self.names.iter().enumerate().skip(1) {
-            let port = format!("w{i}");
-            sh(&[
-                "ip", "-n", hub, "link", "add", &port, "type", "veth", "peer", "name", "eth1",
-                "netns", n,
-            ]);
-            sh(&["ip", "-n", hub, "link", "set", &port, "master", "br1", "up"]);
-            let addr = format!("{}/24", Self::second_addr(i));
-            sh(&["ip", "-n", n, "addr", "add", &addr, "dev", "eth1"]);
-            sh(&["ip", "-n", n, "link", "set", "eth1", "up"]);
-        }
+        self.network(("br1", "w", "eth1"), Self::second_addr);
     }
 
     pub fn second_addr(i: usize) -> String {
