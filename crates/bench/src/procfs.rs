@@ -20,10 +20,26 @@ pub fn cpu_ns(pid: u32) -> Result<u64> {
 /// CPU time of every thread of every process in process group `pgid`, ns: a system under test
 /// may be several processes (nginx's master and workers).
 pub fn group_cpu_ns(pgid: u32) -> u64 {
+    group_pids(pgid)
+        .into_iter()
+        .map(|p| cpu_ns(p).unwrap_or(0))
+        .sum()
+}
+
+/// Resident memory of every process in process group `pgid`, bytes.
+pub fn group_rss_bytes(pgid: u32) -> u64 {
+    group_pids(pgid)
+        .into_iter()
+        .map(|p| rss_bytes(p).unwrap_or(0))
+        .sum()
+}
+
+/// The processes of process group `pgid`.
+fn group_pids(pgid: u32) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
+        return Vec::new();
     };
-    let mut total = 0;
+    let mut pids = Vec::new();
     for e in dir.flatten() {
         let path = e.path();
         let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
@@ -37,10 +53,11 @@ pub fn group_cpu_ns(pgid: u32) -> u64 {
         if pgrp != Some(pgid) {
             continue;
         }
-        let pid = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok());
-        total += pid.and_then(|p| cpu_ns(p).ok()).unwrap_or(0);
+        if let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) {
+            pids.push(pid);
+        }
     }
-    total
+    pids
 }
 
 /// Resident set size of a process, bytes (VmRSS of /proc/PID/status).

@@ -48,6 +48,9 @@ pub enum Part {
     /// gRPC-shaped unary calls (HTTP/2 both ways, trailers) to HTTP/2 backends (h2load):
     /// calls/s, p50, p99.
     Grpc,
+    /// Idle kept-alive connections (`--idle-connections`, HTTP/1.1 then HTTP/2, one request
+    /// each): the system's resident memory per connection.
+    Idle,
 }
 
 impl Part {
@@ -75,6 +78,9 @@ pub struct ProxyBenchArgs {
     /// Rounds; the systems alternate within a round and the report gives medians.
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
+    /// Idle connections of the idle part, of each protocol.
+    #[arg(long, default_value_t = 10_000)]
+    pub idle_connections: usize,
     /// Concurrent transfers of the seed's experiment.
     #[arg(long, default_value_t = 100)]
     pub transfers: usize,

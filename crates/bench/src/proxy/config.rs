@@ -166,7 +166,7 @@ pub(super) fn haproxy(threads: usize, f: &Fronts, bed: &Upstreams<'_>, tls: &Tls
     format!(
         r#"global
     nbthread {threads}
-    maxconn 8000
+    maxconn 20000
 
 defaults
     mode http

@@ -12,6 +12,9 @@
 //! each connection attempt (SYN) to the killed backend, so "traffic off the dead PE" means no
 //! proxy connects to it any more, whatever the proxy's own counters say. The sidecar checks
 //! the backend on a second address so that its checks are not counted.
+//!
+//! Memory per idle kept-alive connection (`idle.rs`) is the resident memory of all of a
+//! system's processes before and after thousands of connections that made one request each.
 
 mod args;
 pub(crate) mod bed;
@@ -20,6 +23,7 @@ mod failover;
 mod front;
 pub mod grpc_backend;
 mod h2load;
+mod idle;
 mod load;
 mod report;
 mod shaping;
@@ -74,6 +78,7 @@ struct Sample {
     bulk_link_mib_s: Option<f64>,
     transfers: Vec<Transfer>,
     failover: Option<Failover>,
+    idle: Option<idle::Idle>,
 }
 
 pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
@@ -147,6 +152,7 @@ impl Sample {
             bulk_link_mib_s: None,
             transfers: Vec::new(),
             failover: None,
+            idle: None,
         }
     }
 
@@ -163,6 +169,7 @@ impl Sample {
         self.bulk_link_mib_s = self.bulk_link_mib_s.or(o.bulk_link_mib_s);
         self.transfers.extend(o.transfers);
         self.failover = self.failover.take().or(o.failover);
+        self.idle = self.idle.or(o.idle);
     }
 }
 
@@ -175,7 +182,8 @@ fn measure(
     args: &ProxyBenchArgs,
 ) -> Result<()> {
     let https = matches!(part, Part::HttpsKeepalive | Part::HttpsConnect);
-    if (part == Part::Failover || https || part.is_h2()) && s.system == System::Direct {
+    let needs_proxy = matches!(part, Part::Failover | Part::Idle) || https || part.is_h2();
+    if needs_proxy && s.system == System::Direct {
         return Ok(());
     }
     let front = front::start(bed, s.system, args.threads)?;
@@ -229,6 +237,7 @@ fn measure(
             }
         }
         Part::Failover => s.failover = Some(failover::run(bed, &front, &rt, args)?),
+        Part::Idle => s.idle = Some(idle::run(&front, &rt, args.idle_connections)?),
         Part::H2 => {
             let url = format!("http://{}{SMALL}", front.h2c);
             s.h2 = Some(h2load::run(&url, args, &[], &front, &bed.dir)?);

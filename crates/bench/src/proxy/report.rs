@@ -57,6 +57,15 @@ pub(super) fn print_sample(s: &Sample) {
             t.method, t.mib, t.avg_s, t.total_s, t.failed
         );
     }
+    if let Some(i) = &s.idle {
+        line += &format!(
+            " {} idle connections: {:.1} KiB each over HTTP/1.1, {} over HTTP/2;",
+            i.connections,
+            i.h1_bytes / 1024.0,
+            i.h2_bytes
+                .map_or("–".into(), |b| format!("{:.1} KiB", b / 1024.0))
+        );
+    }
     if let Some(f) = &s.failover {
         line += &format!(
             " failover: {} of {} failed, visible {:?} ms, off {:?} ms, connects {} + {} (at {:?} ms)",
@@ -130,6 +139,10 @@ struct Row {
     bulk_link: Option<f64>,
     transfers: Vec<(TransferKind, TransferMedian)>,
     failover: Vec<Failover>,
+    /// Resident bytes per idle connection, HTTP/1.1 and HTTP/2 (medians), and how many.
+    idle_h1: Option<f64>,
+    idle_h2: Option<f64>,
+    idle_n: Option<usize>,
 }
 
 /// The medians of every system over the rounds, ready to be written out.
@@ -203,6 +216,9 @@ impl Report {
                     bulk_link: m(&|s| s.bulk_link_mib_s),
                     transfers,
                     failover: of.iter().filter_map(|s| s.failover.clone()).collect(),
+                    idle_h1: m(&|s| s.idle.map(|i| i.h1_bytes)),
+                    idle_h2: m(&|s| s.idle.and_then(|i| i.h2_bytes)),
+                    idle_n: of.iter().find_map(|s| s.idle.map(|i| i.connections)),
                 }
             })
             .collect();
@@ -488,8 +504,38 @@ impl Report {
             }
             md += "\n";
         }
+        md += &self.idle(&cols);
         md += &self.targets();
         md
+    }
+
+    /// The idle part's table: KiB per connection and the ratio to HAProxy's.
+    fn idle(&self, cols: &[&Row]) -> String {
+        let rows: Vec<&&Row> = cols.iter().filter(|r| r.idle_h1.is_some()).collect();
+        let Some(n) = rows.iter().find_map(|r| r.idle_n) else {
+            return String::new();
+        };
+        let h = self.row(System::Haproxy);
+        let cell = |v: Option<f64>, base: Option<f64>| match (v, base) {
+            (Some(v), Some(b)) if b > 0.0 => format!("{:.1} ({:.2}×)", v / 1024.0, v / b),
+            (Some(v), _) => format!("{:.1}", v / 1024.0),
+            (None, _) => "–".into(),
+        };
+        let mut md = format!(
+            "Idle connections: {n} clients each make one request and stay connected (HTTP/1.1, \
+             then HTTP/2 with prior knowledge); the system's resident memory (all its \
+             processes) before and after, per connection, in KiB (ratio to HAProxy's). Kernel \
+             socket buffers are not in it.\n\n| | HTTP/1.1 KiB/conn | HTTP/2 KiB/conn |\n|---|---|---|\n"
+        );
+        for r in rows {
+            md += &format!(
+                "| {} | {} | {} |\n",
+                r.system.label(),
+                cell(r.idle_h1, h.and_then(|h| h.idle_h1)),
+                cell(r.idle_h2, h.and_then(|h| h.idle_h2)),
+            );
+        }
+        md + "\n"
     }
 
     fn targets(&self) -> String {
@@ -517,6 +563,16 @@ impl Report {
                 of_ratio(r.h2.rps, h.h2.rps),
                 verdict(ge(r.h2_tls.rps, h.h2_tls.rps)),
                 of_ratio(r.h2_tls.rps, h.h2_tls.rps),
+            );
+        }
+        if r.idle_h1.is_some() {
+            t += &format!(
+                "- memory per idle connection ≤ HAProxy's: {} over HTTP/1.1 ({}), {} over \
+                 HTTP/2 ({})\n",
+                verdict(ge(h.idle_h1, r.idle_h1)),
+                of_ratio(r.idle_h1, h.idle_h1),
+                verdict(ge(h.idle_h2, r.idle_h2)),
+                of_ratio(r.idle_h2, h.idle_h2),
             );
         }
         if r.grpc.rps.is_some() {

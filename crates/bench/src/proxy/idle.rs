@@ -1,0 +1,128 @@
+//! What an idle kept-alive connection costs a proxy in memory: `n` clients each make one
+//! request (HTTP/1.1, then HTTP/2 with prior knowledge) and stay connected; the system's
+//! resident memory (all its processes) before and after, divided by `n`.
+//!
+//! Why: a front door holds many more idle connections than busy ones (browsers and mobile
+//! clients keep theirs open), and memory per connection decides how many one host holds.
+
+use super::SMALL;
+use super::front::Front;
+use crate::procfs;
+use anyhow::{Context, Result, anyhow};
+use bytes::Bytes;
+use rserpool_proxy::http::client::Client;
+use serde::Serialize;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Bytes of resident memory per idle connection, by protocol.
+#[derive(Serialize, Clone, Copy, Debug)]
+pub(super) struct Idle {
+    pub(super) connections: usize,
+    pub(super) h1_bytes: f64,
+    pub(super) h2_bytes: Option<f64>,
+}
+
+/// Connections opened at once at most (the listeners' backlogs are smaller than `n`).
+const AT_ONCE: usize = 256;
+
+/// Measures `front` with `n` idle connections of each protocol.
+pub(super) fn run(front: &Front, rt: &tokio::runtime::Runtime, n: usize) -> Result<Idle> {
+    let group = front
+        .group()
+        .ok_or_else(|| anyhow!("no process to measure"))?;
+    let rss = || procfs::group_rss_bytes(group);
+    let settle = || std::thread::sleep(Duration::from_secs(1));
+    // Warm: one connection of each kind first, so that what grows is per connection.
+    rt.block_on(h1(front.http[0], 1))?;
+    rt.block_on(h2(front.h2c, 1))?;
+    settle();
+    let before = rss();
+    let held = rt.block_on(h1(front.http[0], n))?;
+    settle();
+    let h1_bytes = rss().saturating_sub(before) as f64 / n as f64;
+    drop(held);
+    // Closed connections are freed; what the allocator keeps is counted as the baseline.
+    settle();
+    let before = rss();
+    let h2_bytes = match rt.block_on(h2(front.h2c, n)) {
+        Ok(held) => {
+            settle();
+            let b = rss().saturating_sub(before) as f64 / n as f64;
+            drop(held);
+            Some(b)
+        }
+        Err(e) => {
+            eprintln!("idle HTTP/2 connections: {e:#}");
+            None
+        }
+    };
+    Ok(Idle {
+        connections: n,
+        h1_bytes,
+        h2_bytes,
+    })
+}
+
+/// `n` HTTP/1.1 connections to `addr`, each after one GET of the small file.
+async fn h1(addr: SocketAddr, n: usize) -> Result<Vec<Client>> {
+    let mut held = Vec::with_capacity(n);
+    while held.len() < n {
+        let batch = AT_ONCE.min(n - held.len());
+        let mut tasks = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            tasks.push(tokio::spawn(async move {
+                let mut c = Client::connect(addr).await?;
+                let r = c.get_counted(SMALL).await?;
+                anyhow::ensure!(r.code == 200, "GET {SMALL}: {}", r.code);
+                Ok::<Client, anyhow::Error>(c)
+            }));
+        }
+        for t in tasks {
+            held.push(
+                t.await?
+                    .with_context(|| format!("connection {}", held.len()))?,
+            );
+        }
+    }
+    Ok(held)
+}
+
+/// An HTTP/2 connection kept: its request handle (its driver runs as a task).
+type H2Conn = h2::client::SendRequest<Bytes>;
+
+/// `n` HTTP/2 connections (prior knowledge) to `addr`, each after one GET of the small file.
+async fn h2(addr: SocketAddr, n: usize) -> Result<Vec<H2Conn>> {
+    let mut held = Vec::with_capacity(n);
+    while held.len() < n {
+        let batch = AT_ONCE.min(n - held.len());
+        let mut tasks = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            tasks.push(tokio::spawn(async move {
+                let tcp = tokio::net::TcpStream::connect(addr).await?;
+                let (send, conn) = h2::client::handshake(tcp).await?;
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+                let mut send = send.ready().await?;
+                let req = http::Request::get(format!("http://{addr}{SMALL}")).body(())?;
+                let (resp, _) = send.send_request(req, true)?;
+                let resp = resp.await?;
+                anyhow::ensure!(resp.status() == 200, "GET {SMALL}: {}", resp.status());
+                let mut body = resp.into_body();
+                while let Some(chunk) = body.data().await {
+                    let chunk = chunk?;
+                    let _ = body.flow_control().release_capacity(chunk.len());
+                }
+                Ok::<H2Conn, anyhow::Error>(send)
+            }));
+        }
+        for t in tasks {
+            held.push(
+                t.await?
+                    .with_context(|| format!("connection {}", held.len()))?,
+            );
+        }
+    }
+    Ok(held)
+}
