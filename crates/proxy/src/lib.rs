@@ -775,13 +775,15 @@ async fn accept_loop(
         }
         let ctx = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();
         tokio::spawn(async move {
+            // The task holds the largest of these inline for the connection's life: the
+            // others are boxed, so that an idle HTTP/1.1 connection costs little.
             match mode {
                 Mode::Tcp => match TcpStream::from_std(stream) {
-                    Ok(s) => l4::tcp::serve(s, peer, ctx).await,
+                    Ok(s) => Box::pin(l4::tcp::serve(s, peer, ctx)).await,
                     Err(e) => warn!("proxy: cannot register a connection: {e}"),
                 },
                 Mode::Http => match ctx.tls.clone() {
-                    Some(tls) => http::h1::serve_tls(stream, peer, ctx, tls).await,
+                    Some(tls) => Box::pin(http::h1::serve_tls(stream, peer, ctx, tls)).await,
                     None => http::h1::serve(stream, peer, ctx).await,
                 },
             }

@@ -78,8 +78,10 @@ pub struct ProxyBenchArgs {
     /// Rounds; the systems alternate within a round and the report gives medians.
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
-    /// Idle connections of the idle part, of each protocol.
-    #[arg(long, default_value_t = 10_000)]
+    /// Idle connections of the idle part, of each protocol. HAProxy takes two descriptors
+    /// per connection and refuses to start unless the open-file limit holds its `maxconn`
+    /// (9,900 here, for a limit of 20,000), so more than that needs a higher limit.
+    #[arg(long, default_value_t = 8_000)]
     pub idle_connections: usize,
     /// Concurrent transfers of the seed's experiment.
     #[arg(long, default_value_t = 100)]

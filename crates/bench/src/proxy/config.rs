@@ -166,7 +166,7 @@ pub(super) fn haproxy(threads: usize, f: &Fronts, bed: &Upstreams<'_>, tls: &Tls
     format!(
         r#"global
     nbthread {threads}
-    maxconn 20000
+    maxconn 9900
 
 defaults
     mode http

@@ -26,36 +26,49 @@ pub(super) struct Idle {
 /// Connections opened at once at most (the listeners' backlogs are smaller than `n`).
 const AT_ONCE: usize = 256;
 
-/// Measures `front` with `n` idle connections of each protocol.
-pub(super) fn run(front: &Front, rt: &tokio::runtime::Runtime, n: usize) -> Result<Idle> {
+/// Measures `front` (of system `label`) with `n` idle connections of each protocol.
+pub(super) fn run(
+    front: &Front,
+    rt: &tokio::runtime::Runtime,
+    n: usize,
+    label: &str,
+) -> Result<Idle> {
     let group = front
         .group()
         .ok_or_else(|| anyhow!("no process to measure"))?;
     let rss = || procfs::group_rss_bytes(group);
     let settle = || std::thread::sleep(Duration::from_secs(1));
     // Warm: one connection of each kind first, so that what grows is per connection.
-    rt.block_on(h1(front.http[0], 1))?;
-    rt.block_on(h2(front.h2c, 1))?;
+    rt.block_on(h1(front.http[0], 1))
+        .context("HTTP/1.1 warm-up")?;
+    let h2_works = match rt.block_on(h2(front.h2c, 1)) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("{label}: no idle HTTP/2 connections: {e:#}");
+            false
+        }
+    };
     settle();
     let before = rss();
-    let held = rt.block_on(h1(front.http[0], n))?;
+    let held = rt
+        .block_on(h1(front.http[0], n))
+        .context("idle HTTP/1.1 connections")?;
     settle();
     let h1_bytes = rss().saturating_sub(before) as f64 / n as f64;
     drop(held);
     // Closed connections are freed; what the allocator keeps is counted as the baseline.
     settle();
     let before = rss();
-    let h2_bytes = match rt.block_on(h2(front.h2c, n)) {
-        Ok(held) => {
-            settle();
-            let b = rss().saturating_sub(before) as f64 / n as f64;
-            drop(held);
-            Some(b)
-        }
-        Err(e) => {
-            eprintln!("idle HTTP/2 connections: {e:#}");
-            None
-        }
+    let h2_bytes = if h2_works {
+        let held = rt
+            .block_on(h2(front.h2c, n))
+            .context("idle HTTP/2 connections")?;
+        settle();
+        let b = rss().saturating_sub(before) as f64 / n as f64;
+        drop(held);
+        Some(b)
+    } else {
+        None
     };
     Ok(Idle {
         connections: n,

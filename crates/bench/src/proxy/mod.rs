@@ -237,7 +237,10 @@ fn measure(
             }
         }
         Part::Failover => s.failover = Some(failover::run(bed, &front, &rt, args)?),
-        Part::Idle => s.idle = Some(idle::run(&front, &rt, args.idle_connections)?),
+        Part::Idle => {
+            let label = s.system.label();
+            s.idle = Some(idle::run(&front, &rt, args.idle_connections, label)?);
+        }
         Part::H2 => {
             let url = format!("http://{}{SMALL}", front.h2c);
             s.h2 = Some(h2load::run(&url, args, &[], &front, &bed.dir)?);

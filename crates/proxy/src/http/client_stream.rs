@@ -76,6 +76,17 @@ impl ClientStream {
         }
     }
 
+    /// Waits until the client has sent something (or closed), holding no buffer meanwhile;
+    /// a TLS stream returns at once (rustls keeps its own buffers, and readiness of its
+    /// socket need not mean application data).
+    pub(crate) async fn wait_readable(&mut self) -> io::Result<()> {
+        match &mut self.socket {
+            Socket::Tls(_) => Ok(()),
+            Socket::Lost => Err(lost()),
+            _ => self.registered()?.readable().await,
+        }
+    }
+
     pub(crate) fn is_tls(&self) -> bool {
         matches!(self.socket, Socket::Tls(_))
     }
@@ -169,8 +180,30 @@ impl ClientStream {
         if !self.write_shut && self.shutdown_write().is_err() {
             return;
         }
+        match self.read_pending() {
+            Some(Ok(n)) if n > 0 => {}
+            Some(Err(e)) if would_block(&e) && self.linger => {}
+            _ => return,
+        }
+        let deadline = tokio::time::Instant::now() + LINGER;
+        let Ok(t) = self.registered() else { return };
+        // On the heap: a buffer held across the awaits below would be in every connection's
+        // task, idle or not, for the usual close that never gets here.
+        let mut scratch = vec![0u8; 4096];
+        while let Ok(Ok(n)) = tokio::time::timeout_at(deadline, t.read(&mut scratch)).await {
+            if n == 0 {
+                break;
+            }
+        }
+    }
+}
+
+impl ClientStream {
+    /// Reads (and drops) what the client sent without waiting: bytes read, or the error
+    /// (`WouldBlock`: nothing there); `None` for a TLS or lost stream.
+    fn read_pending(&self) -> Option<io::Result<usize>> {
         let mut scratch = [0u8; 4096];
-        let pending = match &self.socket {
+        Some(match &self.socket {
             Socket::Unregistered(s) => (&*s).read(&mut scratch),
             // Directly: tokio may not have seen the readiness yet.
             Socket::Registered(t) => {
@@ -178,20 +211,8 @@ impl ClientStream {
                     .map(|(n, _)| n)
                     .map_err(io::Error::from)
             }
-            Socket::Tls(_) | Socket::Lost => return,
-        };
-        match pending {
-            Ok(n) if n > 0 => {}
-            Err(e) if would_block(&e) && self.linger => {}
-            _ => return,
-        }
-        let deadline = tokio::time::Instant::now() + LINGER;
-        let Ok(t) = self.registered() else { return };
-        while let Ok(Ok(n)) = tokio::time::timeout_at(deadline, t.read(&mut scratch)).await {
-            if n == 0 {
-                break;
-            }
-        }
+            Socket::Tls(_) | Socket::Lost => return None,
+        })
     }
 }
 
