@@ -48,9 +48,11 @@ pub enum Part {
     /// gRPC-shaped unary calls (HTTP/2 both ways, trailers) to HTTP/2 backends (h2load):
     /// calls/s, p50, p99.
     Grpc,
-    /// Idle kept-alive connections (`--idle-connections`, HTTP/1.1 then HTTP/2, one request
-    /// each): the system's resident memory per connection.
+    /// Idle kept-alive HTTP/1.1 connections (`--idle-connections`, one request each): the
+    /// system's resident memory per connection.
     Idle,
+    /// The same over HTTP/2 (prior knowledge), in a system started afresh.
+    IdleH2,
 }
 
 impl Part {

@@ -15,66 +15,75 @@ use serde::Serialize;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// Bytes of resident memory per idle connection, by protocol.
-#[derive(Serialize, Clone, Copy, Debug)]
+/// Bytes of resident memory per idle connection, by protocol (each measured in a system
+/// started afresh: freed memory of one protocol's connections would otherwise be reused by
+/// the other's and hide its cost).
+#[derive(Serialize, Clone, Copy, Debug, Default)]
 pub(super) struct Idle {
     pub(super) connections: usize,
-    pub(super) h1_bytes: f64,
+    pub(super) h1_bytes: Option<f64>,
     pub(super) h2_bytes: Option<f64>,
+}
+
+impl Idle {
+    pub(super) fn merge(self, o: Idle) -> Idle {
+        Idle {
+            connections: self.connections.max(o.connections),
+            h1_bytes: self.h1_bytes.or(o.h1_bytes),
+            h2_bytes: self.h2_bytes.or(o.h2_bytes),
+        }
+    }
 }
 
 /// Connections opened at once at most (the listeners' backlogs are smaller than `n`).
 const AT_ONCE: usize = 256;
 
-/// Measures `front` (of system `label`) with `n` idle connections of each protocol.
+/// Measures `front` (of system `label`) with `n` idle connections of HTTP/2 (`h2`) or
+/// HTTP/1.1.
 pub(super) fn run(
     front: &Front,
     rt: &tokio::runtime::Runtime,
     n: usize,
     label: &str,
+    h2: bool,
 ) -> Result<Idle> {
     let group = front
         .group()
         .ok_or_else(|| anyhow!("no process to measure"))?;
     let rss = || procfs::group_rss_bytes(group);
     let settle = || std::thread::sleep(Duration::from_secs(1));
-    // Warm: one connection of each kind first, so that what grows is per connection.
-    rt.block_on(h1(front.http[0], 1))
-        .context("HTTP/1.1 warm-up")?;
-    let h2_works = match rt.block_on(h2(front.h2c, 1)) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("{label}: no idle HTTP/2 connections: {e:#}");
-            false
-        }
+    let per_conn = |before: u64| Some(rss().saturating_sub(before) as f64 / n as f64);
+    let mut out = Idle {
+        connections: n,
+        ..Idle::default()
     };
-    settle();
-    let before = rss();
-    let held = rt
-        .block_on(h1(front.http[0], n))
-        .context("idle HTTP/1.1 connections")?;
-    settle();
-    let h1_bytes = rss().saturating_sub(before) as f64 / n as f64;
-    drop(held);
-    // Closed connections are freed; what the allocator keeps is counted as the baseline.
-    settle();
-    let before = rss();
-    let h2_bytes = if h2_works {
+    // Warm: one connection first, so that what grows is per connection.
+    if h2 {
+        if let Err(e) = rt.block_on(self::h2(front.h2c, 1)) {
+            eprintln!("{label}: no idle HTTP/2 connections: {e:#}");
+            return Ok(out);
+        }
+        settle();
+        let before = rss();
         let held = rt
-            .block_on(h2(front.h2c, n))
+            .block_on(self::h2(front.h2c, n))
             .context("idle HTTP/2 connections")?;
         settle();
-        let b = rss().saturating_sub(before) as f64 / n as f64;
+        out.h2_bytes = per_conn(before);
         drop(held);
-        Some(b)
     } else {
-        None
-    };
-    Ok(Idle {
-        connections: n,
-        h1_bytes,
-        h2_bytes,
-    })
+        rt.block_on(h1(front.http[0], 1))
+            .context("HTTP/1.1 warm-up")?;
+        settle();
+        let before = rss();
+        let held = rt
+            .block_on(h1(front.http[0], n))
+            .context("idle HTTP/1.1 connections")?;
+        settle();
+        out.h1_bytes = per_conn(before);
+        drop(held);
+    }
+    Ok(out)
 }
 
 /// `n` HTTP/1.1 connections to `addr`, each after one GET of the small file.

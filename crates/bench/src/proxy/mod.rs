@@ -169,7 +169,10 @@ impl Sample {
         self.bulk_link_mib_s = self.bulk_link_mib_s.or(o.bulk_link_mib_s);
         self.transfers.extend(o.transfers);
         self.failover = self.failover.take().or(o.failover);
-        self.idle = self.idle.or(o.idle);
+        self.idle = match (self.idle, o.idle) {
+            (Some(a), Some(b)) => Some(a.merge(b)),
+            (a, b) => a.or(b),
+        };
     }
 }
 
@@ -182,7 +185,8 @@ fn measure(
     args: &ProxyBenchArgs,
 ) -> Result<()> {
     let https = matches!(part, Part::HttpsKeepalive | Part::HttpsConnect);
-    let needs_proxy = matches!(part, Part::Failover | Part::Idle) || https || part.is_h2();
+    let needs_proxy =
+        matches!(part, Part::Failover | Part::Idle | Part::IdleH2) || https || part.is_h2();
     if needs_proxy && s.system == System::Direct {
         return Ok(());
     }
@@ -237,9 +241,10 @@ fn measure(
             }
         }
         Part::Failover => s.failover = Some(failover::run(bed, &front, &rt, args)?),
-        Part::Idle => {
-            let label = s.system.label();
-            s.idle = Some(idle::run(&front, &rt, args.idle_connections, label)?);
+        Part::Idle | Part::IdleH2 => {
+            let (label, h2) = (s.system.label(), part == Part::IdleH2);
+            let i = idle::run(&front, &rt, args.idle_connections, label, h2)?;
+            s.idle = Some(s.idle.map_or(i, |o| o.merge(i)));
         }
         Part::H2 => {
             let url = format!("http://{}{SMALL}", front.h2c);

@@ -58,12 +58,12 @@ pub(super) fn print_sample(s: &Sample) {
         );
     }
     if let Some(i) = &s.idle {
+        let kib = |b: Option<f64>| b.map_or("–".into(), |b| format!("{:.1} KiB", b / 1024.0));
         line += &format!(
-            " {} idle connections: {:.1} KiB each over HTTP/1.1, {} over HTTP/2;",
+            " {} idle connections: {} each over HTTP/1.1, {} over HTTP/2;",
             i.connections,
-            i.h1_bytes / 1024.0,
-            i.h2_bytes
-                .map_or("–".into(), |b| format!("{:.1} KiB", b / 1024.0))
+            kib(i.h1_bytes),
+            kib(i.h2_bytes)
         );
     }
     if let Some(f) = &s.failover {
@@ -216,7 +216,7 @@ impl Report {
                     bulk_link: m(&|s| s.bulk_link_mib_s),
                     transfers,
                     failover: of.iter().filter_map(|s| s.failover.clone()).collect(),
-                    idle_h1: m(&|s| s.idle.map(|i| i.h1_bytes)),
+                    idle_h1: m(&|s| s.idle.and_then(|i| i.h1_bytes)),
                     idle_h2: m(&|s| s.idle.and_then(|i| i.h2_bytes)),
                     idle_n: of.iter().find_map(|s| s.idle.map(|i| i.connections)),
                 }
@@ -511,7 +511,10 @@ impl Report {
 
     /// The idle part's table: KiB per connection and the ratio to HAProxy's.
     fn idle(&self, cols: &[&Row]) -> String {
-        let rows: Vec<&&Row> = cols.iter().filter(|r| r.idle_h1.is_some()).collect();
+        let rows: Vec<&&Row> = cols
+            .iter()
+            .filter(|r| r.idle_h1.is_some() || r.idle_h2.is_some())
+            .collect();
         let Some(n) = rows.iter().find_map(|r| r.idle_n) else {
             return String::new();
         };
@@ -523,9 +526,9 @@ impl Report {
         };
         let mut md = format!(
             "Idle connections: {n} clients each make one request and stay connected (HTTP/1.1, \
-             then HTTP/2 with prior knowledge); the system's resident memory (all its \
-             processes) before and after, per connection, in KiB (ratio to HAProxy's). Kernel \
-             socket buffers are not in it.\n\n| | HTTP/1.1 KiB/conn | HTTP/2 KiB/conn |\n|---|---|---|\n"
+             and HTTP/2 with prior knowledge, each protocol in a system started afresh); the \
+             system's resident memory (all its processes) before and after, per connection, in \
+             KiB (ratio to HAProxy's). Kernel socket buffers are not in it.\n\n| | HTTP/1.1 KiB/conn | HTTP/2 KiB/conn |\n|---|---|---|\n"
         );
         for r in rows {
             md += &format!(
@@ -565,7 +568,7 @@ impl Report {
                 of_ratio(r.h2_tls.rps, h.h2_tls.rps),
             );
         }
-        if r.idle_h1.is_some() {
+        if r.idle_h1.is_some() || r.idle_h2.is_some() {
             t += &format!(
                 "- memory per idle connection ≤ HAProxy's: {} over HTTP/1.1 ({}), {} over \
                  HTTP/2 ({})\n",

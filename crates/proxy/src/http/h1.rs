@@ -107,7 +107,9 @@ async fn serve_requests(c: &mut Client, mut ctx: Ctx) {
                 if first && ctx.http2 && c.buf.starts_with(H2C_PREFACE) =>
             {
                 // h2c with prior knowledge.
-                let pre = c.buf.split().freeze();
+                // Taken whole: the rest of the buffer's capacity would stay with the
+                // connection for its life.
+                let pre = std::mem::take(&mut c.buf).freeze();
                 if let Ok(s) = c.stream.take_stream() {
                     Box::pin(crate::http::h2::front::serve(s, pre, peer, ctx.clone())).await;
                 }
