@@ -253,6 +253,15 @@ impl Report {
             command_line(),
             machine()
         );
+        let cols: Vec<&Row> = self.rows.iter().collect();
+        if args
+            .parts
+            .iter()
+            .all(|p| matches!(p, super::args::Part::Idle | super::args::Part::IdleH2))
+        {
+            // Only memory: no throughput tables to head.
+            return md + &self.idle(&cols) + &self.targets();
+        }
         md += &format!(
             "Everything on this one machine over loopback: three nginx backends (one worker \
              each, a {SMALL_SIZE}-byte static file, large files, WebDAV PUT into tmpfs), each \
@@ -284,7 +293,6 @@ impl Report {
                 d = args.duration_s,
             );
         }
-        let cols: Vec<&Row> = self.rows.iter().collect();
         let header = |first: &str| {
             let mut h = format!("| {first} |");
             let mut sep = String::from("|---|");
