@@ -1,6 +1,9 @@
 //! The load generator of the registrar benchmark, run as a separate process
 //! (`rserpool-bench load-gen`, hidden) so that its CPU is not the registrar's: N simulated PEs
-//! re-registering and M simulated PUs resolving, each on its own TCP connection. It prints
+//! re-registering and M simulated PUs resolving, each on its own TCP connection (or K PEs on
+//! one, `--pes-per-connection`, where N connections would not fit the descriptor limit; RFC
+//! 5352 has a PE per association, rserpool's registrar takes up to `max-pes-per-connection`).
+//! It prints
 //! `start` and `stop` around the measurement window, then its result as one JSON line.
 
 use crate::process::raise_nofile_limit;
@@ -29,6 +32,9 @@ pub struct LoadGenArgs {
     pub pes: usize,
     #[arg(long)]
     pub rereg_ms: u64,
+    /// PEs sharing one connection (each re-registering every `rereg_ms`).
+    #[arg(long, default_value_t = 1)]
+    pub pes_per_connection: usize,
     #[arg(long)]
     pub pus: usize,
     #[arg(long)]
@@ -94,15 +100,22 @@ pub fn run(args: LoadGenArgs) -> Result<()> {
             .transpose()?
             .map(Arc::new);
         let mut setup = tokio::task::JoinSet::new();
-        for i in 0..args.pes + args.pus {
+        let per = args.pes_per_connection.max(1);
+        let pe_conns = args.pes.div_ceil(per);
+        for c in 0..pe_conns + args.pus {
             let gate = gate.clone();
             let reg = args.registrar;
             let tls = tls.clone();
+            // Connection `c` carries PEs `pes` (none for a PU's).
+            let pes = if c < pe_conns {
+                c * per..((c + 1) * per).min(args.pes)
+            } else {
+                0..0
+            };
             setup.spawn(async move {
                 let _permit = gate.acquire().await;
-                let conn = connect(reg, i, tls.as_deref()).await?;
-                let mut conn = conn;
-                if i < args.pes {
+                let mut conn = connect(reg, c, tls.as_deref()).await?;
+                for i in pes.clone() {
                     conn.send(&registration(i, 0, args.user_ip)).await?;
                     loop {
                         if let AsapMessage::RegistrationResponse { reject, .. } =
@@ -115,19 +128,21 @@ pub fn run(args: LoadGenArgs) -> Result<()> {
                         }
                     }
                 }
-                Ok::<_, anyhow::Error>((i, conn))
+                Ok::<_, anyhow::Error>((c, pes, conn))
             });
         }
-        let mut conns = Vec::with_capacity(args.pes + args.pus);
+        let mut conns = Vec::with_capacity(pe_conns + args.pus);
         while let Some(r) = setup.join_next().await {
             conns.push(r??);
         }
         let pools = args.pes.div_ceil(POOL_SIZE).max(1);
-        for (i, conn) in conns {
+        for (c, pes, conn) in conns {
             let shared = shared.clone();
-            if i < args.pes {
-                tokio::spawn(pe_task(i, conn, args.rereg_ms, args.user_ip, shared));
+            if c < pe_conns {
+                tokio::spawn(pe_task(pes, conn, args.rereg_ms, args.user_ip, shared));
             } else {
+                // Numbered after the PEs, as when every PE had a connection.
+                let i = args.pes + (c - pe_conns);
                 tokio::spawn(pu_task(i, conn, args.resolve_ms, pools, shared));
             }
         }
@@ -229,21 +244,28 @@ fn phase(i: usize, period_ms: u64) -> Duration {
     Duration::from_millis((i as u64).wrapping_mul(7919) % period_ms.max(1))
 }
 
+/// PEs `pes` on one connection, each re-registering every `period_ms` (in turn, evenly
+/// spread over the period).
 async fn pe_task(
-    i: usize,
+    pes: std::ops::Range<usize>,
     mut conn: AsapConnection,
     period_ms: u64,
     user_ip: Option<Ipv4Addr>,
     shared: Arc<Shared>,
 ) {
-    let period = Duration::from_millis(period_ms.max(1));
-    let mut tick =
-        tokio::time::interval_at(tokio::time::Instant::now() + phase(i, period_ms), period);
+    let count = pes.len().max(1) as u32;
+    let period = Duration::from_millis(period_ms.max(1)) / count;
+    // The first turn within the first tick: every connection is busy from the start.
+    let tick_ms = (period_ms / u64::from(count)).max(1);
+    let start = tokio::time::Instant::now() + phase(pes.start, tick_ms);
+    let mut tick = tokio::time::interval_at(start, period.max(Duration::from_micros(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut round = 0;
+    let mut turn = 0u64;
     loop {
         tick.tick().await;
-        round += 1;
+        turn += 1;
+        let i = pes.start + (turn % u64::from(count)) as usize;
+        let round = turn / u64::from(count);
         let t0 = Instant::now();
         if conn.send(&registration(i, round, user_ip)).await.is_err() {
             shared.errors.fetch_add(1, Ordering::Relaxed);
@@ -258,10 +280,12 @@ async fn pe_task(
                     shared.record(t0);
                     break;
                 }
-                Ok(AsapMessage::EndpointKeepAlive { pool_handle, .. }) => {
+                Ok(AsapMessage::EndpointKeepAlive {
+                    pool_handle, pe_id, ..
+                }) => {
                     let ack = AsapMessage::EndpointKeepAliveAck {
                         pool_handle,
-                        pe_id: i as u32 + 1,
+                        pe_id: pe_id.unwrap_or(i as u32 + 1),
                     };
                     let _ = conn.send(&ack).await;
                 }

@@ -51,6 +51,11 @@ pub struct RegistrarBenchArgs {
     /// Registrars in the ENRP cluster (the PEs register at the first).
     #[arg(long = "registrars", default_value = "1", value_parser = clap::value_parser!(u32).range(1..=16))]
     pub registrars: Vec<u32>,
+    /// PEs sharing one TCP connection (RFC 5352 has one per association; rserpool's
+    /// registrar takes up to `max-pes-per-connection`): more PEs than the open-file limit
+    /// allows connections.
+    #[arg(long, default_value_t = 1)]
+    pub pes_per_connection: usize,
     /// Measurement window per point.
     #[arg(long, default_value_t = 3000)]
     pub duration_ms: u64,
@@ -457,6 +462,8 @@ fn run_point(
             &p.pes.to_string(),
             "--rereg-ms",
             &p.rereg_ms.to_string(),
+            "--pes-per-connection",
+            &args.pes_per_connection.to_string(),
         ])
         .args([
             "--pus",
