@@ -86,20 +86,17 @@ pub(super) fn run(
     Ok(out)
 }
 
-/// `n` HTTP/1.1 connections to `addr`, each after one GET of the small file.
-async fn h1(addr: SocketAddr, n: usize) -> Result<Vec<Client>> {
+/// `n` connections made by `one`, at most [`AT_ONCE`] at a time.
+async fn open<T, F, Fut>(n: usize, one: F) -> Result<Vec<T>>
+where
+    T: Send + 'static,
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T>> + Send + 'static,
+{
     let mut held = Vec::with_capacity(n);
     while held.len() < n {
         let batch = AT_ONCE.min(n - held.len());
-        let mut tasks = Vec::with_capacity(batch);
-        for _ in 0..batch {
-            tasks.push(tokio::spawn(async move {
-                let mut c = Client::connect(addr).await?;
-                let r = c.get_counted(SMALL).await?;
-                anyhow::ensure!(r.code == 200, "GET {SMALL}: {}", r.code);
-                Ok::<Client, anyhow::Error>(c)
-            }));
-        }
+        let tasks: Vec<_> = (0..batch).map(|_| tokio::spawn(one())).collect();
         for t in tasks {
             held.push(
                 t.await?
@@ -110,41 +107,39 @@ async fn h1(addr: SocketAddr, n: usize) -> Result<Vec<Client>> {
     Ok(held)
 }
 
+/// `n` HTTP/1.1 connections to `addr`, each after one GET of the small file.
+async fn h1(addr: SocketAddr, n: usize) -> Result<Vec<Client>> {
+    open(n, move || async move {
+        let mut c = Client::connect(addr).await?;
+        let r = c.get_counted(SMALL).await?;
+        anyhow::ensure!(r.code == 200, "GET {SMALL}: {}", r.code);
+        Ok(c)
+    })
+    .await
+}
+
 /// An HTTP/2 connection kept: its request handle (its driver runs as a task).
 type H2Conn = h2::client::SendRequest<Bytes>;
 
 /// `n` HTTP/2 connections (prior knowledge) to `addr`, each after one GET of the small file.
 async fn h2(addr: SocketAddr, n: usize) -> Result<Vec<H2Conn>> {
-    let mut held = Vec::with_capacity(n);
-    while held.len() < n {
-        let batch = AT_ONCE.min(n - held.len());
-        let mut tasks = Vec::with_capacity(batch);
-        for _ in 0..batch {
-            tasks.push(tokio::spawn(async move {
-                let tcp = tokio::net::TcpStream::connect(addr).await?;
-                let (send, conn) = h2::client::handshake(tcp).await?;
-                tokio::spawn(async move {
-                    let _ = conn.await;
-                });
-                let mut send = send.ready().await?;
-                let req = http::Request::get(format!("http://{addr}{SMALL}")).body(())?;
-                let (resp, _) = send.send_request(req, true)?;
-                let resp = resp.await?;
-                anyhow::ensure!(resp.status() == 200, "GET {SMALL}: {}", resp.status());
-                let mut body = resp.into_body();
-                while let Some(chunk) = body.data().await {
-                    let chunk = chunk?;
-                    let _ = body.flow_control().release_capacity(chunk.len());
-                }
-                Ok::<H2Conn, anyhow::Error>(send)
-            }));
+    open(n, move || async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let (send, conn) = h2::client::handshake(tcp).await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut send = send.ready().await?;
+        let req = http::Request::get(format!("http://{addr}{SMALL}")).body(())?;
+        let (resp, _) = send.send_request(req, true)?;
+        let resp = resp.await?;
+        anyhow::ensure!(resp.status() == 200, "GET {SMALL}: {}", resp.status());
+        let mut body = resp.into_body();
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk?;
+            let _ = body.flow_control().release_capacity(chunk.len());
         }
-        for t in tasks {
-            held.push(
-                t.await?
-                    .with_context(|| format!("connection {}", held.len()))?,
-            );
-        }
-    }
-    Ok(held)
+        Ok(send)
+    })
+    .await
 }
