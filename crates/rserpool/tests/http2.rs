@@ -325,10 +325,15 @@ async fn grpc_calls_fail_over_with_zero_failures_when_a_pe_dies() {
         &dir,
         reg.asap_addr(),
         (status, front, "Grpc"),
+        // Four clients call back to back: when PE "a" dies, all four calls under way may
+        // need their retry at once, and the default budget (3 at least) would refuse one —
+        // the budget does its job there (it is tested in the pipeline's tests); this test is
+        // about failover, so the budget fits its concurrency.
         r#"
 [pool.Grpc]
 protocol = "h2"
 idempotent = ["/test.Echo/Echo"]
+retry-budget-min = 4
 "#,
     );
     every_pe_answers(3, "calls reach all three PEs", async || {
