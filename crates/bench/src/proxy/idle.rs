@@ -50,40 +50,47 @@ pub(super) fn run(
     let group = front
         .group()
         .ok_or_else(|| anyhow!("no process to measure"))?;
+    let per_conn = if h2 {
+        grown(rt, group, n, |k| self::h2(front.h2c, k))
+    } else {
+        grown(rt, group, n, |k| h1(front.http[0], k))
+    };
+    let proto = if h2 { "HTTP/2" } else { "HTTP/1.1" };
+    let per_conn = match per_conn {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("{label}: no idle {proto} connections: {e:#}");
+            None
+        }
+    };
+    Ok(Idle {
+        connections: n,
+        h1_bytes: per_conn.filter(|_| !h2),
+        h2_bytes: per_conn.filter(|_| h2),
+    })
+}
+
+/// Resident bytes of process group `group` per connection that `open(n)` holds, after one
+/// (`open(1)`) to warm up, so that what grows is per connection.
+fn grown<T, Fut>(
+    rt: &tokio::runtime::Runtime,
+    group: u32,
+    n: usize,
+    open: impl Fn(usize) -> Fut,
+) -> Result<f64>
+where
+    Fut: std::future::Future<Output = Result<Vec<T>>>,
+{
     let rss = || procfs::group_rss_bytes(group);
     let settle = || std::thread::sleep(Duration::from_secs(1));
-    let per_conn = |before: u64| Some(rss().saturating_sub(before) as f64 / n as f64);
-    let mut out = Idle {
-        connections: n,
-        ..Idle::default()
-    };
-    // Warm: one connection first, so that what grows is per connection.
-    if h2 {
-        if let Err(e) = rt.block_on(self::h2(front.h2c, 1)) {
-            eprintln!("{label}: no idle HTTP/2 connections: {e:#}");
-            return Ok(out);
-        }
-        settle();
-        let before = rss();
-        let held = rt
-            .block_on(self::h2(front.h2c, n))
-            .context("idle HTTP/2 connections")?;
-        settle();
-        out.h2_bytes = per_conn(before);
-        drop(held);
-    } else {
-        rt.block_on(h1(front.http[0], 1))
-            .context("HTTP/1.1 warm-up")?;
-        settle();
-        let before = rss();
-        let held = rt
-            .block_on(h1(front.http[0], n))
-            .context("idle HTTP/1.1 connections")?;
-        settle();
-        out.h1_bytes = per_conn(before);
-        drop(held);
-    }
-    Ok(out)
+    rt.block_on(open(1)).context("warm-up")?;
+    settle();
+    let before = rss();
+    let held = rt.block_on(open(n))?;
+    settle();
+    let bytes = rss().saturating_sub(before) as f64 / n as f64;
+    drop(held);
+    Ok(bytes)
 }
 
 /// `n` connections made by `one`, at most [`AT_ONCE`] at a time.
