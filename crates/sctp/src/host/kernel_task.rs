@@ -112,40 +112,14 @@ async fn run(
     tx: mpsc::UnboundedSender<Message>,
 ) {
     let mut out: VecDeque<(u16, u32, Bytes)> = VecDeque::new();
+    // What has arrived of the next message; empty (no memory) between messages.
     let mut partial: Vec<u8> = Vec::new();
-    let mut buf = vec![0u8; 65_536];
     let mut closing = false;
     loop {
         tokio::select! {
             r = fd.readable() => {
-                if r.is_err() {
+                if r.is_err() || !receive(&fd, &mut partial, &tx) {
                     return;
-                }
-                loop {
-                    let got = fd.try_io(tokio::io::Interest::READABLE, || {
-                        kernel::recv(&SockRef::from(&fd), &mut buf)
-                    });
-                    match got {
-                        Ok(p) if p.len == 0 => return,
-                        Ok(p) => {
-                            partial.extend_from_slice(&buf[..p.len]);
-                            if partial.len() > MAX_MESSAGE {
-                                tracing::debug!("SCTP: a message over {MAX_MESSAGE} bytes");
-                                let _ = SockRef::from(&fd).set_linger(Some(Duration::ZERO));
-                                return;
-                            }
-                            if p.end {
-                                let (stream, ppid) = p.info.unwrap_or_default();
-                                let data = Bytes::from(std::mem::take(&mut partial));
-                                let _ = tx.send(Message { stream, ppid, unordered: false, data });
-                            }
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                        Err(e) => {
-                            tracing::debug!("SCTP: {e}");
-                            return;
-                        }
-                    }
                 }
             }
             c = cmds.recv(), if !closing => match c {
@@ -183,22 +157,56 @@ async fn run(
             // SHUTDOWN once everything is sent; the peer's end is read until it closes.
             let _ = SockRef::from(&fd).shutdown(std::net::Shutdown::Write);
             let _ = tokio::time::timeout(SHUTDOWN_LIMIT, async {
-                loop {
-                    if fd.readable().await.is_err() {
-                        return;
-                    }
-                    let got = fd.try_io(tokio::io::Interest::READABLE, || {
-                        kernel::recv(&SockRef::from(&fd), &mut buf)
-                    });
-                    match got {
-                        Ok(p) if p.len > 0 => {}
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        _ => return,
-                    }
-                }
+                while fd.readable().await.is_ok() && receive(&fd, &mut partial, &tx) {}
             })
             .await;
             return;
+        }
+    }
+}
+
+/// Reads what `fd` has into `partial`, handing each whole message to `tx`; false once the
+/// association has ended (or sent a message over [`MAX_MESSAGE`], then aborted).
+fn receive(fd: &TcpStream, partial: &mut Vec<u8>, tx: &mpsc::UnboundedSender<Message>) -> bool {
+    /// Read at a time: most ASAP and ENRP messages fit, larger ones take several reads.
+    const PIECE: usize = 4096;
+    loop {
+        let at = partial.len();
+        partial.resize(at + PIECE, 0);
+        let got = fd.try_io(tokio::io::Interest::READABLE, || {
+            kernel::recv(&SockRef::from(fd), &mut partial[at..])
+        });
+        partial.truncate(at + got.as_ref().map_or(0, |p| p.len));
+        match got {
+            Ok(p) if p.len == 0 => return false,
+            Ok(p) => {
+                if partial.len() > MAX_MESSAGE {
+                    tracing::debug!("SCTP: a message over {MAX_MESSAGE} bytes");
+                    let _ = SockRef::from(fd).set_linger(Some(Duration::ZERO));
+                    return false;
+                }
+                if p.end {
+                    let (stream, ppid) = p.info.unwrap_or_default();
+                    let data = Bytes::from(std::mem::take(partial));
+                    let _ = tx.send(Message {
+                        stream,
+                        ppid,
+                        unordered: false,
+                        data,
+                    });
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if partial.is_empty() {
+                    // No allocation kept between messages.
+                    *partial = Vec::new();
+                }
+                return true;
+            }
+            Err(e) => {
+                tracing::debug!("SCTP: {e}");
+                return false;
+            }
         }
     }
 }
