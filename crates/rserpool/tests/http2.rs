@@ -735,3 +735,184 @@ impl Bystander {
         }
     }
 }
+
+// ---- A burst of small calls to an HTTP/2 PE ----
+
+/// Calls the burst PE below holds until this many are waiting.
+const BURST: usize = 300;
+
+/// An HTTP/2 PE in the `h2` crate with its defaults, as a Rust gRPC server built on it
+/// (tonic, hyper) runs: `/t.E/Warm` is echoed at once; calls of `/t.E/Burst` are held until
+/// [`BURST`] of them wait, then each is read and echoed (a server whose handlers are slower
+/// than the calls arrive).
+async fn burst_pe() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = l.local_addr().unwrap();
+    let (waiting, _) = tokio::sync::watch::channel(0usize);
+    let waiting = std::sync::Arc::new(waiting);
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let waiting = waiting.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::Builder::new()
+                    .max_concurrent_streams(1000)
+                    .handshake::<_, bytes::Bytes>(s)
+                    .await
+                else {
+                    return;
+                };
+                while let Some(Ok((req, respond))) = conn.accept().await {
+                    let waiting = waiting.clone();
+                    tokio::spawn(async move {
+                        if req.uri().path() == "/t.E/Burst" {
+                            waiting.send_modify(|n| *n += 1);
+                            let mut rx = waiting.subscribe();
+                            let _ = rx.wait_for(|&n| n >= BURST).await;
+                        }
+                        echo(req, respond).await;
+                    });
+                }
+            });
+        }
+    });
+    at
+}
+
+/// Reads a call and echoes its message with `grpc-status: 0`.
+async fn echo(
+    req: http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<bytes::Bytes>,
+) {
+    let mut body = req.into_body();
+    let mut msg = Vec::new();
+    while let Some(Ok(d)) = body.data().await {
+        let _ = body.flow_control().release_capacity(d.len());
+        msg.extend_from_slice(&d);
+    }
+    let head = http::Response::builder()
+        .header("content-type", "application/grpc")
+        .body(())
+        .unwrap();
+    let Ok(mut tx) = respond.send_response(head, false) else {
+        return;
+    };
+    tx.reserve_capacity(msg.len());
+    let _ = tx.send_data(msg.into(), false);
+    let mut t = http::HeaderMap::new();
+    t.insert("grpc-status", http::HeaderValue::from_static("0"));
+    let _ = tx.send_trailers(t);
+}
+
+/// A gRPC-shaped call over `send`: its status and `grpc-status` (0 and the error when no
+/// response came).
+async fn h2_call(
+    send: &mut h2::client::SendRequest<bytes::Bytes>,
+    front: SocketAddr,
+    path: &str,
+) -> (u16, String) {
+    let mut send = send.clone().ready().await.unwrap();
+    let req = http::Request::post(format!("http://{front}{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (resp, mut body) = send.send_request(req, false).unwrap();
+    body.send_data(bytes::Bytes::from_static(b"\0\0\0\0\x04ping"), true)
+        .unwrap();
+    let resp = match resp.await {
+        Ok(r) => r,
+        Err(e) => return (0, e.to_string()),
+    };
+    let status = resp.status().as_u16();
+    // A trailers-only response (the proxy's own errors) has it in the head.
+    let head = resp.headers().clone();
+    let mut body = resp.into_body();
+    while let Some(Ok(d)) = body.data().await {
+        let _ = body.flow_control().release_capacity(d.len());
+    }
+    let trailers = body.trailers().await.ok().flatten().unwrap_or(head);
+    let grpc = trailers
+        .get("grpc-status")
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_default();
+    (status, grpc)
+}
+
+/// 300 calls at once, each a small message, reach an HTTP/2 PE that reads them late: every
+/// one is answered. The proxy sends a message that ends the call with END_STREAM on its DATA
+/// frame, as clients do: followed by an empty DATA frame instead, each small message counts
+/// against the PE's allowance for small unfinished frames (the `h2` crate's, 0.4.20 on), and
+/// a burst like this one made the PE end the connection with ENHANCE_YOUR_CALM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_small_calls_reaches_an_h2_pe_that_reads_them_late() {
+    let dir = tempdir("burst");
+    let reg = common::registrar(common::fast_config());
+    let pe = burst_pe().await;
+    let _sidecar = KillOnDrop(
+        Command::new(BIN)
+            .args(["serve", "--target", &pe.to_string()])
+            .args([
+                "--pool",
+                "Burst",
+                "--registrar",
+                &reg.asap_addr().to_string(),
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let (front, status) = (addr(), addr());
+    let p = proxy(
+        &dir,
+        reg.asap_addr(),
+        (status, front, "Burst"),
+        "[pool.Burst]\nprotocol = \"h2\"\n",
+    );
+    // Three client connections: 100 streams each at most (the proxy's default).
+    wait_for(Duration::from_secs(10), "the proxy listens", async || {
+        TcpStream::connect(front).await.is_ok()
+    })
+    .await;
+    let mut clients = Vec::new();
+    for _ in 0..BURST / 100 {
+        let s = TcpStream::connect(front).await.unwrap();
+        let (send, conn) = h2::client::handshake(s).await.unwrap();
+        tokio::spawn(conn);
+        clients.push(send);
+    }
+    let warm = clients[0].clone();
+    wait_for(
+        Duration::from_secs(10),
+        "the PE answers through the proxy",
+        || {
+            let mut send = warm.clone();
+            async move { h2_call(&mut send, front, "/t.E/Warm").await == (200, "0".into()) }
+        },
+    )
+    .await;
+    let calls: Vec<_> = (0..BURST)
+        .map(|i| {
+            let mut send = clients[i % clients.len()].clone();
+            tokio::spawn(async move {
+                let call = h2_call(&mut send, front, "/t.E/Burst");
+                tokio::time::timeout(Duration::from_secs(20), call)
+                    .await
+                    .unwrap_or((0, "no answer within 20 s".into()))
+            })
+        })
+        .collect();
+    let mut failed = std::collections::BTreeMap::<_, usize>::new();
+    for c in calls {
+        let a = c.await.unwrap();
+        if a != (200, "0".into()) {
+            *failed.entry(a).or_default() += 1;
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "failed calls (answer: how many): {failed:?}"
+    );
+    assert!(p.lines_with("panicked").is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -196,10 +196,17 @@ async fn pump(prefix: Bytes, rest: Option<RecvStream>, mut up: SendStream<Bytes>
         };
         let n = d.len();
         pe.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
-        if send_data(&mut up, d, false).await.is_err() {
+        // The client's last DATA frame ends the call on ours too: no empty DATA frame after
+        // it (one more frame for the PE, and a small unfinished one counts against its
+        // allowance: the `h2` crate ends a connection with many of them unread).
+        let last = recv.is_end_stream();
+        if send_data(&mut up, d, last).await.is_err() {
             return;
         }
         let _ = recv.flow_control().release_capacity(n);
+        if last {
+            return;
+        }
     }
     match recv.trailers().await {
         Ok(Some(t)) => {
@@ -425,8 +432,10 @@ async fn send_body(
                 b.stats
                     .bytes_in
                     .fetch_add(d.len() as u64, Ordering::Relaxed);
-                if send_data(up, d, false).await.is_err() {
-                    // The PE stopped taking it; its answer tells why.
+                // A body of known length ends with its last byte: END_STREAM goes with it.
+                let last = dec.is_done();
+                if send_data(up, d, last).await.is_err() || last {
+                    // The PE stopped taking it (its answer tells why), or it has it all.
                     return Ok(());
                 }
             }
