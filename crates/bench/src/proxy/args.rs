@@ -53,6 +53,9 @@ pub enum Part {
     Idle,
     /// The same over HTTP/2 (prior knowledge), in a system started afresh.
     IdleH2,
+    /// HTTP/2 streams in flight (`--held-connections` × `--held-streams` gRPC-shaped calls the
+    /// backends never answer, HTTP/2 both ways): the system's resident memory per stream.
+    H2Streams,
 }
 
 impl Part {
@@ -85,6 +88,12 @@ pub struct ProxyBenchArgs {
     /// (9,900 here, for a limit of 20,000), so more than that needs a higher limit.
     #[arg(long, default_value_t = 8_000)]
     pub idle_connections: usize,
+    /// HTTP/2 connections of the streams part (each makes one call first).
+    #[arg(long, default_value_t = 100)]
+    pub held_connections: usize,
+    /// Streams held open on each of them (every system takes at least 100 at once).
+    #[arg(long, default_value_t = 50)]
+    pub held_streams: usize,
     /// Concurrent transfers of the seed's experiment.
     #[arg(long, default_value_t = 100)]
     pub transfers: usize,

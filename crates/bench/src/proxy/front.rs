@@ -72,9 +72,12 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
             let conf = config::rserpool_proxy(bed.registrar, threads, &fronts, &bed.tls);
             std::fs::write(&conf_path, conf)?;
             let mut c = Command::new(&bed.rserpool);
+            // BENCH_PROXY_LOG: the proxy's log filter (its log is in the bed's directory), to
+            // see why a part failed.
+            let log = std::env::var("BENCH_PROXY_LOG").unwrap_or_else(|_| "warn".into());
             c.args(["proxy", "--config"])
                 .arg(&conf_path)
-                .env("RUST_LOG", "warn");
+                .env("RUST_LOG", log);
             c
         }
         System::Haproxy => {

@@ -1,7 +1,8 @@
 //! A gRPC-shaped HTTP/2 backend for the proxy benchmark's gRPC part (`rserpool-bench
 //! grpc-backend`, hidden; one process per backend so that its CPU is its own): every request
 //! is answered 200 with its own body (a gRPC message) back and the trailer `grpc-status: 0`,
-//! as a unary echo call. Not a gRPC implementation: no method routing, no codecs.
+//! as a unary echo call; a call of the hold method is never answered (the streams part holds
+//! it open). Not a gRPC implementation: no codecs.
 
 use anyhow::Result;
 use bytes::{Bytes, BytesMut};
@@ -40,15 +41,29 @@ pub fn run(args: GrpcBackendArgs) -> Result<()> {
 
 async fn connection(s: tokio::net::TcpStream) {
     let Ok(mut conn) = h2::server::Builder::new()
-        .max_concurrent_streams(1000)
+        .max_concurrent_streams(10_000)
         .handshake::<_, Bytes>(s)
         .await
     else {
         return;
     };
     while let Some(Ok((req, respond))) = conn.accept().await {
-        tokio::spawn(echo(req, respond));
+        if req.uri().path() == super::HOLD_PATH {
+            tokio::spawn(hold(req, respond));
+        } else {
+            tokio::spawn(echo(req, respond));
+        }
     }
+}
+
+/// Reads a call and holds it unanswered until the client resets it. (A body left unread would
+/// pile up frames until `h2` ends the connection for them.)
+async fn hold(req: http::Request<h2::RecvStream>, mut respond: h2::server::SendResponse<Bytes>) {
+    let mut body = req.into_body();
+    while let Some(Ok(d)) = body.data().await {
+        let _ = body.flow_control().release_capacity(d.len());
+    }
+    let _ = std::future::poll_fn(|cx| respond.poll_reset(cx)).await;
 }
 
 async fn echo(req: http::Request<h2::RecvStream>, mut respond: h2::server::SendResponse<Bytes>) {

@@ -23,6 +23,9 @@ pub(super) struct Idle {
     pub(super) connections: usize,
     pub(super) h1_bytes: Option<f64>,
     pub(super) h2_bytes: Option<f64>,
+    /// HTTP/2 streams held (`streams.rs`), and the bytes per stream.
+    pub(super) streams: usize,
+    pub(super) stream_bytes: Option<f64>,
 }
 
 impl Idle {
@@ -31,6 +34,8 @@ impl Idle {
             connections: self.connections.max(o.connections),
             h1_bytes: self.h1_bytes.or(o.h1_bytes),
             h2_bytes: self.h2_bytes.or(o.h2_bytes),
+            streams: self.streams.max(o.streams),
+            stream_bytes: self.stream_bytes.or(o.stream_bytes),
         }
     }
 }
@@ -67,6 +72,7 @@ pub(super) fn run(
         connections: n,
         h1_bytes: per_conn.filter(|_| !h2),
         h2_bytes: per_conn.filter(|_| h2),
+        ..Idle::default()
     })
 }
 
@@ -94,7 +100,7 @@ where
 }
 
 /// `n` connections made by `one`, at most [`AT_ONCE`] at a time.
-async fn open<T, F, Fut>(n: usize, one: F) -> Result<Vec<T>>
+pub(super) async fn open<T, F, Fut>(n: usize, one: F) -> Result<Vec<T>>
 where
     T: Send + 'static,
     F: Fn() -> Fut,

@@ -14,7 +14,9 @@
 //! the backend on a second address so that its checks are not counted.
 //!
 //! Memory per idle kept-alive connection (`idle.rs`) is the resident memory of all of a
-//! system's processes before and after thousands of connections that made one request each.
+//! system's processes before and after thousands of connections that made one request each;
+//! memory per HTTP/2 stream in flight (`streams.rs`) the same before and after thousands of calls
+//! the backends never answer.
 
 mod args;
 pub(crate) mod bed;
@@ -27,6 +29,7 @@ mod idle;
 mod load;
 mod report;
 mod shaping;
+mod streams;
 mod synwatch;
 mod tools;
 pub(crate) mod wrk;
@@ -52,6 +55,8 @@ const GRPC_POOL: &str = "GrpcPool";
 /// The gRPC part's call: a 5-byte message in gRPC's framing.
 const GRPC_PATH: &str = "/bench.Echo/Echo";
 const GRPC_MESSAGE: &[u8] = b"\0\0\0\0\x05hello";
+/// A method the gRPC backends never answer: the streams part holds its calls.
+const HOLD_PATH: &str = "/bench.Echo/Hold";
 const BACKENDS: usize = 3;
 pub(crate) const SMALL: &str = "/small.html";
 const SMALL_SIZE: usize = 612; // nginx's welcome page
@@ -97,7 +102,11 @@ pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
         println!("machine: {}", machine());
         println!("{versions}");
     }
-    let mut bed = Bed::start(&sizes, rserpool, args.parts.contains(&Part::Grpc))?;
+    let grpc = args
+        .parts
+        .iter()
+        .any(|p| matches!(p, Part::Grpc | Part::H2Streams));
+    let mut bed = Bed::start(&sizes, rserpool, grpc)?;
     let mut samples = Vec::new();
     // Parts outside, systems inside: the systems meet one part back to back, under the same
     // conditions (large transfers leave the machine slower for a while).
@@ -185,8 +194,11 @@ fn measure(
     args: &ProxyBenchArgs,
 ) -> Result<()> {
     let https = matches!(part, Part::HttpsKeepalive | Part::HttpsConnect);
-    let needs_proxy =
-        matches!(part, Part::Failover | Part::Idle | Part::IdleH2) || https || part.is_h2();
+    let needs_proxy = matches!(
+        part,
+        Part::Failover | Part::Idle | Part::IdleH2 | Part::H2Streams
+    ) || https
+        || part.is_h2();
     if needs_proxy && s.system == System::Direct {
         return Ok(());
     }
@@ -245,6 +257,17 @@ fn measure(
             let (label, h2) = (s.system.label(), part == Part::IdleH2);
             let i = idle::run(&front, &rt, args.idle_connections, label, h2)?;
             s.idle = Some(s.idle.map_or(i, |o| o.merge(i)));
+        }
+        Part::H2Streams => {
+            let (c, k) = (args.held_connections, args.held_streams);
+            if let Some(h) = streams::run(&front, &rt, c, k, s.system.label())? {
+                let i = idle::Idle {
+                    streams: h.streams,
+                    stream_bytes: Some(h.bytes),
+                    ..idle::Idle::default()
+                };
+                s.idle = Some(s.idle.map_or(i, |o| o.merge(i)));
+            }
         }
         Part::H2 => {
             let url = format!("http://{}{SMALL}", front.h2c);

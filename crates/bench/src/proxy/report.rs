@@ -59,12 +59,21 @@ pub(super) fn print_sample(s: &Sample) {
     }
     if let Some(i) = &s.idle {
         let kib = |b: Option<f64>| b.map_or("–".into(), |b| format!("{:.1} KiB", b / 1024.0));
-        line += &format!(
-            " {} idle connections: {} each over HTTP/1.1, {} over HTTP/2;",
-            i.connections,
-            kib(i.h1_bytes),
-            kib(i.h2_bytes)
-        );
+        if i.h1_bytes.is_some() || i.h2_bytes.is_some() {
+            line += &format!(
+                " {} idle connections: {} each over HTTP/1.1, {} over HTTP/2;",
+                i.connections,
+                kib(i.h1_bytes),
+                kib(i.h2_bytes)
+            );
+        }
+        if i.stream_bytes.is_some() {
+            line += &format!(
+                " {} HTTP/2 streams held: {} each;",
+                i.streams,
+                kib(i.stream_bytes)
+            );
+        }
     }
     if let Some(f) = &s.failover {
         line += &format!(
@@ -143,6 +152,9 @@ struct Row {
     idle_h1: Option<f64>,
     idle_h2: Option<f64>,
     idle_n: Option<usize>,
+    /// Resident bytes per HTTP/2 stream held (median), and how many.
+    stream: Option<f64>,
+    streams_n: Option<usize>,
 }
 
 /// The medians of every system over the rounds, ready to be written out.
@@ -218,7 +230,17 @@ impl Report {
                     failover: of.iter().filter_map(|s| s.failover.clone()).collect(),
                     idle_h1: m(&|s| s.idle.and_then(|i| i.h1_bytes)),
                     idle_h2: m(&|s| s.idle.and_then(|i| i.h2_bytes)),
-                    idle_n: of.iter().find_map(|s| s.idle.map(|i| i.connections)),
+                    idle_n: of
+                        .iter()
+                        .filter_map(|s| s.idle)
+                        .find(|i| i.h1_bytes.is_some() || i.h2_bytes.is_some())
+                        .map(|i| i.connections),
+                    stream: m(&|s| s.idle.and_then(|i| i.stream_bytes)),
+                    streams_n: of
+                        .iter()
+                        .filter_map(|s| s.idle)
+                        .find(|i| i.stream_bytes.is_some())
+                        .map(|i| i.streams),
                 }
             })
             .collect();
@@ -254,10 +276,11 @@ impl Report {
             machine()
         );
         let cols: Vec<&Row> = self.rows.iter().collect();
+        use super::args::Part as Memory;
         if args
             .parts
             .iter()
-            .all(|p| matches!(p, super::args::Part::Idle | super::args::Part::IdleH2))
+            .all(|p| matches!(p, Memory::Idle | Memory::IdleH2 | Memory::H2Streams))
         {
             // Only memory: no throughput tables to head.
             return md + &self.idle(&cols) + &self.targets();
@@ -517,33 +540,49 @@ impl Report {
         md
     }
 
-    /// The idle part's table: KiB per connection and the ratio to HAProxy's.
+    /// The memory parts' table: KiB per idle connection and per HTTP/2 stream held, and the
+    /// ratio to HAProxy's.
     fn idle(&self, cols: &[&Row]) -> String {
         let rows: Vec<&&Row> = cols
             .iter()
-            .filter(|r| r.idle_h1.is_some() || r.idle_h2.is_some())
+            .filter(|r| r.idle_h1.is_some() || r.idle_h2.is_some() || r.stream.is_some())
             .collect();
-        let Some(n) = rows.iter().find_map(|r| r.idle_n) else {
+        if rows.is_empty() {
             return String::new();
-        };
+        }
         let h = self.row(System::Haproxy);
         let cell = |v: Option<f64>, base: Option<f64>| match (v, base) {
             (Some(v), Some(b)) if b > 0.0 => format!("{:.1} ({:.2}×)", v / 1024.0, v / b),
             (Some(v), _) => format!("{:.1}", v / 1024.0),
             (None, _) => "–".into(),
         };
-        let mut md = format!(
-            "Idle connections: {n} clients each make one request and stay connected (HTTP/1.1, \
-             and HTTP/2 with prior knowledge, each protocol in a system started afresh); the \
-             system's resident memory (all its processes) before and after, per connection, in \
-             KiB (ratio to HAProxy's). Kernel socket buffers are not in it.\n\n| | HTTP/1.1 KiB/conn | HTTP/2 KiB/conn |\n|---|---|---|\n"
-        );
+        let mut md = String::new();
+        if let Some(n) = rows.iter().find_map(|r| r.idle_n) {
+            md += &format!(
+                "Idle connections: {n} clients each make one request and stay connected \
+                 (HTTP/1.1, and HTTP/2 with prior knowledge, each protocol in a system started \
+                 afresh); the system's resident memory (all its processes) before and after, per \
+                 connection. "
+            );
+        }
+        if let Some(n) = rows.iter().find_map(|r| r.streams_n) {
+            md += &format!(
+                "Streams held: {n} gRPC-shaped calls in all, on connections that made one call \
+                 first, to a method the HTTP/2 backends never answer; the system's resident \
+                 memory before and after, per stream (nginx's `grpc_pass` takes a backend \
+                 connection per stream, HAProxy and rserpool multiplex). "
+            );
+        }
+        md += "In KiB (ratio to HAProxy's); kernel socket buffers are not in it.\n\n\
+               | | HTTP/1.1 KiB/idle conn | HTTP/2 KiB/idle conn | HTTP/2 KiB/stream |\n\
+               |---|---|---|---|\n";
         for r in rows {
             md += &format!(
-                "| {} | {} | {} |\n",
+                "| {} | {} | {} | {} |\n",
                 r.system.label(),
                 cell(r.idle_h1, h.and_then(|h| h.idle_h1)),
                 cell(r.idle_h2, h.and_then(|h| h.idle_h2)),
+                cell(r.stream, h.and_then(|h| h.stream)),
             );
         }
         md + "\n"
@@ -584,6 +623,13 @@ impl Report {
                 of_ratio(r.idle_h1, h.idle_h1),
                 verdict(ge(h.idle_h2, r.idle_h2)),
                 of_ratio(r.idle_h2, h.idle_h2),
+            );
+        }
+        if r.stream.is_some() {
+            t += &format!(
+                "- memory per HTTP/2 stream ≤ HAProxy's: {} ({})\n",
+                verdict(ge(h.stream, r.stream)),
+                of_ratio(r.stream, h.stream),
             );
         }
         if r.grpc.rps.is_some() {
