@@ -66,6 +66,9 @@ pub(crate) async fn forward(
     let sticky = pool.sticky_cookie();
     let named = sticky.as_deref().and_then(|n| sticky_pe(r, n));
     let mut f = Failover::new(ctx.failover()).tied(Affinity { key, pe: named });
+    // The attempt (admission, connecting) and each protocol's exchange are boxed: this future
+    // is as large as its largest state, for the whole request, and lives inside every
+    // request's task (an HTTP/2 stream held for minutes held 5.6 KB for states long over).
     loop {
         let tried = match pool.protocol() {
             PeProtocol::H2 => {
@@ -74,7 +77,7 @@ pub(crate) async fn forward(
                 let connect = |pe: Arc<Backend>| async move {
                     up2::stream(&pe, ctx).await.map(|v| (v, false))
                 };
-                match f.attempt(pool, &ctx.pools, r.level, connect).await {
+                match Box::pin(f.attempt(pool, &ctx.pools, r.level, connect)).await {
                     Ok((attempt, up)) => {
                         d.set_cookie(sticky_cookie(sticky.as_deref(), named, &attempt));
                         let outcome = Box::pin(up2::exchange(d, up, r, &attempt, ctx)).await;
@@ -86,10 +89,10 @@ pub(crate) async fn forward(
             PeProtocol::Http1 => {
                 let connect =
                     |pe: Arc<Backend>| async move { up1::take_conn(&pe, ctx, fresh_only).await };
-                match f.attempt(pool, &ctx.pools, r.level, connect).await {
+                match Box::pin(f.attempt(pool, &ctx.pools, r.level, connect)).await {
                     Ok((attempt, conn)) => {
                         d.set_cookie(sticky_cookie(sticky.as_deref(), named, &attempt));
-                        let outcome = up1::exchange(d, conn, r, &attempt, ctx).await;
+                        let outcome = Box::pin(up1::exchange(d, conn, r, &attempt, ctx)).await;
                         Ok((attempt, outcome))
                     }
                     Err(g) => Err(g),
