@@ -63,6 +63,11 @@ pub struct LevelsArgs {
 const CLIENT1: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 const CLIENT2: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 3);
 const POOL: &str = "LevelsPool";
+/// `max-conn` of the comparison without a queue in the proxy: more than the run ever has in
+/// flight, so every request goes on to a PE at once and waits in the PE's own queue.
+const UNQUEUED_MAX_CONN: u32 = 100_000;
+/// The plots' label of that comparison.
+const UNQUEUED: &str = "no proxy queue";
 
 /// One client's results at one point.
 #[derive(Debug, Clone, Default)]
@@ -164,7 +169,7 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
         Ok(())
     };
     for &level in &args.levels {
-        let (front, p) = proxy(bin, dir, reg, args, Some(level))?;
+        let (front, p) = proxy(bin, dir, reg, args, Some(level), args.max_conn)?;
         let short = format!("level {level}");
         run_point(
             format!("levels, client 1 at {level}"),
@@ -175,8 +180,19 @@ fn run_in(args: &LevelsArgs, bin: &Path, dir: &Path, haproxy: bool) -> Result<()
         drop(p);
     }
     if args.compare {
-        let (front, p) = proxy(bin, dir, reg, args, None)?;
+        let (front, p) = proxy(bin, dir, reg, args, None, args.max_conn)?;
         run_point("FIFO (no levels)".into(), "FIFO", front, p.id())?;
+        drop(p);
+        // The same load and levels with nothing queued in the proxy: what the proxy's CPU per
+        // request is without its queue, at the same rate (the wake-ups per request of a
+        // lightly loaded proxy are a cost of the rate, not of queueing).
+        let level = args.levels.first().copied();
+        let (front, p) = proxy(bin, dir, reg, args, level, UNQUEUED_MAX_CONN)?;
+        let name = format!(
+            "levels, client 1 at {}, no queue in the proxy (max-conn {UNQUEUED_MAX_CONN})",
+            level.unwrap_or(1)
+        );
+        run_point(name, UNQUEUED, front, p.id())?;
         drop(p);
     }
     if haproxy {
@@ -222,13 +238,14 @@ fn proxy(
     reg: SocketAddr,
     args: &LevelsArgs,
     level: Option<usize>,
+    max_conn: u32,
 ) -> Result<(SocketAddr, Proc)> {
     let front = local(free_port()?);
     let mut cfg = format!(
         "registrars = [\"{reg}\"]\nrefresh-ms = 200\n\
          [[listener]]\nlisten = \"{front}\"\nmode = \"http\"\npool = \"{POOL}\"\n\
-         [pool.{POOL}]\nmax-conn = {}\nqueue = 100000\nqueue-timeout-ms = {}\n",
-        args.max_conn, args.queue_timeout_ms
+         [pool.{POOL}]\nmax-conn = {max_conn}\nqueue = 100000\nqueue-timeout-ms = {}\n",
+        args.queue_timeout_ms
     );
     if let Some(l) = level {
         let _ = write!(
@@ -427,6 +444,20 @@ fn render(args: &LevelsArgs, capacity: f64, rate: f64, points: &[Point], cost: C
          when every request queues in one FIFO, {:.2} µs on the fast path (nobody waits).\n",
         cost.lottery_ns, cost.stride_ns, cost.queued_levels_us, cost.queued_fifo_us, cost.fast_us
     );
+    let queued = points.first().map(|p| p.front_us);
+    let unqueued = points.iter().find(|p| p.short == UNQUEUED).map(|p| p.front_us);
+    if let (Some(q), Some(u)) = (queued, unqueued)
+        && u > 0.0
+    {
+        let _ = writeln!(
+            s,
+            "The front's CPU per request at this load, queued in the proxy (the first row) \
+             against nothing queued in it (max-conn {UNQUEUED_MAX_CONN}): {q:.1} / {u:.1} µs = \
+             {:.2}× (target ≤ 1.3×: {}).\n",
+            q / u,
+            if q / u <= 1.3 { "met" } else { "**not met**" }
+        );
+    }
     s
 }
 
