@@ -445,7 +445,10 @@ fn render(args: &LevelsArgs, capacity: f64, rate: f64, points: &[Point], cost: C
         cost.lottery_ns, cost.stride_ns, cost.queued_levels_us, cost.queued_fifo_us, cost.fast_us
     );
     let queued = points.first().map(|p| p.front_us);
-    let unqueued = points.iter().find(|p| p.short == UNQUEUED).map(|p| p.front_us);
+    let unqueued = points
+        .iter()
+        .find(|p| p.short == UNQUEUED)
+        .map(|p| p.front_us);
     if let (Some(q), Some(u)) = (queued, unqueued)
         && u > 0.0
     {

@@ -774,21 +774,28 @@ async fn accept_loop(
             let _ = socket2::SockRef::from(&stream).set_quickack(false);
         }
         let ctx = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();
-        tokio::spawn(async move {
-            // The task holds the largest of these inline for the connection's life: the
-            // others are boxed, so that an idle HTTP/1.1 connection costs little.
-            match mode {
-                Mode::Tcp => match TcpStream::from_std(stream) {
-                    Ok(s) => Box::pin(l4::tcp::serve(s, peer, ctx)).await,
-                    Err(e) => warn!("proxy: cannot register a connection: {e}"),
-                },
-                Mode::Http => match ctx.tls.clone() {
-                    Some(tls) => Box::pin(http::h1::serve_tls(stream, peer, ctx, tls)).await,
-                    None => http::h1::serve(stream, peer, ctx).await,
-                },
+        // A plain HTTP/1.1 connection's future is the task itself, nothing around it (an
+        // idle connection costs its task's size); the others are boxed in a small one.
+        match (mode, ctx.tls.clone()) {
+            (Mode::Http, None) => {
+                tokio::spawn(http::h1::serve(stream, peer, ctx, Some(permit)));
             }
-            drop(permit);
-        });
+            (Mode::Http, Some(tls)) => {
+                tokio::spawn(async move {
+                    Box::pin(http::h1::serve_tls(stream, peer, ctx, tls)).await;
+                    drop(permit);
+                });
+            }
+            (Mode::Tcp, _) => {
+                tokio::spawn(async move {
+                    match TcpStream::from_std(stream) {
+                        Ok(s) => Box::pin(l4::tcp::serve(s, peer, ctx)).await,
+                        Err(e) => warn!("proxy: cannot register a connection: {e}"),
+                    }
+                    drop(permit);
+                });
+            }
+        }
     }
 }
 

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
+use tokio::sync::OwnedSemaphorePermit;
 use tracing::debug;
 
 /// What became of one request.
@@ -28,9 +29,19 @@ pub(crate) enum Next {
     Close,
 }
 
-/// Serves one client connection until it closes, errs, times out or the proxy drains.
-pub(crate) async fn serve(stream: std::net::TcpStream, peer: SocketAddr, ctx: Ctx) {
-    serve_stream(ClientStream::new(stream), peer, ctx).await;
+/// Serves one client connection until it closes, errs, times out or the proxy drains;
+/// `place` (its place among the listener's connections) is held to the end.
+///
+/// A plain function, and every layer below takes the connection's state by reference: each
+/// `async fn` that takes an argument and awaits a future given it keeps its own copy beside
+/// that future's, and an idle connection costs its task's size.
+pub(crate) fn serve(
+    stream: std::net::TcpStream,
+    peer: SocketAddr,
+    ctx: Ctx,
+    place: Option<OwnedSemaphorePermit>,
+) -> impl Future<Output = ()> + Send + 'static {
+    serve_stream(ClientStream::new(stream), peer, ctx, place)
 }
 
 /// The first line of the HTTP/2 preface, which an HTTP/1.1 parser refuses.
@@ -55,7 +66,7 @@ pub(crate) async fn serve_tls(
         Ok(Ok(t)) if t.get_ref().1.alpn_protocol() == Some(b"h2") => {
             return Box::pin(crate::http::h2::front::serve(t, Bytes::new(), peer, ctx)).await;
         }
-        Ok(Ok(t)) => return serve_stream(ClientStream::tls(t), peer, ctx).await,
+        Ok(Ok(t)) => return serve_stream(ClientStream::tls(t), peer, ctx, None).await,
         Ok(Err(e)) => format!("TLS handshake failed: {e}"),
         Err(_) => format!("no TLS handshake within {limit:?}"),
     };
@@ -64,20 +75,25 @@ pub(crate) async fn serve_tls(
     debug!("client {peer}: {failed}");
 }
 
-async fn serve_stream(stream: ClientStream, peer: SocketAddr, ctx: Ctx) {
+async fn serve_stream(
+    stream: ClientStream,
+    peer: SocketAddr,
+    mut ctx: Ctx,
+    _place: Option<OwnedSemaphorePermit>,
+) {
     let mut c = Client {
         stream,
         buf: BytesMut::with_capacity(16 * 1024),
         peer,
     };
-    serve_requests(&mut c, ctx).await;
+    serve_requests(&mut c, &mut ctx).await;
     c.stream.close().await;
 }
 
 /// How long an idle kept-alive connection of a draining proxy may still bring a request.
 const DRAIN_IDLE_GRACE: std::time::Duration = std::time::Duration::from_millis(1000);
 
-async fn serve_requests(c: &mut Client, mut ctx: Ctx) {
+async fn serve_requests(c: &mut Client, ctx: &mut Ctx) {
     let peer = c.peer;
     let mut first = true;
     let mut draining = ctx.draining.clone();
@@ -130,7 +146,7 @@ async fn serve_requests(c: &mut Client, mut ctx: Ctx) {
         first = false;
         // After a reload, the next request takes the new routes, pools and levels.
         if let Some(newer) = ctx.newer() {
-            ctx = newer;
+            *ctx = newer;
         }
         // A response that said keep-alive before a drain began is kept to: the client may
         // send its next request at once, and it is served (with `Connection: close`).

@@ -18,7 +18,7 @@ async fn front(ctx: Ctx) -> SocketAddr {
     tokio::spawn(async move {
         while let Ok((s, peer)) = l.accept().await {
             let ctx = ctx.clone();
-            tokio::spawn(super::h1::serve(s.into_std().unwrap(), peer, ctx));
+            tokio::spawn(super::h1::serve(s.into_std().unwrap(), peer, ctx, None));
         }
     });
     addr
