@@ -100,12 +100,12 @@ async fn serve_requests(c: &mut Client, ctx: &mut Ctx) {
     loop {
         let idle = c.buf.is_empty();
         let head = tokio::select! {
-            r = read_head_in_time(c, &ctx, first) => r,
+            r = read_head_in_time(c, ctx, first) => r,
             () = until_set(&mut draining), if idle => {
                 // A busy client's next request may be on its way: it is served (with
                 // `Connection: close`) rather than met with a close it cannot tell from a
                 // failure. A client that stays quiet is closed after the grace.
-                match tokio::time::timeout(DRAIN_IDLE_GRACE, read_head_in_time(c, &ctx, first)).await {
+                match tokio::time::timeout(DRAIN_IDLE_GRACE, read_head_in_time(c, ctx, first)).await {
                     Ok(r) => r,
                     Err(_) => return,
                 }
@@ -116,7 +116,7 @@ async fn serve_requests(c: &mut Client, ctx: &mut Ctx) {
             Ok(Ok(None)) => return,
             Ok(Err(ReadHeadError::Io)) => return,
             Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
-                let _ = c.reply(431, "request head too large", &ctx).await;
+                let _ = c.reply(431, "request head too large", ctx).await;
                 return;
             }
             Ok(Err(ReadHeadError::Head(HeadError::Malformed)))
@@ -133,12 +133,12 @@ async fn serve_requests(c: &mut Client, ctx: &mut Ctx) {
             }
             Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
                 debug!("client {peer}: malformed request");
-                let _ = c.reply(400, "malformed request", &ctx).await;
+                let _ = c.reply(400, "malformed request", ctx).await;
                 return;
             }
             Err(_) => {
                 if !c.buf.is_empty() || first {
-                    let _ = c.reply(408, "request timeout", &ctx).await;
+                    let _ = c.reply(408, "request timeout", ctx).await;
                 }
                 return;
             }
@@ -153,7 +153,7 @@ async fn serve_requests(c: &mut Client, ctx: &mut Ctx) {
         // Boxed: the request's state lives only while it is served, and the connection's
         // task stays small while it waits for the next (an idle kept-alive connection costs
         // its task's size; inline, the request's state made that 5.5 KB).
-        match Box::pin(request(c, head, &ctx)).await {
+        match Box::pin(request(c, head, ctx)).await {
             Next::KeepAlive => {}
             _ => return,
         }
