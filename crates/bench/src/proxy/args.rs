@@ -63,6 +63,11 @@ impl Part {
     pub(super) fn is_h2(self) -> bool {
         matches!(self, Part::H2 | Part::H2Tls | Part::Grpc)
     }
+
+    /// Parts that measure memory, not throughput.
+    pub(super) fn is_memory(self) -> bool {
+        matches!(self, Part::Idle | Part::IdleH2 | Part::H2Streams)
+    }
 }
 
 #[derive(Args, Debug)]

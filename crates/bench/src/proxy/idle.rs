@@ -132,26 +132,36 @@ async fn h1(addr: SocketAddr, n: usize) -> Result<Vec<Client>> {
 }
 
 /// An HTTP/2 connection kept: its request handle (its driver runs as a task).
-type H2Conn = h2::client::SendRequest<Bytes>;
+pub(super) type H2Conn = h2::client::SendRequest<Bytes>;
+
+/// An HTTP/2 connection (prior knowledge) to `addr`, ready for a request.
+pub(super) async fn h2_connect(addr: SocketAddr) -> Result<H2Conn> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let (send, conn) = h2::client::handshake(tcp).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(send.ready().await?)
+}
+
+/// Reads an HTTP/2 body to its end, giving its flow-control window back as it goes.
+pub(super) async fn h2_drain(body: &mut h2::RecvStream) -> Result<()> {
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk?;
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    Ok(())
+}
 
 /// `n` HTTP/2 connections (prior knowledge) to `addr`, each after one GET of the small file.
 async fn h2(addr: SocketAddr, n: usize) -> Result<Vec<H2Conn>> {
     open(n, move || async move {
-        let tcp = tokio::net::TcpStream::connect(addr).await?;
-        let (send, conn) = h2::client::handshake(tcp).await?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        let mut send = send.ready().await?;
+        let mut send = h2_connect(addr).await?;
         let req = http::Request::get(format!("http://{addr}{SMALL}")).body(())?;
         let (resp, _) = send.send_request(req, true)?;
         let resp = resp.await?;
         anyhow::ensure!(resp.status() == 200, "GET {SMALL}: {}", resp.status());
-        let mut body = resp.into_body();
-        while let Some(chunk) = body.data().await {
-            let chunk = chunk?;
-            let _ = body.flow_control().release_capacity(chunk.len());
-        }
+        h2_drain(&mut resp.into_body()).await?;
         Ok(send)
     })
     .await

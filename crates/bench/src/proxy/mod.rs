@@ -194,11 +194,7 @@ fn measure(
     args: &ProxyBenchArgs,
 ) -> Result<()> {
     let https = matches!(part, Part::HttpsKeepalive | Part::HttpsConnect);
-    let needs_proxy = matches!(
-        part,
-        Part::Failover | Part::Idle | Part::IdleH2 | Part::H2Streams
-    ) || https
-        || part.is_h2();
+    let needs_proxy = part == Part::Failover || part.is_memory() || https || part.is_h2();
     if needs_proxy && s.system == System::Direct {
         return Ok(());
     }

@@ -276,12 +276,7 @@ impl Report {
             machine()
         );
         let cols: Vec<&Row> = self.rows.iter().collect();
-        use super::args::Part as Memory;
-        if args
-            .parts
-            .iter()
-            .all(|p| matches!(p, Memory::Idle | Memory::IdleH2 | Memory::H2Streams))
-        {
+        if args.parts.iter().all(|p| p.is_memory()) {
             // Only memory: no throughput tables to head.
             return md + &self.idle(&cols) + &self.targets();
         }

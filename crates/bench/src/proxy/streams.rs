@@ -10,6 +10,7 @@
 //! stream as nginx's `grpc_pass` does) is part of what it costs.
 
 use super::front::Front;
+use super::idle::{H2Conn, h2_connect, h2_drain};
 use super::{GRPC_MESSAGE, GRPC_PATH, HOLD_PATH};
 use crate::procfs;
 use anyhow::{Context, Result, anyhow, bail};
@@ -101,20 +102,12 @@ pub(super) fn run(
 
 /// An HTTP/2 connection to `addr` (prior knowledge) after one gRPC-shaped call answered in
 /// full.
-async fn call_once(addr: SocketAddr) -> Result<SendRequest<Bytes>> {
-    let tcp = tokio::net::TcpStream::connect(addr).await?;
-    let (send, conn) = h2::client::handshake(tcp).await?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let mut send = send.ready().await?;
+async fn call_once(addr: SocketAddr) -> Result<H2Conn> {
+    let mut send = h2_connect(addr).await?;
     let resp = call(addr, &mut send, GRPC_PATH).await?.await?;
     anyhow::ensure!(resp.status() == 200, "{GRPC_PATH}: {}", resp.status());
     let mut body = resp.into_body();
-    while let Some(chunk) = body.data().await {
-        let chunk = chunk?;
-        let _ = body.flow_control().release_capacity(chunk.len());
-    }
+    h2_drain(&mut body).await?;
     body.trailers().await?;
     Ok(send)
 }
