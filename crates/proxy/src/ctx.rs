@@ -42,7 +42,7 @@ pub(crate) struct Ctx {
 /// A listener's current [`Ctx`], as a connection finds it after a reload.
 #[derive(Clone)]
 pub(crate) struct Current {
-    ctx: Weak<RwLock<Ctx>>,
+    ctx: Weak<RwLock<Arc<Ctx>>>,
     /// Bumped by every reload of the listener.
     generation: Arc<AtomicU64>,
     /// The generation the holding `Ctx` belongs to.
@@ -51,7 +51,7 @@ pub(crate) struct Current {
 
 /// Makes `ctx` its listener's current one, in `slot`: the first (`previous` none) or the
 /// one after a reload (`previous`: what was current), which connections then pick up.
-pub(crate) fn install(slot: &Arc<RwLock<Ctx>>, mut ctx: Ctx, previous: Option<&Ctx>) {
+pub(crate) fn install(slot: &Arc<RwLock<Arc<Ctx>>>, mut ctx: Ctx, previous: Option<&Ctx>) {
     let generation = previous
         .and_then(|p| p.current.as_ref())
         .map_or_else(Arc::default, |c| c.generation.clone());
@@ -61,12 +61,12 @@ pub(crate) fn install(slot: &Arc<RwLock<Ctx>>, mut ctx: Ctx, previous: Option<&C
         generation,
         seen,
     });
-    *slot.write().unwrap_or_else(|p| p.into_inner()) = ctx;
+    *slot.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(ctx);
 }
 
 impl Ctx {
     /// The listener's current settings, when a reload changed them since this was taken.
-    pub(crate) fn newer(&self) -> Option<Ctx> {
+    pub(crate) fn newer(&self) -> Option<Arc<Ctx>> {
         let c = self.current.as_ref()?;
         if c.generation.load(Ordering::Acquire) == c.seen {
             return None;

@@ -60,7 +60,7 @@ struct Listener {
     local: SocketAddr,
     mode: Mode,
     config: ListenerConfig,
-    ctx: Arc<RwLock<Ctx>>,
+    ctx: Arc<RwLock<Arc<Ctx>>>,
     stop: watch::Sender<bool>,
     /// The listening socket (a second descriptor of it), for options a reload sets and for a
     /// hand-over.
@@ -464,7 +464,7 @@ impl Proxy {
             .local_addr()
             .map_err(|e| StartError::Bind(l.listen, e))?;
         let first = self.ctx(&l)?;
-        let ctx = Arc::new(RwLock::new(first.clone()));
+        let ctx = Arc::new(RwLock::new(Arc::new(first.clone())));
         ctx::install(&ctx, first, None);
         let (stop, stopped) = watch::channel(false);
         info!(
@@ -599,7 +599,7 @@ impl Proxy {
             match existing {
                 Some((mode, ctx)) if mode == l.mode => {
                     let previous = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();
-                    ctx::install(&ctx, self.ctx(l)?, Some(&previous));
+                    ctx::install(&ctx, self.ctx(l)?, Some(previous.as_ref()));
                     let socket = self.listeners().get_mut(&l.listen).and_then(|x| {
                         x.config = l.clone();
                         x.socket.try_clone().ok()
@@ -719,7 +719,7 @@ fn accept(l: &std::net::TcpListener) -> std::io::Result<(std::net::TcpStream, So
 async fn accept_loop(
     sock: AsyncFd<std::net::TcpListener>,
     mode: Mode,
-    ctx: Arc<RwLock<Ctx>>,
+    ctx: Arc<RwLock<Arc<Ctx>>>,
     conns: Arc<Semaphore>,
     accepting: Arc<std::sync::atomic::AtomicUsize>,
     mut stop: watch::Receiver<bool>,

@@ -18,6 +18,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use tokio::sync::OwnedSemaphorePermit;
@@ -38,7 +39,7 @@ pub(crate) enum Next {
 pub(crate) fn serve(
     stream: std::net::TcpStream,
     peer: SocketAddr,
-    ctx: Ctx,
+    ctx: Arc<Ctx>,
     place: Option<OwnedSemaphorePermit>,
 ) -> impl Future<Output = ()> + Send + 'static {
     serve_stream(ClientStream::new(stream), peer, ctx, place)
@@ -54,7 +55,7 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 pub(crate) async fn serve_tls(
     stream: std::net::TcpStream,
     peer: SocketAddr,
-    ctx: Ctx,
+    ctx: Arc<Ctx>,
     tls: Arc<rserpool_tls::rustls::ServerConfig>,
 ) {
     let Ok(s) = tokio::net::TcpStream::from_std(stream) else {
@@ -78,7 +79,7 @@ pub(crate) async fn serve_tls(
 async fn serve_stream(
     stream: ClientStream,
     peer: SocketAddr,
-    mut ctx: Ctx,
+    mut ctx: Arc<Ctx>,
     _place: Option<OwnedSemaphorePermit>,
 ) {
     let mut c = Client {
@@ -86,78 +87,130 @@ async fn serve_stream(
         buf: BytesMut::with_capacity(16 * 1024),
         peer,
     };
-    serve_requests(&mut c, &mut ctx).await;
+    // Between requests the task holds the connection and its wait for the next request,
+    // little else (an idle kept-alive connection costs its task's size); a request's state is
+    // boxed for as long as it is served.
+    let mut first = true;
+    loop {
+        if !first && !wait_request(&mut c, &ctx).await {
+            break;
+        }
+        match Box::pin(next_request(&mut c, &mut ctx, first)).await {
+            Next::KeepAlive => first = false,
+            Next::Close => break,
+        }
+    }
     c.stream.close().await;
 }
 
 /// How long an idle kept-alive connection of a draining proxy may still bring a request.
 const DRAIN_IDLE_GRACE: std::time::Duration = std::time::Duration::from_millis(1000);
 
-async fn serve_requests(c: &mut Client, ctx: &mut Ctx) {
-    let peer = c.peer;
-    let mut first = true;
-    let mut draining = ctx.draining.clone();
-    loop {
-        let idle = c.buf.is_empty();
-        let head = tokio::select! {
-            r = read_head_in_time(c, ctx, first) => r,
-            () = until_set(&mut draining), if idle => {
-                // A busy client's next request may be on its way: it is served (with
-                // `Connection: close`) rather than met with a close it cannot tell from a
-                // failure. A client that stays quiet is closed after the grace.
-                match tokio::time::timeout(DRAIN_IDLE_GRACE, read_head_in_time(c, ctx, first)).await {
-                    Ok(r) => r,
-                    Err(_) => return,
-                }
-            }
-        };
-        let head = match head {
-            Ok(Ok(Some(h))) => h,
-            Ok(Ok(None)) => return,
-            Ok(Err(ReadHeadError::Io)) => return,
-            Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
-                let _ = c.reply(431, "request head too large", ctx).await;
-                return;
-            }
-            Ok(Err(ReadHeadError::Head(HeadError::Malformed)))
-                if first && ctx.http2 && c.buf.starts_with(H2C_PREFACE) =>
-            {
-                // h2c with prior knowledge.
-                // Taken whole: the rest of the buffer's capacity would stay with the
-                // connection for its life.
-                let pre = std::mem::take(&mut c.buf).freeze();
-                if let Ok(s) = c.stream.take_stream() {
-                    Box::pin(crate::http::h2::front::serve(s, pre, peer, ctx.clone())).await;
-                }
-                return;
-            }
-            Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
-                debug!("client {peer}: malformed request");
-                let _ = c.reply(400, "malformed request", ctx).await;
-                return;
-            }
-            Err(_) => {
-                if !c.buf.is_empty() || first {
-                    let _ = c.reply(408, "request timeout", ctx).await;
-                }
-                return;
-            }
-        };
-        first = false;
-        // After a reload, the next request takes the new routes, pools and levels.
-        if let Some(newer) = ctx.newer() {
-            *ctx = newer;
-        }
-        // A response that said keep-alive before a drain began is kept to: the client may
-        // send its next request at once, and it is served (with `Connection: close`).
-        // Boxed: the request's state lives only while it is served, and the connection's
-        // task stays small while it waits for the next (an idle kept-alive connection costs
-        // its task's size; inline, the request's state made that 5.5 KB).
-        match Box::pin(request(c, head, ctx)).await {
-            Next::KeepAlive => {}
-            _ => return,
-        }
+/// Waits for a kept-alive connection's next request holding no read buffer: `true` once the
+/// client sent something (read into the buffer), `false` when it closed or stayed quiet for
+/// the idle timeout (or, once the proxy drains, for [`DRAIN_IDLE_GRACE`]). Readiness is
+/// polled, not awaited as a future: this wait is what an idle connection is made of.
+async fn wait_request(c: &mut Client, ctx: &Ctx) -> bool {
+    // Pipelined requests are there already; a TLS stream's readiness is not the client's
+    // (`read_head_in_time` waits for it).
+    if !c.buf.is_empty() || c.stream.is_tls() {
+        return true;
     }
+    let Ok(s) = c.stream.registered() else {
+        return false;
+    };
+    let buf = &mut c.buf;
+    let mut sleep = std::pin::pin!(tokio::time::sleep(ctx.idle_timeout()));
+    let mut draining = ctx.draining.clone();
+    let mut drain = std::pin::pin!(until_set(&mut draining));
+    let mut drained = false;
+    std::future::poll_fn(|cx| {
+        // Readiness may be left over from the last request: only a read tells (and a read
+        // that would block clears it, so that the next poll waits for the client).
+        while let Poll::Ready(ready) = s.poll_read_ready(cx) {
+            if ready.is_err() {
+                return Poll::Ready(false);
+            }
+            buf.reserve(16 * 1024);
+            match s.try_read_buf(buf) {
+                Ok(0) => return Poll::Ready(false),
+                Ok(_) => return Poll::Ready(true),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => *buf = BytesMut::new(),
+                Err(_) => return Poll::Ready(false),
+            }
+        }
+        if buf.capacity() > 0 {
+            *buf = BytesMut::new();
+        }
+        if !drained && drain.as_mut().poll(cx).is_ready() {
+            drained = true;
+            let grace = tokio::time::Instant::now() + DRAIN_IDLE_GRACE;
+            if grace < sleep.deadline() {
+                sleep.as_mut().reset(grace);
+            }
+        }
+        sleep.as_mut().poll(cx).map(|()| false)
+    })
+    .await
+}
+
+/// One request: its head read (within the timeouts; a draining proxy gives a quiet client a
+/// grace), then served.
+async fn next_request(c: &mut Client, ctx: &mut Arc<Ctx>, first: bool) -> Next {
+    let peer = c.peer;
+    let mut draining = ctx.draining.clone();
+    let idle = c.buf.is_empty();
+    let head = tokio::select! {
+        r = read_head_in_time(c, ctx, first) => r,
+        () = until_set(&mut draining), if idle => {
+            // A busy client's next request may be on its way: it is served (with
+            // `Connection: close`) rather than met with a close it cannot tell from a
+            // failure. A client that stays quiet is closed after the grace.
+            match tokio::time::timeout(DRAIN_IDLE_GRACE, read_head_in_time(c, ctx, first)).await {
+                Ok(r) => r,
+                Err(_) => return Next::Close,
+            }
+        }
+    };
+    let head = match head {
+        Ok(Ok(Some(h))) => h,
+        Ok(Ok(None)) => return Next::Close,
+        Ok(Err(ReadHeadError::Io)) => return Next::Close,
+        Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
+            let _ = c.reply(431, "request head too large", ctx).await;
+            return Next::Close;
+        }
+        Ok(Err(ReadHeadError::Head(HeadError::Malformed)))
+            if first && ctx.http2 && c.buf.starts_with(H2C_PREFACE) =>
+        {
+            // h2c with prior knowledge.
+            // Taken whole: the rest of the buffer's capacity would stay with the
+            // connection for its life.
+            let pre = std::mem::take(&mut c.buf).freeze();
+            if let Ok(s) = c.stream.take_stream() {
+                Box::pin(crate::http::h2::front::serve(s, pre, peer, ctx.clone())).await;
+            }
+            return Next::Close;
+        }
+        Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
+            debug!("client {peer}: malformed request");
+            let _ = c.reply(400, "malformed request", ctx).await;
+            return Next::Close;
+        }
+        Err(_) => {
+            if !c.buf.is_empty() || first {
+                let _ = c.reply(408, "request timeout", ctx).await;
+            }
+            return Next::Close;
+        }
+    };
+    // After a reload, the next request takes the new routes, pools and levels.
+    if let Some(newer) = ctx.newer() {
+        *ctx = newer;
+    }
+    // A response that said keep-alive before a drain began is kept to: the client may
+    // send its next request at once, and it is served (with `Connection: close`).
+    request(c, head, ctx).await
 }
 
 enum ReadHeadError {
@@ -174,8 +227,8 @@ async fn read_head_in_time(
     first: bool,
 ) -> Result<Result<Option<Head>, ReadHeadError>, tokio::time::error::Elapsed> {
     if !first && c.buf.is_empty() {
-        // An idle kept-alive connection holds no read buffer while it waits (16 KiB each
-        // otherwise, most of what an idle connection costs): it gets one when data arrives.
+        // An idle kept-alive connection over TLS (a plain one waited in `wait_request`)
+        // holds no read buffer while it waits: it gets one when data arrives.
         c.buf = BytesMut::new();
         let next = async {
             c.stream.wait_readable().await?;

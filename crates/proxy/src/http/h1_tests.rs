@@ -13,6 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 /// The HTTP/1.1 front on a loopback listener: its address.
 async fn front(ctx: Ctx) -> SocketAddr {
+    let ctx = std::sync::Arc::new(ctx);
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {

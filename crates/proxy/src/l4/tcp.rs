@@ -18,7 +18,7 @@ use std::time::Instant;
 use tokio::net::TcpStream;
 use tracing::debug;
 
-pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Ctx) {
+pub(crate) async fn serve(client: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
     let started = Instant::now();
     let Some(pool) = ctx.routes.default_pool().cloned() else {
         return;

@@ -26,6 +26,7 @@ use h2::{Reason, RecvStream};
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderValue};
 use std::future::poll_fn;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -53,7 +54,7 @@ fn note_flood(peer: SocketAddr, what: &str) {
 }
 
 /// Serves one HTTP/2 client connection; `pre` is what was read of it already.
-pub(crate) async fn serve<T>(io: T, pre: Bytes, peer: SocketAddr, mut ctx: Ctx)
+pub(crate) async fn serve<T>(io: T, pre: Bytes, peer: SocketAddr, mut ctx: Arc<Ctx>)
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -132,7 +133,7 @@ async fn call(
     req: http::Request<RecvStream>,
     respond: SendResponse<Bytes>,
     peer: SocketAddr,
-    ctx: Ctx,
+    ctx: Arc<Ctx>,
 ) {
     let started = Instant::now();
     let ctx = &ctx;

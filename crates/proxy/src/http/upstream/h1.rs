@@ -406,6 +406,9 @@ pub(crate) async fn exchange(
         && !sent.body_left
         && let Some(i) = idle(b)
     {
+        // A kept connection holds no read buffer (16 KiB each, up to `max-idle-per-pe` per
+        // PE); the next response's read gets one.
+        bc.buf = BytesMut::new();
         i.put(bc, ctx.pools.settings.max_idle_per_pe);
     }
     Ok(answered)
