@@ -37,6 +37,8 @@ pub(crate) struct Ctx {
         Arc<std::collections::HashMap<String, Arc<rserpool_tls::rustls::ClientConfig>>>,
     /// Where its listener's current one is, and which reload this one came from.
     pub(crate) current: Option<Current>,
+    /// Where a connection idle for a while waits without a task (none: it waits in its own).
+    pub(crate) park: Option<crate::http::park::Parker>,
 }
 
 /// A listener's current [`Ctx`], as a connection finds it after a reload.

@@ -94,6 +94,8 @@ struct Inner {
     tier: RwLock<Option<Arc<tier::Tier>>>,
     /// HTTPS clients whose TLS handshake failed or timed out.
     tls_failures: Arc<std::sync::atomic::AtomicU64>,
+    /// Where idle kept-alive connections wait without a task (`http::park`).
+    park: Option<http::park::Parker>,
 }
 
 /// A running proxy. Its tasks run on the tokio runtime it was started on.
@@ -178,6 +180,9 @@ impl Proxy {
         let log = open_log(&cfg)?;
         let kernel = load_kernel_splice(&cfg);
         let (draining, _) = watch::channel(false);
+        let park = http::park::Parker::start(draining.subscribe(), http::h1::DRAIN_IDLE_GRACE)
+            .map_err(|e| warn!("proxy: idle connections wait in their tasks: {e}"))
+            .ok();
         let proxy = Proxy {
             inner: Arc::new(Inner {
                 pools,
@@ -192,6 +197,7 @@ impl Proxy {
                 kernel: RwLock::new(kernel),
                 tier: RwLock::new(None),
                 tls_failures: Arc::default(),
+                park,
             }),
         };
         proxy.inner.pools.configure(&cfg);
@@ -416,6 +422,7 @@ impl Proxy {
             current: None,
             http2: l.http2,
             tls_failures: i.tls_failures.clone(),
+            park: i.park.clone(),
         })
     }
 
@@ -525,6 +532,12 @@ impl Proxy {
 
     pub fn pools(&self) -> &Arc<Pools> {
         &self.inner.pools
+    }
+
+    /// Idle kept-alive client connections parked without a task of their own (counted among
+    /// the active ones).
+    pub fn parked_connections(&self) -> usize {
+        self.inner.park.as_ref().map_or(0, |p| p.parked())
     }
 
     /// Client connections being served.

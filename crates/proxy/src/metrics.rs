@@ -31,6 +31,13 @@ impl Proxy {
             &[],
             self.active_connections() as f64,
         );
+        m.gauge(
+            "rserpool_proxy_parked_connections",
+            "Idle kept-alive client connections waiting without a task of their own (among the \
+             active ones).",
+            &[],
+            self.parked_connections() as f64,
+        );
         m.counter(
             "rserpool_proxy_tls_handshake_failures",
             "HTTPS clients whose TLS handshake failed or timed out.",

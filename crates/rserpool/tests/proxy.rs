@@ -1061,3 +1061,88 @@ async fn the_proxy_finds_its_pools_at_a_registrar_over_sctp() {
     assert_eq!(seen.len(), 3, "{seen:?}");
     drop(b);
 }
+
+/// Kept-alive connections that idle leave their tasks for the parker (`http::park`): they are
+/// served as before when their clients come back, closed at their idle timeout, and closed
+/// after the drain's grace when the proxy drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_parked_served_on_return_and_closed_in_time() {
+    let reg = registrar(fast_config());
+    let _b = backends(reg.asap_addr(), 3).await;
+    let proxy = start_proxy(
+        ProxyConfig {
+            idle_timeout_ms: 3000,
+            ..proxy_config(reg.asap_addr(), vec![(Mode::Http, "Backends")])
+        },
+        3,
+    )
+    .await;
+    let addr = proxy.local_addrs()[0];
+    const N: usize = 50;
+    let mut clients = Vec::new();
+    for _ in 0..N {
+        let mut c = Client::connect(addr).await.unwrap();
+        assert_eq!(c.get("/").await.unwrap().code, 200);
+        clients.push(c);
+    }
+    wait_until(
+        Duration::from_secs(5),
+        "all idle connections parked",
+        || proxy.parked_connections() == N,
+    )
+    .await;
+    assert_eq!(proxy.active_connections(), N);
+    // Back from the parker: each connection serves its next requests (a pipelined pair too).
+    for c in &mut clients {
+        assert_eq!(c.get("/").await.unwrap().code, 200);
+    }
+    assert!(proxy.parked_connections() < N);
+    wait_until(Duration::from_secs(5), "parked again", || {
+        proxy.parked_connections() == N
+    })
+    .await;
+    let c = &mut clients[0];
+    c.stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\nGET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(c.read_response(false, true).await.unwrap().code, 200);
+    assert_eq!(c.read_response(false, true).await.unwrap().code, 200);
+    // At the idle timeout (3 s after each one's last request), every connection is closed.
+    let quiet = Instant::now();
+    for c in &mut clients {
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(10), c.stream.read(&mut b))
+            .await
+            .expect("a parked connection outlived its idle timeout")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "a parked connection sent data");
+    }
+    eprintln!(
+        "idle connections closed {:?} after the last request",
+        quiet.elapsed()
+    );
+    wait_until(Duration::from_secs(5), "the parker is empty", || {
+        proxy.parked_connections() == 0 && proxy.active_connections() == 0
+    })
+    .await;
+    // A drain closes parked connections after the grace (1 s), not at the idle timeout.
+    let mut idle = Vec::new();
+    for _ in 0..N {
+        let mut c = Client::connect(addr).await.unwrap();
+        assert_eq!(c.get("/").await.unwrap().code, 200);
+        idle.push(c);
+    }
+    wait_until(Duration::from_secs(5), "parked before the drain", || {
+        proxy.parked_connections() == N
+    })
+    .await;
+    let started = Instant::now();
+    let left = proxy.drain(Duration::from_secs(10)).await;
+    assert_eq!(left, 0, "parked connections left after the drain");
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "the drain took {:?}",
+        started.elapsed()
+    );
+}

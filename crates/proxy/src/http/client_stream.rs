@@ -104,6 +104,16 @@ impl ClientStream {
         }
     }
 
+    /// The plain socket, out of tokio's reactor (none for a TLS stream), for a connection
+    /// parked without a task.
+    pub(crate) fn into_std(mut self) -> Option<StdStream> {
+        match std::mem::replace(&mut self.socket, Socket::Lost) {
+            Socket::Unregistered(s) => Some(s),
+            Socket::Registered(t) => t.into_std().ok(),
+            _ => None,
+        }
+    }
+
     /// Takes the tokio stream out (registering it if need be): the connection leaves HTTP
     /// (pinned to a PE); this value is then spent, and closing it does nothing.
     pub(crate) fn take_stream(&mut self) -> io::Result<TcpStream> {

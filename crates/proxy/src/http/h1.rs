@@ -10,6 +10,7 @@ use crate::ctx::{Ctx, until_set};
 use crate::http::client_stream::{Client, ClientStream};
 use crate::http::downstream::Downstream;
 use crate::http::message::{Framing, Head, HeadError};
+use crate::http::park::Parkable;
 use crate::http::pipeline::{classify, forward, route};
 use crate::http::request::{Outgoing, Request, parse};
 use crate::http::upstream::h1::outgoing_head_with;
@@ -18,7 +19,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::task::Poll;
+use std::task::{Poll, ready};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use tokio::sync::OwnedSemaphorePermit;
@@ -42,7 +43,7 @@ pub(crate) fn serve(
     ctx: Arc<Ctx>,
     place: Option<OwnedSemaphorePermit>,
 ) -> impl Future<Output = ()> + Send + 'static {
-    serve_stream(ClientStream::new(stream), peer, ctx, place)
+    serve_stream(ClientStream::new(stream), peer, ctx, place, true)
 }
 
 /// The first line of the HTTP/2 preface, which an HTTP/1.1 parser refuses.
@@ -67,7 +68,7 @@ pub(crate) async fn serve_tls(
         Ok(Ok(t)) if t.get_ref().1.alpn_protocol() == Some(b"h2") => {
             return Box::pin(crate::http::h2::front::serve(t, Bytes::new(), peer, ctx)).await;
         }
-        Ok(Ok(t)) => return serve_stream(ClientStream::tls(t), peer, ctx, None).await,
+        Ok(Ok(t)) => return serve_stream(ClientStream::tls(t), peer, ctx, None, true).await,
         Ok(Err(e)) => format!("TLS handshake failed: {e}"),
         Err(_) => format!("no TLS handshake within {limit:?}"),
     };
@@ -76,25 +77,42 @@ pub(crate) async fn serve_tls(
     debug!("client {peer}: {failed}");
 }
 
+/// `fresh`: a new connection, not yet asked for a request (else one resumed from the
+/// parker, its client's next request there to read).
 async fn serve_stream(
     stream: ClientStream,
     peer: SocketAddr,
     mut ctx: Arc<Ctx>,
-    _place: Option<OwnedSemaphorePermit>,
+    place: Option<OwnedSemaphorePermit>,
+    fresh: bool,
 ) {
     let mut c = Client {
         stream,
-        buf: BytesMut::with_capacity(16 * 1024),
+        buf: BytesMut::new(),
         peer,
     };
+    if fresh {
+        c.buf.reserve(16 * 1024);
+    }
     // Between requests the task holds the connection and its wait for the next request,
     // little else (an idle kept-alive connection costs its task's size); a request's state is
     // boxed for as long as it is served.
-    let mut first = true;
+    let mut first = fresh;
+    let mut resumed = !fresh;
     loop {
-        if !first && !wait_request(&mut c, &ctx).await {
-            break;
+        if !first && !resumed {
+            match wait_request(&mut c, &ctx).await {
+                Waited::Request => {}
+                Waited::Gone => break,
+                Waited::Park(until) => {
+                    // If it cannot be parked (the parker gone), it is closed as at the idle
+                    // timeout, only sooner.
+                    park(c, ctx, place, until);
+                    return;
+                }
+            }
         }
+        resumed = false;
         match Box::pin(next_request(&mut c, &mut ctx, first)).await {
             Next::KeepAlive => first = false,
             Next::Close => break,
@@ -104,23 +122,40 @@ async fn serve_stream(
 }
 
 /// How long an idle kept-alive connection of a draining proxy may still bring a request.
-const DRAIN_IDLE_GRACE: std::time::Duration = std::time::Duration::from_millis(1000);
+pub(crate) const DRAIN_IDLE_GRACE: std::time::Duration = std::time::Duration::from_millis(1000);
 
-/// Waits for a kept-alive connection's next request holding no read buffer: `true` once the
-/// client sent something (read into the buffer), `false` when it closed or stayed quiet for
-/// the idle timeout (or, once the proxy drains, for [`DRAIN_IDLE_GRACE`]). Readiness is
+/// How long a kept-alive connection waits for its next request in its own task before it
+/// moves to the parker (`crate::http::park`) to wait there, at a fraction of the memory.
+const PARK_AFTER: Duration = Duration::from_millis(500);
+
+/// What came of waiting for a kept-alive connection's next request.
+enum Waited {
+    /// Something arrived (read into the buffer).
+    Request,
+    /// The client closed, or stayed quiet for the idle timeout (or, once the proxy drains,
+    /// for [`DRAIN_IDLE_GRACE`]).
+    Gone,
+    /// Quiet for [`PARK_AFTER`]: to be parked until its idle timeout ends (then).
+    Park(tokio::time::Instant),
+}
+
+/// Waits for a kept-alive connection's next request holding no read buffer. Readiness is
 /// polled, not awaited as a future: this wait is what an idle connection is made of.
-async fn wait_request(c: &mut Client, ctx: &Ctx) -> bool {
+async fn wait_request(c: &mut Client, ctx: &Ctx) -> Waited {
     // Pipelined requests are there already; a TLS stream's readiness is not the client's
     // (`read_head_in_time` waits for it).
     if !c.buf.is_empty() || c.stream.is_tls() {
-        return true;
+        return Waited::Request;
     }
     let Ok(s) = c.stream.registered() else {
-        return false;
+        return Waited::Gone;
     };
     let buf = &mut c.buf;
-    let mut sleep = std::pin::pin!(tokio::time::sleep(ctx.idle_timeout()));
+    let now = tokio::time::Instant::now();
+    let idle_until = now + ctx.idle_timeout();
+    let park_at = (ctx.park.is_some() && now + PARK_AFTER < idle_until).then(|| now + PARK_AFTER);
+    let mut park_at = park_at.filter(|_| !*ctx.draining.borrow());
+    let mut sleep = std::pin::pin!(tokio::time::sleep_until(park_at.unwrap_or(idle_until)));
     let mut draining = ctx.draining.clone();
     let mut drain = std::pin::pin!(until_set(&mut draining));
     let mut drained = false;
@@ -129,29 +164,79 @@ async fn wait_request(c: &mut Client, ctx: &Ctx) -> bool {
         // that would block clears it, so that the next poll waits for the client).
         while let Poll::Ready(ready) = s.poll_read_ready(cx) {
             if ready.is_err() {
-                return Poll::Ready(false);
+                return Poll::Ready(Waited::Gone);
             }
             buf.reserve(16 * 1024);
             match s.try_read_buf(buf) {
-                Ok(0) => return Poll::Ready(false),
-                Ok(_) => return Poll::Ready(true),
+                Ok(0) => return Poll::Ready(Waited::Gone),
+                Ok(_) => return Poll::Ready(Waited::Request),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => *buf = BytesMut::new(),
-                Err(_) => return Poll::Ready(false),
+                Err(_) => return Poll::Ready(Waited::Gone),
             }
         }
         if buf.capacity() > 0 {
             *buf = BytesMut::new();
         }
         if !drained && drain.as_mut().poll(cx).is_ready() {
+            // Not parked any more: the grace is waited for here.
             drained = true;
+            park_at = None;
             let grace = tokio::time::Instant::now() + DRAIN_IDLE_GRACE;
-            if grace < sleep.deadline() {
-                sleep.as_mut().reset(grace);
-            }
+            sleep.as_mut().reset(grace.min(idle_until));
         }
-        sleep.as_mut().poll(cx).map(|()| false)
+        ready!(sleep.as_mut().poll(cx));
+        Poll::Ready(match park_at {
+            Some(_) => Waited::Park(idle_until),
+            None => Waited::Gone,
+        })
     })
     .await
+}
+
+/// A kept-alive connection parked (`crate::http::park`): what it needs to go on.
+struct Parked {
+    stream: std::net::TcpStream,
+    peer: SocketAddr,
+    ctx: Arc<Ctx>,
+    place: Option<OwnedSemaphorePermit>,
+}
+
+impl std::os::fd::AsFd for Parked {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.stream.as_fd()
+    }
+}
+
+impl Parkable for Parked {
+    fn resume(self: Box<Self>) {
+        let p = *self;
+        tokio::spawn(serve_stream(
+            ClientStream::new(p.stream),
+            p.peer,
+            p.ctx,
+            p.place,
+            false,
+        ));
+    }
+}
+
+/// Hands an idle connection to the parker.
+fn park(
+    c: Client,
+    ctx: Arc<Ctx>,
+    place: Option<OwnedSemaphorePermit>,
+    until: tokio::time::Instant,
+) {
+    let (Some(parker), Some(stream)) = (ctx.park.clone(), c.stream.into_std()) else {
+        return;
+    };
+    let p = Box::new(Parked {
+        stream,
+        peer: c.peer,
+        ctx,
+        place,
+    });
+    let _ = parker.park(p, until);
 }
 
 /// One request: its head read (within the timeouts; a draining proxy gives a quiet client a
@@ -226,7 +311,7 @@ async fn read_head_in_time(
     ctx: &Ctx,
     first: bool,
 ) -> Result<Result<Option<Head>, ReadHeadError>, tokio::time::error::Elapsed> {
-    if !first && c.buf.is_empty() {
+    if !first && c.buf.is_empty() && c.stream.is_tls() {
         // An idle kept-alive connection over TLS (a plain one waited in `wait_request`)
         // holds no read buffer while it waits: it gets one when data arrives.
         c.buf = BytesMut::new();

@@ -11,6 +11,7 @@ pub mod h1;
 mod h1_tests;
 pub(crate) mod h2;
 pub mod message;
+pub(crate) mod park;
 pub(crate) mod pipeline;
 #[cfg(test)]
 mod pipeline_tests;

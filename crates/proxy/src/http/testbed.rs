@@ -236,6 +236,7 @@ pub(super) fn ctx(
     // Kept for the rest of the test run: a dropped sender reads as "draining".
     std::mem::forget(never);
     let ctx = Ctx {
+        park: None,
         cfg: Arc::new(cfg),
         routes: Arc::new(Routes::new(&listener, &pools)),
         pools,
