@@ -29,6 +29,8 @@ use tracing::debug;
 pub(crate) enum Next {
     KeepAlive,
     Close,
+    /// The client speaks HTTP/2 with prior knowledge; what it sent so far.
+    H2c(Bytes),
 }
 
 /// Serves one client connection until it closes, errs, times out or the proxy drains;
@@ -116,6 +118,13 @@ async fn serve_stream(
         match Box::pin(next_request(&mut c, &mut ctx, first)).await {
             Next::KeepAlive => first = false,
             Next::Close => break,
+            Next::H2c(pre) => {
+                // Served from the task itself, not from within the request's box.
+                if let Ok(s) = c.stream.take_stream() {
+                    Box::pin(crate::http::h2::front::serve(s, pre, peer, ctx)).await;
+                }
+                return;
+            }
         }
     }
     c.stream.close().await;
@@ -271,11 +280,7 @@ async fn next_request(c: &mut Client, ctx: &mut Arc<Ctx>, first: bool) -> Next {
             // h2c with prior knowledge.
             // Taken whole: the rest of the buffer's capacity would stay with the
             // connection for its life.
-            let pre = std::mem::take(&mut c.buf).freeze();
-            if let Ok(s) = c.stream.take_stream() {
-                Box::pin(crate::http::h2::front::serve(s, pre, peer, ctx.clone())).await;
-            }
-            return Next::Close;
+            return Next::H2c(std::mem::take(&mut c.buf).freeze());
         }
         Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
             debug!("client {peer}: malformed request");
