@@ -54,14 +54,7 @@ impl Parker {
         let set = set.map_err(io::Error::from)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let parked = Arc::new(AtomicUsize::new(0));
-        let lot = Lot {
-            set,
-            slots: Vec::new(),
-            free: Vec::new(),
-            deadlines: BinaryHeap::new(),
-            parked: parked.clone(),
-            grace,
-        };
+        let lot = Lot::new(set, parked.clone(), grace);
         tokio::spawn(lot.run(rx, draining));
         Ok(Self { tx, parked })
     }
@@ -107,6 +100,17 @@ struct Slot {
 const EVENTS: usize = 256;
 
 impl Lot {
+    fn new(set: AsyncFd<OwnedFd>, parked: Arc<AtomicUsize>, grace: Duration) -> Self {
+        Self {
+            set,
+            slots: Vec::new(),
+            free: Vec::new(),
+            deadlines: BinaryHeap::new(),
+            parked,
+            grace,
+        }
+    }
+
     async fn run(
         mut self,
         mut rx: mpsc::UnboundedReceiver<Entry>,
@@ -173,6 +177,24 @@ impl Lot {
         slot.until = Some(until);
         self.deadlines.push(Reverse((until, i, slot.generation)));
         self.parked.fetch_add(1, Ordering::Relaxed);
+        self.prune();
+    }
+
+    /// Rebuilds the deadlines from the parked connections when most of them are stale (a
+    /// connection that comes back leaves its deadline behind until it passes): clients that
+    /// pause just long enough to be parked, again and again, would grow them with no bound.
+    fn prune(&mut self) {
+        let live = self.parked.load(Ordering::Relaxed);
+        if self.deadlines.len() <= 2 * live + 1024 {
+            return;
+        }
+        self.deadlines = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.conn.is_some())
+            .filter_map(|(i, s)| Some(Reverse((s.until?, i, s.generation))))
+            .collect();
     }
 
     /// Takes slot `i`'s connection out (and its socket out of the set).
@@ -242,6 +264,129 @@ impl Lot {
                 s.until = Some(by);
                 self.deadlines.push(Reverse((by, i, s.generation)));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+
+    /// A parked connection that counts its resumptions.
+    struct Conn(TcpStream, Arc<AtomicUsize>);
+    impl AsFd for Conn {
+        fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+            self.0.as_fd()
+        }
+    }
+    impl Parkable for Conn {
+        fn resume(self: Box<Self>) {
+            self.1.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn lot() -> Lot {
+        let set = epoll::create(epoll::CreateFlags::CLOEXEC).unwrap();
+        #[allow(unsafe_code)]
+        // SAFETY: as in `Parker::start`.
+        let set = unsafe { AsyncFd::register_with_interest(set, tokio::io::Interest::READABLE) };
+        Lot::new(set.unwrap(), Arc::default(), Duration::from_secs(1))
+    }
+
+    /// `n` connected pairs: (the client's end, the proxy's end).
+    fn pairs(n: usize) -> Vec<(TcpStream, TcpStream)> {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        (0..n)
+            .map(|_| {
+                let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+                let (s, _) = l.accept().unwrap();
+                s.set_nonblocking(true).unwrap();
+                (c, s)
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn connections_that_come_back_again_and_again_leave_no_pile_of_deadlines() {
+        let mut lot = lot();
+        let resumed = Arc::new(AtomicUsize::new(0));
+        let mut conns = pairs(100);
+        let far = Instant::now() + Duration::from_secs(3600);
+        for round in 1..=50 {
+            for (_, s) in conns.iter_mut() {
+                let c = Conn(s.try_clone().unwrap(), resumed.clone());
+                lot.add(Box::new(c), far);
+            }
+            assert_eq!(lot.parked.load(Ordering::Relaxed), 100);
+            // Every client sends a byte: every connection resumes.
+            for (c, _) in conns.iter_mut() {
+                c.write_all(b"x").unwrap();
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while resumed.load(Ordering::Relaxed) < round * 100 {
+                assert!(std::time::Instant::now() < deadline, "not all resumed");
+                lot.ready();
+            }
+            for (_, s) in conns.iter_mut() {
+                let mut b = [0u8; 8];
+                let _ = s.read(&mut b);
+            }
+            assert_eq!(lot.parked.load(Ordering::Relaxed), 0);
+            assert!(
+                lot.deadlines.len() <= 2 * 100 + 1024,
+                "{} deadlines kept",
+                lot.deadlines.len()
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_parked_connection_is_closed_at_its_deadline_and_sooner_in_a_drain() {
+        let mut lot = lot();
+        let resumed = Arc::new(AtomicUsize::new(0));
+        let mut conns = pairs(2);
+        let now = Instant::now();
+        for (i, (_, s)) in conns.iter().enumerate() {
+            let until = now + Duration::from_secs(if i == 0 { 0 } else { 3600 });
+            lot.add(
+                Box::new(Conn(s.try_clone().unwrap(), resumed.clone())),
+                until,
+            );
+        }
+        // The proxy's ends are duplicates: closing the parked ones leaves these open.
+        let ends: Vec<TcpStream> = conns
+            .drain(..)
+            .map(|(c, s)| {
+                drop(s);
+                c
+            })
+            .collect();
+        lot.expire();
+        assert_eq!(
+            lot.parked.load(Ordering::Relaxed),
+            1,
+            "the first is past its deadline"
+        );
+        lot.drain();
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        lot.expire();
+        assert_eq!(
+            lot.parked.load(Ordering::Relaxed),
+            0,
+            "the drain's grace is over"
+        );
+        assert_eq!(resumed.load(Ordering::Relaxed), 0);
+        for mut c in ends {
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut b = [0u8; 1];
+            assert_eq!(
+                c.read(&mut b).unwrap(),
+                0,
+                "the client sees its connection closed"
+            );
         }
     }
 }
