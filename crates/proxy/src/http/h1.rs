@@ -100,10 +100,13 @@ async fn serve_stream(
     // little else (an idle kept-alive connection costs its task's size); a request's state is
     // boxed for as long as it is served.
     let mut first = fresh;
+    // One per connection: a receiver cloned per request would touch the drain signal's
+    // shared counts (atomics every thread writes) twice per request.
+    let mut draining = ctx.draining.clone();
     let mut resumed = !fresh;
     loop {
         if !first && !resumed {
-            match wait_request(&mut c, &ctx).await {
+            match wait_request(&mut c, &ctx, &mut draining).await {
                 Waited::Request => {}
                 Waited::Gone => break,
                 Waited::Park(until) => {
@@ -115,7 +118,7 @@ async fn serve_stream(
             }
         }
         resumed = false;
-        match Box::pin(next_request(&mut c, &mut ctx, first)).await {
+        match Box::pin(next_request(&mut c, &mut ctx, first, &mut draining)).await {
             Next::KeepAlive => first = false,
             Next::Close => break,
             Next::H2c(pre) => {
@@ -129,6 +132,9 @@ async fn serve_stream(
     }
     c.stream.close().await;
 }
+
+/// The proxy's drain signal, as a connection watches it.
+type Draining = tokio::sync::watch::Receiver<bool>;
 
 /// How long an idle kept-alive connection of a draining proxy may still bring a request.
 pub(crate) const DRAIN_IDLE_GRACE: std::time::Duration = std::time::Duration::from_millis(1000);
@@ -150,7 +156,7 @@ enum Waited {
 
 /// Waits for a kept-alive connection's next request holding no read buffer. Readiness is
 /// polled, not awaited as a future: this wait is what an idle connection is made of.
-async fn wait_request(c: &mut Client, ctx: &Ctx) -> Waited {
+async fn wait_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Waited {
     // Pipelined requests are there already; a TLS stream's readiness is not the client's
     // (`read_head_in_time` waits for it).
     if !c.buf.is_empty() || c.stream.is_tls() {
@@ -163,10 +169,10 @@ async fn wait_request(c: &mut Client, ctx: &Ctx) -> Waited {
     let now = tokio::time::Instant::now();
     let idle_until = now + ctx.idle_timeout();
     let park_at = (ctx.park.is_some() && now + PARK_AFTER < idle_until).then(|| now + PARK_AFTER);
-    let mut park_at = park_at.filter(|_| !*ctx.draining.borrow());
+    // A drain already under way completes `drain` at its first poll: nothing is parked.
+    let mut park_at = park_at;
     let mut sleep = std::pin::pin!(tokio::time::sleep_until(park_at.unwrap_or(idle_until)));
-    let mut draining = ctx.draining.clone();
-    let mut drain = std::pin::pin!(until_set(&mut draining));
+    let mut drain = std::pin::pin!(until_set(draining));
     let mut drained = false;
     std::future::poll_fn(|cx| {
         // Readiness may be left over from the last request: only a read tells (and a read
@@ -250,13 +256,17 @@ fn park(
 
 /// One request: its head read (within the timeouts; a draining proxy gives a quiet client a
 /// grace), then served.
-async fn next_request(c: &mut Client, ctx: &mut Arc<Ctx>, first: bool) -> Next {
+async fn next_request(
+    c: &mut Client,
+    ctx: &mut Arc<Ctx>,
+    first: bool,
+    draining: &mut Draining,
+) -> Next {
     let peer = c.peer;
-    let mut draining = ctx.draining.clone();
     let idle = c.buf.is_empty();
     let head = tokio::select! {
         r = read_head_in_time(c, ctx, first) => r,
-        () = until_set(&mut draining), if idle => {
+        () = until_set(draining), if idle => {
             // A busy client's next request may be on its way: it is served (with
             // `Connection: close`) rather than met with a close it cannot tell from a
             // failure. A client that stays quiet is closed after the grace.
