@@ -168,9 +168,9 @@ async fn wait_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Wai
     let buf = &mut c.buf;
     let now = tokio::time::Instant::now();
     let idle_until = now + ctx.idle_timeout();
-    let park_at = (ctx.park.is_some() && now + PARK_AFTER < idle_until).then(|| now + PARK_AFTER);
-    // A drain already under way completes `drain` at its first poll: nothing is parked.
-    let mut park_at = park_at;
+    // A drain already under way completes `drain` at its first poll: nothing is parked then.
+    let mut park_at =
+        (ctx.park.is_some() && now + PARK_AFTER < idle_until).then(|| now + PARK_AFTER);
     let mut sleep = std::pin::pin!(tokio::time::sleep_until(park_at.unwrap_or(idle_until)));
     let mut drain = std::pin::pin!(until_set(draining));
     let mut drained = false;
