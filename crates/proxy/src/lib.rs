@@ -672,6 +672,7 @@ impl Proxy {
         serde_json::json!({
             "registrar_reachable": self.inner.pools.registrar_reachable(),
             "active_connections": self.active_connections(),
+            "parked_connections": self.parked_connections(),
             "listeners": listeners,
             "pools": self.inner.pools.snapshot(),
             "kernel_splice": self.kernel().map(|k| k.snapshot()),
