@@ -281,8 +281,9 @@ fn completions_and_man_pages_cover_every_command() {
 /// `man` finds its pages, the installed units pass `systemd-analyze verify`, the settings are
 /// conffiles, the completions and dashboards are in place and the system user exists; a purge
 /// leaves none of its files. Needs root and cargo-deb (.ci/run installs it): skipped elsewhere,
-/// failed under CI. Builds into `target/package`, apart from the release binaries a benchmark
-/// or soak may be running.
+/// failed under CI. Packs the binary the tests run (no release build of its own: that took
+/// CI minutes), in `target/package`, apart from the release binaries a benchmark or soak may
+/// be running.
 #[test]
 fn the_debian_package_installs_and_purges_cleanly() {
     let cargo_deb = Command::new("cargo").args(["deb", "--version"]).output();
@@ -309,6 +310,7 @@ fn the_debian_package_installs_and_purges_cleanly() {
     let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/package");
     let built = Command::new(dist().join("debian/build.sh"))
         .env("CARGO_TARGET_DIR", &target)
+        .env("RSERPOOL_BIN", BIN)
         .output()
         .unwrap();
     assert!(built.status.success(), "{}", text(&built.stderr));
