@@ -34,7 +34,7 @@ pub(crate) trait Parkable: AsFd + Send + 'static {
 
 type Entry = (Box<dyn Parkable>, Instant);
 
-/// Where connections are parked (one per proxy); cloned into every connection's context.
+/// Where connections are parked (one per proxy), held by every listener's context.
 #[derive(Clone)]
 pub(crate) struct Parker {
     tx: mpsc::UnboundedSender<Entry>,
