@@ -53,6 +53,8 @@ pub enum Part {
     Idle,
     /// The same over HTTP/2 (prior knowledge), in a system started afresh.
     IdleH2,
+    /// The same over HTTPS (HTTP/1.1 by ALPN), in a system started afresh.
+    IdleTls,
     /// HTTP/2 streams in flight (`--held-connections` × `--held-streams` gRPC-shaped calls the
     /// backends never answer, HTTP/2 both ways): the system's resident memory per stream.
     H2Streams,
@@ -66,7 +68,10 @@ impl Part {
 
     /// Parts that measure memory, not throughput.
     pub(super) fn is_memory(self) -> bool {
-        matches!(self, Part::Idle | Part::IdleH2 | Part::H2Streams)
+        matches!(
+            self,
+            Part::Idle | Part::IdleH2 | Part::IdleTls | Part::H2Streams
+        )
     }
 }
 

@@ -55,8 +55,10 @@ http {{
 }
 
 /// The bed's HTTPS certificate (ECDSA P-256, for 127.0.0.1 and localhost): the certificate,
-/// its key, and both in one file (HAProxy's `crt`).
+/// its key, and both in one file (HAProxy's `crt`); the CA that issued it, for the bench's own
+/// clients.
 pub(crate) struct TlsFiles {
+    pub(crate) ca: std::path::PathBuf,
     pub(crate) cert: std::path::PathBuf,
     pub(crate) key: std::path::PathBuf,
     pub(crate) both: std::path::PathBuf,
@@ -69,12 +71,14 @@ impl TlsFiles {
         let sans = ["127.0.0.1".to_string(), "localhost".to_string()];
         let c = rserpool_tls::issue::issue(&ca, "localhost", &sans)?;
         let f = TlsFiles {
+            ca: dir.join("https-ca.pem"),
             cert: dir.join("https.pem"),
             key: dir.join("https.key"),
             both: dir.join("https-both.pem"),
         };
         std::fs::write(&f.cert, format!("{}{}", c.cert_pem, ca.cert_pem))?;
         std::fs::write(&f.key, &c.key_pem)?;
+        std::fs::write(&f.ca, &ca.cert_pem)?;
         std::fs::write(
             &f.both,
             format!("{}{}{}", c.cert_pem, ca.cert_pem, c.key_pem),

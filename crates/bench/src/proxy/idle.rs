@@ -1,5 +1,5 @@
 //! What an idle kept-alive connection costs a proxy in memory: `n` clients each make one
-//! request (HTTP/1.1, then HTTP/2 with prior knowledge) and stay connected; the system's
+//! request (HTTP/1.1, HTTP/2 with prior knowledge, HTTPS) and stay connected; the system's
 //! resident memory (all its processes) before and after, divided by `n`.
 //!
 //! Why: a front door holds many more idle connections than busy ones (browsers and mobile
@@ -13,7 +13,10 @@ use bytes::Bytes;
 use rserpool_proxy::http::client::Client;
 use serde::Serialize;
 use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Bytes of resident memory per idle connection, by protocol (each measured in a system
 /// started afresh: freed memory of one protocol's connections would otherwise be reused by
@@ -23,6 +26,7 @@ pub(super) struct Idle {
     pub(super) connections: usize,
     pub(super) h1_bytes: Option<f64>,
     pub(super) h2_bytes: Option<f64>,
+    pub(super) tls_bytes: Option<f64>,
     /// HTTP/2 streams held (`streams.rs`), and the bytes per stream.
     pub(super) streams: usize,
     pub(super) stream_bytes: Option<f64>,
@@ -34,6 +38,7 @@ impl Idle {
             connections: self.connections.max(o.connections),
             h1_bytes: self.h1_bytes.or(o.h1_bytes),
             h2_bytes: self.h2_bytes.or(o.h2_bytes),
+            tls_bytes: self.tls_bytes.or(o.tls_bytes),
             streams: self.streams.max(o.streams),
             stream_bytes: self.stream_bytes.or(o.stream_bytes),
         }
@@ -43,24 +48,45 @@ impl Idle {
 /// Connections opened at once at most (the listeners' backlogs are smaller than `n`).
 const AT_ONCE: usize = 256;
 
-/// Measures `front` (of system `label`) with `n` idle connections of HTTP/2 (`h2`) or
-/// HTTP/1.1.
+/// The protocol of the idle connections.
+#[derive(Clone, Copy)]
+pub(super) enum Kind<'a> {
+    H1,
+    H2,
+    /// HTTPS (HTTP/1.1 by ALPN), trusting the bed's CA (this file).
+    Tls(&'a Path),
+}
+
+/// Measures `front` (of system `label`) with `n` idle connections of `kind`.
 pub(super) fn run(
     front: &Front,
     rt: &tokio::runtime::Runtime,
     n: usize,
     label: &str,
-    h2: bool,
+    kind: Kind,
 ) -> Result<Idle> {
     let group = front
         .group()
         .ok_or_else(|| anyhow!("no process to measure"))?;
-    let per_conn = if h2 {
-        grown(rt, group, n, |k| self::h2(front.h2c, k))
-    } else {
-        grown(rt, group, n, |k| h1(front.http[0], k))
+    let per_conn = match kind {
+        Kind::H1 => grown(rt, group, n, |k| h1(front.http[0], k)),
+        Kind::H2 => grown(rt, group, n, |k| self::h2(front.h2c, k)),
+        Kind::Tls(ca) => match (front.https, rserpool_tls::client_to(ca, None)) {
+            (Some(addr), Ok(cfg)) => {
+                let mut cfg = (*cfg).clone();
+                cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+                let cfg = Arc::new(cfg);
+                grown(rt, group, n, |k| tls(addr, cfg.clone(), k))
+            }
+            (None, _) => Err(anyhow!("no HTTPS listener")),
+            (_, Err(e)) => Err(anyhow!("the bed's CA: {e}")),
+        },
     };
-    let proto = if h2 { "HTTP/2" } else { "HTTP/1.1" };
+    let proto = match kind {
+        Kind::H1 => "HTTP/1.1",
+        Kind::H2 => "HTTP/2",
+        Kind::Tls(_) => "HTTPS",
+    };
     let per_conn = match per_conn {
         Ok(b) => Some(b),
         Err(e) => {
@@ -70,8 +96,9 @@ pub(super) fn run(
     };
     Ok(Idle {
         connections: n,
-        h1_bytes: per_conn.filter(|_| !h2),
-        h2_bytes: per_conn.filter(|_| h2),
+        h1_bytes: per_conn.filter(|_| matches!(kind, Kind::H1)),
+        h2_bytes: per_conn.filter(|_| matches!(kind, Kind::H2)),
+        tls_bytes: per_conn.filter(|_| matches!(kind, Kind::Tls(_))),
         ..Idle::default()
     })
 }
@@ -163,6 +190,57 @@ async fn h2(addr: SocketAddr, n: usize) -> Result<Vec<H2Conn>> {
         anyhow::ensure!(resp.status() == 200, "GET {SMALL}: {}", resp.status());
         h2_drain(&mut resp.into_body()).await?;
         Ok(send)
+    })
+    .await
+}
+
+/// An HTTPS connection kept.
+type TlsConn = rserpool_tls::tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// `n` HTTPS connections to `addr`, each after one GET of the small file (its response read
+/// by its length).
+async fn tls(
+    addr: SocketAddr,
+    cfg: Arc<rserpool_tls::rustls::ClientConfig>,
+    n: usize,
+) -> Result<Vec<TlsConn>> {
+    open(n, move || {
+        let cfg = cfg.clone();
+        async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await?;
+            let name = rserpool_tls::rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+            let mut s = rserpool_tls::tokio_rustls::TlsConnector::from(cfg)
+                .connect(name, tcp)
+                .await?;
+            s.write_all(format!("GET {SMALL} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+                .await?;
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            let (head, len) = loop {
+                let k = s.read(&mut buf).await?;
+                anyhow::ensure!(k > 0, "closed before the response");
+                got.extend_from_slice(&buf[..k]);
+                if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&got[..end]).into_owned();
+                    let len = head
+                        .lines()
+                        .find_map(|l| {
+                            let (k, v) = l.split_once(':')?;
+                            k.eq_ignore_ascii_case("content-length")
+                                .then(|| v.trim().parse::<usize>().ok())?
+                        })
+                        .context("no Content-Length")?;
+                    break (head, end + 4 + len);
+                }
+            };
+            anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "GET {SMALL}: {head}");
+            while got.len() < len {
+                let k = s.read(&mut buf).await?;
+                anyhow::ensure!(k > 0, "closed in the body");
+                got.extend_from_slice(&buf[..k]);
+            }
+            Ok(s)
+        }
     })
     .await
 }

@@ -249,9 +249,13 @@ fn measure(
             }
         }
         Part::Failover => s.failover = Some(failover::run(bed, &front, &rt, args)?),
-        Part::Idle | Part::IdleH2 => {
-            let (label, h2) = (s.system.label(), part == Part::IdleH2);
-            let i = idle::run(&front, &rt, args.idle_connections, label, h2)?;
+        Part::Idle | Part::IdleH2 | Part::IdleTls => {
+            let kind = match part {
+                Part::IdleH2 => idle::Kind::H2,
+                Part::IdleTls => idle::Kind::Tls(&bed.tls.ca),
+                _ => idle::Kind::H1,
+            };
+            let i = idle::run(&front, &rt, args.idle_connections, s.system.label(), kind)?;
             s.idle = Some(s.idle.map_or(i, |o| o.merge(i)));
         }
         Part::H2Streams => {

@@ -59,12 +59,13 @@ pub(super) fn print_sample(s: &Sample) {
     }
     if let Some(i) = &s.idle {
         let kib = |b: Option<f64>| b.map_or("–".into(), |b| format!("{:.1} KiB", b / 1024.0));
-        if i.h1_bytes.is_some() || i.h2_bytes.is_some() {
+        if i.h1_bytes.is_some() || i.h2_bytes.is_some() || i.tls_bytes.is_some() {
             line += &format!(
-                " {} idle connections: {} each over HTTP/1.1, {} over HTTP/2;",
+                " {} idle connections: {} each over HTTP/1.1, {} over HTTP/2, {} over HTTPS;",
                 i.connections,
                 kib(i.h1_bytes),
-                kib(i.h2_bytes)
+                kib(i.h2_bytes),
+                kib(i.tls_bytes)
             );
         }
         if i.stream_bytes.is_some() {
@@ -148,9 +149,11 @@ struct Row {
     bulk_link: Option<f64>,
     transfers: Vec<(TransferKind, TransferMedian)>,
     failover: Vec<Failover>,
-    /// Resident bytes per idle connection, HTTP/1.1 and HTTP/2 (medians), and how many.
+    /// Resident bytes per idle connection, HTTP/1.1, HTTP/2 and HTTPS (medians), and how
+    /// many.
     idle_h1: Option<f64>,
     idle_h2: Option<f64>,
+    idle_tls: Option<f64>,
     idle_n: Option<usize>,
     /// Resident bytes per HTTP/2 stream held (median), and how many.
     stream: Option<f64>,
@@ -230,10 +233,13 @@ impl Report {
                     failover: of.iter().filter_map(|s| s.failover.clone()).collect(),
                     idle_h1: m(&|s| s.idle.and_then(|i| i.h1_bytes)),
                     idle_h2: m(&|s| s.idle.and_then(|i| i.h2_bytes)),
+                    idle_tls: m(&|s| s.idle.and_then(|i| i.tls_bytes)),
                     idle_n: of
                         .iter()
                         .filter_map(|s| s.idle)
-                        .find(|i| i.h1_bytes.is_some() || i.h2_bytes.is_some())
+                        .find(|i| {
+                            i.h1_bytes.is_some() || i.h2_bytes.is_some() || i.tls_bytes.is_some()
+                        })
                         .map(|i| i.connections),
                     stream: m(&|s| s.idle.and_then(|i| i.stream_bytes)),
                     streams_n: of
@@ -540,7 +546,12 @@ impl Report {
     fn idle(&self, cols: &[&Row]) -> String {
         let rows: Vec<&&Row> = cols
             .iter()
-            .filter(|r| r.idle_h1.is_some() || r.idle_h2.is_some() || r.stream.is_some())
+            .filter(|r| {
+                r.idle_h1.is_some()
+                    || r.idle_h2.is_some()
+                    || r.idle_tls.is_some()
+                    || r.stream.is_some()
+            })
             .collect();
         if rows.is_empty() {
             return String::new();
@@ -555,8 +566,8 @@ impl Report {
         if let Some(n) = rows.iter().find_map(|r| r.idle_n) {
             md += &format!(
                 "Idle connections: {n} clients each make one request and stay connected \
-                 (HTTP/1.1, and HTTP/2 with prior knowledge, each protocol in a system started \
-                 afresh); the system's resident memory (all its processes) before and after, per \
+                 (HTTP/1.1, HTTP/2 with prior knowledge, HTTPS with HTTP/1.1 by ALPN, each \
+                 protocol in a system started afresh); the system's resident memory (all its processes) before and after, per \
                  connection. "
             );
         }
@@ -569,14 +580,16 @@ impl Report {
             );
         }
         md += "In KiB (ratio to HAProxy's); kernel socket buffers are not in it.\n\n\
-               | | HTTP/1.1 KiB/idle conn | HTTP/2 KiB/idle conn | HTTP/2 KiB/stream |\n\
-               |---|---|---|---|\n";
+               | | HTTP/1.1 KiB/idle conn | HTTP/2 KiB/idle conn | HTTPS KiB/idle conn | HTTP/2 \
+               KiB/stream |\n\
+               |---|---|---|---|---|\n";
         for r in rows {
             md += &format!(
-                "| {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} |\n",
                 r.system.label(),
                 cell(r.idle_h1, h.and_then(|h| h.idle_h1)),
                 cell(r.idle_h2, h.and_then(|h| h.idle_h2)),
+                cell(r.idle_tls, h.and_then(|h| h.idle_tls)),
                 cell(r.stream, h.and_then(|h| h.stream)),
             );
         }
@@ -610,14 +623,16 @@ impl Report {
                 of_ratio(r.h2_tls.rps, h.h2_tls.rps),
             );
         }
-        if r.idle_h1.is_some() || r.idle_h2.is_some() {
+        if r.idle_h1.is_some() || r.idle_h2.is_some() || r.idle_tls.is_some() {
             t += &format!(
                 "- memory per idle connection ≤ HAProxy's: {} over HTTP/1.1 ({}), {} over \
-                 HTTP/2 ({})\n",
+                 HTTP/2 ({}), {} over HTTPS ({})\n",
                 verdict(ge(h.idle_h1, r.idle_h1)),
                 of_ratio(r.idle_h1, h.idle_h1),
                 verdict(ge(h.idle_h2, r.idle_h2)),
                 of_ratio(r.idle_h2, h.idle_h2),
+                verdict(ge(h.idle_tls, r.idle_tls)),
+                of_ratio(r.idle_tls, h.idle_tls),
             );
         }
         if r.stream.is_some() {
