@@ -306,8 +306,12 @@ ca = "{d}/ca.pem"
     path
 }
 
-/// An HTTPS request to `front` asking for `name` (SNI), trusting the CA of `dir`: the answer.
-async fn https_get(front: SocketAddr, name: &str, dir: &Path) -> std::io::Result<String> {
+/// An HTTPS connection to `front` asking for `name` (SNI), trusting the CA of `dir`.
+async fn https_connect(
+    front: SocketAddr,
+    name: &str,
+    dir: &Path,
+) -> std::io::Result<rserpool_tls::tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
     let mut roots = rserpool_tls::rustls::RootCertStore::empty();
     for c in rserpool_tls::load_certs(&dir.join("ca.pem")).unwrap() {
         roots.add(c).unwrap();
@@ -319,9 +323,40 @@ async fn https_get(front: SocketAddr, name: &str, dir: &Path) -> std::io::Result
         .with_no_client_auth();
     let tcp = tokio::net::TcpStream::connect(front).await?;
     let server = rserpool_tls::rustls::pki_types::ServerName::try_from(name.to_owned()).unwrap();
-    let mut s = rserpool_tls::tokio_rustls::TlsConnector::from(Arc::new(cfg))
+    rserpool_tls::tokio_rustls::TlsConnector::from(Arc::new(cfg))
         .connect(server, tcp)
-        .await?;
+        .await
+}
+
+/// One response read off `s` (its head and a Content-Length body), as text.
+async fn response<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> String {
+    let mut got = Vec::new();
+    let mut byte = [0u8; 1];
+    while !got.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut byte))
+            .await
+            .expect("no response in time")
+            .unwrap();
+        assert_eq!(n, 1, "closed after {:?}", String::from_utf8_lossy(&got));
+        got.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&got).into_owned();
+    let len: usize = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().ok())?
+        })
+        .unwrap_or(0);
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).await.unwrap();
+    head + &String::from_utf8_lossy(&body)
+}
+
+/// An HTTPS request to `front` asking for `name` (SNI), trusting the CA of `dir`: the answer.
+async fn https_get(front: SocketAddr, name: &str, dir: &Path) -> std::io::Result<String> {
+    let mut s = https_connect(front, name, dir).await?;
     let req = format!("GET /hello HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n");
     s.write_all(req.as_bytes()).await?;
     let mut out = Vec::new();
@@ -396,6 +431,30 @@ names = ["b.test"]
         let r = https_get(front, name, &dir).await.unwrap();
         assert!(r.starts_with("HTTP/1.1 200"), "{name}: {r}");
     }
+    // A kept-alive HTTPS connection: served again after a pause (its wait for the next
+    // request holds no read buffer, the TLS records read into rustls's own), for a pipelined
+    // pair, and for a request whose records come in two pieces.
+    let mut s = https_connect(front, "a.test", &dir).await.unwrap();
+    let get = b"GET /hello HTTP/1.1\r\nHost: a.test\r\n\r\n";
+    s.write_all(get).await.unwrap();
+    assert!(response(&mut s).await.starts_with("HTTP/1.1 200"));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    s.write_all(get).await.unwrap();
+    assert!(response(&mut s).await.starts_with("HTTP/1.1 200"));
+    s.write_all(&[&get[..], &get[..]].concat()).await.unwrap();
+    assert!(response(&mut s).await.starts_with("HTTP/1.1 200"));
+    assert!(response(&mut s).await.starts_with("HTTP/1.1 200"));
+    // More pipelined requests than one read of the proxy takes (16 KiB): the rest waits as
+    // plaintext inside rustls, with nothing more to come from the socket.
+    s.write_all(&get.repeat(500)).await.unwrap();
+    for _ in 0..500 {
+        assert!(response(&mut s).await.starts_with("HTTP/1.1 200"));
+    }
+    s.write_all(&get[..10]).await.unwrap();
+    s.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.write_all(&get[10..]).await.unwrap();
+    assert!(response(&mut s).await.starts_with("HTTP/1.1 200"));
     // A name without a certificate of its own gets the first one, which is not valid for it.
     assert!(https_get(front, "c.test", &dir).await.is_err());
     // Plain HTTP on the HTTPS port is closed; the proxy serves on.

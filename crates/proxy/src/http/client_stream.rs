@@ -53,6 +53,35 @@ fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock
 }
 
+/// Waits until rustls has plaintext for the reader, or the client closed: TLS records are read
+/// into rustls's own buffer as they come (readiness of the socket need not mean application
+/// data: a record may come in pieces, or carry a key update).
+async fn wait_tls(t: &mut TlsStream) -> io::Result<()> {
+    /// The socket as `std::io::Read` for rustls: a read that would block clears readiness.
+    struct Socket<'a>(&'a TcpStream);
+    impl Read for Socket<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.0.try_read(buf)
+        }
+    }
+    let (io, conn) = t.get_mut();
+    loop {
+        // Records read before (a pipelined request) may hold plaintext already.
+        let state = conn.process_new_packets().map_err(io::Error::other)?;
+        if state.plaintext_bytes_to_read() > 0 || state.peer_has_closed() {
+            return Ok(());
+        }
+        io.readable().await?;
+        match conn.read_tls(&mut Socket(io)) {
+            // The client closed: the read finds out.
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if would_block(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 fn lost() -> io::Error {
     io::Error::other("client socket could not be registered")
 }
@@ -76,12 +105,10 @@ impl ClientStream {
         }
     }
 
-    /// Waits until the client has sent something (or closed), holding no buffer meanwhile;
-    /// a TLS stream returns at once (rustls keeps its own buffers, and readiness of its
-    /// socket need not mean application data).
+    /// Waits until the client has sent something (or closed), holding no buffer meanwhile.
     pub(crate) async fn wait_readable(&mut self) -> io::Result<()> {
         match &mut self.socket {
-            Socket::Tls(_) => Ok(()),
+            Socket::Tls(t) => wait_tls(t).await,
             Socket::Lost => Err(lost()),
             _ => self.registered()?.readable().await,
         }

@@ -157,10 +157,13 @@ enum Waited {
 /// Waits for a kept-alive connection's next request holding no read buffer. Readiness is
 /// polled, not awaited as a future: this wait is what an idle connection is made of.
 async fn wait_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Waited {
-    // Pipelined requests are there already; a TLS stream's readiness is not the client's
-    // (`read_head_in_time` waits for it).
-    if !c.buf.is_empty() || c.stream.is_tls() {
+    // Pipelined requests are there already.
+    if !c.buf.is_empty() {
         return Waited::Request;
+    }
+    if c.stream.is_tls() {
+        // Boxed: the plain connections' task stays as small as their own wait.
+        return Box::pin(wait_tls_request(c, ctx, draining)).await;
     }
     let Ok(s) = c.stream.registered() else {
         return Waited::Gone;
@@ -206,6 +209,24 @@ async fn wait_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Wai
         })
     })
     .await
+}
+
+/// [`wait_request`] for an HTTPS connection: until rustls has the next request's plaintext
+/// (left in rustls, which the read then takes) or the client closed; not parked (tokio-rustls
+/// cannot rebuild a stream from its parts).
+async fn wait_tls_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Waited {
+    c.buf = BytesMut::new();
+    let idle_until = tokio::time::Instant::now() + ctx.idle_timeout();
+    let mut wait = std::pin::pin!(c.stream.wait_readable());
+    let by = tokio::select! {
+        r = &mut wait => return if r.is_ok() { Waited::Request } else { Waited::Gone },
+        () = tokio::time::sleep_until(idle_until) => return Waited::Gone,
+        () = until_set(draining) => idle_until.min(tokio::time::Instant::now() + DRAIN_IDLE_GRACE),
+    };
+    match tokio::time::timeout_at(by, wait).await {
+        Ok(Ok(())) => Waited::Request,
+        _ => Waited::Gone,
+    }
 }
 
 /// A kept-alive connection parked (`crate::http::park`): what it needs to go on.
