@@ -438,14 +438,7 @@ fn get(s: &mut TcpStream, path: &str) -> (u16, Vec<u8>) {
     }
     let head = String::from_utf8(head).unwrap();
     let code = head[9..12].parse().unwrap();
-    let len: usize = head
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-length")
-                .then(|| v.trim().parse().ok())?
-        })
-        .unwrap_or(0);
+    let len = common::content_length(&head);
     let mut body = vec![0u8; len];
     s.read_exact(&mut body).unwrap();
     (code, body)

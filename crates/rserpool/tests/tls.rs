@@ -341,14 +341,7 @@ async fn response<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> String {
         got.push(byte[0]);
     }
     let head = String::from_utf8_lossy(&got).into_owned();
-    let len: usize = head
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-length")
-                .then(|| v.trim().parse().ok())?
-        })
-        .unwrap_or(0);
+    let len = common::content_length(&head);
     let mut body = vec![0u8; len];
     s.read_exact(&mut body).await.unwrap();
     head + &String::from_utf8_lossy(&body)

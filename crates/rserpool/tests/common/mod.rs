@@ -228,6 +228,17 @@ pub async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> b
 }
 
 /// A PE identifier as the proxy's `X-Pe-Id` shows it.
+/// The Content-Length of a response head (0 without one).
+pub fn content_length(head: &str) -> usize {
+    head.lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().ok())?
+        })
+        .unwrap_or(0)
+}
+
 pub fn id(n: u32) -> String {
     format!("{n:#010x}")
 }
