@@ -53,15 +53,22 @@ fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock
 }
 
-/// Waits until rustls has plaintext for the reader, or the client closed: TLS records are read
+/// Ready once rustls has plaintext for the reader, or the client closed: TLS records are read
 /// into rustls's own buffer as they come (readiness of the socket need not mean application
 /// data: a record may come in pieces, or carry a key update).
-async fn wait_tls(t: &mut TlsStream) -> io::Result<()> {
-    /// The socket as `std::io::Read` for rustls: a read that would block clears readiness.
-    struct Socket<'a>(&'a TcpStream);
-    impl Read for Socket<'_> {
+fn poll_tls_ready(t: &mut TlsStream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    /// The socket as `std::io::Read` for rustls, through tokio's `poll_read` (which also
+    /// clears readiness after a short read, sparing the read that would block): `WouldBlock`
+    /// when the socket is not ready, the task woken when it is.
+    struct Socket<'a, 'b>(&'a mut TcpStream, &'a mut Context<'b>);
+    impl Read for Socket<'_, '_> {
         fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-            self.0.try_read(buf)
+            let mut rb = ReadBuf::new(buf);
+            match Pin::new(&mut *self.0).poll_read(self.1, &mut rb) {
+                Poll::Ready(Ok(())) => Ok(rb.filled().len()),
+                Poll::Ready(Err(e)) => Err(e),
+                Poll::Pending => Err(io::ErrorKind::WouldBlock.into()),
+            }
         }
     }
     let (io, conn) = t.get_mut();
@@ -69,15 +76,14 @@ async fn wait_tls(t: &mut TlsStream) -> io::Result<()> {
         // Records read before (a pipelined request) may hold plaintext already.
         let state = conn.process_new_packets().map_err(io::Error::other)?;
         if state.plaintext_bytes_to_read() > 0 || state.peer_has_closed() {
-            return Ok(());
+            return Poll::Ready(Ok(()));
         }
-        io.readable().await?;
-        match conn.read_tls(&mut Socket(io)) {
+        match conn.read_tls(&mut Socket(io, cx)) {
             // The client closed: the read finds out.
-            Ok(0) => return Ok(()),
+            Ok(0) => return Poll::Ready(Ok(())),
             Ok(_) => {}
-            Err(e) if would_block(&e) => {}
-            Err(e) => return Err(e),
+            Err(e) if would_block(&e) => return Poll::Pending,
+            Err(e) => return Poll::Ready(Err(e)),
         }
     }
 }
@@ -105,12 +111,13 @@ impl ClientStream {
         }
     }
 
-    /// Waits until the client has sent something (or closed), holding no buffer meanwhile.
-    pub(crate) async fn wait_readable(&mut self) -> io::Result<()> {
+    /// An HTTPS client: ready once it has sent something (or closed), holding no buffer of
+    /// ours meanwhile (`poll_tls_ready`); a plain socket is ready at once (its readiness is
+    /// tokio's).
+    pub(crate) fn poll_tls_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match &mut self.socket {
-            Socket::Tls(t) => wait_tls(t).await,
-            Socket::Lost => Err(lost()),
-            _ => self.registered()?.readable().await,
+            Socket::Tls(t) => poll_tls_ready(t, cx),
+            _ => Poll::Ready(Ok(())),
         }
     }
 

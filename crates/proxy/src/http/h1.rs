@@ -19,7 +19,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::task::{Poll, ready};
+use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use tokio::sync::OwnedSemaphorePermit;
@@ -161,39 +161,26 @@ async fn wait_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Wai
     if !c.buf.is_empty() {
         return Waited::Request;
     }
-    if c.stream.is_tls() {
-        // Boxed: the plain connections' task stays as small as their own wait.
-        return Box::pin(wait_tls_request(c, ctx, draining)).await;
-    }
-    let Ok(s) = c.stream.registered() else {
+    // An HTTPS connection's request stays in rustls until the read; it is not parked
+    // (tokio-rustls cannot rebuild a stream from its parts).
+    let tls = c.stream.is_tls();
+    if tls {
+        c.buf = BytesMut::new();
+    } else if c.stream.registered().is_err() {
         return Waited::Gone;
-    };
-    let buf = &mut c.buf;
+    }
+    let (stream, buf) = (&mut c.stream, &mut c.buf);
     let now = tokio::time::Instant::now();
     let idle_until = now + ctx.idle_timeout();
     // A drain already under way completes `drain` at its first poll: nothing is parked then.
     let mut park_at =
-        (ctx.park.is_some() && now + PARK_AFTER < idle_until).then(|| now + PARK_AFTER);
+        (!tls && ctx.park.is_some() && now + PARK_AFTER < idle_until).then(|| now + PARK_AFTER);
     let mut sleep = std::pin::pin!(tokio::time::sleep_until(park_at.unwrap_or(idle_until)));
     let mut drain = std::pin::pin!(until_set(draining));
     let mut drained = false;
     std::future::poll_fn(|cx| {
-        // Readiness may be left over from the last request: only a read tells (and a read
-        // that would block clears it, so that the next poll waits for the client).
-        while let Poll::Ready(ready) = s.poll_read_ready(cx) {
-            if ready.is_err() {
-                return Poll::Ready(Waited::Gone);
-            }
-            buf.reserve(16 * 1024);
-            match s.try_read_buf(buf) {
-                Ok(0) => return Poll::Ready(Waited::Gone),
-                Ok(_) => return Poll::Ready(Waited::Request),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => *buf = BytesMut::new(),
-                Err(_) => return Poll::Ready(Waited::Gone),
-            }
-        }
-        if buf.capacity() > 0 {
-            *buf = BytesMut::new();
+        if let Poll::Ready(w) = arrived(stream, buf, cx) {
+            return Poll::Ready(w);
         }
         if !drained && drain.as_mut().poll(cx).is_ready() {
             // Not parked any more: the grace is waited for here.
@@ -211,21 +198,38 @@ async fn wait_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Wai
     .await
 }
 
-/// [`wait_request`] for an HTTPS connection: until rustls has the next request's plaintext
-/// (left in rustls, which the read then takes) or the client closed; not parked (tokio-rustls
-/// cannot rebuild a stream from its parts).
-async fn wait_tls_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Waited {
-    c.buf = BytesMut::new();
-    let idle_until = tokio::time::Instant::now() + ctx.idle_timeout();
-    let mut wait = std::pin::pin!(c.stream.wait_readable());
-    let by = tokio::select! {
-        r = &mut wait => return if r.is_ok() { Waited::Request } else { Waited::Gone },
-        () = tokio::time::sleep_until(idle_until) => return Waited::Gone,
-        () = until_set(draining) => idle_until.min(tokio::time::Instant::now() + DRAIN_IDLE_GRACE),
+/// Whether the client has sent something (or closed): over a plain socket read into `buf`,
+/// which is released when nothing came; over TLS left in rustls, which has read the records.
+fn arrived(stream: &mut ClientStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<Waited> {
+    if stream.is_tls() {
+        return stream.poll_tls_ready(cx).map(|r| match r {
+            Ok(()) => Waited::Request,
+            Err(_) => Waited::Gone,
+        });
+    }
+    let Ok(s) = stream.registered() else {
+        return Poll::Ready(Waited::Gone);
     };
-    match tokio::time::timeout_at(by, wait).await {
-        Ok(Ok(())) => Waited::Request,
-        _ => Waited::Gone,
+    // Readiness first, so that a buffer is taken only when the socket may have data; then
+    // tokio's read, which clears readiness after a short read (the next wait then costs no
+    // read that would block) and, when readiness was left over, registers the task.
+    let read = match s.poll_read_ready(cx) {
+        Poll::Ready(Err(_)) => return Poll::Ready(Waited::Gone),
+        Poll::Ready(Ok(())) => {
+            buf.reserve(16 * 1024);
+            std::pin::pin!(s.read_buf(buf)).poll(cx)
+        }
+        Poll::Pending => Poll::Pending,
+    };
+    match read {
+        Poll::Ready(Ok(0) | Err(_)) => Poll::Ready(Waited::Gone),
+        Poll::Ready(Ok(_)) => Poll::Ready(Waited::Request),
+        Poll::Pending => {
+            if buf.capacity() > 0 {
+                *buf = BytesMut::new();
+            }
+            Poll::Pending
+        }
     }
 }
 
@@ -284,14 +288,15 @@ async fn next_request(
     draining: &mut Draining,
 ) -> Next {
     let peer = c.peer;
-    let idle = c.buf.is_empty();
+    // A kept-alive connection's wait, and a drain's grace in it, were `wait_request`'s.
+    let idle = first && c.buf.is_empty();
     let head = tokio::select! {
-        r = read_head_in_time(c, ctx, first) => r,
+        r = read_head_in_time(c, ctx) => r,
         () = until_set(draining), if idle => {
             // A busy client's next request may be on its way: it is served (with
             // `Connection: close`) rather than met with a close it cannot tell from a
             // failure. A client that stays quiet is closed after the grace.
-            match tokio::time::timeout(DRAIN_IDLE_GRACE, read_head_in_time(c, ctx, first)).await {
+            match tokio::time::timeout(DRAIN_IDLE_GRACE, read_head_in_time(c, ctx)).await {
                 Ok(r) => r,
                 Err(_) => return Next::Close,
             }
@@ -339,29 +344,12 @@ enum ReadHeadError {
     Head(HeadError),
 }
 
-/// The next request head: on a kept-alive connection its first byte within the idle
-/// timeout, then (and for a connection's first request, from the start) the whole head within
-/// the header timeout. `Err` when a timeout passed.
+/// The next request head within the header timeout (a kept-alive connection waited for its
+/// first byte in `wait_request`). `Err` when the timeout passed.
 async fn read_head_in_time(
     c: &mut Client,
     ctx: &Ctx,
-    first: bool,
 ) -> Result<Result<Option<Head>, ReadHeadError>, tokio::time::error::Elapsed> {
-    if !first && c.buf.is_empty() && c.stream.is_tls() {
-        // An idle kept-alive connection over TLS (a plain one waited in `wait_request`)
-        // holds no read buffer while it waits: it gets one when data arrives.
-        c.buf = BytesMut::new();
-        let next = async {
-            c.stream.wait_readable().await?;
-            c.buf.reserve(16 * 1024);
-            c.stream.read_buf(&mut c.buf).await
-        };
-        match tokio::time::timeout(ctx.idle_timeout(), next).await? {
-            Ok(0) => return Ok(Ok(None)),
-            Ok(_) => {}
-            Err(_) => return Ok(Err(ReadHeadError::Io)),
-        }
-    }
     tokio::time::timeout(ctx.header_timeout(), read_head(c, ctx.cfg.max_head)).await
 }
 
