@@ -111,13 +111,40 @@ impl ClientStream {
         }
     }
 
-    /// An HTTPS client: ready once it has sent something (or closed), holding no buffer of
-    /// ours meanwhile (`poll_tls_ready`); a plain socket is ready at once (its readiness is
-    /// tokio's).
-    pub(crate) fn poll_tls_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match &mut self.socket {
-            Socket::Tls(t) => poll_tls_ready(t, cx),
-            _ => Poll::Ready(Ok(())),
+    /// Ready once the client of a kept-alive connection has sent something (`true`: a plain
+    /// socket's bytes read into `buf`, a TLS stream's plaintext left in rustls for the next
+    /// read) or closed or failed (`false`). While it waits it holds no buffer of ours: `buf`
+    /// is released when nothing came.
+    pub(crate) fn poll_arrival(&mut self, cx: &mut Context<'_>, buf: &mut BytesMut) -> Poll<bool> {
+        if let Socket::Tls(t) = &mut self.socket {
+            let r = poll_tls_ready(t, cx);
+            if r.is_pending() && buf.capacity() > 0 {
+                *buf = BytesMut::new();
+            }
+            return r.map(|r| r.is_ok());
+        }
+        let Ok(s) = self.registered() else {
+            return Poll::Ready(false);
+        };
+        // Readiness first, so that a buffer is taken only when the socket may have data; then
+        // tokio's read, which clears readiness after a short read (the next wait then costs no
+        // read that would block) and, when readiness was left over, registers the task.
+        let read = match s.poll_read_ready(cx) {
+            Poll::Ready(Err(_)) => return Poll::Ready(false),
+            Poll::Ready(Ok(())) => {
+                buf.reserve(16 * 1024);
+                std::pin::pin!(s.read_buf(buf)).poll(cx)
+            }
+            Poll::Pending => Poll::Pending,
+        };
+        match read {
+            Poll::Ready(r) => Poll::Ready(r.is_ok_and(|n| n > 0)),
+            Poll::Pending => {
+                if buf.capacity() > 0 {
+                    *buf = BytesMut::new();
+                }
+                Poll::Pending
+            }
         }
     }
 

@@ -19,7 +19,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::task::{Context, Poll, ready};
+use std::task::{Poll, ready};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use tokio::sync::OwnedSemaphorePermit;
@@ -103,9 +103,10 @@ async fn serve_stream(
     // One per connection: a receiver cloned per request would touch the drain signal's
     // shared counts (atomics every thread writes) twice per request.
     let mut draining = ctx.draining.clone();
-    let mut resumed = !fresh;
+    // The first pass reads at once: a new connection's first request, a resumed one's next.
+    let mut wait = false;
     loop {
-        if !first && !resumed {
+        if wait {
             match wait_request(&mut c, &ctx, &mut draining).await {
                 Waited::Request => {}
                 Waited::Gone => break,
@@ -117,7 +118,7 @@ async fn serve_stream(
                 }
             }
         }
-        resumed = false;
+        wait = true;
         match Box::pin(next_request(&mut c, &mut ctx, first, &mut draining)).await {
             Next::KeepAlive => first = false,
             Next::Close => break,
@@ -145,7 +146,7 @@ const PARK_AFTER: Duration = Duration::from_millis(500);
 
 /// What came of waiting for a kept-alive connection's next request.
 enum Waited {
-    /// Something arrived (read into the buffer).
+    /// Something arrived (read into the buffer; over TLS, waiting in rustls).
     Request,
     /// The client closed, or stayed quiet for the idle timeout (or, once the proxy drains,
     /// for [`DRAIN_IDLE_GRACE`]).
@@ -161,14 +162,8 @@ async fn wait_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Wai
     if !c.buf.is_empty() {
         return Waited::Request;
     }
-    // An HTTPS connection's request stays in rustls until the read; it is not parked
-    // (tokio-rustls cannot rebuild a stream from its parts).
+    // An HTTPS connection is not parked (tokio-rustls cannot rebuild a stream from its parts).
     let tls = c.stream.is_tls();
-    if tls {
-        c.buf = BytesMut::new();
-    } else if c.stream.registered().is_err() {
-        return Waited::Gone;
-    }
     let (stream, buf) = (&mut c.stream, &mut c.buf);
     let now = tokio::time::Instant::now();
     let idle_until = now + ctx.idle_timeout();
@@ -179,8 +174,8 @@ async fn wait_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Wai
     let mut drain = std::pin::pin!(until_set(draining));
     let mut drained = false;
     std::future::poll_fn(|cx| {
-        if let Poll::Ready(w) = arrived(stream, buf, cx) {
-            return Poll::Ready(w);
+        if let Poll::Ready(came) = stream.poll_arrival(cx, buf) {
+            return Poll::Ready(if came { Waited::Request } else { Waited::Gone });
         }
         if !drained && drain.as_mut().poll(cx).is_ready() {
             // Not parked any more: the grace is waited for here.
@@ -196,41 +191,6 @@ async fn wait_request(c: &mut Client, ctx: &Ctx, draining: &mut Draining) -> Wai
         })
     })
     .await
-}
-
-/// Whether the client has sent something (or closed): over a plain socket read into `buf`,
-/// which is released when nothing came; over TLS left in rustls, which has read the records.
-fn arrived(stream: &mut ClientStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<Waited> {
-    if stream.is_tls() {
-        return stream.poll_tls_ready(cx).map(|r| match r {
-            Ok(()) => Waited::Request,
-            Err(_) => Waited::Gone,
-        });
-    }
-    let Ok(s) = stream.registered() else {
-        return Poll::Ready(Waited::Gone);
-    };
-    // Readiness first, so that a buffer is taken only when the socket may have data; then
-    // tokio's read, which clears readiness after a short read (the next wait then costs no
-    // read that would block) and, when readiness was left over, registers the task.
-    let read = match s.poll_read_ready(cx) {
-        Poll::Ready(Err(_)) => return Poll::Ready(Waited::Gone),
-        Poll::Ready(Ok(())) => {
-            buf.reserve(16 * 1024);
-            std::pin::pin!(s.read_buf(buf)).poll(cx)
-        }
-        Poll::Pending => Poll::Pending,
-    };
-    match read {
-        Poll::Ready(Ok(0) | Err(_)) => Poll::Ready(Waited::Gone),
-        Poll::Ready(Ok(_)) => Poll::Ready(Waited::Request),
-        Poll::Pending => {
-            if buf.capacity() > 0 {
-                *buf = BytesMut::new();
-            }
-            Poll::Pending
-        }
-    }
 }
 
 /// A kept-alive connection parked (`crate::http::park`): what it needs to go on.
