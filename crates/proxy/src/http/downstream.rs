@@ -17,7 +17,7 @@ use crate::http::message::{Framing, frame_into};
 use crate::http::request::{Outgoing, Request, forwarding};
 use bytes::{BufMut, Bytes, BytesMut};
 use h2::Reason;
-use http::header::{HeaderName, HeaderValue};
+use http::header::{FORWARDED, HOST, HeaderName, HeaderValue};
 use std::io;
 use std::net::SocketAddr;
 use tokio::io::AsyncWriteExt;
@@ -331,6 +331,9 @@ fn parts_of(r: &Request) -> Option<http::request::Parts> {
 }
 
 /// The request as it goes to an HTTP/2 PE, from the parts of an HTTP/2 request.
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
+
 fn upstream_request(
     p: &http::request::Parts,
     peer: SocketAddr,
@@ -353,21 +356,18 @@ fn upstream_request(
             .ok()?
     };
     let mut headers = p.headers.clone();
-    for name in [
-        level_header,
-        "x-forwarded-for",
-        "forwarded",
-        "host",
-        "grpc-timeout",
-    ] {
+    headers.remove(level_header);
+    for name in [&X_FORWARDED_FOR, &FORWARDED, &HOST, &GRPC_TIMEOUT] {
         headers.remove(name);
     }
-    let mut v = Vec::with_capacity(64);
+    let mut v = BytesMut::with_capacity(64);
     fw.x_forwarded_for(&mut v, peer);
-    headers.insert("x-forwarded-for", HeaderValue::from_bytes(&v).ok()?);
-    v.clear();
+    headers.insert(
+        X_FORWARDED_FOR,
+        HeaderValue::from_maybe_shared(v.split().freeze()).ok()?,
+    );
     fw.forwarded(&mut v, peer);
-    headers.insert("forwarded", HeaderValue::from_bytes(&v).ok()?);
+    headers.insert(FORWARDED, HeaderValue::from_maybe_shared(v.freeze()).ok()?);
     if send_level {
         headers.insert(
             HeaderName::from_bytes(level_header.as_bytes()).ok()?,
@@ -377,10 +377,7 @@ fn upstream_request(
     if let Some(d) = deadline {
         let left = d.saturating_duration_since(tokio::time::Instant::now());
         let ms = left.as_millis().clamp(1, 99_999_999);
-        headers.insert(
-            "grpc-timeout",
-            HeaderValue::from_str(&format!("{ms}m")).ok()?,
-        );
+        headers.insert(GRPC_TIMEOUT, HeaderValue::from_str(&format!("{ms}m")).ok()?);
     }
     let mut req = http::Request::new(());
     *req.method_mut() = p.method.clone();

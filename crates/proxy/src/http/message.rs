@@ -57,6 +57,64 @@ fn header_spans(base: &[u8], hs: &[httparse::Header<'_>]) -> Vec<(Range<usize>, 
         .collect()
 }
 
+/// A request head written from parts that are valid already (an HTTP/2 request's), its spans
+/// noted on the way: the `Head` a parse of the same bytes gives, without that parse.
+pub(crate) struct HeadWriter {
+    buf: BytesMut,
+    first: Range<usize>,
+    second: Range<usize>,
+    headers: Vec<(Range<usize>, Range<usize>)>,
+}
+
+impl HeadWriter {
+    /// The request line; `method` and `target` must be a token and a request target.
+    pub(crate) fn request(method: &[u8], target: &[u8], headers: usize) -> Self {
+        let mut buf = BytesMut::with_capacity(256);
+        buf.put_slice(method);
+        buf.put_u8(b' ');
+        buf.put_slice(target);
+        buf.put_slice(b" HTTP/1.1\r\n");
+        let m = method.len();
+        HeadWriter {
+            buf,
+            first: 0..m,
+            second: m + 1..m + 1 + target.len(),
+            headers: Vec::with_capacity(headers),
+        }
+    }
+
+    /// A header; the value without line ends (as a `HeaderValue` is). Its span leaves out
+    /// surrounding blanks, as a parse does.
+    pub(crate) fn header(&mut self, name: &[u8], value: &[u8]) {
+        let n = self.buf.len();
+        self.buf.put_slice(name);
+        self.buf.put_slice(b": ");
+        let v = self.buf.len();
+        self.buf.put_slice(value);
+        self.buf.put_slice(b"\r\n");
+        let trimmed = value.trim_ascii();
+        let start = v + (trimmed.as_ptr() as usize - value.as_ptr() as usize);
+        self.headers
+            .push((n..n + name.len(), start..start + trimmed.len()));
+    }
+
+    /// The head, or `TooLarge` where a parse would find it too large.
+    pub(crate) fn finish(mut self, max: usize) -> Result<Head, HeadError> {
+        self.buf.put_slice(b"\r\n");
+        if self.buf.len() > max || self.headers.len() > MAX_HEADERS {
+            return Err(HeadError::TooLarge);
+        }
+        Ok(Head {
+            raw: self.buf.freeze(),
+            first: self.first,
+            second: self.second,
+            code: 0,
+            minor: 1,
+            headers: self.headers,
+        })
+    }
+}
+
 impl Head {
     /// Parses a request head at the start of `buf`; on success the head is split off `buf`.
     pub fn request(buf: &mut BytesMut, max: usize) -> Result<Option<Head>, HeadError> {
@@ -642,6 +700,37 @@ pub(crate) fn frame_into(out: &mut BytesMut, data: &[u8], chunked: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A written head is the head a parse of its bytes gives, spans and all.
+    #[test]
+    fn a_written_head_is_what_its_parse_gives() {
+        let values: [&[u8]; 6] = [b"x", b" padded\t", b"", b"a, b;q=0.5", b"\xe9t\xe9", b"\t"];
+        for count in [0usize, 1, 5, MAX_HEADERS] {
+            let mut w = HeadWriter::request(b"PATCH", b"/a/b?c=d&e", count);
+            for i in 0..count {
+                let name = format!("x-h{i}");
+                w.header(name.as_bytes(), values[i % values.len()]);
+            }
+            let written = w.finish(1 << 20).unwrap();
+            let mut raw = BytesMut::from(&written.raw[..]);
+            let parsed = Head::request(&mut raw, 1 << 20).unwrap().unwrap();
+            assert!(raw.is_empty());
+            assert_eq!(written.raw, parsed.raw);
+            assert_eq!(
+                (written.first.clone(), written.second.clone(), written.minor),
+                (parsed.first.clone(), parsed.second.clone(), parsed.minor)
+            );
+            assert_eq!(written.headers, parsed.headers, "{count} headers");
+        }
+        let mut w = HeadWriter::request(b"GET", b"/", 0);
+        for i in 0..=MAX_HEADERS {
+            w.header(format!("x-{i}").as_bytes(), b"1");
+        }
+        assert_eq!(w.finish(1 << 20).err(), Some(HeadError::TooLarge));
+        let mut w = HeadWriter::request(b"GET", b"/", 1);
+        w.header(b"x-big", &[b'a'; 100]);
+        assert_eq!(w.finish(100).err(), Some(HeadError::TooLarge));
+    }
 
     fn req(s: &str) -> Result<Option<Head>, HeadError> {
         Head::request(&mut BytesMut::from(s), 65536)

@@ -5,7 +5,7 @@
 
 use crate::http::message::{Framing, Head, framing};
 use bytes::{BufMut, Bytes, BytesMut};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Instant;
 use tracing::debug;
 
@@ -212,6 +212,22 @@ impl Forwarding<'_> {
 fn put_ip(out: &mut impl BufMut, peer: SocketAddr, node: bool) {
     use std::io::Write;
     let ip = peer.ip().to_canonical();
+    if let IpAddr::V4(v4) = ip {
+        // Twice per request: without `fmt`, which costs as much as the rest of the header.
+        for (i, octet) in v4.octets().into_iter().enumerate() {
+            if i > 0 {
+                out.put_u8(b'.');
+            }
+            if octet >= 100 {
+                out.put_u8(b'0' + octet / 100);
+            }
+            if octet >= 10 {
+                out.put_u8(b'0' + octet / 10 % 10);
+            }
+            out.put_u8(b'0' + octet % 10);
+        }
+        return;
+    }
     // Formatted on the stack: no string per request.
     let mut buf = [0u8; 64];
     let mut c = std::io::Cursor::new(&mut buf[..]);
@@ -242,4 +258,33 @@ pub(crate) struct Outgoing {
     /// The whole body, when it is small enough to be held: then the request can be sent
     /// again (and `Request::framing` says there is nothing left to stream).
     pub(crate) held: Option<Bytes>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::put_ip;
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+    #[test]
+    fn an_address_is_written_as_display_writes_it() {
+        let mut octets = vec![
+            0u8, 1, 9, 10, 11, 99, 100, 101, 109, 110, 199, 200, 249, 250, 255,
+        ];
+        octets.extend(0..=255u8);
+        for (i, &a) in octets.iter().enumerate() {
+            let b = octets[(i * 7 + 3) % octets.len()];
+            let ip = Ipv4Addr::new(a, b, 255 - a, b / 3);
+            for addr in [IpAddr::V4(ip), IpAddr::V6(ip.to_ipv6_mapped())] {
+                let mut out = Vec::new();
+                put_ip(&mut out, SocketAddr::new(addr, 80), false);
+                assert_eq!(out, ip.to_string().into_bytes(), "{addr}");
+            }
+        }
+        let v6: IpAddr = "2001:db8::17"
+            .parse()
+            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let mut out = Vec::new();
+        put_ip(&mut out, SocketAddr::new(v6, 80), true);
+        assert_eq!(out, b"\"[2001:db8::17]\"");
+    }
 }

@@ -17,10 +17,10 @@ use super::guard::{Flood, Guarded};
 use super::stream::{Body, Stream};
 use crate::ctx::{Ctx, until_set};
 use crate::http::downstream::Downstream;
-use crate::http::message::{Framing, Head};
+use crate::http::message::{Framing, Head, HeadWriter};
 use crate::http::pipeline::{classify, forward, idempotent_here, log, route};
 use crate::http::request::parse;
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream};
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderValue};
@@ -224,33 +224,36 @@ const CONNECTION_SPECIFIC: [&str; 5] = [
 
 /// The request head as HTTP/1.1 (`Host` from `:authority`); a body of unknown length is
 /// announced as chunked. An extended CONNECT for `upgrade` (its `:protocol`) becomes the
-/// Upgrade request it stands for.
+/// Upgrade request it stands for. Written with its spans, not parsed again: `h2` let through
+/// only valid names and values, and what it does not check (the target, `:protocol`) is
+/// checked here as a parse would.
 fn head_of(
     parts: &http::request::Parts,
     ended: bool,
     upgrade: Option<&str>,
     max: usize,
 ) -> Option<Head> {
-    let mut b = BytesMut::with_capacity(256);
     let method = if upgrade.is_some() {
         "GET"
     } else {
         parts.method.as_str()
     };
-    b.put_slice(method.as_bytes());
-    b.put_u8(b' ');
     let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    b.put_slice(target.as_bytes());
-    b.put_slice(b" HTTP/1.1\r\n");
+    if !target.bytes().all(|b| b.is_ascii_graphic()) {
+        return None;
+    }
+    let mut w = HeadWriter::request(
+        method.as_bytes(),
+        target.as_bytes(),
+        parts.headers.len() + 3,
+    );
     let authority = parts
         .uri
         .authority()
         .map(|a| a.as_str().as_bytes())
         .or_else(|| parts.headers.get(HOST).map(HeaderValue::as_bytes));
     if let Some(a) = authority {
-        b.put_slice(b"host: ");
-        b.put_slice(a);
-        b.put_slice(b"\r\n");
+        w.header(b"host", a);
     }
     for (n, v) in &parts.headers {
         // HTTP/2 has no 100 Continue to wait for: the body comes anyway.
@@ -262,27 +265,24 @@ fn head_of(
         if CONNECTION_SPECIFIC.contains(&n.as_str()) {
             return None;
         }
-        b.put_slice(n.as_str().as_bytes());
-        b.put_slice(b": ");
-        b.put_slice(v.as_bytes());
-        b.put_slice(b"\r\n");
+        w.header(n.as_str().as_bytes(), v.as_bytes());
     }
     if let Some(protocol) = upgrade {
-        b.put_slice(b"connection: upgrade\r\nupgrade: ");
-        b.put_slice(protocol.as_bytes());
-        b.put_slice(b"\r\n");
+        HeaderValue::from_str(protocol).ok()?;
+        w.header(b"connection", b"upgrade");
+        w.header(b"upgrade", protocol.as_bytes());
         if protocol.eq_ignore_ascii_case("websocket")
             && !parts.headers.contains_key("sec-websocket-key")
         {
-            b.put_slice(b"sec-websocket-key: ");
-            b.put_slice(super::tunnel::websocket_key().as_bytes());
-            b.put_slice(b"\r\n");
+            w.header(
+                b"sec-websocket-key",
+                super::tunnel::websocket_key().as_bytes(),
+            );
         }
     } else if !ended && !parts.headers.contains_key(CONTENT_LENGTH) {
-        b.put_slice(b"transfer-encoding: chunked\r\n");
+        w.header(b"transfer-encoding", b"chunked");
     }
-    b.put_slice(b"\r\n");
-    Head::request(&mut b, max).ok().flatten()
+    w.finish(max).ok()
 }
 
 /// Reads the body while it fits in `limit`: all of it, or what was read and the rest.
@@ -378,6 +378,18 @@ mod tests {
             .unwrap()
             .into_parts();
         assert!(head_of(&parts, false, None, 4096).is_none());
+    }
+
+    /// What a parse would refuse is refused: a `:protocol` that would end its header line.
+    #[test]
+    fn a_protocol_that_is_no_header_value_is_refused() {
+        let (parts, ()) = http::Request::connect("http://chat.example/ws")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert!(head_of(&parts, false, Some("websocket\r\nx-evil: 1"), 4096).is_none());
+        assert!(head_of(&parts, false, Some("websocket"), 4096).is_some());
+        assert!(head_of(&parts, false, Some("websocket"), 60).is_none());
     }
 
     /// An extended CONNECT (RFC 8441) reads as the HTTP/1.1 Upgrade request it stands for,

@@ -621,20 +621,25 @@ async fn pieces(
     b: &Backend,
     ctx: &Ctx,
 ) -> Result<Relayed, Failure> {
-    let mut head = http::Response::builder().status(resp.code);
+    let Ok(status) = http::StatusCode::from_u16(resp.code) else {
+        return Err(Failure::Broken { relayed: false });
+    };
+    let mut headers = http::HeaderMap::with_capacity(resp.headers.len());
     for (n, v) in resp.end_to_end() {
         if n.eq_ignore_ascii_case(b"transfer-encoding") {
             continue;
         }
-        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(n), HeaderValue::from_bytes(v)) {
-            head = head.header(n, v);
+        // A value shares the head's bytes: no copy, no allocation per header.
+        let v = HeaderValue::from_maybe_shared(resp.raw.slice_ref(v));
+        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(n), v) {
+            headers.append(n, v);
         }
     }
-    let Ok(head) = head.body(()) else {
-        return Err(Failure::Broken { relayed: false });
-    };
+    let (mut head, ()) = http::Response::new(()).into_parts();
+    head.status = status;
+    head.headers = headers;
     let (mut bytes, mut more) = d
-        .respond_head(head.into_parts().0, framing == Framing::None, r, ctx)
+        .respond_head(head, framing == Framing::None, r, ctx)
         .await?;
     let mut dec = BodyDecoder::new(framing);
     while more {
