@@ -916,3 +916,289 @@ async fn a_burst_of_small_calls_reaches_an_h2_pe_that_reads_them_late() {
     assert!(p.lines_with("panicked").is_empty());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// How many messages the ticker PE below sends on a call of `/t.E/Ticks`.
+const TICKS: usize = 30_000;
+const TICK: &[u8] = b"\0\0\0\0\x05tick!";
+
+/// An HTTP/2 PE in the `h2` crate streaming small messages as a server-streaming gRPC call
+/// does: `/t.E/Ticks` is answered with [`TICKS`] messages, a DATA frame each, as fast as
+/// flow control lets them go; `/t.E/Late` is read only after 2 s, then echoed; any other call
+/// is echoed at once.
+async fn ticker_pe() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                // The stream's window is h2's default (64 KiB); the connection's is larger, as
+                // a server for many calls has it (tonic's, through hyper), so that a call read
+                // late does not hold up the others.
+                let Ok(mut conn) = h2::server::Builder::new()
+                    .initial_connection_window_size(4 << 20)
+                    .handshake(s)
+                    .await
+                else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    if req.uri().path() == "/t.E/Late" {
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_secs(2)).await;
+                            echo(req, respond).await;
+                        });
+                        continue;
+                    }
+                    if req.uri().path() != "/t.E/Ticks" {
+                        tokio::spawn(echo(req, respond));
+                        continue;
+                    }
+                    tokio::spawn(async move {
+                        let head = http::Response::builder()
+                            .header("content-type", "application/grpc")
+                            .body(())
+                            .unwrap();
+                        let Ok(mut tx) = respond.send_response(head, false) else {
+                            return;
+                        };
+                        for _ in 0..TICKS {
+                            tx.reserve_capacity(TICK.len());
+                            while tx.capacity() < TICK.len() {
+                                match std::future::poll_fn(|cx| tx.poll_capacity(cx)).await {
+                                    Some(Ok(_)) => {}
+                                    _ => return,
+                                }
+                            }
+                            if tx
+                                .send_data(bytes::Bytes::from_static(TICK), false)
+                                .is_err()
+                            {
+                                return;
+                            }
+                        }
+                        let mut t = http::HeaderMap::new();
+                        t.insert("grpc-status", http::HeaderValue::from_static("0"));
+                        let _ = tx.send_trailers(t);
+                    });
+                }
+            });
+        }
+    });
+    at
+}
+
+/// A server-streaming call of 30,000 small messages to a client that stops reading for a
+/// while: the client gets every message once it reads again, and meanwhile other calls on the
+/// same PE connection are answered. What the proxy holds for the slow client is flow-controlled
+/// data, not frames left unread inside `h2`: those count against the allowance for small
+/// frames (0.4.20 on) and made `h2` end the whole PE connection with ENHANCE_YOUR_CALM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_of_a_stream_of_small_messages_gets_them_all_and_costs_no_other_call() {
+    let dir = tempdir("ticks");
+    let reg = common::registrar(common::fast_config());
+    let pe = ticker_pe().await;
+    let _sidecar = KillOnDrop(
+        Command::new(BIN)
+            .args(["serve", "--target", &pe.to_string()])
+            .args([
+                "--pool",
+                "Ticks",
+                "--registrar",
+                &reg.asap_addr().to_string(),
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let (front, status) = (addr(), addr());
+    let p = proxy(
+        &dir,
+        reg.asap_addr(),
+        (status, front, "Ticks"),
+        "[pool.Ticks]\nprotocol = \"h2\"\n",
+    );
+    wait_for(Duration::from_secs(10), "the proxy listens", async || {
+        TcpStream::connect(front).await.is_ok()
+    })
+    .await;
+    let connect = async || {
+        let s = TcpStream::connect(front).await.unwrap();
+        let (send, conn) = h2::client::handshake(s).await.unwrap();
+        tokio::spawn(conn);
+        send
+    };
+    let other = connect().await;
+    wait_for(
+        Duration::from_secs(10),
+        "the PE answers through the proxy",
+        || {
+            let mut send = other.clone();
+            async move { h2_call(&mut send, front, "/t.E/Warm").await == (200, "0".into()) }
+        },
+    )
+    .await;
+    // The slow client: its window (64 KiB, h2's default) fills, then it reads nothing for 2 s.
+    let mut slow = connect().await.ready().await.unwrap();
+    let req = http::Request::post(format!("http://{front}/t.E/Ticks"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (resp, mut body) = slow.send_request(req, false).unwrap();
+    body.send_data(bytes::Bytes::from_static(b"\0\0\0\0\0"), true)
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+        .await
+        .expect("the stream's head within 10 s")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut ticks = resp.into_body();
+    let paused = Instant::now();
+    let mut answered = 0;
+    while paused.elapsed() < Duration::from_secs(2) {
+        let mut send = other.clone();
+        let a = tokio::time::timeout(
+            Duration::from_secs(5),
+            h2_call(&mut send, front, "/t.E/Warm"),
+        )
+        .await
+        .unwrap_or((0, "no answer within 5 s".into()));
+        assert_eq!(a, (200, "0".into()), "a call beside the slow client");
+        answered += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(answered > 10, "{answered} calls beside the slow client");
+    let mut got = 0usize;
+    let read = async {
+        while let Some(d) = ticks.data().await {
+            let d = d.expect("the stream goes on");
+            got += d.len();
+            let _ = ticks.flow_control().release_capacity(d.len());
+        }
+        ticks.trailers().await
+    };
+    let trailers = tokio::time::timeout(Duration::from_secs(20), read)
+        .await
+        .expect("the rest within 20 s")
+        .expect("trailers, not a reset");
+    assert_eq!(got, TICKS * TICK.len(), "bytes of the stream");
+    let grpc = trailers.as_ref().and_then(|t| t.get("grpc-status"));
+    assert_eq!(grpc.map(http::HeaderValue::as_bytes), Some(&b"0"[..]));
+    // And the PE connection still serves.
+    let mut send = other.clone();
+    assert_eq!(
+        h2_call(&mut send, front, "/t.E/Warm").await,
+        (200, "0".into())
+    );
+    assert!(p.lines_with("panicked").is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The other way: a client-streaming call of 30,000 small messages to a PE that reads it only
+/// after 2 s. The call is answered with every byte, and the client's other calls on the same
+/// connection meanwhile: the proxy takes the client's frames out of `h2` while the PE is slow
+/// to take them, so they do not run out the client's allowance for small frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_small_messages_to_a_slow_pe_arrives_whole_and_costs_no_other_call() {
+    let dir = tempdir("late");
+    let reg = common::registrar(common::fast_config());
+    let pe = ticker_pe().await;
+    let _sidecar = KillOnDrop(
+        Command::new(BIN)
+            .args(["serve", "--target", &pe.to_string()])
+            .args([
+                "--pool",
+                "Late",
+                "--registrar",
+                &reg.asap_addr().to_string(),
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let (front, status) = (addr(), addr());
+    let p = proxy(
+        &dir,
+        reg.asap_addr(),
+        (status, front, "Late"),
+        "[pool.Late]\nprotocol = \"h2\"\n",
+    );
+    wait_for(Duration::from_secs(10), "the proxy listens", async || {
+        TcpStream::connect(front).await.is_ok()
+    })
+    .await;
+    let s = TcpStream::connect(front).await.unwrap();
+    // Windows for the whole echo coming back: it is read only after the calls beside it.
+    let (client, conn) = h2::client::Builder::new()
+        .initial_window_size(1 << 20)
+        .initial_connection_window_size(4 << 20)
+        .handshake(s)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    wait_for(
+        Duration::from_secs(10),
+        "the PE answers through the proxy",
+        || {
+            let mut send = client.clone();
+            async move { h2_call(&mut send, front, "/t.E/Warm").await == (200, "0".into()) }
+        },
+    )
+    .await;
+    let mut send = client.clone().ready().await.unwrap();
+    let req = http::Request::post(format!("http://{front}/t.E/Late"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (resp, mut up) = send.send_request(req, false).unwrap();
+    let started = Instant::now();
+    let upload = tokio::spawn(async move {
+        for i in 0..TICKS {
+            up.reserve_capacity(TICK.len());
+            while up.capacity() < TICK.len() {
+                match std::future::poll_fn(|cx| up.poll_capacity(cx)).await {
+                    Some(Ok(_)) => {}
+                    other => panic!("message {i}: no window: {other:?}"),
+                }
+            }
+            up.send_data(bytes::Bytes::from_static(TICK), i + 1 == TICKS)
+                .unwrap();
+        }
+    });
+    let mut answered = 0;
+    while started.elapsed() < Duration::from_secs(2) {
+        let mut send = client.clone();
+        let a = tokio::time::timeout(
+            Duration::from_secs(5),
+            h2_call(&mut send, front, "/t.E/Warm"),
+        )
+        .await
+        .unwrap_or((0, "no answer within 5 s".into()));
+        assert_eq!(a, (200, "0".into()), "a call beside the slow one");
+        answered += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(answered > 10, "{answered} calls beside the slow one");
+    let resp = tokio::time::timeout(Duration::from_secs(20), resp)
+        .await
+        .expect("the answer within 20 s")
+        .expect("an answer, not a reset");
+    upload.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut got = 0usize;
+    while let Some(d) = body.data().await {
+        let d = d.expect("the answer goes on");
+        got += d.len();
+        let _ = body.flow_control().release_capacity(d.len());
+    }
+    assert_eq!(got, TICKS * TICK.len(), "bytes echoed");
+    let trailers = body.trailers().await.unwrap();
+    let grpc = trailers.as_ref().and_then(|t| t.get("grpc-status"));
+    assert_eq!(grpc.map(http::HeaderValue::as_bytes), Some(&b"0"[..]));
+    assert!(p.lines_with("panicked").is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}

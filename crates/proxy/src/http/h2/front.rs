@@ -14,6 +14,7 @@
 //! bound the wait for the PE and the relay; the PE gets what is left of the deadline.
 
 use super::guard::{Flood, Guarded};
+use super::inflow::small_frame_budget;
 use super::stream::{Body, Stream};
 use crate::ctx::{Ctx, until_set};
 use crate::http::downstream::Downstream;
@@ -66,6 +67,8 @@ where
     b.max_concurrent_streams(h.max_concurrent_streams)
         .initial_window_size(h.stream_window)
         .initial_connection_window_size(h.connection_window)
+        // A burst of small messages on one stream is read before the stream takes it.
+        .data_frame_budget(small_frame_budget(h.stream_window))
         .max_header_list_size(
             h.max_header_list_size
                 .unwrap_or(u32::try_from(ctx.cfg.max_head).unwrap_or(u32::MAX)),

@@ -12,6 +12,7 @@ use crate::balance::failover::Attempt;
 use crate::ctx::Ctx;
 use crate::http::client_stream::{Client, ClientStream};
 use crate::http::downstream::{Downstream, Failure, H1Client, Relayed};
+use crate::http::h2::inflow::Inflow;
 use crate::http::h2::stream::Body;
 use crate::http::message::{
     BodyDecoder, BodyState, Framing, Head, Piece, frame_into, response_framing,
@@ -521,34 +522,34 @@ async fn send_body(
             let Body::Streamed { rest, .. } = &mut s.body else {
                 return Ok(true);
             };
-            let Some(mut recv) = rest.take() else {
+            let Some(recv) = rest.take() else {
                 return Ok(true);
             };
+            let mut recv = Inflow::new(recv);
             let chunked = r.framing == Framing::Chunked;
             let mut out = BytesMut::new();
             let mut complete = true;
             loop {
-                let d = match tokio::time::timeout(ctx.idle_timeout(), recv.data()).await {
+                let d = match tokio::time::timeout(ctx.idle_timeout(), recv.next()).await {
                     Ok(None) => break,
                     Ok(Some(Ok(d))) => d,
                     _ => return Err(Failure::Client),
                 };
-                let _ = recv.flow_control().release_capacity(d.len());
-                b.stats
-                    .bytes_in
-                    .fetch_add(d.len() as u64, Ordering::Relaxed);
+                let n = d.len();
+                b.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
                 let written = if chunked {
                     out.clear();
                     frame_into(&mut out, &d, true);
-                    bc.stream.write_all(&out).await
+                    recv.while_writing(bc.stream.write_all(&out)).await
                 } else {
-                    bc.stream.write_all(&d).await
+                    recv.while_writing(bc.stream.write_all(&d)).await
                 };
                 if written.is_err() {
                     // The PE stopped taking the body; it may have answered.
                     complete = false;
                     break;
                 }
+                recv.written(n);
             }
             if chunked && complete && bc.stream.write_all(b"0\r\n\r\n").await.is_err() {
                 complete = false;

@@ -15,6 +15,7 @@ use crate::balance::failover::Attempt;
 use crate::ctx::Ctx;
 use crate::http::client_stream::Client;
 use crate::http::downstream::{Downstream, Failure, Relayed};
+use crate::http::h2::inflow::{Inflow, small_frame_budget};
 use crate::http::h2::stream::{Body, grpc_trailers, send_data};
 use crate::http::message::{BodyDecoder, Framing, Piece};
 use crate::http::request::Request;
@@ -119,6 +120,8 @@ pub(crate) async fn stream(b: &Arc<Backend>, ctx: &Ctx) -> io::Result<(SendReque
     let handshake = h2::client::Builder::new()
         .initial_window_size(h.stream_window)
         .initial_connection_window_size(h.connection_window)
+        // A PE streams at will: a whole connection window of small frames may arrive at once.
+        .data_frame_budget(small_frame_budget(h.connection_window))
         .max_header_list_size(ctx.cfg.max_head as u32 * 4)
         .handshake::<_, Bytes>(io);
     let (send, conn) = tokio::time::timeout(ctx.connect_timeout(), handshake)
@@ -179,17 +182,18 @@ pub(crate) fn no_response(e: h2::Error, streamed: bool) -> Failure {
 
 /// Copies a streamed request body (and its trailers) from the client to an HTTP/2 PE.
 async fn pump(prefix: Bytes, rest: Option<RecvStream>, mut up: SendStream<Bytes>, pe: &Backend) {
-    let Some(mut recv) = rest else {
+    let Some(recv) = rest else {
         let _ = send_data(&mut up, prefix, true).await;
         return;
     };
+    let mut recv = Inflow::new(recv);
     pe.stats
         .bytes_in
         .fetch_add(prefix.len() as u64, Ordering::Relaxed);
     if send_data(&mut up, prefix, false).await.is_err() {
         return;
     }
-    while let Some(d) = recv.data().await {
+    while let Some(d) = recv.next().await {
         let Ok(d) = d else {
             up.send_reset(Reason::CANCEL);
             return;
@@ -200,10 +204,14 @@ async fn pump(prefix: Bytes, rest: Option<RecvStream>, mut up: SendStream<Bytes>
         // it (one more frame for the PE, and a small unfinished one counts against its
         // allowance: the `h2` crate ends a connection with many of them unread).
         let last = recv.is_end_stream();
-        if send_data(&mut up, d, last).await.is_err() {
+        if recv
+            .while_writing(send_data(&mut up, d, last))
+            .await
+            .is_err()
+        {
             return;
         }
-        let _ = recv.flow_control().release_capacity(n);
+        recv.written(n);
         if last {
             return;
         }
@@ -296,17 +304,18 @@ pub(crate) async fn exchange(
         Ok(Ok(resp)) => resp,
     };
     b.note_latency(attempt.rif, attempt.sent.elapsed());
-    let (parts, mut body) = resp.into_parts();
+    let (parts, body) = resp.into_parts();
     let code = parts.status.as_u16();
     let end = body.is_end_stream();
     let (mut bytes, more) = d.respond_head(parts, end, r, ctx).await?;
     if more {
+        let mut body = Inflow::new(body);
         let mut ended = false;
         loop {
             // A timer only where there is a deadline: one per DATA frame costs.
             let next = match d.deadline() {
-                Some(until) => tokio::time::timeout_at(until, body.data()).await,
-                None => Ok(body.data().await),
+                Some(until) => tokio::time::timeout_at(until, body.next()).await,
+                None => Ok(body.next().await),
             };
             let data = match next {
                 Err(_) => {
@@ -329,8 +338,8 @@ pub(crate) async fn exchange(
             bytes += n as u64;
             // Ended without trailers: the end goes with the last bytes.
             let last = body.is_end_stream();
-            d.respond_data(data, last).await?;
-            let _ = body.flow_control().release_capacity(n);
+            body.while_writing(d.respond_data(data, last)).await?;
+            body.written(n);
             if last {
                 ended = true;
                 break;
