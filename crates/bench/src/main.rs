@@ -87,10 +87,18 @@ enum BenchCommand {
     /// Internal: a backend of `proxy`'s gRPC part.
     #[command(hide = true)]
     GrpcBackend(proxy::grpc_backend::GrpcBackendArgs),
+    /// Internal: the bare HTTP/2 relay of `proxy`'s gRPC part (the system `h2-relay`).
+    #[command(hide = true)]
+    H2Relay(proxy::h2_relay::H2RelayArgs),
     /// Internal: the simulated PEs and PUs of `registrar`.
     #[command(hide = true)]
     LoadGen(registrar::LoadGenArgs),
 }
+
+/// The proxy's allocator, so that the bare HTTP/2 relay (`h2-relay`) costs what the same
+/// crates cost in the proxy.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
@@ -110,5 +118,6 @@ fn main() -> Result<()> {
         BenchCommand::Chaos(a) => chaos::run(a, &product::locate(cli.rserpool)?),
         BenchCommand::LoadGen(a) => registrar::load_gen(a),
         BenchCommand::GrpcBackend(a) => proxy::grpc_backend::run(a),
+        BenchCommand::H2Relay(a) => proxy::h2_relay::run(a),
     }
 }

@@ -11,6 +11,9 @@ pub enum System {
     Rserpool,
     Haproxy,
     Nginx,
+    /// A bare relay of HTTP/2 streams on the proxy's crates, for the gRPC part only
+    /// (`h2_relay`): what those crates cost per call.
+    H2Relay,
 }
 
 impl System {
@@ -20,6 +23,7 @@ impl System {
             System::Rserpool => "rserpool",
             System::Haproxy => "HAProxy",
             System::Nginx => "nginx",
+            System::H2Relay => "bare h2 relay",
         }
     }
 }

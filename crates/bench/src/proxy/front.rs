@@ -51,6 +51,9 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
             proc: None,
         });
     }
+    if system == System::H2Relay {
+        return relay(bed);
+    }
     let http = local(free_port()?);
     let tcp = local(free_port()?);
     let https = local(free_port()?);
@@ -67,7 +70,7 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
     let name = system.label().to_lowercase();
     let conf_path = d.join(format!("{name}.conf"));
     let mut cmd = match system {
-        System::Direct => unreachable!("handled above"),
+        System::Direct | System::H2Relay => unreachable!("handled above"),
         System::Rserpool => {
             let conf = config::rserpool_proxy(bed.registrar, threads, &fronts, &bed.tls);
             std::fs::write(&conf_path, conf)?;
@@ -135,4 +138,33 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
         );
     }
     Ok(front)
+}
+
+/// The bare HTTP/2 relay onto the gRPC backends; only its `grpc` address serves.
+fn relay(bed: &Bed) -> Result<Front> {
+    let grpc = local(free_port()?);
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(["h2-relay", "--listen", &grpc.to_string()]);
+    for b in &bed.grpc_backends {
+        cmd.args(["--backend", &b.to_string()]);
+    }
+    let proc = Proc::spawn(&mut cmd, &bed.dir.join("h2-relay.log"))?;
+    let start = Instant::now();
+    while std::net::TcpStream::connect(grpc).is_err() {
+        if start.elapsed() > Duration::from_secs(10) {
+            bail!(
+                "the bare h2 relay did not listen within 10 s (see {})",
+                bed.dir.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(Front {
+        http: Vec::new(),
+        tcp: Vec::new(),
+        https: None,
+        h2c: grpc,
+        grpc,
+        proc: Some(proc),
+    })
 }

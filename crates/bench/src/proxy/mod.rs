@@ -24,6 +24,7 @@ mod config;
 mod failover;
 mod front;
 pub mod grpc_backend;
+pub mod h2_relay;
 mod h2load;
 mod idle;
 mod load;
@@ -198,8 +199,16 @@ fn measure(
     if needs_proxy && s.system == System::Direct {
         return Ok(());
     }
+    if s.system == System::H2Relay && part != Part::Grpc {
+        return Ok(()); // It relays HTTP/2 to HTTP/2 only.
+    }
     let front = front::start(bed, s.system, args.threads)?;
-    let url = format!("http://{}{SMALL}", front.http[0]);
+    // (None for the bare h2 relay, which serves the gRPC part only.)
+    let url = front
+        .http
+        .first()
+        .map(|a| format!("http://{a}{SMALL}"))
+        .unwrap_or_default();
     let rt = load::client_runtime(args.threads)?;
     match part {
         Part::Keepalive => s.keepalive = Some(wrk::run(&url, args, false, &front)?),

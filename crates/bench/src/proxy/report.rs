@@ -310,7 +310,8 @@ impl Report {
                  message, `content-type: application/grpc`, `te: trailers`) over HTTP/2 both \
                  ways to three HTTP/2 backends that echo it with `grpc-status: 0` trailers \
                  (`rserpool-bench grpc-backend`; rserpool `protocol = \"h2\"`, HAProxy \
-                 `proto h2`, nginx `grpc_pass`).\n\n",
+                 `proto h2`, nginx `grpc_pass`; the bare h2 relay, where it runs, takes the \
+                 backends in turn on one connection each).\n\n",
                 t = args.threads,
                 c = args.connections,
                 m = args.streams,
@@ -646,6 +647,16 @@ impl Report {
             t += "- gRPC unary calls/s against Envoy: not measured, Envoy cannot be \
                   installed here (no Debian package, no network beyond the package registries); \
                   HAProxy (`proto h2` to the backends) and nginx (`grpc_pass`) stand in\n";
+        }
+        if let Some(floor) = self.row(System::H2Relay).filter(|f| f.grpc.rps.is_some()) {
+            t += &format!(
+                "- the floor of the crates (`h2` both ways, tokio, mimalloc: a bare relay of the \
+                 streams, `rserpool-bench h2-relay`): its CPU per call {} HAProxy's and its \
+                 calls/s {}; rserpool's CPU per call {} the bare relay's (the proxy's own work)\n",
+                of_ratio(floor.grpc.cpu, h.grpc.cpu),
+                of_ratio(floor.grpc.rps, h.grpc.rps),
+                of_ratio(r.grpc.cpu, floor.grpc.cpu),
+            );
         }
         if r.ka_rps.is_none() && r.conn_s.is_none() {
             return t + "\n";
