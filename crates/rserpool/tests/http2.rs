@@ -738,6 +738,80 @@ impl Bystander {
 
 // ---- A burst of small calls to an HTTP/2 PE ----
 
+/// A registrar, an HTTP/2 PE registered by an `rserpool serve` sidecar in `pool`, and a
+/// proxy with default settings but `protocol = "h2"` for the pool, listening at `front`.
+struct H2Bed {
+    dir: PathBuf,
+    front: SocketAddr,
+    proxy: Logged,
+    _sidecar: KillOnDrop,
+    _reg: rserpool_registrar::RegistrarThread,
+}
+
+impl H2Bed {
+    async fn start(tag: &str, pool: &str, pe: SocketAddr) -> Self {
+        let dir = tempdir(tag);
+        let reg = common::registrar(common::fast_config());
+        let sidecar = KillOnDrop(
+            Command::new(BIN)
+                .args(["serve", "--target", &pe.to_string()])
+                .args(["--pool", pool, "--registrar", &reg.asap_addr().to_string()])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let (front, status) = (addr(), addr());
+        let proxy = proxy(
+            &dir,
+            reg.asap_addr(),
+            (status, front, pool),
+            &format!("[pool.{pool}]\nprotocol = \"h2\"\n"),
+        );
+        wait_for(Duration::from_secs(10), "the proxy listens", async || {
+            TcpStream::connect(front).await.is_ok()
+        })
+        .await;
+        H2Bed {
+            dir,
+            front,
+            proxy,
+            _sidecar: sidecar,
+            _reg: reg,
+        }
+    }
+}
+
+impl H2Bed {
+    /// A client connection with `h2`'s defaults.
+    async fn client(&self) -> h2::client::SendRequest<bytes::Bytes> {
+        let s = TcpStream::connect(self.front).await.unwrap();
+        let (send, conn) = h2::client::handshake(s).await.unwrap();
+        tokio::spawn(conn);
+        send
+    }
+
+    /// Once a call on `send` reaches the PE and comes back.
+    async fn warm(&self, send: &h2::client::SendRequest<bytes::Bytes>) {
+        let front = self.front;
+        wait_for(
+            Duration::from_secs(10),
+            "the PE answers through the proxy",
+            || {
+                let mut send = send.clone();
+                async move { h2_call(&mut send, front, "/t.E/Warm").await == (200, "0".into()) }
+            },
+        )
+        .await;
+    }
+}
+
+impl Drop for H2Bed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// Calls the burst PE below holds until this many are waiting.
 const BURST: usize = 300;
 
@@ -789,11 +863,7 @@ async fn echo(
         let _ = body.flow_control().release_capacity(d.len());
         msg.extend_from_slice(&d);
     }
-    let head = http::Response::builder()
-        .header("content-type", "application/grpc")
-        .body(())
-        .unwrap();
-    let Ok(mut tx) = respond.send_response(head, false) else {
+    let Ok(mut tx) = respond.send_response(grpc_response(), false) else {
         return;
     };
     tx.reserve_capacity(msg.len());
@@ -801,6 +871,23 @@ async fn echo(
     let mut t = http::HeaderMap::new();
     t.insert("grpc-status", http::HeaderValue::from_static("0"));
     let _ = tx.send_trailers(t);
+}
+
+/// The head of a gRPC answer; its status comes in the trailers.
+fn grpc_response() -> http::Response<()> {
+    http::Response::builder()
+        .header("content-type", "application/grpc")
+        .body(())
+        .unwrap()
+}
+
+/// The head of a gRPC call to `path` through `front`.
+fn grpc_request(front: SocketAddr, path: &str) -> http::Request<()> {
+    http::Request::post(format!("http://{front}{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap()
 }
 
 /// A gRPC-shaped call over `send`: its status and `grpc-status` (0 and the error when no
@@ -811,11 +898,7 @@ async fn h2_call(
     path: &str,
 ) -> (u16, String) {
     let mut send = send.clone().ready().await.unwrap();
-    let req = http::Request::post(format!("http://{front}{path}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
+    let req = grpc_request(front, path);
     let (resp, mut body) = send.send_request(req, false).unwrap();
     body.send_data(bytes::Bytes::from_static(b"\0\0\0\0\x04ping"), true)
         .unwrap();
@@ -845,52 +928,14 @@ async fn h2_call(
 /// a burst like this one made the PE end the connection with ENHANCE_YOUR_CALM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_small_calls_reaches_an_h2_pe_that_reads_them_late() {
-    let dir = tempdir("burst");
-    let reg = common::registrar(common::fast_config());
-    let pe = burst_pe().await;
-    let _sidecar = KillOnDrop(
-        Command::new(BIN)
-            .args(["serve", "--target", &pe.to_string()])
-            .args([
-                "--pool",
-                "Burst",
-                "--registrar",
-                &reg.asap_addr().to_string(),
-            ])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let (front, status) = (addr(), addr());
-    let p = proxy(
-        &dir,
-        reg.asap_addr(),
-        (status, front, "Burst"),
-        "[pool.Burst]\nprotocol = \"h2\"\n",
-    );
+    let bed = H2Bed::start("burst", "Burst", burst_pe().await).await;
+    let (front, p) = (bed.front, &bed.proxy);
     // Three client connections: 100 streams each at most (the proxy's default).
-    wait_for(Duration::from_secs(10), "the proxy listens", async || {
-        TcpStream::connect(front).await.is_ok()
-    })
-    .await;
     let mut clients = Vec::new();
     for _ in 0..BURST / 100 {
-        let s = TcpStream::connect(front).await.unwrap();
-        let (send, conn) = h2::client::handshake(s).await.unwrap();
-        tokio::spawn(conn);
-        clients.push(send);
+        clients.push(bed.client().await);
     }
-    let warm = clients[0].clone();
-    wait_for(
-        Duration::from_secs(10),
-        "the PE answers through the proxy",
-        || {
-            let mut send = warm.clone();
-            async move { h2_call(&mut send, front, "/t.E/Warm").await == (200, "0".into()) }
-        },
-    )
-    .await;
+    bed.warm(&clients[0]).await;
     let calls: Vec<_> = (0..BURST)
         .map(|i| {
             let mut send = clients[i % clients.len()].clone();
@@ -914,12 +959,66 @@ async fn a_burst_of_small_calls_reaches_an_h2_pe_that_reads_them_late() {
         "failed calls (answer: how many): {failed:?}"
     );
     assert!(p.lines_with("panicked").is_empty());
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// How many messages the ticker PE below sends on a call of `/t.E/Ticks`.
 const TICKS: usize = 30_000;
 const TICK: &[u8] = b"\0\0\0\0\x05tick!";
+
+/// Sends [`TICKS`] messages, a DATA frame each, as flow control lets them go; `end` on the
+/// last.
+async fn send_ticks(tx: &mut h2::SendStream<bytes::Bytes>, end: bool) -> Result<(), String> {
+    for i in 0..TICKS {
+        tx.reserve_capacity(TICK.len());
+        while tx.capacity() < TICK.len() {
+            match std::future::poll_fn(|cx| tx.poll_capacity(cx)).await {
+                Some(Ok(_)) => {}
+                other => return Err(format!("message {i}: no window: {other:?}")),
+            }
+        }
+        let last = end && i + 1 == TICKS;
+        tx.send_data(bytes::Bytes::from_static(TICK), last)
+            .map_err(|e| format!("message {i}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Reads a stream of [`TICKS`] messages to its end: every byte, then `grpc-status: 0`.
+async fn read_ticks(body: &mut h2::RecvStream) {
+    let mut got = 0usize;
+    while let Some(d) = body.data().await {
+        let d = d.expect("the stream goes on");
+        got += d.len();
+        let _ = body.flow_control().release_capacity(d.len());
+    }
+    assert_eq!(got, TICKS * TICK.len(), "bytes of the stream");
+    let trailers = body.trailers().await.expect("trailers, not a reset");
+    let grpc = trailers.as_ref().and_then(|t| t.get("grpc-status"));
+    assert_eq!(grpc.map(http::HeaderValue::as_bytes), Some(&b"0"[..]));
+}
+
+/// Calls on `send`, one after another until 2 s after `since`: every one answered, and more
+/// than ten of them.
+async fn calls_beside(
+    send: &h2::client::SendRequest<bytes::Bytes>,
+    front: SocketAddr,
+    since: Instant,
+) {
+    let mut answered = 0;
+    while since.elapsed() < Duration::from_secs(2) {
+        let mut send = send.clone();
+        let a = tokio::time::timeout(
+            Duration::from_secs(5),
+            h2_call(&mut send, front, "/t.E/Warm"),
+        )
+        .await
+        .unwrap_or((0, "no answer within 5 s".into()));
+        assert_eq!(a, (200, "0".into()), "a call beside the slow one");
+        answered += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(answered > 10, "{answered} calls beside the slow one");
+}
 
 /// An HTTP/2 PE in the `h2` crate streaming small messages as a server-streaming gRPC call
 /// does: `/t.E/Ticks` is answered with [`TICKS`] messages, a DATA frame each, as fast as
@@ -954,27 +1053,11 @@ async fn ticker_pe() -> SocketAddr {
                         continue;
                     }
                     tokio::spawn(async move {
-                        let head = http::Response::builder()
-                            .header("content-type", "application/grpc")
-                            .body(())
-                            .unwrap();
-                        let Ok(mut tx) = respond.send_response(head, false) else {
+                        let Ok(mut tx) = respond.send_response(grpc_response(), false) else {
                             return;
                         };
-                        for _ in 0..TICKS {
-                            tx.reserve_capacity(TICK.len());
-                            while tx.capacity() < TICK.len() {
-                                match std::future::poll_fn(|cx| tx.poll_capacity(cx)).await {
-                                    Some(Ok(_)) => {}
-                                    _ => return,
-                                }
-                            }
-                            if tx
-                                .send_data(bytes::Bytes::from_static(TICK), false)
-                                .is_err()
-                            {
-                                return;
-                            }
+                        if send_ticks(&mut tx, false).await.is_err() {
+                            return;
                         }
                         let mut t = http::HeaderMap::new();
                         t.insert("grpc-status", http::HeaderValue::from_static("0"));
@@ -994,57 +1077,13 @@ async fn ticker_pe() -> SocketAddr {
 /// frames (0.4.20 on) and made `h2` end the whole PE connection with ENHANCE_YOUR_CALM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_client_of_a_stream_of_small_messages_gets_them_all_and_costs_no_other_call() {
-    let dir = tempdir("ticks");
-    let reg = common::registrar(common::fast_config());
-    let pe = ticker_pe().await;
-    let _sidecar = KillOnDrop(
-        Command::new(BIN)
-            .args(["serve", "--target", &pe.to_string()])
-            .args([
-                "--pool",
-                "Ticks",
-                "--registrar",
-                &reg.asap_addr().to_string(),
-            ])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let (front, status) = (addr(), addr());
-    let p = proxy(
-        &dir,
-        reg.asap_addr(),
-        (status, front, "Ticks"),
-        "[pool.Ticks]\nprotocol = \"h2\"\n",
-    );
-    wait_for(Duration::from_secs(10), "the proxy listens", async || {
-        TcpStream::connect(front).await.is_ok()
-    })
-    .await;
-    let connect = async || {
-        let s = TcpStream::connect(front).await.unwrap();
-        let (send, conn) = h2::client::handshake(s).await.unwrap();
-        tokio::spawn(conn);
-        send
-    };
-    let other = connect().await;
-    wait_for(
-        Duration::from_secs(10),
-        "the PE answers through the proxy",
-        || {
-            let mut send = other.clone();
-            async move { h2_call(&mut send, front, "/t.E/Warm").await == (200, "0".into()) }
-        },
-    )
-    .await;
+    let bed = H2Bed::start("ticks", "Ticks", ticker_pe().await).await;
+    let (front, p) = (bed.front, &bed.proxy);
+    let other = bed.client().await;
+    bed.warm(&other).await;
     // The slow client: its window (64 KiB, h2's default) fills, then it reads nothing for 2 s.
-    let mut slow = connect().await.ready().await.unwrap();
-    let req = http::Request::post(format!("http://{front}/t.E/Ticks"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
+    let mut slow = bed.client().await.ready().await.unwrap();
+    let req = grpc_request(front, "/t.E/Ticks");
     let (resp, mut body) = slow.send_request(req, false).unwrap();
     body.send_data(bytes::Bytes::from_static(b"\0\0\0\0\0"), true)
         .unwrap();
@@ -1054,37 +1093,9 @@ async fn a_slow_client_of_a_stream_of_small_messages_gets_them_all_and_costs_no_
         .unwrap();
     assert_eq!(resp.status(), 200);
     let mut ticks = resp.into_body();
-    let paused = Instant::now();
-    let mut answered = 0;
-    while paused.elapsed() < Duration::from_secs(2) {
-        let mut send = other.clone();
-        let a = tokio::time::timeout(
-            Duration::from_secs(5),
-            h2_call(&mut send, front, "/t.E/Warm"),
-        )
-        .await
-        .unwrap_or((0, "no answer within 5 s".into()));
-        assert_eq!(a, (200, "0".into()), "a call beside the slow client");
-        answered += 1;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(answered > 10, "{answered} calls beside the slow client");
-    let mut got = 0usize;
-    let read = async {
-        while let Some(d) = ticks.data().await {
-            let d = d.expect("the stream goes on");
-            got += d.len();
-            let _ = ticks.flow_control().release_capacity(d.len());
-        }
-        ticks.trailers().await
-    };
-    let trailers = tokio::time::timeout(Duration::from_secs(20), read)
-        .await
-        .expect("the rest within 20 s")
-        .expect("trailers, not a reset");
-    assert_eq!(got, TICKS * TICK.len(), "bytes of the stream");
-    let grpc = trailers.as_ref().and_then(|t| t.get("grpc-status"));
-    assert_eq!(grpc.map(http::HeaderValue::as_bytes), Some(&b"0"[..]));
+    calls_beside(&other, front, Instant::now()).await;
+    let read = tokio::time::timeout(Duration::from_secs(20), read_ticks(&mut ticks));
+    read.await.expect("the rest within 20 s");
     // And the PE connection still serves.
     let mut send = other.clone();
     assert_eq!(
@@ -1092,7 +1103,6 @@ async fn a_slow_client_of_a_stream_of_small_messages_gets_them_all_and_costs_no_
         (200, "0".into())
     );
     assert!(p.lines_with("panicked").is_empty());
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// The other way: a client-streaming call of 30,000 small messages to a PE that reads it only
@@ -1101,34 +1111,8 @@ async fn a_slow_client_of_a_stream_of_small_messages_gets_them_all_and_costs_no_
 /// to take them, so they do not run out the client's allowance for small frames.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_of_small_messages_to_a_slow_pe_arrives_whole_and_costs_no_other_call() {
-    let dir = tempdir("late");
-    let reg = common::registrar(common::fast_config());
-    let pe = ticker_pe().await;
-    let _sidecar = KillOnDrop(
-        Command::new(BIN)
-            .args(["serve", "--target", &pe.to_string()])
-            .args([
-                "--pool",
-                "Late",
-                "--registrar",
-                &reg.asap_addr().to_string(),
-            ])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let (front, status) = (addr(), addr());
-    let p = proxy(
-        &dir,
-        reg.asap_addr(),
-        (status, front, "Late"),
-        "[pool.Late]\nprotocol = \"h2\"\n",
-    );
-    wait_for(Duration::from_secs(10), "the proxy listens", async || {
-        TcpStream::connect(front).await.is_ok()
-    })
-    .await;
+    let bed = H2Bed::start("late", "Late", ticker_pe().await).await;
+    let (front, p) = (bed.front, &bed.proxy);
     let s = TcpStream::connect(front).await.unwrap();
     // Windows for the whole echo coming back: it is read only after the calls beside it.
     let (client, conn) = h2::client::Builder::new()
@@ -1138,67 +1122,20 @@ async fn a_stream_of_small_messages_to_a_slow_pe_arrives_whole_and_costs_no_othe
         .await
         .unwrap();
     tokio::spawn(conn);
-    wait_for(
-        Duration::from_secs(10),
-        "the PE answers through the proxy",
-        || {
-            let mut send = client.clone();
-            async move { h2_call(&mut send, front, "/t.E/Warm").await == (200, "0".into()) }
-        },
-    )
-    .await;
+    bed.warm(&client).await;
     let mut send = client.clone().ready().await.unwrap();
-    let req = http::Request::post(format!("http://{front}/t.E/Late"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
+    let req = grpc_request(front, "/t.E/Late");
     let (resp, mut up) = send.send_request(req, false).unwrap();
     let started = Instant::now();
-    let upload = tokio::spawn(async move {
-        for i in 0..TICKS {
-            up.reserve_capacity(TICK.len());
-            while up.capacity() < TICK.len() {
-                match std::future::poll_fn(|cx| up.poll_capacity(cx)).await {
-                    Some(Ok(_)) => {}
-                    other => panic!("message {i}: no window: {other:?}"),
-                }
-            }
-            up.send_data(bytes::Bytes::from_static(TICK), i + 1 == TICKS)
-                .unwrap();
-        }
-    });
-    let mut answered = 0;
-    while started.elapsed() < Duration::from_secs(2) {
-        let mut send = client.clone();
-        let a = tokio::time::timeout(
-            Duration::from_secs(5),
-            h2_call(&mut send, front, "/t.E/Warm"),
-        )
-        .await
-        .unwrap_or((0, "no answer within 5 s".into()));
-        assert_eq!(a, (200, "0".into()), "a call beside the slow one");
-        answered += 1;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(answered > 10, "{answered} calls beside the slow one");
+    let upload = tokio::spawn(async move { send_ticks(&mut up, true).await });
+    calls_beside(&client, front, started).await;
     let resp = tokio::time::timeout(Duration::from_secs(20), resp)
         .await
         .expect("the answer within 20 s")
         .expect("an answer, not a reset");
-    upload.await.unwrap();
+    upload.await.unwrap().expect("the upload");
     assert_eq!(resp.status(), 200);
     let mut body = resp.into_body();
-    let mut got = 0usize;
-    while let Some(d) = body.data().await {
-        let d = d.expect("the answer goes on");
-        got += d.len();
-        let _ = body.flow_control().release_capacity(d.len());
-    }
-    assert_eq!(got, TICKS * TICK.len(), "bytes echoed");
-    let trailers = body.trailers().await.unwrap();
-    let grpc = trailers.as_ref().and_then(|t| t.get("grpc-status"));
-    assert_eq!(grpc.map(http::HeaderValue::as_bytes), Some(&b"0"[..]));
+    read_ticks(&mut body).await;
     assert!(p.lines_with("panicked").is_empty());
-    let _ = std::fs::remove_dir_all(dir);
 }
