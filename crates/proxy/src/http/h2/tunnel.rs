@@ -6,6 +6,7 @@
 //! protocols (101), the client gets 200 and the stream carries the bytes both ways
 //! ([`relay`]) until either side ends or both are quiet for `idle-timeout-ms`.
 
+use super::inflow::Inflow;
 use super::stream::{Stream, send_data};
 use bytes::Bytes;
 use h2::Reason;
@@ -69,17 +70,27 @@ pub(crate) enum Read {
     Failed,
 }
 
-/// An HTTP/2 stream as a tunnel's end: the client's (or an HTTP/2 PE's) DATA frames.
+/// An HTTP/2 stream as a tunnel's end: the client's (or an HTTP/2 PE's) DATA frames, what
+/// has arrived of them read as one piece (a burst of small WebSocket messages is one write).
 pub(crate) struct StreamEnd {
-    pub(crate) recv: h2::RecvStream,
-    pub(crate) send: h2::SendStream<Bytes>,
+    recv: Inflow,
+    send: h2::SendStream<Bytes>,
+}
+
+impl StreamEnd {
+    pub(crate) fn new(recv: h2::RecvStream, send: h2::SendStream<Bytes>) -> Self {
+        Self {
+            recv: Inflow::new(recv),
+            send,
+        }
+    }
 }
 
 impl End for StreamEnd {
     async fn read(&mut self) -> Read {
-        match self.recv.data().await {
+        match self.recv.next().await {
             Some(Ok(d)) => {
-                let _ = self.recv.flow_control().release_capacity(d.len());
+                self.recv.written(d.len());
                 Read::Data(d)
             }
             Some(Err(_)) => Read::Failed,
@@ -189,7 +200,7 @@ pub(crate) fn accept(s: &mut Stream) -> Option<StreamEnd> {
     let recv = s.tunnel.take()?;
     let head = http::Response::builder().status(200).body(()).ok()?;
     let send = s.respond.send_response(head, false).ok()?;
-    Some(StreamEnd { recv, send })
+    Some(StreamEnd::new(recv, send))
 }
 
 /// The HTTP/1.1 PE switched protocols: the client gets 200 and the tunnel carries the bytes

@@ -411,10 +411,7 @@ async fn extended_connect(
     let Some(mut client) = accept(s) else {
         return Err(Failure::Client);
     };
-    let mut pe = StreamEnd {
-        recv: resp.into_body(),
-        send: up,
-    };
+    let mut pe = StreamEnd::new(resp.into_body(), up);
     let carried = carry(&mut client, &mut pe, ctx.idle_timeout()).await;
     b.stats.bytes_in.fetch_add(carried.up, Ordering::Relaxed);
     b.stats.bytes_out.fetch_add(carried.down, Ordering::Relaxed);
