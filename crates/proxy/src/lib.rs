@@ -33,6 +33,8 @@ pub mod tier;
 pub use balance::admit::LevelStats;
 pub use balance::pools::{Pool, PoolSettings, Pools};
 pub use config::{ListenerConfig, Mode, PoolConfig, ProxyConfig, Route, Select};
+/// For tools that speak HTTP/2 as the proxy does (the benchmark's bare relay).
+pub use http::h2::inflow::small_frame_budget;
 
 use access_log::AccessLog;
 use ctx::{Ctx, until_set};

@@ -8,6 +8,8 @@ use anyhow::{Context, Result};
 use bytes::Bytes;
 use clap::Args;
 use h2::client::SendRequest;
+use rserpool_proxy::config::Http2Config;
+use rserpool_proxy::small_frame_budget;
 use std::cell::Cell;
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -22,15 +24,13 @@ pub struct H2RelayArgs {
     pub backend: Vec<SocketAddr>,
 }
 
-/// The proxy's windows (`[http2]` defaults), so that flow control is the same.
-const STREAM_WINDOW: u32 = 1 << 20;
-const CONNECTION_WINDOW: u32 = 4 << 20;
-
 pub fn run(args: H2RelayArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let local = tokio::task::LocalSet::new();
+    // The proxy's `[http2]` defaults and allowance for small frames: the same flow control.
+    let h = Http2Config::default();
     local.block_on(&rt, async move {
         let mut backends = Vec::new();
         for b in &args.backend {
@@ -39,9 +39,9 @@ pub fn run(args: H2RelayArgs) -> Result<()> {
                 .with_context(|| format!("connecting to {b}"))?;
             s.set_nodelay(true)?;
             let (send, conn) = h2::client::Builder::new()
-                .initial_window_size(STREAM_WINDOW)
-                .initial_connection_window_size(CONNECTION_WINDOW)
-                .data_frame_budget(CONNECTION_WINDOW as usize * 25)
+                .initial_window_size(h.stream_window)
+                .initial_connection_window_size(h.connection_window)
+                .data_frame_budget(small_frame_budget(h.connection_window))
                 .handshake::<_, Bytes>(s)
                 .await?;
             tokio::task::spawn_local(async move {
@@ -58,8 +58,9 @@ pub fn run(args: H2RelayArgs) -> Result<()> {
             let (backends, next) = (backends.clone(), next.clone());
             tokio::task::spawn_local(async move {
                 let Ok(mut conn) = h2::server::Builder::new()
-                    .initial_window_size(STREAM_WINDOW)
-                    .initial_connection_window_size(CONNECTION_WINDOW)
+                    .initial_window_size(h.stream_window)
+                    .initial_connection_window_size(h.connection_window)
+                    .data_frame_budget(small_frame_budget(h.stream_window))
                     .handshake::<_, Bytes>(s)
                     .await
                 else {

@@ -330,10 +330,10 @@ fn parts_of(r: &Request) -> Option<http::request::Parts> {
     Some(req.body(()).ok()?.into_parts().0)
 }
 
-/// The request as it goes to an HTTP/2 PE, from the parts of an HTTP/2 request.
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
+/// The request as it goes to an HTTP/2 PE, from the parts of an HTTP/2 request.
 fn upstream_request(
     p: &http::request::Parts,
     peer: SocketAddr,

@@ -19,7 +19,7 @@ use bytes::{Bytes, BytesMut};
 use h2::RecvStream;
 use std::future::{Future, poll_fn};
 use std::pin::pin;
-use std::task::Poll;
+use std::task::{Context, Poll};
 
 /// How much `next` gathers of what `h2` has read already before handing it out.
 const GATHER: usize = 64 * 1024;
@@ -29,7 +29,7 @@ const GATHER: usize = 64 * 1024;
 /// of 10-byte frames (a gRPC message: its 5-byte prefix and 5 bytes of protobuf), each costing the 246 bytes it lacks of 256. At most `window` / 10 such frames can
 /// wait, as the window lets the sender have in flight anyway; `h2`'s own allowance (half the
 /// connection window) is about one fiftieth of that.
-pub(crate) fn small_frame_budget(window: u32) -> usize {
+pub fn small_frame_budget(window: u32) -> usize {
     window as usize / 10 * 246
 }
 
@@ -64,14 +64,7 @@ impl Inflow {
     /// `None` once the DATA is over. Cancel-safe. A burst of small frames goes on as one.
     pub(crate) async fn next(&mut self) -> Option<Result<Bytes, h2::Error>> {
         poll_fn(|cx| {
-            while matches!(self.state, State::Open) && self.held.len() + self.more.len() < GATHER {
-                match self.recv.poll_data(cx) {
-                    Poll::Ready(Some(Ok(d))) => self.hold(d),
-                    Poll::Ready(Some(Err(e))) => self.state = State::Failed(e),
-                    Poll::Ready(None) => self.state = State::Done,
-                    Poll::Pending => break,
-                }
-            }
+            self.gather(cx, GATHER);
             if !self.held.is_empty() || !self.more.is_empty() {
                 return Poll::Ready(Some(Ok(self.take_held())));
             }
@@ -96,18 +89,26 @@ impl Inflow {
     /// Runs `write` (of bytes from `next`), taking the frames that come meanwhile.
     pub(crate) async fn while_writing<F: Future>(&mut self, write: F) -> F::Output {
         let mut write = pin!(write);
-        loop {
-            if !matches!(self.state, State::Open) {
-                return write.await;
+        poll_fn(|cx| {
+            if let Poll::Ready(out) = write.as_mut().poll(cx) {
+                return Poll::Ready(out);
             }
-            tokio::select! {
-                biased;
-                out = &mut write => return out,
-                d = self.recv.data() => match d {
-                    Some(Ok(d)) => self.hold(d),
-                    Some(Err(e)) => self.state = State::Failed(e),
-                    None => self.state = State::Done,
-                },
+            // Bounded by the window: nothing taken is given back before it is written on.
+            self.gather(cx, usize::MAX);
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Takes the frames `h2` has read, while the stream is open and fewer than `limit` bytes
+    /// are held; `cx` is woken for the next one.
+    fn gather(&mut self, cx: &mut Context<'_>, limit: usize) {
+        while matches!(self.state, State::Open) && self.held.len() + self.more.len() < limit {
+            match self.recv.poll_data(cx) {
+                Poll::Ready(Some(Ok(d))) => self.hold(d),
+                Poll::Ready(Some(Err(e))) => self.state = State::Failed(e),
+                Poll::Ready(None) => self.state = State::Done,
+                Poll::Pending => break,
             }
         }
     }
