@@ -367,6 +367,20 @@ impl Pool {
             st.dispatch(&self.handle);
             (level, id, rx, st.admission.timeout(level))
         };
+        // Boxed: the wait is a large future, and every request's attempt would carry its size
+        // for a path taken only under overload.
+        Box::pin(self.wait_queued(level, id, rx, timeout)).await
+    }
+
+    /// The wait of a request queued at `level` (its place `id`) until it is handed a PE, shed,
+    /// or out of time.
+    async fn wait_queued(
+        &self,
+        level: usize,
+        id: u64,
+        rx: tokio::sync::oneshot::Receiver<crate::balance::admit::Outcome>,
+        timeout: Duration,
+    ) -> Result<Arc<Backend>, NoPick> {
         let mut q = Queued {
             pool: self,
             level,

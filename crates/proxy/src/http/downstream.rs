@@ -18,6 +18,7 @@ use crate::http::request::{Outgoing, Request, forwarding};
 use bytes::{BufMut, Bytes, BytesMut};
 use h2::Reason;
 use http::header::{FORWARDED, HOST, HeaderName, HeaderValue};
+use std::fmt::Write as _;
 use std::io;
 use std::net::SocketAddr;
 use tokio::io::AsyncWriteExt;
@@ -293,7 +294,7 @@ impl<'a> Downstream<'a> {
                 }
             }
             Self::H2(s) => match why {
-                Some(why) => s.reply(code, why, ctx).await,
+                Some(why) => s.reply(code, why, ctx),
                 None => match &mut s.tx {
                     Some(tx) => tx.send_reset(Reason::INTERNAL_ERROR),
                     None => s.respond.send_reset(Reason::INTERNAL_ERROR),
@@ -360,14 +361,18 @@ fn upstream_request(
     for name in [&X_FORWARDED_FOR, &FORWARDED, &HOST, &GRPC_TIMEOUT] {
         headers.remove(name);
     }
-    let mut v = BytesMut::with_capacity(64);
+    // The values the proxy writes share one buffer.
+    let mut v = BytesMut::with_capacity(96);
     fw.x_forwarded_for(&mut v, peer);
     headers.insert(
         X_FORWARDED_FOR,
         HeaderValue::from_maybe_shared(v.split().freeze()).ok()?,
     );
     fw.forwarded(&mut v, peer);
-    headers.insert(FORWARDED, HeaderValue::from_maybe_shared(v.freeze()).ok()?);
+    headers.insert(
+        FORWARDED,
+        HeaderValue::from_maybe_shared(v.split().freeze()).ok()?,
+    );
     if send_level {
         headers.insert(
             HeaderName::from_bytes(level_header.as_bytes()).ok()?,
@@ -377,7 +382,11 @@ fn upstream_request(
     if let Some(d) = deadline {
         let left = d.saturating_duration_since(tokio::time::Instant::now());
         let ms = left.as_millis().clamp(1, 99_999_999);
-        headers.insert(GRPC_TIMEOUT, HeaderValue::from_str(&format!("{ms}m")).ok()?);
+        write!(v, "{ms}m").ok()?;
+        headers.insert(
+            GRPC_TIMEOUT,
+            HeaderValue::from_maybe_shared(v.split().freeze()).ok()?,
+        );
     }
     let mut req = http::Request::new(());
     *req.method_mut() = p.method.clone();
@@ -389,4 +398,52 @@ fn upstream_request(
         req.extensions_mut().insert(protocol.clone());
     }
     Some(req)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ProxyConfig;
+    use crate::http::testbed;
+    use std::time::Duration;
+
+    /// What the proxy writes into a request to an HTTP/2 PE: its forwarding headers (a
+    /// client's own replaced, the chain kept), what is left of the deadline, no Host; the
+    /// client's other headers as they came.
+    #[tokio::test]
+    async fn an_http2_pe_gets_the_forwarding_headers_and_the_deadline_left() {
+        let (ctx, _pool, _reports) = testbed::ctx(&[], ProxyConfig::default());
+        let peer: SocketAddr = "192.0.2.7:4000".parse().unwrap();
+        let (r, _) = testbed::request(
+            "POST /pkg.Svc/Call HTTP/1.1\r\nhost: api.example\r\nx-forwarded-for: 198.51.100.1\r\n\r\n",
+            "",
+            peer,
+        );
+        let (p, ()) = http::Request::post("http://api.example/pkg.Svc/Call")
+            .header("content-type", "application/grpc")
+            .header("x-forwarded-for", "198.51.100.1")
+            .header("forwarded", "for=203.0.113.9")
+            .header("grpc-timeout", "10S")
+            .header("x-custom", "kept")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(1500);
+        let req = upstream_request(&p, peer, Some(deadline), &r, &ctx).unwrap();
+        let h = req.headers();
+        let get = |n: &str| h.get(n).map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(
+            get("x-forwarded-for").as_deref(),
+            Some("198.51.100.1, 192.0.2.7")
+        );
+        assert!(get("forwarded").unwrap().contains("for=192.0.2.7"), "{h:?}");
+        let left = get("grpc-timeout").unwrap();
+        let ms: u64 = left.strip_suffix('m').unwrap().parse().unwrap();
+        assert!((1..=1500).contains(&ms), "{left}");
+        assert_eq!(get("x-custom").as_deref(), Some("kept"));
+        assert_eq!(get("content-type").as_deref(), Some("application/grpc"));
+        assert_eq!(h.get_all("grpc-timeout").iter().count(), 1);
+        assert!(h.get(HOST).is_none());
+        assert_eq!(req.uri().authority().unwrap().as_str(), "api.example");
+    }
 }

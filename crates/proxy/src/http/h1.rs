@@ -241,7 +241,7 @@ fn park(
 
 /// One request: its head read (within the timeouts; a draining proxy gives a quiet client a
 /// grace), then served.
-async fn next_request(
+pub(super) async fn next_request(
     c: &mut Client,
     ctx: &mut Arc<Ctx>,
     first: bool,
@@ -353,7 +353,9 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
     let pool = &target.pool;
     r.level = classify(&r, c.peer, ctx);
     if target.kernel && ctx.kernel.is_some() {
-        return pin(c, r, pool, ctx).await;
+        // Boxed: connecting and the splice are a large future, and every request's would
+        // carry its size.
+        return Box::pin(pin(c, r, pool, ctx)).await;
     }
     let Ok(out) = prepare(c, &mut r, ctx).await else {
         return Next::Close;

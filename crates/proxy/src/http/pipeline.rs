@@ -14,7 +14,7 @@
 //! the request goes out again on a new connection.
 
 use crate::balance::backend::Backend;
-use crate::balance::failover::{Attempt, Failover};
+use crate::balance::failover::{Attempt, Failover, GiveUp};
 use crate::balance::keys::{key_of, key_of_source};
 use crate::balance::levels::RequestFacts;
 use crate::balance::pools::Pool;
@@ -66,37 +66,36 @@ pub(crate) async fn forward(
     let sticky = pool.sticky_cookie();
     let named = sticky.as_deref().and_then(|n| sticky_pe(r, n));
     let mut f = Failover::new(ctx.failover()).tied(Affinity { key, pe: named });
-    // The attempt (admission, connecting) and each protocol's exchange are boxed: this future
-    // is as large as its largest state, for the whole request, and lives inside every
-    // request's task (an HTTP/2 stream held for minutes held 5.6 KB for states long over).
+    // An attempt (admission, connecting) and its exchange are boxed, together (one
+    // allocation), and so is the answer of the proxy's own: this future is as large as its
+    // largest state, for the whole request, and lives inside every request's task (an
+    // HTTP/2 stream held for minutes held 5.6 KB for states long over).
     loop {
-        let tried = match pool.protocol() {
+        let tried: Result<_, GiveUp> = match pool.protocol() {
             PeProtocol::H2 => {
                 // Never "reused": a broken HTTP/2 connection may have carried the request to
                 // the PE, so only an idempotent one goes out again.
                 let connect = |pe: Arc<Backend>| async move {
                     up2::stream(&pe, ctx).await.map(|v| (v, false))
                 };
-                match Box::pin(f.attempt(pool, &ctx.pools, r.level, connect)).await {
-                    Ok((attempt, up)) => {
-                        d.set_cookie(sticky_cookie(sticky.as_deref(), named, &attempt));
-                        let outcome = Box::pin(up2::exchange(d, up, r, &attempt, ctx)).await;
-                        Ok((attempt, outcome))
-                    }
-                    Err(g) => Err(g),
-                }
+                Box::pin(async {
+                    let (attempt, up) = f.attempt(pool, &ctx.pools, r.level, connect).await?;
+                    d.set_cookie(sticky_cookie(sticky.as_deref(), named, &attempt));
+                    let outcome = up2::exchange(d, up, r, &attempt, ctx).await;
+                    Ok((attempt, outcome))
+                })
+                .await
             }
             PeProtocol::Http1 => {
                 let connect =
                     |pe: Arc<Backend>| async move { up1::take_conn(&pe, ctx, fresh_only).await };
-                match Box::pin(f.attempt(pool, &ctx.pools, r.level, connect)).await {
-                    Ok((attempt, conn)) => {
-                        d.set_cookie(sticky_cookie(sticky.as_deref(), named, &attempt));
-                        let outcome = Box::pin(up1::exchange(d, conn, r, &attempt, ctx)).await;
-                        Ok((attempt, outcome))
-                    }
-                    Err(g) => Err(g),
-                }
+                Box::pin(async {
+                    let (attempt, conn) = f.attempt(pool, &ctx.pools, r.level, connect).await?;
+                    d.set_cookie(sticky_cookie(sticky.as_deref(), named, &attempt));
+                    let outcome = up1::exchange(d, conn, r, &attempt, ctx).await;
+                    Ok((attempt, outcome))
+                })
+                .await
             }
         };
         let (attempt, outcome) = match tried {
@@ -104,7 +103,7 @@ pub(crate) async fn forward(
             Err(g) => {
                 let (code, why) = g.answer();
                 pool.responded(code);
-                return give_up(d, r, code, Some(why), None, ctx).await;
+                return Box::pin(give_up(d, r, code, Some(why), None, ctx)).await;
             }
         };
         match settle(r, replayable, &attempt, outcome, &mut f, ctx) {
@@ -113,10 +112,10 @@ pub(crate) async fn forward(
                 log(ctx, d.peer(), r, code, Some(&attempt.pe), bytes);
                 return keep;
             }
-            Settled::Again => f.back_off().await,
+            Settled::Again => Box::pin(f.back_off()).await,
             Settled::Failed { code, why } => {
                 pool.responded(code);
-                return give_up(d, r, code, why, Some(&attempt.pe), ctx).await;
+                return Box::pin(give_up(d, r, code, why, Some(&attempt.pe), ctx)).await;
             }
         }
     }

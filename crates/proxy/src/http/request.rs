@@ -13,7 +13,7 @@ use tracing::debug;
 pub(crate) struct Request {
     pub(crate) head: Head,
     pub(crate) framing: Framing,
-    pub(crate) host: Vec<u8>,
+    pub(crate) host: Bytes,
     pub(crate) path_end: usize,
     pub(crate) keep_alive: bool,
     pub(crate) expect_continue: bool,
@@ -106,8 +106,8 @@ fn analyse(head: Head, started: Instant) -> Result<Request, &'static str> {
     let host = {
         let mut hosts = head.values("host");
         match (hosts.next(), hosts.next()) {
-            (Some(h), None) => h.to_vec(),
-            (None, None) if head.minor == 0 => Vec::new(),
+            (Some(h), None) => head.raw.slice_ref(h),
+            (None, None) if head.minor == 0 => Bytes::new(),
             _ => return Err("one Host header is required"),
         }
     };

@@ -73,8 +73,12 @@ where
             h.max_header_list_size
                 .unwrap_or(u32::try_from(ctx.cfg.max_head).unwrap_or(u32::MAX)),
         );
-    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, b.handshake::<_, Bytes>(io)).await
-    {
+    // Boxed: the handshake is a large future the connection's task would carry for its life.
+    let handshake = Box::pin(tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        b.handshake::<_, Bytes>(io),
+    ));
+    let mut conn = match handshake.await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => return debug!("client {peer}: HTTP/2 handshake: {e}"),
         Err(_) => return debug!("client {peer}: no HTTP/2 handshake in time"),
@@ -131,15 +135,17 @@ where
     }
 }
 
-/// One request (stream), from its head to the end of its response.
-async fn call(
+/// One request (stream), from its head to the end of its response. Not an `async fn`: one
+/// holds each argument twice for its whole life (as the argument and as the local it is
+/// moved into); here the stream is made first and an `async` block uses what it captured in
+/// place.
+fn call(
     req: http::Request<RecvStream>,
     respond: SendResponse<Bytes>,
     peer: SocketAddr,
     ctx: Arc<Ctx>,
-) {
+) -> impl Future<Output = ()> + Send {
     let started = Instant::now();
-    let ctx = &ctx;
     let (parts, recv) = req.into_parts();
     let grpc = parts
         .headers
@@ -161,60 +167,63 @@ async fn call(
         set_cookie: None,
         tunnel: None,
     };
-    let ended = recv.is_end_stream();
-    // An extended CONNECT (RFC 8441): the Upgrade request it stands for.
-    let upgrade = (s.parts.method == http::Method::CONNECT)
-        .then(|| s.parts.extensions.get::<h2::ext::Protocol>())
-        .flatten()
-        .map(|p| p.as_str().to_owned());
-    let head = match head_of(&s.parts, ended, upgrade.as_deref(), ctx.cfg.max_head * 2) {
-        Some(h) => h,
-        None => return s.reply(400, "malformed request", ctx).await,
-    };
-    let mut r = match parse(head, peer, started) {
-        Ok(r) => r,
-        Err((code, why)) => return s.reply(code, why, ctx).await,
-    };
-    let Some(target) = route(&r, ctx) else {
-        return s.reply(404, "no route", ctx).await;
-    };
-    let pool = target.pool.clone();
-    r.level = classify(&r, peer, ctx);
-    let length = match r.framing {
-        Framing::Length(n) => Some(n),
-        _ => None,
-    };
-    let repeatable = idempotent_here(&r, &pool);
-    let limit = ctx.cfg.retry_buffer;
-    let hold =
-        ended || length.is_some_and(|n| n <= limit as u64) || (length.is_none() && repeatable);
-    let expects = s
-        .parts
-        .headers
-        .get(http::header::EXPECT)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    if expects && !ended {
-        // The body is wanted at once (the PE's own 100 Continue would come too late).
-        if let Ok(h) = http::Response::builder().status(100).body(()) {
-            let _ = s.respond.send_informational(h);
+    async move {
+        let (ctx, peer) = (&ctx, s.peer);
+        let ended = recv.is_end_stream();
+        // An extended CONNECT (RFC 8441): the Upgrade request it stands for.
+        let upgrade = (s.parts.method == http::Method::CONNECT)
+            .then(|| s.parts.extensions.get::<h2::ext::Protocol>())
+            .flatten()
+            .map(|p| p.as_str().to_owned());
+        let head = match head_of(&s.parts, ended, upgrade.as_deref(), ctx.cfg.max_head * 2) {
+            Some(h) => h,
+            None => return s.reply(400, "malformed request", ctx),
+        };
+        let mut r = match parse(head, peer, started) {
+            Ok(r) => r,
+            Err((code, why)) => return s.reply(code, why, ctx),
+        };
+        let Some(target) = route(&r, ctx) else {
+            return s.reply(404, "no route", ctx);
+        };
+        let pool = target.pool.clone();
+        r.level = classify(&r, peer, ctx);
+        let length = match r.framing {
+            Framing::Length(n) => Some(n),
+            _ => None,
+        };
+        let repeatable = idempotent_here(&r, &pool);
+        let limit = ctx.cfg.retry_buffer;
+        let hold =
+            ended || length.is_some_and(|n| n <= limit as u64) || (length.is_none() && repeatable);
+        let expects = s
+            .parts
+            .headers
+            .get(http::header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if expects && !ended {
+            // The body is wanted at once (the PE's own 100 Continue would come too late).
+            if let Ok(h) = http::Response::builder().status(100).body(()) {
+                let _ = s.respond.send_informational(h);
+            }
         }
+        s.body = if upgrade.is_some() {
+            // No body: the stream is the tunnel, once the PE switches protocols.
+            s.tunnel = Some(recv);
+            Body::Held(Bytes::new())
+        } else if hold {
+            match gather(recv, ended, limit, ctx.idle_timeout()).await {
+                Ok(b) => b,
+                Err(()) => return log(ctx, peer, &r, 499, None, 0),
+            }
+        } else {
+            Body::Streamed {
+                prefix: Bytes::new(),
+                rest: Some(recv),
+            }
+        };
+        forward(&mut Downstream::H2(&mut s), &r, &pool, ctx).await;
     }
-    s.body = if upgrade.is_some() {
-        // No body: the stream is the tunnel, once the PE switches protocols.
-        s.tunnel = Some(recv);
-        Body::Held(Bytes::new())
-    } else if hold {
-        match gather(recv, ended, limit, ctx.idle_timeout()).await {
-            Ok(b) => b,
-            Err(()) => return log(ctx, peer, &r, 499, None, 0),
-        }
-    } else {
-        Body::Streamed {
-            prefix: Bytes::new(),
-            rest: Some(recv),
-        }
-    };
-    forward(&mut Downstream::H2(&mut s), &r, &pool, ctx).await;
 }
 
 const CONNECTION_SPECIFIC: [&str; 5] = [
@@ -298,21 +307,55 @@ async fn gather(
     if ended {
         return Ok(Body::Held(Bytes::new()));
     }
-    let mut buf = BytesMut::new();
+    let mut body = Gathered::default();
     loop {
         match tokio::time::timeout(idle, recv.data()).await {
             Err(_) | Ok(Some(Err(_))) => return Err(()),
-            Ok(None) => return Ok(Body::Held(buf.freeze())),
+            Ok(None) => return Ok(Body::Held(body.take())),
             Ok(Some(Ok(d))) => {
                 let _ = recv.flow_control().release_capacity(d.len());
-                buf.extend_from_slice(&d);
-                if buf.len() > limit {
+                body.push(d);
+                if body.len() > limit {
                     return Ok(Body::Streamed {
-                        prefix: buf.freeze(),
+                        prefix: body.take(),
                         rest: Some(recv),
                     });
                 }
             }
+        }
+    }
+}
+
+/// Pieces of a body as one: a body in one DATA frame (a unary call) is kept as it came, the
+/// pieces are copied together only when a second one comes.
+#[derive(Default)]
+struct Gathered {
+    one: Bytes,
+    joined: BytesMut,
+}
+
+impl Gathered {
+    fn push(&mut self, d: Bytes) {
+        if self.joined.is_empty() && self.one.is_empty() {
+            self.one = d;
+            return;
+        }
+        if self.joined.is_empty() {
+            self.joined
+                .extend_from_slice(&std::mem::take(&mut self.one));
+        }
+        self.joined.extend_from_slice(&d);
+    }
+
+    fn len(&self) -> usize {
+        self.one.len() + self.joined.len()
+    }
+
+    fn take(&mut self) -> Bytes {
+        if self.joined.is_empty() {
+            std::mem::take(&mut self.one)
+        } else {
+            std::mem::take(&mut self.joined).freeze()
         }
     }
 }
@@ -340,6 +383,24 @@ fn grpc_timeout(v: &[u8]) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_body_in_one_piece_is_kept_as_it_came_and_pieces_are_joined() {
+        let mut g = Gathered::default();
+        let one = Bytes::from_static(b"hello");
+        g.push(Bytes::new());
+        g.push(one.clone());
+        assert_eq!(g.len(), 5);
+        let taken = g.take();
+        assert_eq!(taken.as_ptr(), one.as_ptr(), "not copied");
+        assert_eq!(g.len(), 0);
+        for piece in ["ab", "", "cd", "e"] {
+            g.push(Bytes::from(piece));
+        }
+        assert_eq!(g.len(), 5);
+        assert_eq!(g.take(), "abcde");
+        assert_eq!(g.take(), "");
+    }
 
     #[test]
     fn grpc_timeouts_are_read_in_every_unit() {

@@ -46,7 +46,7 @@ impl Stream {
     }
 
     /// A short answer of the proxy's own: for gRPC, a trailers-only response with the status.
-    pub(crate) async fn reply(&mut self, code: u16, why: &str, ctx: &Ctx) {
+    pub(crate) fn reply(&mut self, code: u16, why: &str, ctx: &Ctx) {
         let expired = self.expired();
         if let Some(tx) = &mut self.tx {
             // Part of a response went out already.
@@ -80,7 +80,8 @@ impl Stream {
         }
         let Ok(h) = head.body(()) else { return };
         if let Ok(mut tx) = self.respond.send_response(h, false) {
-            let _ = send_data(&mut tx, Bytes::from(format!("{why}\n")), true).await;
+            // A line: `h2` holds it until the client's window takes it, no wait here.
+            let _ = tx.send_data(Bytes::from(format!("{why}\n")), true);
         }
     }
 }

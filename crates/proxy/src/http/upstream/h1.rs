@@ -65,7 +65,9 @@ pub(crate) async fn take_conn(
     if let Some(conn) = idle(b).and_then(|i| i.take(max_age)) {
         return Ok((conn, true));
     }
-    Ok((BackendConn::new(connect_pe(b, ctx).await?), false))
+    // Boxed: connecting (TCP, TLS) is a large future, and every request's attempt would
+    // carry its size for a path taken once per connection.
+    Ok((BackendConn::new(Box::pin(connect_pe(b, ctx)).await?), false))
 }
 
 /// The request head as sent to a PE: hop-by-hop headers dropped, forwarding headers added,
@@ -343,7 +345,9 @@ pub(crate) async fn exchange(
                     .write_all(&head.raw)
                     .await
                     .map_err(|_| Failure::Client)?;
-                tunnel(h.c, bc, b, ctx).await;
+                // Boxed (as the HTTP/2 client's tunnel below): a tunnel's future is large,
+                // and every request's exchange would carry its size.
+                Box::pin(tunnel(h.c, bc, b, ctx)).await;
                 return Ok(Relayed {
                     code: 101,
                     keep: false,
@@ -353,9 +357,9 @@ pub(crate) async fn exchange(
             // An extended CONNECT (RFC 8441): the stream becomes the tunnel.
             (101, Downstream::H2(s)) if r.upgrade => {
                 let early = std::mem::take(&mut bc.buf);
-                let Some(carried) =
-                    crate::http::h2::tunnel::relay(s, bc.stream, &early, ctx.idle_timeout()).await
-                else {
+                let relay =
+                    crate::http::h2::tunnel::relay(s, bc.stream, &early, ctx.idle_timeout());
+                let Some(carried) = Box::pin(relay).await else {
                     return Err(Failure::Client);
                 };
                 b.stats.bytes_in.fetch_add(carried.up, Ordering::Relaxed);

@@ -107,6 +107,13 @@ pub(crate) async fn stream(b: &Arc<Backend>, ctx: &Ctx) -> io::Result<(SendReque
     if let Some(open) = ready(b).await {
         return Ok(open);
     }
+    // Boxed: opening a connection (TCP, TLS, the HTTP/2 handshake) is a large future, and
+    // every request's attempt would carry its size for a path taken once per connection.
+    Box::pin(open(b, ctx)).await
+}
+
+/// A stream on a new connection to the PE (or on one another request opened meanwhile).
+async fn open(b: &Arc<Backend>, ctx: &Ctx) -> io::Result<(SendRequest<Bytes>, Slot)> {
     let Some(conns) = b.conns.of::<H2Conns>() else {
         return Err(io::Error::other("no room for the PE's HTTP/2 connections"));
     };
@@ -244,7 +251,9 @@ pub(crate) async fn exchange(
     if let Downstream::H2(s) = d
         && s.tunnel.is_some()
     {
-        return extended_connect(s, req, (send, slot), attempt, ctx).await;
+        // Boxed, as the HTTP/1.1 client's streamed body below: large futures every call would
+        // carry for paths few take.
+        return Box::pin(extended_connect(s, req, (send, slot), attempt, ctx)).await;
     }
     let no_body = d.held().is_some_and(Bytes::is_empty);
     let (resp, mut up) = match send.send_request(req, no_body) {
@@ -261,15 +270,10 @@ pub(crate) async fn exchange(
             b.stats
                 .bytes_in
                 .fetch_add(body.len() as u64, Ordering::Relaxed);
-            up.reserve_capacity(body.len());
-            if up.capacity() >= body.len() {
-                // Within the window (a small call): sent at once, no task.
-                let _ = up.send_data(body, true);
-            } else {
-                tokio::spawn(async move {
-                    let _ = send_data(&mut up, body, true).await;
-                });
-            }
+            // Handed to `h2` whole, which sends it as the PE's windows open: a held body is
+            // bounded by `retry-buffer` and held here anyway. (Capacity is never assigned
+            // before the stream opens, so waiting for it meant a task per call.)
+            let _ = up.send_data(body, true);
         }
         Some(_) => {}
         None => match d {
@@ -282,7 +286,7 @@ pub(crate) async fn exchange(
                         .await
                         .map_err(|_| Failure::Client)?;
                 }
-                send_body(h.c, &mut up, r.framing, b, ctx).await?
+                Box::pin(send_body(h.c, &mut up, r.framing, b, ctx)).await?
             }
             Downstream::H2(s) => {
                 if let Body::Streamed { prefix, rest } = &mut s.body {
