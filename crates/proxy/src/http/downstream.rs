@@ -17,7 +17,7 @@ use crate::http::message::{Framing, frame_into};
 use crate::http::request::{Outgoing, Request, forwarding};
 use bytes::{BufMut, Bytes, BytesMut};
 use h2::Reason;
-use http::header::{FORWARDED, HOST, HeaderName, HeaderValue};
+use http::header::{EXPECT, FORWARDED, HOST, HeaderName, HeaderValue};
 use std::fmt::Write as _;
 use std::io;
 use std::net::SocketAddr;
@@ -126,12 +126,19 @@ impl<'a> Downstream<'a> {
     /// The request as it goes to an HTTP/2 PE: the client's headers (the connection's own
     /// dropped), the forwarding headers and the level, what is left of a gRPC deadline; a held
     /// body's length, whatever framing it came in.
-    pub(crate) fn h2_request(&self, r: &Request, ctx: &Ctx) -> Option<http::Request<()>> {
+    pub(crate) fn h2_request(&mut self, r: &Request, ctx: &Ctx) -> Option<http::Request<()>> {
         let mut req = match self {
-            Self::H2(s) => upstream_request(&s.parts, s.peer, s.deadline, r, ctx)?,
-            Self::H1(h) => upstream_request(&parts_of(r)?, h.c.peer, None, r, ctx)?,
+            Self::H2(s) => {
+                let headers = client_headers(&mut s.parts, s.tunnel.is_some(), r)?;
+                upstream_request(&s.parts, headers, s.peer, s.deadline, r, ctx)?
+            }
+            Self::H1(h) => {
+                let mut p = parts_of(r)?;
+                let headers = std::mem::take(&mut p.headers);
+                upstream_request(&p, headers, h.c.peer, None, r, ctx)?
+            }
         };
-        if let (Self::H1(_), Some(held)) = (self, self.held()) {
+        if let (Self::H1(_), Some(held)) = (&*self, self.held()) {
             req.headers_mut()
                 .insert(http::header::CONTENT_LENGTH, held.len().into());
         }
@@ -334,17 +341,49 @@ fn parts_of(r: &Request) -> Option<http::request::Parts> {
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
-/// The request as it goes to an HTTP/2 PE, from the parts of an HTTP/2 request.
+/// An HTTP/2 client's headers for an attempt at a PE. The first attempt takes them as they
+/// came (no copy); one after it (another PE) makes them again from the request's head, their
+/// copy in HTTP/1.1 form, less what writing it added (`Host` from `:authority`,
+/// `Transfer-Encoding` for a body of unknown length). Taken, the headers are empty, and so
+/// are they made again from a request that had none. A tunnel's request keeps its own: its
+/// head has the HTTP/1.1 upgrade written into it.
+pub(crate) fn client_headers(
+    p: &mut http::request::Parts,
+    tunnel: bool,
+    r: &Request,
+) -> Option<http::HeaderMap> {
+    if tunnel {
+        return Some(p.headers.clone());
+    }
+    if !p.headers.is_empty() {
+        return Some(std::mem::take(&mut p.headers));
+    }
+    let mut h = http::HeaderMap::with_capacity(r.head.headers.len());
+    for (n, v) in r.head.iter() {
+        if n.eq_ignore_ascii_case(b"host") || n.eq_ignore_ascii_case(b"transfer-encoding") {
+            continue;
+        }
+        h.append(
+            HeaderName::from_bytes(n).ok()?,
+            HeaderValue::from_bytes(v).ok()?,
+        );
+    }
+    Some(h)
+}
+
+/// The request as it goes to an HTTP/2 PE, from the parts of an HTTP/2 request and its
+/// end-to-end `headers`.
 fn upstream_request(
     p: &http::request::Parts,
+    mut headers: http::HeaderMap,
     peer: SocketAddr,
     deadline: Option<tokio::time::Instant>,
     r: &Request,
     ctx: &Ctx,
 ) -> Option<http::Request<()>> {
     let (level_header, send_level) = ctx.level_header();
-    // The client's own headers pass as they came (`p.headers`): only the forwarding ones
-    // are taken out of the request.
+    // The client's own headers pass as they came: only the forwarding ones are taken out of
+    // the request.
     let fw = forwarding(r, level_header, |_, _| {});
     let uri = if p.uri.scheme().is_some() && p.uri.authority().is_some() {
         p.uri.clone()
@@ -356,9 +395,9 @@ fn upstream_request(
             .parse()
             .ok()?
     };
-    let mut headers = p.headers.clone();
     headers.remove(level_header);
-    for name in [&X_FORWARDED_FOR, &FORWARDED, &HOST, &GRPC_TIMEOUT] {
+    // The proxy answers `Expect` itself: the body comes anyway.
+    for name in [&X_FORWARDED_FOR, &FORWARDED, &HOST, &GRPC_TIMEOUT, &EXPECT] {
         headers.remove(name);
     }
     // The values the proxy writes share one buffer.
@@ -419,7 +458,7 @@ mod tests {
             "",
             peer,
         );
-        let (p, ()) = http::Request::post("http://api.example/pkg.Svc/Call")
+        let (mut p, ()) = http::Request::post("http://api.example/pkg.Svc/Call")
             .header("content-type", "application/grpc")
             .header("x-forwarded-for", "198.51.100.1")
             .header("forwarded", "for=203.0.113.9")
@@ -429,7 +468,8 @@ mod tests {
             .unwrap()
             .into_parts();
         let deadline = tokio::time::Instant::now() + Duration::from_millis(1500);
-        let req = upstream_request(&p, peer, Some(deadline), &r, &ctx).unwrap();
+        let headers = std::mem::take(&mut p.headers);
+        let req = upstream_request(&p, headers, peer, Some(deadline), &r, &ctx).unwrap();
         let h = req.headers();
         let get = |n: &str| h.get(n).map(|v| v.to_str().unwrap().to_owned());
         assert_eq!(
@@ -445,5 +485,49 @@ mod tests {
         assert_eq!(h.get_all("grpc-timeout").iter().count(), 1);
         assert!(h.get(HOST).is_none());
         assert_eq!(req.uri().authority().unwrap().as_str(), "api.example");
+    }
+
+    /// An attempt after the first (another PE) sends the same request: the client's headers
+    /// made again from the request's head are those the first attempt took, repeated names,
+    /// order and all.
+    #[tokio::test]
+    async fn a_second_attempt_sends_the_headers_the_first_did() {
+        let (ctx, _pool, _reports) = testbed::ctx(&[], ProxyConfig::default());
+        let peer: SocketAddr = "192.0.2.7:4000".parse().unwrap();
+        let (mut p, ()) = http::Request::post("https://api.example/pkg.Svc/Call?x=1")
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .header("x-multi", "one")
+            .header("user-agent", "grpc-test/1.0")
+            .header("x-multi", "two")
+            .header("expect", "100-continue")
+            .header("x-forwarded-for", "198.51.100.1")
+            .header("grpc-accept-encoding", "identity,deflate,gzip")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let head = crate::http::h2::front::head_of(&p, false, None, 1 << 16).unwrap();
+        let r = crate::http::request::parse(head, peer, std::time::Instant::now()).unwrap();
+        let pairs = |req: &http::Request<()>| {
+            req.headers()
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+                .collect::<Vec<_>>()
+        };
+        let headers = client_headers(&mut p, false, &r).unwrap();
+        assert!(p.headers.is_empty(), "taken, not copied");
+        let first = upstream_request(&p, headers, peer, None, &r, &ctx).unwrap();
+        let headers = client_headers(&mut p, false, &r).unwrap();
+        let again = upstream_request(&p, headers, peer, None, &r, &ctx).unwrap();
+        assert_eq!(pairs(&first), pairs(&again));
+        assert_eq!(first.uri(), again.uri());
+        assert_eq!(first.uri().scheme_str(), Some("https"));
+        let multi: Vec<_> = first.headers().get_all("x-multi").iter().collect();
+        assert_eq!(multi, ["one", "two"]);
+        assert!(
+            first.headers().get(EXPECT).is_none(),
+            "the proxy answers Expect"
+        );
+        assert_eq!(first.headers().get("te").unwrap(), "trailers");
     }
 }

@@ -239,7 +239,7 @@ const CONNECTION_SPECIFIC: [&str; 5] = [
 /// Upgrade request it stands for. Written with its spans, not parsed again: `h2` let through
 /// only valid names and values, and what it does not check (the target, `:protocol`) is
 /// checked here as a parse would.
-fn head_of(
+pub(crate) fn head_of(
     parts: &http::request::Parts,
     ended: bool,
     upgrade: Option<&str>,
