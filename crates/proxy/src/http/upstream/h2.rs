@@ -375,7 +375,7 @@ async fn extended_connect(
     attempt: &Attempt,
     ctx: &Ctx,
 ) -> Result<Relayed, Failure> {
-    use crate::http::h2::tunnel::{StreamEnd, accept, carry};
+    use crate::http::h2::tunnel::{accept, carry, stream_end};
     let b = &attempt.pe;
     // A connection just opened may not have the PE's SETTINGS yet.
     let settled = tokio::time::Instant::now() + SETTINGS_WAIT;
@@ -412,11 +412,11 @@ async fn extended_connect(
             bytes: 0,
         });
     }
-    let Some(mut client) = accept(s) else {
+    let Some(client) = accept(s) else {
         return Err(Failure::Client);
     };
-    let mut pe = StreamEnd::new(resp.into_body(), up);
-    let carried = carry(&mut client, &mut pe, ctx.idle_timeout()).await;
+    let pe = stream_end(resp.into_body(), up);
+    let carried = carry(client, pe, ctx.idle_timeout()).await;
     b.stats.bytes_in.fetch_add(carried.up, Ordering::Relaxed);
     b.stats.bytes_out.fetch_add(carried.down, Ordering::Relaxed);
     drop(slot);
