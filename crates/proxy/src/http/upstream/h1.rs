@@ -19,7 +19,7 @@ use crate::http::message::{
 };
 use crate::http::request::{Request, forwarding};
 use crate::http::upstream::connect_pe;
-use bytes::{Buf, BufMut, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
 use std::io;
 use std::net::SocketAddr;
@@ -615,6 +615,28 @@ async fn pass(
     })
 }
 
+/// The PE's end-to-end response headers (its framing left out) as a header map. The values
+/// share one copy of the head, not the PE connection's read buffer the head is a slice of:
+/// an HTTP/2 client's HPACK table keeps the values it indexed for the connection's life, and
+/// a slice kept the whole buffer (16 KiB per idle HTTP/2 connection). One copy, not one per
+/// header.
+fn response_headers(resp: &Head) -> http::HeaderMap {
+    let mut headers = http::HeaderMap::with_capacity(resp.headers.len());
+    let raw = Bytes::copy_from_slice(&resp.raw);
+    let base = resp.raw.as_ptr() as usize;
+    for (n, v) in resp.end_to_end() {
+        if n.eq_ignore_ascii_case(b"transfer-encoding") {
+            continue;
+        }
+        let at = v.as_ptr() as usize - base;
+        let v = HeaderValue::from_maybe_shared(raw.slice(at..at + v.len()));
+        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(n), v) {
+            headers.append(n, v);
+        }
+    }
+    headers
+}
+
 /// The response taken apart: the head, the body out of its framing, the chunked coding's
 /// trailers, each sent as the client's version wants.
 async fn pieces(
@@ -629,20 +651,9 @@ async fn pieces(
     let Ok(status) = http::StatusCode::from_u16(resp.code) else {
         return Err(Failure::Broken { relayed: false });
     };
-    let mut headers = http::HeaderMap::with_capacity(resp.headers.len());
-    for (n, v) in resp.end_to_end() {
-        if n.eq_ignore_ascii_case(b"transfer-encoding") {
-            continue;
-        }
-        // A value shares the head's bytes: no copy, no allocation per header.
-        let v = HeaderValue::from_maybe_shared(resp.raw.slice_ref(v));
-        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(n), v) {
-            headers.append(n, v);
-        }
-    }
     let (mut head, ()) = http::Response::new(()).into_parts();
     head.status = status;
-    head.headers = headers;
+    head.headers = response_headers(resp);
     let (mut bytes, mut more) = d
         .respond_head(head, framing == Framing::None, r, ctx)
         .await?;
@@ -707,6 +718,30 @@ mod tests {
     use super::*;
     use crate::http::request::parse;
     use std::time::Instant;
+
+    /// An HTTP/1.1 PE's headers in an HTTP/2 response hold no part of the PE connection's
+    /// read buffer (an HPACK table would keep it for the client connection's life): the
+    /// values are their own copy, the framing is left out, repeated names stay.
+    #[test]
+    fn response_headers_hold_none_of_the_pe_connections_buffer() {
+        let mut buf = BytesMut::with_capacity(16 * 1024);
+        buf.extend_from_slice(
+            b"HTTP/1.1 200 OK\r\nServer: nginx\r\nTransfer-Encoding: chunked\r\n\
+              Set-Cookie: a=1\r\nSet-Cookie: b=2\r\nETag: \"x\"\r\n\r\n0\r\n\r\n",
+        );
+        let whole = buf.as_ptr() as usize..buf.as_ptr() as usize + buf.capacity();
+        let resp = Head::response(&mut buf, 1 << 16).unwrap().unwrap();
+        let h = response_headers(&resp);
+        assert_eq!(h.get("server").unwrap(), "nginx");
+        assert_eq!(h.get("etag").unwrap(), "\"x\"");
+        let cookies: Vec<_> = h.get_all("set-cookie").iter().collect();
+        assert_eq!(cookies, ["a=1", "b=2"]);
+        assert!(h.get("transfer-encoding").is_none());
+        for v in h.values() {
+            let at = v.as_bytes().as_ptr() as usize;
+            assert!(!whole.contains(&at), "{v:?} is a slice of the read buffer");
+        }
+    }
 
     fn forwarded_request(text: &str) -> BytesMut {
         let h = Head::request(&mut BytesMut::from(text), 1024)
