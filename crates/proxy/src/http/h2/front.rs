@@ -14,14 +14,14 @@
 //! bound the wait for the PE and the relay; the PE gets what is left of the deadline.
 
 use super::guard::{Flood, Guarded};
-use super::inflow::small_frame_budget;
+use super::inflow::{Gathered, small_frame_budget};
 use super::stream::{Body, Stream};
 use crate::ctx::{Ctx, until_set};
 use crate::http::downstream::Downstream;
 use crate::http::message::{Framing, Head, HeadWriter};
 use crate::http::pipeline::{classify, forward, idempotent_here, log, route};
 use crate::http::request::parse;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream};
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderValue};
@@ -326,40 +326,6 @@ async fn gather(
     }
 }
 
-/// Pieces of a body as one: a body in one DATA frame (a unary call) is kept as it came, the
-/// pieces are copied together only when a second one comes.
-#[derive(Default)]
-struct Gathered {
-    one: Bytes,
-    joined: BytesMut,
-}
-
-impl Gathered {
-    fn push(&mut self, d: Bytes) {
-        if self.joined.is_empty() && self.one.is_empty() {
-            self.one = d;
-            return;
-        }
-        if self.joined.is_empty() {
-            self.joined
-                .extend_from_slice(&std::mem::take(&mut self.one));
-        }
-        self.joined.extend_from_slice(&d);
-    }
-
-    fn len(&self) -> usize {
-        self.one.len() + self.joined.len()
-    }
-
-    fn take(&mut self) -> Bytes {
-        if self.joined.is_empty() {
-            std::mem::take(&mut self.one)
-        } else {
-            std::mem::take(&mut self.joined).freeze()
-        }
-    }
-}
-
 /// `grpc-timeout`: up to 8 digits and a unit (H, M, S, m, u, n).
 fn grpc_timeout(v: &[u8]) -> Option<Duration> {
     let (&unit, digits) = v.split_last()?;
@@ -383,24 +349,6 @@ fn grpc_timeout(v: &[u8]) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_body_in_one_piece_is_kept_as_it_came_and_pieces_are_joined() {
-        let mut g = Gathered::default();
-        let one = Bytes::from_static(b"hello");
-        g.push(Bytes::new());
-        g.push(one.clone());
-        assert_eq!(g.len(), 5);
-        let taken = g.take();
-        assert_eq!(taken.as_ptr(), one.as_ptr(), "not copied");
-        assert_eq!(g.len(), 0);
-        for piece in ["ab", "", "cd", "e"] {
-            g.push(Bytes::from(piece));
-        }
-        assert_eq!(g.len(), 5);
-        assert_eq!(g.take(), "abcde");
-        assert_eq!(g.take(), "");
-    }
 
     #[test]
     fn grpc_timeouts_are_read_in_every_unit() {

@@ -41,11 +41,51 @@ enum State {
     Failed(h2::Error),
 }
 
+/// Pieces of a body as one: the first is kept as it came (a unary call's body, a lone frame:
+/// no copy); those after it are gathered behind it in one buffer (copied once: they are the
+/// small ones that would otherwise pile up).
+#[derive(Default)]
+pub(crate) struct Gathered {
+    one: Bytes,
+    joined: BytesMut,
+}
+
+impl Gathered {
+    pub(crate) fn push(&mut self, d: Bytes) {
+        if self.joined.is_empty() && self.one.is_empty() {
+            self.one = d;
+            return;
+        }
+        if self.joined.is_empty() {
+            let first = std::mem::take(&mut self.one);
+            self.joined.reserve(first.len() + d.len());
+            self.joined.extend_from_slice(&first);
+        }
+        self.joined.extend_from_slice(&d);
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.one.len() + self.joined.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// All of it, as one piece; it is empty after.
+    pub(crate) fn take(&mut self) -> Bytes {
+        if self.joined.is_empty() {
+            std::mem::take(&mut self.one)
+        } else {
+            std::mem::take(&mut self.joined).freeze()
+        }
+    }
+}
+
 pub(crate) struct Inflow {
     recv: RecvStream,
     /// Taken out of `recv` while earlier bytes were being written on.
-    held: Bytes,
-    more: BytesMut,
+    held: Gathered,
     state: State,
 }
 
@@ -53,8 +93,7 @@ impl Inflow {
     pub(crate) fn new(recv: RecvStream) -> Self {
         Self {
             recv,
-            held: Bytes::new(),
-            more: BytesMut::new(),
+            held: Gathered::default(),
             state: State::Open,
         }
     }
@@ -65,8 +104,8 @@ impl Inflow {
     pub(crate) async fn next(&mut self) -> Option<Result<Bytes, h2::Error>> {
         poll_fn(|cx| {
             self.gather(cx, GATHER);
-            if !self.held.is_empty() || !self.more.is_empty() {
-                return Poll::Ready(Some(Ok(self.take_held())));
+            if !self.held.is_empty() {
+                return Poll::Ready(Some(Ok(self.held.take())));
             }
             match std::mem::replace(&mut self.state, State::Done) {
                 State::Open => {
@@ -83,7 +122,7 @@ impl Inflow {
     /// Whether the sender ended the stream with its DATA and all of it was handed out: the
     /// bytes from the last `next` are the last (no trailers to come).
     pub(crate) fn is_end_stream(&self) -> bool {
-        self.held.is_empty() && self.more.is_empty() && self.recv.is_end_stream()
+        self.held.is_empty() && self.recv.is_end_stream()
     }
 
     /// Runs `write` (of bytes from `next`), taking the frames that come meanwhile.
@@ -103,9 +142,9 @@ impl Inflow {
     /// Takes the frames `h2` has read, while the stream is open and fewer than `limit` bytes
     /// are held; `cx` is woken for the next one.
     fn gather(&mut self, cx: &mut Context<'_>, limit: usize) {
-        while matches!(self.state, State::Open) && self.held.len() + self.more.len() < limit {
+        while matches!(self.state, State::Open) && self.held.len() < limit {
             match self.recv.poll_data(cx) {
-                Poll::Ready(Some(Ok(d))) => self.hold(d),
+                Poll::Ready(Some(Ok(d))) => self.held.push(d),
                 Poll::Ready(Some(Err(e))) => self.state = State::Failed(e),
                 Poll::Ready(None) => self.state = State::Done,
                 Poll::Pending => break,
@@ -121,34 +160,29 @@ impl Inflow {
     pub(crate) async fn trailers(&mut self) -> Result<Option<http::HeaderMap>, h2::Error> {
         self.recv.trailers().await
     }
-
-    /// The first frame taken is kept as it came; those after it are gathered behind it in
-    /// one buffer (copied once: they are the small ones that would otherwise pile up).
-    fn hold(&mut self, d: Bytes) {
-        if self.held.is_empty() && self.more.is_empty() {
-            self.held = d;
-        } else {
-            if !self.held.is_empty() {
-                let first = std::mem::take(&mut self.held);
-                self.more.reserve(first.len() + d.len());
-                self.more.extend_from_slice(&first);
-            }
-            self.more.extend_from_slice(&d);
-        }
-    }
-
-    fn take_held(&mut self) -> Bytes {
-        if self.more.is_empty() {
-            std::mem::take(&mut self.held)
-        } else {
-            std::mem::take(&mut self.more).freeze()
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_body_in_one_piece_is_kept_as_it_came_and_pieces_are_joined() {
+        let mut g = Gathered::default();
+        let one = Bytes::from_static(b"hello");
+        g.push(Bytes::new());
+        g.push(one.clone());
+        assert_eq!(g.len(), 5);
+        let taken = g.take();
+        assert_eq!(taken.as_ptr(), one.as_ptr(), "not copied");
+        assert_eq!(g.len(), 0);
+        for piece in ["ab", "", "cd", "e"] {
+            g.push(Bytes::from(piece));
+        }
+        assert_eq!(g.len(), 5);
+        assert_eq!(g.take(), "abcde");
+        assert_eq!(g.take(), "");
+    }
     use std::time::Duration;
 
     /// A request over an in-memory connection: the server's side of its body and the
@@ -216,11 +250,7 @@ mod tests {
         inflow
             .while_writing(tokio::time::sleep(Duration::from_millis(200)))
             .await;
-        assert_eq!(
-            inflow.held.len() + inflow.more.len(),
-            4_990,
-            "taken meanwhile"
-        );
+        assert_eq!(inflow.held.len(), 4_990, "taken meanwhile");
         inflow.written(first.len());
         let rest = inflow.next().await.unwrap().unwrap();
         assert_eq!(rest.len(), 4_990);
