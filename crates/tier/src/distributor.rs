@@ -4,12 +4,9 @@
 //! death. The driver carries the datagrams, resolves the tier pool, reads the traffic watch
 //! and changes the router's nexthop group.
 //!
-//! A member is dead after `misses` heartbeats in a row unanswered (each within `answer`), or
-//! when a heartbeat out of turn goes unanswered after it left the pool or the traffic watch
-//! found it silent; the first to find it wins. The watch only raises the suspicion: a proxy
-//! starved of CPU for a few tens of milliseconds also stops sending for a while, and a false
-//! death is not free (the connections still on its sockets, not yet spliced, are reset by the
-//! member their buckets move to). It is alive again at its next answer. Once the group no longer has a dead member, every
+//! A member is dead after `misses` heartbeats in a row unanswered (each within `answer`), as
+//! soon as it leaves the pool, or when the traffic watch says so; the first to find it wins.
+//! It is alive again at its next answer. Once the group no longer has a dead member, every
 //! live member hears of it, the first of them as the one that sends the nudge's probes.
 
 use crate::wire::Datagram;
@@ -17,7 +14,7 @@ use rserpool_wire::Instant;
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::Duration;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DistributorConfig {
@@ -29,8 +26,7 @@ pub struct DistributorConfig {
     /// A weight is 1 + free capacity × (levels − 1), rounded; 1: equal weights.
     pub weight_levels: u32,
     /// The traffic watch: a member sent at least `silence_frames` frames that sent none for
-    /// `silence` is asked at once, and dead unless it answers within `answer` (or sends a
-    /// frame).
+    /// `silence` is dead.
     pub silence: Duration,
     pub silence_frames: u64,
 }
@@ -71,12 +67,6 @@ struct Member {
     /// registrar cut off, say), not necessarily the proxy. It stays while it answers; its
     /// first miss is its death.
     unlisted: bool,
-    /// Found silent by the traffic watch, since when: a heartbeat out of turn is out, its miss
-    /// is death, its answer (or a frame from it) clears it.
-    suspect: Option<Instant>,
-    /// Suspicions cleared so far (logged at 1, 2, 4, 8, …: a proxy that answers heartbeats
-    /// but forwards nothing would be suspected every `silence`).
-    cleared: u64,
     /// The watch's counts at the last look, when it last sent a frame, and the frames sent
     /// to it until then.
     seen: Traffic,
@@ -128,7 +118,9 @@ impl DistributorCore {
                     m.addr
                 );
                 m.unlisted = true;
-                ask_now(m, &self.cfg, self.seq, &mut self.transmits, now);
+                m.waiting = Some(now + self.cfg.answer.min(self.cfg.heartbeat));
+                let hb = Datagram::Heartbeat { seq: self.seq }.encode();
+                self.transmits.push_back((m.addr, hb));
             } else if here && m.unlisted {
                 info!(
                     "distributor: proxy {id:#010x} at {} back in the tier pool",
@@ -151,8 +143,6 @@ impl DistributorCore {
                     live: false,
                     waiting: None,
                     unlisted: false,
-                    suspect: None,
-                    cleared: 0,
                     seen: Traffic::default(),
                     heard_at: now,
                     to_at_heard: 0,
@@ -186,9 +176,6 @@ impl DistributorCore {
         m.missed = 0;
         m.waiting = None;
         m.free = f64::from(free.min(1_000_000)) / 1e6;
-        if m.suspect.is_some() {
-            clear_suspicion(id, m, "it answered", now);
-        }
         if !m.answered || !m.live {
             info!("distributor: proxy {id:#010x} at {} is alive", m.addr);
             m.heard_at = now;
@@ -199,33 +186,26 @@ impl DistributorCore {
     }
 
     /// The traffic watch's counts, by member: one that was sent frames and sent none for the
-    /// silence is asked at once (a heartbeat out of turn); dead if that goes unanswered.
+    /// silence is dead.
     pub fn traffic(&mut self, counts: &BTreeMap<u32, Traffic>, now: Instant) {
         for (id, m) in &mut self.members {
             let Some(t) = counts.get(id) else { continue };
             if t.from > m.seen.from || t.to < m.seen.to {
                 m.heard_at = now;
                 m.to_at_heard = t.to;
-                if m.suspect.is_some() {
-                    clear_suspicion(*id, m, "it sent frames again", now);
-                }
             }
             m.seen = *t;
             let unanswered = t.to.saturating_sub(m.to_at_heard);
             let quiet = now.saturating_duration_since(m.heard_at);
-            if m.live
-                && m.suspect.is_none()
-                && quiet >= self.cfg.silence
-                && unanswered >= self.cfg.silence_frames
-            {
-                debug!(
-                    "distributor: proxy {id:#010x} at {} was sent {unanswered} frames in {} ms \
-                     and sent none; asking it",
+            if m.live && quiet >= self.cfg.silence && unanswered >= self.cfg.silence_frames {
+                warn!(
+                    "distributor: proxy {id:#010x} at {} is dead: it was sent {unanswered} \
+                     frames in {} ms and sent none",
                     m.addr,
                     quiet.as_millis()
                 );
-                m.suspect = Some(now);
-                ask_now(m, &self.cfg, self.seq, &mut self.transmits, now);
+                m.live = false;
+                self.died.push(*id);
             }
         }
     }
@@ -238,17 +218,7 @@ impl DistributorCore {
             }
             m.waiting = None;
             m.missed += 1;
-            if m.live && m.suspect.is_some() {
-                warn!(
-                    "distributor: proxy {id:#010x} at {} is dead: it was sent {} frames in {} \
-                     ms, sent none and did not answer a heartbeat",
-                    m.addr,
-                    m.seen.to.saturating_sub(m.to_at_heard),
-                    now.saturating_duration_since(m.heard_at).as_millis()
-                );
-                m.live = false;
-                self.died.push(*id);
-            } else if m.live && (m.missed >= self.cfg.misses || m.unlisted) {
+            if m.live && (m.missed >= self.cfg.misses || m.unlisted) {
                 warn!(
                     "distributor: proxy {id:#010x} at {} is dead: {} heartbeats without an \
                      answer{}",
@@ -262,9 +232,6 @@ impl DistributorCore {
                 );
                 m.live = false;
                 self.died.push(*id);
-            }
-            if !m.live {
-                m.suspect = None;
             }
         }
         self.members.retain(|_, m| m.live || !m.unlisted);
@@ -341,39 +308,6 @@ impl DistributorCore {
                 self.transmits.push_back((m.addr, d.encode()));
             }
         }
-    }
-}
-
-/// Sends `m` a heartbeat out of turn, due within the answer time.
-fn ask_now(
-    m: &mut Member,
-    cfg: &DistributorConfig,
-    seq: u32,
-    transmits: &mut VecDeque<(SocketAddr, Vec<u8>)>,
-    now: Instant,
-) {
-    m.waiting = Some(now + cfg.answer.min(cfg.heartbeat));
-    transmits.push_back((m.addr, Datagram::Heartbeat { seq }.encode()));
-}
-
-/// The watch's suspicion of `m` was wrong: it is alive.
-fn clear_suspicion(id: u32, m: &mut Member, how: &str, now: Instant) {
-    let Some(since) = m.suspect.take() else {
-        return;
-    };
-    m.waiting = None;
-    // The silence starts again from here.
-    m.heard_at = now;
-    m.to_at_heard = m.seen.to;
-    m.cleared += 1;
-    if m.cleared.is_power_of_two() {
-        info!(
-            "distributor: proxy {id:#010x} at {} was silent on the wire but {how} {} ms after; \
-             alive ({} such false alarms so far)",
-            m.addr,
-            now.saturating_duration_since(since).as_millis(),
-            m.cleared
-        );
     }
 }
 
@@ -535,70 +469,16 @@ mod tests {
         assert_eq!(d.poll_group().unwrap().members[0].2, 5);
     }
 
-    /// The heartbeats out of turn waiting to be sent.
-    fn asked(d: &mut DistributorCore) -> Vec<SocketAddr> {
-        std::iter::from_fn(|| d.poll_transmit())
-            .filter(|(_, b)| {
-                matches!(
-                    Datagram::decode_at_member(b),
-                    Some(Datagram::Heartbeat { .. })
-                )
-            })
-            .map(|(a, _)| a)
-            .collect()
-    }
-
-    /// One live member, the watch's counts reading `to`/`from` frames.
-    fn watched() -> (DistributorCore, impl Fn(u64, u64) -> BTreeMap<u32, Traffic>) {
+    #[test]
+    fn the_watch_finds_a_silent_member() {
         let mut d = DistributorCore::new(cfg(), t(0));
         d.set_listed(&[(1, addr(1))].into(), t(0));
-        d.tick(t(0));
         answer(&mut d, 1, 1_000_000, t(0));
-        assert_eq!(asked(&mut d), vec![addr(1)]);
-        // The next round at 200 ms.
-        (d, |to, from| BTreeMap::from([(1, Traffic { to, from })]))
-    }
-
-    #[test]
-    fn the_watch_finds_a_silent_member_that_does_not_answer() {
-        let (mut d, c) = watched();
+        let c = |to, from| BTreeMap::from([(1, Traffic { to, from })]);
         d.traffic(&c(10, 10), t(5));
         d.traffic(&c(50, 10), t(20));
         assert_eq!(d.live(), vec![1]);
-        assert!(asked(&mut d).is_empty());
-        // Silent for 21 ms while sent 50 frames: asked at once, still live.
         d.traffic(&c(60, 10), t(26));
-        assert_eq!(asked(&mut d), vec![addr(1)]);
-        assert_eq!(d.live(), vec![1]);
-        assert_eq!(d.poll_timeout(), t(26 + 40));
-        // Asked once only while the question is out.
-        d.traffic(&c(70, 10), t(31));
-        assert!(asked(&mut d).is_empty());
-        d.tick(t(65));
-        assert_eq!(d.live(), vec![1]);
-        d.tick(t(66));
         assert!(d.live().is_empty());
-    }
-
-    #[test]
-    fn a_silent_member_that_answers_or_sends_again_stays() {
-        let (mut d, c) = watched();
-        d.traffic(&c(10, 10), t(5));
-        d.traffic(&c(60, 10), t(26));
-        assert_eq!(asked(&mut d), vec![addr(1)]);
-        // A CPU-starved proxy answers late, but within the answer time.
-        answer(&mut d, 1, 1_000_000, t(50));
-        d.tick(t(66));
-        assert_eq!(d.live(), vec![1]);
-        // The silence counts again from the answer: not asked at the next look.
-        d.traffic(&c(70, 10), t(71));
-        assert!(asked(&mut d).is_empty());
-        d.traffic(&c(110, 10), t(81));
-        assert_eq!(asked(&mut d), vec![addr(1)]);
-        // A frame from it is an answer too.
-        d.traffic(&c(120, 11), t(86));
-        d.tick(t(199));
-        assert_eq!(d.live(), vec![1]);
-        assert_eq!(d.poll_timeout(), t(200));
     }
 }

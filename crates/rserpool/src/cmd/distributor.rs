@@ -12,9 +12,8 @@
 //! `--heartbeat-ms`, each answered within `--answer-ms`), or as soon as it leaves the tier
 //! pool (the registrars' own supervision), whichever comes first: 2–3 heartbeat intervals
 //! after it died. With `--watch DEV` (the router's interface towards the proxies) a proxy is
-//! also dead once the router has kept sending it frames for `--silence-ms`, it sent none back
-//! (`rserpool_ksplice::watch`) and it does not answer the heartbeat then sent to it out of
-//! turn within `--answer-ms`: tens of milliseconds instead of heartbeats, before
+//! also dead as soon as the router has kept sending it frames for `--silence-ms` and it sent
+//! none back (`rserpool_ksplice::watch`): tens of milliseconds instead of heartbeats, before
 //! the TCP senders behind it lose a retransmission. The group is changed with iproute2 (`ip
 //! nexthop`), which every Linux router has. Then the live proxies hear of the death, and
 //! nudge the TCP senders that were backing off on packets the dead one lost
@@ -58,9 +57,8 @@ pub struct DistributorArgs {
     /// interval, at least 5 ms).
     #[arg(long)]
     pub answer_ms: Option<u64>,
-    /// The router's interface towards the proxies: watch their traffic there (eBPF), and ask
-    /// a proxy at once (a heartbeat out of turn, dead unless answered within `--answer-ms`)
-    /// when it answers none of the frames it is sent for `--silence-ms`.
+    /// The router's interface towards the proxies: watch their traffic there (eBPF) and take
+    /// a proxy for dead once it answers none of the frames it is sent for `--silence-ms`.
     #[arg(long, value_name = "DEV")]
     pub watch: Option<String>,
     /// With `--watch`: how long a proxy may send nothing while it is sent frames. Shorter
