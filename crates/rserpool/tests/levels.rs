@@ -189,7 +189,9 @@ async fn a_full_queue_sheds_the_lowest_level_first() {
     let front = p.local_addrs()[0];
     wait_for_pes(&p, 1).await;
     let slow = "/work?us=400000";
-    let busy = tokio::spawn(one(front, get(slow, None, "")));
+    // In service until the queue's part is over: 3 s, so that a slow machine still has the
+    // queue full when the newcomer comes (with 400 ms it was sometimes served already).
+    let busy = tokio::spawn(one(front, get("/work?us=3000000", None, "")));
     wait_until(Duration::from_secs(5), "one request in service", || {
         level_stats(&p, 1).is_some_and(|s| s.admitted == 1)
     })
