@@ -36,11 +36,22 @@ fn proxy(
     (status, front, pool): (SocketAddr, SocketAddr, &str),
     rest: &str,
 ) -> Logged {
+    proxy_with(dir, reg, (status, front, pool), "", rest)
+}
+
+/// [`proxy`] with `top` among the top-level settings.
+fn proxy_with(
+    dir: &Path,
+    reg: SocketAddr,
+    (status, front, pool): (SocketAddr, SocketAddr, &str),
+    top: &str,
+    rest: &str,
+) -> Logged {
     let path = dir.join("proxy.toml");
     std::fs::write(
         &path,
         format!(
-            "registrars = [\"{reg}\"]\nrefresh-ms = 200\nstatus = \"{status}\"\n\n\
+            "registrars = [\"{reg}\"]\nrefresh-ms = 200\nstatus = \"{status}\"\n{top}\n\
              [[listener]]\nlisten = \"{front}\"\nmode = \"http\"\npool = \"{pool}\"\n{rest}"
         ),
     )
@@ -697,6 +708,63 @@ async fn http2_attacks_get_goaway_and_other_clients_stay_served() {
 }
 
 /// A client on one HTTP/2 connection through all the attacks.
+/// An HTTP/2 connection is closed `idle-timeout-ms` after its last stream (GOAWAY, then the
+/// close), and not while streams keep coming, however long it lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_connection_closes_when_idle_after_its_last_stream_and_not_before() {
+    let dir = tempdir("idle");
+    let reg = common::registrar(common::fast_config());
+    let _pe = example_http(reg.asap_addr(), "Web", 1, &[]).await;
+    let (front, status) = (addr(), addr());
+    let idle = Duration::from_millis(600);
+    let _p = proxy_with(
+        &dir,
+        reg.asap_addr(),
+        (status, front, "Web"),
+        &format!("idle-timeout-ms = {}", idle.as_millis()),
+        "",
+    );
+    wait_for(Duration::from_secs(15), "the proxy serves h2c", || async {
+        h2c_get(front, "/").await.starts_with("HTTP/2 200")
+    })
+    .await;
+    let mut c = Bystander {
+        s: raw_h2(front).await,
+        buf: Vec::new(),
+        next: 1,
+    };
+    // A stream every 200 ms for three idle times: each answered, no GOAWAY.
+    let started = Instant::now();
+    while started.elapsed() < idle * 3 {
+        c.served().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    c.served().await;
+    let last = Instant::now();
+    // Then nothing: GOAWAY (NO_ERROR) about an idle time later, and the close.
+    let seen = watch(&mut c.s, Duration::from_secs(10)).await;
+    let after = last.elapsed();
+    assert_eq!(seen.goaway, Some(0), "{seen:?}");
+    assert!(
+        after >= idle - Duration::from_millis(50) && after < idle * 3,
+        "GOAWAY {after:?} after the last stream, the idle timeout is {idle:?}"
+    );
+    let mut rest = [0u8; 1024];
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match c.s.read(&mut rest).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the connection stayed open after its GOAWAY"
+    );
+}
+
 struct Bystander {
     s: TcpStream,
     buf: Vec<u8>,

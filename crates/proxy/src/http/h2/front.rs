@@ -85,13 +85,21 @@ where
     };
     let mut draining = ctx.draining.clone();
     let idle = ctx.idle_timeout();
-    let mut idle_at = tokio::time::Instant::now() + idle;
-    let mut closing = false;
+    // The waits that last the connection's life are made once, not at every stream: each one
+    // made anew registers again (a timer in the wheel, a waiter in a lock-guarded list) and
+    // the one it replaces deregisters.
+    let mut last_stream = tokio::time::Instant::now();
+    let idle_timer = tokio::time::sleep_until(last_stream + idle);
+    let flood = tripped.wait();
+    let drain = until_set(&mut draining);
+    tokio::pin!(idle_timer, flood, drain);
+    // Closing: a GOAWAY sent; drained: by the proxy's drain, which bounds it.
+    let (mut closing, mut drained) = (false, false);
     loop {
         tokio::select! {
             s = conn.accept() => match s {
                 Some(Ok((req, respond))) => {
-                    idle_at = tokio::time::Instant::now() + idle;
+                    last_stream = tokio::time::Instant::now();
                     // After a reload, a new stream takes the new routes, pools and levels.
                     if let Some(newer) = ctx.newer() {
                         ctx = newer;
@@ -110,7 +118,7 @@ where
                 }
                 None => return,
             },
-            f = tripped.wait() => {
+            f = &mut flood => {
                 note_flood(peer, match f {
                     Flood::Resets => "reset flood",
                     Flood::Control => "control frame flood",
@@ -119,16 +127,24 @@ where
                 let _ = tokio::time::timeout(GOAWAY_TIMEOUT, poll_fn(|cx| conn.poll_closed(cx))).await;
                 return;
             }
-            () = until_set(&mut draining), if !closing => {
+            () = &mut drain, if !closing => {
                 conn.graceful_shutdown();
-                closing = true;
+                (closing, drained) = (true, true);
             }
-            () = tokio::time::sleep_until(idle_at), if !closing => {
+            () = &mut idle_timer, if !drained => {
+                let now = tokio::time::Instant::now();
                 if conn.has_streams() {
-                    idle_at = tokio::time::Instant::now() + idle;
+                    idle_timer.as_mut().reset(now + idle);
+                } else if closing {
+                    // `h2` closes after the client acknowledges the PING sent with the
+                    // GOAWAY; one that never does would keep the connection for ever.
+                    return debug!("client {peer}: no close in time after the idle GOAWAY");
+                } else if last_stream + idle > now {
+                    idle_timer.as_mut().reset(last_stream + idle);
                 } else {
                     conn.graceful_shutdown();
                     closing = true;
+                    idle_timer.as_mut().reset(now + GOAWAY_TIMEOUT);
                 }
             }
         }
