@@ -167,6 +167,17 @@ async fn up_then_the_suggested_commands_work_on_defaults() {
         .unwrap();
     assert_eq!(&got, b"still\n");
 
+    // Without transparent huge pages, which would make every connection's memory grow in
+    // 2 MiB pages (src/main.rs): the kernel says so of the process.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", up.id())).unwrap();
+    if let Some(thp) = status.lines().find_map(|l| l.strip_prefix("THP_enabled:")) {
+        assert_eq!(
+            thp.trim(),
+            "0",
+            "transparent huge pages are on for `rserpool up`"
+        );
+    }
+
     drop((c, echo, again));
     signal(&up, rustix::process::Signal::INT);
     wait_until(
