@@ -176,12 +176,14 @@ enum Command {
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// No transparent huge pages for this process (and the ones it starts), before its memory
-/// grows. mimalloc asks for them on its arenas (`madvise`), and then a 2 MiB page is resident
-/// as soon as any of it is touched: an idle HTTP/2 connection cost the proxy 38.4 KiB with
-/// them and 29.3 without, a held HTTP/2 stream 7.4 and 5.6, the registrar with 10,000 PEs 31
-/// MB and 18.5, at the same CPU per request (docs/PERFORMANCE.md). mimalloc's own switch,
-/// `MIMALLOC_ALLOW_THP`, set in the environment, decides instead.
+/// No transparent huge pages for the proxy's process (and the ones it starts), before its
+/// memory grows. mimalloc asks for them on its arenas (`madvise`), and then a 2 MiB page is
+/// resident as soon as any of it is touched: an idle HTTP/2 connection cost the proxy 38.4 KiB
+/// with them and 29.3 without, a held HTTP/2 stream 7.4 and 5.6, at the same CPU per request.
+/// The registrar keeps them: at 100,000 PEs it took about a tenth more CPU without them (more
+/// TLB misses over a large handlespace), and its memory is not per connection
+/// (docs/PERFORMANCE.md). mimalloc's own switch, `MIMALLOC_ALLOW_THP`, set in the environment,
+/// decides instead.
 fn no_huge_pages() {
     if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
         // Refused only by kernels without the call; nothing to do then.
@@ -190,8 +192,10 @@ fn no_huge_pages() {
 }
 
 fn main() -> Result<()> {
-    no_huge_pages();
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Proxy(_) | Command::Up(_)) {
+        no_huge_pages();
+    }
     rserpool_tls::install_provider();
     cmd::set_log_format(cli.log_format);
     if cli.print_config {

@@ -562,16 +562,9 @@ async fn http2_attacks_get_goaway_and_other_clients_stay_served() {
     let _pe = example_http(reg.asap_addr(), "Web", 1, &[]).await;
     let (front, status) = (addr(), addr());
     let p = proxy(&dir, reg.asap_addr(), (status, front, "Web"), "");
-    wait_for(Duration::from_secs(15), "the proxy serves h2c", || async {
-        h2c_get(front, "/").await.starts_with("HTTP/2 200")
-    })
-    .await;
+    serves_h2c(front).await;
     // A client that stays connected throughout and is served after every attack.
-    let mut bystander = Bystander {
-        s: raw_h2(front).await,
-        buf: Vec::new(),
-        next: 1,
-    };
+    let mut bystander = Bystander::connect(front).await;
     bystander.served().await;
 
     // Rapid reset (CVE-2023-44487): streams opened and reset at once.
@@ -724,15 +717,8 @@ async fn an_http2_connection_closes_when_idle_after_its_last_stream_and_not_befo
         &format!("idle-timeout-ms = {}", idle.as_millis()),
         "",
     );
-    wait_for(Duration::from_secs(15), "the proxy serves h2c", || async {
-        h2c_get(front, "/").await.starts_with("HTTP/2 200")
-    })
-    .await;
-    let mut c = Bystander {
-        s: raw_h2(front).await,
-        buf: Vec::new(),
-        next: 1,
-    };
+    serves_h2c(front).await;
+    let mut c = Bystander::connect(front).await;
     // A stream every 200 ms for three idle times: each answered, no GOAWAY.
     let started = Instant::now();
     while started.elapsed() < idle * 3 {
@@ -771,7 +757,23 @@ struct Bystander {
     next: u32,
 }
 
+/// Once the proxy at `front` answers h2c.
+async fn serves_h2c(front: SocketAddr) {
+    wait_for(Duration::from_secs(15), "the proxy serves h2c", || async {
+        h2c_get(front, "/").await.starts_with("HTTP/2 200")
+    })
+    .await;
+}
+
 impl Bystander {
+    async fn connect(front: SocketAddr) -> Self {
+        Self {
+            s: raw_h2(front).await,
+            buf: Vec::new(),
+            next: 1,
+        }
+    }
+
     /// A GET on a new stream; panics unless its response HEADERS arrive within 5 s.
     async fn served(&mut self) {
         let id = self.next;
