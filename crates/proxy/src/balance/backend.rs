@@ -334,15 +334,18 @@ impl Backend {
     /// A failure: returns true if it ejected the PE. With `may_eject` false (the pool's
     /// ejection cap is reached) the failure is counted and the PE stays.
     pub fn failed(&self, s: &HealthSettings, may_eject: bool) -> bool {
-        self.stats.failures.fetch_add(1, Ordering::Relaxed);
         self.answers.note(None);
         let mut h = self.health();
         h.fails += 1;
-        if h.fails < s.max_fails.max(1) {
-            return false;
-        }
-        drop(h);
-        self.eject(s, EjectCause::Failures, may_eject)
+        let ejected = if h.fails < s.max_fails.max(1) {
+            false
+        } else {
+            drop(h);
+            self.eject(s, EjectCause::Failures, may_eject)
+        };
+        // Counted once the ejection is done: whoever sees the count sees the PE out.
+        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+        ejected
     }
 
     /// Ejects the PE for `cause`, for a back-off that doubles with every ejection in a row;
