@@ -14,6 +14,10 @@ pub enum System {
     /// A bare relay of HTTP/2 streams on the proxy's crates, for the gRPC part only
     /// (`h2_relay`): what those crates cost per call.
     H2Relay,
+    /// rserpool's proxy from another binary (`--baseline`, the build before a change),
+    /// alternating with `rserpool` in every round: a change's effect beside this machine's
+    /// drift.
+    Baseline,
 }
 
 impl System {
@@ -24,6 +28,7 @@ impl System {
             System::Haproxy => "HAProxy",
             System::Nginx => "nginx",
             System::H2Relay => "bare h2 relay",
+            System::Baseline => "baseline",
         }
     }
 }
@@ -128,6 +133,10 @@ pub struct ProxyBenchArgs {
     /// about 6 s to take a server out).
     #[arg(long, default_value_t = 8000)]
     pub failover_ms: u64,
+    /// The rserpool binary of the system `baseline` (e.g. a copy of `target/release/rserpool`
+    /// built before a change).
+    #[arg(long, value_name = "PATH")]
+    pub baseline: Option<PathBuf>,
     /// Systems to measure.
     #[arg(
         long,

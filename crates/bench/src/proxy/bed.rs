@@ -17,6 +17,8 @@ use std::time::Duration;
 pub(crate) struct Bed {
     /// The rserpool binary: registrar, sidecars and the rserpool proxy.
     pub(crate) rserpool: PathBuf,
+    /// The binary of the system `baseline`'s proxy, if it runs.
+    pub(crate) baseline: Option<PathBuf>,
     pub(crate) dir: PathBuf,
     pub(crate) registrar: SocketAddr,
     /// The registrar's status listener.
@@ -76,6 +78,7 @@ impl Bed {
         })?;
         let mut bed = Bed {
             rserpool: rserpool.to_path_buf(),
+            baseline: None,
             dir,
             registrar,
             registrar_status,

@@ -71,10 +71,15 @@ pub(super) fn start(bed: &Bed, system: System, threads: usize) -> Result<Front> 
     let conf_path = d.join(format!("{name}.conf"));
     let mut cmd = match system {
         System::Direct | System::H2Relay => unreachable!("handled above"),
-        System::Rserpool => {
+        System::Rserpool | System::Baseline => {
             let conf = config::rserpool_proxy(bed.registrar, threads, &fronts, &bed.tls);
             std::fs::write(&conf_path, conf)?;
-            let mut c = Command::new(&bed.rserpool);
+            let bin = match (system, &bed.baseline) {
+                (System::Baseline, Some(b)) => b,
+                (System::Baseline, None) => bail!("the system baseline needs --baseline PATH"),
+                _ => &bed.rserpool,
+            };
+            let mut c = Command::new(bin);
             // BENCH_PROXY_LOG: the proxy's log filter (its log is in the bed's directory), to
             // see why a part failed.
             let log = std::env::var("BENCH_PROXY_LOG").unwrap_or_else(|_| "warn".into());

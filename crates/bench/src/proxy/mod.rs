@@ -107,7 +107,11 @@ pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
         .parts
         .iter()
         .any(|p| matches!(p, Part::Grpc | Part::H2Streams));
+    if args.systems.contains(&System::Baseline) && args.baseline.is_none() {
+        bail!("the system baseline needs --baseline PATH (the rserpool binary to compare with)");
+    }
     let mut bed = Bed::start(&sizes, rserpool, grpc)?;
+    bed.baseline.clone_from(&args.baseline);
     let mut samples = Vec::new();
     // Parts outside, systems inside: the systems meet one part back to back, under the same
     // conditions (large transfers leave the machine slower for a while).

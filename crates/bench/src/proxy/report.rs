@@ -432,13 +432,15 @@ impl Report {
         };
         let get = |s: System, f: &dyn Fn(&Row) -> Option<f64>| self.row(s).and_then(f);
         md += "| ratio | rserpool / HAProxy | rserpool / nginx | rserpool / direct | HAProxy / direct | nginx / direct |\n|---|---|---|---|---|---|\n";
-        let metrics: [Metric; 16] = [
+        let metrics: [Metric; 19] = [
             ("h2c req/s", &|r: &Row| r.h2.rps),
             ("h2c p99 (lower is better)", &|r: &Row| r.h2.p99),
+            ("h2c CPU per request (lower is better)", &|r: &Row| r.h2.cpu),
             ("h2 over TLS req/s", &|r: &Row| r.h2_tls.rps),
             ("h2 over TLS p99 (lower is better)", &|r: &Row| r.h2_tls.p99),
             ("gRPC calls/s", &|r: &Row| r.grpc.rps),
             ("gRPC p99 (lower is better)", &|r: &Row| r.grpc.p99),
+            ("gRPC CPU per call (lower is better)", &|r: &Row| r.grpc.cpu),
             ("keep-alive req/s", &|r: &Row| r.ka_rps),
             ("keep-alive p99 (lower is better)", &|r: &Row| r.ka_p99),
             (
@@ -450,6 +452,9 @@ impl Report {
                 r.conn_cpu
             }),
             ("HTTPS keep-alive req/s", &|r: &Row| r.tls_ka_rps),
+            ("HTTPS keep-alive CPU per request (lower is better)", &|r: &Row| {
+                r.tls_ka_cpu
+            }),
             ("HTTPS conn/s", &|r: &Row| r.tls_conn_s),
             ("HTTPS CPU per connection (lower is better)", &|r: &Row| {
                 r.tls_conn_cpu
@@ -477,6 +482,17 @@ impl Report {
             );
         }
         md += "\n";
+        if self.row(System::Baseline).is_some() {
+            md += "| change | rserpool / baseline (medians; the two alternate in every round) |\n|---|---|\n";
+            for (name, f) in metrics {
+                if self.rows.iter().all(|r| f(r).is_none()) {
+                    continue;
+                }
+                let change = ratio(get(System::Rserpool, f), get(System::Baseline, f));
+                md += &format!("| {name} | {change} |\n");
+            }
+            md += "\n";
+        }
         if cols.iter().any(|r| !r.transfers.is_empty()) {
             md += &format!(
                 "The seed paper's experiment (its Tables 2–3, 6–7): {} clients start one transfer \
