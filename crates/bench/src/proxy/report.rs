@@ -452,9 +452,10 @@ impl Report {
                 r.conn_cpu
             }),
             ("HTTPS keep-alive req/s", &|r: &Row| r.tls_ka_rps),
-            ("HTTPS keep-alive CPU per request (lower is better)", &|r: &Row| {
-                r.tls_ka_cpu
-            }),
+            (
+                "HTTPS keep-alive CPU per request (lower is better)",
+                &|r: &Row| r.tls_ka_cpu,
+            ),
             ("HTTPS conn/s", &|r: &Row| r.tls_conn_s),
             ("HTTPS CPU per connection (lower is better)", &|r: &Row| {
                 r.tls_conn_cpu
