@@ -700,7 +700,6 @@ async fn http2_attacks_get_goaway_and_other_clients_stay_served() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// A client on one HTTP/2 connection through all the attacks.
 /// An HTTP/2 connection is closed `idle-timeout-ms` after its last stream (GOAWAY, then the
 /// close), and not while streams keep coming, however long it lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -751,6 +750,7 @@ async fn an_http2_connection_closes_when_idle_after_its_last_stream_and_not_befo
     );
 }
 
+/// A client on one HTTP/2 connection through all the attacks.
 struct Bystander {
     s: TcpStream,
     buf: Vec<u8>,
