@@ -163,16 +163,19 @@ impl<'a> Downstream<'a> {
             head.headers.append(http::header::SET_COOKIE, v);
         }
         match self {
-            Self::H2(s) => match s
-                .respond
-                .send_response(http::Response::from_parts(head, ()), end)
-            {
-                Ok(tx) => {
-                    s.tx = Some(tx);
-                    Ok((0, !end))
+            Self::H2(s) => {
+                head.headers = detached(head.headers);
+                match s
+                    .respond
+                    .send_response(http::Response::from_parts(head, ()), end)
+                {
+                    Ok(tx) => {
+                        s.tx = Some(tx);
+                        Ok((0, !end))
+                    }
+                    Err(_) => Err(Failure::Client),
                 }
-                Err(_) => Err(Failure::Client),
-            },
+            }
             Self::H1(h) => {
                 let code = head.status.as_u16();
                 let no_body = r.head.method() == b"HEAD" || code == 204 || code == 304;
@@ -258,7 +261,7 @@ impl<'a> Downstream<'a> {
                     return Err(Failure::Client);
                 };
                 match trailers {
-                    Some(t) => tx.send_trailers(t).map_err(|_| Failure::Client),
+                    Some(t) => tx.send_trailers(detached(t)).map_err(|_| Failure::Client),
                     None => send_data(tx, Bytes::new(), true)
                         .await
                         .map_err(|_| Failure::Client),
@@ -439,6 +442,30 @@ fn upstream_request(
     Some(req)
 }
 
+/// The header values of a response (or its trailers) for an HTTP/2 client, in one copy of
+/// their own. A PE's values are slices of its connection's buffers (an HTTP/1.1 PE's read
+/// buffer, `h2`'s decoding buffers for an HTTP/2 PE), and the client connection's HPACK
+/// table keeps the values it indexed for that connection's life: a slice kept the whole
+/// buffer, for every idle client (16 KiB each). One copy for all the values, not one each.
+pub(crate) fn detached(mut headers: http::HeaderMap) -> http::HeaderMap {
+    let len = headers.values().map(HeaderValue::len).sum();
+    let mut all = BytesMut::with_capacity(len);
+    for v in headers.values() {
+        all.extend_from_slice(v.as_bytes());
+    }
+    let all = all.freeze();
+    let mut at = 0;
+    for v in headers.values_mut() {
+        let n = v.len();
+        if let Ok(mut own) = HeaderValue::from_maybe_shared(all.slice(at..at + n)) {
+            own.set_sensitive(v.is_sensitive());
+            *v = own;
+        }
+        at += n;
+    }
+    headers
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -529,5 +556,37 @@ mod tests {
             "the proxy answers Expect"
         );
         assert_eq!(first.headers().get("te").unwrap(), "trailers");
+    }
+
+    /// Values taken out of a PE connection's buffer keep none of it: each is a piece of one
+    /// copy, equal to what it was, repeated names and sensitivity kept.
+    #[test]
+    fn detached_values_hold_none_of_the_pe_connections_buffer() {
+        let buffer = Bytes::from(vec![b'x'; 16 * 1024]);
+        let mut text = buffer.to_vec();
+        text[..30].copy_from_slice(b"application/grpc0ok-1ok-2token");
+        let buffer = Bytes::from(text);
+        let part =
+            |r: std::ops::Range<usize>| HeaderValue::from_maybe_shared(buffer.slice(r)).unwrap();
+        let mut h = http::HeaderMap::new();
+        h.insert("content-type", part(0..16));
+        h.insert("grpc-status", part(16..17));
+        h.append("x-multi", part(17..21));
+        h.append("x-multi", part(21..25));
+        let mut secret = part(25..30);
+        secret.set_sensitive(true);
+        h.insert("authorization", secret);
+        let d = detached(h);
+        assert_eq!(d.get("content-type").unwrap(), "application/grpc");
+        assert_eq!(d.get("grpc-status").unwrap(), "0");
+        let multi: Vec<_> = d.get_all("x-multi").iter().collect();
+        assert_eq!(multi, ["ok-1", "ok-2"]);
+        assert_eq!(d.get("authorization").unwrap(), "token");
+        assert!(d.get("authorization").unwrap().is_sensitive());
+        let whole = buffer.as_ptr() as usize..buffer.as_ptr() as usize + buffer.len();
+        for v in d.values() {
+            let at = v.as_bytes().as_ptr() as usize;
+            assert!(!whole.contains(&at), "{v:?} is a slice of the PE's buffer");
+        }
     }
 }

@@ -19,10 +19,9 @@ use crate::http::h2::inflow::{Inflow, small_frame_budget};
 use crate::http::h2::stream::{Body, grpc_trailers, send_data};
 use crate::http::message::{BodyDecoder, Framing, Piece};
 use crate::http::request::Request;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use h2::client::SendRequest;
 use h2::{Reason, RecvStream, SendStream};
-use http::HeaderValue;
 use std::io;
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -235,29 +234,6 @@ async fn pump(prefix: Bytes, rest: Option<RecvStream>, mut up: SendStream<Bytes>
     }
 }
 
-/// The PE's header values in one copy of their own. `h2` decodes a value as a slice of a
-/// buffer of the PE connection's (its read buffer, or its HPACK decoder's), and an HTTP/2
-/// client's HPACK table keeps the values it indexed for that client connection's life: a
-/// slice kept the whole buffer, for every idle client.
-fn detached(mut headers: http::HeaderMap) -> http::HeaderMap {
-    let len = headers.values().map(HeaderValue::len).sum();
-    let mut all = BytesMut::with_capacity(len);
-    for v in headers.values() {
-        all.extend_from_slice(v.as_bytes());
-    }
-    let all = all.freeze();
-    let mut at = 0;
-    for v in headers.values_mut() {
-        let n = v.len();
-        if let Ok(mut own) = HeaderValue::from_maybe_shared(all.slice(at..at + n)) {
-            own.set_sensitive(v.is_sensitive());
-            *v = own;
-        }
-        at += n;
-    }
-    headers
-}
-
 /// One attempt at an HTTP/2 PE, for a client of either version. The body goes up while the
 /// response may already come down (gRPC streams both ways); a gRPC deadline bounds the wait
 /// and the relay.
@@ -332,8 +308,7 @@ pub(crate) async fn exchange(
         Ok(Ok(resp)) => resp,
     };
     b.note_latency(attempt.rif, attempt.sent.elapsed());
-    let (mut parts, body) = resp.into_parts();
-    parts.headers = detached(parts.headers);
+    let (parts, body) = resp.into_parts();
     let code = parts.status.as_u16();
     let end = body.is_end_stream();
     let (mut bytes, more) = d.respond_head(parts, end, r, ctx).await?;
@@ -376,7 +351,7 @@ pub(crate) async fn exchange(
         }
         if !ended {
             match body.trailers().await {
-                Ok(t) => d.respond_end(t.map(detached)).await?,
+                Ok(t) => d.respond_end(t).await?,
                 Err(_) => return Err(Failure::Broken { relayed: true }),
             }
         }
@@ -487,43 +462,6 @@ async fn send_body(
                 let _ = send_data(up, Bytes::new(), true).await;
                 return Ok(());
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Values taken out of a PE connection's buffer keep none of it: each is a piece of one
-    /// copy, equal to what it was, repeated names and sensitivity kept.
-    #[test]
-    fn detached_values_hold_none_of_the_pe_connections_buffer() {
-        let buffer = Bytes::from(vec![b'x'; 16 * 1024]);
-        let mut text = buffer.to_vec();
-        text[..30].copy_from_slice(b"application/grpc0ok-1ok-2token");
-        let buffer = Bytes::from(text);
-        let part =
-            |r: std::ops::Range<usize>| HeaderValue::from_maybe_shared(buffer.slice(r)).unwrap();
-        let mut h = http::HeaderMap::new();
-        h.insert("content-type", part(0..16));
-        h.insert("grpc-status", part(16..17));
-        h.append("x-multi", part(17..21));
-        h.append("x-multi", part(21..25));
-        let mut secret = part(25..30);
-        secret.set_sensitive(true);
-        h.insert("authorization", secret);
-        let d = detached(h);
-        assert_eq!(d.get("content-type").unwrap(), "application/grpc");
-        assert_eq!(d.get("grpc-status").unwrap(), "0");
-        let multi: Vec<_> = d.get_all("x-multi").iter().collect();
-        assert_eq!(multi, ["ok-1", "ok-2"]);
-        assert_eq!(d.get("authorization").unwrap(), "token");
-        assert!(d.get("authorization").unwrap().is_sensitive());
-        let whole = buffer.as_ptr() as usize..buffer.as_ptr() as usize + buffer.len();
-        for v in d.values() {
-            let at = v.as_bytes().as_ptr() as usize;
-            assert!(!whole.contains(&at), "{v:?} is a slice of the PE's buffer");
         }
     }
 }
