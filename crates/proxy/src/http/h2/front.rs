@@ -13,6 +13,7 @@
 //! `idempotent` list): a streaming call is never waited for. gRPC deadlines (`grpc-timeout`)
 //! bound the wait for the PE and the relay; the PE gets what is left of the deadline.
 
+use super::coalesce::Coalesced;
 use super::guard::{Flood, Guarded};
 use super::inflow::{Gathered, small_frame_budget};
 use super::stream::{Body, Stream};
@@ -76,7 +77,7 @@ where
     // Boxed: the handshake is a large future the connection's task would carry for its life.
     let handshake = Box::pin(tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
-        b.handshake::<_, Bytes>(io),
+        b.handshake::<_, Bytes>(Coalesced::server(io)),
     ));
     let mut conn = match handshake.await {
         Ok(Ok(c)) => c,

@@ -9,6 +9,7 @@
 //! when a client exceeds its budget of resets or of control frames per second; the
 //! connection then ends with GOAWAY ENHANCE_YOUR_CALM.
 
+use super::frames::{FrameHead, Frames};
 use bytes::Bytes;
 use std::io;
 use std::pin::Pin;
@@ -98,22 +99,12 @@ impl Budget {
     }
 }
 
-/// Where the reader is in the frame sequence.
-struct Scan {
-    /// Preface bytes still to pass.
-    preface: usize,
-    head: [u8; 9],
-    have: usize,
-    /// Payload bytes of the current frame still to pass.
-    payload: usize,
-}
-
 /// The client's side of an HTTP/2 connection: `pre` (bytes already read) first, then `io`,
 /// every frame counted against the budgets.
 pub(crate) struct Guarded<T> {
     io: T,
     pre: Bytes,
-    scan: Scan,
+    frames: Frames,
     resets: Budget,
     control: Budget,
     tripped: Arc<Tripped>,
@@ -131,12 +122,7 @@ impl<T> Guarded<T> {
         let g = Self {
             io,
             pre,
-            scan: Scan {
-                preface: PREFACE.len(),
-                head: [0; 9],
-                have: 0,
-                payload: 0,
-            },
+            frames: Frames::after(PREFACE.len()),
             resets: Budget::new(resets_per_s, now),
             control: Budget::new(control_per_s, now),
             tripped: tripped.clone(),
@@ -145,51 +131,27 @@ impl<T> Guarded<T> {
     }
 
     /// Counts the frames whose headers are in `data`.
-    fn watch(&mut self, mut data: &[u8]) {
+    fn watch(&mut self, data: &[u8]) {
         let now = Instant::now();
-        while !data.is_empty() {
-            let s = &mut self.scan;
-            if s.preface > 0 {
-                let n = s.preface.min(data.len());
-                s.preface -= n;
-                data = &data[n..];
-                continue;
-            }
-            if s.payload > 0 {
-                let n = s.payload.min(data.len());
-                s.payload -= n;
-                data = &data[n..];
-                continue;
-            }
-            let n = (9 - s.have).min(data.len());
-            s.head[s.have..s.have + n].copy_from_slice(&data[..n]);
-            s.have += n;
-            data = &data[n..];
-            if s.have < 9 {
-                return;
-            }
-            s.have = 0;
-            let h = s.head;
-            let len = usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
-            s.payload = len;
-            let (kind, flags) = (h[3], h[4]);
+        let (resets, control, tripped) = (&mut self.resets, &mut self.control, &self.tripped);
+        self.frames.pass(data, |FrameHead { len, kind, flags }| {
             let flood = match kind {
                 // RST_STREAM
-                3 => (!self.resets.spend(now)).then_some(Flood::Resets),
+                3 => (!resets.spend(now)).then_some(Flood::Resets),
                 // PRIORITY; PING and SETTINGS but their ACKs
-                2 => (!self.control.spend(now)).then_some(Flood::Control),
-                4 | 6 if flags & 1 == 0 => (!self.control.spend(now)).then_some(Flood::Control),
+                2 => (!control.spend(now)).then_some(Flood::Control),
+                4 | 6 if flags & 1 == 0 => (!control.spend(now)).then_some(Flood::Control),
                 // DATA without payload or END_STREAM; HEADERS or CONTINUATION without a
                 // header block fragment or END_HEADERS (END_STREAM ends a request)
                 0 | 1 | 9 if len == 0 && flags & (if kind == 0 { 1 } else { 4 }) == 0 => {
-                    (!self.control.spend(now)).then_some(Flood::Control)
+                    (!control.spend(now)).then_some(Flood::Control)
                 }
                 _ => None,
             };
             if let Some(f) = flood {
-                self.tripped.trip(f);
+                tripped.trip(f);
             }
-        }
+        });
     }
 }
 

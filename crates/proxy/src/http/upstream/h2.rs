@@ -15,6 +15,7 @@ use crate::balance::failover::Attempt;
 use crate::ctx::Ctx;
 use crate::http::client_stream::Client;
 use crate::http::downstream::{Downstream, Failure, Relayed};
+use crate::http::h2::coalesce::Coalesced;
 use crate::http::h2::inflow::{Inflow, small_frame_budget};
 use crate::http::h2::stream::{Body, grpc_trailers, send_data};
 use crate::http::message::{BodyDecoder, Framing, Piece};
@@ -130,7 +131,7 @@ async fn open(b: &Arc<Backend>, ctx: &Ctx) -> io::Result<(SendRequest<Bytes>, Sl
         // A PE streams at will: a whole connection window of small frames may arrive at once.
         .data_frame_budget(small_frame_budget(h.connection_window))
         .max_header_list_size(ctx.cfg.max_head as u32 * 4)
-        .handshake::<_, Bytes>(io);
+        .handshake::<_, Bytes>(Coalesced::client(io));
     let (send, conn) = tokio::time::timeout(ctx.connect_timeout(), handshake)
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "HTTP/2 handshake timed out"))?
