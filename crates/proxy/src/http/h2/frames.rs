@@ -2,15 +2,16 @@
 //! headers (RFC 9113 §4.1) as they go by, for the flood guard on what a client sends and for
 //! the write coalescing on what the proxy sends.
 
-/// A position in a stream of frames, after an optional connection preface.
+/// A position in a stream of frames, after an optional connection preface. Small (16 bytes):
+/// every HTTP/2 connection holds two.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Frames {
-    /// Preface bytes still to pass.
-    preface: usize,
+    /// Payload bytes of the current frame still to pass (a length has 24 bits).
+    payload: u32,
+    /// Preface bytes still to pass (24 at most).
+    preface: u8,
+    have: u8,
     head: [u8; 9],
-    have: usize,
-    /// Payload bytes of the current frame still to pass.
-    payload: usize,
 }
 
 /// A frame header: the payload's length, the type, the flags.
@@ -25,10 +26,10 @@ impl Frames {
     /// Frames after `preface` bytes (the client's connection preface, or none).
     pub(crate) fn after(preface: usize) -> Self {
         Self {
-            preface,
-            head: [0; 9],
-            have: 0,
             payload: 0,
+            preface: u8::try_from(preface).unwrap_or(u8::MAX),
+            have: 0,
+            head: [0; 9],
         }
     }
 
@@ -36,30 +37,31 @@ impl Frames {
     pub(crate) fn pass(&mut self, mut data: &[u8], mut on_head: impl FnMut(FrameHead)) {
         while !data.is_empty() {
             if self.preface > 0 {
-                let n = self.preface.min(data.len());
-                self.preface -= n;
+                let n = usize::from(self.preface).min(data.len());
+                self.preface -= n as u8;
                 data = &data[n..];
                 continue;
             }
             if self.payload > 0 {
-                let n = self.payload.min(data.len());
-                self.payload -= n;
+                let n = (self.payload as usize).min(data.len());
+                self.payload -= n as u32;
                 data = &data[n..];
                 continue;
             }
-            let n = (9 - self.have).min(data.len());
-            self.head[self.have..self.have + n].copy_from_slice(&data[..n]);
-            self.have += n;
+            let have = usize::from(self.have);
+            let n = (9 - have).min(data.len());
+            self.head[have..have + n].copy_from_slice(&data[..n]);
+            self.have += n as u8;
             data = &data[n..];
             if self.have < 9 {
                 return;
             }
             self.have = 0;
             let h = self.head;
-            let len = usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
+            let len = u32::from(h[0]) << 16 | u32::from(h[1]) << 8 | u32::from(h[2]);
             self.payload = len;
             on_head(FrameHead {
-                len,
+                len: len as usize,
                 kind: h[3],
                 flags: h[4],
             });
@@ -75,6 +77,11 @@ impl Frames {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_position_is_small() {
+        assert_eq!(std::mem::size_of::<Frames>(), 16);
+    }
 
     #[test]
     fn heads_and_boundaries_are_found_wherever_the_pieces_split() {
