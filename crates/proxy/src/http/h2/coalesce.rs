@@ -131,25 +131,52 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesced<T> {
 mod tests {
     use super::*;
     use bytes::Bytes;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
     use tokio::io::AsyncWriteExt;
 
-    /// A transport that records its writes and takes at most `limit` bytes of each.
-    #[derive(Clone, Default)]
-    struct Recorder {
-        writes: Arc<Mutex<Vec<Vec<u8>>>>,
+    /// A transport that records its writes (all slices of one, as `writev` takes them), takes
+    /// at most `limit` bytes of each, and passes them on to `peer` when there is one (which
+    /// it reads from too).
+    #[derive(Default)]
+    struct Wire {
+        writes: Writes,
         limit: Option<usize>,
+        peer: Option<tokio::io::DuplexStream>,
     }
 
-    impl Recorder {
-        fn writes(&self) -> Vec<Vec<u8>> {
-            self.writes.lock().map(|w| w.clone()).unwrap_or_default()
+    #[derive(Clone, Default)]
+    struct Writes(Arc<Mutex<Vec<Vec<u8>>>>);
+
+    impl Writes {
+        fn all(&self) -> Vec<Vec<u8>> {
+            self.0.lock().map(|w| w.clone()).unwrap_or_default()
         }
     }
 
-    impl AsyncWrite for Recorder {
+    impl Wire {
+        fn to(peer: tokio::io::DuplexStream) -> Self {
+            Self {
+                peer: Some(peer),
+                ..Self::default()
+            }
+        }
+    }
+
+    impl AsyncRead for Wire {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            match &mut self.get_mut().peer {
+                Some(p) => Pin::new(p).poll_read(cx, buf),
+                None => Poll::Ready(Ok(())),
+            }
+        }
+    }
+
+    impl AsyncWrite for Wire {
         fn poll_write(
             self: Pin<&mut Self>,
             cx: &mut Context<'_>,
@@ -159,13 +186,18 @@ mod tests {
         }
         fn poll_write_vectored(
             self: Pin<&mut Self>,
-            _: &mut Context<'_>,
+            cx: &mut Context<'_>,
             bufs: &[IoSlice<'_>],
         ) -> Poll<io::Result<usize>> {
             let mut all: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
             all.truncate(self.limit.unwrap_or(usize::MAX));
-            let n = all.len();
-            if let Ok(mut w) = self.writes.lock() {
+            let me = self.get_mut();
+            let n = match &mut me.peer {
+                Some(p) => ready!(Pin::new(p).poll_write(cx, &all))?,
+                None => all.len(),
+            };
+            all.truncate(n);
+            if let Ok(mut w) = me.writes.0.lock() {
                 w.push(all);
             }
             Poll::Ready(Ok(n))
@@ -189,31 +221,33 @@ mod tests {
 
     #[tokio::test]
     async fn a_piece_ending_within_a_frame_leaves_with_the_rest_of_it() {
-        let rec = Recorder::default();
-        let mut c = Coalesced::server(rec.clone());
+        let wire = Wire::default();
+        let rec = wire.writes.clone();
+        let mut c = Coalesced::server(wire);
         // Two whole frames and the start of a third, then the third's rest (h2's buffer, then
         // a payload beside it).
         let (a, b, big) = (frame(10, 1), frame(0, 2), frame(3000, 3));
         let first = [a.as_slice(), b.as_slice(), &big[..1033]].concat();
         c.write_all(&first).await.unwrap();
-        assert!(rec.writes().is_empty(), "a piece within a frame is held");
+        assert!(rec.all().is_empty(), "a piece within a frame is held");
         c.write_all(&big[1033..]).await.unwrap();
-        assert_eq!(rec.writes(), [[first.as_slice(), &big[1033..]].concat()]);
+        assert_eq!(rec.all(), [[first.as_slice(), &big[1033..]].concat()]);
         // Whole frames go at once, and so does what is held at a flush.
         c.write_all(&a).await.unwrap();
         c.write_all(&big[..100]).await.unwrap();
         c.flush().await.unwrap();
-        assert_eq!(rec.writes()[1..], [a.clone(), big[..100].to_vec()]);
+        assert_eq!(rec.all()[1..], [a.clone(), big[..100].to_vec()]);
         assert!(c.held.capacity() == 0, "nothing is kept once written");
     }
 
     #[tokio::test]
     async fn short_writes_lose_and_repeat_nothing() {
-        let rec = Recorder {
+        let wire = Wire {
             limit: Some(700),
-            ..Recorder::default()
+            ..Wire::default()
         };
-        let mut c = Coalesced::client(rec.clone());
+        let rec = wire.writes.clone();
+        let mut c = Coalesced::client(wire);
         let mut sent = super::super::guard::PREFACE.to_vec();
         for len in [5000, 10, 2000, 0, 300] {
             sent.extend(frame(len, len as u8));
@@ -222,60 +256,13 @@ mod tests {
             c.write_all(piece).await.unwrap();
         }
         c.flush().await.unwrap();
-        assert_eq!(rec.writes().concat(), sent);
+        assert_eq!(rec.all().concat(), sent);
         assert!(c.frames.at_boundary());
-    }
-
-    /// A socket's side of an in-memory connection, counting its writes, vectored as a TCP
-    /// socket's are.
-    struct Counted {
-        io: tokio::io::DuplexStream,
-        writes: Arc<AtomicUsize>,
-    }
-
-    impl AsyncRead for Counted {
-        fn poll_read(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &mut ReadBuf<'_>,
-        ) -> Poll<io::Result<()>> {
-            Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
-        }
-    }
-
-    impl AsyncWrite for Counted {
-        fn poll_write(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            data: &[u8],
-        ) -> Poll<io::Result<usize>> {
-            self.poll_write_vectored(cx, &[IoSlice::new(data)])
-        }
-        fn poll_write_vectored(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            bufs: &[IoSlice<'_>],
-        ) -> Poll<io::Result<usize>> {
-            let me = self.get_mut();
-            me.writes.fetch_add(1, Ordering::Relaxed);
-            // All slices, as writev would take them.
-            let all: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
-            Pin::new(&mut me.io).poll_write(cx, &all)
-        }
-        fn is_write_vectored(&self) -> bool {
-            true
-        }
-        fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Pin::new(&mut self.get_mut().io).poll_flush(cx)
-        }
-        fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-        }
     }
 
     /// An `h2` server on `io` that answers ten requests at once, with 600 bytes each: the
     /// writes it took.
-    async fn answer_ten<T>(io: T, writes: Arc<AtomicUsize>) -> usize
+    async fn answer_ten<T>(io: T, writes: Writes) -> usize
     where
         T: AsyncRead + AsyncWrite + Unpin,
     {
@@ -285,7 +272,7 @@ mod tests {
             answers.push(conn.accept().await.unwrap().unwrap().1);
         }
         // All ten answered before the connection is polled again.
-        let before = writes.load(Ordering::Relaxed);
+        let before = writes.all().len();
         for mut respond in answers {
             let mut tx = respond
                 .send_response(http::Response::new(()), false)
@@ -293,17 +280,14 @@ mod tests {
             tx.send_data(Bytes::from(vec![b'x'; 600]), true).unwrap();
         }
         let _ = tokio::time::timeout(Duration::from_millis(300), conn.accept()).await;
-        writes.load(Ordering::Relaxed) - before
+        writes.all().len() - before
     }
 
     /// Writes of that server, its transport coalesced or not.
     async fn writes_for_ten_answers(coalesce: bool) -> usize {
         let (c, s) = tokio::io::duplex(1 << 20);
-        let writes = Arc::new(AtomicUsize::new(0));
-        let s = Counted {
-            io: s,
-            writes: writes.clone(),
-        };
+        let s = Wire::to(s);
+        let writes = s.writes.clone();
         let server = tokio::spawn(async move {
             if coalesce {
                 answer_ten(Coalesced::server(s), writes).await
