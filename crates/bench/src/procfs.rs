@@ -35,7 +35,7 @@ pub fn group_rss_bytes(pgid: u32) -> u64 {
 }
 
 /// The processes of process group `pgid`.
-fn group_pids(pgid: u32) -> Vec<u32> {
+pub fn group_pids(pgid: u32) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };

@@ -151,6 +151,10 @@ pub struct ProxyBenchArgs {
         default_value = "keepalive,connect,https-keepalive,https-connect,bulk,transfer,failover"
     )]
     pub parts: Vec<Part>,
+    /// Also count each proxy's system calls per request (`perf stat` on the
+    /// `raw_syscalls:sys_enter` tracepoint; needs perf and root).
+    #[arg(long)]
+    pub syscalls: bool,
     /// One JSON object per system and round on stdout.
     #[arg(long)]
     pub json: bool,

@@ -1,10 +1,11 @@
 //! h2load (Debian's nghttp2-client), the load generator for HTTP/2: one run, its summary and
-//! its per-request log read (h2load reports no percentiles itself), and the proxy's CPU time
-//! per request beside them.
+//! its per-request log read (h2load reports no percentiles itself), and the proxy's cost per
+//! request beside them.
 
 use super::args::ProxyBenchArgs;
+use super::cost::Cost;
 use super::front::Front;
-use super::wrk::{ProxyCpu, Wrk};
+use super::wrk::Wrk;
 use anyhow::{Context, Result, anyhow, bail};
 use std::path::Path;
 use std::process::Command;
@@ -20,7 +21,7 @@ pub(super) fn run(
 ) -> Result<Wrk> {
     let log = dir.join("h2load.log");
     let _ = std::fs::remove_file(&log);
-    let cpu = ProxyCpu::start(front);
+    let cost = Cost::start(front, args)?;
     let out = Command::new("h2load")
         .args(["-t", &args.threads.to_string()])
         .args(["-c", &args.connections.max(args.threads).to_string()])
@@ -50,7 +51,7 @@ pub(super) fn run(
         |p: f64| times.get(((times.len() as f64 * p) as usize).min(times.len().saturating_sub(1)));
     w.p50_ms = pct(0.5).map_or(0.0, |us| us / 1e3);
     w.p99_ms = pct(0.99).map_or(0.0, |us| us / 1e3);
-    w.cpu_us = cpu.per_request(w.rps, args.duration_s);
+    cost.finish(&mut w, args.duration_s);
     Ok(w)
 }
 

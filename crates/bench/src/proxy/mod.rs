@@ -21,6 +21,7 @@
 mod args;
 pub(crate) mod bed;
 mod config;
+mod cost;
 mod failover;
 mod front;
 pub mod grpc_backend;
@@ -92,6 +93,9 @@ pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
         bail!("--threads, --connections, --repeat and --duration-s must be at least 1");
     }
     tools::check(&args)?;
+    if args.syscalls {
+        cost::check_syscalls()?;
+    }
     undo::on_signal()?;
     let sizes = if args.transfer_mb.is_empty() {
         vec![10, 20]

@@ -13,22 +13,29 @@ use anyhow::Result;
 /// One line per system as its part is measured.
 pub(super) fn print_sample(s: &Sample) {
     let mut line = format!("{:>8} round {}:", s.system.label(), s.round + 1);
+    let syscalls = |w: &super::Wrk| {
+        w.syscalls
+            .map(|n| format!(", {n:.2} system calls"))
+            .unwrap_or_default()
+    };
     let keepalive = |proto: &str, w: &super::Wrk| {
         format!(
-            " {proto}keep-alive {:.0} req/s p50 {:.2} ms p99 {:.2} ms ({} errors), {:.1} µs CPU/req;",
+            " {proto}keep-alive {:.0} req/s p50 {:.2} ms p99 {:.2} ms ({} errors), {:.1} µs CPU/req{};",
             w.rps,
             w.p50_ms,
             w.p99_ms,
             w.errors,
-            w.cpu_us.unwrap_or(0.0)
+            w.cpu_us.unwrap_or(0.0),
+            syscalls(w)
         )
     };
     let connect = |proto: &str, w: &super::Wrk| {
         format!(
-            " {proto}{:.0} conn/s ({} errors), {:.1} µs CPU/conn;",
+            " {proto}{:.0} conn/s ({} errors), {:.1} µs CPU/conn{};",
             w.rps,
             w.errors,
-            w.cpu_us.unwrap_or(0.0)
+            w.cpu_us.unwrap_or(0.0),
+            syscalls(w)
         )
     };
     for (proto, ka, conn) in [
@@ -106,6 +113,7 @@ struct H2Median {
     p50: Option<f64>,
     p99: Option<f64>,
     cpu: Option<f64>,
+    syscalls: Option<f64>,
     errors: u64,
 }
 
@@ -118,6 +126,7 @@ impl H2Median {
             p50: m(&|w| Some(w.p50_ms)),
             p99: m(&|w| Some(w.p99_ms)),
             cpu: m(&|w| w.cpu_us),
+            syscalls: m(&|w| w.syscalls),
             errors: runs.iter().map(|w| w.errors).sum(),
         }
     }
@@ -131,8 +140,10 @@ struct Row {
     ka_p99: Option<f64>,
     ka_errors: u64,
     ka_cpu: Option<f64>,
+    ka_sys: Option<f64>,
     conn_s: Option<f64>,
     conn_cpu: Option<f64>,
+    conn_sys: Option<f64>,
     conn_errors: u64,
     tls_ka_rps: Option<f64>,
     tls_ka_p99: Option<f64>,
@@ -205,8 +216,10 @@ impl Report {
                         .map(|w| w.errors)
                         .sum(),
                     ka_cpu: m(&|s| s.keepalive.and_then(|w| w.cpu_us)),
+                    ka_sys: m(&|s| s.keepalive.and_then(|w| w.syscalls)),
                     conn_s: m(&|s| s.connect.map(|w| w.rps)),
                     conn_cpu: m(&|s| s.connect.and_then(|w| w.cpu_us)),
+                    conn_sys: m(&|s| s.connect.and_then(|w| w.syscalls)),
                     conn_errors: of.iter().filter_map(|s| s.connect).map(|w| w.errors).sum(),
                     tls_ka_rps: m(&|s| s.https_keepalive.map(|w| w.rps)),
                     tls_ka_p99: m(&|s| s.https_keepalive.map(|w| w.p99_ms)),
@@ -352,6 +365,11 @@ impl Report {
             md += &line(&format!("{name}, proxy CPU µs per request"), &|r| {
                 num(part(r).cpu, 1)
             });
+            if cols.iter().any(|r| part(r).syscalls.is_some()) {
+                md += &line(&format!("{name}, proxy system calls per request"), &|r| {
+                    num(part(r).syscalls, 2)
+                });
+            }
             md += &line(&format!("{name}, errors (all rounds)"), &|r| {
                 part(r).errors.to_string()
             });
@@ -366,6 +384,11 @@ impl Report {
             md += &line("keep-alive, proxy CPU µs per request", &|r| {
                 num(r.ka_cpu, 1)
             });
+            if cols.iter().any(|r| r.ka_sys.is_some()) {
+                md += &line("keep-alive, proxy system calls per request", &|r| {
+                    num(r.ka_sys, 2)
+                });
+            }
             md += &line("new connection per request, conn/s", &|r| num(r.conn_s, 0));
             md += &line("new connection per request, errors (all rounds)", &|r| {
                 r.conn_errors.to_string()
@@ -374,6 +397,12 @@ impl Report {
                 "new connection per request, proxy CPU µs per connection",
                 &|r| num(r.conn_cpu, 1),
             );
+            if cols.iter().any(|r| r.conn_sys.is_some()) {
+                md += &line(
+                    "new connection per request, proxy system calls per connection",
+                    &|r| num(r.conn_sys, 2),
+                );
+            }
         }
         if cols
             .iter()
@@ -432,25 +461,41 @@ impl Report {
         };
         let get = |s: System, f: &dyn Fn(&Row) -> Option<f64>| self.row(s).and_then(f);
         md += "| ratio | rserpool / HAProxy | rserpool / nginx | rserpool / direct | HAProxy / direct | nginx / direct |\n|---|---|---|---|---|---|\n";
-        let metrics: [Metric; 19] = [
+        let metrics: [Metric; 23] = [
             ("h2c req/s", &|r: &Row| r.h2.rps),
             ("h2c p99 (lower is better)", &|r: &Row| r.h2.p99),
             ("h2c CPU per request (lower is better)", &|r: &Row| r.h2.cpu),
+            (
+                "h2c system calls per request (lower is better)",
+                &|r: &Row| r.h2.syscalls,
+            ),
             ("h2 over TLS req/s", &|r: &Row| r.h2_tls.rps),
             ("h2 over TLS p99 (lower is better)", &|r: &Row| r.h2_tls.p99),
             ("gRPC calls/s", &|r: &Row| r.grpc.rps),
             ("gRPC p99 (lower is better)", &|r: &Row| r.grpc.p99),
             ("gRPC CPU per call (lower is better)", &|r: &Row| r.grpc.cpu),
+            (
+                "gRPC system calls per call (lower is better)",
+                &|r: &Row| r.grpc.syscalls,
+            ),
             ("keep-alive req/s", &|r: &Row| r.ka_rps),
             ("keep-alive p99 (lower is better)", &|r: &Row| r.ka_p99),
             (
                 "keep-alive CPU per request (lower is better)",
                 &|r: &Row| r.ka_cpu,
             ),
+            (
+                "keep-alive system calls per request (lower is better)",
+                &|r: &Row| r.ka_sys,
+            ),
             ("conn/s", &|r: &Row| r.conn_s),
             ("CPU per connection (lower is better)", &|r: &Row| {
                 r.conn_cpu
             }),
+            (
+                "system calls per connection (lower is better)",
+                &|r: &Row| r.conn_sys,
+            ),
             ("HTTPS keep-alive req/s", &|r: &Row| r.tls_ka_rps),
             (
                 "HTTPS keep-alive CPU per request (lower is better)",

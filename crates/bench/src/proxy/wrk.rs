@@ -1,9 +1,9 @@
 //! wrk, the load generator for requests/s and connections/s: one run, its output read, and
-//! the proxy's CPU time per request beside it.
+//! the proxy's cost per request beside it.
 
 use super::args::ProxyBenchArgs;
+use super::cost::Cost;
 use super::front::Front;
-use crate::procfs::group_cpu_ns;
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Serialize;
 use std::process::Command;
@@ -22,11 +22,13 @@ pub(crate) struct Wrk {
     pub(crate) socket: [u64; 4],
     /// CPU time of the proxy (all its processes and threads) per request, µs.
     pub(crate) cpu_us: Option<f64>,
+    /// System calls of the proxy per request (with `--syscalls`).
+    pub(crate) syscalls: Option<f64>,
 }
 
 /// One wrk run; `close` sends `Connection: close` so that every request opens a connection.
 pub(super) fn run(url: &str, args: &ProxyBenchArgs, close: bool, front: &Front) -> Result<Wrk> {
-    let cpu = ProxyCpu::start(front);
+    let cost = Cost::start(front, args)?;
     let mut cmd = Command::new("wrk");
     cmd.args(["-t", &args.threads.to_string()])
         .args(["-c", &args.connections.max(args.threads).to_string()])
@@ -41,31 +43,8 @@ pub(super) fn run(url: &str, args: &ProxyBenchArgs, close: bool, front: &Front) 
         bail!("wrk failed: {}{text}", String::from_utf8_lossy(&out.stderr));
     }
     let mut w = parse_wrk(&text).ok_or_else(|| anyhow!("cannot read wrk's output:\n{text}"))?;
-    w.cpu_us = cpu.per_request(w.rps, args.duration_s);
+    cost.finish(&mut w, args.duration_s);
     Ok(w)
-}
-
-/// The proxy's CPU time (all its processes and threads) from the start of a run.
-pub(super) struct ProxyCpu {
-    group: Option<u32>,
-    at_start: Option<u64>,
-}
-
-impl ProxyCpu {
-    pub(super) fn start(front: &Front) -> ProxyCpu {
-        let group = front.group();
-        ProxyCpu {
-            group,
-            at_start: group.map(group_cpu_ns),
-        }
-    }
-
-    /// Per request of a run of `duration_s` at `rps`, µs (none for direct).
-    pub(super) fn per_request(&self, rps: f64, duration_s: u64) -> Option<f64> {
-        let (g, c0) = (self.group?, self.at_start?);
-        let requests = rps * duration_s.max(1) as f64;
-        Some((group_cpu_ns(g).saturating_sub(c0)) as f64 / 1e3 / requests.max(1.0))
-    }
 }
 
 pub(crate) fn parse_wrk(text: &str) -> Option<Wrk> {
