@@ -148,9 +148,11 @@ struct Row {
     tls_ka_rps: Option<f64>,
     tls_ka_p99: Option<f64>,
     tls_ka_cpu: Option<f64>,
+    tls_ka_sys: Option<f64>,
     tls_ka_errors: u64,
     tls_conn_s: Option<f64>,
     tls_conn_cpu: Option<f64>,
+    tls_conn_sys: Option<f64>,
     tls_conn_errors: u64,
     h2: H2Median,
     h2_tls: H2Median,
@@ -224,6 +226,7 @@ impl Report {
                     tls_ka_rps: m(&|s| s.https_keepalive.map(|w| w.rps)),
                     tls_ka_p99: m(&|s| s.https_keepalive.map(|w| w.p99_ms)),
                     tls_ka_cpu: m(&|s| s.https_keepalive.and_then(|w| w.cpu_us)),
+                    tls_ka_sys: m(&|s| s.https_keepalive.and_then(|w| w.syscalls)),
                     tls_ka_errors: of
                         .iter()
                         .filter_map(|s| s.https_keepalive)
@@ -231,6 +234,7 @@ impl Report {
                         .sum(),
                     tls_conn_s: m(&|s| s.https_connect.map(|w| w.rps)),
                     tls_conn_cpu: m(&|s| s.https_connect.and_then(|w| w.cpu_us)),
+                    tls_conn_sys: m(&|s| s.https_connect.and_then(|w| w.syscalls)),
                     tls_conn_errors: of
                         .iter()
                         .filter_map(|s| s.https_connect)
@@ -413,6 +417,11 @@ impl Report {
             md += &line("HTTPS keep-alive, proxy CPU µs per request", &|r| {
                 num(r.tls_ka_cpu, 1)
             });
+            if cols.iter().any(|r| r.tls_ka_sys.is_some()) {
+                md += &line("HTTPS keep-alive, proxy system calls per request", &|r| {
+                    num(r.tls_ka_sys, 2)
+                });
+            }
             md += &line("HTTPS keep-alive, errors (all rounds)", &|r| {
                 r.tls_ka_errors.to_string()
             });
@@ -423,6 +432,12 @@ impl Report {
                 "HTTPS new connection per request, proxy CPU µs per connection",
                 &|r| num(r.tls_conn_cpu, 1),
             );
+            if cols.iter().any(|r| r.tls_conn_sys.is_some()) {
+                md += &line(
+                    "HTTPS new connection per request, proxy system calls per connection",
+                    &|r| num(r.tls_conn_sys, 2),
+                );
+            }
             md += &line(
                 "HTTPS new connection per request, errors (all rounds)",
                 &|r| r.tls_conn_errors.to_string(),
@@ -461,7 +476,7 @@ impl Report {
         };
         let get = |s: System, f: &dyn Fn(&Row) -> Option<f64>| self.row(s).and_then(f);
         md += "| ratio | rserpool / HAProxy | rserpool / nginx | rserpool / direct | HAProxy / direct | nginx / direct |\n|---|---|---|---|---|---|\n";
-        let metrics: [Metric; 23] = [
+        let metrics: [Metric; 26] = [
             ("h2c req/s", &|r: &Row| r.h2.rps),
             ("h2c p99 (lower is better)", &|r: &Row| r.h2.p99),
             ("h2c CPU per request (lower is better)", &|r: &Row| r.h2.cpu),
@@ -471,6 +486,10 @@ impl Report {
             ),
             ("h2 over TLS req/s", &|r: &Row| r.h2_tls.rps),
             ("h2 over TLS p99 (lower is better)", &|r: &Row| r.h2_tls.p99),
+            (
+                "h2 over TLS system calls per request (lower is better)",
+                &|r: &Row| r.h2_tls.syscalls,
+            ),
             ("gRPC calls/s", &|r: &Row| r.grpc.rps),
             ("gRPC p99 (lower is better)", &|r: &Row| r.grpc.p99),
             ("gRPC CPU per call (lower is better)", &|r: &Row| r.grpc.cpu),
@@ -501,10 +520,18 @@ impl Report {
                 "HTTPS keep-alive CPU per request (lower is better)",
                 &|r: &Row| r.tls_ka_cpu,
             ),
+            (
+                "HTTPS keep-alive system calls per request (lower is better)",
+                &|r: &Row| r.tls_ka_sys,
+            ),
             ("HTTPS conn/s", &|r: &Row| r.tls_conn_s),
             ("HTTPS CPU per connection (lower is better)", &|r: &Row| {
                 r.tls_conn_cpu
             }),
+            (
+                "HTTPS system calls per connection (lower is better)",
+                &|r: &Row| r.tls_conn_sys,
+            ),
             ("TCP bulk MiB/s", &|r: &Row| r.bulk),
             ("TCP bulk over rate-limited hops", &|r: &Row| r.bulk_link),
         ];
