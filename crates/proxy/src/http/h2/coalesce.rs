@@ -4,8 +4,8 @@
 //! nothing more to send, except DATA: on a connection that takes vectored writes, a DATA
 //! payload of 256 bytes or more is not copied into the buffer but written beside it, and the
 //! buffer cannot take the next frame until that write is done. Ten answers of half a kilobyte
-//! ready at once thus went to the client in ten writes; HAProxy, in one. Each write on TCP is
-//! a system call and, on a host's loopback or a fast network, the receiver's work too.
+//! ready at once thus went to the client in ten writes, where HAProxy gathers them. Each write
+//! on TCP is a system call and a segment to send (on loopback, the receiver's work too).
 //!
 //! This layer tells `h2` that vectored writes are not worth it, so payloads under a kilobyte
 //! are copied into its buffer and leave together. A larger payload still goes beside the
@@ -13,7 +13,7 @@
 //! ends in the middle of a frame, and sends both in one vectored write. Nothing is held past a
 //! flush or across a frame's end, so a frame never waits.
 
-use super::frames::Frames;
+use super::frames::{Frames, PREFACE};
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
@@ -39,7 +39,7 @@ impl<T> Coalesced<T> {
 
     /// The client's side: its first bytes are the connection preface.
     pub(crate) fn client(io: T) -> Self {
-        Self::after(io, super::guard::PREFACE.len())
+        Self::after(io, PREFACE.len())
     }
 
     fn after(io: T, preface: usize) -> Self {
@@ -248,7 +248,7 @@ mod tests {
         };
         let rec = wire.writes.clone();
         let mut c = Coalesced::client(wire);
-        let mut sent = super::super::guard::PREFACE.to_vec();
+        let mut sent = PREFACE.to_vec();
         for len in [5000, 10, 2000, 0, 300] {
             sent.extend(frame(len, len as u8));
         }

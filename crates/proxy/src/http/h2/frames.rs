@@ -2,6 +2,9 @@
 //! headers (RFC 9113 §4.1) as they go by, for the flood guard on what a client sends and for
 //! the write coalescing on what the proxy sends.
 
+/// The client connection preface (RFC 9113 §3.4).
+pub(crate) const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
 /// A position in a stream of frames, after an optional connection preface. Small (16 bytes):
 /// every HTTP/2 connection holds two.
 #[derive(Clone, Copy, Debug)]

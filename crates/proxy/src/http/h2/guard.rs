@@ -9,7 +9,7 @@
 //! when a client exceeds its budget of resets or of control frames per second; the
 //! connection then ends with GOAWAY ENHANCE_YOUR_CALM.
 
-use super::frames::{FrameHead, Frames};
+use super::frames::{FrameHead, Frames, PREFACE};
 use bytes::Bytes;
 use std::io;
 use std::pin::Pin;
@@ -19,9 +19,6 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
-
-/// The client connection preface (RFC 9113 §3.4).
-pub(crate) const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// Which budget a client exceeded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
