@@ -125,8 +125,15 @@ pub fn run(args: ProxyBenchArgs, rserpool: &Path) -> Result<()> {
             .iter()
             .map(|&system| Sample::new(system, round))
             .collect();
+        // The systems' order is reversed every other round: one measured first in every round
+        // met a different machine (a part's first run after the one before) each time.
+        let mut order: Vec<usize> = (0..round_samples.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
         for &part in &args.parts {
-            for rs in round_samples.iter_mut() {
+            for &i in &order {
+                let rs = &mut round_samples[i];
                 let mut s = Sample::new(rs.system, round);
                 measure(&mut bed, &mut s, part, &sizes, &args)
                     .with_context(|| format!("measuring {}", rs.system.label()))?;
