@@ -1,8 +1,9 @@
 //! What a run cost the proxy: its CPU time (all its processes and threads, from /proc) and,
 //! with `--syscalls`, its system calls (`perf stat` on the `raw_syscalls:sys_enter`
-//! tracepoint: every system call of the proxy's processes, whatever it is). System calls per
-//! request tell two proxies apart where CPU time alone cannot say why: on loopback most of a
-//! proxy's time is the kernel's TCP, and a write costs the receiver's work too.
+//! tracepoint: every system call of the proxy's processes, whatever it is; counting starts
+//! just before the load and stops just after it). System calls per request tell two proxies
+//! apart where CPU time alone cannot say why: on loopback most of a proxy's time is the
+//! kernel's TCP, and a write costs the receiver's work too.
 
 use super::args::ProxyBenchArgs;
 use super::front::Front;
@@ -34,15 +35,25 @@ impl Cost {
 
     /// Fills in the run's cost per request (none for direct), for a run of `duration_s` at
     /// `w.rps`.
-    pub(super) fn finish(self, w: &mut Wrk, duration_s: u64) {
+    pub(super) fn finish(mut self, w: &mut Wrk, duration_s: u64) {
         let requests = (w.rps * duration_s.max(1) as f64).max(1.0);
         if let (Some(g), Some(c0)) = (self.group, self.cpu_at_start) {
             w.cpu_us = Some(group_cpu_ns(g).saturating_sub(c0) as f64 / 1e3 / requests);
         }
         w.syscalls = self
             .perf
+            .take()
             .and_then(stop_counting)
             .map(|n| n as f64 / requests);
+    }
+}
+
+impl Drop for Cost {
+    /// A run that failed leaves no `perf` behind.
+    fn drop(&mut self) {
+        if let Some(perf) = self.perf.take() {
+            let _ = stop_counting(perf);
+        }
     }
 }
 

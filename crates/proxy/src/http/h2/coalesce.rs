@@ -80,7 +80,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesced<T> {
         let me = self.get_mut();
         let mut after = me.frames;
         after.pass(data, |_| {});
-        if !after.at_boundary() && me.held.len() + data.len() <= HOLD_MAX {
+        // Held only where the transport can take it with the next piece in one write.
+        if !after.at_boundary()
+            && me.io.is_write_vectored()
+            && me.held.len() + data.len() <= HOLD_MAX
+        {
             me.held.extend_from_slice(data);
             me.frames = after;
             return Poll::Ready(Ok(data.len()));
@@ -88,7 +92,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesced<T> {
         loop {
             if me.held.is_empty() {
                 let n = ready!(Pin::new(&mut me.io).poll_write(cx, data))?;
-                me.frames.pass(&data[..n], |_| {});
+                if n == data.len() {
+                    me.frames = after;
+                } else {
+                    me.frames.pass(&data[..n], |_| {});
+                }
                 return Poll::Ready(Ok(n));
             }
             let both = [IoSlice::new(&me.held), IoSlice::new(data)];
@@ -143,6 +151,8 @@ mod tests {
         writes: Writes,
         limit: Option<usize>,
         peer: Option<tokio::io::DuplexStream>,
+        /// Says it takes no vectored writes.
+        plain: bool,
     }
 
     #[derive(Clone, Default)]
@@ -203,7 +213,7 @@ mod tests {
             Poll::Ready(Ok(n))
         }
         fn is_write_vectored(&self) -> bool {
-            true
+            !self.plain
         }
         fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
             Poll::Ready(Ok(()))
@@ -238,6 +248,19 @@ mod tests {
         c.flush().await.unwrap();
         assert_eq!(rec.all()[1..], [a.clone(), big[..100].to_vec()]);
         assert!(c.held.capacity() == 0, "nothing is kept once written");
+    }
+
+    #[tokio::test]
+    async fn nothing_is_held_for_a_transport_that_cannot_write_it_with_the_rest() {
+        let wire = Wire {
+            plain: true,
+            ..Wire::default()
+        };
+        let rec = wire.writes.clone();
+        let mut c = Coalesced::server(wire);
+        let big = frame(3000, 3);
+        c.write_all(&big[..1033]).await.unwrap();
+        assert_eq!(rec.all(), [big[..1033].to_vec()]);
     }
 
     #[tokio::test]

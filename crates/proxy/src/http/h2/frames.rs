@@ -28,6 +28,7 @@ pub(crate) struct FrameHead {
 impl Frames {
     /// Frames after `preface` bytes (the client's connection preface, or none).
     pub(crate) fn after(preface: usize) -> Self {
+        debug_assert!(preface <= PREFACE.len());
         Self {
             payload: 0,
             preface: u8::try_from(preface).unwrap_or(u8::MAX),

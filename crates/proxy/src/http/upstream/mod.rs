@@ -91,4 +91,24 @@ impl tokio::io::AsyncWrite for PeStream {
             PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
+
+    // Passed on: both sockets write several pieces in one call (an HTTP/2 frame's head
+    // and payload, `crate::http::h2::coalesce`).
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            PeStream::Plain(s) => std::pin::Pin::new(s).poll_write_vectored(cx, bufs),
+            PeStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            PeStream::Plain(s) => s.is_write_vectored(),
+            PeStream::Tls(s) => s.is_write_vectored(),
+        }
+    }
 }
