@@ -9,7 +9,8 @@
 //! fronts, the version-neutral pipeline and the relays to PEs, [`l4`] connections carried
 //! whole (TCP mode, splice(2), the kernel splice), [`tier`] membership of a proxy tier,
 //! [`config`] the settings. This file holds [`Proxy`] (start, reload, drain) and the accept
-//! loop; `ctx` is what a connection takes along, `routes` which pool serves a request.
+//! loop; `ctx` is what a connection takes along, `routes` which pool serves a request,
+//! `listener` the listening sockets.
 //!
 //! Operations: a connection limit (further clients wait in the listen backlog), timeouts,
 //! [`Proxy::drain`] (stop accepting, finish what is in flight), [`Proxy::reload`] (listeners and
@@ -26,6 +27,7 @@ pub mod fuzzing;
 pub mod handover;
 pub mod http;
 pub mod l4;
+mod listener;
 pub mod metrics;
 mod routes;
 pub mod tier;
@@ -45,7 +47,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
-use tokio::io::unix::AsyncFd;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tracing::{info, warn};
@@ -458,11 +459,9 @@ impl Proxy {
                 l.listen
             );
         }
-        let sock = match taken {
-            Some(t) => register(t),
-            None => bind(l.listen),
-        }
-        .map_err(|e| StartError::Bind(l.listen, e))?;
+        let listening = listener::open(l.listen, taken, l.mode == Mode::Http)
+            .map_err(|e| StartError::Bind(l.listen, e))?;
+        let sock = &listening.sock;
         let socket = sock
             .get_ref()
             .try_clone()
@@ -486,7 +485,7 @@ impl Proxy {
             }
         );
         tokio::spawn(accept_loop(
-            sock,
+            listening,
             l.mode,
             ctx.clone(),
             self.inner.conns.clone(),
@@ -696,44 +695,8 @@ fn open_log(cfg: &ProxyConfig) -> Result<Option<AccessLog>, StartError> {
         .transpose()
 }
 
-fn bind(addr: SocketAddr) -> std::io::Result<AsyncFd<std::net::TcpListener>> {
-    let sock = socket2::Socket::new(
-        socket2::Domain::for_address(addr),
-        socket2::Type::STREAM,
-        Some(socket2::Protocol::TCP),
-    )?;
-    sock.set_reuse_address(true)?;
-    sock.set_nonblocking(true)?;
-    sock.bind(&addr.into())?;
-    sock.listen(4096)?;
-    register(sock.into())
-}
-
-/// A listening socket on the reactor.
-fn register(sock: std::net::TcpListener) -> std::io::Result<AsyncFd<std::net::TcpListener>> {
-    sock.set_nonblocking(true)?;
-    // tokio offers readiness for a plain fd only through `AsyncFd`, and registering one is
-    // `unsafe` since tokio 1.53.
-    #[allow(unsafe_code)]
-    // SAFETY: the AsyncFd owns the listener, whose fd stays open and the same until the
-    // AsyncFd is dropped.
-    let fd = unsafe { AsyncFd::register_with_interest(sock, tokio::io::Interest::READABLE) };
-    fd.map_err(std::io::Error::from)
-}
-
-/// Accepts a connection without registering it with the reactor (see [`client_stream`]):
-/// one `accept4`, already non-blocking.
-fn accept(l: &std::net::TcpListener) -> std::io::Result<(std::net::TcpStream, SocketAddr)> {
-    use rustix::net::{SocketFlags, acceptfrom_with};
-    let (fd, peer) = acceptfrom_with(l, SocketFlags::NONBLOCK | SocketFlags::CLOEXEC)?;
-    let peer = peer
-        .and_then(|p| SocketAddr::try_from(p).ok())
-        .ok_or_else(|| std::io::Error::other("accepted a connection without a peer address"))?;
-    Ok((fd.into(), peer))
-}
-
 async fn accept_loop(
-    sock: AsyncFd<std::net::TcpListener>,
+    listening: listener::Listening,
     mode: Mode,
     ctx: Arc<RwLock<Arc<Ctx>>>,
     conns: Arc<Semaphore>,
@@ -757,8 +720,8 @@ async fn accept_loop(
         let waiting = Waiting(&accepting);
         let accepted = async {
             loop {
-                let mut ready = sock.readable().await?;
-                match ready.try_io(|l| accept(l.get_ref())) {
+                let mut ready = listening.sock.readable().await?;
+                match ready.try_io(|l| listener::accept(l.get_ref())) {
                     Ok(r) => return r,
                     Err(_would_block) => continue,
                 }
@@ -783,10 +746,12 @@ async fn accept_loop(
         };
         drop(waiting);
         warned = false;
-        let _ = stream.set_nodelay(true);
-        if mode == Mode::Http {
-            // The response will carry the ACK of the request (as HAProxy does): one packet
-            // less per connection.
+        if !listening.nodelay {
+            let _ = stream.set_nodelay(true);
+        }
+        if mode == Mode::Http && !listening.deferred {
+            // The response will carry the ACK of the request: one packet less per connection.
+            // (A deferred accept comes after the kernel has acknowledged the request.)
             let _ = socket2::SockRef::from(&stream).set_quickack(false);
         }
         let ctx = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();

@@ -1,0 +1,172 @@
+//! The proxy's listening sockets: bound here or handed over by the process before, put on the
+//! reactor, and tuned so that what every accepted connection needs is set once, on the
+//! listener, instead of once per connection.
+//!
+//! - `TCP_NODELAY` on a listener is copied by Linux into every socket it accepts: one
+//!   `setsockopt` per listener instead of per connection.
+//! - `TCP_DEFER_ACCEPT` (where the client speaks first: HTTP, TLS) makes the kernel hand a
+//!   connection over only once its first bytes are there, so the first read finds the request:
+//!   no read that would block, no registration with the reactor (an `epoll_ctl` to add and one
+//!   to delete) and no wake-up for it. A client that connects and sends nothing is handed over
+//!   after about [`DEFER_ACCEPT_SECS`] all the same (when the kernel's retransmitted SYN-ACK is
+//!   answered), and the proxy's timeouts run from then.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use tokio::io::unix::AsyncFd;
+
+/// How long the kernel holds a connection that has sent nothing before handing it over.
+pub(crate) const DEFER_ACCEPT_SECS: i32 = 1;
+
+/// A listener on the reactor and what its accepted connections inherit.
+pub(crate) struct Listening {
+    pub(crate) sock: AsyncFd<TcpListener>,
+    /// Accepted connections come with `TCP_NODELAY` set.
+    pub(crate) nodelay: bool,
+    /// Connections are handed over once their first bytes are there (`TCP_DEFER_ACCEPT`).
+    pub(crate) deferred: bool,
+}
+
+/// Binds `addr`, or takes `taken` (a socket handed over), and tunes it.
+pub(crate) fn open(
+    addr: SocketAddr,
+    taken: Option<TcpListener>,
+    defer_accept: bool,
+) -> std::io::Result<Listening> {
+    let sock = match taken {
+        Some(t) => t,
+        None => bind(addr)?,
+    };
+    sock.set_nonblocking(true)?;
+    let s = socket2::SockRef::from(&sock);
+    // Failing either costs speed, not correctness: without the first, every connection sets
+    // it; without the second, the first read may wait.
+    let nodelay = s.set_nodelay(true).is_ok();
+    let defer = if defer_accept { DEFER_ACCEPT_SECS } else { 0 };
+    let deferred = match set_defer_accept(&sock, defer) {
+        Ok(()) => defer_accept,
+        Err(e) => {
+            tracing::debug!("proxy: listener {addr}: TCP_DEFER_ACCEPT: {e}");
+            false
+        }
+    };
+    Ok(Listening {
+        sock: register(sock)?,
+        nodelay,
+        deferred,
+    })
+}
+
+fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.set_reuse_address(true)?;
+    sock.set_nonblocking(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(4096)?;
+    Ok(sock.into())
+}
+
+/// Sets `TCP_DEFER_ACCEPT` to `secs` (0 turns it off; a socket handed over may carry it).
+fn set_defer_accept(sock: &TcpListener, secs: i32) -> std::io::Result<()> {
+    // Neither socket2 nor rustix offers this option.
+    #[allow(unsafe_code)]
+    // SAFETY: the fd is open for the call; the option value is a live `c_int` whose size is
+    // passed with it.
+    let r = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            (&raw const secs).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// A listening socket on the reactor.
+fn register(sock: TcpListener) -> std::io::Result<AsyncFd<TcpListener>> {
+    // tokio offers readiness for a plain fd only through `AsyncFd`, and registering one is
+    // `unsafe` since tokio 1.53.
+    #[allow(unsafe_code)]
+    // SAFETY: the AsyncFd owns the listener, whose fd stays open and the same until the
+    // AsyncFd is dropped.
+    let fd = unsafe { AsyncFd::register_with_interest(sock, tokio::io::Interest::READABLE) };
+    fd.map_err(std::io::Error::from)
+}
+
+/// Accepts a connection without registering it with the reactor (an HTTP client's stream
+/// registers itself once it has to wait): one `accept4`, already non-blocking.
+pub(crate) fn accept(l: &TcpListener) -> std::io::Result<(TcpStream, SocketAddr)> {
+    use rustix::net::{SocketFlags, acceptfrom_with};
+    let (fd, peer) = acceptfrom_with(l, SocketFlags::NONBLOCK | SocketFlags::CLOEXEC)?;
+    let peer = peer
+        .and_then(|p| SocketAddr::try_from(p).ok())
+        .ok_or_else(|| std::io::Error::other("accepted a connection without a peer address"))?;
+    Ok((fd.into(), peer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+
+    fn accept_within(l: &TcpListener, d: Duration) -> Option<TcpStream> {
+        let end = Instant::now() + d;
+        while Instant::now() < end {
+            if let Ok((s, _)) = accept(l) {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        None
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_inherit_nodelay_and_wait_for_their_first_bytes() {
+        let l = open("127.0.0.1:0".parse().unwrap(), None, true).unwrap();
+        assert!(l.nodelay && l.deferred);
+        let addr = l.sock.get_ref().local_addr().unwrap();
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        // Connected, nothing sent: not handed over yet.
+        assert!(accept_within(l.sock.get_ref(), Duration::from_millis(300)).is_none());
+        c.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let s = accept_within(l.sock.get_ref(), Duration::from_secs(5)).expect("accepted");
+        assert!(s.nodelay().unwrap(), "TCP_NODELAY comes from the listener");
+        let mut buf = [0u8; 64];
+        let n = (&s).read(&mut buf).expect("the request is there at once");
+        assert_eq!(&buf[..n], b"GET / HTTP/1.1\r\n\r\n");
+    }
+
+    #[tokio::test]
+    async fn a_silent_client_is_handed_over_after_the_deferral() {
+        let l = open("127.0.0.1:0".parse().unwrap(), None, true).unwrap();
+        let addr = l.sock.get_ref().local_addr().unwrap();
+        let _c = std::net::TcpStream::connect(addr).unwrap();
+        let t = Instant::now();
+        let s = accept_within(l.sock.get_ref(), Duration::from_secs(10));
+        assert!(s.is_some(), "a client that sends nothing is still accepted");
+        assert!(
+            t.elapsed() >= Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn without_deferral_a_connection_is_accepted_at_once() {
+        let l = open("127.0.0.1:0".parse().unwrap(), None, false).unwrap();
+        let addr = l.sock.get_ref().local_addr().unwrap();
+        let _c = std::net::TcpStream::connect(addr).unwrap();
+        assert!(accept_within(l.sock.get_ref(), Duration::from_secs(5)).is_some());
+    }
+}
