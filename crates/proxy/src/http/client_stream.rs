@@ -42,7 +42,8 @@ enum Socket {
     Registered(TcpStream),
     /// HTTPS, terminated here.
     Tls(Box<TlsStream>),
-    /// Registration failed; every further operation fails.
+    /// No socket: registration failed, the stream was taken, or it was closed after its
+    /// last write. Every further operation fails.
     Lost,
 }
 
@@ -185,8 +186,11 @@ impl ClientStream {
     }
 
     /// Writes the last bytes of the connection and ends its sending side. `MSG_MORE` holds
-    /// the bytes back until the shutdown, which sends them with the FIN in one segment: one
-    /// packet less per connection (as many as `Connection: close` requests).
+    /// the bytes back until the FIN, which takes them in one segment: one packet less per
+    /// connection (as many as `Connection: close` requests). When the client has sent
+    /// nothing more, the socket is closed right here (the close sends the FIN, as a shutdown
+    /// would, and [`ClientStream::close`] then has nothing left to do: one system call less);
+    /// else only the sending side ends, and the close reads off what the client still sends.
     pub(crate) async fn write_last(&mut self, mut data: &[u8]) -> io::Result<()> {
         if let Socket::Tls(t) = &mut self.socket {
             use tokio::io::AsyncWriteExt;
@@ -201,7 +205,23 @@ impl ClientStream {
                 Err(e) => return Err(e),
             }
         }
+        if !self.linger {
+            match self.read_pending() {
+                Some(Ok(0)) => return self.close_now(),
+                Some(Err(e)) if would_block(&e) => return self.close_now(),
+                // More came (a pipelined request, a late body): read it off before closing.
+                Some(Ok(_)) => self.linger = true,
+                _ => {}
+            }
+        }
         self.shutdown_write()
+    }
+
+    /// Closes a plain socket at once: the bytes held by `MSG_MORE` leave with the FIN.
+    fn close_now(&mut self) -> io::Result<()> {
+        self.socket = Socket::Lost;
+        self.write_shut = true;
+        Ok(())
     }
 
     fn try_send_more(&mut self, data: &[u8]) -> io::Result<usize> {
