@@ -1031,6 +1031,36 @@ async fn a_burst_of_small_calls_reaches_an_h2_pe_that_reads_them_late() {
     assert!(p.lines_with("panicked").is_empty());
 }
 
+/// A call whose message (with a Content-Length, so the proxy holds it to send again if need
+/// be) comes well after its head is waited for and reaches the PE whole: the read of a held
+/// body starts its timer only when the body is not there yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_body_that_comes_after_its_head_is_waited_for() {
+    let bed = H2Bed::start("late", "Late", burst_pe().await).await;
+    let send = bed.client().await;
+    bed.warm(&send).await;
+    let mut send = send.ready().await.unwrap();
+    let msg = b"\0\0\0\0\x04late";
+    let mut req = grpc_request(bed.front, "/t.E/Warm");
+    req.headers_mut()
+        .insert("content-length", msg.len().to_string().parse().unwrap());
+    let (resp, mut body) = send.send_request(req, false).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    body.send_data(bytes::Bytes::from_static(msg), true).unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+        .await
+        .expect("an answer within 10 s")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut echoed = Vec::new();
+    while let Some(Ok(d)) = body.data().await {
+        let _ = body.flow_control().release_capacity(d.len());
+        echoed.extend_from_slice(&d);
+    }
+    assert_eq!(echoed, msg, "the PE got the message whole");
+}
+
 /// How many messages the ticker PE below sends on a call of `/t.E/Ticks`.
 const TICKS: usize = 30_000;
 const TICK: &[u8] = b"\0\0\0\0\x05tick!";

@@ -30,6 +30,7 @@ use std::future::poll_fn;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, warn};
@@ -100,14 +101,16 @@ where
         tokio::select! {
             s = conn.accept() => match s {
                 Some(Ok((req, respond))) => {
-                    last_stream = tokio::time::Instant::now();
+                    // One reading of the clock for the idle timer and the request's start.
+                    let started = Instant::now();
+                    last_stream = tokio::time::Instant::from_std(started);
                     // After a reload, a new stream takes the new routes, pools and levels.
                     if let Some(newer) = ctx.newer() {
                         ctx = newer;
                     }
                     // Boxed: the task holds a pointer, not the whole call's state, which would be
                     // copied on every move.
-                    tokio::spawn(Box::pin(call(req, respond, peer, ctx.clone())));
+                    tokio::spawn(Box::pin(call(req, respond, peer, ctx.clone(), started)));
                 }
                 Some(Err(e)) => {
                     if e.reason() == Some(Reason::ENHANCE_YOUR_CALM) && e.is_library() {
@@ -161,8 +164,8 @@ fn call(
     respond: SendResponse<Bytes>,
     peer: SocketAddr,
     ctx: Arc<Ctx>,
+    started: Instant,
 ) -> impl Future<Output = ()> + Send {
-    let started = Instant::now();
     let (parts, recv) = req.into_parts();
     let grpc = parts
         .headers
@@ -326,7 +329,16 @@ async fn gather(
     }
     let mut body = Gathered::default();
     loop {
-        match tokio::time::timeout(idle, recv.data()).await {
+        // A body that came with its head is there at once: a timer (and a reading of the
+        // clock) only for a read that has to wait.
+        let next = {
+            let mut data = std::pin::pin!(recv.data());
+            match poll_fn(|cx| Poll::Ready(data.as_mut().poll(cx))).await {
+                Poll::Ready(d) => Ok(d),
+                Poll::Pending => tokio::time::timeout(idle, data).await,
+            }
+        };
+        match next {
             Err(_) | Ok(Some(Err(_))) => return Err(()),
             Ok(None) => return Ok(Body::Held(body.take())),
             Ok(Some(Ok(d))) => {

@@ -49,6 +49,9 @@ const READ_CHUNK: usize = 64 * 1024;
 /// Responses up to this size (head and body) go to the client in one write.
 const COALESCE: usize = 64 * 1024;
 
+/// Read room below which a PE connection's buffer is grown before reading a response head.
+const MIN_HEAD_ROOM: usize = 4 * 1024;
+
 /// An idle kept-alive connection to the PE, or a new one. Non-idempotent requests only reuse
 /// connections idle for less than a second: the PE is unlikely to have closed those, and
 /// such a request cannot be sent again if it did.
@@ -169,7 +172,11 @@ pub(crate) async fn read_response_head(
                 Err(_) => return Err(Failure::Broken { relayed: false }),
             }
         }
-        bc.buf.reserve(16 * 1024);
+        // Room for a head, made only when short: a reserve that finds the buffer shared (the
+        // last response's body may still be queued for an HTTP/2 client) allocates anew.
+        if bc.buf.capacity() - bc.buf.len() < MIN_HEAD_ROOM {
+            bc.buf.reserve(16 * 1024);
+        }
         let had = bc.buf.len();
         match tokio::time::timeout_at(deadline, bc.stream.read_buf(&mut bc.buf)).await {
             Err(_) => return Err(Failure::Timeout),
