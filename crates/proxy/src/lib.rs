@@ -459,7 +459,7 @@ impl Proxy {
                 l.listen
             );
         }
-        let listening = listener::open(l.listen, taken, l.mode == Mode::Http)
+        let listening = listener::open(l.listen, taken, l.defers_accept())
             .map_err(|e| StartError::Bind(l.listen, e))?;
         let sock = &listening.sock;
         let socket = sock
@@ -615,7 +615,16 @@ impl Proxy {
                     let previous = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();
                     ctx::install(&ctx, self.ctx(l)?, Some(previous.as_ref()));
                     let socket = self.listeners().get_mut(&l.listen).and_then(|x| {
-                        x.config = l.clone();
+                        let mut applied = l.clone();
+                        if x.config.defers_accept() != l.defers_accept() {
+                            // Its socket and accept loop stay: the setting stays with them.
+                            ignored.push(format!(
+                                "listener {}: defer-accept changes only with a restart",
+                                l.listen
+                            ));
+                            applied.defer_accept = Some(x.config.defers_accept());
+                        }
+                        x.config = applied;
                         x.socket.try_clone().ok()
                     });
                     self.save_syn(l, socket.as_ref());

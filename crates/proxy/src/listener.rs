@@ -4,10 +4,10 @@
 //!
 //! - `TCP_NODELAY` on a listener is copied by Linux into every socket it accepts: one
 //!   `setsockopt` per listener instead of per connection.
-//! - `TCP_DEFER_ACCEPT` (where the client speaks first: HTTP, TLS) makes the kernel hand a
-//!   connection over only once its first bytes are there, so the first read finds the request:
-//!   no read that would block, no registration with the reactor (an `epoll_ctl` to add and one
-//!   to delete) and no wake-up for it. A client that connects and sends nothing is handed over
+//! - `TCP_DEFER_ACCEPT` (`defer-accept`, by default on HTTP listeners, where the client
+//!   speaks first) makes the kernel hand a connection over only once its first bytes are
+//!   there, so the first read finds the request: no read that would block, no registration
+//!   with the reactor (an `epoll_ctl` to add and one to delete) and no wake-up for it. A client that connects and sends nothing is handed over
 //!   after about [`DEFER_ACCEPT_SECS`] all the same (when the kernel's retransmitted SYN-ACK is
 //!   answered), and the proxy's timeouts run from then.
 

@@ -39,6 +39,7 @@ async fn proxy(reg: SocketAddr) -> Proxy {
             splice: None,
             certificates: Vec::new(),
             http2: true,
+            defer_accept: None,
         }],
         ..ProxyConfig::default()
     })

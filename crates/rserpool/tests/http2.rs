@@ -1046,7 +1046,8 @@ async fn a_held_body_that_comes_after_its_head_is_waited_for() {
         .insert("content-length", msg.len().to_string().parse().unwrap());
     let (resp, mut body) = send.send_request(req, false).unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    body.send_data(bytes::Bytes::from_static(msg), true).unwrap();
+    body.send_data(bytes::Bytes::from_static(msg), true)
+        .unwrap();
     let resp = tokio::time::timeout(Duration::from_secs(10), resp)
         .await
         .expect("an answer within 10 s")

@@ -76,6 +76,7 @@ fn proxy_config(reg: SocketAddr, listeners: Vec<(Mode, &str)>) -> ProxyConfig {
                 splice: None,
                 certificates: Vec::new(),
                 http2: true,
+                defer_accept: None,
             })
             .collect(),
         ..ProxyConfig::default()
@@ -481,6 +482,41 @@ async fn large_uploads_and_downloads_arrive_byte_exact() {
         assert_eq!(String::from_utf8_lossy(&r.body), received(&upload));
     }
     drop(b);
+}
+
+/// An HTTP listener takes a connection once its request is there (`defer-accept`, on by
+/// default): a client that has connected and sent nothing is not yet one of the proxy's
+/// connections, and is taken about a second later all the same; `defer-accept = false` takes
+/// it at once. A reload cannot change the setting of a listener that stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_listener_takes_a_connection_once_its_request_is_there() {
+    let reg = registrar(fast_config());
+    let mut cfg = proxy_config(
+        reg.asap_addr(),
+        vec![(Mode::Http, "Nobody"), (Mode::Http, "Nobody")],
+    );
+    cfg.listeners[1].defer_accept = Some(false);
+    let (deferred, at_once) = (cfg.listeners[0].listen, cfg.listeners[1].listen);
+    let proxy = Proxy::start(cfg.clone()).await.unwrap();
+    let _silent = tokio::net::TcpStream::connect(deferred).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(proxy.active_connections(), 0, "taken before its request");
+    let _other = tokio::net::TcpStream::connect(at_once).await.unwrap();
+    wait_until(Duration::from_secs(5), "taken at once", || {
+        proxy.active_connections() == 1
+    })
+    .await;
+    wait_until(Duration::from_secs(5), "taken after the deferral", || {
+        proxy.active_connections() == 2
+    })
+    .await;
+    let mut changed = cfg.clone();
+    changed.listeners[0].defer_accept = Some(false);
+    let ignored = proxy.reload(changed).await.unwrap();
+    assert!(
+        ignored.iter().any(|w| w.contains("defer-accept")),
+        "{ignored:?}"
+    );
 }
 
 /// The proxy ends the connection cleanly right after the response: nothing more, then EOF.

@@ -32,6 +32,7 @@ async fn proxy(reg: SocketAddr, select: Select) -> Proxy {
             splice: None,
             certificates: Vec::new(),
             http2: true,
+            defer_accept: None,
         }],
         pool_settings: BTreeMap::from([(
             POOL.to_string(),

@@ -113,6 +113,13 @@ pub struct ListenerConfig {
     /// prior knowledge). Limits in `[http2]`.
     #[serde(default = "yes")]
     pub http2: bool,
+    /// Whether the kernel hands a connection over only once its first bytes are there
+    /// (`TCP_DEFER_ACCEPT`, about a second at most): the first read then finds the request.
+    /// By default on for HTTP listeners and off for TCP ones (a protocol whose server speaks
+    /// first would wait a second for every connection); `true` suits a TCP listener whose
+    /// clients speak first (TLS passed through, for one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub defer_accept: Option<bool>,
 }
 
 fn yes() -> bool {
@@ -120,6 +127,11 @@ fn yes() -> bool {
 }
 
 impl ListenerConfig {
+    /// `defer-accept`, or its default for the listener's mode.
+    pub fn defers_accept(&self) -> bool {
+        self.defer_accept.unwrap_or(self.mode == Mode::Http)
+    }
+
     /// Whether any connection of this listener may go to the kernel splice.
     pub fn kernel_splice(&self) -> bool {
         self.splice == Some(SpliceMode::Kernel)

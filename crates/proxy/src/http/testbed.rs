@@ -231,6 +231,7 @@ pub(super) fn ctx(
         splice: None,
         certificates: Vec::new(),
         http2: false,
+        defer_accept: None,
     };
     let (never, draining) = tokio::sync::watch::channel(false);
     // Kept for the rest of the test run: a dropped sender reads as "draining".

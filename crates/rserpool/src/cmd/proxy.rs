@@ -85,6 +85,7 @@ pub fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
             splice: None,
             certificates: Vec::new(),
             http2: true,
+            defer_accept: None,
         });
     } else if args.pool.is_some() || args.select.is_some() {
         return Err(anyhow!("--pool and --select need --listen"));

@@ -120,6 +120,7 @@ pub fn run(args: UpArgs) -> Result<()> {
                     splice: None,
                     certificates: Vec::new(),
                     http2: true,
+                    defer_accept: None,
                 },
                 ListenerConfig {
                     listen: args.proxy_tcp,
@@ -129,6 +130,7 @@ pub fn run(args: UpArgs) -> Result<()> {
                     splice: None,
                     certificates: Vec::new(),
                     http2: true,
+                    defer_accept: None,
                 },
             ],
             status: Some(args.proxy_status),
