@@ -68,6 +68,8 @@ struct Listener {
     /// The listening socket (a second descriptor of it), for options a reload sets and for a
     /// hand-over.
     socket: std::net::TcpListener,
+    /// Its connections are deferred until their first bytes (the accept loop reads it).
+    deferred: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The status listener: its configured address, a second descriptor of its socket (for a
@@ -310,10 +312,16 @@ impl Proxy {
     }
 
     /// A successor given [`handover_sockets`](Self::handover_sockets) failed: what cannot be
-    /// shared (a tier member's registration) comes back.
+    /// shared (a tier member's registration) comes back, and the listening sockets get this
+    /// proxy's settings again.
     pub fn handover_failed(&self) {
         if let Some(t) = self.tier() {
             t.resume();
+        }
+        // The successor may have set its own deferral on the listening sockets they share.
+        for (addr, x) in self.listeners().iter() {
+            let on = listener::defer(&x.socket, *addr, x.config.defers_accept());
+            x.deferred.store(on, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
@@ -484,6 +492,7 @@ impl Proxy {
                 " (TLS)"
             }
         );
+        let deferred = listening.deferred.clone();
         tokio::spawn(accept_loop(
             listening,
             l.mode,
@@ -501,6 +510,7 @@ impl Proxy {
                 ctx,
                 stop,
                 socket,
+                deferred,
             },
         );
         Ok(())
@@ -615,16 +625,11 @@ impl Proxy {
                     let previous = ctx.read().unwrap_or_else(|p| p.into_inner()).clone();
                     ctx::install(&ctx, self.ctx(l)?, Some(previous.as_ref()));
                     let socket = self.listeners().get_mut(&l.listen).and_then(|x| {
-                        let mut applied = l.clone();
                         if x.config.defers_accept() != l.defers_accept() {
-                            // Its socket and accept loop stay: the setting stays with them.
-                            ignored.push(format!(
-                                "listener {}: defer-accept changes only with a restart",
-                                l.listen
-                            ));
-                            applied.defer_accept = Some(x.config.defers_accept());
+                            let on = listener::defer(&x.socket, l.listen, l.defers_accept());
+                            x.deferred.store(on, std::sync::atomic::Ordering::Relaxed);
                         }
-                        x.config = applied;
+                        x.config = l.clone();
                         x.socket.try_clone().ok()
                     });
                     self.save_syn(l, socket.as_ref());
@@ -720,6 +725,8 @@ async fn accept_loop(
         }
     }
     let mut warned = false;
+    // Whether accepted connections come with `TCP_NODELAY`: known after the first.
+    let mut inherited: Option<bool> = None;
     loop {
         let permit = tokio::select! {
             p = conns.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
@@ -755,10 +762,18 @@ async fn accept_loop(
         };
         drop(waiting);
         warned = false;
-        if !listening.nodelay {
+        if inherited.is_none() {
+            // Linux copies it from the listener; checked once, in case a kernel does not.
+            inherited = Some(listening.nodelay && stream.nodelay().unwrap_or(false));
+        }
+        if inherited != Some(true) {
             let _ = stream.set_nodelay(true);
         }
-        if mode == Mode::Http && !listening.deferred {
+        if mode == Mode::Http
+            && !listening
+                .deferred
+                .load(std::sync::atomic::Ordering::Relaxed)
+        {
             // The response will carry the ACK of the request: one packet less per connection.
             // (A deferred accept comes after the kernel has acknowledged the request.)
             let _ = socket2::SockRef::from(&stream).set_quickack(false);

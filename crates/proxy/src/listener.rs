@@ -7,24 +7,28 @@
 //! - `TCP_DEFER_ACCEPT` (`defer-accept`, by default on HTTP listeners, where the client
 //!   speaks first) makes the kernel hand a connection over only once its first bytes are
 //!   there, so the first read finds the request: no read that would block, no registration
-//!   with the reactor (an `epoll_ctl` to add and one to delete) and no wake-up for it. A client that connects and sends nothing is handed over
-//!   after about [`DEFER_ACCEPT_SECS`] all the same (when the kernel's retransmitted SYN-ACK is
-//!   answered), and the proxy's timeouts run from then.
+//!   with the reactor (an `epoll_ctl` to add and one to delete) and no wake-up for it. A
+//!   client that connects and sends nothing is handed over after a second all the same (when
+//!   it answers the kernel's retransmitted SYN-ACK; later if that is lost), and the proxy's
+//!   timeouts run from then.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use tokio::io::unix::AsyncFd;
 
 /// How long the kernel holds a connection that has sent nothing before handing it over.
-pub(crate) const DEFER_ACCEPT_SECS: i32 = 1;
+pub(crate) const DEFER_ACCEPT_SECS: libc::c_int = 1;
 
 /// A listener on the reactor and what its accepted connections inherit.
 pub(crate) struct Listening {
     pub(crate) sock: AsyncFd<TcpListener>,
     /// Accepted connections come with `TCP_NODELAY` set.
     pub(crate) nodelay: bool,
-    /// Connections are handed over once their first bytes are there (`TCP_DEFER_ACCEPT`).
-    pub(crate) deferred: bool,
+    /// Connections are handed over once their first bytes are there (`TCP_DEFER_ACCEPT`);
+    /// a reload may change it.
+    pub(crate) deferred: Arc<AtomicBool>,
 }
 
 /// Binds `addr`, or takes `taken` (a socket handed over), and tunes it.
@@ -38,23 +42,28 @@ pub(crate) fn open(
         None => bind(addr)?,
     };
     sock.set_nonblocking(true)?;
-    let s = socket2::SockRef::from(&sock);
     // Failing either costs speed, not correctness: without the first, every connection sets
     // it; without the second, the first read may wait.
-    let nodelay = s.set_nodelay(true).is_ok();
-    let defer = if defer_accept { DEFER_ACCEPT_SECS } else { 0 };
-    let deferred = match set_defer_accept(&sock, defer) {
-        Ok(()) => defer_accept,
-        Err(e) => {
-            tracing::debug!("proxy: listener {addr}: TCP_DEFER_ACCEPT: {e}");
-            false
-        }
-    };
+    let nodelay = socket2::SockRef::from(&sock).set_nodelay(true).is_ok();
+    let deferred = Arc::new(AtomicBool::new(defer(&sock, addr, defer_accept)));
     Ok(Listening {
         sock: register(sock)?,
         nodelay,
         deferred,
     })
+}
+
+/// Turns `TCP_DEFER_ACCEPT` on or off on a listening socket (its own, or one shared with the
+/// process it was handed over to); whether connections are now deferred.
+pub(crate) fn defer(sock: &TcpListener, addr: SocketAddr, on: bool) -> bool {
+    let secs = if on { DEFER_ACCEPT_SECS } else { 0 };
+    match set_defer_accept(sock, secs) {
+        Ok(()) => on,
+        Err(e) => {
+            tracing::debug!("proxy: listener {addr}: TCP_DEFER_ACCEPT: {e}");
+            false
+        }
+    }
 }
 
 fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
@@ -70,19 +79,19 @@ fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     Ok(sock.into())
 }
 
-/// Sets `TCP_DEFER_ACCEPT` to `secs` (0 turns it off; a socket handed over may carry it).
-fn set_defer_accept(sock: &TcpListener, secs: i32) -> std::io::Result<()> {
+/// Sets `TCP_DEFER_ACCEPT` to `secs` (0 turns it off).
+fn set_defer_accept(sock: &TcpListener, secs: libc::c_int) -> std::io::Result<()> {
     // Neither socket2 nor rustix offers this option.
     #[allow(unsafe_code)]
-    // SAFETY: the fd is open for the call; the option value is a live `c_int` whose size is
-    // passed with it.
+    // SAFETY: the fd is open for the call; the option value is a live `c_int` and its size
+    // is taken from it.
     let r = unsafe {
         libc::setsockopt(
             sock.as_raw_fd(),
             libc::IPPROTO_TCP,
             libc::TCP_DEFER_ACCEPT,
             (&raw const secs).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            std::mem::size_of_val(&secs) as libc::socklen_t,
         )
     };
     if r == 0 {
@@ -134,7 +143,7 @@ mod tests {
     #[tokio::test]
     async fn accepted_connections_inherit_nodelay_and_wait_for_their_first_bytes() {
         let l = open("127.0.0.1:0".parse().unwrap(), None, true).unwrap();
-        assert!(l.nodelay && l.deferred);
+        assert!(l.nodelay && l.deferred.load(std::sync::atomic::Ordering::Relaxed));
         let addr = l.sock.get_ref().local_addr().unwrap();
         let mut c = std::net::TcpStream::connect(addr).unwrap();
         // Connected, nothing sent: not handed over yet.

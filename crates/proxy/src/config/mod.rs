@@ -114,7 +114,8 @@ pub struct ListenerConfig {
     #[serde(default = "yes")]
     pub http2: bool,
     /// Whether the kernel hands a connection over only once its first bytes are there
-    /// (`TCP_DEFER_ACCEPT`, about a second at most): the first read then finds the request.
+    /// (`TCP_DEFER_ACCEPT`; one that sends nothing is handed over after about a second, later
+    /// if packets are lost): the first read then finds the request.
     /// By default on for HTTP listeners and off for TCP ones (a protocol whose server speaks
     /// first would wait a second for every connection); `true` suits a TCP listener whose
     /// clients speak first (TLS passed through, for one).
@@ -496,9 +497,10 @@ pub struct ProxyConfig {
     pub idle_timeout_ms: u64,
     /// Longest wait for a response head from a PE (504 after it).
     pub request_timeout_ms: u64,
-    /// Longest a client may take to send a request head, from its connection (the first
-    /// request) or from the first byte of a later one on a kept-alive connection (408 after
-    /// it); the wait for that first byte is `idle-timeout-ms`.
+    /// Longest a client may take to send a request head, from its connection's accept (the
+    /// first request: on a listener with `defer-accept`, once its first bytes came or about a
+    /// second passed) or from the first byte of a later one on a kept-alive connection (408
+    /// after it); the wait for that first byte is `idle-timeout-ms`.
     pub header_timeout_ms: u64,
     /// Failures in a row that eject a PE locally; the first ejection lasts `eject-ms`, each
     /// next one in a row twice as long, up to `eject-max-ms`.

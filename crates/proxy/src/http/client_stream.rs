@@ -34,6 +34,10 @@ pub(crate) struct ClientStream {
     /// The client is known to have more to send: [`ClientStream::close`] reads it off even if
     /// none has arrived yet.
     linger: bool,
+    /// The client said it sends nothing after its request (`Connection: close`, RFC 9112
+    /// §9.6): once the last response is written and nothing more has come, the socket can be
+    /// closed at once.
+    done: bool,
 }
 
 enum Socket {
@@ -89,7 +93,7 @@ fn poll_tls_ready(t: &mut TlsStream, cx: &mut Context<'_>) -> Poll<io::Result<()
 }
 
 fn lost() -> io::Error {
-    io::Error::other("client socket could not be registered")
+    io::Error::other("client socket closed, taken or not registered")
 }
 
 impl ClientStream {
@@ -99,6 +103,7 @@ impl ClientStream {
             socket: Socket::Unregistered(s),
             write_shut: false,
             linger: false,
+            done: false,
         }
     }
 
@@ -108,6 +113,7 @@ impl ClientStream {
             socket: Socket::Tls(Box::new(s)),
             write_shut: false,
             linger: false,
+            done: false,
         }
     }
 
@@ -187,10 +193,13 @@ impl ClientStream {
 
     /// Writes the last bytes of the connection and ends its sending side. `MSG_MORE` holds
     /// the bytes back until the FIN, which takes them in one segment: one packet less per
-    /// connection (as many as `Connection: close` requests). When the client has sent
-    /// nothing more, the socket is closed right here (the close sends the FIN, as a shutdown
-    /// would, and [`ClientStream::close`] then has nothing left to do: one system call less);
-    /// else only the sending side ends, and the close reads off what the client still sends.
+    /// connection (as many as `Connection: close` requests). When the client said it would
+    /// send no more ([`ClientStream::client_done`]) and has not, the socket is closed right
+    /// here (the close sends the FIN, as a shutdown would, and [`ClientStream::close`] then
+    /// has nothing left to do: one system call less). Else only the sending side ends, at
+    /// once, and the close reads off what the client still sends: a client that meant to
+    /// keep the connection may send its next request any moment, and a close with it unread
+    /// would reset the connection, the response unsent.
     pub(crate) async fn write_last(&mut self, mut data: &[u8]) -> io::Result<()> {
         if let Socket::Tls(t) = &mut self.socket {
             use tokio::io::AsyncWriteExt;
@@ -205,7 +214,7 @@ impl ClientStream {
                 Err(e) => return Err(e),
             }
         }
-        if !self.linger {
+        if self.done && !self.linger {
             match self.read_pending() {
                 Some(Ok(0)) => return self.close_now(),
                 Some(Err(e)) if would_block(&e) => return self.close_now(),
@@ -253,12 +262,18 @@ impl ClientStream {
         self.linger = true;
     }
 
+    /// The client sends nothing after its current request (see [`ClientStream::write_last`]).
+    pub(crate) fn client_done(&mut self) {
+        self.done = true;
+    }
+
     /// Closes the connection without cutting off what was sent to it. A close with unread
     /// bytes in the receive queue makes Linux answer with a RST, and the RST destroys the
     /// response at the client if it has not read it yet. So if the client has sent more (a
     /// pipelined request, the rest of an upload the PE answered early), or is known to have
     /// more, that is read and dropped until the client closes, for at most [`LINGER`]. The
-    /// usual case costs one `recv` that finds nothing.
+    /// usual case costs one `recv` that finds nothing (here, or in
+    /// [`ClientStream::write_last`], which may have closed the socket already).
     pub(crate) async fn close(mut self) {
         if let Socket::Tls(t) = &mut self.socket {
             use tokio::io::AsyncWriteExt;

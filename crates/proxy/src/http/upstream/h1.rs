@@ -595,6 +595,8 @@ async fn pass(
     if sent.body_left {
         // The client may still be sending the body the PE did not take.
         h.c.stream.linger_on_close();
+    } else if !r.keep_alive {
+        h.c.stream.client_done();
     }
     let mut out = BytesMut::with_capacity(resp.raw.len() + 64);
     response_head(resp, &mut out, keep, r.head.minor, h.set_cookie.as_ref());
