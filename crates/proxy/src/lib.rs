@@ -635,10 +635,13 @@ impl Proxy {
                     self.save_syn(l, socket.as_ref());
                 }
                 Some(_) => {
-                    if let Some(x) = self.listeners().remove(&l.listen) {
+                    // Another mode: a new accept loop on the same listening socket (binding the
+                    // address anew would find it still in use by the old loop).
+                    let taken = self.listeners().remove(&l.listen).map(|x| {
                         let _ = x.stop.send(true);
-                    }
-                    self.add_listener(l.clone(), None).await?;
+                        x.socket
+                    });
+                    self.add_listener(l.clone(), taken).await?;
                 }
                 None => self.add_listener(l.clone(), None).await?,
             }

@@ -937,6 +937,26 @@ async fn sighup_reloads_listeners_without_dropping_connections() {
     serving(tcp).await;
 }
 
+/// A reload that changes a listener's mode keeps its address: the new listener takes over
+/// the same listening socket (binding it anew would find it still in use) and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_changes_a_listeners_mode_keeps_serving_on_its_address() {
+    let (_reg, _b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
+    let addr = proxy.local_addrs()[0];
+    let mut c = Client::connect(addr).await.unwrap();
+    assert_eq!(c.get("/http").await.unwrap().code, 200);
+    let mut cfg = (*proxy.config()).clone();
+    cfg.listeners[0].mode = Mode::Tcp;
+    proxy
+        .reload(cfg)
+        .await
+        .expect("the reload takes the new mode");
+    assert_eq!(proxy.local_addrs(), vec![addr]);
+    // A request through TCP mode reaches a PE as it was sent.
+    let mut t = Client::connect(addr).await.unwrap();
+    assert_eq!(t.get("/tcp").await.unwrap().code, 200);
+}
+
 /// A reload reaches kept-alive connections: after SIGHUP moves the listener to another pool,
 /// the next request on a connection opened before goes to the new pool (HTTP/1.1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
