@@ -142,10 +142,16 @@ fn info(fd: RawFd) -> std::io::Result<Info> {
     })
 }
 
+/// Sets a TCP option whose value is an int on `s`: for the options the socket crates do not
+/// offer (`TCP_SAVE_SYN` here, `TCP_DEFER_ACCEPT` on the proxy's listeners).
+pub fn set_tcp_option(s: &impl AsRawFd, opt: libc::c_int, v: libc::c_int) -> std::io::Result<()> {
+    set_tcp(s.as_raw_fd(), opt, v)
+}
+
 /// Has `listener` keep each connection's SYN, whose timestamp a hand-over may need
 /// (`TCP_SAVE_SYN`; a connection's copy is freed when it is read or the socket closes).
 pub fn save_syn(listener: &impl AsRawFd) -> std::io::Result<()> {
-    set_tcp(listener.as_raw_fd(), libc::TCP_SAVE_SYN, 1)
+    set_tcp_option(listener, libc::TCP_SAVE_SYN, 1)
 }
 
 /// Clamps the MSS a socket not yet connected advertises to that of `client` (an accepted

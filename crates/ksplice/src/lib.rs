@@ -31,7 +31,9 @@ use abi::{
     COUNTERS_MAP, FLAG_FIN, FLAG_HOLD, FLAG_PROBE, FLAG_PROBED, FLAG_SAW_TS, FLAG_TS, FLAG_WATCH,
     FLOWS_MAP, TIER_MAP, TIER_REDIRECTS_MAP,
 };
-pub use handover::{HandOverError, clamp_mss, hand_over, pending, route_towards, save_syn};
+pub use handover::{
+    HandOverError, clamp_mss, hand_over, pending, route_towards, save_syn, set_tcp_option,
+};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::Path;
 use std::time::Duration;

@@ -13,7 +13,6 @@
 //!   timeouts run from then.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use tokio::io::unix::AsyncFd;
@@ -57,7 +56,7 @@ pub(crate) fn open(
 /// process it was handed over to); whether connections are now deferred.
 pub(crate) fn defer(sock: &TcpListener, addr: SocketAddr, on: bool) -> bool {
     let secs = if on { DEFER_ACCEPT_SECS } else { 0 };
-    match set_defer_accept(sock, secs) {
+    match rserpool_ksplice::set_tcp_option(sock, libc::TCP_DEFER_ACCEPT, secs) {
         Ok(()) => on,
         Err(e) => {
             tracing::debug!("proxy: listener {addr}: TCP_DEFER_ACCEPT: {e}");
@@ -77,28 +76,6 @@ fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     sock.bind(&addr.into())?;
     sock.listen(4096)?;
     Ok(sock.into())
-}
-
-/// Sets `TCP_DEFER_ACCEPT` to `secs` (0 turns it off).
-fn set_defer_accept(sock: &TcpListener, secs: libc::c_int) -> std::io::Result<()> {
-    // Neither socket2 nor rustix offers this option.
-    #[allow(unsafe_code)]
-    // SAFETY: the fd is open for the call; the option value is a live `c_int` and its size
-    // is taken from it.
-    let r = unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_DEFER_ACCEPT,
-            (&raw const secs).cast(),
-            std::mem::size_of_val(&secs) as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
 }
 
 /// A listening socket on the reactor.
