@@ -448,6 +448,28 @@ names = ["b.test"]
     tokio::time::sleep(Duration::from_millis(100)).await;
     s.write_all(&get[10..]).await.unwrap();
     assert!(response(&mut s).await.starts_with("HTTP/1.1 200"));
+    // The last response of a `Connection: close` client, larger than the socket buffers,
+    // with more bytes from the client after its request: the proxy reads them off before it
+    // closes (a close with them unread would reset the connection and drop what is still in
+    // its send buffer).
+    let n = 20_000_000usize;
+    for _ in 0..3 {
+        let mut s = https_connect(front, "a.test", &dir).await.unwrap();
+        let req = format!("GET /bytes/{n} HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        s.flush().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        s.write_all(get).await.unwrap();
+        s.flush().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut out = Vec::new();
+        let r = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+            .await
+            .expect("the download ends");
+        assert!(r.is_ok(), "{r:?} after {} bytes", out.len());
+        let head_len = out.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        assert_eq!(out.len() - head_len, n, "the whole body arrived");
+    }
     // A name without a certificate of its own gets the first one, which is not valid for it.
     assert!(https_get(front, "c.test", &dir).await.is_err());
     // Plain HTTP on the HTTPS port is closed; the proxy serves on.

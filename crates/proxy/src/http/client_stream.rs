@@ -274,15 +274,21 @@ impl ClientStream {
     /// more, that is read and dropped until the client closes, for at most [`LINGER`]. The
     /// usual case costs one `recv` that finds nothing (here, or in
     /// [`ClientStream::write_last`], which may have closed the socket already).
+    /// Over TLS the same holds beneath the records: the close_notify and the FIN go first
+    /// (`poll_shutdown`), then what the client still sends is read off as raw bytes.
     pub(crate) async fn close(mut self) {
+        let deadline = tokio::time::Instant::now() + LINGER;
         if let Socket::Tls(t) = &mut self.socket {
             use tokio::io::AsyncWriteExt;
-            if !self.write_shut {
-                let _ = tokio::time::timeout(LINGER, t.shutdown()).await;
+            if !self.write_shut
+                && !matches!(
+                    tokio::time::timeout_at(deadline, t.shutdown()).await,
+                    Ok(Ok(()))
+                )
+            {
+                return;
             }
-            return;
-        }
-        if !self.write_shut && self.shutdown_write().is_err() {
+        } else if !self.write_shut && self.shutdown_write().is_err() {
             return;
         }
         match self.read_pending() {
@@ -290,8 +296,13 @@ impl ClientStream {
             Some(Err(e)) if would_block(&e) && self.linger => {}
             _ => return,
         }
-        let deadline = tokio::time::Instant::now() + LINGER;
-        let Ok(t) = self.registered() else { return };
+        let t = match &mut self.socket {
+            Socket::Tls(t) => &mut t.get_mut().0,
+            _ => match self.registered() {
+                Ok(t) => t,
+                Err(_) => return,
+            },
+        };
         // On the heap: a buffer held across the awaits below would be in every connection's
         // task, idle or not, for the usual close that never gets here.
         let mut scratch = vec![0u8; 4096];
@@ -305,18 +316,21 @@ impl ClientStream {
 
 impl ClientStream {
     /// Reads (and drops) what the client sent without waiting: bytes read, or the error
-    /// (`WouldBlock`: nothing there); `None` for a TLS or lost stream.
+    /// (`WouldBlock`: nothing there); `None` for a lost stream. A TLS stream's socket is read
+    /// beneath rustls: only when the connection ends.
     fn read_pending(&self) -> Option<io::Result<usize>> {
         let mut scratch = [0u8; 4096];
+        // Directly: tokio may not have seen the readiness yet.
+        let recv = |t: &TcpStream, scratch: &mut [u8]| {
+            rustix::net::recv(t, scratch, rustix::net::RecvFlags::DONTWAIT)
+                .map(|(n, _)| n)
+                .map_err(io::Error::from)
+        };
         Some(match &self.socket {
             Socket::Unregistered(s) => (&*s).read(&mut scratch),
-            // Directly: tokio may not have seen the readiness yet.
-            Socket::Registered(t) => {
-                rustix::net::recv(t, &mut scratch, rustix::net::RecvFlags::DONTWAIT)
-                    .map(|(n, _)| n)
-                    .map_err(io::Error::from)
-            }
-            Socket::Tls(_) | Socket::Lost => return None,
+            Socket::Registered(t) => recv(t, &mut scratch),
+            Socket::Tls(t) => recv(&t.get_ref().0, &mut scratch),
+            Socket::Lost => return None,
         })
     }
 }
