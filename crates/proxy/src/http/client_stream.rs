@@ -329,7 +329,7 @@ impl ClientStream {
         Some(match &self.socket {
             Socket::Unregistered(s) => (&*s).read(&mut scratch),
             Socket::Registered(t) => recv(t, &mut scratch),
-            Socket::Tls(t) => recv(&t.get_ref().0, &mut scratch),
+            Socket::Tls(t) => recv(t.get_ref().0, &mut scratch),
             Socket::Lost => return None,
         })
     }
