@@ -1,5 +1,6 @@
-//! What a run cost the proxy: its CPU time (all its processes and threads, from /proc) and,
-//! with `--syscalls`, its system calls (`perf stat` on the `raw_syscalls:sys_enter`
+//! What a run cost the proxy: its CPU time (all its processes and threads, from /proc),
+//! the whole machine's CPU time beside it (/proc/stat) and, with `--syscalls`, its system
+//! calls (`perf stat` on the `raw_syscalls:sys_enter`
 //! tracepoint: every system call of the proxy's processes, whatever it is; counting starts
 //! just before the load and stops just after it). System calls per request tell two proxies
 //! apart where CPU time alone cannot say why: on loopback most of a proxy's time is the
@@ -8,7 +9,9 @@
 use super::args::ProxyBenchArgs;
 use super::front::Front;
 use super::wrk::Wrk;
-use crate::procfs::{group_cpu_ns, group_pids};
+use crate::procfs::{
+    group_cpu_ns, group_pids, machine_busy_s_since, machine_busy_since, machine_cpu_ticks,
+};
 use anyhow::{Context, Result, bail};
 use std::process::{Child, Command, Stdio};
 
@@ -16,6 +19,7 @@ use std::process::{Child, Command, Stdio};
 pub(super) struct Cost {
     group: Option<u32>,
     cpu_at_start: Option<u64>,
+    machine_at_start: Option<(u64, u64)>,
     perf: Option<Child>,
 }
 
@@ -29,6 +33,7 @@ impl Cost {
         Ok(Cost {
             group,
             cpu_at_start: group.map(group_cpu_ns),
+            machine_at_start: machine_cpu_ticks(),
             perf,
         })
     }
@@ -37,6 +42,8 @@ impl Cost {
     /// `w.rps`.
     pub(super) fn finish(mut self, w: &mut Wrk, duration_s: u64) {
         let requests = (w.rps * duration_s.max(1) as f64).max(1.0);
+        w.machine_us = machine_busy_s_since(self.machine_at_start).map(|s| s * 1e6 / requests);
+        w.machine_busy = machine_busy_since(self.machine_at_start);
         if let (Some(g), Some(c0)) = (self.group, self.cpu_at_start) {
             w.cpu_us = Some(group_cpu_ns(g).saturating_sub(c0) as f64 / 1e3 / requests);
         }

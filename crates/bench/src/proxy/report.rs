@@ -14,9 +14,14 @@ use anyhow::Result;
 pub(super) fn print_sample(s: &Sample) {
     let mut line = format!("{:>8} round {}:", s.system.label(), s.round + 1);
     let syscalls = |w: &super::Wrk| {
-        w.syscalls
+        let mut t = w
+            .syscalls
             .map(|n| format!(", {n:.2} system calls"))
-            .unwrap_or_default()
+            .unwrap_or_default();
+        if let (Some(us), Some(busy)) = (w.machine_us, w.machine_busy) {
+            t += &format!(", machine {us:.1} µs ({:.0} % busy)", 100.0 * busy);
+        }
+        t
     };
     let keepalive = |proto: &str, w: &super::Wrk| {
         format!(
@@ -114,6 +119,7 @@ struct H2Median {
     p99: Option<f64>,
     cpu: Option<f64>,
     syscalls: Option<f64>,
+    machine: Option<f64>,
     errors: u64,
 }
 
@@ -127,6 +133,7 @@ impl H2Median {
             p99: m(&|w| Some(w.p99_ms)),
             cpu: m(&|w| w.cpu_us),
             syscalls: m(&|w| w.syscalls),
+            machine: m(&|w| w.machine_us),
             errors: runs.iter().map(|w| w.errors).sum(),
         }
     }
@@ -141,9 +148,11 @@ struct Row {
     ka_errors: u64,
     ka_cpu: Option<f64>,
     ka_sys: Option<f64>,
+    ka_machine: Option<f64>,
     conn_s: Option<f64>,
     conn_cpu: Option<f64>,
     conn_sys: Option<f64>,
+    conn_machine: Option<f64>,
     conn_errors: u64,
     tls_ka_rps: Option<f64>,
     tls_ka_p99: Option<f64>,
@@ -219,9 +228,11 @@ impl Report {
                         .sum(),
                     ka_cpu: m(&|s| s.keepalive.and_then(|w| w.cpu_us)),
                     ka_sys: m(&|s| s.keepalive.and_then(|w| w.syscalls)),
+                    ka_machine: m(&|s| s.keepalive.and_then(|w| w.machine_us)),
                     conn_s: m(&|s| s.connect.map(|w| w.rps)),
                     conn_cpu: m(&|s| s.connect.and_then(|w| w.cpu_us)),
                     conn_sys: m(&|s| s.connect.and_then(|w| w.syscalls)),
+                    conn_machine: m(&|s| s.connect.and_then(|w| w.machine_us)),
                     conn_errors: of.iter().filter_map(|s| s.connect).map(|w| w.errors).sum(),
                     tls_ka_rps: m(&|s| s.https_keepalive.map(|w| w.rps)),
                     tls_ka_p99: m(&|s| s.https_keepalive.map(|w| w.p99_ms)),
@@ -374,6 +385,9 @@ impl Report {
                     num(part(r).syscalls, 2)
                 });
             }
+            md += &line(&format!("{name}, machine CPU µs per request"), &|r| {
+                num(part(r).machine, 1)
+            });
             md += &line(&format!("{name}, errors (all rounds)"), &|r| {
                 part(r).errors.to_string()
             });
@@ -393,6 +407,9 @@ impl Report {
                     num(r.ka_sys, 2)
                 });
             }
+            md += &line("keep-alive, machine CPU µs per request", &|r| {
+                num(r.ka_machine, 1)
+            });
             md += &line("new connection per request, conn/s", &|r| num(r.conn_s, 0));
             md += &line("new connection per request, errors (all rounds)", &|r| {
                 r.conn_errors.to_string()
@@ -407,6 +424,10 @@ impl Report {
                     &|r| num(r.conn_sys, 2),
                 );
             }
+            md += &line(
+                "new connection per request, machine CPU µs per connection",
+                &|r| num(r.conn_machine, 1),
+            );
         }
         if cols
             .iter()
@@ -476,13 +497,17 @@ impl Report {
         };
         let get = |s: System, f: &dyn Fn(&Row) -> Option<f64>| self.row(s).and_then(f);
         md += "| ratio | rserpool / HAProxy | rserpool / nginx | rserpool / direct | HAProxy / direct | nginx / direct |\n|---|---|---|---|---|---|\n";
-        let metrics: [Metric; 26] = [
+        let metrics: [Metric; 30] = [
             ("h2c req/s", &|r: &Row| r.h2.rps),
             ("h2c p99 (lower is better)", &|r: &Row| r.h2.p99),
             ("h2c CPU per request (lower is better)", &|r: &Row| r.h2.cpu),
             (
                 "h2c system calls per request (lower is better)",
                 &|r: &Row| r.h2.syscalls,
+            ),
+            (
+                "h2c machine CPU per request (lower is better)",
+                &|r: &Row| r.h2.machine,
             ),
             ("h2 over TLS req/s", &|r: &Row| r.h2_tls.rps),
             ("h2 over TLS p99 (lower is better)", &|r: &Row| r.h2_tls.p99),
@@ -497,6 +522,9 @@ impl Report {
                 "gRPC system calls per call (lower is better)",
                 &|r: &Row| r.grpc.syscalls,
             ),
+            ("gRPC machine CPU per call (lower is better)", &|r: &Row| {
+                r.grpc.machine
+            }),
             ("keep-alive req/s", &|r: &Row| r.ka_rps),
             ("keep-alive p99 (lower is better)", &|r: &Row| r.ka_p99),
             (
@@ -507,6 +535,10 @@ impl Report {
                 "keep-alive system calls per request (lower is better)",
                 &|r: &Row| r.ka_sys,
             ),
+            (
+                "keep-alive machine CPU per request (lower is better)",
+                &|r: &Row| r.ka_machine,
+            ),
             ("conn/s", &|r: &Row| r.conn_s),
             ("CPU per connection (lower is better)", &|r: &Row| {
                 r.conn_cpu
@@ -514,6 +546,10 @@ impl Report {
             (
                 "system calls per connection (lower is better)",
                 &|r: &Row| r.conn_sys,
+            ),
+            (
+                "machine CPU per connection (lower is better)",
+                &|r: &Row| r.conn_machine,
             ),
             ("HTTPS keep-alive req/s", &|r: &Row| r.tls_ka_rps),
             (

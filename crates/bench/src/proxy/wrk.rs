@@ -24,6 +24,12 @@ pub(crate) struct Wrk {
     pub(crate) cpu_us: Option<f64>,
     /// System calls of the proxy per request (with `--syscalls`).
     pub(crate) syscalls: Option<f64>,
+    /// CPU time of the whole machine per request, µs: the proxy, the client, the backends
+    /// and the kernel's work for all of them. On a machine that runs them all near its limit,
+    /// requests/s follow this rather than the proxy's own CPU time.
+    pub(crate) machine_us: Option<f64>,
+    /// The share of the machine's CPU (all cores) that was busy during the run.
+    pub(crate) machine_busy: Option<f64>,
 }
 
 /// One wrk run; `close` sends `Connection: close` so that every request opens a connection.
