@@ -35,6 +35,10 @@ pub struct SidecarArgs {
     /// Another `rserpool` binary measured the same way (with its default counting).
     #[arg(long)]
     pub baseline: Option<PathBuf>,
+    /// The baseline's way of counting (`ebpf` or `dump`; a build that has the option), to
+    /// compare one way of counting between two builds.
+    #[arg(long)]
+    pub baseline_count_connections: Option<String>,
     /// Write the results as a Markdown section into this file (e.g. docs/PERFORMANCE.md).
     #[arg(long)]
     pub markdown: Option<PathBuf>,
@@ -74,10 +78,16 @@ pub fn run(args: SidecarArgs, bin: &Path) -> Result<()> {
         });
     }
     if let Some(b) = &args.baseline {
+        let how = args.baseline_count_connections.as_deref();
         variants.push(Variant {
-            label: format!("baseline `{}`", b.display()),
+            label: match how {
+                Some(how) => format!("baseline `{}`, `--count-connections {how}`", b.display()),
+                None => format!("baseline `{}`", b.display()),
+            },
             bin: b.clone(),
-            extra: Vec::new(),
+            extra: how
+                .map(|h| vec!["--count-connections".into(), h.into()])
+                .unwrap_or_default(),
         });
     }
     let mut rows = Vec::new();
