@@ -31,6 +31,7 @@ mod listener;
 pub mod metrics;
 mod routes;
 pub mod tier;
+pub mod workers;
 
 pub use balance::admit::LevelStats;
 pub use balance::pools::{Pool, PoolSettings, Pools};
@@ -786,16 +787,16 @@ async fn accept_loop(
         // idle connection costs its task's size); the others are boxed in a small one.
         match (mode, ctx.tls.clone()) {
             (Mode::Http, None) => {
-                tokio::spawn(http::h1::serve(stream, peer, ctx, Some(permit)));
+                workers::spawn(http::h1::serve(stream, peer, ctx, Some(permit)));
             }
             (Mode::Http, Some(tls)) => {
-                tokio::spawn(async move {
+                workers::spawn(async move {
                     Box::pin(http::h1::serve_tls(stream, peer, ctx, tls)).await;
                     drop(permit);
                 });
             }
             (Mode::Tcp, _) => {
-                tokio::spawn(async move {
+                workers::spawn(async move {
                     match TcpStream::from_std(stream) {
                         Ok(s) => Box::pin(l4::tcp::serve(s, peer, ctx)).await,
                         Err(e) => warn!("proxy: cannot register a connection: {e}"),

@@ -857,6 +857,51 @@ async fn serving(addr: SocketAddr) {
     }
 }
 
+/// Time a thread of process `pid` named `name` has run, nanoseconds (its schedstat).
+fn thread_run_ns(pid: u32, name: &str) -> Option<u64> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == name))
+        .and_then(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// With `threads = 2` the client connections are shared between two runtimes, the main
+/// thread's and a worker thread's: the worker serves its share of kept-alive requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_thread_serves_its_share_of_the_connections() {
+    let reg = registrar(fast_config());
+    let _b = backends(reg.asap_addr(), 3).await;
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let listeners = format!("threads = 2\n\n{}", listener_toml(addr, "http"));
+    let p = proxy_process(reg.asap_addr(), &listeners).await;
+    serving(addr).await;
+    let pid = p.child.0.id();
+    let before = thread_run_ns(pid, "worker-1").expect("a worker thread");
+    let mut clients = Vec::new();
+    for _ in 0..8 {
+        clients.push(Client::connect(addr).await.unwrap());
+    }
+    for _ in 0..100 {
+        for c in &mut clients {
+            let r = c.get("/").await.unwrap();
+            assert_eq!(r.code, 200);
+        }
+    }
+    let ran = thread_run_ns(pid, "worker-1").unwrap() - before;
+    // Four of the connections, 400 requests: milliseconds of work, not an idle thread's.
+    assert!(ran > 1_000_000, "the worker ran {ran} ns");
+    assert_eq!(
+        thread_run_ns(pid, "worker-2"),
+        None,
+        "one worker only"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests_then_exits() {
     let reg = registrar(fast_config());

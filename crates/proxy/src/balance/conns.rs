@@ -6,6 +6,7 @@
 //! holds is the business of the protocol that speaks to the PE (kept-alive HTTP/1.1
 //! connections in an [`IdlePool`], multiplexed HTTP/2 connections): balancing names none.
 
+use crate::workers::PerWorker;
 use std::any::Any;
 use std::fmt::Debug;
 use std::sync::MutexGuard;
@@ -13,10 +14,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// The idle connections to one PE, newest last.
+/// The idle connections to one PE, newest last, kept apart per worker thread (a connection
+/// is used by the runtime that opened it: `crate::workers`).
 #[derive(Debug)]
 pub(crate) struct IdlePool<C> {
-    idle: Mutex<Vec<(Instant, C)>>,
+    idle: PerWorker<Mutex<Vec<(Instant, C)>>>,
     /// Set when the PE left the pool: nothing is kept any more.
     closed: AtomicBool,
 }
@@ -24,13 +26,14 @@ pub(crate) struct IdlePool<C> {
 impl<C> IdlePool<C> {
     pub(crate) fn new() -> Self {
         Self {
-            idle: Mutex::new(Vec::new()),
+            idle: PerWorker::default(),
             closed: AtomicBool::new(false),
         }
     }
 
+    /// This worker's idle connections.
     fn lock(&self) -> MutexGuard<'_, Vec<(Instant, C)>> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+        self.idle.here().lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The newest connection idle for less than `max_age`; older ones met on the way are
@@ -45,11 +48,13 @@ impl<C> IdlePool<C> {
         None
     }
 
-    /// Keeps a connection, unless `max` are kept already or the set is closed.
+    /// Keeps a connection, unless `max` are kept already (this worker's share of them) or the
+    /// set is closed.
     pub(crate) fn put(&self, conn: C, max: usize) {
         if self.closed.load(Ordering::Relaxed) {
             return;
         }
+        let max = max.div_ceil(self.idle.len());
         let mut idle = self.lock();
         if idle.len() < max {
             idle.push((Instant::now(), conn));
@@ -58,7 +63,9 @@ impl<C> IdlePool<C> {
 
     /// Drops every idle connection.
     pub(crate) fn clear(&self) {
-        self.lock().clear();
+        for idle in self.idle.all() {
+            idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
     }
 
     /// Drops every idle connection and keeps none from now on.

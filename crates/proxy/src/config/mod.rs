@@ -507,7 +507,7 @@ pub struct ProxyConfig {
     pub max_fails: u32,
     pub eject_ms: u64,
     pub eject_max_ms: u64,
-    /// Idle keep-alive connections kept per PE (HTTP).
+    /// Idle keep-alive connections kept per PE (HTTP), shared out among the worker threads.
     pub max_idle_per_pe: usize,
     /// Request bodies up to this size are held, so that an idempotent request can be retried
     /// on another PE; larger ones are streamed.
@@ -518,7 +518,8 @@ pub struct ProxyConfig {
     pub drain_timeout_ms: u64,
     /// Zero-copy forwarding with splice(2) in TCP mode.
     pub splice: bool,
-    /// Worker threads (0 = one per core).
+    /// Worker threads (0 = one per core), each a runtime of its own serving its share of the
+    /// client connections.
     pub threads: usize,
     /// Status listener: per-PE counters as JSON on `http://ADDR/status` (`stats`, the older
     /// name of this key, is read too).

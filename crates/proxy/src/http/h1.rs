@@ -210,7 +210,7 @@ impl std::os::fd::AsFd for Parked {
 impl Parkable for Parked {
     fn resume(self: Box<Self>) {
         let p = *self;
-        tokio::spawn(serve_stream(
+        crate::workers::spawn(serve_stream(
             ClientStream::new(p.stream),
             p.peer,
             p.ctx,

@@ -117,18 +117,17 @@ pub fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
     Ok(cfg)
 }
 
-/// A runtime with `threads` workers (0 = one per core). One thread gets the current-thread
-/// scheduler: all work in this thread, without the work-stealing machinery.
+/// The proxy's runtime on this thread, and `threads - 1` worker threads beside it (0 = one
+/// thread per core): each a single-threaded runtime serving its own client connections
+/// (`rserpool_proxy::workers`), none of tokio's work stealing.
 pub fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
-    let mut b = if threads == 1 {
-        tokio::runtime::Builder::new_current_thread()
-    } else {
-        tokio::runtime::Builder::new_multi_thread()
+    let threads = match threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
     };
-    if threads > 1 {
-        b.worker_threads(threads);
-    }
-    b.enable_all()
+    rserpool_proxy::workers::start(threads - 1).context("cannot start the worker threads")?;
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
         .build()
         .context("cannot start the tokio runtime")
 }

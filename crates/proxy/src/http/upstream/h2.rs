@@ -20,6 +20,7 @@ use crate::http::h2::inflow::{Inflow, small_frame_budget};
 use crate::http::h2::stream::{Body, grpc_trailers, send_data};
 use crate::http::message::{BodyDecoder, Framing, Piece};
 use crate::http::request::Request;
+use crate::workers::PerWorker;
 use bytes::Bytes;
 use h2::client::SendRequest;
 use h2::{Reason, RecvStream, SendStream};
@@ -34,9 +35,14 @@ use tracing::debug;
 /// offers it.
 const SETTINGS_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// The HTTP/2 connections to one PE.
+/// The HTTP/2 connections to one PE, kept apart per worker thread (each connection is driven
+/// by the runtime that opened it: `crate::workers`).
 #[derive(Debug, Default)]
-pub(crate) struct H2Conns {
+pub(crate) struct H2Conns(PerWorker<WorkerConns>);
+
+/// One worker's HTTP/2 connections to the PE.
+#[derive(Debug, Default)]
+struct WorkerConns {
     conns: Mutex<Vec<Arc<H2Conn>>>,
     /// Held while a connection is being opened.
     opening: tokio::sync::Mutex<()>,
@@ -63,7 +69,12 @@ impl Drop for Slot {
 impl H2Conns {
     /// A connection with room for one more stream, if one is open.
     fn take(&self) -> Option<(SendRequest<Bytes>, Slot)> {
-        let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
+        let mut conns = self
+            .0
+            .here()
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let mut room: Option<Arc<H2Conn>> = None;
         // The first with room takes the stream; idle ones after it are closed (their
         // streams done, the last handle dropped).
@@ -86,12 +97,15 @@ impl H2Conns {
     }
 
     fn add(&self, c: Arc<H2Conn>) {
-        self.conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        let conns = &self.0.here().conns;
+        conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
     }
 
     /// Forgets every connection; their streams finish.
     fn clear(&self) {
-        self.conns.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        for w in self.0.all() {
+            w.conns.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
     }
 }
 
@@ -118,7 +132,7 @@ async fn open(b: &Arc<Backend>, ctx: &Ctx) -> io::Result<(SendRequest<Bytes>, Sl
     let Some(conns) = b.conns.of::<H2Conns>() else {
         return Err(io::Error::other("no room for the PE's HTTP/2 connections"));
     };
-    let _opening = conns.opening.lock().await;
+    let _opening = conns.0.here().opening.lock().await;
     // Opened by another request while this one waited?
     if let Some(open) = ready(b).await {
         return Ok(open);
