@@ -895,11 +895,7 @@ async fn a_worker_thread_serves_its_share_of_the_connections() {
     let ran = thread_run_ns(pid, "worker-1").unwrap() - before;
     // Four of the connections, 400 requests: milliseconds of work, not an idle thread's.
     assert!(ran > 1_000_000, "the worker ran {ran} ns");
-    assert_eq!(
-        thread_run_ns(pid, "worker-2"),
-        None,
-        "one worker only"
-    );
+    assert_eq!(thread_run_ns(pid, "worker-2"), None, "one worker only");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
