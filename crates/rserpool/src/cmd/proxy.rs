@@ -126,10 +126,7 @@ pub fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
         n => n,
     };
     rserpool_proxy::workers::start(threads - 1).context("cannot start the worker threads")?;
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the tokio runtime")
+    super::runtime()
 }
 
 pub fn run(args: ProxyArgs) -> Result<()> {
