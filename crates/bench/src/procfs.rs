@@ -110,10 +110,13 @@ pub fn machine_busy_since(since: Option<(u64, u64)>) -> Option<f64> {
 }
 
 /// CPU time the whole machine was busy since `since` (from [`machine_cpu_ticks`]), in
-/// seconds summed over its cores: every process, the kernel's softirq work included.
-pub fn machine_busy_s_since(since: Option<(u64, u64)>) -> Option<f64> {
-    let ((b0, _), (b1, _)) = since.zip(machine_cpu_ticks())?;
-    Some(b1.saturating_sub(b0) as f64 / rustix::param::clock_ticks_per_second() as f64)
+/// seconds summed over its cores (every process, the kernel's softirq work included), and
+/// the busy share of its CPU, from one reading.
+pub fn machine_busy_s_since(since: Option<(u64, u64)>) -> Option<(f64, f64)> {
+    let ((b0, t0), (b1, t1)) = since.zip(machine_cpu_ticks())?;
+    let busy = b1.saturating_sub(b0);
+    let seconds = busy as f64 / rustix::param::clock_ticks_per_second() as f64;
+    (t1 > t0).then(|| (seconds, busy as f64 / (t1 - t0) as f64))
 }
 
 /// The busiest core's busy share since `since` (from [`core_cpu_ticks`]).

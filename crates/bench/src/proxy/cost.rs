@@ -9,9 +9,7 @@
 use super::args::ProxyBenchArgs;
 use super::front::Front;
 use super::wrk::Wrk;
-use crate::procfs::{
-    group_cpu_ns, group_pids, machine_busy_s_since, machine_busy_since, machine_cpu_ticks,
-};
+use crate::procfs::{group_cpu_ns, group_pids, machine_busy_s_since, machine_cpu_ticks};
 use anyhow::{Context, Result, bail};
 use std::process::{Child, Command, Stdio};
 
@@ -42,8 +40,9 @@ impl Cost {
     /// `w.rps`.
     pub(super) fn finish(mut self, w: &mut Wrk, duration_s: u64) {
         let requests = (w.rps * duration_s.max(1) as f64).max(1.0);
-        w.machine_us = machine_busy_s_since(self.machine_at_start).map(|s| s * 1e6 / requests);
-        w.machine_busy = machine_busy_since(self.machine_at_start);
+        let machine = machine_busy_s_since(self.machine_at_start);
+        w.machine_us = machine.map(|(s, _)| s * 1e6 / requests);
+        w.machine_busy = machine.map(|(_, share)| share);
         if let (Some(g), Some(c0)) = (self.group, self.cpu_at_start) {
             w.cpu_us = Some(group_cpu_ns(g).saturating_sub(c0) as f64 / 1e3 / requests);
         }
