@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{example_http, fast_config, free_port, registrar, wait_until};
+use common::{example_http, free_port, local_config, registrar, wait_until};
 use rserpool_proxy::http::client::Client;
 use rserpool_proxy::{Proxy, ProxyConfig};
 use std::net::SocketAddr;
@@ -76,7 +76,7 @@ fn level_stats(p: &Proxy, level: usize) -> Option<rserpool_proxy::LevelStats> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_cannot_choose_its_level() {
-    let reg = registrar(fast_config());
+    let reg = registrar(local_config());
     let r = reg.asap_addr();
     let _pe = example_http(r, POOL, 1, &["--policy", "rr", "--levels", "9"]).await;
     let p = proxy(r, 64).await;
@@ -106,7 +106,7 @@ async fn a_client_cannot_choose_its_level() {
 /// at least its ticket share.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_higher_level_waits_less_and_the_lower_still_gets_its_share() {
-    let reg = registrar(fast_config());
+    let reg = registrar(local_config());
     let r = reg.asap_addr();
     let _pes = [
         example_http(
@@ -182,7 +182,7 @@ async fn a_higher_level_waits_less_and_the_lower_still_gets_its_share() {
 /// full has nobody lower to push out and is refused itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_sheds_the_lowest_level_first() {
-    let reg = registrar(fast_config());
+    let reg = registrar(local_config());
     let r = reg.asap_addr();
     let _pe = example_http(r, POOL, 1, &["--policy", "rr", "--levels", "9"]).await;
     let p = proxy(r, 4).await;
@@ -218,7 +218,14 @@ async fn a_full_queue_sheds_the_lowest_level_first() {
         refused.3
     );
     let gold = gold.await.unwrap();
-    assert_eq!((gold.0, gold.1.as_deref()), (200, Some("9")));
+    assert_eq!(
+        (gold.0, gold.1.as_deref()),
+        (200, Some("9")),
+        "gold: {gold:?}; level 1: {:?}; level 9: {:?}; PEs known: {}",
+        level_stats(&p, 1),
+        level_stats(&p, 9),
+        p.pools().all()[0].len()
+    );
     assert_eq!(busy.await.unwrap().0, 200);
     for t in low {
         assert_eq!(t.await.unwrap().0, 200);
@@ -232,7 +239,7 @@ async fn a_full_queue_sheds_the_lowest_level_first() {
 /// match a connection); the level shows in the proxy's counters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tcp_listener_classifies_by_source_address() {
-    let reg = registrar(fast_config());
+    let reg = registrar(local_config());
     let r = reg.asap_addr();
     let _pe = example_http(r, POOL, 1, &["--policy", "rr"]).await;
     let listen = SocketAddr::from(([127, 0, 0, 1], free_port()));

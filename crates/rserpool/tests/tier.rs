@@ -636,9 +636,12 @@ fn a_dead_proxy_leaves_the_group_at_once_while_the_registrar_does_not_answer() {
     std::thread::sleep(Duration::from_millis(1500));
     let killed = Instant::now();
     t.kill_silently(1);
+    // Three missed heartbeats: 300 ms, about 1 s on two loaded cores. Waiting for the
+    // resolution would take 1.5 s or more: the one in flight started within a second of the
+    // stop and waits out the pool user's 3 s request timeout.
     while t.net.group_members(TierNet::GROUP) != 1 {
         assert!(
-            killed.elapsed() < Duration::from_millis(1000),
+            killed.elapsed() < Duration::from_millis(1500),
             "proxy 1 is still in the group {:?} after it died, with the registrar stopped",
             killed.elapsed()
         );
