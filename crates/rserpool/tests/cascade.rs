@@ -14,7 +14,6 @@ use common::{BIN, KillOnDrop, fast_config, free_port, metric, registrar, scrape,
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -107,10 +106,13 @@ async fn request_code(front: SocketAddr, seq: usize) -> u16 {
         .unwrap_or(0)
 }
 
-/// Open-loop bursts through `front` for [`LOAD`]: (requests, failed).
-async fn bursts(front: SocketAddr) -> (usize, usize) {
+/// What the failed requests got: status code (0: no answer in time, 1: a short one) and count.
+type Failures = std::collections::BTreeMap<u16, usize>;
+
+/// Open-loop bursts through `front` for [`LOAD`]: requests, failed, and how they failed.
+async fn bursts(front: SocketAddr) -> (usize, usize, Failures) {
     let capacity = WORKERS.iter().sum::<usize>() as f64 * 1e6 / COST_US as f64;
-    let failed = Arc::new(AtomicUsize::new(0));
+    let failed = Arc::new(std::sync::Mutex::new(Failures::new()));
     let mut tasks = Vec::new();
     let start = tokio::time::Instant::now();
     let mut at = Duration::ZERO;
@@ -122,8 +124,9 @@ async fn bursts(front: SocketAddr) -> (usize, usize) {
         tokio::time::sleep_until(start + at).await;
         let failed = failed.clone();
         tasks.push(tokio::spawn(async move {
-            if !request(front, seq).await {
-                failed.fetch_add(1, Ordering::Relaxed);
+            let code = request_code(front, seq).await;
+            if code != 200 {
+                *failed.lock().unwrap().entry(code).or_default() += 1;
             }
         }));
         seq += 1;
@@ -132,7 +135,8 @@ async fn bursts(front: SocketAddr) -> (usize, usize) {
     for t in tasks {
         let _ = t.await;
     }
-    (seq, failed.load(Ordering::Relaxed))
+    let failed = failed.lock().unwrap().clone();
+    (seq, failed.values().sum(), failed)
 }
 
 /// The proxy with `select` in front of `pool`: its process, front and status addresses.
@@ -216,9 +220,11 @@ async fn bursts_at_full_load_eject_nothing_and_fail_no_more_than_haproxy() {
         request(front, 0).await
     })
     .await;
-    let (n, haproxy_failed) = bursts(front).await;
+    let (n, haproxy_failed, how) = bursts(front).await;
     drop((haproxy, theirs));
-    eprintln!("HAProxy leastconn, retries 3, redispatch: {haproxy_failed} of {n} failed");
+    eprintln!(
+        "HAProxy leastconn, retries 3, redispatch: {haproxy_failed} of {n} failed (by status: {how:?})"
+    );
     let margin = n / 100;
 
     let schemes: [(&str, &[&str], bool, &str); 8] = [
@@ -247,23 +253,24 @@ async fn bursts_at_full_load_eject_nothing_and_fail_no_more_than_haproxy() {
         let ours = pes(asap, &pool, policy, weighted).await;
         let (p, front, status) = proxy(asap, &pool, select, &dir).await;
         let started = Instant::now();
-        let (n, failed) = bursts(front).await;
+        let (n, failed, how) = bursts(front).await;
         let samples = scrape(status).await;
         let ejected = metric(&samples, "rserpool_proxy_ejections_total", &[]);
         let busy = metric(&samples, "rserpool_proxy_pe_busy_total", &[]);
         eprintln!(
-            "{name}: {failed} of {n} failed, {ejected} ejections, {busy} times busy ({:?})",
+            "{name}: {failed} of {n} failed (by status: {how:?}), {ejected} ejections, {busy} \
+             times busy ({:?})",
             started.elapsed()
         );
-        report.push((name, n, failed, ejected));
+        report.push((name, n, failed, ejected, how));
         drop((p, ours));
     }
     let _ = std::fs::remove_dir_all(&dir);
-    for (name, n, failed, ejected) in report {
+    for (name, n, failed, ejected, how) in report {
         assert_eq!(ejected, 0.0, "{name}: a busy PE was ejected as dead");
         assert!(
             failed <= haproxy_failed + margin,
-            "{name}: {failed} of {n} failed, HAProxy {haproxy_failed}"
+            "{name}: {failed} of {n} failed (by status: {how:?}), HAProxy {haproxy_failed}"
         );
     }
 }
