@@ -175,9 +175,9 @@ pub struct EnrpCounters {
     pub takeovers: u64,
     pub pes_taken_over: u64,
     pub takeovers_aborted: u64,
-    /// Takeovers not started: no other peer to agree, and the network not heard both just
-    /// before the peer was asked for a PRESENCE and since, so this registrar may be the one cut
-    /// off.
+    /// Takeovers not started because this registrar may be the one cut off: it is in a silence
+    /// of the network or just back from one, or no other peer is there to agree and the
+    /// network was not heard both just before the peer was asked for a PRESENCE and since.
     #[serde(default)]
     pub takeovers_deferred: u64,
     pub handle_table_blocks_sent: u64,
@@ -510,7 +510,7 @@ impl EnrpCounters {
             ),
             (
                 "rserpool_enrp_takeovers_deferred",
-                "Takeovers not started: no other peer to agree, and the network (a PE, a connection closed by its other end) not heard both just before the peer was asked for a PRESENCE and since: this registrar may be the one cut off.",
+                "Takeovers not started because this registrar may be the one cut off: it is in a silence of the network or just back from one, or no other peer is there to agree and the network (a PE, a connection closed by its other end) was not heard both just before the peer was asked for a PRESENCE and since.",
                 self.takeovers_deferred,
             ),
             (

@@ -1328,6 +1328,94 @@ fn a_takeover_of_a_peer_heard_lately_waits_for_its_probe() {
     assert!((3_900..=4_200).contains(&t), "acknowledged at {t} ms");
 }
 
+/// A registrar back from a cut, on which its peers took it over: when the first of them is
+/// heard again while another still is not, the silent one's probe runs out with a peer alive
+/// to acknowledge its takeover — and that peer may acknowledge before it has heard the target
+/// again (on two loaded cores a registrar took a live peer and its 33 PEs over this way). Just
+/// back from a silence, it takes over no one; a peer that stays silent is taken over once the
+/// time in which the others may have taken this registrar over has passed.
+#[test]
+fn a_registrar_back_from_a_cut_takes_over_no_one_at_once() {
+    use rserpool_wire::{EnrpBody, EnrpMessage};
+    let Trio {
+        mut a,
+        to_b: _,
+        to_c,
+        from_b,
+        from_c,
+    } = Trio::new();
+    // Every connection A has to C, the ones it opens later too.
+    let mut to_c_all = vec![to_c, from_c];
+    let step = |a: &mut Registrar, t: u64, to_c_all: &mut Vec<ConnId>| -> usize {
+        if a.poll_timeout().is_some_and(|d| d <= at(t)) {
+            a.handle_timeout(at(t));
+        }
+        while let Some(action) = a.poll_action() {
+            if let Action::Connect(c, addr) = action
+                && addr == enrp_addr(2)
+            {
+                to_c_all.push(c);
+            }
+        }
+        // INIT_TAKEOVERs of B sent to C.
+        let mut n = 0;
+        for &conn in to_c_all.iter() {
+            let mut framer = Framer::new(65_536);
+            framer.extend(a.output(conn));
+            let len = a.output(conn).len();
+            a.consume_output(conn, len);
+            while let Some(f) = framer.next_message().unwrap() {
+                if let Ok(EnrpMessage {
+                    body: EnrpBody::InitTakeover { target },
+                    ..
+                }) = EnrpMessage::decode(&f)
+                {
+                    n += usize::from(target == B_ID);
+                }
+            }
+        }
+        n
+    };
+    // Two seconds of a talkative network: B and C every 100 ms.
+    for t in (100..=2_000).step_by(100) {
+        a.handle_data(from_b, &presence_to_a(B_ID, 1), at(t));
+        a.handle_data(from_c, &presence_to_a(C_ID, 2), at(t));
+        assert_eq!(step(&mut a, t, &mut to_c_all), 0);
+    }
+    // Cut off for 3 s: both silent, both probed, neither taken over (no peer to agree).
+    for t in (2_050..5_000).step_by(50) {
+        assert_eq!(
+            step(&mut a, t, &mut to_c_all),
+            0,
+            "at {t} ms, while cut off"
+        );
+    }
+    assert_eq!(a.enrp_counters().takeovers, 0);
+    // Back: C is heard again, B stays silent. Its probe runs out while C is alive.
+    let mut first = None;
+    for t in (5_000..16_000).step_by(50) {
+        if t % 100 == 0 {
+            a.handle_data(from_c, &presence_to_a(C_ID, 2), at(t));
+        }
+        if step(&mut a, t, &mut to_c_all) > 0 && first.is_none() {
+            first = Some(t);
+        }
+    }
+    // The window: a keep-alive interval and three keep-alive timeouts (8 s here) from the
+    // first message after the cut.
+    let t = first.expect("B, silent all along, is taken over in the end");
+    assert!(
+        t >= 13_000,
+        "A took B over {} ms after it was back",
+        t - 5_000
+    );
+    assert!(
+        a.enrp_counters().takeovers_deferred > 2,
+        "{:?}",
+        a.enrp_counters()
+    );
+}
+
 const A_ID: u32 = 0x1000_0001;
 const B_ID: u32 = 0x1000_0101;
 const C_ID: u32 = 0x1000_0201;

@@ -200,7 +200,7 @@ impl Asap {
                 m.expiry
             }
             // Expiring before its registration life means: removed for its closed association.
-            None if self.takeover_may_be_news(out, now) => {
+            None if out.takeover_may_be_news(now) => {
                 m.expiry.min(now + self.cfg.taken_over_window())
             }
             // Taken over here from a registrar not heard again yet; the PE answered, so it did
@@ -221,14 +221,6 @@ impl Asap {
             );
         }
         true
-    }
-
-    /// Whether the peers may have taken this registrar over without its knowing yet: it is
-    /// in a silence long enough for that (half MAX-TIME-LAST-HEARD), or came back from one
-    /// within [`Config::taken_over_window`].
-    fn takeover_may_be_news(&self, out: &Conns, now: Instant) -> bool {
-        let len = Duration::from_millis(self.cfg.max_time_last_heard_ms / 2);
-        out.dark_now(len, now) || out.back_from_dark(len, self.cfg.taken_over_window(), now)
     }
 
     /// PE `r`, taken over from a registrar that is alive again (it was only cut off), did not
@@ -292,7 +284,7 @@ impl Asap {
                     if held && self.handed_back(r, out, enrp, now) {
                         continue;
                     }
-                    if held && self.takeover_may_be_news(out, now) {
+                    if held && out.takeover_may_be_news(now) {
                         // Still cut off, or just back and the new home's word may be on its
                         // way: nothing to decide yet.
                         let again = now + out.dark_spell();

@@ -207,6 +207,14 @@ impl Conns {
                 .is_some_and(|t| now.saturating_duration_since(t) >= len)
     }
 
+    /// Whether the peers may have taken this registrar over without its knowing yet: it is
+    /// in a silence long enough for that (half MAX-TIME-LAST-HEARD), or came back from one
+    /// within [`Config::taken_over_window`].
+    pub(super) fn takeover_may_be_news(&self, now: Instant) -> bool {
+        let len = Duration::from_millis(self.cfg.max_time_last_heard_ms / 2);
+        self.dark_now(len, now) || self.back_from_dark(len, self.cfg.taken_over_window(), now)
+    }
+
     /// An answer to what was sent at `sent` has not come by `now`: until when it may still be
     /// on its way, or `None` if it would have come. While a talkative network shows nothing
     /// (a dark spell now), this registrar may be the one cut off, and decides nothing yet (a

@@ -1120,6 +1120,18 @@ impl Enrp {
         if let Some(conn) = self.peers[i].conn.take() {
             out.abort(conn);
         }
+        if out.takeover_may_be_news(now) {
+            // The peers it could not hear may well be alive and may have taken this registrar
+            // over meanwhile: its old connections come back reset, its view of who is alive is
+            // stale, and a peer may acknowledge before it has heard the target again. The
+            // peers that were not cut off take over one that really died.
+            return self.defer_takeover(
+                i,
+                "this registrar is in a silence of the network or just back from one",
+                out,
+                now,
+            );
+        }
         let acks: Vec<u32> = self
             .peers
             .iter()
@@ -1133,18 +1145,13 @@ impl Enrp {
             // was not heard both just before the target was asked for a PRESENCE and since:
             // this registrar may be the one cut off, or just back. A takeover now would reach
             // the PEs when the link returns, seconds later, and take them from their live
-            // home. Ask again.
-            if out.peer_log.allow(now) {
-                warn!(
-                    "ENRP peer {target:#010x} silent, but no other peer, and the network was not \
-                     heard all through its probe: this registrar may be the one cut off, so it \
-                     does not take over yet"
-                );
-            }
-            self.counters.takeovers_deferred += 1;
-            // The heartbeat reconnects; any message from the target revives it.
-            self.start_probe(i, out, now);
-            return;
+            // home.
+            return self.defer_takeover(
+                i,
+                "no other peer, and the network was not heard all through its probe",
+                out,
+                now,
+            );
         }
         let p = &mut self.peers[i];
         p.state = Liveness::TakingOver {
@@ -1160,6 +1167,20 @@ impl Enrp {
         if self.peers[i].acks_pending.is_empty() {
             self.finish_takeover(i, hs, out, now);
         }
+    }
+
+    /// Puts off the takeover of peer `i`, since this registrar may be the one cut off (`why`):
+    /// the peer is asked again, and any message from it revives it (the heartbeat reconnects).
+    fn defer_takeover(&mut self, i: usize, why: &str, out: &mut Conns, now: Instant) {
+        if out.peer_log.allow(now) {
+            warn!(
+                "ENRP peer {:#010x} silent, but {why}: this registrar may be the one cut off, so \
+                 it does not take over yet",
+                self.peers[i].id
+            );
+        }
+        self.counters.takeovers_deferred += 1;
+        self.start_probe(i, out, now);
     }
 
     fn on_init_takeover(
