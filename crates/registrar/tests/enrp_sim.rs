@@ -1238,7 +1238,7 @@ fn a_takeover_that_does_not_finish_is_taken_up_by_another_registrar() {
 /// a B that stays silent is acknowledged once A's own probe of B goes unanswered.
 #[test]
 fn a_takeover_of_a_peer_heard_lately_waits_for_its_probe() {
-    use rserpool_wire::{EnrpBody, EnrpMessage};
+    use rserpool_wire::EnrpBody;
     let (b_id, c_id) = (B_ID, C_ID);
     let Trio {
         mut a,
@@ -1249,16 +1249,6 @@ fn a_takeover_of_a_peer_heard_lately_waits_for_its_probe() {
     } = Trio::new();
     let msg = |sender: u32, body: EnrpBody| to_a(sender, body);
     let presence = presence_to_a;
-    // What A sends to C and to B from now on.
-    let sent = |a: &mut Registrar, conn: ConnId| -> Vec<EnrpBody> {
-        let mut framer = Framer::new(65_536);
-        framer.extend(a.output(conn));
-        let n = a.output(conn).len();
-        a.consume_output(conn, n);
-        std::iter::from_fn(|| framer.next_message().unwrap())
-            .map(|f| EnrpMessage::decode(&f).unwrap().body)
-            .collect()
-    };
     let acks = |bodies: &[EnrpBody]| {
         bodies
             .iter()
@@ -1336,7 +1326,7 @@ fn a_takeover_of_a_peer_heard_lately_waits_for_its_probe() {
 /// time in which the others may have taken this registrar over has passed.
 #[test]
 fn a_registrar_back_from_a_cut_takes_over_no_one_at_once() {
-    use rserpool_wire::{EnrpBody, EnrpMessage};
+    use rserpool_wire::EnrpBody;
     let Trio {
         mut a,
         to_b: _,
@@ -1358,23 +1348,11 @@ fn a_registrar_back_from_a_cut_takes_over_no_one_at_once() {
             }
         }
         // INIT_TAKEOVERs of B sent to C.
-        let mut n = 0;
-        for &conn in to_c_all.iter() {
-            let mut framer = Framer::new(65_536);
-            framer.extend(a.output(conn));
-            let len = a.output(conn).len();
-            a.consume_output(conn, len);
-            while let Some(f) = framer.next_message().unwrap() {
-                if let Ok(EnrpMessage {
-                    body: EnrpBody::InitTakeover { target },
-                    ..
-                }) = EnrpMessage::decode(&f)
-                {
-                    n += usize::from(target == B_ID);
-                }
-            }
-        }
-        n
+        to_c_all
+            .iter()
+            .flat_map(|&conn| sent(a, conn))
+            .filter(|b| matches!(b, EnrpBody::InitTakeover { target } if *target == B_ID))
+            .count()
     };
     // Two seconds of a talkative network: B and C every 100 ms.
     for t in (100..=2_000).step_by(100) {
@@ -1414,6 +1392,17 @@ fn a_registrar_back_from_a_cut_takes_over_no_one_at_once() {
         "{:?}",
         a.enrp_counters()
     );
+}
+
+/// What A sent on `conn` since the last look, taken out of its output.
+fn sent(a: &mut Registrar, conn: ConnId) -> Vec<rserpool_wire::EnrpBody> {
+    let mut framer = Framer::new(65_536);
+    framer.extend(a.output(conn));
+    let n = a.output(conn).len();
+    a.consume_output(conn, n);
+    std::iter::from_fn(|| framer.next_message().unwrap())
+        .map(|f| rserpool_wire::EnrpMessage::decode(&f).unwrap().body)
+        .collect()
 }
 
 const A_ID: u32 = 0x1000_0001;
