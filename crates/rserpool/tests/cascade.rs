@@ -75,15 +75,20 @@ async fn pes(
 
 /// One request on a new connection: whether it was answered 200 in full in time.
 async fn request(front: SocketAddr, seq: usize) -> bool {
-    let r = request_code(front, seq).await;
+    request_code(front, seq).await == 200
+}
+
+/// One request's status code (0: no answer in time, 1: a short one); with `CASCADE_DEBUG` set,
+/// each one not 200 is printed.
+async fn request_code(front: SocketAddr, seq: usize) -> u16 {
+    let r = answer_code(front, seq).await;
     if r != 200 && std::env::var_os("CASCADE_DEBUG").is_some() {
         eprintln!("request {seq}: {r}");
     }
-    r == 200
+    r
 }
 
-/// One request's status code (0: no answer in time, 1: a short one).
-async fn request_code(front: SocketAddr, seq: usize) -> u16 {
+async fn answer_code(front: SocketAddr, seq: usize) -> u16 {
     let go = async {
         let mut s = tokio::net::TcpStream::connect(front).await.ok()?;
         let req = format!(
