@@ -476,8 +476,21 @@ fn hpack_int(out: &mut Vec<u8>, first: u8, n: u32, mut v: usize) {
 
 /// The header block of `GET /` to `authority` (static table entries and a literal).
 fn get_block(authority: &str) -> Vec<u8> {
-    // :method GET, :scheme http, :path /
-    let mut b = vec![0x82, 0x86, 0x84];
+    get_block_to(authority, "/")
+}
+
+/// A GET of `path` at `authority`.
+fn get_block_to(authority: &str, path: &str) -> Vec<u8> {
+    // :method GET, :scheme http
+    let mut b = vec![0x82, 0x86];
+    if path == "/" {
+        b.push(0x84);
+    } else {
+        // :path, literal without indexing, name from the static table (index 4)
+        b.push(0x04);
+        hpack_int(&mut b, 0, 7, path.len());
+        b.extend_from_slice(path.as_bytes());
+    }
     // :authority, literal without indexing, name from the static table (index 1)
     b.push(0x01);
     hpack_int(&mut b, 0, 7, authority.len());
@@ -700,8 +713,8 @@ async fn http2_attacks_get_goaway_and_other_clients_stay_served() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// An HTTP/2 connection is closed `idle-timeout-ms` after its last stream (GOAWAY, then the
-/// close), and not while streams keep coming, however long it lives.
+/// An HTTP/2 connection is closed `idle-timeout-ms` after its last stream ended (GOAWAY, then
+/// the close), and not while streams keep coming, however long it lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_connection_closes_when_idle_after_its_last_stream_and_not_before() {
     let dir = tempdir("idle");
@@ -724,7 +737,9 @@ async fn an_http2_connection_closes_when_idle_after_its_last_stream_and_not_befo
         c.served().await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    c.served().await;
+    // The last stream outlasts an idle time (the PE works 750 ms): the idle time runs from its
+    // end, not from its start nor from the timer's last look during it.
+    c.served_at("/work?us=750000").await;
     let last = Instant::now();
     // Then nothing: GOAWAY (NO_ERROR) about an idle time later, and the close.
     let seen = watch(&mut c.s, Duration::from_secs(10)).await;
@@ -776,10 +791,22 @@ impl Bystander {
 
     /// A GET on a new stream; panics unless its response HEADERS arrive within 5 s.
     async fn served(&mut self) {
+        self.get(&get_block("a"), false).await;
+    }
+
+    /// A GET of `path` on a new stream; panics unless its whole response (to END_STREAM)
+    /// arrives within 5 s.
+    async fn served_at(&mut self, path: &str) {
+        self.get(&get_block_to("a", path), true).await;
+    }
+
+    /// Sends the GET `block` on a new stream and waits for its response's HEADERS, or `to_end`
+    /// for its last frame.
+    async fn get(&mut self, block: &[u8], to_end: bool) {
         let id = self.next;
         self.next += 2;
         self.s
-            .write_all(&frame(1, END_STREAM | END_HEADERS, id, &get_block("a")))
+            .write_all(&frame(1, END_STREAM | END_HEADERS, id, block))
             .await
             .unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -790,10 +817,12 @@ impl Bystander {
                 if b.len() < 9 + len {
                     break;
                 }
-                let (kind, stream) = (b[3], u32::from_be_bytes(b[5..9].try_into().unwrap()));
+                let (kind, flags) = (b[3], b[4]);
+                let stream = u32::from_be_bytes(b[5..9].try_into().unwrap());
                 assert_ne!(kind, 7, "the bystander got GOAWAY");
                 self.buf.drain(..9 + len);
-                if kind == 1 && stream == id {
+                let ends = kind <= 1 && flags & END_STREAM != 0;
+                if stream == id && ((kind == 1 && !to_end) || ends) {
                     return;
                 }
             }

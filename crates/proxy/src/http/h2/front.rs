@@ -91,6 +91,10 @@ where
     // made anew registers again (a timer in the wheel, a waiter in a lock-guarded list) and
     // the one it replaces deregisters.
     let mut last_stream = tokio::time::Instant::now();
+    // When the last stream to end ended, in ms after `last_stream`'s first value: the idle
+    // time runs from there (a stream may end just before the timer, long after it began).
+    let epoch = last_stream;
+    let last_end = Arc::new(AtomicU64::new(0));
     let idle_timer = tokio::time::sleep_until(last_stream + idle);
     let flood = tripped.wait();
     let drain = until_set(&mut draining);
@@ -110,7 +114,13 @@ where
                     }
                     // Boxed: the task holds a pointer, not the whole call's state, which would be
                     // copied on every move.
-                    tokio::spawn(Box::pin(call(req, respond, peer, ctx.clone(), started)));
+                    let stream = call(req, respond, peer, ctx.clone(), started);
+                    let last_end = last_end.clone();
+                    tokio::spawn(Box::pin(async move {
+                        stream.await;
+                        let ms = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+                        last_end.fetch_max(ms, Ordering::Relaxed);
+                    }));
                 }
                 Some(Err(e)) => {
                     if e.reason() == Some(Reason::ENHANCE_YOUR_CALM) && e.is_library() {
@@ -143,16 +153,29 @@ where
                     // `h2` closes after the client acknowledges the PING sent with the
                     // GOAWAY; one that never does would keep the connection for ever.
                     return debug!("client {peer}: no close in time after the idle GOAWAY");
-                } else if last_stream + idle > now {
-                    idle_timer.as_mut().reset(last_stream + idle);
                 } else {
-                    conn.graceful_shutdown();
-                    closing = true;
-                    idle_timer.as_mut().reset(now + GOAWAY_TIMEOUT);
+                    let since = idle_since(last_stream, epoch, &last_end);
+                    if since + idle > now {
+                        idle_timer.as_mut().reset(since + idle);
+                    } else {
+                        conn.graceful_shutdown();
+                        closing = true;
+                        idle_timer.as_mut().reset(now + GOAWAY_TIMEOUT);
+                    }
                 }
             }
         }
     }
+}
+
+/// Since when an HTTP/2 connection without open streams has been idle: the later of its last
+/// stream's start and the end of the last stream to end (`last_end`, ms after `epoch`).
+fn idle_since(
+    last_start: tokio::time::Instant,
+    epoch: tokio::time::Instant,
+    last_end: &AtomicU64,
+) -> tokio::time::Instant {
+    last_start.max(epoch + Duration::from_millis(last_end.load(Ordering::Relaxed)))
 }
 
 /// One request (stream), from its head to the end of its response. Not an `async fn`: one
