@@ -433,7 +433,9 @@ fn prequal(probed: &[Arc<Backend>]) -> Option<Arc<Backend>> {
     }
     let rif = &mut all[..probed.len().min(PREQUAL_PROBES)];
     rif.sort_unstable();
-    let at = ((rif.len() as f64 - 1.0) * PREQUAL_Q_RIF).round() as usize;
+    // Above the quantile interpolated between neighbours is above its lower neighbour: with
+    // three probed, above the median (rounding up would make nothing hot below five).
+    let at = ((rif.len() as f64 - 1.0) * PREQUAL_Q_RIF).floor() as usize;
     let threshold = rif.get(at).copied().unwrap_or(0);
     probed
         .iter()
@@ -513,6 +515,33 @@ mod tests {
             assert!((9..=11).contains(&got[0]), "{select:?}: {got:?}");
             assert!((29..=31).contains(&got[1]), "{select:?}: {got:?}");
         }
+    }
+
+    /// Prequal-style with three PEs: the one with the lowest latency takes picks only while
+    /// its in flight is not above the median of the probed (it is hot then), so the others get
+    /// theirs; in a small pool the hot-cold rule is not idle.
+    #[test]
+    fn prequal_passes_a_fast_pe_over_while_it_is_hot() {
+        let handle = PoolHandle::from("Q");
+        let mut s = Selector::new();
+        s.replace(&handle, vec![pe(1, 1), pe(2, 1), pe(3, 1)]);
+        for (id, ms) in [(1, 1), (2, 10), (3, 10)] {
+            for rif in 0..20 {
+                s.backends[&id].note_latency(rif, Duration::from_millis(ms));
+            }
+        }
+        let cfg = PoolConfig {
+            select: Select::Prequal,
+            ..PoolConfig::default()
+        };
+        // Picks stay in flight (never done).
+        let mut got = [0; 3];
+        for _ in 0..30 {
+            let b = s.pick(&handle, &[], Affinity::default(), &cfg).unwrap();
+            got[b.id as usize - 1] += 1;
+        }
+        assert!(got[0] <= 12, "{got:?}");
+        assert!(got[1] >= 9 && got[2] >= 9, "{got:?}");
     }
 
     /// Maglev and ring hash with bounded loads: a hot key's requests stay with its PE until
