@@ -102,7 +102,24 @@ where
     // Closing: a GOAWAY sent; drained: by the proxy's drain, which bounds it.
     let (mut closing, mut drained) = (false, false);
     loop {
+        // In this order: a stream that came in while the task was held up (a loaded machine)
+        // is taken before the idle timer that fired meanwhile looks for streams; the flood and
+        // the drain are looked at first, so a stream at every poll cannot starve them.
         tokio::select! {
+            biased;
+            f = &mut flood => {
+                note_flood(peer, match f {
+                    Flood::Resets => "reset flood",
+                    Flood::Control => "control frame flood",
+                });
+                conn.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
+                let _ = tokio::time::timeout(GOAWAY_TIMEOUT, poll_fn(|cx| conn.poll_closed(cx))).await;
+                return;
+            }
+            () = &mut drain, if !closing => {
+                conn.graceful_shutdown();
+                (closing, drained) = (true, true);
+            }
             s = conn.accept() => match s {
                 Some(Ok((req, respond))) => {
                     // One reading of the clock for the idle timer and the request's start.
@@ -132,19 +149,6 @@ where
                 }
                 None => return,
             },
-            f = &mut flood => {
-                note_flood(peer, match f {
-                    Flood::Resets => "reset flood",
-                    Flood::Control => "control frame flood",
-                });
-                conn.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
-                let _ = tokio::time::timeout(GOAWAY_TIMEOUT, poll_fn(|cx| conn.poll_closed(cx))).await;
-                return;
-            }
-            () = &mut drain, if !closing => {
-                conn.graceful_shutdown();
-                (closing, drained) = (true, true);
-            }
             () = &mut idle_timer, if !drained => {
                 let now = tokio::time::Instant::now();
                 if conn.has_streams() {
