@@ -116,7 +116,7 @@ pub enum StartError {
     Bind(SocketAddr, std::io::Error),
     #[error("cannot open the access log {0}: {1}")]
     Log(String, std::io::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Config(#[from] config::ConfigError),
     #[error("listener {0}: {1}")]
     Tls(SocketAddr, rserpool_tls::TlsError),
@@ -485,7 +485,7 @@ impl Proxy {
         ctx::install(&ctx, first, None);
         let (stop, stopped) = watch::channel(false);
         info!(
-            "proxy: {:?}{} listener on {local}",
+            "proxy: {}{} listener on {local}",
             l.mode,
             if l.certificates.is_empty() {
                 ""

@@ -333,10 +333,15 @@ impl Server {
                 core.enable_enrp_sctp(a.addr);
             }
             core.enable_enrp(e.local, start);
+            let peers: Vec<String> = self.cfg.peer.iter().map(ToString::to_string).collect();
             info!(
-                "ENRP on {} (TCP and UDP), peers: {:?}{}",
+                "ENRP on {} (TCP and UDP), peers: {}{}",
                 e.local,
-                self.cfg.peer,
+                if peers.is_empty() {
+                    "none configured".to_owned()
+                } else {
+                    peers.join(", ")
+                },
                 if e.multicast.is_some() {
                     format!(", PRESENCE to {}", self.cfg.enrp_multicast_group)
                 } else {

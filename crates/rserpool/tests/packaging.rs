@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{BIN, KillOnDrop, free_port, wait_until};
+use common::{BIN, KillOnDrop, Logged, free_port, wait_until};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -174,6 +174,96 @@ async fn json_logs_are_one_object_per_line() {
         matches!(child.try_wait(), Ok(Some(_)))
     })
     .await;
+}
+
+/// A registrar at `asap`, without status listener, its ENRP on a free port.
+fn registrar_at(asap: &str) -> KillOnDrop {
+    let enrp = format!("127.0.0.1:{}", free_port());
+    KillOnDrop(
+        Command::new(BIN)
+            .args([
+                "registrar",
+                "--asap",
+                asap,
+                "--status",
+                "off",
+                "--enrp",
+                &enrp,
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// A newcomer's first mistakes, as the log tells them: a PE whose registrar is not there says
+/// so once per outage (not at every retry), in plain text when the log is not a terminal, and
+/// registers when the registrar comes; a proxy routing to a pool no registrar knows says so,
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_registrar_and_an_unknown_pool_are_logged_once() {
+    let asap = format!("127.0.0.1:{}", free_port());
+    let pe = Logged::spawn_as_deployed(
+        "pe",
+        &["example", "http", "--pool", "Lonely", "--registrar", &asap].map(String::from),
+        "info",
+    );
+    let said = |l: &Logged| l.lines_with("cannot be reached").len();
+    wait_until(
+        Duration::from_secs(5),
+        "the PE says its registrar cannot be reached",
+        || said(&pe) > 0,
+    )
+    .await;
+    // Retries at 0.2, 0.4, 0.8, 1.6 s of back-off: several in 2.5 s, one line.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(said(&pe), 1, "{:?}", pe.lines_with("registrar"));
+    assert!(
+        pe.lines_with("\x1b[").is_empty(),
+        "colour codes in a piped log"
+    );
+
+    let reg = registrar_at(&asap);
+    let registered = || {
+        let out = rserpool(&["resolve", "Lonely", "--registrar", &asap]);
+        out.status.success() && text(&out.stdout).contains("0x")
+    };
+    wait_until(Duration::from_secs(15), "the PE registers", registered).await;
+    // A second outage is said again.
+    drop(reg);
+    wait_until(Duration::from_secs(15), "the PE says so again", || {
+        said(&pe) == 2
+    })
+    .await;
+
+    let proxy = Logged::spawn(
+        "proxy",
+        &[
+            "proxy",
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+            "--pool",
+            "Nowhere",
+            "--registrar",
+            &asap,
+            "--status",
+            &format!("127.0.0.1:{}", free_port()),
+        ]
+        .map(String::from),
+        "info",
+    );
+    let _reg = registrar_at(&asap);
+    let unknown = |l: &Logged| l.lines_with("no registrar knows pool Nowhere").len();
+    wait_until(
+        Duration::from_secs(20),
+        "the proxy says the pool is unknown",
+        || unknown(&proxy) > 0,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(unknown(&proxy), 1, "{:?}", proxy.lines_with("Nowhere"));
 }
 
 #[test]

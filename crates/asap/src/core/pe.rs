@@ -240,6 +240,9 @@ pub struct PeCore {
     lost_home: bool,
     offers: BTreeMap<ConnId, Offer>,
     claim: Option<Claim>,
+    /// A registrar could not be reached and the log said so: it says it again only after a
+    /// registration (once per outage, not at every back-off).
+    unreachable_said: bool,
 }
 
 impl PeCore {
@@ -365,6 +368,7 @@ impl PeCore {
             lost_home: false,
             offers: BTreeMap::new(),
             claim: None,
+            unreachable_said: false,
             cfg,
         }
     }
@@ -487,7 +491,16 @@ impl PeCore {
         if let Phase::Connecting { conn: c, addr, .. } = &self.phase
             && *c == conn
         {
-            debug!("PE {:#010x}: registrar {addr}: {why}", self.id);
+            if self.unreachable_said {
+                debug!("PE {:#010x}: registrar {addr}: {why}", self.id);
+            } else {
+                self.unreachable_said = true;
+                warn!(
+                    "PE {:#010x}: registrar {addr} cannot be reached ({why}); not registered, \
+                     trying again with back-off (said once until a registration)",
+                    self.id
+                );
+            }
         }
         self.handle_close(conn, now);
     }
@@ -597,6 +610,9 @@ impl PeCore {
     }
 
     fn set_state(&mut self, s: PeState) {
+        if matches!(s, PeState::Registered { .. }) {
+            self.unreachable_said = false;
+        }
         if self.state != s {
             self.state = s.clone();
             self.out.event(PeEvent::State(s));

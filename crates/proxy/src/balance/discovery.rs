@@ -8,14 +8,22 @@
 //! credits — and the copy follows within a registrar hop; the refresh stays as the fallback
 //! (a registrar that ignores the S bit, a push lost with its association). If no registrar
 //! answers, the copies keep serving. The same task sends the ENDPOINT_UNREACHABLE reports for
-//! PEs the proxy could not reach.
+//! PEs the proxy could not reach. A pool no registrar knows (a typo in a route, PEs not started)
+//! is logged once it has stayed unknown for [`UNKNOWN_SAID_AFTER`], and again when it is known.
 
 use crate::balance::pools::{PoolSettings, Pools, Unreachable};
 use rserpool_asap::{PoolUser, PoolUserConfig};
+use rserpool_wire::PoolHandle;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tracing::{info, warn};
+
+/// How long a pool stays unknown to the registrars before the log says so: PEs starting with
+/// the proxy take a moment to register.
+const UNKNOWN_SAID_AFTER: Duration = Duration::from_secs(5);
 
 /// Starts the refresh task on the current tokio runtime and returns the pools it keeps fresh.
 pub fn start(settings: PoolSettings) -> Arc<Pools> {
@@ -50,6 +58,8 @@ async fn refresh_task(
         }
     };
     let mut next = tokio::time::Instant::now();
+    // Pools the registrars did not know: since when, and whether the log said so.
+    let mut unknown: HashMap<PoolHandle, (Instant, bool)> = HashMap::new();
     loop {
         let Some(p) = pools.upgrade() else { return };
         let added = added.notified();
@@ -58,8 +68,30 @@ async fn refresh_task(
             let mut ok = true;
             for pool in p.all() {
                 match pu.pool_elements(&pool.handle).await {
-                    Ok((_, pes)) => pool.update(pes),
-                    Err(rserpool_asap::Error::UnknownPool(_)) => pool.update(Vec::new()),
+                    Ok((_, pes)) => {
+                        if let Some((_, true)) = unknown.remove(&pool.handle) {
+                            info!(
+                                "proxy: pool {} is known now ({} PEs)",
+                                pool.handle,
+                                pes.len()
+                            );
+                        }
+                        pool.update(pes);
+                    }
+                    Err(rserpool_asap::Error::UnknownPool(_)) => {
+                        let now = Instant::now();
+                        let (since, said) =
+                            unknown.entry(pool.handle.clone()).or_insert((now, false));
+                        if !*said && now >= *since + UNKNOWN_SAID_AFTER {
+                            *said = true;
+                            warn!(
+                                "proxy: no registrar knows pool {} (no PE is registered in it): \
+                                 its requests get 503 until one does",
+                                pool.handle
+                            );
+                        }
+                        pool.update(Vec::new());
+                    }
                     Err(e) => {
                         ok = false;
                         if p.set_registrar_reachable(false) {

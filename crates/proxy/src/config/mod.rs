@@ -67,6 +67,16 @@ pub enum Mode {
     Http,
 }
 
+impl std::fmt::Display for Mode {
+    /// As the config file names it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Tcp => "tcp",
+            Self::Http => "http",
+        })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Route {
@@ -602,7 +612,7 @@ impl Default for ProxyConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{0}")]
+    #[error(transparent)]
     Toml(#[from] toml::de::Error),
     #[error("{0}")]
     Invalid(String),

@@ -56,8 +56,12 @@ pub fn init_logging() {
     };
     let filter = tracing_subscriber::EnvFilter::try_new(&spec)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,h2=error"));
+    // Colours only for a terminal (not a log file or journald), and not under NO_COLOR.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     let _ = match LOG_FORMAT.get().copied().unwrap_or_default() {
         LogFormat::Text => builder.try_init(),
@@ -176,6 +180,21 @@ pub fn tcp_registrars(opts: &RegistrarOpts) -> Result<Vec<SocketAddr>> {
             )),
         })
         .collect()
+}
+
+/// A registrar that requires TLS closes a plaintext connection without a word: a pool user
+/// without TLS whose registrar closed the connection is told so.
+pub fn tls_hint(e: rserpool_asap::Error, opts: &RegistrarOpts) -> anyhow::Error {
+    let closed = matches!(e, rserpool_asap::Error::Closed);
+    let e = anyhow::Error::new(e);
+    if closed && opts.tls_ca.is_none() {
+        e.context(
+            "the registrar closed the connection without an answer; if it requires TLS, give \
+             --tls-cert, --tls-key and --tls-ca",
+        )
+    } else {
+        e
+    }
 }
 
 pub fn pu_config(opts: &RegistrarOpts) -> Result<PoolUserConfig> {

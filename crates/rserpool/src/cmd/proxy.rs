@@ -159,7 +159,7 @@ pub fn run(args: ProxyArgs) -> Result<()> {
         let proxy = Proxy::start_with(cfg, inherited).await?;
         for (l, a) in proxy.config().listeners.iter().zip(proxy.local_addrs()) {
             info!(
-                "proxy: {} {:?} → pool {}",
+                "proxy: {} {} → pool {}",
                 a,
                 l.mode,
                 l.pool.as_deref().unwrap_or("(routes)")

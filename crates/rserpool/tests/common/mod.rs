@@ -60,10 +60,23 @@ impl Logged {
 
     /// [`spawn`](Self::spawn) with the binary at `exe` (a copy, as an upgrade installs).
     pub fn spawn_exe(exe: &std::path::Path, name: &str, args: &[String], filter: &str) -> Self {
-        let mut child = Command::new(exe)
+        let mut cmd = Command::new(exe);
+        cmd.env("NO_COLOR", "1");
+        Self::spawn_cmd(cmd, name, args, filter)
+    }
+
+    /// [`spawn`](Self::spawn) with the environment as a deployment has it (no `NO_COLOR`): the
+    /// log goes to a pipe, not a terminal.
+    pub fn spawn_as_deployed(name: &str, args: &[String], filter: &str) -> Self {
+        let mut cmd = Command::new(BIN);
+        cmd.env_remove("NO_COLOR");
+        Self::spawn_cmd(cmd, name, args, filter)
+    }
+
+    fn spawn_cmd(mut cmd: Command, name: &str, args: &[String], filter: &str) -> Self {
+        let mut child = cmd
             .args(args)
             .env("RUST_LOG", filter)
-            .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
