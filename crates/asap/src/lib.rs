@@ -42,7 +42,7 @@ use rserpool_wire::{CauseCode, DecodeError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error("no registrar reachable (tried: {0})")]
     NoRegistrar(String),

@@ -35,6 +35,7 @@ struct Cli {
 
 /// Where to find registrars (pool element and pool user commands).
 #[derive(Args, Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct RegistrarOpts {
     /// Registrar ASAP address (repeatable; tried in order, then announced ones): TCP, or
     /// SCTP with `sctp+udp://ADDR` (SCTP over UDP 9899) or `sctp://ADDR` (raw IP, root).
@@ -78,6 +79,7 @@ impl RegistrarOpts {
 
 /// A pool element's registration settings.
 #[derive(Args, Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct PeOpts {
     /// Pool handle to register in.
     #[arg(long)]
@@ -108,6 +110,7 @@ pub struct PeOpts {
 
 /// How a PE with policy `credits` reports them (docs/CREDITS.md).
 #[derive(Args, Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct CreditOpts {
     /// Reporting algorithm: dpr (every change) or dpr-q (only across a quantum of an eighth of
     /// the capacity, or at 0 and full).

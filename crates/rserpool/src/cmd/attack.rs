@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct AttackArgs {
     #[command(subcommand)]
     pub attack: Attack,
@@ -39,6 +40,7 @@ pub enum Attack {
 }
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct RegisterFloodArgs {
     #[arg(long)]
     pub pool: String,
@@ -52,6 +54,7 @@ pub struct RegisterFloodArgs {
 }
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct FloodArgs {
     #[arg(long)]
     pub pool: String,
@@ -64,6 +67,7 @@ pub struct FloodArgs {
 }
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct TakeoverArgs {
     /// The pool whose PEs are attacked.
     #[arg(long)]
@@ -79,6 +83,7 @@ pub struct TakeoverArgs {
 }
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct UnreachableArgs {
     #[arg(long)]
     pub pool: String,

@@ -30,6 +30,7 @@ const MAX_JOB: u64 = 1_000_000_000;
 
 /// The calculator PE's settings (`rserpool example calc`).
 #[derive(Args, Debug, Clone, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct CalcOpts {
     /// calc: the pool secret that seals session cookies (HMAC-SHA256); every PE of the pool
     /// needs the same. Without one, cookies are not sealed and a pool user could forge its
@@ -281,6 +282,7 @@ async fn serve(mut s: PeSession, calc: &Calc) -> Result<()> {
 
 /// `rserpool session`.
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct SessionArgs {
     /// Pool handle of the calculator pool.
     pub pool: String,

@@ -8,6 +8,7 @@ use rserpool_tls::issue::{self, Issued};
 use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct CertArgs {
     /// Where to write them: ca.pem and ca.key (made if missing), NAME.pem and NAME.key.
     #[arg(long, default_value = "rserpool-certs")]

@@ -5,7 +5,8 @@
 //! are blanked (a whole table when the error is the table's, e.g. a missing key) and the file
 //! is read again, with the line numbers unchanged, until it reads; then the settings are
 //! checked as a whole (those errors have no line of their own), and the TLS files they name
-//! are read (an error there is given the line that names the file).
+//! are read (an error there is given the line that names the file) — unless a whole table was
+//! blanked, whose absence would be reported as errors of its own ("no listener configured").
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -13,10 +14,12 @@ use serde::de::DeserializeOwned;
 use std::path::PathBuf;
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct CheckArgs {
     /// The config file to check.
     pub file: PathBuf,
-    /// What it configures: `registrar` or `proxy` (by default, what reads with fewer errors).
+    /// What it configures: `registrar` or `proxy` (by default, what reads with fewer unknown
+    /// keys, then fewer errors).
     #[arg(long, value_parser = ["registrar", "proxy"])]
     pub kind: Option<String>,
 }
@@ -102,8 +105,16 @@ pub fn check(text: &str, kind: Option<&str>) -> (&'static str, Vec<ConfigProblem
         Some("registrar") => ("registrar", registrar()),
         Some(_) => ("proxy", proxy()),
         None => {
+            // A key of the other kind is an unknown field, which a bad value is not.
             let (r, p) = (registrar(), proxy());
-            if p.len() < r.len() {
+            let weight = |v: &[ConfigProblem]| {
+                let unknown = v
+                    .iter()
+                    .filter(|p| p.message.starts_with("unknown field"))
+                    .count();
+                (unknown, v.len())
+            };
+            if weight(&p) < weight(&r) {
                 ("proxy", p)
             } else {
                 ("registrar", r)
@@ -121,13 +132,17 @@ fn problems<T: DeserializeOwned>(
     let mut out: Vec<ConfigProblem> = Vec::new();
     // Tables a line was blanked in: a key missing there now may be one we blanked.
     let mut touched: Vec<usize> = Vec::new();
+    // A whole table was blanked: what the settings as a whole lack may be what it held.
+    let mut lost_table = false;
     for _ in 0..MAX_ERRORS {
         match toml::from_str::<T>(&text) {
             Ok(cfg) => {
-                out.extend(validate(&cfg).into_iter().map(|message| ConfigProblem {
-                    line: line_naming(original, &message),
-                    message,
-                }));
+                if !lost_table {
+                    out.extend(validate(&cfg).into_iter().map(|message| ConfigProblem {
+                        line: line_naming(original, &message),
+                        message,
+                    }));
+                }
                 break;
             }
             Err(e) => {
@@ -143,8 +158,10 @@ fn problems<T: DeserializeOwned>(
                     });
                 }
                 touched.extend(table);
-                if !span.is_some_and(|s| blank(&mut text, s)) {
-                    break;
+                match span.map(|s| blank(&mut text, s)) {
+                    Some(Blanked::Lines) => {}
+                    Some(Blanked::Table) => lost_table = true,
+                    Some(Blanked::Nothing) | None => break,
                 }
             }
         }
@@ -192,9 +209,17 @@ fn is_header(line: &str) -> bool {
     line.trim_start().starts_with('[')
 }
 
+/// What [`blank`] blanked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blanked {
+    Nothing,
+    Lines,
+    Table,
+}
+
 /// Blanks the lines of `span` (the whole table when it starts at a table's header), keeping
-/// every newline; false when there was nothing left to blank.
-fn blank(text: &mut String, span: std::ops::Range<usize>) -> bool {
+/// every newline.
+fn blank(text: &mut String, span: std::ops::Range<usize>) -> Blanked {
     let start = text[..span.start.min(text.len())]
         .rfind('\n')
         .map_or(0, |i| i + 1);
@@ -202,7 +227,8 @@ fn blank(text: &mut String, span: std::ops::Range<usize>) -> bool {
         .find('\n')
         .map_or(text.len(), |i| span.end + i);
     let first = text[start..].lines().next().unwrap_or("");
-    if is_header(first) {
+    let table = is_header(first);
+    if table {
         // Up to the next table's header.
         let mut at = text[start..]
             .find('\n')
@@ -221,10 +247,14 @@ fn blank(text: &mut String, span: std::ops::Range<usize>) -> bool {
         .map(|c| if c == '\n' { '\n' } else { ' ' })
         .collect();
     if blanked == text[start..end] {
-        return false;
+        return Blanked::Nothing;
     }
     text.replace_range(start..end, &blanked);
-    true
+    if table {
+        Blanked::Table
+    } else {
+        Blanked::Lines
+    }
 }
 
 #[cfg(test)]
@@ -307,5 +337,24 @@ pool = \"Echo\"
         assert_eq!(kind, "registrar");
         let lines: Vec<Option<usize>> = p.iter().map(|p| p.line).collect();
         assert_eq!(lines, [Some(3), Some(1)], "{p:#?}");
+    }
+
+    /// A proxy config with one bad value is checked as a proxy config, and that value is its
+    /// one error (read as a registrar's, its tables are "unknown fields").
+    #[test]
+    fn a_proxy_config_with_a_bad_value_is_a_proxy_config() {
+        let text = "\
+registrars = [\"127.0.0.1:3863\"]
+
+[[listener]]
+listen = \"127.0.0.1:8080\"
+mode = \"htp\"
+pool = \"Web\"
+";
+        let (kind, p) = check(text, None);
+        assert_eq!(kind, "proxy", "{p:#?}");
+        assert_eq!(p.len(), 1, "{p:#?}");
+        assert_eq!(p[0].line, Some(5), "{p:#?}");
+        assert!(p[0].message.contains("htp"), "{p:#?}");
     }
 }

@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct ResolveArgs {
     /// Pool handle.
     pub pool: String,
@@ -42,10 +43,12 @@ pub fn resolve(args: ResolveArgs) -> Result<()> {
     let mut cfg = super::pu_config(&args.registrars)?;
     cfg.items = args.items;
     let handle = PoolHandle::from(args.pool.as_str());
-    let res = super::runtime()?.block_on(async move {
-        let mut pu = PoolUser::new(cfg)?;
-        pu.resolve(&handle).await
-    })?;
+    let res = super::runtime()?
+        .block_on(async move {
+            let mut pu = PoolUser::new(cfg)?;
+            pu.resolve(&handle).await
+        })
+        .map_err(|e| super::tls_hint(e, &args.registrars))?;
     let out = Resolved {
         pool: res.pool_handle.to_string(),
         policy: res.policy.as_ref().map(|p| p.short_name().to_string()),
@@ -85,6 +88,7 @@ pub fn resolve(args: ResolveArgs) -> Result<()> {
 }
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct ConnectArgs {
     /// Pool handle.
     pub pool: String,
@@ -98,7 +102,10 @@ pub fn connect(args: ConnectArgs) -> Result<()> {
     let handle = PoolHandle::from(args.pool.as_str());
     super::runtime()?.block_on(async move {
         let mut pu = PoolUser::new(cfg)?;
-        let (stream, pe) = pu.connect(&handle).await?;
+        let (stream, pe) = pu
+            .connect(&handle)
+            .await
+            .map_err(|e| super::tls_hint(e, &args.registrars))?;
         tracing::info!("connected to PE {:#010x} at {}", pe.id, stream.peer_addr()?);
         let (mut rd, mut wr) = stream.into_split();
         let upload = async {
@@ -134,6 +141,7 @@ pub fn connect(args: ConnectArgs) -> Result<()> {
 }
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,

@@ -20,6 +20,7 @@ use tokio::net::{TcpStream, UnixListener, UnixStream};
 use tracing::{info, warn};
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct DrainArgs {
     /// The PE's control socket: a path (`rserpool example|serve … --control PATH`), or
     /// `tls://ADDR` (`--control-tls ADDR`, with this client's TLS files).
@@ -36,6 +37,7 @@ pub struct DrainArgs {
 
 /// Where a PE (`example`, `serve`) takes `rserpool drain` and `undrain`.
 #[derive(Args, Debug, Clone, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct ControlOpts {
     /// A Unix socket (mode 0600) on which `rserpool drain` / `undrain` take the PE out of its
     /// pool and back.

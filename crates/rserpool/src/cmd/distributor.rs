@@ -34,6 +34,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct DistributorArgs {
     /// The tier's pool handle (the proxies' `[tier] pool`).
     #[arg(long)]

@@ -41,6 +41,7 @@ pub enum Service {
 }
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct ExampleArgs {
     pub service: Service,
     /// Listening address of the service (port 0 = any free port); `sctp+udp://ADDR` or
@@ -61,6 +62,7 @@ pub struct ExampleArgs {
 
 /// How much the service takes at once.
 #[derive(Args, Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct ServiceOpts {
     /// Connections at which the reported load is 100%; with policy `credits`, the connections
     /// (requests for `http`) it takes at once [default: the workers, else 100].

@@ -8,6 +8,7 @@ use clap_complete::Shell;
 use std::path::PathBuf;
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct CompletionsArgs {
     /// The shell to complete for.
     #[arg(value_enum)]
@@ -20,6 +21,7 @@ fn shell_name<S: serde::Serializer>(shell: &Shell, s: S) -> Result<S::Ok, S::Err
 }
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct ManArgs {
     /// Where to write the pages: rserpool.1, and rserpool-COMMAND.1 for each command.
     #[arg(long, default_value = ".")]

@@ -29,6 +29,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct ServeArgs {
     /// The service to register, HOST:PORT.
     #[arg(long)]

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct SplitArgs {
     /// The proxy tier's pool handle (the proxies' `[tier] pool`).
     #[arg(long)]

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 #[derive(Args, Debug, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct UpArgs {
     /// Registrar ASAP address.
     #[arg(long, default_value = "127.0.0.1:3863")]
@@ -153,16 +154,19 @@ pub fn run(args: UpArgs) -> Result<()> {
             env!("CARGO_PKG_VERSION"),
             registrar.server_id()
         );
+        let plural = |n: usize| if n == 1 { "" } else { "s" };
         say!(
-            "Pool {} (least used) has {echo_count} echo pool elements:",
-            args.pool
+            "Pool {} (least used) has {echo_count} echo pool element{}:",
+            args.pool,
+            plural(echo_count)
         );
         for ex in &pes[..echo_count] {
             say!("  PE {:#010x} at {}", ex.pe.id(), ex.addr);
         }
         say!(
-            "Pool {WEB_POOL} (least used) has {} HTTP pool elements:",
-            pes.len() - echo_count
+            "Pool {WEB_POOL} (least used) has {} HTTP pool element{}:",
+            pes.len() - echo_count,
+            plural(pes.len() - echo_count)
         );
         for ex in &pes[echo_count..] {
             say!("  PE {:#010x} at {}", ex.pe.id(), ex.addr);
@@ -190,8 +194,13 @@ pub fn run(args: UpArgs) -> Result<()> {
             args.pool
         );
         say!(
-            "  curl http://{}/hello          (run it twice: another PE answers)",
-            proxied[0]
+            "  curl http://{}/hello{}",
+            proxied[0],
+            if pes.len() - echo_count > 1 {
+                "          (run it twice: another PE answers)"
+            } else {
+                ""
+            }
         );
         say!(
             "  echo hello | nc -q1 {} {}",
