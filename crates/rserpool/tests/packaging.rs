@@ -210,16 +210,8 @@ async fn an_unreachable_registrar_and_an_unknown_pool_are_logged_once() {
         &["example", "http", "--pool", "Lonely", "--registrar", &asap].map(String::from),
         "info",
     );
-    let said = |l: &Logged| l.lines_with("cannot be reached").len();
-    wait_until(
-        Duration::from_secs(5),
-        "the PE says its registrar cannot be reached",
-        || said(&pe) > 0,
-    )
-    .await;
-    // Retries at 0.2, 0.4, 0.8, 1.6 s of back-off: several in 2.5 s, one line.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    assert_eq!(said(&pe), 1, "{:?}", pe.lines_with("registrar"));
+    // Retries at 0.2, 0.4, 0.8, 1.6 s of back-off: several in the 2.5 s after, one line.
+    said_once(&pe, "cannot be reached", Duration::from_secs(5), 2500).await;
     assert!(
         pe.lines_with("\x1b[").is_empty(),
         "colour codes in a piped log"
@@ -234,7 +226,7 @@ async fn an_unreachable_registrar_and_an_unknown_pool_are_logged_once() {
     // A second outage is said again.
     drop(reg);
     wait_until(Duration::from_secs(15), "the PE says so again", || {
-        said(&pe) == 2
+        pe.lines_with("cannot be reached").len() == 2
     })
     .await;
 
@@ -255,15 +247,21 @@ async fn an_unreachable_registrar_and_an_unknown_pool_are_logged_once() {
         "info",
     );
     let _reg = registrar_at(&asap);
-    let unknown = |l: &Logged| l.lines_with("no registrar knows pool Nowhere").len();
-    wait_until(
+    said_once(
+        &proxy,
+        "no registrar knows pool Nowhere",
         Duration::from_secs(20),
-        "the proxy says the pool is unknown",
-        || unknown(&proxy) > 0,
+        2000,
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(unknown(&proxy), 1, "{:?}", proxy.lines_with("Nowhere"));
+}
+
+/// Waits up to `limit` for a line of `log` with `needle`, then `then_ms` more: one there is.
+async fn said_once(log: &Logged, needle: &str, limit: Duration, then_ms: u64) {
+    wait_until(limit, needle, || !log.lines_with(needle).is_empty()).await;
+    tokio::time::sleep(Duration::from_millis(then_ms)).await;
+    let lines = log.lines_with(needle);
+    assert_eq!(lines.len(), 1, "{lines:?}");
 }
 
 #[test]
