@@ -32,6 +32,8 @@ pub(crate) struct Ctx {
     pub(crate) http2: bool,
     /// HTTPS handshakes that failed, for the metrics.
     pub(crate) tls_failures: Arc<std::sync::atomic::AtomicU64>,
+    /// Requests the proxy answered itself before any pool (`http::rejected`).
+    pub(crate) rejected: Arc<crate::http::rejected::Rejected>,
     /// TLS to the PEs of the pools with `[pool.NAME.tls]`, by pool handle.
     pub(crate) pe_tls:
         Arc<std::collections::HashMap<String, Arc<rserpool_tls::rustls::ClientConfig>>>,

@@ -100,6 +100,7 @@ struct Inner {
     tier: RwLock<Option<Arc<tier::Tier>>>,
     /// HTTPS clients whose TLS handshake failed or timed out.
     tls_failures: Arc<std::sync::atomic::AtomicU64>,
+    rejected: Arc<http::rejected::Rejected>,
     /// Where idle kept-alive connections wait without a task (`http::park`).
     park: Option<http::park::Parker>,
 }
@@ -203,6 +204,7 @@ impl Proxy {
                 kernel: RwLock::new(kernel),
                 tier: RwLock::new(None),
                 tls_failures: Arc::default(),
+                rejected: Arc::default(),
                 park,
             }),
         };
@@ -434,6 +436,7 @@ impl Proxy {
             current: None,
             http2: l.http2,
             tls_failures: i.tls_failures.clone(),
+            rejected: i.rejected.clone(),
             park: i.park.clone(),
         })
     }
@@ -589,9 +592,9 @@ impl Proxy {
                 ignored.push(format!("{name} changes only with a restart"));
             }
         }
-        if old.access_log != new.access_log {
-            *self.inner.log.write().unwrap_or_else(|p| p.into_inner()) = open_log(&new)?;
-        }
+        // Opened again even when its path is the same: a rotated log (moved away, then the
+        // reload signal, as logrotate does) goes on in a new file of that name.
+        *self.inner.log.write().unwrap_or_else(|p| p.into_inner()) = open_log(&new)?;
         match self.kernel() {
             None if new.listeners.iter().any(ListenerConfig::kernel_splice) => {
                 let loaded = load_kernel_splice(&new);

@@ -44,6 +44,16 @@ impl Proxy {
             &[],
             self.inner.tls_failures.load(Ordering::Relaxed),
         );
+        for (code, n) in self.inner.rejected.counts() {
+            m.counter(
+                "rserpool_proxy_rejected_requests",
+                "Requests the proxy answered itself before any pool took them, by status: \
+                 malformed (400), no route (404), CONNECT (405), head too slow (408) or too \
+                 large (431).",
+                &[("code", &code.to_string())],
+                n,
+            );
+        }
         m.counter(
             "rserpool_proxy_http2_floods",
             "HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM (resets, control \
@@ -184,7 +194,8 @@ fn pe_metrics(m: &mut Exposition, pool: &str, pe: &str, bs: &[&Backend]) {
         ),
         (
             "rserpool_proxy_pe_sent_bytes",
-            "Bytes relayed from clients to the PE.",
+            "Bytes relayed from clients to the PE: request bodies (HTTP; the heads the proxy \
+             writes are not counted), or all of them (TCP).",
             |b| &b.stats.bytes_in,
         ),
         (

@@ -998,6 +998,63 @@ async fn a_reload_that_changes_a_listeners_mode_keeps_serving_on_its_address() {
     assert_eq!(t.get("/tcp").await.unwrap().code, 200);
 }
 
+/// What the proxy refuses itself (a malformed head, a request with both Content-Length and
+/// Transfer-Encoding) has its access log line and is counted by status; a rotated access log
+/// (moved away, then SIGHUP, as logrotate does) goes on in a new file of its name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_are_logged_and_counted_and_the_access_log_reopens() {
+    let reg = registrar(fast_config());
+    let _b = backends(reg.asap_addr(), 1).await;
+    let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let status = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let log = std::env::temp_dir().join(format!("rserpool-access-{}.log", free_port()));
+    let listeners = format!(
+        "access-log = \"{}\"\nstatus = \"{status}\"\n{}",
+        log.display(),
+        listener_toml(http, "http")
+    );
+    let p = proxy_process(reg.asap_addr(), &listeners).await;
+    serving(http).await;
+    for req in [
+        "GET /both HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+        "NOT A REQUEST\r\n\r\n",
+    ] {
+        let mut c = tokio::net::TcpStream::connect(http).await.unwrap();
+        c.write_all(req.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut got)).await;
+        assert!(
+            got.starts_with(b"HTTP/1.1 400"),
+            "{req:?}: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+    }
+    let lines = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait_until(Duration::from_secs(5), "the refusals are logged", || {
+        lines().contains(" GET /both 400 - - ") && lines().contains(" - - 400 - - ")
+    })
+    .await;
+    let samples = common::scrape(status).await;
+    let refused = common::metric(
+        &samples,
+        "rserpool_proxy_rejected_requests_total",
+        &[("code", "400")],
+    );
+    assert_eq!(refused, 2.0);
+
+    let rotated = log.with_extension("log.1");
+    std::fs::rename(&log, &rotated).unwrap();
+    p.signal(rustix::process::Signal::HUP);
+    common::wait_for(Duration::from_secs(10), "a line in the new log", || async {
+        let mut c = Client::connect(http).await.unwrap();
+        assert_eq!(c.get("/after-rotation").await.unwrap().code, 200);
+        lines().contains(" GET /after-rotation 200 ")
+    })
+    .await;
+    let _ = std::fs::remove_file(&log);
+    let _ = std::fs::remove_file(&rotated);
+}
+
 /// A reload reaches kept-alive connections: after SIGHUP moves the listener to another pool,
 /// the next request on a connection opened before goes to the new pool (HTTP/1.1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

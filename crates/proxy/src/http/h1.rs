@@ -12,6 +12,7 @@ use crate::http::downstream::Downstream;
 use crate::http::message::{Framing, Head, HeadError};
 use crate::http::park::Parkable;
 use crate::http::pipeline::{classify, forward, route};
+use crate::http::rejected;
 use crate::http::request::{Outgoing, Request, parse};
 use crate::http::upstream::h1::outgoing_head_with;
 use bytes::{BufMut, Bytes, BytesMut};
@@ -267,6 +268,7 @@ pub(super) async fn next_request(
         Ok(Ok(None)) => return Next::Close,
         Ok(Err(ReadHeadError::Io)) => return Next::Close,
         Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
+            rejected::note(ctx, peer, None, 431);
             let _ = c.reply(431, "request head too large", ctx).await;
             return Next::Close;
         }
@@ -280,11 +282,13 @@ pub(super) async fn next_request(
         }
         Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
             debug!("client {peer}: malformed request");
+            rejected::note(ctx, peer, None, 400);
             let _ = c.reply(400, "malformed request", ctx).await;
             return Next::Close;
         }
         Err(_) => {
             if !c.buf.is_empty() || first {
+                rejected::note(ctx, peer, None, 408);
                 let _ = c.reply(408, "request timeout", ctx).await;
             }
             return Next::Close;
@@ -339,14 +343,20 @@ async fn read_head(c: &mut Client, max: usize) -> Result<Option<Head>, ReadHeadE
 /// One request through the pipeline.
 async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
     let started = Instant::now();
-    let mut r = match parse(head, c.peer, started) {
-        Ok(r) => r,
-        Err((code, why)) => {
-            let _ = c.reply(code, why, ctx).await;
-            return Next::Close;
+    let mut r = {
+        // One reference more to the head's bytes, for the log line of a refused one.
+        let raw = head.raw.clone();
+        match parse(head, c.peer, started) {
+            Ok(r) => r,
+            Err((code, why)) => {
+                rejected::note(ctx, c.peer, Some(&raw), code);
+                let _ = c.reply(code, why, ctx).await;
+                return Next::Close;
+            }
         }
     };
     let Some(target) = route(&r, ctx) else {
+        rejected::note(ctx, c.peer, Some(&r.head.raw), 404);
         let _ = c.reply(404, "no route", ctx).await;
         return Next::Close;
     };

@@ -15,6 +15,7 @@ pub(crate) mod park;
 pub(crate) mod pipeline;
 #[cfg(test)]
 mod pipeline_tests;
+pub(crate) mod rejected;
 pub(crate) mod request;
 #[cfg(test)]
 mod testbed;

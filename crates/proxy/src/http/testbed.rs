@@ -247,6 +247,7 @@ pub(super) fn ctx(
         tls: None,
         http2: false,
         tls_failures: Arc::default(),
+        rejected: Arc::default(),
         pe_tls: Arc::default(),
         current: None,
     };
