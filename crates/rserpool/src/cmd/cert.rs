@@ -63,7 +63,11 @@ pub fn run(args: CertArgs) -> Result<()> {
     };
     for name in &args.names {
         let mut sans: Vec<String> = args.ips.iter().map(ToString::to_string).collect();
-        sans.extend([name.clone(), "localhost".to_string()]);
+        for n in [name.as_str(), "localhost"] {
+            if !sans.iter().any(|s| s == n) {
+                sans.push(n.to_string());
+            }
+        }
         let cert = issue::issue(&ca, name, &sans)
             .with_context(|| format!("cannot make a certificate for {name}"))?;
         let (pem, key) = (

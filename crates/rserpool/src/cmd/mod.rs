@@ -47,15 +47,18 @@ pub fn set_log_format(f: LogFormat) {
 /// Logs to stderr; `RUST_LOG` overrides the level (default info).
 pub fn init_logging() {
     let spec = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
-    // The h2 crate warns once per misbehaving HTTP/2 client, unpaced: a flood of log lines
-    // for a flood of connections. The proxy logs those itself, paced (unless RUST_LOG asks).
-    let spec = if spec.contains("h2") {
-        spec
-    } else {
-        format!("{spec},h2=error")
-    };
+    // The h2 and rustls crates warn once per misbehaving client, unpaced: a flood of log
+    // lines for a flood of connections (rustls: at each client that names an IP address in
+    // SNI, as load generators do). The proxy logs what matters itself, paced (unless
+    // RUST_LOG names the crate).
+    let mut spec = spec;
+    for quiet in ["h2", "rustls"] {
+        if !spec.contains(quiet) {
+            spec = format!("{spec},{quiet}=error");
+        }
+    }
     let filter = tracing_subscriber::EnvFilter::try_new(&spec)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,h2=error"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,h2=error,rustls=error"));
     // Colours only for a terminal (not a log file or journald), and not under NO_COLOR.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());

@@ -34,9 +34,10 @@ pub struct ProxyArgs {
     /// UDP); overrides the file's.
     #[arg(long = "registrar", value_name = "ADDR")]
     pub registrars: Vec<rserpool_wire::Address>,
-    /// Status listener: per-PE counters as JSON on http://ADDR/status.
-    #[arg(long, visible_alias = "stats", value_name = "ADDR")]
-    pub status: Option<SocketAddr>,
+    /// Status listener: per-PE counters as JSON on http://ADDR/status; `off` for none
+    /// (overrides the file's).
+    #[arg(long, visible_alias = "stats", value_name = "ADDR", value_parser = status_addr)]
+    pub status: Option<StatusAddr>,
     /// Append a line per request or connection to FILE (`-` for stdout).
     #[arg(long, value_name = "FILE")]
     pub access_log: Option<PathBuf>,
@@ -52,6 +53,20 @@ pub struct ProxyArgs {
     pub csp: Option<SocketAddr>,
 }
 
+/// `--status`: an address, or none (`off`).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+#[serde(transparent)]
+pub struct StatusAddr(pub Option<SocketAddr>);
+
+fn status_addr(s: &str) -> Result<StatusAddr, String> {
+    match s {
+        "off" | "none" => Ok(StatusAddr(None)),
+        _ => s
+            .parse()
+            .map(|a| StatusAddr(Some(a)))
+            .map_err(|e| format!("{e}: an address (127.0.0.1:8404), or `off`")),
+    }
+}
 pub fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
     let mut cfg = match &args.config {
         Some(p) => {
@@ -93,8 +108,8 @@ pub fn load(args: &ProxyArgs) -> Result<ProxyConfig> {
     if !args.registrars.is_empty() {
         cfg.registrars = args.registrars.clone();
     }
-    if args.status.is_some() {
-        cfg.status = args.status;
+    if let Some(StatusAddr(status)) = args.status {
+        cfg.status = status;
     }
     if args.access_log.is_some() {
         cfg.access_log = args.access_log.clone();
