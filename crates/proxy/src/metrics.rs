@@ -81,7 +81,7 @@ impl Proxy {
                 pe_metrics(&mut m, &handle, "other", &rest);
             }
             for l in pool.level_stats() {
-                level_metrics(&mut m, &handle, &l);
+                level_metrics(&mut m, &handle, &l, pool.counts_finished());
             }
             let (panic, panics) = pool.panic();
             m.gauge(
@@ -261,7 +261,13 @@ fn pe_metrics(m: &mut Exposition, pool: &str, pe: &str, bs: &[&Backend]) {
     }
 }
 
-fn level_metrics(m: &mut Exposition, pool: &str, l: &crate::balance::admit::LevelStats) {
+/// A level's series; those of requests that ended only where they are counted (`finished`).
+fn level_metrics(
+    m: &mut Exposition,
+    pool: &str,
+    l: &crate::balance::admit::LevelStats,
+    finished: bool,
+) {
     let level = l.level.to_string();
     let labels = [("pool", pool), ("level", level.as_str())];
     let counters = [
@@ -285,26 +291,29 @@ fn level_metrics(m: &mut Exposition, pool: &str, l: &crate::balance::admit::Leve
             "Requests of the service level refused after their queue timeout.",
             l.timed_out,
         ),
-        (
-            "rserpool_proxy_level_finished",
-            "Requests of the service level finished at a PE.",
-            l.finished,
-        ),
     ];
     for (name, help, v) in counters {
         m.counter(name, help, &labels, v);
+    }
+    if finished {
+        m.counter(
+            "rserpool_proxy_level_finished",
+            "Requests of the service level finished at a PE (with [levels]).",
+            &labels,
+            l.finished,
+        );
+        m.counter_f64(
+            "rserpool_proxy_level_service_seconds",
+            "Time requests of the service level spent at PEs, in all (with [levels]).",
+            &labels,
+            l.service_us_total as f64 / 1e6,
+        );
     }
     m.counter_f64(
         "rserpool_proxy_level_wait_seconds",
         "Time requests of the service level waited for a PE, in all.",
         &labels,
         l.wait_us_total as f64 / 1e6,
-    );
-    m.counter_f64(
-        "rserpool_proxy_level_service_seconds",
-        "Time requests of the service level spent at PEs, in all.",
-        &labels,
-        l.service_us_total as f64 / 1e6,
     );
     m.gauge(
         "rserpool_proxy_level_waiting",

@@ -464,6 +464,12 @@ impl Pool {
         self.lock().dispatch(&self.handle);
     }
 
+    /// Whether requests that end are counted per level (`finished`, service time): with
+    /// `[levels]` only, so that without them a request ends without taking the pool's lock.
+    pub fn counts_finished(&self) -> bool {
+        self.charges.load(Ordering::Relaxed)
+    }
+
     /// Per service level counters.
     pub fn level_stats(&self) -> Vec<LevelStats> {
         self.lock().admission.stats()
