@@ -83,6 +83,15 @@ impl Proxy {
             for l in pool.level_stats() {
                 level_metrics(&mut m, &handle, &l, pool.counts_finished());
             }
+            for (cause, n) in EjectCause::ALL.iter().zip(pool.ejections()) {
+                m.counter(
+                    "rserpool_proxy_pool_ejections",
+                    "Ejections of the pool's PEs by cause, kept when a PE leaves the pool (its \
+                     own series go with it).",
+                    &[("pool", &handle), ("cause", cause.name())],
+                    n,
+                );
+            }
             let (panic, panics) = pool.panic();
             m.gauge(
                 "rserpool_proxy_pool_panic",

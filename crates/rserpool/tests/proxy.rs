@@ -394,6 +394,11 @@ async fn a_pe_killed_under_load_fails_no_idempotent_request() {
         assert!(victim.stats.ejections.load(Ordering::Relaxed) >= 1);
     }
     assert!(!listed(), "the PE is gone from the proxy's pool");
+    // Its ejection outlives it in the pool's count (the PE's own series are gone).
+    if refused {
+        let pool = proxy.pools().all().into_iter().next().unwrap();
+        assert!(pool.ejections()[0] >= 1, "{:?}", pool.ejections());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

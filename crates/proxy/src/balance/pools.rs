@@ -60,6 +60,9 @@ pub struct Pool {
     success_rate_due_ms: std::sync::atomic::AtomicU64,
     /// Responses to clients of requests routed here, by status class (1xx to 5xx).
     responses: [std::sync::atomic::AtomicU64; 5],
+    /// Ejections of the pool's PEs by cause ([`EjectCause::ALL`]): kept when a PE leaves, as
+    /// its own series go with it.
+    ejections: [std::sync::atomic::AtomicU64; EjectCause::ALL.len()],
     /// Whether a waiting request looks for room every 100 ms on behalf of all (see
     /// [`Pool::admit_keyed`]), and how it hands that on when it leaves.
     looker: AtomicBool,
@@ -186,6 +189,7 @@ impl Pool {
             retries_refused: Default::default(),
             success_rate_due_ms: Default::default(),
             responses: Default::default(),
+            ejections: Default::default(),
             looker: AtomicBool::new(false),
             look_handoff: tokio::sync::Notify::new(),
             state: Mutex::new(PoolState {
@@ -283,6 +287,19 @@ impl Pool {
         {
             n.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// A PE of the pool was ejected for `cause` (`ejected`: as the ejection returned).
+    fn ejected(&self, cause: EjectCause, ejected: bool) -> bool {
+        if ejected {
+            self.ejections[cause.index()].fetch_add(1, Ordering::Relaxed);
+        }
+        ejected
+    }
+
+    /// Ejections of the pool's PEs so far, by cause ([`EjectCause::ALL`]).
+    pub fn ejections(&self) -> [u64; EjectCause::ALL.len()] {
+        std::array::from_fn(|i| self.ejections[i].load(Ordering::Relaxed))
     }
 
     /// Responses to clients so far, by status class ([`RESPONSE_CLASSES`]).
@@ -602,8 +619,10 @@ impl Pools {
     /// and ejected by passive health unless the pool's ejection cap is reached. Returns
     /// whether it ejected the PE.
     pub fn failed(&self, b: &Backend) -> bool {
-        let may_eject = self.get(&b.pool).is_none_or(|p| p.lock().may_eject());
-        b.failed(&self.settings.health, may_eject)
+        let pool = self.get(&b.pool);
+        let may_eject = pool.as_ref().is_none_or(|p| p.lock().may_eject());
+        let ejected = b.failed(&self.settings.health, may_eject);
+        pool.map_or(ejected, |p| p.ejected(EjectCause::Failures, ejected))
     }
 
     /// An answer from a PE, for outlier detection: enough 5xx in a row (the pool's
@@ -615,7 +634,8 @@ impl Pools {
             let limit = pool.lock().config.consecutive_5xx;
             if b.answered(code, limit) {
                 let may_eject = pool.lock().may_eject();
-                b.eject(&self.settings.health, EjectCause::Consecutive5xx, may_eject);
+                let cause = EjectCause::Consecutive5xx;
+                pool.ejected(cause, b.eject(&self.settings.health, cause, may_eject));
             }
         } else {
             b.answered(code, 0);
@@ -662,7 +682,8 @@ impl Pools {
         for id in success_rate_outliers(rule, &samples) {
             if let Some(b) = backends.iter().find(|b| b.id == id) {
                 let may_eject = pool.lock().may_eject();
-                b.eject(&self.settings.health, EjectCause::SuccessRate, may_eject);
+                let cause = EjectCause::SuccessRate;
+                pool.ejected(cause, b.eject(&self.settings.health, cause, may_eject));
             }
         }
     }
