@@ -103,19 +103,19 @@ pub(crate) async fn forward(
             Err(g) => {
                 let (code, why) = g.answer();
                 pool.responded(code);
-                return Box::pin(give_up(d, r, code, Some(why), None, ctx)).await;
+                return Box::pin(give_up(d, r, code, Some(why), (pool, None), ctx)).await;
             }
         };
         match settle(r, replayable, &attempt, outcome, &mut f, ctx) {
             Settled::Answered { code, keep, bytes } => {
                 pool.responded(code);
-                log(ctx, d.peer(), r, code, Some(&attempt.pe), bytes);
+                log(ctx, d.peer(), r, code, (pool, Some(&attempt.pe)), bytes);
                 return keep;
             }
             Settled::Again => Box::pin(f.back_off()).await,
             Settled::Failed { code, why } => {
                 pool.responded(code);
-                return Box::pin(give_up(d, r, code, why, Some(&attempt.pe), ctx)).await;
+                return Box::pin(give_up(d, r, code, why, (pool, Some(&attempt.pe)), ctx)).await;
             }
         }
     }
@@ -172,11 +172,11 @@ async fn give_up(
     r: &Request,
     code: u16,
     why: Option<&str>,
-    b: Option<&Arc<Backend>>,
+    at: (&Pool, Option<&Arc<Backend>>),
     ctx: &Ctx,
 ) -> bool {
     d.fail(code, why, ctx).await;
-    log(ctx, d.peer(), r, code, b, 0);
+    log(ctx, d.peer(), r, code, at, 0);
     false
 }
 
@@ -294,13 +294,13 @@ pub(crate) fn idempotent_here(r: &Request, pool: &Pool) -> bool {
     pool.idempotent_path(&r.head.target()[..r.path_end])
 }
 
-/// The access log line of a request.
+/// The access log line of a request routed to `pool` (`b`: the PE of its last attempt).
 pub(crate) fn log(
     ctx: &Ctx,
     peer: SocketAddr,
     r: &Request,
     code: u16,
-    b: Option<&Arc<Backend>>,
+    (pool, b): (&Pool, Option<&Arc<Backend>>),
     bytes: u64,
 ) {
     ctx.log(|| {
@@ -310,7 +310,7 @@ pub(crate) fn log(
             String::from_utf8_lossy(r.head.method()),
             String::from_utf8_lossy(r.head.target()),
             code,
-            b.map_or("-".into(), |b| b.pool.to_string()),
+            pool.handle,
             b.map_or("-".into(), |b| format!("{:#010x}", b.id)),
             bytes,
             r.started.elapsed().as_micros()

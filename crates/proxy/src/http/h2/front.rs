@@ -21,6 +21,7 @@ use crate::ctx::{Ctx, until_set};
 use crate::http::downstream::Downstream;
 use crate::http::message::{Framing, Head, HeadWriter};
 use crate::http::pipeline::{classify, forward, idempotent_here, log, route};
+use crate::http::rejected;
 use crate::http::request::parse;
 use bytes::Bytes;
 use h2::server::SendResponse;
@@ -224,13 +225,24 @@ fn call(
             .map(|p| p.as_str().to_owned());
         let head = match head_of(&s.parts, ended, upgrade.as_deref(), ctx.cfg.max_head * 2) {
             Some(h) => h,
-            None => return s.reply(400, "malformed request", ctx),
+            None => {
+                rejected::note(ctx, peer, None, 400);
+                return s.reply(400, "malformed request", ctx);
+            }
         };
-        let mut r = match parse(head, peer, started) {
-            Ok(r) => r,
-            Err((code, why)) => return s.reply(code, why, ctx),
+        let mut r = {
+            // One reference more to the head's bytes, for the log line of a refused one.
+            let raw = head.raw.clone();
+            match parse(head, peer, started) {
+                Ok(r) => r,
+                Err((code, why)) => {
+                    rejected::note(ctx, peer, Some(&raw), code);
+                    return s.reply(code, why, ctx);
+                }
+            }
         };
         let Some(target) = route(&r, ctx) else {
+            rejected::note(ctx, peer, Some(&r.head.raw), 404);
             return s.reply(404, "no route", ctx);
         };
         let pool = target.pool.clone();
@@ -261,7 +273,7 @@ fn call(
         } else if hold {
             match gather(recv, ended, limit, ctx.idle_timeout()).await {
                 Ok(b) => b,
-                Err(()) => return log(ctx, peer, &r, 499, None, 0),
+                Err(()) => return log(ctx, peer, &r, 499, (&pool, None), 0),
             }
         } else {
             Body::Streamed {
