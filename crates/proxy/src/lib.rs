@@ -567,9 +567,19 @@ impl Proxy {
     /// Applies a new configuration: listeners are added and removed, routes and timeouts
     /// change for new connections and for the next request of open HTTP connections (the
     /// next stream of HTTP/2 ones); a request under way keeps what it started with. Settings
-    /// that need a restart (registrars, refresh, limits, threads, status) are reported.
+    /// that need a restart (registrars, refresh, limits, threads, status) are reported. A
+    /// configuration whose new listeners cannot be bound, or whose certificates cannot be
+    /// loaded, changes nothing.
     pub async fn reload(&self, new: ProxyConfig) -> Result<Vec<String>, StartError> {
         new.validate()?;
+        let mut bound = HashMap::new();
+        for l in &new.listeners {
+            self.ctx(l)?;
+            if !self.listeners().contains_key(&l.listen) {
+                let socket = listener::bind(l.listen).map_err(|e| StartError::Bind(l.listen, e))?;
+                bound.insert(l.listen, socket);
+            }
+        }
         let old = self.config();
         let mut ignored = Vec::new();
         for (name, changed) in [
@@ -647,7 +657,10 @@ impl Proxy {
                     });
                     self.add_listener(l.clone(), taken).await?;
                 }
-                None => self.add_listener(l.clone(), None).await?,
+                None => {
+                    self.add_listener(l.clone(), bound.remove(&l.listen))
+                        .await?
+                }
             }
         }
         self.inner.pools.configure(&new);

@@ -65,7 +65,8 @@ pub(crate) fn defer(sock: &TcpListener, addr: SocketAddr, on: bool) -> bool {
     }
 }
 
-fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+/// A listening socket bound to `addr`, not yet on the reactor.
+pub(crate) fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     let sock = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM,

@@ -401,6 +401,29 @@ async fn a_pe_killed_under_load_fails_no_idempotent_request() {
     }
 }
 
+/// A reload whose new listener cannot be bound (its port is taken) changes nothing: the
+/// running listener keeps its pool, and no listener is added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_cannot_bind_a_listener_changes_nothing() {
+    let (_reg, _b, proxy) = backends_behind_proxy(&[Mode::Http]).await;
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut cfg = proxy.config().as_ref().clone();
+    let first = cfg.listeners[0].listen;
+    cfg.listeners[0].pool = Some("Elsewhere".into());
+    let mut extra = cfg.listeners[0].clone();
+    extra.listen = busy.local_addr().unwrap();
+    cfg.listeners.push(extra);
+    let refused = proxy.reload(cfg).await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(proxy.local_addrs(), vec![first]);
+    let mut c = Client::connect(first).await.unwrap();
+    assert_eq!(
+        c.get("/").await.unwrap().code,
+        200,
+        "the listener lost its pool"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_serves_on_when_the_registrar_stops() {
     let (reg, b, proxy) = backends_behind_proxy(&[Mode::Http]).await;

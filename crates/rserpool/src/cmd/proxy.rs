@@ -294,7 +294,10 @@ async fn reload(proxy: &Proxy, args: &ProxyArgs) {
     let cfg = match load(args) {
         Ok(c) => c,
         Err(e) => {
-            warn!("proxy: reload refused, keeping the running settings: {e:#}");
+            warn!(
+                "proxy: reload refused, keeping the running settings: {e:#} (`rserpool \
+                 check-config FILE` lists every error of the file)"
+            );
             return;
         }
     };
@@ -305,6 +308,6 @@ async fn reload(proxy: &Proxy, args: &ProxyArgs) {
             }
             info!("proxy: settings reloaded");
         }
-        Err(e) => warn!("proxy: reload failed part-way: {e}"),
+        Err(e) => warn!("proxy: reload refused, keeping the running settings: {e}"),
     }
 }
