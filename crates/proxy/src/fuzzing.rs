@@ -201,8 +201,13 @@ fn agree(
         }
         (Ok(Complete(n)), Err(HeadError::TooLarge)) if n > MAX_HEAD => None,
         (Ok(Partial), Ok(None)) if data.len() < MAX_HEAD => None,
-        (Ok(Partial), Err(HeadError::TooLarge)) if data.len() >= MAX_HEAD => None,
+        (Ok(Partial), Err(HeadError::TooLarge | HeadError::LineTooLong))
+            if data.len() >= MAX_HEAD =>
+        {
+            None
+        }
         (Err(httparse::Error::TooManyHeaders), Err(HeadError::TooLarge)) => None,
+        (Err(httparse::Error::Version), Err(HeadError::Version | HeadError::Malformed)) => None,
         (Err(e), Err(HeadError::Malformed)) if e != httparse::Error::TooManyHeaders => None,
         (s, g) => panic!("httparse: {s:?}, the proxy: {g:?}"),
     }

@@ -49,7 +49,7 @@ impl Proxy {
                 "rserpool_proxy_rejected_requests",
                 "Requests the proxy answered itself before any pool took them, by status: \
                  malformed (400), no route (404), CONNECT (405), head too slow (408) or too \
-                 large (431).",
+                 large (414, 431), another HTTP version (505).",
                 &[("code", &code.to_string())],
                 n,
             );

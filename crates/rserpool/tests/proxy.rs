@@ -1043,18 +1043,25 @@ async fn refused_requests_are_logged_and_counted_and_the_access_log_reopens() {
     );
     let p = proxy_process(reg.asap_addr(), &listeners).await;
     serving(http).await;
-    for req in [
-        "GET /both HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
-        "NOT A REQUEST\r\n\r\n",
+    let long = format!("GET /{} HTTP/1.1\r\n", "a".repeat(70_000));
+    for (req, code) in [
+        (
+            "GET /both HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "400",
+        ),
+        ("NOT A REQUEST\r\n\r\n", "400"),
+        (long.as_str(), "414"),
+        ("GET / HTTP/2.0\r\nHost: x\r\n\r\n", "505"),
     ] {
         let mut c = tokio::net::TcpStream::connect(http).await.unwrap();
         c.write_all(req.as_bytes()).await.unwrap();
         let mut got = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut got)).await;
+        let line = String::from_utf8_lossy(&got[..got.len().min(40)]).into_owned();
         assert!(
-            got.starts_with(b"HTTP/1.1 400"),
-            "{req:?}: {:?}",
-            String::from_utf8_lossy(&got)
+            line.starts_with(&format!("HTTP/1.1 {code}")),
+            "{:.40}: {line:?}",
+            req
         );
     }
     let lines = || std::fs::read_to_string(&log).unwrap_or_default();
@@ -1063,12 +1070,17 @@ async fn refused_requests_are_logged_and_counted_and_the_access_log_reopens() {
     })
     .await;
     let samples = common::scrape(status).await;
-    let refused = common::metric(
-        &samples,
-        "rserpool_proxy_rejected_requests_total",
-        &[("code", "400")],
+    let refused = |code| {
+        common::metric(
+            &samples,
+            "rserpool_proxy_rejected_requests_total",
+            &[("code", code)],
+        )
+    };
+    assert_eq!(
+        (refused("400"), refused("414"), refused("505")),
+        (2.0, 1.0, 1.0)
     );
-    assert_eq!(refused, 2.0);
 
     let rotated = log.with_extension("log.1");
     std::fs::rename(&log, &rotated).unwrap();

@@ -272,13 +272,29 @@ pub(super) async fn next_request(
             let _ = c.reply(431, "request head too large", ctx).await;
             return Next::Close;
         }
-        Ok(Err(ReadHeadError::Head(HeadError::Malformed)))
+        Ok(Err(ReadHeadError::Head(HeadError::LineTooLong))) => {
+            rejected::note(ctx, peer, None, 414);
+            let _ = c.reply(414, "request line too long", ctx).await;
+            return Next::Close;
+        }
+        Ok(Err(ReadHeadError::Head(HeadError::Malformed | HeadError::Version)))
             if first && ctx.http2 && c.buf.starts_with(H2C_PREFACE) =>
         {
             // h2c with prior knowledge.
             // Taken whole: the rest of the buffer's capacity would stay with the
             // connection for its life.
             return Next::H2c(std::mem::take(&mut c.buf).freeze());
+        }
+        Ok(Err(ReadHeadError::Head(HeadError::Version))) => {
+            rejected::note(ctx, peer, None, 505);
+            let _ = c
+                .reply(
+                    505,
+                    "only HTTP/1.x here (HTTP/2: with prior knowledge, or TLS and ALPN)",
+                    ctx,
+                )
+                .await;
+            return Next::Close;
         }
         Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
             debug!("client {peer}: malformed request");

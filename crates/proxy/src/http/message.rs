@@ -27,7 +27,12 @@ pub struct Head {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeadError {
     Malformed,
+    /// Larger than allowed (431 for a request).
     TooLarge,
+    /// The first line alone is larger than allowed (414 for a request).
+    LineTooLong,
+    /// A version other than HTTP/1.x (505 for a request; an HTTP/2 preface is one).
+    Version,
 }
 
 fn span(base: &[u8], part: &[u8]) -> Range<usize> {
@@ -38,17 +43,31 @@ fn span(base: &[u8], part: &[u8]) -> Range<usize> {
 /// The head's length from a parse result; `None` while it is incomplete.
 fn parsed_len(
     r: Result<httparse::Status<usize>, httparse::Error>,
-    have: usize,
+    have: &[u8],
     max: usize,
 ) -> Result<Option<usize>, HeadError> {
     match r {
         Ok(httparse::Status::Complete(n)) if n > max => Err(HeadError::TooLarge),
         Ok(httparse::Status::Complete(n)) => Ok(Some(n)),
-        Ok(httparse::Status::Partial) if have >= max => Err(HeadError::TooLarge),
+        Ok(httparse::Status::Partial) if have.len() >= max => {
+            Err(if have[..max].contains(&b'\n') {
+                HeadError::TooLarge
+            } else {
+                HeadError::LineTooLong
+            })
+        }
         Ok(httparse::Status::Partial) => Ok(None),
         Err(httparse::Error::TooManyHeaders) => Err(HeadError::TooLarge),
+        Err(httparse::Error::Version) if other_http_version(have) => Err(HeadError::Version),
         Err(_) => Err(HeadError::Malformed),
     }
+}
+
+/// Whether the first line names an HTTP version other than 1.x (not just a third word that
+/// is no version at all).
+fn other_http_version(buf: &[u8]) -> bool {
+    let line = buf.split(|&b| b == b'\n').next().unwrap_or(buf);
+    line.windows(5).any(|w| w == b"HTTP/") && !line.windows(7).any(|w| w == b"HTTP/1.")
 }
 
 fn header_spans(base: &[u8], hs: &[httparse::Header<'_>]) -> Vec<(Range<usize>, Range<usize>)> {
@@ -120,7 +139,7 @@ impl Head {
     pub fn request(buf: &mut BytesMut, max: usize) -> Result<Option<Head>, HeadError> {
         let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut req = httparse::Request::new(&mut hs);
-        let Some(len) = parsed_len(req.parse(buf), buf.len(), max)? else {
+        let Some(len) = parsed_len(req.parse(buf), buf, max)? else {
             return Ok(None);
         };
         let base: &[u8] = buf;
@@ -145,7 +164,7 @@ impl Head {
     pub fn response(buf: &mut BytesMut, max: usize) -> Result<Option<Head>, HeadError> {
         let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut resp = httparse::Response::new(&mut hs);
-        let Some(len) = parsed_len(resp.parse(buf), buf.len(), max)? else {
+        let Some(len) = parsed_len(resp.parse(buf), buf, max)? else {
             return Ok(None);
         };
         let (Some(code), Some(v)) = (resp.code, resp.version) else {
@@ -673,7 +692,9 @@ pub(crate) fn error_response_with(code: u16, text: &str, extra: &str) -> Vec<u8>
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
+        414 => "URI Too Long",
         431 => "Request Header Fields Too Large",
+        505 => "HTTP Version Not Supported",
         502 => "Bad Gateway",
         503 => "Service Unavailable",
         504 => "Gateway Timeout",
@@ -753,6 +774,18 @@ mod tests {
             HeadError::Malformed
         );
         assert_eq!(req("GARBAGE\r\n\r\n").unwrap_err(), HeadError::Malformed);
+        assert_eq!(
+            req("GET / HTTP/2.0\r\n\r\n").unwrap_err(),
+            HeadError::Version
+        );
+        assert_eq!(
+            req("NOT A REQUEST\r\n\r\n").unwrap_err(),
+            HeadError::Malformed
+        );
+        let long = format!("GET /{} HTTP/1.1\r\n", "a".repeat(70_000));
+        assert_eq!(req(&long).unwrap_err(), HeadError::LineTooLong);
+        let big = format!("GET / HTTP/1.1\r\nX: {}\r\n", "a".repeat(70_000));
+        assert_eq!(req(&big).unwrap_err(), HeadError::TooLarge);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Requests the proxy answers itself before any pool takes them: malformed (400), without a
-//! route (404), CONNECT (405), too slow to arrive (408), too large (431). They reach no pool's
+//! route (404), CONNECT (405), too slow to arrive (408), too large (414 for the request line,
+//! 431 for the head), of an HTTP version it does not speak (505). They reach no pool's
 //! counters and no PE, so they are counted here, by status, for
 //! `rserpool_proxy_rejected_requests_total`, and written to the access log as any request is
 //! (pool and PE `-`), as HAProxy logs its `<BADREQ>`.
@@ -9,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The statuses counted, in the order of [`Rejected`]'s counters.
-pub(crate) const CODES: [u16; 5] = [400, 404, 405, 408, 431];
+pub(crate) const CODES: [u16; 7] = [400, 404, 405, 408, 414, 431, 505];
 
 /// Requests the proxy answered itself, per status of [`CODES`].
 #[derive(Debug, Default)]
