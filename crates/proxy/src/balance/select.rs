@@ -126,7 +126,7 @@ impl Selector {
                 self.panics += 1;
                 warn!(
                     "pool {handle}: panic mode: fewer than {panic_threshold} % of its PEs are \
-                     healthy, spreading over all of them"
+                     healthy (neither ejected nor busy), spreading over all of them"
                 );
             } else {
                 info!("pool {handle}: panic mode over");
