@@ -122,6 +122,50 @@ fn a_silent_registrar_is_left_for_the_next_one() {
     assert_eq!(sent(&a).len(), 1);
 }
 
+/// One registrar that restarted between two queries: the association kept from the first is
+/// found closed when the second goes out, and the second is asked again on a new association
+/// to the same registrar instead of failing (it has no other registrar to go to).
+#[test]
+fn a_stale_association_is_replaced_not_counted_as_the_registrar_failing() {
+    let mut pu = PuCore::new(PoolUserConfig {
+        registrars: vec![reg(1)],
+        ..PoolUserConfig::default()
+    });
+    let h = PoolHandle::from(POOL);
+    pu.resolve(&h, at(0));
+    let (c1, _) = connect(&actions(&mut pu));
+    pu.handle_connected(c1, at(1));
+    assert_eq!(sent(&actions(&mut pu)).len(), 1);
+    pu.handle_data(c1, &response(&[7]), at(2));
+    assert_eq!(ids(answer(actions(&mut pu))), vec![7]);
+    // The registrar restarts; the next question goes out on the kept association, which the
+    // driver then finds closed.
+    pu.resolve(&h, at(10_000));
+    assert_eq!(sent(&actions(&mut pu)).len(), 1);
+    pu.handle_close(c1, at(10_001));
+    let a = actions(&mut pu);
+    assert!(
+        !a.iter()
+            .any(|a| matches!(a, Action::Event(PuEvent::Answered(..)))),
+        "the question failed: {a:?}"
+    );
+    let (c2, to) = connect(&a);
+    assert_eq!(to, reg(1));
+    pu.handle_connected(c2, at(10_002));
+    assert_eq!(sent(&actions(&mut pu)).len(), 1);
+    pu.handle_data(c2, &response(&[8]), at(10_003));
+    assert_eq!(ids(answer(actions(&mut pu))), vec![8]);
+    // A new association that closes before any answer is the registrar failing: no third try.
+    pu.resolve(&h, at(20_000));
+    actions(&mut pu);
+    pu.handle_close(c2, at(20_001));
+    let (c3, _) = connect(&actions(&mut pu));
+    pu.handle_connected(c3, at(20_002));
+    actions(&mut pu);
+    pu.handle_close(c3, at(20_003));
+    assert!(matches!(answer(actions(&mut pu)), Err(Error::Closed)));
+}
+
 #[test]
 fn no_registrar_reachable_names_each_one_tried() {
     let mut pu = pu(Duration::ZERO);

@@ -60,6 +60,41 @@ async fn run_bin(args: &[&str]) -> std::process::Output {
         .expect("spawn rserpool")
 }
 
+/// A pool user that knows one registrar rides over that registrar's restart: the first
+/// question after it (once the PE has registered again) is answered. Its association kept
+/// from before is found closed when the question goes out; it is replaced, not counted as the
+/// registrar failing the question (with no other registrar, that failed it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_user_with_one_registrar_rides_over_its_restart() {
+    let asap: SocketAddr = format!("127.0.0.1:{}", common::free_port())
+        .parse()
+        .unwrap();
+    let config = || Config {
+        asap: asap.to_string().parse().unwrap(),
+        ..common::local_config()
+    };
+    let reg = registrar(config());
+    let _pe = pe(asap, "Restart", common::free_port(), Policy::RoundRobin);
+    let handle = PoolHandle::from("Restart");
+    let mut pu = pool_user(asap, None);
+    let registered = || async { resolve_ids(asap, "Restart", 10).await.len() == 1 };
+    wait_for(Duration::from_secs(10), "the PE registers", registered).await;
+    assert_eq!(pu.pool_elements(&handle).await.unwrap().1.len(), 1);
+    reg.stop();
+    let _reg = registrar(config());
+    wait_for(
+        Duration::from_secs(10),
+        "the PE registers again",
+        registered,
+    )
+    .await;
+    let again = pu.pool_elements(&handle).await;
+    assert!(
+        again.is_ok(),
+        "the first question after the restart: {again:?}"
+    );
+}
+
 #[tokio::test]
 async fn register_then_resolve_and_deregister() {
     let r = registrar(fast_config());

@@ -138,6 +138,10 @@ enum Assoc {
     Up {
         conn: ConnId,
         addr: SocketAddr,
+        /// The registrar has answered on it: a close found when the next query goes out is
+        /// of a kept association gone stale (the registrar restarted), not the registrar's
+        /// answer to that query.
+        answered: bool,
     },
 }
 
@@ -230,7 +234,11 @@ impl PuCore {
             && *c == conn
         {
             self.next_registrar = (self.next_registrar + offset) % candidates.len().max(1);
-            self.assoc = Assoc::Up { conn, addr: *addr };
+            self.assoc = Assoc::Up {
+                conn,
+                addr: *addr,
+                answered: false,
+            };
             self.pump(now);
         }
     }
@@ -262,12 +270,18 @@ impl PuCore {
 
     /// Bytes read from a connection.
     pub fn handle_data(&mut self, conn: ConnId, data: &[u8], now: Instant) {
-        let Assoc::Up { conn: c, addr } = self.assoc else {
+        let Assoc::Up {
+            conn: c,
+            addr,
+            ref mut answered,
+        } = self.assoc
+        else {
             return;
         };
         if c != conn {
             return;
         }
+        *answered = true;
         let (msgs, err) = self.out.messages(conn, data);
         for m in msgs {
             if !self.out.is_open(conn) {
@@ -454,20 +468,37 @@ impl PuCore {
     }
 
     /// The association failed while the current query was out: the next registrar is tried,
-    /// unless every one has been.
+    /// unless every one has been. A kept association found closed is a stale one: the same
+    /// registrar is asked again on a new one, and that costs the query no attempt (with one
+    /// registrar that restarted, the first query after would fail otherwise).
     fn attempt_failed(&mut self, e: Error, now: Instant) {
-        if let Assoc::Up { conn, addr } = std::mem::replace(&mut self.assoc, Assoc::None) {
+        let mut stale = false;
+        if let Assoc::Up {
+            conn,
+            addr,
+            answered,
+        } = std::mem::replace(&mut self.assoc, Assoc::None)
+        {
             self.out.close(conn);
-            debug!("registrar {addr}: {e}; trying the next one");
+            stale = answered && matches!(e, Error::Closed);
+            if stale {
+                debug!("registrar {addr}: the kept association closed; asking again on a new one");
+            } else {
+                debug!("registrar {addr}: {e}; trying the next one");
+            }
         }
-        self.next_registrar = self.next_registrar.wrapping_add(1);
+        if !stale {
+            self.next_registrar = self.next_registrar.wrapping_add(1);
+        }
         if let Some(q) = self.current.as_mut()
             && q.sent.is_some()
         {
             q.sent = None;
-            q.attempts = q.attempts.saturating_sub(1);
-            if q.attempts == 0 {
-                self.fail_current(e);
+            if !stale {
+                q.attempts = q.attempts.saturating_sub(1);
+                if q.attempts == 0 {
+                    self.fail_current(e);
+                }
             }
         }
         self.pump(now);
