@@ -37,6 +37,9 @@ pub use credits::{CreditConfig, CreditReporter, Metric, Reporting};
 pub use pool_element::{Association, PeState, PeUpdater, PoolElement, PoolElementConfig};
 pub use pool_user::{PoolUser, PoolUserConfig, Resolution};
 pub use registrars::{AnnounceListener, RegistrarSet};
+/// The wire types every application of this library names (a pool's handle, a PE's policy),
+/// so that it needs no dependency on `rserpool-wire` for them.
+pub use rserpool_wire::{Policy, PoolHandle};
 
 use rserpool_wire::{CauseCode, DecodeError};
 
@@ -58,6 +61,9 @@ pub enum Error {
     Protocol(String),
     #[error("registrar refused: {0}")]
     Refused(CauseCode),
+    /// A registrar refused the PE's registration (its cause, as the registrar gave it).
+    #[error("registration refused: {0}")]
+    RegistrationRefused(String),
     #[error("unknown pool handle {0}")]
     UnknownPool(String),
     #[error("no pool element of pool {0} could be reached")]

@@ -7,7 +7,10 @@
 //! core's actions. [`PeUpdater`] passes the application's wishes (policy,
 //! activity) to the task.
 //!
-//! Dropping the [`PoolElement`] or calling [`PoolElement::stop`] deregisters;
+//! [`PoolElement::stop`] deregisters and returns once the registrar has been told. Dropping
+//! the [`PoolElement`] deregisters too, from its background task, which needs the tokio
+//! runtime to run on: a program that ends right after (returning from `main`) should `stop`
+//! instead, or the registrar only sees the connection close (and removes the PE as gone).
 //! [`PoolElement::hand_over`] gives the registration to the process that replaces this one
 //! instead ([`PoolElement::from_hand_over`]), so that the PE stays in its pool across an
 //! upgrade.
@@ -192,13 +195,17 @@ impl PoolElement {
         self.updater.clone()
     }
 
-    /// Waits until registered; returns the registrar's address.
+    /// Waits until registered; returns the registrar's address. A registration a registrar
+    /// refuses (an inconsistent pooling policy, say) ends the wait with
+    /// [`Error::RegistrationRefused`] (the PE keeps trying after its back-off); none in time
+    /// with [`Error::Timeout`].
     pub async fn wait_registered(&self, timeout: Duration) -> Result<SocketAddr, Error> {
         let mut rx = self.state.clone();
-        let wait = rx.wait_for(|s| matches!(s, PeState::Registered { .. }));
+        let wait = rx.wait_for(|s| matches!(s, PeState::Registered { .. } | PeState::Rejected(_)));
         match tokio::time::timeout(timeout, wait).await {
             Ok(Ok(s)) => match &*s {
                 PeState::Registered { registrar, .. } => Ok(*registrar),
+                PeState::Rejected(why) => Err(Error::RegistrationRefused(why.clone())),
                 _ => Err(Error::Closed),
             },
             Ok(Err(_)) => Err(Error::Closed),

@@ -278,18 +278,12 @@ async fn every_policy_through_the_registrar() {
     );
 }
 
-/// Waits until the PE's registration is refused; returns the reason.
+/// Waits until the PE's registration is refused (what `wait_registered` tells); returns the
+/// reason.
 async fn rejection(pe: &PoolElement) -> String {
-    let mut st = pe.watch_state();
-    let wait = st.wait_for(|s| matches!(s, rserpool_asap::PeState::Rejected(_)));
-    let s = tokio::time::timeout(Duration::from_secs(5), wait)
-        .await
-        .expect("refused within 5 s")
-        .unwrap()
-        .clone();
-    match s {
-        rserpool_asap::PeState::Rejected(why) => why,
-        other => panic!("{other:?}"),
+    match pe.wait_registered(Duration::from_secs(5)).await {
+        Err(rserpool_asap::Error::RegistrationRefused(why)) => why,
+        other => panic!("not refused within 5 s: {other:?}"),
     }
 }
 

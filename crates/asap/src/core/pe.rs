@@ -128,7 +128,8 @@ pub enum PeState {
     Inactive,
     /// Looking for a registrar or waiting for its answer.
     Registering,
-    /// Registered; `home` is the home registrar's ID.
+    /// Registered; `home` is the home registrar's ID, 0 until the registrar names itself (in
+    /// its first keep-alive: a REGISTRATION_RESPONSE does not carry it).
     Registered {
         registrar: SocketAddr,
         home: u32,
