@@ -87,8 +87,8 @@ pub struct PoolElementConfig {
 }
 
 impl PoolElementConfig {
-    /// A PE of `pool_handle` serving at `transport` with `policy`. The rest as rsplib's PEs
-    /// have it: the registrar at 127.0.0.1:3863, a re-registration every 30 s, 2 s to connect
+    /// A PE of `pool_handle` serving at `transport` with `policy`. By default: the registrar
+    /// at 127.0.0.1:3863, a re-registration every 30 s, 2 s to connect
     /// and 3 s for an answer, back-off from 200 ms to 10 s, 5 s for a takeover before
     /// registering elsewhere, the takeover listener on an ephemeral port.
     pub fn new(pool_handle: impl Into<PoolHandle>, transport: SocketAddr, policy: Policy) -> Self {

@@ -304,7 +304,11 @@ pub(super) async fn next_request(
         }
         Err(_) => {
             if !c.buf.is_empty() || first {
-                rejected::note(ctx, peer, None, 408);
+                // A connection that sent nothing is no request: answered, not logged (what
+                // HAProxy's `option dontlognull` does; port probes would fill the log).
+                if !c.buf.is_empty() {
+                    rejected::note(ctx, peer, None, 408);
+                }
                 let _ = c.reply(408, "request timeout", ctx).await;
             }
             return Next::Close;
