@@ -84,6 +84,29 @@ fn response(ids: &[u32]) -> Vec<u8> {
     .unwrap()
 }
 
+/// With no answer among `a` yet, the question goes to `to` on a new association, opened at
+/// `ms`, and the answer there (PEs `pes`) is the question's; returns that association.
+fn asked_again(
+    pu: &mut PuCore,
+    a: &[Action<PuEvent>],
+    to: SocketAddr,
+    ms: u64,
+    pes: &[u32],
+) -> ConnId {
+    assert!(
+        !a.iter()
+            .any(|a| matches!(a, Action::Event(PuEvent::Answered(..)))),
+        "answered already: {a:?}"
+    );
+    let (c, addr) = connect(a);
+    assert_eq!(addr, to);
+    pu.handle_connected(c, at(ms));
+    assert_eq!(sent(&actions(pu)).len(), 1);
+    pu.handle_data(c, &response(pes), at(ms + 5));
+    assert_eq!(ids(answer(actions(pu))), pes);
+    c
+}
+
 fn ids(r: Result<Answer, Error>) -> Vec<u32> {
     match r {
         Ok(Answer::Resolution(r)) => r.pool_elements.iter().map(|p| p.id).collect(),
@@ -144,17 +167,7 @@ fn a_stale_association_is_replaced_not_counted_as_the_registrar_failing() {
     assert_eq!(sent(&actions(&mut pu)).len(), 1);
     pu.handle_close(c1, at(10_001));
     let a = actions(&mut pu);
-    assert!(
-        !a.iter()
-            .any(|a| matches!(a, Action::Event(PuEvent::Answered(..)))),
-        "the question failed: {a:?}"
-    );
-    let (c2, to) = connect(&a);
-    assert_eq!(to, reg(1));
-    pu.handle_connected(c2, at(10_002));
-    assert_eq!(sent(&actions(&mut pu)).len(), 1);
-    pu.handle_data(c2, &response(&[8]), at(10_003));
-    assert_eq!(ids(answer(actions(&mut pu))), vec![8]);
+    let c2 = asked_again(&mut pu, &a, reg(1), 10_002, &[8]);
     // A new association that closes before any answer is the registrar failing: no third try.
     pu.resolve(&h, at(20_000));
     actions(&mut pu);
@@ -240,15 +253,5 @@ fn a_synchronising_registrar_sends_the_question_to_the_next_one() {
     };
     pu.handle_data(c1, &busy.to_bytes().unwrap(), at(10));
     let a = actions(&mut pu);
-    assert!(
-        !a.iter()
-            .any(|a| matches!(a, Action::Event(PuEvent::Answered(..)))),
-        "no answer yet"
-    );
-    let (c2, to) = connect(&a);
-    assert_eq!(to, reg(2));
-    pu.handle_connected(c2, at(15));
-    assert_eq!(sent(&actions(&mut pu)).len(), 1);
-    pu.handle_data(c2, &response(&[3, 4]), at(20));
-    assert_eq!(ids(answer(actions(&mut pu))), vec![3, 4]);
+    asked_again(&mut pu, &a, reg(2), 15, &[3, 4]);
 }

@@ -112,6 +112,13 @@ impl Ctx {
             l.write(line());
         }
     }
+
+    /// A request the proxy answered `code` itself, before any pool: counted, and logged with
+    /// the method and target of its `head` if it has one (`http::rejected`).
+    pub(crate) fn refused(&self, peer: std::net::SocketAddr, head: Option<&[u8]>, code: u16) {
+        self.rejected.note(code);
+        self.log(|| crate::http::rejected::log_line(peer, head, code));
+    }
 }
 
 /// Returns once the flag is set (or its sender is gone).

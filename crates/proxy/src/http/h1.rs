@@ -12,7 +12,6 @@ use crate::http::downstream::Downstream;
 use crate::http::message::{Framing, Head, HeadError};
 use crate::http::park::Parkable;
 use crate::http::pipeline::{classify, forward, route};
-use crate::http::rejected;
 use crate::http::request::{Outgoing, Request, parse};
 use crate::http::upstream::h1::outgoing_head_with;
 use bytes::{BufMut, Bytes, BytesMut};
@@ -268,12 +267,12 @@ pub(super) async fn next_request(
         Ok(Ok(None)) => return Next::Close,
         Ok(Err(ReadHeadError::Io)) => return Next::Close,
         Ok(Err(ReadHeadError::Head(HeadError::TooLarge))) => {
-            rejected::note(ctx, peer, None, 431);
+            ctx.refused(peer, None, 431);
             let _ = c.reply(431, "request head too large", ctx).await;
             return Next::Close;
         }
         Ok(Err(ReadHeadError::Head(HeadError::LineTooLong))) => {
-            rejected::note(ctx, peer, None, 414);
+            ctx.refused(peer, None, 414);
             let _ = c.reply(414, "request line too long", ctx).await;
             return Next::Close;
         }
@@ -286,7 +285,7 @@ pub(super) async fn next_request(
             return Next::H2c(std::mem::take(&mut c.buf).freeze());
         }
         Ok(Err(ReadHeadError::Head(HeadError::Version))) => {
-            rejected::note(ctx, peer, None, 505);
+            ctx.refused(peer, None, 505);
             let _ = c
                 .reply(
                     505,
@@ -298,7 +297,7 @@ pub(super) async fn next_request(
         }
         Ok(Err(ReadHeadError::Head(HeadError::Malformed))) => {
             debug!("client {peer}: malformed request");
-            rejected::note(ctx, peer, None, 400);
+            ctx.refused(peer, None, 400);
             let _ = c.reply(400, "malformed request", ctx).await;
             return Next::Close;
         }
@@ -307,7 +306,7 @@ pub(super) async fn next_request(
                 // A connection that sent nothing is no request: answered, not logged (what
                 // HAProxy's `option dontlognull` does; port probes would fill the log).
                 if !c.buf.is_empty() {
-                    rejected::note(ctx, peer, None, 408);
+                    ctx.refused(peer, None, 408);
                 }
                 let _ = c.reply(408, "request timeout", ctx).await;
             }
@@ -369,14 +368,14 @@ async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
         match parse(head, c.peer, started) {
             Ok(r) => r,
             Err((code, why)) => {
-                rejected::note(ctx, c.peer, Some(&raw), code);
+                ctx.refused(c.peer, Some(&raw), code);
                 let _ = c.reply(code, why, ctx).await;
                 return Next::Close;
             }
         }
     };
     let Some(target) = route(&r, ctx) else {
-        rejected::note(ctx, c.peer, Some(&r.head.raw), 404);
+        ctx.refused(c.peer, Some(&r.head.raw), 404);
         let _ = c.reply(404, "no route", ctx).await;
         return Next::Close;
     };

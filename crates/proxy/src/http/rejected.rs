@@ -3,9 +3,8 @@
 //! 431 for the head), of an HTTP version it does not speak (505). They reach no pool's
 //! counters and no PE, so they are counted here, by status, for
 //! `rserpool_proxy_rejected_requests_total`, and written to the access log as any request is
-//! (pool and PE `-`), as HAProxy logs its `<BADREQ>`.
+//! (pool and PE `-`), as HAProxy logs its `<BADREQ>` (`Ctx::refused` does both).
 
-use crate::ctx::Ctx;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -17,7 +16,8 @@ pub(crate) const CODES: [u16; 7] = [400, 404, 405, 408, 414, 431, 505];
 pub(crate) struct Rejected([AtomicU64; CODES.len()]);
 
 impl Rejected {
-    fn note(&self, code: u16) {
+    /// One more request answered `code`.
+    pub(crate) fn note(&self, code: u16) {
         if let Some(i) = CODES.iter().position(|&c| c == code) {
             self.0[i].fetch_add(1, Ordering::Relaxed);
         }
@@ -32,18 +32,15 @@ impl Rejected {
     }
 }
 
-/// A request answered `code` by the proxy itself: counted, and its access log line with the
-/// method and target of its `head` (`-` for a head that could not be read).
-pub(crate) fn note(ctx: &Ctx, peer: SocketAddr, head: Option<&[u8]>, code: u16) {
-    ctx.rejected.note(code);
-    ctx.log(|| {
-        let mut line = head
-            .and_then(|h| h.split(|&b| b == b'\r' || b == b'\n').next())
-            .unwrap_or(b"")
-            .split(|&b| b == b' ')
-            .map(String::from_utf8_lossy);
-        let method = line.next().filter(|m| !m.is_empty()).unwrap_or("-".into());
-        let target = line.next().unwrap_or("-".into());
-        format!("{peer} {method} {target} {code} - - 0 0")
-    });
+/// The access log line of a request answered `code` by the proxy itself, with the method and
+/// target of its `head` (`-` for a head that could not be read).
+pub(crate) fn log_line(peer: SocketAddr, head: Option<&[u8]>, code: u16) -> String {
+    let mut line = head
+        .and_then(|h| h.split(|&b| b == b'\r' || b == b'\n').next())
+        .unwrap_or(b"")
+        .split(|&b| b == b' ')
+        .map(String::from_utf8_lossy);
+    let method = line.next().filter(|m| !m.is_empty()).unwrap_or("-".into());
+    let target = line.next().unwrap_or("-".into());
+    format!("{peer} {method} {target} {code} - - 0 0")
 }

@@ -21,7 +21,6 @@ use crate::ctx::{Ctx, until_set};
 use crate::http::downstream::Downstream;
 use crate::http::message::{Framing, Head, HeadWriter};
 use crate::http::pipeline::{classify, forward, idempotent_here, log, route};
-use crate::http::rejected;
 use crate::http::request::parse;
 use bytes::Bytes;
 use h2::server::SendResponse;
@@ -226,7 +225,7 @@ fn call(
         let head = match head_of(&s.parts, ended, upgrade.as_deref(), ctx.cfg.max_head * 2) {
             Some(h) => h,
             None => {
-                rejected::note(ctx, peer, None, 400);
+                ctx.refused(peer, None, 400);
                 return s.reply(400, "malformed request", ctx);
             }
         };
@@ -236,13 +235,13 @@ fn call(
             match parse(head, peer, started) {
                 Ok(r) => r,
                 Err((code, why)) => {
-                    rejected::note(ctx, peer, Some(&raw), code);
+                    ctx.refused(peer, Some(&raw), code);
                     return s.reply(code, why, ctx);
                 }
             }
         };
         let Some(target) = route(&r, ctx) else {
-            rejected::note(ctx, peer, Some(&r.head.raw), 404);
+            ctx.refused(peer, Some(&r.head.raw), 404);
             return s.reply(404, "no route", ctx);
         };
         let pool = target.pool.clone();
