@@ -66,11 +66,16 @@ impl PeUpdater {
         });
     }
 
-    /// For adaptive policies: reports a load (0.0 idle ..= 1.0 full).
-    pub fn update_load(&self, fraction: f64) {
+    /// For adaptive policies: reports a load (0.0 idle ..= 1.0 full). False, and nothing
+    /// sent, when the PE's policy carries no load (round robin, weighted ones, credits).
+    pub fn update_load(&self, fraction: f64) -> bool {
+        let policy = self.desired.borrow().policy.clone();
+        if policy.load().is_none() {
+            return false;
+        }
         let load = rserpool_wire::policy::load_from_fraction(fraction);
-        let p = self.desired.borrow().policy.with_load(load);
-        self.update_policy(p);
+        self.update_policy(policy.with_load(load));
+        true
     }
 
     /// Deregisters (false) or registers again (true), keeping the PE identifier.
@@ -219,8 +224,8 @@ impl PoolElement {
     }
 
     /// See [`PeUpdater::update_load`].
-    pub fn update_load(&self, fraction: f64) {
-        self.updater.update_load(fraction);
+    pub fn update_load(&self, fraction: f64) -> bool {
+        self.updater.update_load(fraction)
     }
 
     /// See [`PeUpdater::set_active`].

@@ -295,6 +295,9 @@ async fn inconsistent_policy_is_rejected_with_its_cause() {
     let b = pe(r.asap_addr(), "mixed", 7401, Policy::LeastUsed { load: 0 });
     let why = rejection(&b).await;
     assert!(why.contains("Inconsistent Pooling Policy"), "{why}");
+    // A load is for a policy that carries one.
+    assert!(!a.update_load(0.5), "round robin took a load");
+    assert!(b.update_load(0.5));
 }
 
 #[tokio::test]
