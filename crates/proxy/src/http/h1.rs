@@ -362,16 +362,12 @@ async fn read_head(c: &mut Client, max: usize) -> Result<Option<Head>, ReadHeadE
 /// One request through the pipeline.
 async fn request(c: &mut Client, head: Head, ctx: &Ctx) -> Next {
     let started = Instant::now();
-    let mut r = {
-        // One reference more to the head's bytes, for the log line of a refused one.
-        let raw = head.raw.clone();
-        match parse(head, c.peer, started) {
-            Ok(r) => r,
-            Err((code, why)) => {
-                ctx.refused(c.peer, Some(&raw), code);
-                let _ = c.reply(code, why, ctx).await;
-                return Next::Close;
-            }
+    let mut r = match parse(head, c.peer, started) {
+        Ok(r) => r,
+        Err((code, why, raw)) => {
+            ctx.refused(c.peer, Some(&raw), code);
+            let _ = c.reply(code, why, ctx).await;
+            return Next::Close;
         }
     };
     let Some(target) = route(&r, ctx) else {

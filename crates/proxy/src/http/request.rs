@@ -24,18 +24,18 @@ pub(crate) struct Request {
     pub(crate) level: usize,
 }
 
-/// Step parse: the request analysed, or the status and text that refuse it.
-pub(crate) fn parse(
-    head: Head,
-    peer: SocketAddr,
-    started: Instant,
-) -> Result<Request, (u16, &'static str)> {
-    let r = analyse(head, started).map_err(|why| {
+/// A request refused by [`parse`]: its status, the text that says why, and its head's bytes
+/// (for the access log's method and target).
+pub(crate) type Refused = (u16, &'static str, Bytes);
+
+/// Step parse: the request analysed, or why it is refused.
+pub(crate) fn parse(head: Head, peer: SocketAddr, started: Instant) -> Result<Request, Refused> {
+    let r = analyse(head, started).map_err(|(why, raw)| {
         debug!("client {peer}: {why}");
-        (400, why)
+        (400, why, raw)
     })?;
     if r.head.method() == b"CONNECT" {
-        return Err((405, "CONNECT is not served"));
+        return Err((405, "CONNECT is not served", r.head.raw));
     }
     Ok(r)
 }
@@ -97,23 +97,33 @@ fn origin_form(head: &Head) -> Option<Result<Head, &'static str>> {
     })
 }
 
-fn analyse(head: Head, started: Instant) -> Result<Request, &'static str> {
+/// The request, or why not with the head's bytes.
+fn analyse(head: Head, started: Instant) -> Result<Request, (&'static str, Bytes)> {
     let head = match origin_form(&head) {
-        Some(h) => h?,
+        Some(Ok(h)) => h,
+        Some(Err(why)) => return Err((why, head.raw)),
         None => head,
     };
-    let framing = framing(&head, true).map_err(|_| "bad body framing")?;
+    let Ok(framing) = framing(&head, true) else {
+        return Err(("bad body framing", head.raw));
+    };
     let host = {
         let mut hosts = head.values("host");
         match (hosts.next(), hosts.next()) {
-            (Some(h), None) => head.raw.slice_ref(h),
-            (None, None) if head.minor == 0 => Bytes::new(),
-            _ => return Err("one Host header is required"),
+            (Some(h), None) => Some(head.raw.slice_ref(h)),
+            (None, None) if head.minor == 0 => Some(Bytes::new()),
+            _ => None,
         }
+    };
+    let Some(host) = host else {
+        return Err(("one Host header is required", head.raw));
     };
     let target = head.target();
     if target.first() != Some(&b'/') && target != b"*" {
-        return Err("only origin-form and absolute-form request targets are served");
+        return Err((
+            "only origin-form and absolute-form request targets are served",
+            head.raw,
+        ));
     }
     let path_end = target
         .iter()

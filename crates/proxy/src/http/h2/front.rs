@@ -229,15 +229,11 @@ fn call(
                 return s.reply(400, "malformed request", ctx);
             }
         };
-        let mut r = {
-            // One reference more to the head's bytes, for the log line of a refused one.
-            let raw = head.raw.clone();
-            match parse(head, peer, started) {
-                Ok(r) => r,
-                Err((code, why)) => {
-                    ctx.refused(peer, Some(&raw), code);
-                    return s.reply(code, why, ctx);
-                }
+        let mut r = match parse(head, peer, started) {
+            Ok(r) => r,
+            Err((code, why, raw)) => {
+                ctx.refused(peer, Some(&raw), code);
+                return s.reply(code, why, ctx);
             }
         };
         let Some(target) = route(&r, ctx) else {
