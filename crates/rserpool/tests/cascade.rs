@@ -5,7 +5,9 @@
 //! redispatch` (Debian's `haproxy`; `.ci/run` installs it). A PE whose accept queue is full
 //! drops SYNs and the proxy's connect times out: it is busy, not dead. The proxy must eject no
 //! PE, and fail no more requests than HAProxy in the same test (within a noise margin of 1 %
-//! of the requests, for a 2-core machine running both).
+//! of the requests, for a 2-core machine running both). A selection that fails more is
+//! measured once more right after HAProxy once more, and fails the test only if it does so
+//! again: a noisy moment of the machine hits one run, not two.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -184,18 +186,14 @@ async fn proxy(
     (p, front, status)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bursts_at_full_load_eject_nothing_and_fail_no_more_than_haproxy() {
-    if !common::haproxy_here() {
-        return;
-    }
-    let reg = registrar(fast_config());
-    let asap = reg.asap_addr();
-    let dir = std::env::temp_dir().join(format!("rserpool-cascade-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-
-    // HAProxy first, on PEs of their own.
-    let theirs = pes(asap, "CascadeHaproxy", &["--policy", "rr"], false).await;
+/// HAProxy `balance leastconn` with `retries 3` and `option redispatch` in front of PEs of its
+/// own in `pool`: its bursts' requests, failed, and how.
+async fn haproxy_bursts(
+    reg: SocketAddr,
+    pool: &str,
+    dir: &std::path::Path,
+) -> (usize, usize, Failures) {
+    let theirs = pes(reg, pool, &["--policy", "rr"], false).await;
     let front = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let servers: String = theirs
         .iter()
@@ -209,9 +207,9 @@ async fn bursts_at_full_load_eject_nothing_and_fail_no_more_than_haproxy() {
          frontend web\n    bind {front}\n    default_backend pool\n\
          backend pool\n    balance leastconn\n{servers}"
     );
-    let path = dir.join("haproxy.cfg");
+    let path = dir.join(format!("{pool}.cfg"));
     std::fs::write(&path, cfg).unwrap();
-    let haproxy = KillOnDrop(
+    let _haproxy = KillOnDrop(
         Command::new("haproxy")
             .arg("-db")
             .arg("-f")
@@ -225,11 +223,62 @@ async fn bursts_at_full_load_eject_nothing_and_fail_no_more_than_haproxy() {
         request(front, 0).await
     })
     .await;
-    let (n, haproxy_failed, how) = bursts(front).await;
-    drop((haproxy, theirs));
+    let (n, failed, how) = bursts(front).await;
     eprintln!(
-        "HAProxy leastconn, retries 3, redispatch: {haproxy_failed} of {n} failed (by status: {how:?})"
+        "HAProxy leastconn, retries 3, redispatch: {failed} of {n} failed (by status: {how:?})"
     );
+    (n, failed, how)
+}
+
+/// What one selection's run came to.
+struct Run {
+    n: usize,
+    failed: usize,
+    how: Failures,
+    ejected: f64,
+}
+
+/// The proxy with `select` in front of PEs of its own registered with `policy`.
+async fn scheme_bursts(
+    reg: SocketAddr,
+    name: &str,
+    (policy, weighted, select): (&[&str], bool, &str),
+    dir: &std::path::Path,
+    round: usize,
+) -> Run {
+    let pool = format!("Cascade{}{round}", name.replace('-', ""));
+    let _ours = pes(reg, &pool, policy, weighted).await;
+    let (_p, front, status) = proxy(reg, &pool, select, dir).await;
+    let started = Instant::now();
+    let (n, failed, how) = bursts(front).await;
+    let samples = scrape(status).await;
+    let ejected = metric(&samples, "rserpool_proxy_ejections_total", &[]);
+    let busy = metric(&samples, "rserpool_proxy_pe_busy_total", &[]);
+    eprintln!(
+        "{name}: {failed} of {n} failed (by status: {how:?}), {ejected} ejections, {busy} \
+         times busy ({:?})",
+        started.elapsed()
+    );
+    Run {
+        n,
+        failed,
+        how,
+        ejected,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bursts_at_full_load_eject_nothing_and_fail_no_more_than_haproxy() {
+    if !common::haproxy_here() {
+        return;
+    }
+    let reg = registrar(fast_config());
+    let asap = reg.asap_addr();
+    let dir = std::env::temp_dir().join(format!("rserpool-cascade-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+
+    // HAProxy first, on PEs of their own.
+    let (n, haproxy_failed, _) = haproxy_bursts(asap, "CascadeHaproxy0", &dir).await;
     let margin = n / 100;
 
     let schemes: [(&str, &[&str], bool, &str); 8] = [
@@ -254,28 +303,39 @@ async fn bursts_at_full_load_eject_nothing_and_fail_no_more_than_haproxy() {
     ];
     let mut report = Vec::new();
     for (name, policy, weighted, select) in schemes {
-        let pool = format!("Cascade{}", name.replace('-', ""));
-        let ours = pes(asap, &pool, policy, weighted).await;
-        let (p, front, status) = proxy(asap, &pool, select, &dir).await;
-        let started = Instant::now();
-        let (n, failed, how) = bursts(front).await;
-        let samples = scrape(status).await;
-        let ejected = metric(&samples, "rserpool_proxy_ejections_total", &[]);
-        let busy = metric(&samples, "rserpool_proxy_pe_busy_total", &[]);
-        eprintln!(
-            "{name}: {failed} of {n} failed (by status: {how:?}), {ejected} ejections, {busy} \
-             times busy ({:?})",
-            started.elapsed()
-        );
-        report.push((name, n, failed, ejected, how));
-        drop((p, ours));
+        let mut run = scheme_bursts(asap, name, (policy, weighted, select), &dir, 0).await;
+        let mut baseline = haproxy_failed;
+        if run.failed > baseline + margin {
+            // The machine's noise (another tenant, the disk writing the build out) can hit one
+            // scheme's few seconds and not HAProxy's: measured again, right after HAProxy
+            // again. A scheme worse than HAProxy is worse twice. An ejection counts from
+            // either run.
+            eprintln!("{name}: measured again, after HAProxy again");
+            baseline = haproxy_bursts(
+                asap,
+                &format!("CascadeHaproxy{}", name.replace('-', "")),
+                &dir,
+            )
+            .await
+            .1;
+            let first_ejected = run.ejected;
+            run = scheme_bursts(asap, name, (policy, weighted, select), &dir, 1).await;
+            run.ejected += first_ejected;
+        }
+        report.push((name, run, baseline));
     }
     let _ = std::fs::remove_dir_all(&dir);
-    for (name, n, failed, ejected, how) in report {
+    for (name, run, baseline) in report {
+        let Run {
+            n,
+            failed,
+            how,
+            ejected,
+        } = run;
         assert_eq!(ejected, 0.0, "{name}: a busy PE was ejected as dead");
         assert!(
-            failed <= haproxy_failed + margin,
-            "{name}: {failed} of {n} failed (by status: {how:?}), HAProxy {haproxy_failed}"
+            failed <= baseline + margin,
+            "{name}: {failed} of {n} failed (by status: {how:?}), HAProxy {baseline}"
         );
     }
 }
