@@ -1,6 +1,7 @@
 //! The application side of RSerPool (RFC 5352 ASAP, over TCP): a [`PoolElement`] registers a
 //! service in a pool and keeps it registered; a [`PoolUser`] resolves a pool handle and connects
-//! to a pool element, failing over to the next one and reporting the failed one.
+//! to a pool element, failing over to the next one and reporting the failed one; a
+//! [`SharedPoolUser`] is one that many tasks share.
 //!
 //! A [`session::Session`] goes further: a pool user's conversation with a pool that survives
 //! the failure of its pool element, its state carried in cookies (the ASAP session layer).
@@ -26,6 +27,7 @@ pub mod registrars;
 pub mod sctp;
 pub mod session;
 pub mod share;
+pub mod shared_pool_user;
 pub mod sock_diag;
 
 pub use connection::AsapConnection;
@@ -40,10 +42,12 @@ pub use registrars::{AnnounceListener, RegistrarSet};
 /// The wire types every application of this library names (a pool's handle, a PE's policy),
 /// so that it needs no dependency on `rserpool-wire` for them.
 pub use rserpool_wire::{Policy, PoolHandle};
+pub use shared_pool_user::SharedPoolUser;
 
 use rserpool_wire::{CauseCode, DecodeError};
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     #[error(transparent)]
     Io(#[from] std::io::Error),

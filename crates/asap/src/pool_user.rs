@@ -83,41 +83,23 @@ impl PoolUser {
         handle: &PoolHandle,
         avoid: &[u32],
     ) -> Result<(TcpStream, PoolElement), Error> {
-        for attempt in 0..2 {
-            let res = self.resolve(handle).await?;
-            let from_cache = res.registrar.is_none();
-            for pe in res.pool_elements {
-                if avoid.contains(&pe.id) {
-                    continue;
-                }
-                if let Some(s) = self.connect_to(&pe).await {
-                    return Ok((s, pe));
-                }
-                debug!("PE {:#010x} of pool {handle} unreachable", pe.id);
-                let _ = self.report_unreachable(handle, pe.id).await;
-            }
-            // Stale cache entries only: ask the registrar once more.
-            if !from_cache || attempt == 1 {
-                break;
-            }
-            self.core.forget(handle);
-        }
-        Err(Error::NoPoolElement(handle.to_string()))
+        let timeout = self.core.config().connect_timeout;
+        connect_avoiding(self, handle, avoid, timeout).await
     }
 
     /// Connects to one PE's user transport (each of its addresses in turn, each within the
     /// connect timeout).
     pub async fn connect_to(&self, pe: &PoolElement) -> Option<TcpStream> {
-        let UserTransport::Address(t) = &pe.user_transport else {
-            return None;
-        };
-        let timeout = self.core.config().connect_timeout;
-        for addr in t.socket_addrs() {
-            if let Ok(Ok(s)) = tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
-                return Some(s);
-            }
-        }
-        None
+        connect_to(pe, self.core.config().connect_timeout).await
+    }
+
+    /// The pool's cached PEs are dropped: the next resolution asks a registrar.
+    pub fn forget(&mut self, handle: &PoolHandle) {
+        self.core.forget(handle);
+    }
+
+    pub(crate) fn connect_timeout(&self) -> std::time::Duration {
+        self.core.config().connect_timeout
     }
 
     /// The next pool a registrar pushed ([`PoolUserConfig::subscribe`]; a pool is subscribed
@@ -181,4 +163,72 @@ impl PoolUser {
             self.step().await;
         }
     }
+}
+
+/// What connecting to a pool asks of a pool user, whether one task owns it ([`PoolUser`]) or
+/// many share it ([`SharedPoolUser`](crate::SharedPoolUser), which holds its lock for these
+/// and not while it connects).
+pub(crate) trait Resolver {
+    async fn resolve(&mut self, handle: &PoolHandle) -> Result<Resolution, Error>;
+    async fn report_unreachable(&mut self, handle: &PoolHandle, pe_id: u32);
+    async fn forget(&mut self, handle: &PoolHandle);
+}
+
+impl Resolver for PoolUser {
+    async fn resolve(&mut self, handle: &PoolHandle) -> Result<Resolution, Error> {
+        PoolUser::resolve(self, handle).await
+    }
+    async fn report_unreachable(&mut self, handle: &PoolHandle, pe_id: u32) {
+        let _ = PoolUser::report_unreachable(self, handle, pe_id).await;
+    }
+    async fn forget(&mut self, handle: &PoolHandle) {
+        PoolUser::forget(self, handle);
+    }
+}
+
+/// Tries the resolved PEs of `handle` in order, but not those in `avoid`; each one that cannot
+/// be reached is reported. When every PE came from the cache and none answered, the cache is
+/// dropped and a registrar asked once more.
+pub(crate) async fn connect_avoiding(
+    pu: &mut impl Resolver,
+    handle: &PoolHandle,
+    avoid: &[u32],
+    timeout: std::time::Duration,
+) -> Result<(TcpStream, PoolElement), Error> {
+    for attempt in 0..2 {
+        let res = pu.resolve(handle).await?;
+        let from_cache = res.registrar.is_none();
+        for pe in res.pool_elements {
+            if avoid.contains(&pe.id) {
+                continue;
+            }
+            if let Some(s) = connect_to(&pe, timeout).await {
+                return Ok((s, pe));
+            }
+            debug!("PE {:#010x} of pool {handle} unreachable", pe.id);
+            pu.report_unreachable(handle, pe.id).await;
+        }
+        // Stale cache entries only: ask the registrar once more.
+        if !from_cache || attempt == 1 {
+            break;
+        }
+        pu.forget(handle).await;
+    }
+    Err(Error::NoPoolElement(handle.to_string()))
+}
+
+/// Connects to one PE's user transport: each of its addresses in turn, each within `timeout`.
+pub(crate) async fn connect_to(
+    pe: &PoolElement,
+    timeout: std::time::Duration,
+) -> Option<TcpStream> {
+    let UserTransport::Address(t) = &pe.user_transport else {
+        return None;
+    };
+    for addr in t.socket_addrs() {
+        if let Ok(Ok(s)) = tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+            return Some(s);
+        }
+    }
+    None
 }

@@ -502,6 +502,81 @@ async fn pool_user_connect_fails_over_and_reports() {
     .await;
 }
 
+/// A pool user that many tasks share waits for a PE's connect without holding up the others:
+/// while one task's connect waits on a PE whose accept queue is full (its SYNs go unanswered),
+/// another task's resolution is answered, and the first task fails over to the PE that
+/// answers. With the pool user behind one lock held across the connect, the second task would
+/// wait out the first's connect timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_pool_user_connects_without_holding_up_other_tasks() {
+    let r = registrar(fast_config());
+    // A listener that never accepts, its queue filled: further SYNs are dropped.
+    let full = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    full.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    full.listen(0).unwrap();
+    let full_addr = full.local_addr().unwrap().as_socket().unwrap();
+    let mut fillers = Vec::new();
+    while tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(full_addr))
+        .await
+        .is_ok_and(|c| c.map(|c| fillers.push(c)).is_ok())
+    {}
+    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stuck = pe(
+        r.asap_addr(),
+        "Shared",
+        full_addr.port(),
+        Policy::Priority { priority: 9 },
+    );
+    let good = pe(
+        r.asap_addr(),
+        "Shared",
+        up.local_addr().unwrap().port(),
+        Policy::Priority { priority: 1 },
+    );
+    stuck.wait_registered(Duration::from_secs(5)).await.unwrap();
+    good.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let connect_timeout = Duration::from_secs(3);
+    let pu = rserpool_asap::SharedPoolUser::new(PoolUserConfig {
+        registrars: vec![r.asap_addr()],
+        connect_timeout,
+        ..PoolUserConfig::default()
+    })
+    .unwrap();
+    let handle = PoolHandle::from("Shared");
+    // The cache filled first, so that the connecting task holds no registrar question open.
+    assert_eq!(pu.resolve(&handle).await.unwrap().pool_elements.len(), 2);
+    let started = std::time::Instant::now();
+    let connecting = tokio::spawn({
+        let (pu, handle) = (pu.clone(), handle.clone());
+        async move { pu.connect(&handle).await.map(|(_, pe)| pe.id) }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let other = pu.clone();
+    let asked = std::time::Instant::now();
+    let resolved = other.resolve(&handle).await.unwrap();
+    let waited = asked.elapsed();
+    assert!(
+        waited < connect_timeout / 3,
+        "a resolution waited {waited:?} behind another task's connect"
+    );
+    assert!(
+        !connecting.is_finished(),
+        "the first connect did not wait on the stuck PE"
+    );
+    assert_eq!(resolved.pool_elements.len(), 2);
+    let reached = connecting.await.unwrap().unwrap();
+    assert_eq!(
+        reached,
+        good.id(),
+        "the connect failed over to the PE that answers"
+    );
+    assert!(
+        started.elapsed() >= connect_timeout,
+        "the stuck PE was tried first"
+    );
+}
+
 async fn read_message(s: &mut TcpStream, framer: &mut Framer) -> Option<AsapMessage> {
     let read = async {
         loop {
