@@ -334,9 +334,16 @@ fn a_refused_takeover_gives_the_pe_back_to_its_home() {
 /// A registrar with many PEs (a talkative network) is cut off for longer than its peers take
 /// to take it over; when the link returns, a PE that moved to its new home meanwhile closes
 /// its association here, right after its last message arrives. The PE is kept (the new
-/// home's TAKEOVER_SERVER is on its way), not removed.
+/// home's TAKEOVER_SERVER is on its way), not removed. A registrar without peers, which no one
+/// can take over, removes it at once.
 #[test]
 fn a_pe_that_closes_just_after_a_long_silence_is_kept() {
+    for with_peer in [true, false] {
+        a_pe_closes_after_a_long_silence(with_peer);
+    }
+}
+
+fn a_pe_closes_after_a_long_silence(with_peer: bool) {
     let cfg = Config {
         keep_alive_interval_ms: 1000,
         keep_alive_timeout_ms: 1000,
@@ -344,6 +351,11 @@ fn a_pe_that_closes_just_after_a_long_silence_is_kept() {
         ..Config::default()
     };
     let mut r = Registrar::new(cfg, US, at(0));
+    // A peer that speaks until the cut.
+    let peer = with_peer.then(|| {
+        r.enable_enrp(addr(1, 9901), at(0));
+        r.accept_enrp(addr(2, 40_000), at(0)).unwrap()
+    });
     let pe = |i: u32| rserpool_wire::AsapMessage::Registration {
         pool_handle: PoolHandle::from("P"),
         pool_element: PoolElement {
@@ -388,6 +400,11 @@ fn a_pe_that_closes_just_after_a_long_silence_is_kept() {
     };
     let mut t = 1_000;
     while t < 6_000 {
+        if let Some(c) = peer
+            && t % 200 == 0
+        {
+            r.handle_data(c, &presence_of_peer(), at(t));
+        }
         answer(&mut r, t, true);
         t += 10;
     }
@@ -400,8 +417,17 @@ fn a_pe_that_closes_just_after_a_long_silence_is_kept() {
     // Back: PE 0's last registration arrives, then its association closes.
     r.handle_data(conns[0], &pe(0).to_bytes().unwrap(), at(t));
     r.handle_closed_by_peer(conns[0], at(t));
-    assert_eq!(r.handlespace().len(), 40, "PE 0 kept");
-    assert_eq!(r.status(at(t)).counters.kept_after_takeover, 1);
+    if with_peer {
+        assert_eq!(r.handlespace().len(), 40, "PE 0 kept");
+        assert_eq!(r.status(at(t)).counters.kept_after_takeover, 1);
+    } else {
+        assert_eq!(
+            r.handlespace().len(),
+            39,
+            "PE 0 removed: no peer could take it"
+        );
+        assert_eq!(r.status(at(t)).counters.kept_after_takeover, 0);
+    }
 }
 
 /// As above, but the PE refuses before this registrar hears the peer again: the PE answered
@@ -444,4 +470,110 @@ fn a_pe_that_refuses_before_its_home_is_heard_waits_for_it() {
             "given back once the peer is heard"
         );
     }
+}
+
+/// A small network — one peer heartbeating at the default 2.4 s, three PEs at the default 5 s
+/// keep-alive interval — brings something about once a second, with gaps of one and two
+/// seconds between; quieter still once the peer dies. No silence of that kind says this
+/// registrar was cut off. A PE that stops answering is removed one keep-alive timeout after
+/// the keep-alive it left unanswered, as RFC 5352 says; a PE whose association closes is
+/// removed at once; the dead peer is taken over without delay.
+#[test]
+fn a_small_network_removes_a_dead_pe_on_time() {
+    let mut r = Registrar::new(Config::default(), US, at(0));
+    r.enable_enrp(addr(1, 9901), at(0));
+    let peer = r.accept_enrp(addr(2, 40_000), at(0)).unwrap();
+    let pe = |i: u32| rserpool_wire::AsapMessage::Registration {
+        pool_handle: PoolHandle::from("P"),
+        pool_element: PoolElement {
+            id: 0x100 + i,
+            home_registrar: 0,
+            registration_life: 60,
+            user_transport: UserTransport::Address(TransportAddress::tcp(addr(8, 8000))),
+            policy: Policy::RoundRobin,
+            asap_transport: None,
+        },
+    };
+    let conns: Vec<ConnId> = (0..3u32)
+        .map(|i| {
+            let c = r.accept(addr(8, 50_000 + i as u16), at(0)).unwrap();
+            r.handle_data(c, &pe(i).to_bytes().unwrap(), at(u64::from(i) * 1_700));
+            c
+        })
+        .collect();
+    // PEs answer their keep-alives at once, but PE 0 not after `dead` (its host hangs) and
+    // PE 1's association closes at `closed`.
+    let (dead, closed) = (40_000, 47_000);
+    let mut unanswered_since = None;
+    let mut taken_over = None;
+    let mut next_presence = 0;
+    let mut t = 0;
+    while t < 70_000 {
+        if t >= next_presence && t < dead {
+            r.handle_data(peer, &presence_of_peer(), at(t));
+            next_presence += 2_444;
+        }
+        if taken_over.is_none() && r.status(at(t)).enrp.takeovers > 0 {
+            taken_over = Some(t);
+        }
+        r.handle_timeout(at(t));
+        actions(&mut r);
+        for (i, &c) in conns.iter().enumerate() {
+            if i == 1 && t >= closed {
+                continue;
+            }
+            let out = r.output(c).to_vec();
+            r.consume_output(c, out.len());
+            let mut f = rserpool_wire::Framer::new(65_536);
+            f.extend(&out);
+            while let Ok(Some(m)) = f.next_message() {
+                if let Ok(rserpool_wire::AsapMessage::EndpointKeepAlive { .. }) =
+                    rserpool_wire::AsapMessage::decode(&m)
+                {
+                    if i == 0 && t >= dead {
+                        unanswered_since.get_or_insert(t);
+                        continue;
+                    }
+                    let ack = rserpool_wire::AsapMessage::EndpointKeepAliveAck {
+                        pool_handle: PoolHandle::from("P"),
+                        pe_id: 0x100 + i as u32,
+                    };
+                    r.handle_data(c, &ack.to_bytes().unwrap(), at(t));
+                }
+            }
+        }
+        if t == closed {
+            r.handle_closed_by_peer(conns[1], at(t));
+            assert!(
+                homes(&r, |id| id == 0x101).is_empty(),
+                "PE 1 removed when its association closed"
+            );
+        }
+        if let Some(since) = unanswered_since
+            && t == since + 5_000 + 100
+        {
+            assert!(
+                homes(&r, |id| id == 0x100).is_empty(),
+                "PE 0 still there 5.1 s after the keep-alive it left unanswered"
+            );
+        }
+        t += 50;
+    }
+    assert!(
+        unanswered_since.is_some(),
+        "PE 0 was sent a keep-alive after it hung"
+    );
+    assert_eq!(r.status(at(t)).counters.kept_after_takeover, 0);
+    // The peer, silent since `dead`: asked for a PRESENCE after MAX-TIME-LAST-HEARD (5 s),
+    // taken over MAX-TIME-NO-RESPONSE later, within a heartbeat or two; the quieter network
+    // its death leaves is no reason to wait.
+    let e = r.status(at(t)).enrp;
+    assert_eq!(
+        e.takeovers_deferred, 0,
+        "the takeover of the dead peer was put off"
+    );
+    assert!(
+        taken_over.is_some_and(|at| at <= dead + 12_000),
+        "the dead peer taken over at {taken_over:?} ms, it died at {dead} ms"
+    );
 }

@@ -194,31 +194,50 @@ impl Asap {
             return false;
         }
         let m = self.meta_of(r);
-        let at = match enrp.new_home(now) {
+        let id = self.hs.pe(r).element.id;
+        let (at, why) = match enrp.new_home(now) {
             Some(home) => {
                 self.hs.set_home(r, home);
-                m.expiry
+                (
+                    m.expiry,
+                    format!(
+                        "just after {home:#010x} took this registrar over: kept, as {home:#010x}'s"
+                    ),
+                )
             }
             // Expiring before its registration life means: removed for its closed association.
-            None if out.takeover_may_be_news(now) => {
-                m.expiry.min(now + self.cfg.taken_over_window())
+            None if enrp.takeover_may_be_news(out, now) => {
+                let at = m.expiry.min(now + self.cfg.taken_over_window());
+                (
+                    at,
+                    format!(
+                        "after a silence of the network long enough for a peer to have taken this \
+                     registrar over: kept for up to {} s, for the new home's word",
+                        at.saturating_duration_since(now).as_secs()
+                    ),
+                )
             }
             // Taken over here from a registrar not heard again yet; the PE answered, so it did
             // not die, and closing now it refused because it heard its home: wait a little
             // for that one ([`Self::handed_back`]).
-            None if m.taken_from != 0 && m.takeover_answered => m
-                .expiry
-                .min(now + Duration::from_millis(self.cfg.max_time_last_heard_ms)),
+            None if m.taken_from != 0 && m.takeover_answered => {
+                let wait = Duration::from_millis(self.cfg.max_time_last_heard_ms);
+                (
+                    m.expiry.min(now + wait),
+                    format!(
+                        "after this registrar took it over from {:#010x}: kept for up to {} s, in \
+                     case that registrar is back and the PE stayed with it",
+                        m.taken_from,
+                        wait.as_secs()
+                    ),
+                )
+            }
             None => return false,
         };
         self.counters.kept_after_takeover += 1;
         self.schedule(r, TimerKind::LifetimeExpiry, at);
         if self.event_log.allow(now) {
-            let home = self.hs.pe(r).element.home_registrar;
-            info!(
-                "PE {:#010x} lost just after a takeover of this registrar or a silence that long: kept, as {home:#010x}'s",
-                self.hs.pe(r).element.id
-            );
+            info!("PE {id:#010x} lost {why}");
         }
         true
     }
@@ -284,7 +303,7 @@ impl Asap {
                     if held && self.handed_back(r, out, enrp, now) {
                         continue;
                     }
-                    if held && out.takeover_may_be_news(now) {
+                    if held && enrp.takeover_may_be_news(out, now) {
                         // Still cut off, or just back and the new home's word may be on its
                         // way: nothing to decide yet.
                         let again = now + out.dark_spell();

@@ -137,6 +137,9 @@ pub(super) struct Conns {
     pub(super) delivery_checks: bool,
 }
 
+/// A silence counts as a dark spell only when it is at least this many usual gaps long.
+const DARK_GAPS: u32 = 8;
+
 impl Conns {
     pub(super) fn new(cfg: Arc<Config>, server_id: u32) -> Self {
         Self {
@@ -166,7 +169,7 @@ impl Conns {
     pub(super) fn heard_from_network(&mut self, now: Instant) {
         if let Some(last) = self.network_heard {
             let gap = now.saturating_duration_since(last);
-            if gap > self.dark_spell() && self.talkative() {
+            if self.talkative() && gap > self.dark_threshold() {
                 self.network_dark = Some((last, now));
             }
             // A dark spell counts as twice the threshold: it does not make the network sparse.
@@ -185,9 +188,18 @@ impl Conns {
         n >= 8 && avg <= self.dark_spell()
     }
 
-    /// A silence this long counts as a dark spell (the registrar may have been cut off).
+    /// A silence this long counts as a dark spell (the registrar may have been cut off), in a
+    /// network whose usual gaps are short enough (see [`dark_threshold`](Self::dark_threshold)).
     pub(super) fn dark_spell(&self) -> Duration {
         Duration::from_millis(self.cfg.keep_alive_timeout_ms / 4)
+    }
+
+    /// The shortest silence that says this registrar may be cut off: a dark spell, and at
+    /// least [`DARK_GAPS`] usual gaps. Gaps between arrivals vary: in a network with a few
+    /// PEs and a peer, a gap of twice or thrice the usual one comes every few seconds and says
+    /// nothing; one of eight times it (for arrivals at random, one gap in about 3,000) does.
+    fn dark_threshold(&self) -> Duration {
+        self.dark_spell().max(self.network_gap.0 * DARK_GAPS)
     }
 
     /// Whether a dark spell of at least `len` ended within `within` before `now`: long enough
@@ -201,6 +213,7 @@ impl Conns {
     /// Whether the network, talkative before, has shown nothing for at least `len`: this
     /// registrar is most likely cut off right now.
     pub(super) fn dark_now(&self, len: Duration, now: Instant) -> bool {
+        let len = len.max(self.dark_threshold());
         self.talkative()
             && self
                 .network_heard

@@ -1310,6 +1310,13 @@ impl Enrp {
         hs.hand_over(target, sender);
     }
 
+    /// Whether a silence of the network may hide a takeover of this registrar
+    /// ([`Conns::takeover_may_be_news`]); never for a registrar without peers, which nobody
+    /// can take over.
+    pub(super) fn takeover_may_be_news(&self, out: &Conns, now: Instant) -> bool {
+        !self.peers.is_empty() && out.takeover_may_be_news(now)
+    }
+
     /// The registrar that took this one over within [`Config::taken_over_window`]: the
     /// PEs lost here meanwhile most likely moved to it. Not one taken over since itself: a
     /// PE homed there would have nobody left to supervise or take it over.
