@@ -72,6 +72,12 @@ pub enum Error {
     UnknownPool(String),
     #[error("no pool element of pool {0} could be reached")]
     NoPoolElement(String),
+    /// The pool's PEs take another transport than TCP (SCTP, say): this pool user cannot
+    /// reach them, and does not report them unreachable.
+    #[error(
+        "the pool elements of pool {pool} take {transport}, not TCP, which this pool user speaks"
+    )]
+    OtherTransport { pool: String, transport: String },
     #[error("cookie refused: {0}")]
     Cookie(#[from] session::CookieError),
 }

@@ -10,7 +10,7 @@
 use crate::Error;
 use crate::core::pu::{Answer, PuCore, PuEvent, QueryId};
 use crate::driver::{Conns, sleep_until};
-use rserpool_wire::{Policy, PoolElement, PoolHandle, UserTransport};
+use rserpool_wire::{Policy, PoolElement, PoolHandle};
 use tokio::net::TcpStream;
 use tracing::debug;
 
@@ -88,7 +88,7 @@ impl PoolUser {
     }
 
     /// Connects to one PE's user transport (each of its addresses in turn, each within the
-    /// connect timeout).
+    /// connect timeout); `None` also for a transport other than TCP.
     pub async fn connect_to(&self, pe: &PoolElement) -> Option<TcpStream> {
         connect_to(pe, self.core.config().connect_timeout).await
     }
@@ -195,11 +195,17 @@ pub(crate) async fn connect_avoiding(
     avoid: &[u32],
     timeout: std::time::Duration,
 ) -> Result<(TcpStream, PoolElement), Error> {
+    let mut other_transport = None;
     for attempt in 0..2 {
         let res = pu.resolve(handle).await?;
         let from_cache = res.registrar.is_none();
         for pe in res.pool_elements {
             if avoid.contains(&pe.id) {
+                continue;
+            }
+            // Not reachable over TCP, which says nothing about the PE: not reported.
+            if pe.user_transport.tcp().is_none() {
+                other_transport.get_or_insert_with(|| pe.user_transport.to_string());
                 continue;
             }
             if let Some(s) = connect_to(&pe, timeout).await {
@@ -214,7 +220,13 @@ pub(crate) async fn connect_avoiding(
         }
         pu.forget(handle).await;
     }
-    Err(Error::NoPoolElement(handle.to_string()))
+    Err(match other_transport {
+        Some(transport) => Error::OtherTransport {
+            pool: handle.to_string(),
+            transport,
+        },
+        None => Error::NoPoolElement(handle.to_string()),
+    })
 }
 
 /// Connects to one PE's user transport: each of its addresses in turn, each within `timeout`.
@@ -222,9 +234,7 @@ pub(crate) async fn connect_to(
     pe: &PoolElement,
     timeout: std::time::Duration,
 ) -> Option<TcpStream> {
-    let UserTransport::Address(t) = &pe.user_transport else {
-        return None;
-    };
+    let t = pe.user_transport.tcp()?;
     for addr in t.socket_addrs() {
         if let Ok(Ok(s)) = tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
             return Some(s);

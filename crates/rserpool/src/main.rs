@@ -129,7 +129,7 @@ enum Command {
     /// Run everything on loopback: a registrar, the EchoPool (echo PEs, least used) and the
     /// WebPool (HTTP PEs), and a proxy in front of both.
     Up(cmd::up::UpArgs),
-    /// Run a registrar (ASAP over TCP).
+    /// Run a registrar (ASAP and ENRP over TCP, and over SCTP where an address says so).
     Registrar(Box<cmd::registrar::RegistrarArgs>),
     /// Register an existing TCP service as a pool element and keep it registered while healthy.
     Serve(cmd::serve::ServeArgs),

@@ -577,6 +577,47 @@ async fn a_shared_pool_user_connects_without_holding_up_other_tasks() {
     );
 }
 
+/// A pool user that connects over TCP leaves a pool of PEs over SCTP alone: it cannot reach
+/// them, which says nothing about them, so it does not report them unreachable (with the
+/// registrar's threshold at one report, a report would take the live PE out of the pool for
+/// everyone); its error says why.
+#[tokio::test]
+async fn a_tcp_pool_user_does_not_report_pes_over_sctp() {
+    let r = registrar(Config {
+        max_bad_pe_reports: 1,
+        ..fast_config()
+    });
+    let mut cfg = pe_config(
+        r.asap_addr(),
+        "Sctp",
+        common::free_port(),
+        Policy::RoundRobin,
+    );
+    cfg.service_over_sctp = true;
+    let sctp = PoolElement::start(cfg).unwrap();
+    sctp.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let handle = PoolHandle::from("Sctp");
+    let mut pu = pool_user(r.asap_addr(), None);
+    match pu.connect(&handle).await {
+        Err(rserpool_asap::Error::OtherTransport { transport, .. }) => {
+            assert!(transport.starts_with("sctp"), "{transport}")
+        }
+        other => panic!(
+            "expected OtherTransport, got {:?}",
+            other.map(|(_, pe)| pe.id)
+        ),
+    }
+    // Asked again (a retry loop would): still no report.
+    for _ in 0..3 {
+        assert!(pu.connect(&handle).await.is_err());
+    }
+    assert_eq!(
+        resolve_ids(r.asap_addr(), "Sctp", 10).await,
+        vec![sctp.id()],
+        "the SCTP PE is still registered"
+    );
+}
+
 async fn read_message(s: &mut TcpStream, framer: &mut Framer) -> Option<AsapMessage> {
     let read = async {
         loop {

@@ -152,6 +152,15 @@ pub enum UserTransport {
 }
 
 impl UserTransport {
+    /// The transport's TCP address, if it is one: what a pool user that connects over TCP can
+    /// reach (a PE over SCTP, UDP or an opaque transport it cannot).
+    pub fn tcp(&self) -> Option<&TransportAddress> {
+        match self {
+            Self::Address(t) if matches!(t.protocol, Protocol::Tcp { .. }) => Some(t),
+            _ => None,
+        }
+    }
+
     pub fn ptype(&self) -> u16 {
         match self {
             Self::Address(t) => t.protocol.ptype(),

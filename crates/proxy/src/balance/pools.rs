@@ -83,6 +83,8 @@ impl Drop for RetryPermit {
 
 struct PoolState {
     selector: Selector,
+    /// PEs over another transport than TCP were left out, and the log said so.
+    other_transport_said: bool,
     refreshed: Option<Instant>,
     config: PoolConfig,
     admission: Admission,
@@ -194,6 +196,7 @@ impl Pool {
             look_handoff: tokio::sync::Notify::new(),
             state: Mutex::new(PoolState {
                 selector: Selector::new(),
+                other_transport_said: false,
                 refreshed: None,
                 config,
                 admission,
@@ -493,8 +496,29 @@ impl Pool {
     }
 
     /// Replaces the copy with what a registrar reported.
-    pub(crate) fn update(&self, pes: Vec<PoolElement>) {
+    pub(crate) fn update(&self, mut pes: Vec<PoolElement>) {
+        // The proxy reaches PEs over TCP: one over SCTP (rsplib's, say) it would only find
+        // unreachable, and report so, taking a live PE out of the pool for everyone.
+        let before = pes.len();
+        let other = pes
+            .iter()
+            .find(|pe| pe.user_transport.tcp().is_none())
+            .map(|pe| pe.user_transport.to_string());
+        pes.retain(|pe| pe.user_transport.tcp().is_some());
         let st = &mut *self.lock();
+        match other {
+            Some(t) if !st.other_transport_said => {
+                st.other_transport_said = true;
+                tracing::warn!(
+                    "pool {}: {} of its {before} PEs take another transport than TCP ({t}); the \
+                     proxy reaches PEs over TCP only and leaves them out",
+                    self.handle,
+                    before - pes.len()
+                );
+            }
+            Some(_) => {}
+            None => st.other_transport_said = false,
+        }
         st.selector.replace(&self.handle, pes);
         st.refreshed = Some(Instant::now());
         st.dispatch(&self.handle);
@@ -871,4 +895,37 @@ pub async fn admission_cost(
     }
     while set.join_next().await.is_some() {}
     started.elapsed() / (tasks as u32 * per_task).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rserpool_wire::{Policy, Protocol, TransportAddress, UserTransport};
+
+    fn pe(id: u32, protocol: Protocol) -> PoolElement {
+        PoolElement {
+            id,
+            home_registrar: 0,
+            registration_life: -1,
+            user_transport: UserTransport::Address(TransportAddress {
+                protocol,
+                port: 1,
+                addresses: vec![std::net::IpAddr::from([127, 0, 0, 1])].into(),
+            }),
+            policy: Policy::RoundRobin,
+            asap_transport: None,
+        }
+    }
+
+    /// PEs the proxy cannot reach over TCP are not its backends: it would find them
+    /// unreachable and report them to the registrar, though they are alive.
+    #[test]
+    fn pes_over_another_transport_than_tcp_are_left_out() {
+        let pool = Pool::new(PoolHandle::from("Mixed"));
+        pool.update(vec![pe(1, Protocol::TCP), pe(2, Protocol::SCTP_DATA_ONLY)]);
+        let ids: Vec<u32> = pool.backends().iter().map(|b| b.id).collect();
+        assert_eq!(ids, vec![1]);
+        pool.update(vec![pe(2, Protocol::SCTP_DATA_ONLY)]);
+        assert!(pool.is_empty());
+    }
 }
