@@ -123,6 +123,10 @@ pub enum StartError {
     Tls(SocketAddr, rserpool_tls::TlsError),
 }
 
+/// The longest a stopping tier member waits for the distributor to take it out of the group
+/// before it closes its listeners.
+const TIER_LEAVE_LIMIT: Duration = Duration::from_secs(5);
+
 impl Proxy {
     /// Binds every listener (and the status listener) and starts serving.
     pub async fn start(cfg: ProxyConfig) -> Result<Proxy, StartError> {
@@ -669,8 +673,12 @@ impl Proxy {
 
     /// Stops accepting, lets in-flight requests and connections finish (idle keep-alive
     /// connections are closed) and returns when none is left or `timeout` has passed; returns
-    /// the connections still open.
+    /// the connections still open. A tier member leaves the tier first (`tier/leave.rs`).
     pub async fn drain(&self, timeout: Duration) -> usize {
+        // A tier member first leaves the router's group, serving what still comes meanwhile.
+        if let Some(t) = self.tier() {
+            t.leave(timeout.min(TIER_LEAVE_LIMIT)).await;
+        }
         self.stop_accepting();
         let _ = self.inner.draining.send(true);
         let deadline = tokio::time::Instant::now() + timeout;

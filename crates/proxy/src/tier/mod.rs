@@ -19,12 +19,14 @@
 //! process that replaces it, and retires once that one serves; it stays a member throughout.
 
 mod handover;
+mod leave;
 pub mod split;
 use crate::config::TierConfig;
 use crate::ctx::until_set;
 use crate::l4::kernel::KernelSplice;
 use bytes::Bytes;
 pub(crate) use handover::{Registration, TakenMember, TierState};
+use leave::Leaving;
 use rserpool_asap::{Association, PoolElement, PoolElementConfig, PoolUser, PoolUserConfig};
 use rserpool_ksplice::Error as DatapathError;
 use rserpool_ksplice::{Splice, SpliceState, TierMember};
@@ -190,6 +192,8 @@ pub(crate) struct Tier {
     given: Mutex<Option<Association>>,
     /// Set once a successor serves: every task of the membership ends.
     retired: watch::Sender<bool>,
+    /// Leaving the tier (the proxy stops), and when heartbeats came.
+    leaving: Leaving,
 }
 
 /// The pool element a member registers as: its tier address as the transport, its load as
@@ -375,6 +379,7 @@ impl Tier {
             sockets,
             given: Mutex::new(None),
             retired,
+            leaving: Leaving::default(),
         });
         let until_retired = |tier: &Arc<Tier>| {
             let mut r = tier.retired.subscribe();
@@ -446,6 +451,31 @@ impl Tier {
         match PoolElement::from_hand_over(cfg, a) {
             Ok(pe) => *self.pe.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(pe),
             Err(e) => warn!("proxy: tier: cannot take the registration back: {e}"),
+        }
+    }
+
+    /// The proxy stops: this member leaves the tier pool and answers no more heartbeats, and
+    /// returns once the distributor sends none (it took the member out of the router's
+    /// group), at most after `limit`; meanwhile it serves what still comes (see `leave.rs`).
+    pub(crate) async fn leave(&self, limit: Duration) {
+        self.leaving.start();
+        self.pe().set_active(false);
+        info!(
+            "proxy: tier member {:#010x}: leaving the tier (deregistered, heartbeats no longer \
+             answered); serving what comes until the distributor takes it out of the group",
+            self.me.id
+        );
+        if self.leaving.heartbeats_stopped(limit).await {
+            info!(
+                "proxy: tier member {:#010x}: out of the group (no more heartbeats)",
+                self.me.id
+            );
+        } else {
+            warn!(
+                "proxy: tier member {:#010x}: the distributor still sends heartbeats after \
+                 {limit:?}; closing the listeners anyway",
+                self.me.id
+            );
         }
     }
 
@@ -757,7 +787,9 @@ async fn heartbeat_loop(tier: Weak<Tier>, udp: UdpSocket) {
         let Some(tier) = tier.upgrade() else { return };
         let (now, free) = (tier.now(), (tier.free)());
         let reply = tier.core().handle_datagram(from, &buf[..n], free, now);
-        if let Some(reply) = reply {
+        if let Some(reply) = reply
+            && tier.leaving.heartbeat()
+        {
             let _ = udp.send_to(&reply, from).await;
         }
         tier.drive();
