@@ -3,13 +3,17 @@
 #
 #   client ── router (registrar, distributor) ── proxy 1, proxy 2 ── router ── server 1, server 2
 #
-#   scripts/tier-netns.sh up      # build the namespaces, start everything (root)
-#   scripts/tier-netns.sh demo    # an upload through the tier while proxy 1 is killed
-#   scripts/tier-netns.sh status  # the router's nexthop group and each proxy's tier status
-#   scripts/tier-netns.sh down    # stop everything, remove the namespaces
+#   scripts/tier-netns.sh up         # build the namespaces, start everything (root)
+#   scripts/tier-netns.sh demo       # an upload through the tier; the proxy carrying it is killed
+#   scripts/tier-netns.sh status     # the router's nexthop group and each proxy's tier status
+#   scripts/tier-netns.sh restart N  # bring proxy N back (its link, its route, its process)
+#   scripts/tier-netns.sh down       # stop everything, remove the namespaces
 #
 # RSERPOOL=path/to/rserpool picks the binary (default: target/release/rserpool, built if
-# missing). Logs and configuration go to /tmp/rserpool-tier.
+# missing; `sudo RSERPOOL=… scripts/tier-netns.sh up`, as sudo drops the environment). Logs and
+# configuration go to /tmp/rserpool-tier; the proxies pin their eBPF maps on a bpffs of their
+# own at /run/rserpool-tier-bpf, which every process started with `ip netns exec` sees (each
+# gets a /sys of its own), so that a proxy upgraded in place finds its predecessor's flow table.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -19,6 +23,7 @@ VIP=10.88.9.1       # the clients' address, on every proxy
 SHARED=10.88.9.2    # the server-facing address, on every proxy
 ROUTER=10.88.1.1    # the router on the proxies' segment; the registrar listens there
 NS=(tier-client tier-router tier-p1 tier-p2 tier-s1 tier-s2)
+PINS=/run/rserpool-tier-bpf
 
 need_root() {
 	[ "$(id -u)" = 0 ] || { echo "run as root (network namespaces, eBPF)" >&2; exit 1; }
@@ -36,7 +41,12 @@ up() {
 	if [ ! -x "$BIN" ]; then
 		cargo build --release -p rserpool
 	fi
-	mkdir -p "$DIR"
+	if ip netns list | grep -q '^tier-router'; then
+		echo "the tier is up already: $0 down first" >&2
+		exit 1
+	fi
+	mkdir -p "$DIR" "$PINS"
+	mountpoint -q "$PINS" || mount -t bpf bpf "$PINS"
 	: >"$DIR/pids"
 	echo "1. namespaces"
 	for n in "${NS[@]}"; do
@@ -97,14 +107,14 @@ up() {
 			splice = "kernel"
 			[kernel-splice]
 			interfaces = ["t0"]
-			pin-dir = "/sys/fs/bpf/rserpool-tier-p$i"
+			pin-dir = "$PINS/p$i"
 			[tier]
 			pool = "ProxyTier"
 			listen = "10.88.1.1$i:9950"
 			server-address = "$SHARED"
 			ports = "2${i}000-2${i}999"
 		CONF
-		start tier-p$i proxy$i "$BIN" proxy --config "$DIR/proxy$i.toml"
+		start_proxy $i
 	done
 
 	echo "7. the distributor on the router: nexthop group 100 = the live proxies; $VIP and $SHARED routed to it;"
@@ -123,6 +133,28 @@ up() {
 	echo "     $0 demo"
 }
 
+start_proxy() { # N
+	start tier-p$1 proxy$1 "$BIN" proxy --config "$DIR/proxy$1.toml"
+}
+
+# Proxy N back after `demo` (or a kill): its link and default route, then its process.
+restart() {
+	need_root
+	local i=${1:?which proxy: 1 or 2}
+	ip -n tier-p$i link set t0 up
+	ip -n tier-p$i route replace default via $ROUTER
+	for pid in $(ip netns pids tier-p$i); do kill "$pid" 2>/dev/null || true; done
+	start_proxy $i
+	echo "proxy $i started again (log: $DIR/proxy$i.log)"
+}
+
+# The spliced packets proxy N forwarded so far.
+packets() {
+	ip netns exec tier-p$1 curl -s -m 1 http://10.88.1.1$1:8404/status |
+		python3 -c 'import json,sys; print((json.load(sys.stdin).get("kernel_splice") or {}).get("packets", 0))' 2>/dev/null ||
+		echo 0
+}
+
 status() {
 	echo "router: $(ip -n tier-router nexthop show id 100 2>/dev/null || echo 'no group yet')"
 	for i in 1 2; do
@@ -137,13 +169,21 @@ demo() {
 	need_root
 	local f=$DIR/upload.bin
 	head -c 20000000 /dev/urandom >"$f"
-	echo "uploading 20 MB at 5 MB/s through the tier; proxy 1 is killed after 2 s"
+	echo "uploading 20 MB at 5 MB/s through the tier; the proxy carrying it is killed after 2 s"
 	ip netns exec tier-client curl -s -H "Expect:" --limit-rate 5M -T "$f" http://$VIP:7000/upload &
 	local up=$!
-	sleep 2
+	sleep 1.5
+	local a1 a2 b1 b2 victim
+	a1=$(packets 1) a2=$(packets 2)
+	sleep 0.5
+	b1=$(packets 1) b2=$(packets 2)
+	# The router hashes each direction of the upload to a proxy (the same one or not): the
+	# proxy that forwarded more of its packets carries it.
+	if [ $((b2 - a2)) -gt $((b1 - a1)) ]; then victim=2; else victim=1; fi
+	echo "the upload goes through proxy $victim (spliced packets forwarded in 0.5 s: proxy 1 $((b1 - a1)), proxy 2 $((b2 - a2)))"
 	local pid
-	pid=$(ip netns pids tier-p1 | head -1)
-	[ -n "$pid" ] && kill -9 "$pid" && ip -n tier-p1 link set t0 down && echo "proxy 1 killed, its link down"
+	pid=$(ip netns pids tier-p$victim | head -1)
+	[ -n "$pid" ] && kill -9 "$pid" && ip -n tier-p$victim link set t0 down && echo "proxy $victim killed, its link down"
 	wait $up
 	echo "the server's hash of what it received is above; the file's is $(python3 -c "
 import sys
@@ -151,7 +191,7 @@ h = 0xcbf29ce484222325
 for b in open(sys.argv[1], 'rb').read():
     h = ((h ^ b) * 0x100000001b3) & 0xffffffffffffffff
 print(f'{h:016x}')" "$f")"
-	echo "bring proxy 1 back: $0 down && $0 up"
+	echo "bring proxy $victim back: $0 restart $victim"
 }
 
 down() {
@@ -163,7 +203,8 @@ down() {
 		for pid in $(ip netns pids "$n" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
 		ip netns del "$n" 2>/dev/null || true
 	done
-	rm -rf /sys/fs/bpf/rserpool-tier-p1 /sys/fs/bpf/rserpool-tier-p2 "$DIR"
+	if mountpoint -q "$PINS"; then umount "$PINS"; fi
+	rm -rf "$PINS" "$DIR"
 	echo "down"
 }
 
@@ -171,9 +212,10 @@ case "${1:-}" in
 up) up ;;
 demo) demo ;;
 status) status ;;
+restart) restart "${2:-}" ;;
 down) down ;;
 *)
-	sed -n '2,13p' "$0"
+	sed -n '2,16p' "$0"
 	exit 2
 	;;
 esac
