@@ -454,6 +454,12 @@ const FILTER_HANDLE: u32 = 0x5253;
 #[cfg(ksplice_built)]
 static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("KSPLICE_OBJECT"));
 
+/// Whether a flow table is pinned in `pin_dir`: what a process taking over from another (an
+/// upgrade) finds there when both see the same bpffs.
+pub fn has_flow_table(pin_dir: &Path) -> bool {
+    pin_dir.join(FLOWS_MAP).exists()
+}
+
 impl Datapath {
     /// Loads the program with a flow table of `max_flows` entries and attaches it at TC
     /// ingress of each of `interfaces` (in the calling thread's network namespace). Needs

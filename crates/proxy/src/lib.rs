@@ -189,6 +189,9 @@ impl Proxy {
             idle_timeout: Duration::from_millis(cfg.idle_timeout_ms.min(30_000)),
         });
         let log = open_log(&cfg)?;
+        if !inherited.is_empty() {
+            warn_if_no_flow_table(&cfg);
+        }
         let kernel = load_kernel_splice(&cfg);
         let (draining, _) = watch::channel(false);
         let park = http::park::Parker::start(draining.subscribe(), http::h1::DRAIN_IDLE_GRACE)
@@ -829,6 +832,25 @@ async fn accept_loop(
                 });
             }
         }
+    }
+}
+
+/// A process taking over from another (an upgrade) with the kernel splice, whose `pin-dir`
+/// holds no flow table: the other one pinned it where this one does not look (under `ip
+/// netns exec` each process has a /sys of its own, and so its own /sys/fs/bpf). Its spliced
+/// connections are unknown here and will be reset: said before it happens.
+fn warn_if_no_flow_table(cfg: &ProxyConfig) {
+    let dir = &cfg.kernel_splice.pin_dir;
+    if cfg.listeners.iter().any(ListenerConfig::kernel_splice)
+        && !rserpool_ksplice::has_flow_table(dir)
+    {
+        warn!(
+            "proxy: taking over from the process before, but {} holds no flow table: it pinned \
+             its maps where this process does not see them, and the connections it spliced \
+             will be reset. Under `ip netns exec`, put pin-dir on a bpffs mounted outside /sys \
+             (docs/OPERATIONS.md, upgrades)",
+            dir.display()
+        );
     }
 }
 
