@@ -376,7 +376,8 @@ impl Proxy {
     ) -> Result<(), StartError> {
         let Some(ks) = self.kernel() else {
             return Err(StartError::Config(config::ConfigError::Invalid(
-                "[tier] needs the kernel splice (a listener with splice = \"kernel\", loaded)"
+                "[tier] needs the kernel splice: a listener with splice = \"kernel\", and the \
+                 datapath loaded (the warning above says why it was not; it needs root)"
                     .into(),
             )));
         };
@@ -877,7 +878,12 @@ fn load_kernel_splice(cfg: &ProxyConfig) -> Option<Arc<l4::kernel::KernelSplice>
             Some(ks)
         }
         Err(e) => {
-            warn!("proxy: {e}; spliced listeners relay in user space");
+            let hint = if rustix::process::geteuid().is_root() {
+                ""
+            } else {
+                " (the kernel splice needs root: CAP_BPF and CAP_NET_ADMIN)"
+            };
+            warn!("proxy: {e}{hint}; spliced listeners relay in user space");
             None
         }
     }

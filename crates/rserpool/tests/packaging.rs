@@ -264,6 +264,73 @@ async fn said_once(log: &Logged, needle: &str, limit: Duration, then_ms: u64) {
     assert_eq!(lines.len(), 1, "{lines:?}");
 }
 
+/// The distributor and a proxy with the kernel splice started without root say that root is
+/// what they need, at once: the distributor used to run on, logging the failed `ip` command
+/// about fifteen times a second, and the proxy said only "Operation not permitted".
+#[test]
+fn without_root_the_distributor_and_the_kernel_splice_say_so() {
+    if !rustix::process::geteuid().is_root()
+        || Command::new("setpriv").arg("--version").output().is_err()
+    {
+        eprintln!("skipped: needs root and setpriv to run as nobody");
+        return;
+    }
+    let as_nobody = |args: &[&str]| {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
+            .args(args)
+            .env_remove("RUST_BACKTRACE")
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap()
+    };
+    let out = as_nobody(&[
+        "distributor",
+        "--pool",
+        "ProxyTier",
+        "--group",
+        "100",
+        "--route",
+        "10.0.0.1/32",
+    ]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("CAP_NET_ADMIN") && err.contains("root"),
+        "{err}"
+    );
+
+    let dir = std::env::temp_dir().join(format!("rserpool-noroot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("proxy.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "registrars = [\"127.0.0.1:{}\"]\nstatus = \"127.0.0.1:{}\"\n[[listener]]\nlisten = \"127.0.0.1:{}\"\nmode = \"tcp\"\npool = \"P\"\nsplice = \"kernel\"\n[kernel-splice]\ninterfaces = [\"lo\"]\npin-dir = \"{}\"\n[tier]\npool = \"T\"\nlisten = \"127.0.0.1:{}\"\nserver-address = \"127.0.0.2\"\nports = \"21000-21999\"\n",
+            free_port(),
+            free_port(),
+            free_port(),
+            dir.join("pins").display(),
+            free_port()
+        ),
+    )
+    .unwrap();
+    // Readable by nobody.
+    let _ = Command::new("chmod")
+        .args(["-R", "a+rX"])
+        .arg(&dir)
+        .status();
+    let out = as_nobody(&["proxy", "--config", cfg.to_str().unwrap()]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!out.status.success());
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        all.contains("the kernel splice needs root")
+            && all.contains("[tier] needs the kernel splice"),
+        "{all}"
+    );
+}
+
 #[test]
 fn the_systemd_units_verify() {
     let Ok(out) = Command::new("systemd-analyze").arg("--version").output() else {

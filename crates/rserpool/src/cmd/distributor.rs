@@ -93,6 +93,12 @@ pub fn run(args: DistributorArgs) -> Result<()> {
     if args.misses == 0 || args.heartbeat_ms == 0 {
         bail!("--misses and --heartbeat-ms must be above 0");
     }
+    if !args.dry_run && !has_net_admin() {
+        bail!(
+            "the distributor changes the router's nexthop group and routes, which needs \
+             CAP_NET_ADMIN: run it as root (or with --dry-run, to print the commands instead)"
+        );
+    }
     let cfg = super::pu_config(&args.registrars)?;
     super::runtime()?.block_on(async move {
         let pu = PoolUser::new(rserpool_asap::PoolUserConfig {
@@ -108,9 +114,13 @@ pub fn run(args: DistributorArgs) -> Result<()> {
         let mut core = DistributorCore::new(core_config(&args), now());
         let mut group = Nexthops::new(&args);
         let mut watch = match &args.watch {
-            Some(dev) => Some(TrafficWatch::attach(dev)?),
+            Some(dev) => Some(TrafficWatch::attach(dev).with_context(|| {
+                format!("--watch {dev} (eBPF on the router: root, CAP_BPF and CAP_NET_ADMIN)")
+            })?),
             None => None,
         };
+        // The last failure to update the group, logged once until it changes or succeeds.
+        let mut group_failing: Option<String> = None;
         let mut look = tokio::time::interval(Duration::from_millis(5));
         look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut resolutions = resolver(pu, handle);
@@ -165,8 +175,19 @@ pub fn run(args: DistributorArgs) -> Result<()> {
             if let Some(g) = core.poll_group() {
                 match group.apply(&args, &g) {
                     // The living hear of the deaths.
-                    Ok(()) => core.group_applied(&g),
-                    Err(e) => warn!("distributor: updating the nexthop group: {e:#}"),
+                    Ok(()) => {
+                        core.group_applied(&g);
+                        if group_failing.take().is_some() {
+                            info!("distributor: the nexthop group is updated again");
+                        }
+                    }
+                    Err(e) => {
+                        let e = format!("{e:#}");
+                        if group_failing.as_ref() != Some(&e) {
+                            warn!("distributor: updating the nexthop group: {e} (retrying)");
+                            group_failing = Some(e);
+                        }
+                    }
                 }
             }
             while let Some((to, bytes)) = core.poll_transmit() {
@@ -467,6 +488,24 @@ fn device_towards(ip: &str, dry_run: bool) -> Result<String> {
         }
     }
     bail!("no route towards {ip}")
+}
+
+/// Whether this process may change routes and nexthops (CAP_NET_ADMIN in its effective set,
+/// as `/proc/self/status` gives it; root has it).
+fn has_net_admin() -> bool {
+    const CAP_NET_ADMIN: u32 = 12;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))?
+                .trim()
+                .to_owned();
+            u64::from_str_radix(&hex, 16).ok()
+        })
+        // Unreadable: let `ip` say what is wrong.
+        .is_none_or(|caps| caps & (1 << CAP_NET_ADMIN) != 0)
 }
 
 fn ip(dry_run: bool, args: &[&str]) -> Result<()> {
