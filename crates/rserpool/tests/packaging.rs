@@ -254,6 +254,25 @@ async fn an_unreachable_registrar_and_an_unknown_pool_are_logged_once() {
         2000,
     )
     .await;
+
+    // Over SCTP, where a wrong port looks like silence: said as well, with what to check.
+    let sctp = format!("sctp+udp://127.0.0.1:{}", free_port());
+    let pe = Logged::spawn_as_deployed(
+        "pe-sctp",
+        &[
+            "example",
+            "echo",
+            "--pool",
+            "LonelySctp",
+            "--registrar",
+            &sctp,
+        ]
+        .map(String::from),
+        "info",
+    );
+    said_once(&pe, "cannot be reached", Duration::from_secs(10), 2500).await;
+    let line = pe.lines_with("cannot be reached").remove(0);
+    assert!(line.contains("check the registrar's SCTP port"), "{line}");
 }
 
 /// Waits up to `limit` for a line of `log` with `needle`, then `then_ms` more: one there is.

@@ -496,18 +496,37 @@ impl PeCore {
         if let Phase::Connecting { conn: c, addr, .. } = &self.phase
             && *c == conn
         {
-            if self.unreachable_said {
-                debug!("PE {:#010x}: registrar {addr}: {why}", self.id);
-            } else {
-                self.unreachable_said = true;
-                warn!(
-                    "PE {:#010x}: registrar {addr} cannot be reached ({why}); not registered, \
-                     trying again with back-off (said once until a registration)",
-                    self.id
-                );
-            }
+            let addr = *addr;
+            self.unreachable(addr, why);
         }
         self.handle_close(conn, now);
+    }
+
+    /// Says that registrar `addr` cannot be reached, once until a registration (then at debug
+    /// level).
+    fn unreachable(&mut self, addr: SocketAddr, why: &str) {
+        if self.unreachable_said {
+            debug!("PE {:#010x}: registrar {addr}: {why}", self.id);
+            return;
+        }
+        self.unreachable_said = true;
+        // Over SCTP a wrong address, port or encapsulation port looks like silence.
+        let hint = match self.cfg.registrar_schemes.get(&addr) {
+            Some(Scheme::SctpUdp { udp_port }) => format!(
+                " — over SCTP in UDP (port {udp_port}): check the registrar's SCTP port and \
+                 that it listens on SCTP at all"
+            ),
+            Some(Scheme::Sctp) => {
+                " — over SCTP: check the registrar's SCTP port and that it listens on SCTP at all"
+                    .to_owned()
+            }
+            _ => String::new(),
+        };
+        warn!(
+            "PE {:#010x}: registrar {addr} cannot be reached ({why}{hint}); not registered, \
+             trying again with back-off (said once until a registration)",
+            self.id
+        );
     }
 
     /// Bytes read from a connection.
@@ -577,8 +596,8 @@ impl PeCore {
                 addr,
                 deadline,
             } if *deadline <= now => {
-                debug!("PE {:#010x}: registrar {addr}: timed out", self.id);
-                let conn = *conn;
+                let (conn, addr) = (*conn, *addr);
+                self.unreachable(addr, "no connection within the connect timeout");
                 self.out.close(conn);
                 self.failed(false, false, now);
             }

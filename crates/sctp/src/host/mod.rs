@@ -157,7 +157,7 @@ impl Host {
             Ok(Err(_)) => Err(io::Error::other("the SCTP host stopped")),
             Err(_) => Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                format!("no SCTP association with {peer} (port {peer_port}) in {CONNECT_LIMIT:?}"),
+                format!("no SCTP association with port {peer_port} at {peer} in {CONNECT_LIMIT:?}"),
             )),
         }
     }

@@ -85,11 +85,12 @@ pub(super) async fn run(
                 StackEvent::Path(id, e) => tracing::info!("SCTP association {}: {e}", id.0),
                 StackEvent::Closed(id, why) => {
                     conns.remove(&id);
-                    if let Some((peer, _, done)) = connecting.remove(&id) {
+                    if let Some((peer, (_, peer_port), done)) = connecting.remove(&id) {
                         let why = why.unwrap_or_else(|| "closed".into());
+                        // `peer` is where the datagrams go (over UDP, the encapsulation port).
                         let _ = done.send(Err(io::Error::new(
                             io::ErrorKind::ConnectionRefused,
-                            format!("no SCTP association with {peer}: {why}"),
+                            format!("no SCTP association with port {peer_port} at {peer}: {why}"),
                         )));
                     }
                 }
