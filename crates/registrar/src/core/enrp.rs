@@ -282,6 +282,8 @@ impl Enrp {
                 address: p.addr.to_string(),
                 ms_since_heard: now.as_millis().saturating_sub(p.last_heard.as_millis()),
                 state: match p.state {
+                    // A connection (perhaps still being opened), and no PRESENCE over it yet.
+                    Liveness::Alive if p.id == 0 && p.conn.is_some() => "not heard yet",
                     Liveness::Alive if p.id == 0 => "connecting",
                     Liveness::Alive => "alive",
                     Liveness::Probing { .. } => "probing",

@@ -411,8 +411,10 @@ impl Sctp {
                     }
                 }
                 StackEvent::Path(id, e) => {
-                    let peer = self.by_assoc.get(&(k, id)).and_then(|c| core.peer(*c));
-                    tracing::info!("SCTP association {} ({peer:?}): {e}", id.0);
+                    match self.by_assoc.get(&(k, id)).and_then(|c| core.peer(*c)) {
+                        Some(peer) => tracing::info!("SCTP association {} with {peer}: {e}", id.0),
+                        None => tracing::info!("SCTP association {}: {e}", id.0),
+                    }
                 }
                 StackEvent::Closed(id, why) => {
                     self.connecting.remove(&(k, id));
