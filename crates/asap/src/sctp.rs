@@ -10,7 +10,7 @@
 use crate::core::ConnId;
 use crate::link::{ConnEvent, Out};
 use bytes::Bytes;
-pub use rserpool_sctp::host::{Association, Carrier, Host};
+pub use rserpool_sctp::host::{Association, Carrier, Host, settle};
 use rserpool_wire::{ASAP_PPID, Address, Scheme};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

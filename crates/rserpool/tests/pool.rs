@@ -618,6 +618,37 @@ async fn a_tcp_pool_user_does_not_report_pes_over_sctp() {
     );
 }
 
+/// `rserpool resolve` over SCTP ends its association before it exits (SHUTDOWN, SHUTDOWN ACK,
+/// SHUTDOWN COMPLETE): the registrar's connection goes at once. Exiting first left the
+/// registrar retransmitting into silence and counting the association for many seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resolve_over_sctp_ends_its_association_before_it_exits() {
+    let udp = common::free_port();
+    let sctp = format!("sctp+udp://127.0.0.1:3863?udp={udp}");
+    let mut cfg = fast_config();
+    cfg.asap = format!("127.0.0.1:0,{sctp}").parse().unwrap();
+    let r = registrar(cfg);
+    let status = r.status_addr().unwrap();
+    let connections = || async move {
+        common::registrar_status(status)
+            .await
+            .map_or(usize::MAX, |s| s.connections)
+    };
+    let before = connections().await;
+    let out = run_bin(&["resolve", "--registrar", &sctp, "Nowhere"]).await;
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unknown pool"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(
+        Duration::from_secs(2),
+        "the registrar's connection from resolve gone",
+        || async { connections().await == before },
+    )
+    .await;
+}
+
 async fn read_message(s: &mut TcpStream, framer: &mut Framer) -> Option<AsapMessage> {
     let read = async {
         loop {

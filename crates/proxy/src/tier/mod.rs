@@ -911,7 +911,10 @@ async fn run_link(
             .core()
             .link_up(link, table.iter().map(|st| to_core(&st.splice)), now);
         drop(t);
-        let splices = first.iter().filter(|m| matches!(m, Message::Add(_))).count();
+        let splices = first
+            .iter()
+            .filter(|m| matches!(m, Message::Add(_)))
+            .count();
         info!("proxy: tier link to member {id:#010x} at {addr}: {splices} splices sent");
         let mut bytes = Vec::new();
         for m in &first {

@@ -154,6 +154,7 @@ pub fn run_pe(listen: std::net::SocketAddr, pe: PeOpts, o: CalcOpts) -> Result<(
             () = super::shutdown_signal() => {}
         }
         pe.stop().await;
+        super::sctp_settle().await;
         Ok(())
     })
 }

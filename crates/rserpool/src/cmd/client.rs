@@ -46,7 +46,10 @@ pub fn resolve(args: ResolveArgs) -> Result<()> {
     let res = super::runtime()?
         .block_on(async move {
             let mut pu = PoolUser::new(cfg)?;
-            pu.resolve(&handle).await
+            let r = pu.resolve(&handle).await;
+            drop(pu);
+            super::sctp_settle().await;
+            r
         })
         .map_err(|e| super::tls_hint(e, &args.registrars))?;
     let out = Resolved {
@@ -107,6 +110,8 @@ pub fn connect(args: ConnectArgs) -> Result<()> {
             .await
             .map_err(|e| super::tls_hint(e, &args.registrars))?;
         tracing::info!("connected to PE {:#010x} at {}", pe.id, stream.peer_addr()?);
+        // The registrar association is not needed while the data flows.
+        drop(pu);
         let (mut rd, mut wr) = stream.into_split();
         let upload = async {
             let mut stdin = tokio::io::stdin();
@@ -128,6 +133,7 @@ pub fn connect(args: ConnectArgs) -> Result<()> {
             Ok::<_, std::io::Error>(())
         };
         let (u, d) = tokio::join!(upload, download);
+        super::sctp_settle().await;
         d?;
         u.or_else(|e| {
             if e.kind() == std::io::ErrorKind::BrokenPipe {

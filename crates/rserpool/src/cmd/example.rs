@@ -140,6 +140,7 @@ pub fn run(args: ExampleArgs) -> Result<()> {
         args.control.remove();
         drop(ex.credits);
         ex.pe.stop().await;
+        super::sctp_settle().await;
         Ok(())
     })
 }

@@ -50,6 +50,7 @@ pub fn run(service: Service, listen: Address, opts: PeOpts) -> Result<()> {
             () = super::shutdown_signal() => {}
         }
         pe.stop().await;
+        super::sctp_settle().await;
         Ok(())
     })
 }

@@ -72,6 +72,12 @@ pub fn init_logging() {
     };
 }
 
+/// Before the process exits: the SCTP associations it dropped finish their shutdown (at most
+/// half a second), so that the registrar does not retransmit into silence for them.
+pub(crate) async fn sctp_settle() {
+    rserpool_asap::sctp::settle(Duration::from_millis(500)).await;
+}
+
 /// Completes on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {
     match Shutdown::watch() {

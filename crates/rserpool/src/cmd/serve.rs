@@ -251,6 +251,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     args.control.remove();
     drop(credits);
     pe.stop().await;
+    super::sctp_settle().await;
     Ok(())
 }
 

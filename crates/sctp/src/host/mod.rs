@@ -71,6 +71,28 @@ pub struct Host {
     local: SocketAddr,
     /// The next ephemeral SCTP port to try (49152–65535, from a random start).
     next_port: AtomicU16,
+    /// Associations the stack holds, closing ones too (kept by its task).
+    live: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Waits until the associations of every host of the process have ended, at most `limit`:
+/// for a process about to exit, whose dropped associations are still shutting down (their
+/// SHUTDOWN, SHUTDOWN ACK and SHUTDOWN COMPLETE take a round trip or two). Exiting first
+/// leaves the peer to find out by retransmitting into silence, for many seconds.
+pub async fn settle(limit: std::time::Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let live: usize = registry()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|h| h.live.load(Ordering::Relaxed))
+            .sum();
+        if live == 0 || tokio::time::Instant::now() >= deadline {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
 }
 
 /// Hosts live as long as the process: an association may outlast every user of its host, and
@@ -105,6 +127,7 @@ impl Host {
                     cmd: None,
                     local,
                     next_port: AtomicU16::new(0),
+                    live: Arc::default(),
                 });
             }
         };
@@ -115,7 +138,15 @@ impl Host {
             local_addresses: crate::socket::local_addresses(local),
             ..Config::default()
         };
-        tokio::spawn(stack_task::run(socket, carrier, cfg, rx, cmd.downgrade()));
+        let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        tokio::spawn(stack_task::run(
+            socket,
+            carrier,
+            cfg,
+            rx,
+            cmd.downgrade(),
+            live.clone(),
+        ));
         let start = {
             use rand_core::{OsRng, TryRngCore};
             OsRng.try_next_u32().unwrap_or(std::process::id()) as u16
@@ -124,6 +155,7 @@ impl Host {
             cmd: Some(cmd),
             local,
             next_port: AtomicU16::new(start),
+            live,
         })
     }
 

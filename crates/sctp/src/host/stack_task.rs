@@ -21,6 +21,7 @@ pub(super) async fn run(
     cfg: Config,
     mut cmds: mpsc::UnboundedReceiver<Cmd>,
     handles: mpsc::WeakUnboundedSender<Cmd>,
+    live: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 ) {
     let mut stack = Stack::with_os_randomness(cfg, Instant::now());
     let mut conns: HashMap<AssocId, (SocketAddr, mpsc::UnboundedSender<Message>)> = HashMap::new();
@@ -105,6 +106,7 @@ pub(super) async fn run(
                 tracing::debug!("SCTP to {to}: {e}");
             }
         }
+        live.store(stack.len(), std::sync::atomic::Ordering::Relaxed);
     }
 }
 
