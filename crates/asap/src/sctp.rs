@@ -30,10 +30,14 @@ pub fn host_for(to: &Address) -> io::Result<(Arc<Host>, SocketAddr)> {
             let host = match Host::shared(Carrier::Udp, SocketAddr::new(any, udp_port)) {
                 Ok(h) => h,
                 Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
-                    tracing::warn!(
-                        "UDP port {udp_port} is taken on this host: SCTP over UDP from an \
-                         ephemeral port (rsplib's peers answer to port {udp_port} only)"
-                    );
+                    // Asked for at every association: said once.
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        tracing::warn!(
+                            "UDP port {udp_port} is taken on this host: SCTP over UDP from an \
+                             ephemeral port (rsplib's peers answer to port {udp_port} only)"
+                        )
+                    });
                     Host::shared(Carrier::Udp, SocketAddr::new(any, 0))?
                 }
                 Err(e) => return Err(e),

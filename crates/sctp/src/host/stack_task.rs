@@ -100,9 +100,15 @@ pub(super) async fn run(
         let now = Instant::now();
         while let Some((to, data)) = stack.poll_transmit(now) {
             // A datagram the socket refuses is lost like one on the path: SCTP sends it again.
-            if let Err(e) = socket.try_send_to(&data, to)
-                && e.kind() != io::ErrorKind::WouldBlock
-            {
+            // Not for want of readiness, though: a socket new to the reactor has none yet, and
+            // its first INIT, dropped so, waited out the 1 s retransmission timer.
+            let sent = match socket.try_send_to(&data, to) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    socket.send_to(&data, to).await.map(|_| ())
+                }
+                r => r.map(|_| ()),
+            };
+            if let Err(e) = sent {
                 tracing::debug!("SCTP to {to}: {e}");
             }
         }
