@@ -506,7 +506,6 @@ impl Enrp {
                 }
                 Liveness::Probing { deadline } if deadline <= now => {
                     if self.peers[i].acks_owed.is_empty() {
-                        warn!("ENRP peer {id:#010x} did not answer: taking over its PEs");
                         self.start_takeover(i, hs, out, now);
                     } else {
                         self.yield_takeover(i, out, now);
@@ -1155,6 +1154,10 @@ impl Enrp {
                 now,
             );
         }
+        warn!(
+            "ENRP peer {target:#010x} did not answer: taking over its PEs ({} of them)",
+            hs.owned_count(target)
+        );
         let p = &mut self.peers[i];
         p.state = Liveness::TakingOver {
             deadline: now + ms(self.cfg.takeover_expiry_ms),
@@ -1278,7 +1281,12 @@ impl Enrp {
         let taken = hs.take_over(target, out, now);
         self.counters.takeovers += 1;
         self.counters.pes_taken_over += taken as u64;
-        warn!("took over registrar {target:#010x}: home of its {taken} PE(s) now");
+        if taken == 0 {
+            // A registrar with no PE, or an ENRP speaker that only looked (rsplib's hsdump).
+            info!("took over registrar {target:#010x}, home of no PE");
+        } else {
+            warn!("took over registrar {target:#010x}: home of its {taken} PE(s) now");
+        }
     }
 
     fn on_takeover_server(
