@@ -120,7 +120,7 @@ up() {
 	echo "7. the distributor on the router: nexthop group 100 = the live proxies; $VIP and $SHARED routed to it;"
 	echo "   it watches the proxies' traffic on brp (eBPF) to find a dead one within tens of ms"
 	start tier-router distributor "$BIN" distributor --pool ProxyTier --registrar $ROUTER:3863 \
-		--group 100 --heartbeat-ms 100 --route $VIP/32 --route $SHARED/32 --watch brp
+		--group 100 --route $VIP/32 --route $SHARED/32 --watch brp
 	for _ in $(seq 50); do
 		if ip -n tier-router nexthop show id 100 2>/dev/null | grep -q "group [0-9]*,[0-9]*/"; then
 			break

@@ -41,6 +41,11 @@ pub fn run(args: CheckArgs) -> Result<()> {
     let name = args.file.display();
     if problems.is_empty() {
         println!("{name}: ok ({kind} config)");
+        if kind == "proxy" {
+            for note in host_notes(&text) {
+                println!("{name}: note: {note}");
+            }
+        }
         return Ok(());
     }
     for p in &problems {
@@ -54,6 +59,30 @@ pub fn run(args: CheckArgs) -> Result<()> {
         problems.len(),
         if problems.len() == 1 { "" } else { "s" }
     )
+}
+
+/// What a valid proxy config asks of the host it is checked on, and this host has not: the
+/// file may be meant for another, so these are notes, not errors.
+fn host_notes(text: &str) -> Vec<String> {
+    let Ok(c) = toml::from_str::<rserpool_proxy::ProxyConfig>(text) else {
+        return Vec::new();
+    };
+    let uses_splice = c.listeners.iter().any(|l| l.kernel_splice()) || c.tier.is_some();
+    if !uses_splice {
+        return Vec::new();
+    }
+    c.kernel_splice
+        .interfaces
+        .iter()
+        .filter(|i| !std::path::Path::new("/sys/class/net").join(i).exists())
+        .map(|i| {
+            format!(
+                "[kernel-splice] interface {i} is not on this host (in this network namespace): \
+                 started here, the proxy would not load the kernel splice (its listeners relay \
+                 in user space, and a [tier] does not start)"
+            )
+        })
+        .collect()
 }
 
 /// The kind checked and its problems.
@@ -341,6 +370,22 @@ pool = \"Echo\"
 
     /// A proxy config with one bad value is checked as a proxy config, and that value is its
     /// one error (read as a registrar's, its tables are "unknown fields").
+    #[test]
+    fn an_interface_missing_on_this_host_is_a_note() {
+        let cfg = |i: &str| {
+            format!(
+                "registrars = [\"127.0.0.1:3863\"]\n[[listener]]\nlisten = \"127.0.0.1:7000\"\n\
+                 mode = \"tcp\"\npool = \"P\"\nsplice = \"kernel\"\n[kernel-splice]\n\
+                 interfaces = [\"{i}\"]\n"
+            )
+        };
+        assert!(check(&cfg("nosuchif0"), None).1.is_empty(), "a valid file");
+        let notes = host_notes(&cfg("nosuchif0"));
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].contains("nosuchif0"));
+        assert!(host_notes(&cfg("lo")).is_empty());
+    }
+
     #[test]
     fn a_proxy_config_with_a_bad_value_is_a_proxy_config() {
         let text = "\
