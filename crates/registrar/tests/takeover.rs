@@ -331,6 +331,21 @@ fn a_refused_takeover_gives_the_pe_back_to_its_home() {
     assert_eq!(r.status(at(t + 50)).counters.takeovers_handed_back, 1);
 }
 
+/// The REGISTRATION of this registrar's own PE `0x100 + i` in pool P.
+fn own_registration(i: u32) -> rserpool_wire::AsapMessage {
+    rserpool_wire::AsapMessage::Registration {
+        pool_handle: PoolHandle::from("P"),
+        pool_element: PoolElement {
+            id: 0x100 + i,
+            home_registrar: 0,
+            registration_life: 60,
+            user_transport: UserTransport::Address(TransportAddress::tcp(addr(8, 8000))),
+            policy: Policy::RoundRobin,
+            asap_transport: None,
+        },
+    }
+}
+
 /// A registrar with many PEs (a talkative network) is cut off for longer than its peers take
 /// to take it over; when the link returns, a PE that moved to its new home meanwhile closes
 /// its association here, right after its last message arrives. The PE is kept (the new
@@ -356,17 +371,7 @@ fn a_pe_closes_after_a_long_silence(with_peer: bool) {
         r.enable_enrp(addr(1, 9901), at(0));
         r.accept_enrp(addr(2, 40_000), at(0)).unwrap()
     });
-    let pe = |i: u32| rserpool_wire::AsapMessage::Registration {
-        pool_handle: PoolHandle::from("P"),
-        pool_element: PoolElement {
-            id: 0x100 + i,
-            home_registrar: 0,
-            registration_life: 60,
-            user_transport: UserTransport::Address(TransportAddress::tcp(addr(8, 8000))),
-            policy: Policy::RoundRobin,
-            asap_transport: None,
-        },
-    };
+    let pe = own_registration;
     let conns: Vec<ConnId> = (0..40u32)
         .map(|i| {
             let c = r.accept(addr(8, 50_000 + i as u16), at(0)).unwrap();
@@ -483,17 +488,7 @@ fn a_small_network_removes_a_dead_pe_on_time() {
     let mut r = Registrar::new(Config::default(), US, at(0));
     r.enable_enrp(addr(1, 9901), at(0));
     let peer = r.accept_enrp(addr(2, 40_000), at(0)).unwrap();
-    let pe = |i: u32| rserpool_wire::AsapMessage::Registration {
-        pool_handle: PoolHandle::from("P"),
-        pool_element: PoolElement {
-            id: 0x100 + i,
-            home_registrar: 0,
-            registration_life: 60,
-            user_transport: UserTransport::Address(TransportAddress::tcp(addr(8, 8000))),
-            policy: Policy::RoundRobin,
-            asap_transport: None,
-        },
-    };
+    let pe = own_registration;
     let conns: Vec<ConnId> = (0..3u32)
         .map(|i| {
             let c = r.accept(addr(8, 50_000 + i as u16), at(0)).unwrap();

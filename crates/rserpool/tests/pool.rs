@@ -40,6 +40,26 @@ fn pool_user(reg: SocketAddr, items: Option<u32>) -> PoolUser {
     .unwrap()
 }
 
+/// Two registered PEs of `pool`: the one pool users try first (priority 9) at `first_port`,
+/// and one that accepts (priority 1; its listener comes with it).
+async fn tried_first_and_good(
+    reg: SocketAddr,
+    pool: &str,
+    first_port: u16,
+) -> (PoolElement, PoolElement, tokio::net::TcpListener) {
+    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let first = pe(reg, pool, first_port, Policy::Priority { priority: 9 });
+    let good = pe(
+        reg,
+        pool,
+        up.local_addr().unwrap().port(),
+        Policy::Priority { priority: 1 },
+    );
+    first.wait_registered(Duration::from_secs(5)).await.unwrap();
+    good.wait_registered(Duration::from_secs(5)).await.unwrap();
+    (first, good, up)
+}
+
 /// The PE IDs a fresh resolution returns (empty if the pool is unknown).
 async fn resolve_ids(reg: SocketAddr, pool: &str, items: u32) -> Vec<u32> {
     let mut pu = pool_user(reg, Some(items));
@@ -472,25 +492,11 @@ async fn pool_user_connect_fails_over_and_reports() {
         ..fast_config()
     });
     // One PE whose service is down (nothing listens), one that accepts.
-    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let dead_port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let dead = pe(
-        r.asap_addr(),
-        "C",
-        dead_port,
-        Policy::Priority { priority: 9 },
-    );
-    let good = pe(
-        r.asap_addr(),
-        "C",
-        up.local_addr().unwrap().port(),
-        Policy::Priority { priority: 1 },
-    );
-    dead.wait_registered(Duration::from_secs(5)).await.unwrap();
-    good.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let (_dead, good, _up) = tried_first_and_good(r.asap_addr(), "C", dead_port).await;
     let mut pu = pool_user(r.asap_addr(), None);
     let (_s, reached) = pu.connect(&PoolHandle::from("C")).await.unwrap();
     assert_eq!(reached.id, good.id());
@@ -521,21 +527,7 @@ async fn a_shared_pool_user_connects_without_holding_up_other_tasks() {
         .await
         .is_ok_and(|c| c.map(|c| fillers.push(c)).is_ok())
     {}
-    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let stuck = pe(
-        r.asap_addr(),
-        "Shared",
-        full_addr.port(),
-        Policy::Priority { priority: 9 },
-    );
-    let good = pe(
-        r.asap_addr(),
-        "Shared",
-        up.local_addr().unwrap().port(),
-        Policy::Priority { priority: 1 },
-    );
-    stuck.wait_registered(Duration::from_secs(5)).await.unwrap();
-    good.wait_registered(Duration::from_secs(5)).await.unwrap();
+    let (_stuck, good, _up) = tried_first_and_good(r.asap_addr(), "Shared", full_addr.port()).await;
     let connect_timeout = Duration::from_secs(3);
     let pu = rserpool_asap::SharedPoolUser::new(PoolUserConfig {
         registrars: vec![r.asap_addr()],

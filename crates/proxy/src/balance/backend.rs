@@ -451,6 +451,28 @@ impl Backend {
     }
 }
 
+/// A PE record at 127.0.0.1:`port`, for tests and benchmarks that never connect to it.
+#[doc(hidden)]
+pub(crate) fn loopback_pe(
+    id: u32,
+    protocol: rserpool_wire::Protocol,
+    port: u16,
+    policy: rserpool_wire::Policy,
+) -> PoolElement {
+    PoolElement {
+        id,
+        home_registrar: 0,
+        registration_life: -1,
+        user_transport: UserTransport::Address(rserpool_wire::TransportAddress {
+            protocol,
+            port,
+            addresses: vec![std::net::IpAddr::from([127, 0, 0, 1])].into(),
+        }),
+        policy,
+        asap_transport: None,
+    }
+}
+
 fn addrs_of(pe: &PoolElement) -> Vec<SocketAddr> {
     match &pe.user_transport {
         UserTransport::Address(t) => t.socket_addrs().collect(),

@@ -847,7 +847,7 @@ pub async fn admission_cost(
     tasks: usize,
     per_task: u32,
 ) -> Duration {
-    use rserpool_wire::{Policy, Protocol, TransportAddress, UserTransport};
+    use rserpool_wire::{Policy, Protocol};
     let pool = Arc::new(Pool::new(PoolHandle::from("AdmissionCost")));
     let cfg = PoolConfig {
         max_conn: limited.then_some(1),
@@ -862,18 +862,7 @@ pub async fn admission_cost(
     });
     pool.set_config(cfg, lv.as_ref());
     let pes = (1..=2)
-        .map(|id| PoolElement {
-            id,
-            home_registrar: 0,
-            registration_life: -1,
-            user_transport: UserTransport::Address(TransportAddress {
-                protocol: Protocol::TCP,
-                port: 1,
-                addresses: vec![std::net::IpAddr::from([127, 0, 0, 1])].into(),
-            }),
-            policy: Policy::RoundRobin,
-            asap_transport: None,
-        })
+        .map(|id| crate::balance::backend::loopback_pe(id, Protocol::TCP, 1, Policy::RoundRobin))
         .collect();
     pool.update(pes);
     let started = Instant::now();
@@ -900,21 +889,11 @@ pub async fn admission_cost(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rserpool_wire::{Policy, Protocol, TransportAddress, UserTransport};
+    use crate::balance::backend::loopback_pe;
+    use rserpool_wire::{Policy, Protocol};
 
     fn pe(id: u32, protocol: Protocol) -> PoolElement {
-        PoolElement {
-            id,
-            home_registrar: 0,
-            registration_life: -1,
-            user_transport: UserTransport::Address(TransportAddress {
-                protocol,
-                port: 1,
-                addresses: vec![std::net::IpAddr::from([127, 0, 0, 1])].into(),
-            }),
-            policy: Policy::RoundRobin,
-            asap_transport: None,
-        }
+        loopback_pe(id, protocol, 1, Policy::RoundRobin)
     }
 
     /// PEs the proxy cannot reach over TCP are not its backends: it would find them

@@ -477,21 +477,12 @@ fn note_policy(b: &Backend, policy: &Policy) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rserpool_wire::{Protocol, TransportAddress, UserTransport};
+    use crate::balance::backend::loopback_pe;
+    use rserpool_wire::Protocol;
 
     fn pe(id: u32, weight: u32) -> PoolElement {
-        PoolElement {
-            id,
-            home_registrar: 0,
-            registration_life: -1,
-            user_transport: UserTransport::Address(TransportAddress {
-                protocol: Protocol::TCP,
-                port: 1000 + id as u16,
-                addresses: vec![std::net::IpAddr::from([127, 0, 0, 1])].into(),
-            }),
-            policy: Policy::WeightedRoundRobin { weight },
-            asap_transport: None,
-        }
+        let policy = Policy::WeightedRoundRobin { weight };
+        loopback_pe(id, Protocol::TCP, 1000 + id as u16, policy)
     }
 
     /// Least connections and P2C fill PEs in proportion to their weights, as HAProxy's
