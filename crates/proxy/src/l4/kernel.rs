@@ -58,6 +58,8 @@ pub(crate) struct KernelSplice {
     drain_within: Duration,
     handed_over: AtomicU64,
     user_space: AtomicU64,
+    /// Of those, the ones relayed in user space now: they die with this process.
+    user_space_now: AtomicU64,
     /// See [`Self::distrust_adopted`]: CLOCK_MONOTONIC ns, 0 for none.
     adopted_before: AtomicU64,
     held_to_drain: AtomicU64,
@@ -108,6 +110,8 @@ struct Snapshot {
     /// Connections handed to the kernel, and those that stayed in user space.
     handed_over: u64,
     user_space: u64,
+    /// Connections relayed in user space now (not spliced: they die with this proxy).
+    user_space_now: u64,
     /// Connections busy past `hold-after-ms`, held (new data dropped) to drain.
     held_to_drain: u64,
     /// Hand-overs refused because the flow table was full.
@@ -137,6 +141,7 @@ impl KernelSplice {
             drain_within: Duration::from_millis(cfg.drain_timeout_ms.max(1)),
             handed_over: AtomicU64::new(0),
             user_space: AtomicU64::new(0),
+            user_space_now: AtomicU64::new(0),
             adopted_before: AtomicU64::new(0),
             held_to_drain: AtomicU64::new(0),
             table_full: AtomicU64::new(0),
@@ -283,6 +288,7 @@ impl KernelSplice {
             max_flows: dp.max_flows(),
             handed_over: n(&self.handed_over),
             user_space: n(&self.user_space),
+            user_space_now: n(&self.user_space_now),
             held_to_drain: n(&self.held_to_drain),
             table_full: n(&self.table_full),
             handover_mean_us: n(&self.handover_ns) as f64
@@ -310,6 +316,13 @@ impl KernelSplice {
             "Flow table entries of the kernel splice (two per spliced connection).",
             &[],
             s.entries as f64,
+        );
+        m.gauge(
+            "rserpool_proxy_kernel_splice_user_space_now",
+            "Connections of spliced listeners relayed in user space now: not spliced, they die \
+             with this proxy.",
+            &[],
+            s.user_space_now as f64,
         );
         let counters = [
             (
@@ -571,6 +584,23 @@ pub(crate) async fn try_hand_over(
         }
     };
     handed
+}
+
+impl KernelSplice {
+    /// A connection [`try_hand_over`] gave back is relayed in user space while this lives.
+    pub(crate) fn relaying(&self) -> Relaying<'_> {
+        self.user_space_now.fetch_add(1, Ordering::Relaxed);
+        Relaying(self)
+    }
+}
+
+/// See [`KernelSplice::relaying`].
+pub(crate) struct Relaying<'a>(&'a KernelSplice);
+
+impl Drop for Relaying<'_> {
+    fn drop(&mut self) {
+        self.0.user_space_now.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Bounds the buffers a connection fills before its hand-over ([`BUFFER_BEFORE_HANDOVER`]).

@@ -136,6 +136,8 @@ pub(crate) async fn carry(
             .bytes_in
             .fetch_add(first.len() as u64, Ordering::Relaxed);
     }
+    // Counted while it is relayed here, its hand-over given up.
+    let mut relaying = None;
     let (client, backend) = match ctx.kernel.as_ref().filter(|_| kernel) {
         Some(ks) => {
             match crate::l4::kernel::try_hand_over(client, backend, !first.is_empty(), &b, ks).await
@@ -156,13 +158,17 @@ pub(crate) async fn carry(
                     });
                     return;
                 }
-                crate::l4::kernel::Handed::Back(c, s) => (c, s),
+                crate::l4::kernel::Handed::Back(c, s) => {
+                    relaying = Some(ks.relaying());
+                    (c, s)
+                }
             }
         }
         None => (client, backend),
     };
     let moved =
         crate::l4::splice::forward(&client, &backend, ctx.idle_timeout(), ctx.cfg.splice).await;
+    drop(relaying);
     pool.finished(&b, level, since.elapsed());
     let (up, down) = match &moved {
         Ok(m) => (m.a_to_b, m.b_to_a),
