@@ -32,7 +32,7 @@ need_root() {
 start() { # NAMESPACE LOG COMMAND...
 	local ns=$1 log=$2
 	shift 2
-	ip netns exec "$ns" "$@" >"$DIR/$log.log" 2>&1 &
+	ip netns exec "$ns" env -u RUST_BACKTRACE "$@" >"$DIR/$log.log" 2>&1 &
 	echo $! >>"$DIR/pids"
 }
 

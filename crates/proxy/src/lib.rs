@@ -351,6 +351,11 @@ impl Proxy {
         }
     }
 
+    /// Whether this proxy is a member of a proxy tier.
+    pub fn in_tier(&self) -> bool {
+        self.tier().is_some()
+    }
+
     fn tier(&self) -> Option<Arc<tier::Tier>> {
         self.inner
             .tier
@@ -377,7 +382,7 @@ impl Proxy {
         let Some(ks) = self.kernel() else {
             return Err(StartError::Config(config::ConfigError::Invalid(
                 "[tier] needs the kernel splice: a listener with splice = \"kernel\", and the \
-                 datapath loaded (the warning above says why it was not; it needs root)"
+                 datapath loaded (the warning above says why it was not)"
                     .into(),
             )));
         };

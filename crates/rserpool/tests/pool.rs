@@ -610,7 +610,7 @@ async fn a_tcp_pool_user_does_not_report_pes_over_sctp() {
     );
 }
 
-/// `rserpool resolve` over SCTP ends its association before it exits (SHUTDOWN, SHUTDOWN ACK,
+/// `rserpool resolve` and `connect` over SCTP end their association before they exit (SHUTDOWN, SHUTDOWN ACK,
 /// SHUTDOWN COMPLETE): the registrar's connection goes at once. Exiting first left the
 /// registrar retransmitting into silence and counting the association for many seconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -636,6 +636,15 @@ async fn resolve_over_sctp_ends_its_association_before_it_exits() {
     wait_for(
         Duration::from_secs(2),
         "the registrar's connection from resolve gone",
+        || async { connections().await == before },
+    )
+    .await;
+    // `connect` too, on its way out with an error.
+    let out = run_bin(&["connect", "--registrar", &sctp, "Nowhere"]).await;
+    assert!(!out.status.success());
+    wait_for(
+        Duration::from_secs(2),
+        "the registrar's connection from connect gone",
         || async { connections().await == before },
     )
     .await;

@@ -681,10 +681,8 @@ impl Enrp {
             Liveness::Probing { .. } if !p.acks_owed.is_empty() => {
                 self.yield_takeover(i, out, now);
             }
-            Liveness::Probing { .. } => {
-                warn!("ENRP peer {:#010x} unreachable: taking over its PEs", p.id);
-                self.start_takeover(i, hs, out, now);
-            }
+            // start_takeover says what it does.
+            Liveness::Probing { .. } => self.start_takeover(i, hs, out, now),
             Liveness::TakingOver { .. } | Liveness::Inactive { .. } => {}
         }
     }
@@ -1154,10 +1152,11 @@ impl Enrp {
                 now,
             );
         }
-        warn!(
-            "ENRP peer {target:#010x} did not answer: taking over its PEs ({} of them)",
-            hs.owned_count(target)
-        );
+        match hs.owned_count(target) {
+            // A registrar with no PE, or an ENRP speaker that only looked (rsplib's hsdump).
+            0 => info!("ENRP peer {target:#010x}, home of no PE, did not answer: taking it over"),
+            n => warn!("ENRP peer {target:#010x} did not answer: taking over its {n} PE(s)"),
+        }
         let p = &mut self.peers[i];
         p.state = Liveness::TakingOver {
             deadline: now + ms(self.cfg.takeover_expiry_ms),

@@ -105,13 +105,17 @@ pub fn connect(args: ConnectArgs) -> Result<()> {
     let handle = PoolHandle::from(args.pool.as_str());
     super::runtime()?.block_on(async move {
         let mut pu = PoolUser::new(cfg)?;
-        let (stream, pe) = pu
-            .connect(&handle)
-            .await
-            .map_err(|e| super::tls_hint(e, &args.registrars))?;
-        tracing::info!("connected to PE {:#010x} at {}", pe.id, stream.peer_addr()?);
-        // The registrar association is not needed while the data flows.
+        let connected = pu.connect(&handle).await;
+        // The registrar association is needed no more: the data flows, or it failed.
         drop(pu);
+        let (stream, pe) = match connected {
+            Ok(c) => c,
+            Err(e) => {
+                super::sctp_settle().await;
+                return Err(super::tls_hint(e, &args.registrars));
+            }
+        };
+        tracing::info!("connected to PE {:#010x} at {}", pe.id, stream.peer_addr()?);
         let (mut rd, mut wr) = stream.into_split();
         let upload = async {
             let mut stdin = tokio::io::stdin();

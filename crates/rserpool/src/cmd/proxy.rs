@@ -241,10 +241,17 @@ pub fn run(args: ProxyArgs) -> Result<()> {
                 warn!("proxy: {e}");
             }
         }
-        info!(
-            "proxy: draining ({} connections open)",
-            proxy.active_connections()
-        );
+        if proxy.in_tier() {
+            info!(
+                "proxy: stopping ({} connections open): leaving the tier, then draining",
+                proxy.active_connections()
+            );
+        } else {
+            info!(
+                "proxy: draining ({} connections open)",
+                proxy.active_connections()
+            );
+        }
         let left = proxy.drain(drain).await;
         if left > 0 {
             warn!("proxy: exiting with {left} connections still open");
