@@ -572,3 +572,71 @@ fn a_small_network_removes_a_dead_pe_on_time() {
         "the dead peer taken over at {taken_over:?} ms, it died at {dead} ms"
     );
 }
+
+/// An ENRP speaker that only looks at the handlespace (rsplib's hsdump) announces itself with
+/// its loopback addresses first, then asks for the registrar list and the handle table. It is
+/// answered over the association it asked on (before, the answers went to a connection of the
+/// registrar's own towards ::1, and hsdump printed nothing), and it is known by the address it
+/// spoke from, not by ::1 (which the registrar then could not reach, and took it over).
+#[test]
+fn a_request_is_answered_where_it_came_from() {
+    const LOOKER: u32 = 0x0a00_0044;
+    let mut r = with_a_peer_and_its_pe();
+    let c = r.accept_enrp(addr(4, 50_123), at(100)).unwrap();
+    let from_looker = |body: EnrpBody| {
+        EnrpMessage {
+            sender: LOOKER,
+            receiver: 0,
+            body,
+        }
+        .to_bytes()
+        .unwrap()
+    };
+    let listed = [
+        std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
+        std::net::IpAddr::from([127, 0, 0, 1]),
+        std::net::IpAddr::from([10, 0, 0, 4]),
+    ];
+    let presence = EnrpBody::Presence {
+        reply_required: false,
+        checksum: None,
+        server_info: Some(ServerInformation {
+            server_id: LOOKER,
+            transport: TransportAddress {
+                protocol: rserpool_wire::Protocol::TCP,
+                port: 50_123,
+                addresses: listed.into_iter().collect(),
+            },
+        }),
+    };
+    r.handle_data(c, &from_looker(presence), at(110));
+    r.handle_data(c, &from_looker(EnrpBody::ListRequest), at(120));
+    r.handle_data(
+        c,
+        &from_looker(EnrpBody::HandleTableRequest {
+            own_children_only: false,
+        }),
+        at(130),
+    );
+    let answers = enrp_out(&mut r, c);
+    assert!(
+        answers
+            .iter()
+            .any(|m| matches!(m.body, EnrpBody::ListResponse { reject: false, .. })),
+        "no LIST_RESPONSE on the association asked: {answers:?}"
+    );
+    assert!(
+        answers.iter().any(|m| matches!(
+            &m.body,
+            EnrpBody::HandleTableResponse { reject: false, pools, .. } if !pools.is_empty()
+        )),
+        "no HANDLE_TABLE_RESPONSE with the pool on the association asked: {answers:?}"
+    );
+    let looker = r
+        .status(at(140))
+        .peers
+        .into_iter()
+        .find(|p| p.id == LOOKER)
+        .expect("the looker is known");
+    assert_eq!(looker.address, "10.0.0.4:50123");
+}

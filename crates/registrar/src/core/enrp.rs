@@ -32,7 +32,7 @@ use rserpool_wire::{
     UpdateAction,
 };
 use std::collections::BTreeSet;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{debug, info, warn};
@@ -269,7 +269,7 @@ impl Enrp {
         }
         out.heard_from_network(now);
         if matches!(msg.body, EnrpBody::Presence { .. }) {
-            self.heard_peer(msg.sender, &msg.body, hs, out, now);
+            self.heard_peer(msg.sender, &msg.body, None, hs, out, now);
         }
     }
 
@@ -383,6 +383,18 @@ impl Enrp {
             body,
         };
         out.send_enrp(conn, &msg, now);
+    }
+
+    /// Answers peer `to`'s request over `via`, the association it came on: the peer's own
+    /// address (from its PRESENCE) may not be reachable from here, as with a tool that only
+    /// looks at the handlespace (rsplib's hsdump) and lists its loopback addresses first.
+    fn reply(&self, via: ConnId, to: u32, body: EnrpBody, out: &mut Conns, now: Instant) {
+        let msg = EnrpMessage {
+            sender: self.id,
+            receiver: to,
+            body,
+        };
+        out.send_enrp(via, &msg, now);
     }
 
     /// Sends `msg` to every peer, encoded once.
@@ -716,7 +728,8 @@ impl Enrp {
             );
             return;
         }
-        let Some(i) = self.heard_peer(msg.sender, &msg.body, hs, out, now) else {
+        let from = out.peer(id).map(|a| a.ip());
+        let Some(i) = self.heard_peer(msg.sender, &msg.body, from, hs, out, now) else {
             debug!(
                 "ENRP {} from unknown {:#010x} ignored",
                 msg.body.name(),
@@ -778,7 +791,7 @@ impl Enrp {
                 }
             }
             EnrpBody::HandleTableRequest { own_children_only } => {
-                self.serve_handle_table(i, own_children_only, hs, out, now);
+                self.serve_handle_table(i, own_children_only, id, hs, out, now);
             }
             EnrpBody::HandleTableResponse {
                 reject,
@@ -805,12 +818,12 @@ impl Enrp {
                     reject: false,
                     servers,
                 };
-                self.send_to_peer(sender, body, out, now);
+                self.reply(id, sender, body, out, now);
             }
             EnrpBody::ListResponse { reject, servers } => {
                 if !reject {
                     for s in servers {
-                        self.learn_peer(s, hs, out, now);
+                        self.learn_peer(s, None, hs, out, now);
                     }
                 }
             }
@@ -848,6 +861,7 @@ impl Enrp {
         &mut self,
         sender: u32,
         body: &EnrpBody,
+        from: Option<IpAddr>,
         hs: &impl HandlespaceView,
         out: &mut Conns,
         now: Instant,
@@ -865,7 +879,7 @@ impl Enrp {
                 else {
                     return None;
                 };
-                self.learn_peer(si.clone(), hs, out, now)?
+                self.learn_peer(si.clone(), from, hs, out, now)?
             }
         };
         if std::mem::take(&mut self.alone) {
@@ -905,9 +919,11 @@ impl Enrp {
         }
     }
 
+    /// `from`: the address its message came from, if known.
     fn learn_peer(
         &mut self,
         si: ServerInformation,
+        from: Option<IpAddr>,
         hs: &impl HandlespaceView,
         out: &mut Conns,
         now: Instant,
@@ -919,7 +935,7 @@ impl Enrp {
         if let Some(i) = self.peer_index(id) {
             return Some(i);
         }
-        let addr = si.transport.socket_addrs().next()?;
+        let addr = peer_address(&si.transport, from)?;
         // A configured peer names itself with its first PRESENCE.
         let i = match self.peers.iter().position(|p| p.id == 0 && p.addr == addr) {
             Some(i) => {
@@ -1018,10 +1034,12 @@ impl Enrp {
         self.request_handle_table(i, true, out, now);
     }
 
+    /// Answers a HANDLE_TABLE_REQUEST from peer `i` that came over `via`.
     fn serve_handle_table(
         &mut self,
         i: usize,
         own_only: bool,
+        via: ConnId,
         hs: &mut impl HandlespaceView,
         out: &mut Conns,
         now: Instant,
@@ -1045,7 +1063,7 @@ impl Enrp {
             more,
             pools,
         };
-        self.send_to_peer(id, body, out, now);
+        self.reply(via, id, body, out, now);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1447,4 +1465,17 @@ fn apply_update(
 
 fn ms(ms: u64) -> Duration {
     Duration::from_millis(ms)
+}
+
+/// Where to reach a peer that announced `transport`: the listed address its message came
+/// from, else the first that is not loopback (a peer lists all of its addresses, loopback ones
+/// too, and only it can reach those), else the first.
+fn peer_address(transport: &TransportAddress, from: Option<IpAddr>) -> Option<SocketAddr> {
+    let all: Vec<SocketAddr> = transport.socket_addrs().collect();
+    let from_loopback = from.is_some_and(|f| f.is_loopback());
+    all.iter()
+        .find(|a| Some(a.ip()) == from)
+        .or_else(|| all.iter().find(|a| from_loopback || !a.ip().is_loopback()))
+        .or_else(|| all.first())
+        .copied()
 }
