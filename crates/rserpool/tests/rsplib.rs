@@ -418,6 +418,26 @@ fn rsplib_pool_elements_at_our_registrar(c: Carrier) {
         "the status page lists the pool and both PEs: {status}"
     );
 
+    // rsplib's hsdump dumps our registrar's handlespace over ENRP (it lists its loopback
+    // addresses first: our registrar answers over the association it asked on).
+    wait_until(
+        "both rsplib PEs listed by hsdump at our registrar",
+        Duration::from_secs(30),
+        || {
+            let out = Command::new("timeout")
+                .args(["10", "ip", "netns", "exec", &net.names[3]])
+                .arg(c.bin("hsdump"))
+                .args(["192.0.2.1:9901", "-logcolor=off", "-loglevel=0"])
+                .output()
+                .unwrap();
+            let out = String::from_utf8_lossy(&out.stdout).into_owned();
+            let ok = out.contains("EchoPool")
+                && out.contains("{192.0.2.2} 7777/SCTP")
+                && out.contains("{192.0.2.3} 7777/SCTP");
+            (ok, out)
+        },
+    );
+
     // rsplib's pool user resolves through our registrar and is echoed by a PE.
     let seen = rspterminal(c, &net.names[3], "hello-from-rsplib");
     assert!(
