@@ -133,6 +133,8 @@ struct Peer {
     marked: Option<BTreeSet<(PoolHandle, u32)>>,
     /// A peer back after a takeover is not audited before this time; see [`Enrp::taken_over`].
     audit_after: Option<Instant>,
+    /// A put-off takeover of it was logged (once until it is heard again).
+    deferral_said: bool,
 }
 
 impl Peer {
@@ -152,6 +154,7 @@ impl Peer {
             serving: None,
             marked: None,
             audit_after: None,
+            deferral_said: false,
         }
     }
 }
@@ -896,6 +899,7 @@ impl Enrp {
     fn revive(&mut self, i: usize, now: Instant) {
         let p = &mut self.peers[i];
         p.last_heard = now;
+        p.deferral_said = false;
         if !p.acks_owed.is_empty() {
             // It answered: the takeovers waiting for our acknowledgement expire unanswered.
             info!(
@@ -1194,11 +1198,19 @@ impl Enrp {
     /// Puts off the takeover of peer `i`, since this registrar may be the one cut off (`why`):
     /// the peer is asked again, and any message from it revives it (the heartbeat reconnects).
     fn defer_takeover(&mut self, i: usize, why: &str, out: &mut Conns, now: Instant) {
-        if out.peer_log.allow(now) {
+        let p = &mut self.peers[i];
+        // Said once while the peer stays silent (the put-off repeats every probe); counted.
+        if !std::mem::replace(&mut p.deferral_said, true) && out.peer_log.allow(now) {
             warn!(
                 "ENRP peer {:#010x} silent, but {why}: this registrar may be the one cut off, so \
-                 it does not take over yet",
-                self.peers[i].id
+                 it does not take over yet (said once until the peer is heard; counted in \
+                 rserpool_enrp_takeovers_deferred_total)",
+                p.id
+            );
+        } else {
+            debug!(
+                "ENRP peer {:#010x} silent, takeover put off again: {why}",
+                p.id
             );
         }
         self.counters.takeovers_deferred += 1;
