@@ -996,7 +996,7 @@ fn a_proxy_that_comes_back_carries_the_connections_made_while_it_was_away() {
 /// the download on the proxy's own sockets goes with it, as with kill -9.
 #[test]
 fn a_proxy_stopped_with_sigterm_leaves_the_group_before_it_stops_accepting() {
-    let Some(mut t) = Tier::start(2, 2) else {
+    let Some(t) = Tier::start(2, 2) else {
         return;
     };
     t.wait_ready(2, Duration::from_secs(30));
