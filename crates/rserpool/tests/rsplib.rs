@@ -139,6 +139,18 @@ fn sctp_pes(ns: &str, registrar: &str, pool: &str) -> (Vec<String>, String) {
     (pes, out)
 }
 
+/// What rsplib's `hsdump` in `ns` prints of the handlespace of the registrar whose ENRP
+/// address is `registrar` (at most 10 s).
+fn hsdump(c: Carrier, ns: &str, registrar: &str) -> String {
+    let out = Command::new("timeout")
+        .args(["10", "ip", "netns", "exec", ns])
+        .arg(c.bin("hsdump"))
+        .args([registrar, "-logcolor=off", "-loglevel=0"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// What `rspterminal` in `ns` prints after sending `line` to pool EchoPool through the
 /// registrar at 192.0.2.1 (up to 15 s, until the line comes back).
 fn rspterminal(c: Carrier, ns: &str, line: &str) -> String {
@@ -424,13 +436,7 @@ fn rsplib_pool_elements_at_our_registrar(c: Carrier) {
         "both rsplib PEs listed by hsdump at our registrar",
         Duration::from_secs(30),
         || {
-            let out = Command::new("timeout")
-                .args(["10", "ip", "netns", "exec", &net.names[3]])
-                .arg(c.bin("hsdump"))
-                .args(["192.0.2.1:9901", "-logcolor=off", "-loglevel=0"])
-                .output()
-                .unwrap();
-            let out = String::from_utf8_lossy(&out.stdout).into_owned();
+            let out = hsdump(c, &net.names[3], "192.0.2.1:9901");
             let ok = out.contains("EchoPool")
                 && out.contains("{192.0.2.2} 7777/SCTP")
                 && out.contains("{192.0.2.3} 7777/SCTP");
@@ -521,15 +527,7 @@ fn our_pool_elements_at_rsplibs_registrar(c: Carrier) {
     let pu = &net.names[3];
 
     // rsplib's hsdump asks its registrar (over ENRP) for the handlespace.
-    let hsdump = || {
-        let out = Command::new("timeout")
-            .args(["10", "ip", "netns", "exec", pu])
-            .arg(c.bin("hsdump"))
-            .args(["192.0.2.1:9901", "-logcolor=off", "-loglevel=0"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let hsdump = || hsdump(c, pu, "192.0.2.1:9901");
     wait_until(
         "both our PEs listed by rsplib's hsdump",
         Duration::from_secs(30),
@@ -650,13 +648,7 @@ fn one_enrp_cluster(c: Carrier) {
         "both PEs in rsplib's registrar's handlespace",
         Duration::from_secs(30),
         || {
-            let out = Command::new("timeout")
-                .args(["10", "ip", "netns", "exec", &net.names[4]])
-                .arg(c.bin("hsdump"))
-                .args(["192.0.2.2:9901", "-logcolor=off", "-loglevel=0"])
-                .output()
-                .unwrap();
-            let out = String::from_utf8_lossy(&out.stdout).into_owned();
+            let out = hsdump(c, &net.names[4], "192.0.2.2:9901");
             let ok = out.contains("{192.0.2.3} 7777/SCTP") && out.contains("{192.0.2.4} 7777/SCTP");
             (ok, out)
         },
