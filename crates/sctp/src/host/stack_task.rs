@@ -99,9 +99,10 @@ pub(super) async fn run(
         }
         let now = Instant::now();
         while let Some((to, data)) = stack.poll_transmit(now) {
-            // A datagram the socket refuses is lost like one on the path: SCTP sends it again.
-            // Not for want of readiness, though: a socket new to the reactor has none yet, and
-            // its first INIT, dropped so, waited out the 1 s retransmission timer.
+            // A datagram the socket refuses (an error) is lost like one on the path: SCTP sends
+            // it again. One that meets no write readiness waits for it: a socket new to the
+            // reactor has none yet, and its first INIT, dropped so, waited out the 1 s
+            // retransmission timer; a full send buffer holds the task until there is room.
             let sent = match socket.try_send_to(&data, to) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     socket.send_to(&data, to).await.map(|_| ())
