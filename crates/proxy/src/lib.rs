@@ -189,7 +189,8 @@ impl Proxy {
             idle_timeout: Duration::from_millis(cfg.idle_timeout_ms.min(30_000)),
         });
         let log = open_log(&cfg)?;
-        if !inherited.is_empty() {
+        let fresh = inherited.is_empty();
+        if !fresh {
             warn_if_no_flow_table(&cfg);
         }
         let kernel = load_kernel_splice(&cfg);
@@ -222,7 +223,7 @@ impl Proxy {
         for h in cfg.pools() {
             proxy.inner.pools.pool(&h);
         }
-        let limit = if inherited.is_empty() {
+        let limit = if fresh {
             FIRST_FETCH_TIMEOUT
         } else {
             HANDOVER_FETCH_TIMEOUT
@@ -235,16 +236,32 @@ impl Proxy {
                 .join_tier(t.clone(), &cfg, inherited.tier.take())
                 .await?;
         }
+        // Started afresh, the proxy waits a while for an address a proxy stopping still holds.
+        let patience = if fresh {
+            listener::ADDRESS_PATIENCE
+        } else {
+            Duration::ZERO
+        };
         for l in &cfg.listeners {
-            let taken = inherited.listeners.remove(&l.listen);
-            proxy.add_listener(l.clone(), taken).await?;
+            let taken = match inherited.listeners.remove(&l.listen) {
+                Some(t) => t,
+                None => listener::when_free(l.listen, patience, || listener::bind(l.listen))
+                    .await
+                    .map_err(|e| StartError::Bind(l.listen, e))?,
+            };
+            proxy.add_listener(l.clone(), Some(taken)).await?;
         }
         for a in inherited.listeners.keys() {
             info!("proxy: listener {a} handed over but no longer configured: closed");
         }
         if let Some(addr) = cfg.status {
-            let taken = inherited.status.take().filter(|(a, _)| *a == addr);
-            proxy.serve_status(addr, taken.map(|(_, l)| l))?;
+            let taken = match inherited.status.take().filter(|(a, _)| *a == addr) {
+                Some((_, l)) => l,
+                None => listener::when_free(addr, patience, || std::net::TcpListener::bind(addr))
+                    .await
+                    .map_err(|e| StartError::Bind(addr, e))?,
+            };
+            proxy.serve_status(addr, taken)?;
         }
         if let Some(monitor) = cfg.csp {
             proxy.report_status(monitor, Duration::from_millis(cfg.csp_interval_ms));
@@ -252,18 +269,14 @@ impl Proxy {
         Ok(proxy)
     }
 
-    /// Serves the status listener on `taken` (handed over) or on a socket bound to `addr`.
+    /// Serves the status listener, configured at `addr`, on `socket` (handed over or bound).
     fn serve_status(
         &self,
         addr: SocketAddr,
-        taken: Option<std::net::TcpListener>,
+        socket: std::net::TcpListener,
     ) -> Result<(), StartError> {
-        let bound = match taken {
-            Some(l) => Ok(l),
-            None => std::net::TcpListener::bind(addr),
-        };
-        let socket = bound
-            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        socket
+            .set_nonblocking(true)
             .map_err(|e| StartError::Bind(addr, e))?;
         let sock = socket
             .try_clone()

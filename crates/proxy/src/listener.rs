@@ -79,6 +79,40 @@ pub(crate) fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     Ok(sock.into())
 }
 
+/// How long a proxy starting afresh waits for an address still held, before it gives up: a
+/// proxy restarted at once finds its addresses held by the one stopping, which closes them
+/// once it has left its tier (at most `TIER_LEAVE_LIMIT`, usually a fraction of a second).
+pub(crate) const ADDRESS_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `bind()`, tried again while `addr` is in use, for up to `patience`; says once that it waits.
+pub(crate) async fn when_free<T>(
+    addr: SocketAddr,
+    patience: std::time::Duration,
+    mut bind: impl FnMut() -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    let start = tokio::time::Instant::now();
+    let mut said = false;
+    loop {
+        match bind() {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && start.elapsed() < patience => {
+                if !said {
+                    tracing::warn!(
+                        "proxy: {addr} is in use (by a proxy still stopping?); trying again for \
+                         up to {patience:?}"
+                    );
+                    said = true;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Ok(b) if said => {
+                tracing::info!("proxy: {addr} free after {:?}", start.elapsed());
+                return Ok(b);
+            }
+            r => return r,
+        }
+    }
+}
+
 /// A listening socket on the reactor.
 fn register(sock: TcpListener) -> std::io::Result<AsyncFd<TcpListener>> {
     // tokio offers readiness for a plain fd only through `AsyncFd`, and registering one is
@@ -132,6 +166,30 @@ mod tests {
         let mut buf = [0u8; 64];
         let n = (&s).read(&mut buf).expect("the request is there at once");
         assert_eq!(&buf[..n], b"GET / HTTP/1.1\r\n\r\n");
+    }
+
+    #[tokio::test]
+    async fn a_bind_waits_for_an_address_held_a_while_and_no_longer() {
+        let held = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = held.local_addr().unwrap();
+        let refused = when_free(addr, Duration::ZERO, || bind(addr)).await;
+        assert_eq!(
+            refused.err().map(|e| e.kind()),
+            Some(std::io::ErrorKind::AddrInUse)
+        );
+        let t = Instant::now();
+        let patient = tokio::spawn(when_free(addr, Duration::from_secs(5), move || bind(addr)));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(held);
+        let bound = patient
+            .await
+            .unwrap()
+            .expect("bound once the address was free");
+        assert_eq!(bound.local_addr().unwrap(), addr);
+        assert!(t.elapsed() >= Duration::from_millis(200));
+        let t = Instant::now();
+        let gave_up = when_free(addr, Duration::from_millis(300), || bind(addr)).await;
+        assert!(gave_up.is_err() && t.elapsed() >= Duration::from_millis(300));
     }
 
     #[tokio::test]

@@ -1000,32 +1000,7 @@ fn a_proxy_stopped_with_sigterm_leaves_the_group_before_it_stops_accepting() {
         return;
     };
     t.wait_ready(2, Duration::from_secs(30));
-    // Every connection stays on the proxies' sockets from here on: one that goes quiet
-    // between the client's reads would be spliced otherwise.
-    let status = Command::new("ip")
-        .args(["netns", "exec", &t.net.client])
-        .args(["sysctl", "-qw", "net.ipv4.tcp_timestamps=0"])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    // Downloads (16 MiB at about 1.3 MB/s) until one is on proxy 1's sockets (its status
-    // counts the connections relayed in user space, which die with it).
-    let got = Arc::new(AtomicU64::new(0));
-    let mut downloads = Vec::new();
-    let t0 = Instant::now();
-    while t.number(1, &["kernel_splice", "user_space_now"]) == 0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "no download reached proxy 1 in user space"
-        );
-        downloads.push(download(
-            &t.net.client,
-            16 << 20,
-            got.clone(),
-            Duration::from_millis(50),
-        ));
-        std::thread::sleep(Duration::from_millis(300));
-    }
+    let downloads = t.download_in_user_space_on_proxy_1();
     let stopped = Instant::now();
     common::signal(
         &t.proxies[0].as_ref().unwrap().0,
@@ -1050,5 +1025,87 @@ fn a_proxy_stopped_with_sigterm_leaves_the_group_before_it_stops_accepting() {
         failed <= 2,
         "{failed} of {n} new connections failed while proxy 1 stopped"
     );
+    drop(downloads);
+}
+
+impl Tier {
+    /// Downloads (16 MiB at about 1.3 MB/s) until one is on proxy 1's own sockets (its status
+    /// counts the connections relayed in user space, which its drain waits for). Every
+    /// connection stays on the proxies' sockets from here on: the client sends no TCP
+    /// timestamps, without which the kernel splice takes no connection (a download that goes
+    /// quiet between the client's reads would be spliced otherwise).
+    fn download_in_user_space_on_proxy_1(&self) -> Vec<std::thread::JoinHandle<(String, Instant)>> {
+        let status = Command::new("ip")
+            .args(["netns", "exec", &self.net.client])
+            .args(["sysctl", "-qw", "net.ipv4.tcp_timestamps=0"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let got = Arc::new(AtomicU64::new(0));
+        let mut downloads = Vec::new();
+        let t0 = Instant::now();
+        while self.number(1, &["kernel_splice", "user_space_now"]) == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "no download reached proxy 1 in user space"
+            );
+            downloads.push(download(
+                &self.net.client,
+                16 << 20,
+                got.clone(),
+                Duration::from_millis(50),
+            ));
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        downloads
+    }
+}
+
+/// A proxy restarted at once after SIGTERM (a restart that does not wait for the old process
+/// to exit, as the tier script's `restart`): the old one leaves the tier and drains a download
+/// on its own sockets, the new one binds the same addresses once the old one has left and
+/// joins as a member of its own. Before, the new one exited at once ("[tier] listen …:
+/// Address already in use"): the old member held its tier listener until its drain ended.
+#[test]
+fn a_proxy_restarted_at_once_after_sigterm_serves_while_the_old_one_drains() {
+    let Some(mut t) = Tier::start(2, 2) else {
+        return;
+    };
+    t.wait_ready(2, Duration::from_secs(30));
+    let downloads = t.download_in_user_space_on_proxy_1();
+    let old_member = t.status(1).unwrap()["tier"]["member"].clone();
+    let mut old = t.proxies[0].take().unwrap();
+    common::signal(&old.0, rustix::process::Signal::TERM);
+    let restarted = Instant::now();
+    t.start_proxy(1);
+    // The new process answers as another member while the old one still drains.
+    loop {
+        let member = t.status(1).map(|s| s["tier"]["member"].clone());
+        if member.is_some_and(|m| !m.is_null() && m != old_member) {
+            break;
+        }
+        let exited = t.proxies[0].as_mut().unwrap().0.try_wait().unwrap();
+        assert!(
+            exited.is_none(),
+            "the new proxy 1 exited ({exited:?}) {:?} after the restart",
+            restarted.elapsed()
+        );
+        assert!(
+            restarted.elapsed() < Duration::from_secs(8),
+            "no new proxy 1 answers 8 s after the restart"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "the new proxy 1 answered {:?} after the restart",
+        restarted.elapsed()
+    );
+    assert!(
+        old.0.try_wait().unwrap().is_none(),
+        "the old proxy 1 exited before the new one served: the test proved nothing"
+    );
+    t.wait_ready(2, Duration::from_secs(15));
+    t.takes_new_connections(1);
+    drop(old);
     drop(downloads);
 }

@@ -5,7 +5,9 @@
 //! the router sends it meanwhile. Its listeners close only once the heartbeats have stopped
 //! coming (the distributor forgot it: no new connection comes any more). Closing them first,
 //! with the member still in the group, refused every new connection the router sent it until
-//! its drain ended.
+//! its drain ended. Its tier listener and heartbeat socket close then too, and it links to no
+//! new member, so that a proxy started in its place at once (a restart) binds the same
+//! addresses while this one drains (it waits for them meanwhile, see `listener::when_free`).
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,7 +46,12 @@ impl Leaving {
             };
         }
         b.last = Some(now);
-        !self.on.load(Ordering::Relaxed)
+        !self.on()
+    }
+
+    /// Whether the member is leaving.
+    pub(crate) fn on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
     }
 
     pub(crate) fn start(&self) {

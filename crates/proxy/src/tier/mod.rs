@@ -24,6 +24,7 @@ pub mod split;
 use crate::config::TierConfig;
 use crate::ctx::until_set;
 use crate::l4::kernel::KernelSplice;
+use crate::listener::when_free;
 use bytes::Bytes;
 pub(crate) use handover::{Registration, TakenMember, TierState};
 use leave::Leaving;
@@ -186,8 +187,11 @@ pub(crate) struct Tier {
     pe: Mutex<Arc<PoolElement>>,
     registrars: RegistrarAccess,
     register_in: String,
-    /// Second descriptors of the TCP listener and the UDP socket, for a successor.
-    sockets: [OwnedFd; 2],
+    /// Second descriptors of the TCP listener and the UDP socket, for a successor; gone once
+    /// the member has left the tier.
+    sockets: Mutex<Option<[OwnedFd; 2]>>,
+    /// Set once the member has left the tier: its listener and UDP socket close.
+    closed: watch::Sender<bool>,
     /// The registration association given to a successor, until it serves.
     given: Mutex<Option<Association>>,
     /// Set once a successor serves: every task of the membership ends.
@@ -294,6 +298,12 @@ impl Tier {
         taken: Option<TakenMember>,
     ) -> Result<Arc<Tier>, String> {
         let mac = mac_of(interface)?;
+        // A member started afresh waits for an address the member stopping here still holds.
+        let patience = if taken.is_none() {
+            crate::listener::ADDRESS_PATIENCE
+        } else {
+            Duration::ZERO
+        };
         let (taken_sockets, taken_pe) = match taken {
             Some(t) if t.listen == cfg.listen => (Some((t.tcp, t.udp)), Some((t.id, t.pe))),
             Some(t) => {
@@ -320,12 +330,17 @@ impl Tier {
                 (tcp, udp)
             }
             None => {
-                let tcp = TcpListener::bind(cfg.listen)
+                let at = cfg.listen;
+                let tcp = when_free(at, patience, || std::net::TcpListener::bind(at))
                     .await
-                    .map_err(|e| format!("[tier] listen {}: {e}", cfg.listen))?;
-                let udp = UdpSocket::bind(cfg.listen)
+                    .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                    .and_then(TcpListener::from_std)
+                    .map_err(|e| format!("[tier] listen {at}: {e}"))?;
+                let udp = when_free(at, patience, || std::net::UdpSocket::bind(at))
                     .await
-                    .map_err(|e| format!("[tier] listen {} (UDP): {e}", cfg.listen))?;
+                    .and_then(|u| u.set_nonblocking(true).map(|()| u))
+                    .and_then(UdpSocket::from_std)
+                    .map_err(|e| format!("[tier] listen {at} (UDP): {e}"))?;
                 (tcp, udp)
             }
         };
@@ -363,6 +378,7 @@ impl Tier {
             core.taking_over();
         }
         let (retired, _) = watch::channel(false);
+        let (closed, _) = watch::channel(false);
         let tier = Arc::new_cyclic(|this| Tier {
             cfg,
             me,
@@ -376,7 +392,8 @@ impl Tier {
             pe: Mutex::new(pe),
             registrars: registrars.clone(),
             register_in,
-            sockets,
+            sockets: Mutex::new(Some(sockets)),
+            closed,
             given: Mutex::new(None),
             retired,
             leaving: Leaving::default(),
@@ -395,10 +412,27 @@ impl Tier {
                 }
             });
         };
-        spawn(Box::pin(accept_loop(weak.clone(), tcp)));
-        if ports.is_some() {
-            spawn(Box::pin(heartbeat_loop(weak.clone(), udp)));
-        }
+        // The listener and the UDP socket close once the member has left: nobody links to a
+        // member out of the pool, and a proxy started meanwhile binds the same address.
+        let until_closed = |tier: &Arc<Tier>| {
+            let mut c = tier.closed.subscribe();
+            async move { until_set(&mut c).await }
+        };
+        let (closed, accepting) = (until_closed(&tier), accept_loop(weak.clone(), tcp));
+        spawn(Box::pin(async move {
+            tokio::select! {
+                () = accepting => {}
+                () = closed => {}
+            }
+        }));
+        let closed = until_closed(&tier);
+        let heartbeats = ports.is_some().then(|| heartbeat_loop(weak.clone(), udp));
+        spawn(Box::pin(async move {
+            tokio::select! {
+                () = async { if let Some(h) = heartbeats { h.await } } => {}
+                () = closed => {}
+            }
+        }));
         spawn(Box::pin(discovery_loop(weak.clone(), registrars)));
         spawn(Box::pin(timer_loop(weak)));
         Ok(tier)
@@ -414,8 +448,14 @@ impl Tier {
     /// member carries on meanwhile, links and heartbeats included.
     pub(crate) async fn hand_over(&self) -> std::io::Result<(TierState, Vec<OwnedFd>)> {
         let mut fds = Vec::with_capacity(3);
-        for s in &self.sockets {
-            fds.push(rserpool_handover::dup(s.as_fd())?);
+        {
+            let sockets = self.sockets.lock().unwrap_or_else(|p| p.into_inner());
+            let sockets = sockets
+                .as_ref()
+                .ok_or_else(|| std::io::Error::other("the tier member has left the tier"))?;
+            for s in sockets {
+                fds.push(rserpool_handover::dup(s.as_fd())?);
+            }
         }
         let registration = match self.pe().hand_over().await {
             Some((h, stream)) => {
@@ -457,6 +497,7 @@ impl Tier {
     /// The proxy stops: this member leaves the tier pool and answers no more heartbeats, and
     /// returns once the distributor sends none (it took the member out of the router's
     /// group), at most after `limit`; meanwhile it serves what still comes (see `leave.rs`).
+    /// Its tier listener and heartbeat socket are closed then.
     pub(crate) async fn leave(&self, limit: Duration) {
         self.leaving.start();
         self.pe().set_active(false);
@@ -477,6 +518,11 @@ impl Tier {
                 self.me.id
             );
         }
+        let _ = self.closed.send(true);
+        self.sockets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
     }
 
     /// A successor serves as this member: every task of the membership ends here (links,
@@ -741,8 +787,14 @@ async fn read_message(s: &mut TcpStream) -> std::io::Result<Option<Bytes>> {
 /// Takes links from other members: what they send goes to the core.
 async fn accept_loop(tier: Weak<Tier>, l: TcpListener) {
     loop {
-        let Ok((mut s, from)) = l.accept().await else {
-            continue;
+        let (mut s, from) = match l.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of descriptors, say: not again at once.
+                debug!("proxy: tier: accepting a link: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let tier = tier.clone();
         tokio::spawn(async move {
@@ -839,6 +891,11 @@ async fn discovery_loop(tier: Weak<Tier>, registrars: RegistrarAccess) {
         let Some(t) = tier.upgrade() else {
             return;
         };
+        if t.leaving.on() {
+            // Out of the pool: the links it has carry on, it makes no new ones (a member
+            // started in its place, with the same ports, would link to it).
+            return;
+        }
         t.pe().update_load(1.0 - (t.free)().clamp(0.0, 1.0));
         let handle = rserpool_wire::PoolHandle::from(t.cfg.pool.as_str());
         // A proxy also links to the servers of split splices, which register apart.
