@@ -55,6 +55,12 @@ impl Proxy {
             );
         }
         m.counter(
+            "rserpool_proxy_access_log_dropped_lines",
+            "Access log lines dropped because the file did not keep up (a full or hung disk).",
+            &[],
+            crate::access_log::dropped(),
+        );
+        m.counter(
             "rserpool_proxy_http2_floods",
             "HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM (resets, control \
              frames, header or CONTINUATION abuse beyond the [http2] limits).",
