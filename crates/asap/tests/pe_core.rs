@@ -213,6 +213,99 @@ fn a_takeover_claimed_while_the_home_answers_is_refused() {
     );
 }
 
+/// A claim arrives while `pe` is registered over `c`: whether the PE asked its home first
+/// (a registration over `c`, and no takeover) rather than adopting the claimant at once.
+fn asks_home_first(pe: &mut PeCore, c: ConnId, t: u64) -> bool {
+    let forged = pe.accept(addr(9, 4444), at(t));
+    pe.handle_data(forged, &keep_alive(0xdead_beef, true, pe.id()), at(t));
+    let a = actions(pe);
+    let asked = sent(&a, c).iter().any(is_registration)
+        && !a
+            .iter()
+            .any(|x| matches!(x, Action::Event(PeEvent::TakenOver { .. })));
+    if asked {
+        pe.handle_data(c, &accepted(pe.id()), at(t + 10));
+        assert!(actions(pe).contains(&Action::Close(forged)));
+    }
+    asked
+}
+
+/// A PE that lost its home and registered again is not open to forged takeovers from then
+/// on: back with the same registrar at once, with another one once a takeover of the old
+/// home can no longer race its registration (`TAKEOVER_RACE`). Before, one lost association
+/// (a PE stopped for a while) left it obeying any claim for the rest of its life.
+#[test]
+fn a_pe_that_registered_again_after_losing_its_home_asks_its_home_about_a_claim() {
+    let reg = addr(1, 3863);
+    // Back with the registrar it lost.
+    let (mut pe, c) = registered(reg);
+    pe.handle_close(c, at(1_000));
+    actions(&mut pe);
+    let t = pe.poll_timeout().unwrap();
+    pe.handle_timeout(t);
+    let (c2, to) = connect(&actions(&mut pe));
+    assert_eq!(to, reg);
+    pe.handle_connected(c2, t);
+    actions(&mut pe);
+    pe.handle_data(c2, &accepted(pe.id()), t);
+    actions(&mut pe);
+    let t = t.as_millis() + 100;
+    assert!(
+        asks_home_first(&mut pe, c2, t),
+        "a claim was obeyed unasked"
+    );
+
+    // Registered with another registrar: a takeover of the old home may race it for a while.
+    let (other, spare) = (addr(2, 3863), addr(1, 3863));
+    let mut pe = self::pe(vec![spare, other], 3);
+    let (c, to) = connect(&actions(&mut pe));
+    assert_eq!(to, spare);
+    pe.handle_connected(c, at(10));
+    pe.handle_data(c, &accepted(pe.id()), at(20));
+    actions(&mut pe);
+    pe.handle_close(c, at(1_000));
+    let mut now = 1_000;
+    let c2 = loop {
+        now = pe.poll_timeout().unwrap().as_millis().max(now);
+        pe.handle_timeout(at(now));
+        if let Some((c2, to)) = actions(&mut pe).iter().find_map(|a| match a {
+            Action::Connect(c, to) => Some((*c, *to)),
+            _ => None,
+        }) {
+            if to == other {
+                break c2;
+            }
+            pe.handle_connect_error(c2, "refused", at(now));
+        }
+        assert!(now < 60_000, "never tried the other registrar");
+    };
+    pe.handle_connected(c2, at(now));
+    actions(&mut pe);
+    pe.handle_data(c2, &accepted(pe.id()), at(now));
+    actions(&mut pe);
+    let race = rserpool_asap::core::pe::TAKEOVER_RACE.as_millis() as u64;
+    let mut late = now + race + 1;
+    // Keep-alives and re-registrations meanwhile.
+    while now < late {
+        now = pe.poll_timeout().unwrap().as_millis().max(now + 1);
+        if now >= late {
+            break;
+        }
+        pe.handle_timeout(at(now));
+        for m in sent(&actions(&mut pe), c2) {
+            if is_registration(&m) {
+                pe.handle_data(c2, &accepted(pe.id()), at(now));
+            }
+        }
+        actions(&mut pe);
+    }
+    late = late.max(now);
+    assert!(
+        asks_home_first(&mut pe, c2, late),
+        "a claim was obeyed unasked"
+    );
+}
+
 /// A takeover that arrives before the PE noticed its home is gone (a hung registrar): the
 /// home does not answer the check, so the takeover is adopted after the response timeout.
 #[test]

@@ -12,8 +12,10 @@
 //! association (keep-alives, re-registrations, deregistration), without registering again. A
 //! PE that loses its home adopts such a takeover whenever one arrives, however many registrars
 //! it knows: while it waits `takeover_wait` for one (when it knows another registrar it could
-//! register with instead), while it backs off, and while it connects or registers elsewhere.
-//! The last takeover wins. A takeover that cuts short a registration made after the loss is
+//! register with instead), while it backs off, while it connects or registers elsewhere, and
+//! for [`TAKEOVER_RACE`] after it registered elsewhere (a takeover of the old home by its peers
+//! may race that registration); registered again with the home it lost, or past that, it
+//! checks a takeover with its home as below. The last takeover wins. A takeover that cuts short a registration made after the loss is
 //! followed by a registration over the new home, so that the registrars agree on it again.
 //!
 //! A takeover is only real when the home is gone (RFC 5355 §3.1: anyone who reaches the
@@ -21,7 +23,8 @@
 //! association is up is answered (its keep-alive acknowledged, as the registrar expects) but
 //! not obeyed at once: the PE registers again with its home, and adopts the takeover only if
 //! the home does not answer within the response timeout or the association fails meanwhile.
-//! A home that answers keeps the PE, and the claimant's connection is closed (logged once).
+//! A home that answers keeps the PE, and the claimant's connection is closed (claims are
+//! logged at most once a minute).
 //! Nothing changes on the wire.
 //! Without a takeover it keeps trying the registrars it knows with back-off, and registers
 //! again once one is reachable.
@@ -219,6 +222,27 @@ struct Claim {
     conn: ConnId,
     peer: SocketAddr,
     home: u32,
+    /// Whether the log said so (claims are logged at most once a minute: a forged one may
+    /// come every few seconds).
+    logged: bool,
+}
+
+/// Claims of a takeover are logged at most once per this.
+const CLAIM_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// How long after registering elsewhere, having lost its home, a PE still obeys a takeover
+/// without asking its new home: the old home's peers take it over within their
+/// MAX-TIME-LAST-HEARD and takeover expiry (5 s each by default) after it went silent, which a
+/// registration elsewhere (after `takeover_wait`) may precede. Past this, a takeover is a
+/// claim like any other, checked with the home first (RFC 5355 §3.1).
+pub const TAKEOVER_RACE: Duration = Duration::from_secs(30);
+
+/// The home the PE lost, and until when a registration elsewhere may race its takeover
+/// (`None` until the PE registered elsewhere).
+#[derive(Clone, Copy, Debug)]
+struct LostHome {
+    registrar: SocketAddr,
+    race_until: Option<Instant>,
 }
 
 /// A pool element's protocol state; see the module docs.
@@ -241,10 +265,12 @@ pub struct PeCore {
     /// Index of the next registrar to try.
     next: usize,
     /// The PE lost its home and has not been taken over since: a registration elsewhere may
-    /// race a takeover.
-    lost_home: bool,
+    /// race a takeover of the old home by its peers.
+    lost_home: Option<LostHome>,
     offers: BTreeMap<ConnId, Offer>,
     claim: Option<Claim>,
+    /// When a claim was last logged, and how many came since.
+    claims_logged: Option<(Instant, u32)>,
     /// A registrar could not be reached and the log said so: it says it again only after a
     /// registration (once per outage, not at every back-off).
     unreachable_said: bool,
@@ -370,9 +396,10 @@ impl PeCore {
             sent_policy: cfg.policy.clone(),
             backoff: cfg.backoff_min,
             next: 0,
-            lost_home: false,
+            lost_home: None,
             offers: BTreeMap::new(),
             claim: None,
+            claims_logged: None,
             unreachable_said: false,
             cfg,
         }
@@ -763,7 +790,7 @@ impl PeCore {
                     pe_id: self.id,
                 };
                 self.out.send(conn, &ack);
-                if self.home_is_up() {
+                if self.home_is_up(now) {
                     self.check_claim(conn, o.peer, server_id, now);
                 } else {
                     self.adopt(conn, o.peer, server_id, now);
@@ -778,8 +805,11 @@ impl PeCore {
 
     /// Whether the PE is registered over an association it did not get after losing its home:
     /// a takeover now claims a home that is not gone.
-    fn home_is_up(&self) -> bool {
-        matches!(&self.phase, Phase::Session(s) if s.registered) && !self.lost_home
+    fn home_is_up(&self, now: Instant) -> bool {
+        matches!(&self.phase, Phase::Session(s) if s.registered)
+            && self
+                .lost_home
+                .is_none_or(|l| l.race_until.is_some_and(|u| now >= u))
     }
 
     /// A takeover by `home` at `peer` while the home association is up: the home is asked (a
@@ -791,17 +821,38 @@ impl PeCore {
         let Phase::Session(s) = &mut self.phase else {
             return;
         };
-        info!(
-            "PE {:#010x}: registrar {home:#010x} at {peer} claims to take over while home {:#010x} \
-             at {} is up: asking the home first",
-            self.id, s.home, s.addr
-        );
+        let logged = match &mut self.claims_logged {
+            Some((at, since)) if now < *at + CLAIM_LOG_EVERY => {
+                *since += 1;
+                false
+            }
+            last => {
+                let since = last.map_or(0, |(_, n)| n);
+                let more = if since > 0 {
+                    format!(" ({since} more claims in the last minute, not logged)")
+                } else {
+                    String::new()
+                };
+                info!(
+                    "PE {:#010x}: registrar {home:#010x} at {peer} claims to take over while home \
+                     {:#010x} at {} is up: asking the home first{more}",
+                    self.id, s.home, s.addr
+                );
+                *last = Some((now, 0));
+                true
+            }
+        };
         if s.pending.is_none() {
             s.pending = Some(now + self.cfg.response_timeout);
             let (c, msg) = (s.conn, self.registration());
             self.out.send(c, &msg);
         }
-        self.claim = Some(Claim { conn, peer, home });
+        self.claim = Some(Claim {
+            conn,
+            peer,
+            home,
+            logged,
+        });
     }
 
     /// Registrar `home` at `peer` took over as home over `conn` (its H-bit keep-alive answered).
@@ -827,10 +878,10 @@ impl PeCore {
             Phase::Session(s) => {
                 let (c, cut_short) = (s.conn, !s.adopted);
                 self.out.close(c);
-                cut_short && self.lost_home
+                cut_short && self.lost_home.is_some()
             }
         };
-        self.lost_home = false;
+        self.lost_home = None;
         info!(
             "PE {:#010x}: taken over by registrar {home:#010x} at {peer}; home now",
             self.id
@@ -909,17 +960,27 @@ impl PeCore {
                     } else {
                         format!(" {home:#010x}")
                     };
-                    warn!(
-                        "PE {id:#010x}: takeover by registrar {:#010x} at {} refused: home \
-                         registrar{known} at {addr} answers",
-                        c.home, c.peer
-                    );
+                    if c.logged {
+                        warn!(
+                            "PE {id:#010x}: takeover by registrar {:#010x} at {} refused: home \
+                             registrar{known} at {addr} answers",
+                            c.home, c.peer
+                        );
+                    }
                     self.out.close(c.conn);
                 }
                 self.set_state(PeState::Registered {
                     registrar: addr,
                     home,
                 });
+                if let Some(l) = &mut self.lost_home {
+                    if l.registrar == addr {
+                        // Back with the home it lost: no takeover of another to race.
+                        self.lost_home = None;
+                    } else if l.race_until.is_none() {
+                        l.race_until = Some(now + TAKEOVER_RACE);
+                    }
+                }
             }
             AsapMessage::DeregistrationResponse { pe_id, .. } if pe_id == id => {
                 // The registration life ran out at the registrar: register again.
@@ -966,8 +1027,11 @@ impl PeCore {
             if let Phase::Session(s) = &self.phase {
                 let registrar = s.addr;
                 self.out.event(PeEvent::LostHome { registrar });
+                self.lost_home = Some(LostHome {
+                    registrar,
+                    race_until: None,
+                });
             }
-            self.lost_home = true;
             // A takeover claimed while the home was up was real: the home did not answer.
             if let Some(c) = self.claim.take()
                 && self.out.is_open(c.conn)
@@ -1053,7 +1117,7 @@ impl PeCore {
     /// Not registered on purpose: inactive, or stopped for good.
     fn idle(&mut self) {
         // Deregistered: no home to lose, no takeover to follow.
-        self.lost_home = false;
+        self.lost_home = None;
         self.backoff = self.cfg.backoff_min;
         if self.stop {
             self.phase = Phase::Stopped;
