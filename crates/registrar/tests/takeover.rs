@@ -640,3 +640,65 @@ fn a_request_is_answered_where_it_came_from() {
         .expect("the looker is known");
     assert_eq!(looker.address, "10.0.0.4:50123");
 }
+
+/// ASAP messages this registrar sent on connection `c`, decoded.
+fn asap_out(r: &mut Registrar, c: ConnId) -> Vec<rserpool_wire::AsapMessage> {
+    let mut framer = rserpool_wire::Framer::new(65_536);
+    framer.extend(r.output(c));
+    let n = r.output(c).len();
+    r.consume_output(c, n);
+    std::iter::from_fn(|| framer.next_message().ok().flatten())
+        .filter_map(|f| rserpool_wire::AsapMessage::decode(&f).ok())
+        .collect()
+}
+
+/// RFC 5355 §3.1: a registration of the identifier of a PE a peer is home for, with another
+/// transport address, is another PE's, and is refused (cause 0x4). Found by an operator: any
+/// host could register a PE's identifier at a registrar that is not its home, and took its
+/// place in every registrar's handlespace. The PE itself, moving its home here, keeps its
+/// transport and is taken.
+#[test]
+fn a_peers_pe_identifier_with_another_transport_is_refused() {
+    let mut r = with_a_peer_and_its_pe();
+    let registration = |at_addr: SocketAddr| {
+        rserpool_wire::AsapMessage::Registration {
+            pool_handle: PoolHandle::from("P"),
+            pool_element: PoolElement {
+                id: 0x77,
+                home_registrar: 0,
+                registration_life: 60,
+                user_transport: UserTransport::Address(TransportAddress::tcp(at_addr)),
+                policy: Policy::RoundRobin,
+                asap_transport: None,
+            },
+        }
+        .to_bytes()
+        .unwrap()
+    };
+    let impostor = r.accept(addr(66, 50_000), at(100)).unwrap();
+    r.handle_data(impostor, &registration(addr(66, 8000)), at(100));
+    match &asap_out(&mut r, impostor)[..] {
+        [
+            rserpool_wire::AsapMessage::RegistrationResponse {
+                reject: true,
+                error: Some(e),
+                ..
+            },
+        ] => assert_eq!(
+            e.causes[0].code,
+            rserpool_wire::CauseCode::NON_UNIQUE_PE_IDENTIFIER
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(homes(&r, |_| true), [PEER], "the peer's PE is untouched");
+    let pe = r.accept(addr(9, 50_001), at(200)).unwrap();
+    r.handle_data(pe, &registration(addr(9, 8000)), at(200));
+    assert!(
+        matches!(
+            &asap_out(&mut r, pe)[..],
+            [rserpool_wire::AsapMessage::RegistrationResponse { reject: false, .. }]
+        ),
+        "the PE moving its home here is taken"
+    );
+    assert_eq!(homes(&r, |_| true), [US]);
+}

@@ -627,6 +627,23 @@ impl Asap {
                 return;
             }
         }
+        // A PE that moves its home here keeps its transport; the same identifier with another
+        // transport, while a registrar (a peer, or this one holding it after a takeover) has
+        // it, is another PE: an impostor, or one restarted elsewhere with a fixed identifier
+        // before its old entry is gone (its home removes that one, then a retry succeeds).
+        if let Some(r) = existing
+            && !bound
+            && self.hs.pe(r).element.user_transport != pe.user_transport
+        {
+            let home = self.hs.pe(r).element.home_registrar;
+            let cause = ErrorCause::new(CauseCode::NON_UNIQUE_PE_IDENTIFIER);
+            let why = format!(
+                "the PE identifier is registered (home registrar {home:#010x}) with another \
+                 transport address"
+            );
+            self.reject_registration(id, pool_handle, pe_id, cause, &why, out, now);
+            return;
+        }
         let full = if existing.is_none() && self.hs.len() >= self.cfg.max_pes {
             Some((self.cfg.max_pes, "in the handlespace"))
         } else if !bound && pes_here >= self.cfg.max_pes_per_connection {
