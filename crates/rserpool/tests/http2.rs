@@ -1284,3 +1284,93 @@ async fn a_stream_of_small_messages_to_a_slow_pe_arrives_whole_and_costs_no_othe
     read_ticks(&mut body).await;
     assert!(p.lines_with("panicked").is_empty());
 }
+
+/// An HTTP/2 PE that tells when a call's stream is reset: `/t.E/Warm` is echoed at once;
+/// `/t.E/Hang` is never answered; `/t.E/Upload` reads its body and is never answered. The
+/// time each reset is seen goes to the receiver.
+async fn cancel_pe() -> (SocketAddr, tokio::sync::mpsc::UnboundedReceiver<Instant>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = l.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::Builder::new()
+                    .handshake::<_, bytes::Bytes>(s)
+                    .await
+                else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        if req.uri().path() == "/t.E/Warm" {
+                            return echo(req, respond).await;
+                        }
+                        let mut body = req.into_body();
+                        let reading = async {
+                            while let Some(Ok(d)) = body.data().await {
+                                let _ = body.flow_control().release_capacity(d.len());
+                            }
+                            std::future::pending::<()>().await;
+                        };
+                        tokio::select! {
+                            () = reading => {}
+                            _ = std::future::poll_fn(|cx| respond.poll_reset(cx)) => {}
+                        }
+                        let _ = tx.send(Instant::now());
+                    });
+                }
+            });
+        }
+    });
+    (at, rx)
+}
+
+/// A client that cancels its call — while the PE works on it, or in the middle of its
+/// upload — has it cancelled at the PE at once, and the PE is not blamed. Before, the
+/// proxy waited for the PE's answer until `request-timeout-ms` (30 s) and then ejected the
+/// PE, and a cancelled upload ejected it at once: any client could keep a PE ejected, its
+/// back-off doubling with each cancel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_call_is_cancelled_at_the_pe_and_ejects_nothing() {
+    let (pe, mut resets) = cancel_pe().await;
+    let bed = H2Bed::start("cancel", "Cancel", pe).await;
+    let send = bed.client().await;
+    bed.warm(&send).await;
+    for (path, upload) in [("/t.E/Hang", false), ("/t.E/Upload", true)] {
+        let mut s = send.clone().ready().await.unwrap();
+        let (resp, mut body) = s
+            .send_request(grpc_request(bed.front, path), false)
+            .unwrap();
+        body.send_data(bytes::Bytes::from_static(b"\0\0\0\0\x04ping"), !upload)
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let cancelled = Instant::now();
+        body.send_reset(h2::Reason::CANCEL);
+        drop(resp);
+        let seen = tokio::time::timeout(Duration::from_secs(5), resets.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{path}: the PE still works on a cancelled call"))
+            .unwrap();
+        assert!(
+            seen.duration_since(cancelled) < Duration::from_secs(1),
+            "{path}: the PE heard of the cancel {:?} after it",
+            seen.duration_since(cancelled)
+        );
+    }
+    // The PE serves on, never ejected.
+    let mut s = send.clone();
+    for _ in 0..5 {
+        assert_eq!(
+            h2_call(&mut s, bed.front, "/t.E/Warm").await,
+            (200, "0".into())
+        );
+    }
+    let ejected = bed.proxy.lines_with("ejected");
+    assert!(
+        ejected.is_empty(),
+        "a client's cancel ejected the PE: {ejected:?}"
+    );
+}

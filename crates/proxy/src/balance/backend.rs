@@ -358,6 +358,11 @@ impl Backend {
         }
         let mut h = self.health();
         h.fails = 0;
+        if h.ejected_until.is_some_and(|u| u > Instant::now()) {
+            // Out already: the failures of requests sent before its ejection (a burst fails
+            // at once) neither eject it again nor double its back-off.
+            return false;
+        }
         let back_off = s
             .eject
             .saturating_mul(1 << h.ejections.min(16))
@@ -514,5 +519,44 @@ pub(crate) fn plain_socket(addr: SocketAddr) -> std::io::Result<tokio::net::TcpS
     match addr {
         SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
         SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A burst of requests sent before the PE failed all fail at once: one ejection, not one
+    /// per request with the back-off doubled each time (1 s to 30 s and a warning each, in a
+    /// walkthrough); once the ejection is over, the next failure doubles it.
+    #[test]
+    fn a_burst_of_failures_ejects_a_pe_once() {
+        let pe = loopback_pe(
+            7,
+            rserpool_wire::Protocol::TCP,
+            9,
+            rserpool_wire::Policy::RoundRobin,
+        );
+        let b = Backend::new(&PoolHandle::from("P"), &pe);
+        let s = HealthSettings {
+            max_fails: 1,
+            eject: Duration::from_millis(50),
+            eject_max: Duration::from_secs(30),
+        };
+        let ejected = (0..40).filter(|_| b.failed(&s, true)).count();
+        assert_eq!(ejected, 1);
+        let until = b.ejected_until().unwrap();
+        assert!(until <= Instant::now() + Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(
+            b.failed(&s, true),
+            "failing again after the ejection ejects again"
+        );
+        let again = b.ejected_until().unwrap();
+        assert!(
+            again > Instant::now() + Duration::from_millis(60),
+            "doubled"
+        );
+        assert_eq!(b.stats.failures.load(Ordering::Relaxed), 41);
     }
 }

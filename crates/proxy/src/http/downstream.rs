@@ -118,6 +118,19 @@ impl<'a> Downstream<'a> {
         }
     }
 
+    /// Resolves when the client has given the request up while it waits for a PE: an HTTP/2
+    /// client reset its stream (a cancelled gRPC call). The PE's side is then dropped, which
+    /// cancels the request there too. (An HTTP/1.1 client's close is found when its answer
+    /// is written.)
+    pub(crate) async fn gone(&mut self) {
+        match self {
+            Self::H2(s) => {
+                let _ = std::future::poll_fn(|cx| s.respond.poll_reset(cx)).await;
+            }
+            Self::H1(_) => std::future::pending().await,
+        }
+    }
+
     pub(crate) fn expired(&self) -> bool {
         self.deadline()
             .is_some_and(|d| d <= tokio::time::Instant::now())

@@ -250,7 +250,11 @@ pub(crate) fn settle(
             (504, Some("the pool element did not answer in time"))
         }
         Err(Failure::Timeout) => {
-            ctx.pools.failed(b);
+            // Not within `request-timeout-ms` (a long poll, a slow call, a handler that
+            // hangs): busy, not dead, as a per-try timeout. No single request ejects the PE
+            // (a client could do that at will); the success-rate rule counts it.
+            ctx.pools.busy(b);
+            b.answers.note(None);
             (504, Some("the pool element did not answer in time"))
         }
         Err(Failure::Broken { relayed }) => {

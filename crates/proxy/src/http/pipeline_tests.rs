@@ -101,8 +101,10 @@ async fn a_stale_kept_alive_connection_costs_the_pe_nothing() {
     assert_eq!(b.stats.connections.load(Ordering::Relaxed), 2);
 }
 
+/// A request the PE does not answer within `request-timeout-ms` (a long poll, a hung
+/// handler) makes it busy, not ejected: else any client could eject a PE with a slow call.
 #[tokio::test]
-async fn a_pe_that_does_not_answer_in_time_is_a_504_and_a_failure() {
+async fn a_pe_that_does_not_answer_in_time_is_a_504_and_busy_not_ejected() {
     let (a, _) = pe(Pe::Silent).await;
     let cfg = ProxyConfig {
         request_timeout_ms: 200,
@@ -113,7 +115,9 @@ async fn a_pe_that_does_not_answer_in_time_is_a_504_and_a_failure() {
     assert!(got.starts_with("HTTP/1.1 504"), "{got}");
     assert!(!keep);
     let b = &pool.backends()[0];
-    assert_eq!(b.stats.failures.load(Ordering::Relaxed), 1);
+    assert_eq!(b.stats.failures.load(Ordering::Relaxed), 0);
+    assert_eq!(b.stats.busy.load(Ordering::Relaxed), 1);
+    assert!(!b.is_ejected(Instant::now()), "ejected for one slow answer");
     assert!(reported(&mut reports).is_empty(), "slow is not unreachable");
 }
 

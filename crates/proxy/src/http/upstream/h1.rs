@@ -333,7 +333,12 @@ pub(crate) async fn exchange(
     let mut relayed = false;
     let resp = loop {
         let timeout = attempt.head_timeout(ctx.request_timeout());
-        let head = match read_response_head(&mut bc, timeout, ctx).await {
+        let waited = tokio::select! {
+            h = read_response_head(&mut bc, timeout, ctx) => h,
+            // Dropping the PE's connection cancels the request there.
+            () = d.gone() => return Err(Failure::Client),
+        };
+        let head = match waited {
             Ok(h) => h,
             Err(Failure::NoResponse { error, .. }) => {
                 return Err(Failure::NoResponse {

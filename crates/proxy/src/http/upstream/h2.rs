@@ -192,7 +192,10 @@ impl Slot {
 /// part of its body went, so it cannot go again).
 pub(crate) fn no_response(e: h2::Error, streamed: bool) -> Failure {
     let unprocessed = e.is_go_away() || e.reason() == Some(Reason::REFUSED_STREAM);
-    if unprocessed && !streamed {
+    if e.is_reset() && !e.is_remote() && !e.is_library() {
+        // Reset here: the client cancelled its upload (`pump`), no fault of the PE's.
+        Failure::Client
+    } else if unprocessed && !streamed {
         Failure::Refused
     } else {
         Failure::NoResponse {
@@ -316,7 +319,11 @@ pub(crate) async fn exchange(
     if let Some(deadline) = d.deadline() {
         limit = limit.min(deadline);
     }
-    let resp = match tokio::time::timeout_at(limit, resp).await {
+    let waited = tokio::select! {
+        w = tokio::time::timeout_at(limit, resp) => w,
+        () = d.gone() => return Err(Failure::Client),
+    };
+    let resp = match waited {
         Err(_) if d.expired() => return Err(Failure::Deadline),
         Err(_) => return Err(Failure::Timeout),
         Ok(Err(e)) => return Err(no_response(e, streamed)),
