@@ -702,3 +702,61 @@ fn a_peers_pe_identifier_with_another_transport_is_refused() {
     );
     assert_eq!(homes(&r, |_| true), [US]);
 }
+
+/// Cut off from its peer only (the peer's PEs still reach it): this registrar takes the
+/// peer's PE over, and the PE, whose home answers it, refuses. The PE stays, with its home,
+/// for as long as the cut lasts. Before, it was removed a MAX-TIME-LAST-HEARD later, here and
+/// at every other peer: a cut between registrars emptied the cut-off one's pools everywhere
+/// else (found by an operator), and they came back one by one at their re-registrations.
+#[test]
+fn a_pe_that_refuses_a_takeover_stays_with_its_home_while_the_home_is_cut_off() {
+    let mut r = with_a_peer_and_its_pe();
+    let mut t = 20;
+    // A PE of its own speaks every 300 ms throughout: this registrar hears the network.
+    let (mut own, mut pe_conn) = (None, None);
+    while pe_conn.is_none() {
+        assert!(t < 20_000, "never taken over");
+        own = Some(own_pe_registers(&mut r, own, t));
+        let until = t + 300;
+        pe_conn = takeover_connect(&mut r, &mut t, until, false);
+    }
+    let pe_conn = pe_conn.unwrap();
+    let ack = rserpool_wire::AsapMessage::EndpointKeepAliveAck {
+        pool_handle: PoolHandle::from("P"),
+        pe_id: 0x77,
+    }
+    .to_bytes()
+    .unwrap();
+    // The PE answers the keep-alive, asks its home, and closes.
+    let refuse = |r: &mut Registrar, c: ConnId, t: u64| {
+        r.handle_connected(c, at(t));
+        r.handle_data(c, &ack, at(t));
+        r.handle_closed_by_peer(c, at(t + 10));
+    };
+    refuse(&mut r, pe_conn, t);
+    let mut again = 0;
+    let start = t;
+    // Less than the registration life (60 s), past which it would expire.
+    while t < start + 45_000 {
+        t += 50;
+        if t % 300 < 50 {
+            own = Some(own_pe_registers(&mut r, own, t));
+        }
+        r.handle_timeout(at(t));
+        for a in actions(&mut r) {
+            if let Action::Connect(id, to) = a
+                && to == addr(9, 7000)
+            {
+                again += 1;
+                refuse(&mut r, id, t);
+            }
+        }
+        assert_eq!(
+            homes(&r, |id| id == 0x77),
+            [PEER],
+            "the PE left, or left its home, {} ms after refusing",
+            t - start
+        );
+    }
+    assert!(again <= 2, "taken over again {again} times in 45 s");
+}
