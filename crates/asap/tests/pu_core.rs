@@ -179,6 +179,38 @@ fn a_stale_association_is_replaced_not_counted_as_the_registrar_failing() {
     assert!(matches!(answer(actions(&mut pu)), Err(Error::Closed)));
 }
 
+/// A registrar running TLS, asked in plaintext, sends a few bytes of an alert and closes:
+/// no answer, so the registrar failed, and the question fails after its tries. Before, the
+/// bytes counted as an answer, the close as a kept association gone stale, and the pool
+/// user asked again at once, without end (10,000 connections a second, found by an operator).
+#[test]
+fn bytes_that_are_no_message_before_a_close_are_no_answer() {
+    let mut pu = PuCore::new(PoolUserConfig {
+        registrars: vec![reg(1)],
+        ..PoolUserConfig::default()
+    });
+    pu.resolve(&PoolHandle::from(POOL), at(0));
+    let mut a = actions(&mut pu);
+    let mut connects = 0;
+    loop {
+        if a.iter()
+            .any(|x| matches!(x, Action::Event(PuEvent::Answered(..))))
+        {
+            break;
+        }
+        let (c, _) = connect(&a);
+        connects += 1;
+        assert!(connects <= 10, "connecting again and again");
+        pu.handle_connected(c, at(connects));
+        actions(&mut pu);
+        // A TLS alert: record type 21, version 3.3, length 2, fatal, unexpected_message.
+        pu.handle_data(c, &[0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x0a], at(connects));
+        pu.handle_close(c, at(connects));
+        a = actions(&mut pu);
+    }
+    assert!(answer(a).is_err());
+}
+
 #[test]
 fn no_registrar_reachable_names_each_one_tried() {
     let mut pu = pu(Duration::ZERO);

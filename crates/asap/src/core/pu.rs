@@ -281,8 +281,11 @@ impl PuCore {
         if c != conn {
             return;
         }
-        *answered = true;
         let (msgs, err) = self.out.messages(conn, data);
+        // A whole message, not any bytes: a TLS registrar's alert to a plaintext pool user
+        // is no answer, and its close would be taken for a kept association gone stale
+        // (asked again at once, without end).
+        *answered |= !msgs.is_empty();
         for m in msgs {
             if !self.out.is_open(conn) {
                 return;

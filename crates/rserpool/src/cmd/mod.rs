@@ -196,13 +196,17 @@ pub fn tcp_registrars(opts: &RegistrarOpts) -> Result<Vec<SocketAddr>> {
 pub fn tls_hint(e: rserpool_asap::Error, opts: &RegistrarOpts) -> anyhow::Error {
     let closed = matches!(e, rserpool_asap::Error::Closed);
     let e = anyhow::Error::new(e);
-    if closed && opts.tls_ca.is_none() {
-        e.context(
+    match (closed, opts.tls_ca.is_none()) {
+        (true, true) => e.context(
             "the registrar closed the connection without an answer; if it requires TLS, give \
              --tls-cert, --tls-key and --tls-ca",
-        )
-    } else {
-        e
+        ),
+        (true, false) => e.context(
+            "the registrar closed the connection without an answer; if it runs TLS, it may not \
+             trust this certificate (signed by another CA than its own?), or --tls-ca may not \
+             be the CA of its certificate; if it does not run TLS, leave the --tls options out",
+        ),
+        _ => e,
     }
 }
 
