@@ -188,3 +188,63 @@ async fn a_registration_flood_stops_at_the_limits() {
         "one line per source and minute: {lines:?}"
     );
 }
+
+/// A registrar whose open-file limit is below its `max-connections` refuses connections at
+/// what the limit allows, with its own refusal (counted, logged once), and keeps descriptors
+/// for its listeners: its status listener still answers. Before, accepting failed with
+/// EMFILE on every listener, logged once a second, `connections_refused_total` stayed 0 and
+/// the operator was blind (24,000 connections from one host, in a walkthrough).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registrar_fits_its_connections_to_the_open_file_limit() {
+    let asap = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let status = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", "ulimit -n 300 && exec \"$0\" \"$@\"", BIN]);
+    let args = [
+        "registrar",
+        "--asap",
+        &asap.to_string(),
+        "--status",
+        &status.to_string(),
+        "--max-connections",
+        "1000",
+    ]
+    .map(String::from);
+    let reg = Logged::spawn_cmd(cmd, "registrar", &args, "info");
+    wait_for(Duration::from_secs(10), "the registrar listens", || async {
+        tokio::net::TcpStream::connect(asap).await.is_ok()
+    })
+    .await;
+    assert_eq!(
+        reg.lines_with("max-connections = 1000 is more than the open-file limit allows (300 descriptors): 44 connections at most")
+            .len(),
+        1
+    );
+    let mut held = Vec::new();
+    for _ in 0..80 {
+        held.push(std::net::TcpStream::connect(asap).unwrap());
+    }
+    wait_for(
+        Duration::from_secs(10),
+        "the registrar refuses past its limit",
+        || async {
+            !reg.lines_with("refused: limit of 44 connections reached")
+                .is_empty()
+        },
+    )
+    .await;
+    let mut s = tokio::net::TcpStream::connect(status).await.unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(b"GET /status HTTP/1.0\r\n\r\n").await.unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut answer))
+        .await
+        .expect("the status listener answers")
+        .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        reg.lines_with("Too many open files").is_empty(),
+        "{:?}",
+        reg.lines_with("Too many open files")
+    );
+}

@@ -44,6 +44,43 @@ pub fn set_log_format(f: LogFormat) {
     let _ = LOG_FORMAT.set(f);
 }
 
+/// Descriptors kept beside the connections: listeners, peers, the status listener, files.
+const RESERVED_FILES: u64 = 256;
+
+/// Raises the open-file limit to its hard limit, and fits `max` connections (each taking
+/// `per_connection` descriptors) within it, warning when `setting` asks for more (saying so
+/// only when it is left at its `default`). A limit above what the process may open is never
+/// reached: accepting fails instead, on every listener (the status listener too), without
+/// the limit's clear refusal and count.
+pub fn fit_to_open_files(max: usize, default: usize, per_connection: u64, setting: &str) -> usize {
+    use rlimit::Resource;
+    let Ok((soft, hard)) = Resource::NOFILE.get() else {
+        return max;
+    };
+    let soft = if soft < hard && Resource::NOFILE.set(hard, hard).is_ok() {
+        hard
+    } else {
+        soft
+    };
+    let fits = usize::try_from(soft.saturating_sub(RESERVED_FILES) / per_connection.max(1))
+        .unwrap_or(usize::MAX)
+        .max(1);
+    if max > fits {
+        let say = format!(
+            "{setting} = {max} is more than the open-file limit allows ({soft} descriptors): \
+             {fits} connections at most; raise the limit (LimitNOFILE= in a systemd unit, \
+             ulimit -n) to allow more"
+        );
+        if max == default {
+            tracing::info!("{say}");
+        } else {
+            tracing::warn!("{say}");
+        }
+        return fits;
+    }
+    max
+}
+
 /// Logs to stderr; `RUST_LOG` overrides the level (default info).
 pub fn init_logging() {
     let spec = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());

@@ -145,8 +145,15 @@ pub fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
 }
 
 pub fn run(args: ProxyArgs) -> Result<()> {
-    let cfg = load(&args)?;
+    let mut cfg = load(&args)?;
     super::init_logging();
+    // A connection takes two descriptors: the client's and the PE's.
+    cfg.max_connections = super::fit_to_open_files(
+        cfg.max_connections,
+        ProxyConfig::default().max_connections,
+        2,
+        "max-connections",
+    );
     let handover = handover_address(&args, &cfg)?;
     // A proxy running with this configuration hands its listening sockets over: no moment
     // with nobody listening (docs/OPERATIONS.md).

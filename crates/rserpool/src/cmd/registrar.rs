@@ -35,8 +35,14 @@ pub fn load_config(args: &RegistrarArgs) -> Result<Config> {
 }
 
 pub fn run(args: RegistrarArgs) -> Result<()> {
-    let cfg = load_config(&args)?;
+    let mut cfg = load_config(&args)?;
     super::init_logging();
+    cfg.max_connections = super::fit_to_open_files(
+        cfg.max_connections,
+        Config::default().max_connections,
+        1,
+        "max-connections",
+    );
     let at = handover_address(&args, &cfg)?;
     // A registrar running with these settings hands everything over: no PE registers again.
     let inherited = match at.as_ref().map(Inherited::take).transpose() {

@@ -73,7 +73,7 @@ impl Logged {
         Self::spawn_cmd(cmd, name, args, filter)
     }
 
-    fn spawn_cmd(mut cmd: Command, name: &str, args: &[String], filter: &str) -> Self {
+    pub fn spawn_cmd(mut cmd: Command, name: &str, args: &[String], filter: &str) -> Self {
         let mut child = cmd
             .args(args)
             .env("RUST_LOG", filter)
