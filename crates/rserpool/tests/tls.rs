@@ -188,6 +188,22 @@ async fn mutual_tls_admits_the_ca_s_own_and_refuses_everyone_else() {
         },
     )
     .await;
+    // The PEs refused say why they cannot register, with a hint: the foreign one and one
+    // without TLS at all (both said nothing before, retrying silently).
+    let plain_pe = example_pe("plain-pe", r1.asap, 0x67, Vec::new());
+    wait_for(
+        Duration::from_secs(10),
+        "the refused PEs say so",
+        || async {
+            !_bad_pe
+                .lines_with("does it trust this PE's certificate")
+                .is_empty()
+                && !plain_pe
+                    .lines_with("one that runs TLS closes a PE without it")
+                    .is_empty()
+        },
+    )
+    .await;
 
     // A client over TLS without a certificate may resolve but not register: cause 0xa.
     let client = {

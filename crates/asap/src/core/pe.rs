@@ -503,13 +503,22 @@ impl PeCore {
         match &self.phase {
             Phase::Connecting { conn: c, .. } if *c == conn => self.failed(false, false, now),
             Phase::Session(s) if s.conn == conn => {
-                if s.registered {
+                let (registered, addr) = (s.registered, s.addr);
+                if registered {
                     warn!(
-                        "PE {:#010x}: lost registrar {}: connection closed",
-                        self.id, s.addr
+                        "PE {:#010x}: lost registrar {addr}: connection closed",
+                        self.id
                     );
+                } else {
+                    let why = if self.cfg.tls.is_some() {
+                        "it closed the connection before answering the registration: does it \
+                         trust this PE's certificate (signed by its CA)?"
+                    } else {
+                        "it closed the connection before answering the registration: one that \
+                         runs TLS closes a PE without it (tls-cert, tls-key, tls-ca)"
+                    };
+                    self.unreachable(addr, why);
                 }
-                let registered = s.registered;
                 self.failed(registered, false, now);
             }
             Phase::Deregistering { conn: c, .. } if *c == conn => self.deregistered(false, now),
@@ -624,7 +633,13 @@ impl PeCore {
                 deadline,
             } if *deadline <= now => {
                 let (conn, addr) = (*conn, *addr);
-                self.unreachable(addr, "no connection within the connect timeout");
+                let why = if self.cfg.tls.is_some() {
+                    "no connection within the connect timeout; this PE runs TLS, and a \
+                     registrar without it does not answer its handshake"
+                } else {
+                    "no connection within the connect timeout"
+                };
+                self.unreachable(addr, why);
                 self.out.close(conn);
                 self.failed(false, false, now);
             }
