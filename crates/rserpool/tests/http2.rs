@@ -168,6 +168,38 @@ names = ["a.test"]
     assert!(ok && r.starts_with("HTTP/2 200"), "{r}");
     let (ok, r) = curl(&[&base[..], &["--http1.1", &url]].concat()).await;
     assert!(ok && r.starts_with("HTTP/1.1 200"), "{r}");
+    // WebSocket over HTTP/2 (an extended CONNECT) to a PE that answers the upgrade with a
+    // plain 200: the client gets 502, not a 2xx that would open its tunnel (it would read the
+    // PE's page as WebSocket frames, RFC 8441), and the PE is not blamed for it.
+    for _ in 0..6 {
+        let s = TcpStream::connect(front).await.unwrap();
+        let (send, conn) = h2::client::handshake(s).await.unwrap();
+        tokio::spawn(conn);
+        let mut send = send.ready().await.unwrap();
+        wait_for(Duration::from_secs(5), "extended CONNECT offered", || {
+            let on = send.is_extended_connect_protocol_enabled();
+            async move { on }
+        })
+        .await;
+        let req = http::Request::builder()
+            .method(http::Method::CONNECT)
+            .uri(format!("http://{front}/not-a-websocket"))
+            .extension(h2::ext::Protocol::from_static("websocket"))
+            .header("sec-websocket-version", "13")
+            .body(())
+            .unwrap();
+        let (resp, _up) = send.send_request(req, false).unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(5), resp)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(resp.status(), 502);
+    }
+    assert!(
+        p.lines_with("ejected").is_empty(),
+        "{:?}",
+        p.lines_with("ejected")
+    );
     // The same pipeline: no route is a 404, the access log and metrics count the requests.
     let m = scrape(status).await;
     assert!(metric(&m, "rserpool_proxy_requests_total", &[("pool", "Web")]) >= 4.0);

@@ -42,6 +42,9 @@ pub(crate) enum Failure {
     BadRequest,
     /// The client's body broke the chunked coding.
     BadBody,
+    /// The PE does not switch protocols for the client's upgrade (an extended CONNECT, RFC
+    /// 8441): no tunnel there, which is no fault of the PE's.
+    NotUpgraded,
 }
 
 /// The response as the client got it.

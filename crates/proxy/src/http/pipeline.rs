@@ -265,6 +265,7 @@ pub(crate) fn settle(
             )
         }
         Err(Failure::BadBody) => (400, Some("malformed chunked body")),
+        Err(Failure::NotUpgraded) => (502, Some("the pool element did not switch protocols")),
         Err(Failure::BadRequest) => (400, Some("malformed request")),
         // The client's own deadline: no fault of the PE's.
         Err(Failure::Deadline) => (504, Some("deadline exceeded")),

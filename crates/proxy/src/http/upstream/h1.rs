@@ -384,6 +384,11 @@ pub(crate) async fn exchange(
             }
             // Any other stream cannot become a tunnel.
             (101, Downstream::H2(_)) => return Err(Failure::Broken { relayed: false }),
+            // An upgrade answered without switching: a 2xx would open the client's tunnel
+            // (RFC 8441), and its body would be read as WebSocket frames.
+            (200..=299, Downstream::H2(s)) if r.upgrade && s.tunnel.is_some() => {
+                return Err(Failure::NotUpgraded);
+            }
             (100..=199, _) if head.code != 101 => {
                 // Interim responses go to HTTP/1.1 clients; 100 releases a waiting body.
                 if let Downstream::H1(h) = d

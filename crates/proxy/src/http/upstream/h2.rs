@@ -403,7 +403,7 @@ async fn extended_connect(
     let settled = tokio::time::Instant::now() + SETTINGS_WAIT;
     while !send.is_extended_connect_protocol_enabled() {
         if tokio::time::Instant::now() >= settled {
-            return Err(Failure::Broken { relayed: false });
+            return Err(Failure::NotUpgraded);
         }
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
