@@ -169,10 +169,22 @@ impl Server {
                 conns,
                 peer_pes,
                 taken,
-            }) => (
-                TcpListener::from_std(asap),
-                Some((server_id, enrp, status, conns, peer_pes, taken)),
-            ),
+            }) => {
+                // The associations go on whatever the listener; a changed ASAP address is
+                // bound anew (the handed listener closes).
+                let configured = cfg.asap_tcp().ok();
+                let listener = match asap.local_addr() {
+                    Ok(a) if configured.is_some_and(|c| c != a && c.port() != 0) => {
+                        info!("ASAP listener {a} handed over, another configured: moved");
+                        bind_asap(&cfg)?
+                    }
+                    _ => TcpListener::from_std(asap),
+                };
+                (
+                    listener,
+                    Some((server_id, enrp, status, conns, peer_pes, taken)),
+                )
+            }
             None => (bind_asap(&cfg)?, None),
         };
         let local = listener.local_addr()?;
@@ -202,9 +214,33 @@ impl Server {
                         Enrp::serve_on(&cfg, &poll, tcp, udp)
                     })
                     .transpose()?;
-                let status = status
-                    .map(|l| StatusListener::serve_on(TcpListener::from_std(l), poll.registry()))
-                    .transpose()?;
+                // A status address changed in the successor's settings is bound anew (the
+                // handed listener closes): a hand-over does not keep an address against them.
+                let status = match status {
+                    Some(l)
+                        if cfg.status.addr().is_some_and(|c| {
+                            c.port() == 0 || l.local_addr().is_ok_and(|a| a == c)
+                        }) =>
+                    {
+                        Some(StatusListener::serve_on(
+                            TcpListener::from_std(l),
+                            poll.registry(),
+                        )?)
+                    }
+                    handed => {
+                        if let Some(l) = handed {
+                            info!(
+                                "status listener {} handed over, {} configured: moved",
+                                l.local_addr()
+                                    .map_or_else(|_| "?".into(), |a| a.to_string()),
+                                cfg.status
+                                    .addr()
+                                    .map_or_else(|| "none".into(), |a| a.to_string())
+                            );
+                        }
+                        StatusListener::bind(&cfg, poll.registry())?
+                    }
+                };
                 cfg.server_id = server_id;
                 (enrp, status, server_id, conns, peer_pes, Some(taken))
             }

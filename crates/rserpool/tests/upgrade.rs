@@ -589,3 +589,61 @@ async fn a_registrar_upgraded_five_times_keeps_its_pes_and_answers_every_resolut
     }
     drop(pes);
 }
+
+/// A registrar's successor whose settings name another status address serves status there,
+/// and the old address closes with the old process. Before, the hand-over kept the old
+/// listener and ignored the setting, saying `status on` the old address (found by an
+/// operator).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registrar_upgraded_with_another_status_address_serves_status_there() {
+    let asap = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let enrp = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let (old_status, new_status) = (
+        SocketAddr::from(([127, 0, 0, 1], free_port())),
+        SocketAddr::from(([127, 0, 0, 1], free_port())),
+    );
+    let args = |status: SocketAddr| -> Vec<String> {
+        [
+            "registrar",
+            "--asap",
+            &asap.to_string(),
+            "--enrp",
+            &enrp.to_string(),
+            "--status",
+            &status.to_string(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let first = Logged::spawn("registrar-old", &args(old_status), "info");
+    common::wait_until(Duration::from_secs(10), "the registrar", || {
+        std::net::TcpStream::connect(old_status).is_ok()
+    })
+    .await;
+    let id = common::registrar_status(old_status)
+        .await
+        .unwrap()
+        .server_id;
+    let next = Logged::spawn("registrar-new", &args(new_status), "info");
+    common::wait_until(Duration::from_secs(20), "the hand-over", || {
+        !next
+            .lines_with("stopped serving; this one serves")
+            .is_empty()
+    })
+    .await;
+    let st = common::registrar_status(new_status)
+        .await
+        .expect("status on the configured address");
+    assert_eq!(st.server_id, id, "the same registrar, handed over");
+    drop(first);
+    common::wait_until(
+        Duration::from_secs(10),
+        "the old status address closes",
+        || std::net::TcpStream::connect(old_status).is_err(),
+    )
+    .await;
+    assert!(
+        next.lines_with(&format!("status on http://{old_status}"))
+            .is_empty()
+    );
+}

@@ -655,11 +655,12 @@ impl Asap {
             && !bound
             && self.hs.pe(r).element.user_transport != pe.user_transport
         {
-            let home = self.hs.pe(r).element.home_registrar;
+            let known = &self.hs.pe(r).element;
             let cause = ErrorCause::new(CauseCode::NON_UNIQUE_PE_IDENTIFIER);
             let why = format!(
-                "the PE identifier is registered (home registrar {home:#010x}) with another \
-                 transport address"
+                "the PE identifier is registered (home registrar {:#010x}) with another \
+                 transport address ({}, this one {})",
+                known.home_registrar, known.user_transport, pe.user_transport
             );
             self.reject_registration(id, pool_handle, pe_id, cause, &why, out, now);
             return;
