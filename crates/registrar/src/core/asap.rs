@@ -166,13 +166,7 @@ impl Asap {
             // Unbind first so remove_pe does not look for the connection.
             let m = self.meta_of(r);
             self.set_meta(r, PeMeta { conn: None, ..m });
-            // A PE that answered the takeover and closed soon after refused it: its home
-            // answered it, so it lives and stays with that home, whether this registrar hears
-            // the home or not (cut off from its peers only).
-            let refused = m.takeover_answered
-                && now < m.keep_alive_sent + Duration::from_millis(self.cfg.max_time_last_heard_ms);
-            if !self.handed_back(r, refused, out, enrp, now)
-                && !self.kept_after_takeover(r, out, enrp, now)
+            if !self.handed_back(r, out, enrp, now) && !self.kept_after_takeover(r, out, enrp, now)
             {
                 self.remove_pe(r, Removal::ConnectionClosed, out, enrp, now);
             }
@@ -248,24 +242,16 @@ impl Asap {
         true
     }
 
-    /// PE `r`, taken over from a registrar that is alive again (it was only cut off), or that
-    /// `refused` the takeover (its home answers it, whether this registrar hears that home or
-    /// not), did not move here: its new association closed or its keep-alive went
-    /// unanswered. It goes back to its home, here and at the peers (a HANDLE_UPDATE naming
-    /// that home), instead of being removed everywhere while it is registered there. Returns
-    /// whether it went back.
-    fn handed_back(
-        &mut self,
-        r: PeRef,
-        refused: bool,
-        out: &mut Conns,
-        enrp: &mut Enrp,
-        now: Instant,
-    ) -> bool {
+    /// PE `r`, taken over from a registrar that is alive again (it was only cut off), did not
+    /// move here: its new association closed (the PE refused the takeover because its home
+    /// answers, or could not be reached) or its keep-alive went unanswered. It goes back to
+    /// its home, here and at the peers (a HANDLE_UPDATE naming that home), instead of being
+    /// removed everywhere while it is registered there. Returns whether it went back.
+    fn handed_back(&mut self, r: PeRef, out: &mut Conns, enrp: &mut Enrp, now: Instant) -> bool {
         let m = self.meta_of(r);
         if m.taken_from == 0
             || self.hs.pe(r).element.home_registrar != self.id
-            || !(refused || enrp.is_alive(m.taken_from))
+            || !enrp.is_alive(m.taken_from)
         {
             return false;
         }
@@ -276,13 +262,8 @@ impl Asap {
         let handle = self.hs.pool_handle_of(r).clone();
         let element = self.hs.pe(r).element.clone();
         if self.event_log.allow(now) {
-            let why = if refused {
-                "which answers it (the PE refused the takeover)"
-            } else {
-                "which is back"
-            };
             info!(
-                "PE {:#010x} of pool {handle} stays with its home {:#010x}, {why}",
+                "PE {:#010x} of pool {handle} stays with its home {:#010x}, which is back",
                 element.id, m.taken_from
             );
         }
@@ -319,7 +300,7 @@ impl Asap {
                     }
                     // Expiring before its registration life: a PE kept after a takeover.
                     let held = m.expiry > now;
-                    if held && self.handed_back(r, false, out, enrp, now) {
+                    if held && self.handed_back(r, out, enrp, now) {
                         continue;
                     }
                     if held && enrp.takeover_may_be_news(out, now) {
@@ -395,8 +376,7 @@ impl Asap {
 
     /// PE `r`'s keep-alive went unanswered: it leaves, unless lost after a takeover.
     fn keep_alive_unanswered(&mut self, r: PeRef, out: &mut Conns, enrp: &mut Enrp, now: Instant) {
-        if self.handed_back(r, false, out, enrp, now) || self.kept_after_takeover(r, out, enrp, now)
-        {
+        if self.handed_back(r, out, enrp, now) || self.kept_after_takeover(r, out, enrp, now) {
             self.detach(r, true, out);
         } else {
             self.remove_pe(r, Removal::KeepAliveTimeout, out, enrp, now);
