@@ -150,25 +150,31 @@ async fn json_logs_are_one_object_per_line() {
             .unwrap(),
     );
     let stderr = child.stderr.take().unwrap();
-    let first = tokio::task::spawn_blocking(move || {
-        std::io::BufReader::new(stderr)
-            .lines()
-            .next()
-            .unwrap()
-            .unwrap()
-    });
-    let line = tokio::time::timeout(Duration::from_secs(10), first)
+    // Every line up to the one that says where it listens is a JSON object (a line about the
+    // open-file limit may come first).
+    let listening = {
+        let asap = asap.clone();
+        tokio::task::spawn_blocking(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let line = line.unwrap();
+                let v: serde_json::Value =
+                    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+                assert!(v["timestamp"].is_string(), "{v}");
+                if v["fields"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains(&asap))
+                {
+                    return v;
+                }
+            }
+            panic!("the log ended before saying where the registrar listens")
+        })
+    };
+    let v = tokio::time::timeout(Duration::from_secs(10), listening)
         .await
         .unwrap()
         .unwrap();
-    let v: serde_json::Value =
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
     assert_eq!(v["level"], "INFO", "{v}");
-    assert!(
-        v["fields"]["message"].as_str().unwrap().contains(&asap),
-        "{v}"
-    );
-    assert!(v["timestamp"].is_string(), "{v}");
     common::signal(&child, rustix::process::Signal::TERM);
     wait_until(Duration::from_secs(5), "the registrar exits", || {
         matches!(child.try_wait(), Ok(Some(_)))
