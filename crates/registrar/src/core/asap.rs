@@ -9,7 +9,7 @@
 //! handlespace only through [`HandlespaceView`], implemented here.
 
 use super::Instant;
-use super::conns::{Action, ConnId, Conns};
+use super::conns::{Action, ConnId, Conns, Offence};
 use super::enrp::{Enrp, HandlespaceView};
 use super::limit::LogLimiter;
 use super::probe::Probes;
@@ -558,11 +558,11 @@ impl Asap {
     ) {
         self.counters.registrations_rejected += 1;
         if let Some(peer) = out.peer(id)
-            && out.limit_log(id, now)
+            && out.limit_log(id, Offence::Registration, now)
         {
             warn!(
                 "{peer}: registration of PE {pe_id:#010x} in pool {pool_handle} rejected: {why} \
-                 (logged once a minute per source address)"
+                 (logged once a minute per source address and offence)"
             );
         }
         let msg = AsapMessage::RegistrationResponse {
@@ -690,11 +690,11 @@ impl Asap {
             && !c.rereg_bucket.take(self.cfg.max_rereg_rate, now)
         {
             self.counters.reregistrations_limited += 1;
-            if out.limit_log(id, now) {
+            if out.limit_log(id, Offence::Reregistration, now) {
                 warn!(
                     "{peer}: re-registrations beyond {}/s from this association: the PE's entry \
                      is kept as it was until the rate allows (logged once a minute per source \
-                     address)",
+                     address and offence)",
                     self.cfg.max_rereg_rate
                 );
             }
@@ -833,11 +833,11 @@ impl Asap {
             let peer = c.peer;
             c.refused_in_a_row = c.refused_in_a_row.saturating_add(1);
             self.counters.resolutions_rate_limited += 1;
-            if out.limit_log(id, now) {
+            if out.limit_log(id, Offence::Resolution, now) {
                 warn!(
                     "{peer}: handle resolutions refused, more than {max_hr_rate}/s from this pool \
                      user; one that has a second's worth (at least 1,000) refused in a row is closed (logged once \
-                     a minute per source address)"
+                     a minute per source address and offence)"
                 );
             }
             if out.flooding(id, max_hr_rate) {
@@ -942,11 +942,11 @@ impl Asap {
             let peer = c.peer;
             c.refused_in_a_row = c.refused_in_a_row.saturating_add(1);
             self.counters.unreachable_rate_limited += 1;
-            if out.limit_log(id, now) {
+            if out.limit_log(id, Offence::Unreachable, now) {
                 warn!(
                     "{peer}: ENDPOINT_UNREACHABLE ignored, more than {rate}/s from this pool user; \
                      one that has a second's worth (at least 1,000) ignored in a row is closed (logged once a \
-                     minute per source address)"
+                     minute per source address and offence)"
                 );
             }
             if out.flooding(id, rate) {

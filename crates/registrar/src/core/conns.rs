@@ -116,7 +116,7 @@ pub(super) struct Conns {
     /// Log lines caused by peers (bad input, limits), rate-limited together.
     pub(super) peer_log: LogLimiter,
     /// When a rate-limit line was last logged for each source address.
-    limit_logged: std::collections::HashMap<std::net::IpAddr, Instant>,
+    limit_logged: std::collections::HashMap<(std::net::IpAddr, Offence), Instant>,
     refused: u64,
     slow_closed: u64,
     protocol_errors: u64,
@@ -317,23 +317,25 @@ impl Conns {
         Some(id)
     }
 
-    /// Whether to log that association `id` hit a rate limit (or was closed for it): once a
-    /// minute per source address, however many associations it opens, and within the log
-    /// limit of all peers together.
-    pub(super) fn limit_log(&mut self, id: ConnId, now: Instant) -> bool {
+    /// Whether to log that association `id` committed `offence` (hit a rate limit, was
+    /// refused or closed for it): once a minute per source address and offence, however many
+    /// associations it opens (another offence of the same source is said too), and within the
+    /// log limit of all peers together.
+    pub(super) fn limit_log(&mut self, id: ConnId, offence: Offence, now: Instant) -> bool {
         let Some(ip) = self.get(id).map(|c| c.peer.ip()) else {
             return false;
         };
-        self.once_a_minute(ip, now)
+        self.once_a_minute(ip, offence, now)
     }
 
-    /// Whether a line about `ip` may be logged: its first this minute, within the log limit of
-    /// all peers together.
-    fn once_a_minute(&mut self, ip: std::net::IpAddr, now: Instant) -> bool {
+    /// Whether a line about `ip`'s `offence` may be logged: its first this minute, within the
+    /// log limit of all peers together.
+    fn once_a_minute(&mut self, ip: std::net::IpAddr, offence: Offence, now: Instant) -> bool {
         let minute_ago = now.as_millis().saturating_sub(60_000);
+        let key = (ip, offence);
         if self
             .limit_logged
-            .get(&ip)
+            .get(&key)
             .is_some_and(|t| t.as_millis() > minute_ago)
         {
             return false;
@@ -345,7 +347,7 @@ impl Conns {
                 self.limit_logged.clear();
             }
         }
-        self.limit_logged.insert(ip, now);
+        self.limit_logged.insert(key, now);
         self.peer_log.allow(now)
     }
 
@@ -353,7 +355,7 @@ impl Conns {
     /// taken, counted, logged once a minute per source address.
     pub(super) fn refuse_stranger(&mut self, peer: SocketAddr, now: Instant) {
         self.refused += 1;
-        if self.once_a_minute(peer.ip(), now) {
+        if self.once_a_minute(peer.ip(), Offence::Stranger, now) {
             warn!("ENRP connection from {peer} refused: not a configured peer (enrp-peers-only)");
         }
     }
@@ -663,5 +665,43 @@ impl Conns {
             .iter()
             .map(|(code, n)| (format!("0x{code:x}"), *n))
             .collect();
+    }
+}
+
+/// What a source did that the registrar refused, for its log lines (each is said once a
+/// minute per source, [`Conns::limit_log`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum Offence {
+    /// A registration or deregistration refused.
+    Registration,
+    /// Re-registrations beyond `max-rereg-rate`.
+    Reregistration,
+    /// Handle resolutions beyond `max-hr-rate`.
+    Resolution,
+    /// ENDPOINT_UNREACHABLE reports beyond `max-eu-rate`.
+    Unreachable,
+    /// An ENRP connection from a host that is not a configured peer.
+    Stranger,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One line a minute per source and offence: a source refused for one thing is still
+    /// said when it floods with another (a resolution flood 53 s after an unrelated refusal
+    /// was logged nothing, found by an operator).
+    #[test]
+    fn each_offence_of_a_source_is_said_once_a_minute() {
+        let mut c = Conns::new(Arc::new(Config::default()), 1);
+        let ip = std::net::IpAddr::from([10, 0, 0, 66]);
+        let t = |s: u64| Instant::from_millis(100_000 + s * 1000);
+        assert!(c.once_a_minute(ip, Offence::Registration, t(0)));
+        assert!(!c.once_a_minute(ip, Offence::Registration, t(30)));
+        assert!(c.once_a_minute(ip, Offence::Resolution, t(53)));
+        assert!(!c.once_a_minute(ip, Offence::Resolution, t(60)));
+        assert!(c.once_a_minute(ip, Offence::Registration, t(61)));
+        let other = std::net::IpAddr::from([10, 0, 0, 67]);
+        assert!(c.once_a_minute(other, Offence::Resolution, t(61)));
     }
 }
