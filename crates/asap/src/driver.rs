@@ -239,6 +239,24 @@ enum Target {
     Stream(TcpStream),
 }
 
+/// A takeover connection whose certificate is not a registrar's was closed: said once a
+/// minute (a forged takeover may come every few seconds).
+fn takeover_refused(peer: Option<std::net::SocketAddr>) {
+    static SAID: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
+    if said.is_some_and(|t| t.elapsed() < std::time::Duration::from_secs(60)) {
+        return;
+    }
+    *said = Some(std::time::Instant::now());
+    tracing::warn!(
+        "takeover from {} refused: its certificate is not a registrar's (no {} among its \
+         subject alternative names: `rserpool cert --registrar NAME`, or add it with your own \
+         CA); said once a minute",
+        peer.map_or_else(|| "a peer".into(), |p| p.to_string()),
+        rserpool_tls::REGISTRAR_URI
+    );
+}
+
 /// One connection: connects if asked to (with TLS: and shakes hands), then reads and writes
 /// until either end closes.
 async fn serve(
@@ -265,6 +283,19 @@ async fn serve(
             };
             match r {
                 Ok(s) => {
+                    // Only a registrar takes a PE over: any certificate of the CA (a PE's, a
+                    // pool user's) could claim to be one otherwise.
+                    let registrar = s
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .and_then(<[_]>::first)
+                        .is_some_and(|c| rserpool_tls::is_registrar(c));
+                    if !registrar {
+                        takeover_refused(peer);
+                        let _ = events.send(ConnEvent::Closed(id));
+                        return;
+                    }
                     // Never released (TLS): dropping the stream closes it.
                     relay(id, s, rx, events).await;
                     return;

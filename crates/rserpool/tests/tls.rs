@@ -20,11 +20,18 @@ fn addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))
 }
 
-/// `rserpool cert --dir DIR NAMES…`: a CA (made once) and a certificate per name.
+/// `rserpool cert --dir DIR NAMES…`: a CA (made once) and a certificate per name; the
+/// names that begin with `reg` are registrars' (`--registrar NAME`).
 fn certs(dir: &Path, names: &[&str]) {
     let out = Command::new(BIN)
         .args(["cert", "--dir", dir.to_str().unwrap()])
-        .args(names)
+        .args(names.iter().flat_map(|n| {
+            if n.starts_with("reg") {
+                vec!["--registrar", n]
+            } else {
+                vec![*n]
+            }
+        }))
         .output()
         .unwrap();
     assert!(
@@ -686,6 +693,54 @@ async fn a_registrar_takes_over_a_pe_over_tls() {
     println!(
         "registrar 1 {id1:x?}, registrar 2 {id2:x?}: the PE is homed at {:x?}",
         home_at(r2.status).await
+    );
+    // A forged takeover with a certificate of the CA that is not a registrar's (the PE's own
+    // kind): the PE closes it before reading a word, says why, and stays with its home.
+    // Before, any certificate of the CA was taken for a registrar's.
+    let takeover_at: SocketAddr = common::registrar_status(r1.status)
+        .await
+        .unwrap()
+        .pools
+        .iter()
+        .flat_map(|p| &p.pes)
+        .find(|pe| pe.id == 0x42)
+        .and_then(|pe| pe.asap_transport.clone())
+        .and_then(|t| t.strip_prefix("tcp ").map(str::to_owned))
+        .and_then(|a| a.parse().ok())
+        .expect("the PE's takeover address");
+    let forger = rserpool_tls::Tls::load(&rserpool_tls::TlsFiles {
+        cert: dir.join("pe.pem"),
+        key: dir.join("pe.key"),
+        ca: dir.join("ca.pem"),
+    })
+    .unwrap();
+    let s = tokio::net::TcpStream::connect(takeover_at).await.unwrap();
+    let mut s = forger
+        .connect_stream(takeover_at.ip(), s)
+        .await
+        .expect("the PE's certificate checks out");
+    let claim = AsapMessage::EndpointKeepAlive {
+        home: true,
+        server_id: 0xdead_beef,
+        pool_handle: PoolHandle::from("Secure"),
+        pe_id: Some(0x42),
+    };
+    let _ = s.write_all(&claim.to_bytes().unwrap()).await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut answer)).await;
+    assert!(
+        answer.is_empty(),
+        "the PE answered a forged takeover: {answer:?}"
+    );
+    wait_for(Duration::from_secs(5), "the PE says why", || async {
+        !pe.lines_with("its certificate is not a registrar's")
+            .is_empty()
+    })
+    .await;
+    assert_eq!(home_at(r1.status).await, id1, "the PE left its home");
+    assert!(
+        pe.lines_with("taken over by registrar 0xdeadbeef")
+            .is_empty()
     );
     common::signal(&r1.proc.proc, rustix::process::Signal::KILL);
     let _ = r1.proc.proc.wait();

@@ -50,9 +50,24 @@ pub fn new_ca(name: &str) -> Result<Issued, rcgen::Error> {
 
 /// A certificate for `name` signed by `ca`, valid for `sans` (IP addresses or DNS names).
 pub fn issue(ca: &Issued, name: &str, sans: &[String]) -> Result<Issued, rcgen::Error> {
+    issue_as(ca, name, sans, false)
+}
+
+/// [`issue`], for a registrar when `registrar` (it carries [`crate::REGISTRAR_URI`]: PEs
+/// follow its takeovers).
+pub fn issue_as(
+    ca: &Issued,
+    name: &str,
+    sans: &[String],
+    registrar: bool,
+) -> Result<Issued, rcgen::Error> {
     let ca_key = KeyPair::from_pem(&ca.key_pem)?;
     let issuer = Issuer::from_ca_cert_pem(&ca.cert_pem, ca_key)?;
     let mut p = named(CertificateParams::new(sans.to_vec())?, name);
+    if registrar {
+        p.subject_alt_names
+            .push(rcgen::SanType::URI(crate::REGISTRAR_URI.try_into()?));
+    }
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     p.extended_key_usages = vec![
         ExtendedKeyUsagePurpose::ServerAuth,
@@ -64,4 +79,22 @@ pub fn issue(ca: &Issued, name: &str, sans: &[String]) -> Result<Issued, rcgen::
         cert_pem: cert.pem(),
         key_pem: key.serialize_pem(),
     })
+}
+
+#[cfg(test)]
+mod role_tests {
+    use super::*;
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+
+    #[test]
+    fn a_registrars_certificate_says_so_and_no_other_does() {
+        let ca = new_ca("role test").unwrap();
+        let sans = ["127.0.0.1".to_string(), "r1".to_string()];
+        let der = |i: &Issued| CertificateDer::from_pem_slice(i.cert_pem.as_bytes()).unwrap();
+        let registrar = issue_as(&ca, "r1", &sans, true).unwrap();
+        assert!(crate::is_registrar(&der(&registrar)));
+        let pe = issue(&ca, "pe", &sans).unwrap();
+        assert!(!crate::is_registrar(&der(&pe)));
+        assert!(!crate::is_registrar(b"not a certificate"));
+    }
 }

@@ -31,6 +31,29 @@ pub use tokio_rustls;
 #[cfg(feature = "issue")]
 pub mod issue;
 
+/// The URI a registrar's certificate carries as a subject alternative name. A PE follows a
+/// takeover (RFC 5353 §3.5) over TLS only from a certificate that has it: any certificate
+/// of the CA — a PE's, a pool user's — could claim to be a registrar otherwise (RFC 5355
+/// §3.1). `rserpool cert --registrar NAME` issues such certificates; with an own CA, add it
+/// to each registrar's certificate as a URI SAN.
+pub const REGISTRAR_URI: &str = "urn:rserpool:registrar";
+
+/// Whether the certificate `der` carries [`REGISTRAR_URI`] among its subject alternative
+/// names.
+pub fn is_registrar(der: &[u8]) -> bool {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return false;
+    };
+    let Ok(Some(san)) = cert.subject_alternative_name() else {
+        return false;
+    };
+    san.value
+        .general_names
+        .iter()
+        .any(|n| matches!(n, GeneralName::URI(u) if *u == REGISTRAR_URI))
+}
+
 /// The files of a TLS identity, as a config file or the command line names them.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]

@@ -599,7 +599,7 @@ fn tls_certificates() -> Result<crate::undo::TempDir> {
     std::fs::write(dir.join("ca.pem"), &ca.cert_pem)?;
     let sans = ["127.0.0.1".to_string(), "localhost".to_string()];
     for name in ["registrar", "pe"] {
-        let c = rserpool_tls::issue::issue(&ca, name, &sans)?;
+        let c = rserpool_tls::issue::issue_as(&ca, name, &sans, name == "registrar")?;
         std::fs::write(dir.join(format!("{name}.pem")), &c.cert_pem)?;
         std::fs::write(dir.join(format!("{name}.key")), &c.key_pem)?;
     }

@@ -17,9 +17,13 @@ pub struct CertArgs {
     /// address connected to).
     #[arg(long = "ip", value_name = "IP", default_values = ["127.0.0.1", "::1"])]
     pub ips: Vec<std::net::IpAddr>,
-    /// The names to make certificates for (e.g. registrar1 registrar2 pe proxy); each is
-    /// also a DNS name of its certificate.
-    #[arg(required = true)]
+    /// A registrar to make a certificate for (repeatable): it carries the registrar's role
+    /// (urn:rserpool:registrar), without which a PE refuses its takeovers.
+    #[arg(long = "registrar", value_name = "NAME")]
+    pub registrars: Vec<String>,
+    /// The names to make certificates for (e.g. pe proxy user); each is also a DNS name of its
+    /// certificate.
+    #[arg(required_unless_present = "registrars")]
     pub names: Vec<String>,
 }
 
@@ -61,14 +65,19 @@ pub fn run(args: CertArgs) -> Result<()> {
         );
         ca
     };
-    for name in &args.names {
+    let all = args
+        .registrars
+        .iter()
+        .map(|n| (n, true))
+        .chain(args.names.iter().map(|n| (n, false)));
+    for (name, registrar) in all {
         let mut sans: Vec<String> = args.ips.iter().map(ToString::to_string).collect();
         for n in [name.as_str(), "localhost"] {
             if !sans.iter().any(|s| s == n) {
                 sans.push(n.to_string());
             }
         }
-        let cert = issue::issue(&ca, name, &sans)
+        let cert = issue::issue_as(&ca, name, &sans, registrar)
             .with_context(|| format!("cannot make a certificate for {name}"))?;
         let (pem, key) = (
             args.dir.join(format!("{name}.pem")),
@@ -77,14 +86,19 @@ pub fn run(args: CertArgs) -> Result<()> {
         write(&pem, &cert.cert_pem, false)?;
         write(&key, &cert.key_pem, true)?;
         println!(
-            "{name}: {} and {} (for {})",
+            "{name}: {} and {} (for {}{})",
             pem.display(),
             key.display(),
-            sans.join(", ")
+            sans.join(", "),
+            if registrar { "; a registrar" } else { "" }
         );
     }
     let d = args.dir.display();
-    let first = &args.names[0];
+    let first = args
+        .registrars
+        .first()
+        .or(args.names.first())
+        .map_or("NAME", String::as_str);
     println!();
     println!(
         "Use them with --tls-cert {d}/{first}.pem --tls-key {d}/{first}.key --tls-ca {d}/ca.pem"
