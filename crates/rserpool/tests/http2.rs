@@ -1406,3 +1406,42 @@ async fn a_cancelled_call_is_cancelled_at_the_pe_and_ejects_nothing() {
         "a client's cancel ejected the PE: {ejected:?}"
     );
 }
+
+/// A PE of a pool with `protocol = "h2"` that speaks only HTTP/1.1 (it answers the preface
+/// with a 400, as HTTP/1.1 servers do): the clients get 502, and the proxy says once what is
+/// likely wrong. Before, nothing was logged (found by trying the proxy as a user would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_pool_whose_pe_speaks_http1_only_is_said_once() {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let pe = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+                    .await;
+            });
+        }
+    });
+    let bed = H2Bed::start("h1only", "H1Only", pe).await;
+    let front = bed.front;
+    let mut codes = Vec::new();
+    for _ in 0..5 {
+        wait_for(Duration::from_secs(10), "an answer", || async {
+            TcpStream::connect(front).await.is_ok()
+        })
+        .await;
+        let r = h2c_get(front, "/x").await;
+        codes.push(r.lines().next().unwrap_or_default().to_owned());
+    }
+    assert!(
+        codes.iter().all(|c| c.starts_with("HTTP/2 502")),
+        "{codes:?}"
+    );
+    wait_for(Duration::from_secs(5), "the proxy says why", || async {
+        bed.proxy.lines_with("does it speak HTTP/2").len() == 1
+    })
+    .await;
+}

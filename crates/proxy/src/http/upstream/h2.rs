@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// How long an extended CONNECT waits for a new connection's SETTINGS to say whether the PE
 /// offers it.
@@ -38,7 +38,7 @@ const SETTINGS_WAIT: std::time::Duration = std::time::Duration::from_millis(200)
 /// The HTTP/2 connections to one PE, kept apart per worker thread (each connection is driven
 /// by the runtime that opened it: `crate::workers`).
 #[derive(Debug, Default)]
-pub(crate) struct H2Conns(PerWorker<WorkerConns>);
+pub(crate) struct H2Conns(PerWorker<WorkerConns>, Arc<AtomicBool>);
 
 /// One worker's HTTP/2 connections to the PE.
 #[derive(Debug, Default)]
@@ -55,6 +55,8 @@ struct H2Conn {
     streams: AtomicUsize,
     /// The connection ended (or sent GOAWAY): no new streams.
     dead: Arc<AtomicBool>,
+    /// A response head came over it.
+    answered: Arc<AtomicBool>,
 }
 
 /// A stream's place on a connection, given back when dropped.
@@ -150,11 +152,23 @@ async fn open(b: &Arc<Backend>, ctx: &Ctx) -> io::Result<(SendRequest<Bytes>, Sl
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "HTTP/2 handshake timed out"))?
         .map_err(io::Error::other)?;
-    let dead = Arc::new(AtomicBool::new(false));
-    let (pool, id, gone) = (b.pool.clone(), b.id, dead.clone());
+    let (dead, answered) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let (pool, id, gone, said) = (b.pool.clone(), b.id, dead.clone(), conns.1.clone());
+    let ever = answered.clone();
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            debug!("pool {pool} PE {id:#010x}: HTTP/2 connection: {e}");
+        match conn.await {
+            // Failed before any answer, the first time said: most likely the PE does not speak
+            // HTTP/2 (an HTTP/1.1 server answers the preface with a 400 and closes), which the
+            // clients only see as 502s.
+            Err(e) if !ever.load(Ordering::Relaxed) && !said.swap(true, Ordering::Relaxed) => {
+                warn!(
+                    "pool {pool} PE {id:#010x}: its HTTP/2 connection failed before any answer: \
+                     {e}; does it speak HTTP/2 (the pool has protocol = \"h2\": prior knowledge \
+                     in cleartext, ALPN h2 over TLS)? (said once per PE)"
+                );
+            }
+            Err(e) => debug!("pool {pool} PE {id:#010x}: HTTP/2 connection: {e}"),
+            Ok(()) => {}
         }
         gone.store(true, Ordering::Relaxed);
     });
@@ -162,6 +176,7 @@ async fn open(b: &Arc<Backend>, ctx: &Ctx) -> io::Result<(SendRequest<Bytes>, Sl
         send: send.clone(),
         streams: AtomicUsize::new(1),
         dead,
+        answered,
     });
     conns.add(c.clone());
     let send = send.ready().await.map_err(io::Error::other)?;
@@ -330,6 +345,7 @@ pub(crate) async fn exchange(
         Ok(Ok(resp)) => resp,
     };
     b.note_latency(attempt.rif, attempt.sent.elapsed());
+    slot.0.answered.store(true, Ordering::Relaxed);
     let (parts, body) = resp.into_parts();
     let code = parts.status.as_u16();
     let end = body.is_end_stream();
