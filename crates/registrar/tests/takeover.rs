@@ -702,3 +702,43 @@ fn a_peers_pe_identifier_with_another_transport_is_refused() {
     );
     assert_eq!(homes(&r, |_| true), [US]);
 }
+
+/// Registrars started together: the configured peer was not listening yet and refused this
+/// registrar's connection; its PRESENCE then comes over its own connection to us. The
+/// handle table is asked at once, over a new connection of ours. Before, the request went
+/// nowhere (no connection of ours to the peer) and the start waited for its timeout and the
+/// next heartbeat (three registrars started at once took 7.5 s to synchronise, found by an
+/// operator).
+#[test]
+fn a_mentor_that_was_not_listening_yet_is_asked_at_once_when_it_speaks() {
+    let cfg = Config {
+        peer: vec![addr(2, 9901).into()],
+        mentor_discovery_ms: 5_000,
+        ..Config::default()
+    };
+    let mut r = Registrar::new(cfg, US, at(0));
+    r.enable_enrp(addr(1, 9901), at(0));
+    // The connection to the configured peer is refused: it is not listening yet.
+    for a in actions(&mut r) {
+        if let Action::Connect(id, to) = a
+            && to == addr(2, 9901)
+        {
+            r.handle_closed_by_peer(id, at(5));
+        }
+    }
+    // It starts and speaks: its PRESENCE over its own connection.
+    let theirs = r.accept_enrp(addr(2, 40_000), at(100)).unwrap();
+    r.handle_data(theirs, &presence_of_peer(), at(100));
+    let ours = actions(&mut r)
+        .into_iter()
+        .find_map(|a| match a {
+            Action::Connect(id, to) if to == addr(2, 9901) => Some(id),
+            _ => None,
+        })
+        .expect("a connection to the mentor at once");
+    r.handle_connected(ours, at(101));
+    let asked = enrp_out(&mut r, ours)
+        .into_iter()
+        .any(|m| matches!(m.body, EnrpBody::HandleTableRequest { .. }));
+    assert!(asked, "the handle table is asked over it");
+}

@@ -753,7 +753,7 @@ impl Enrp {
                     let reply = self.presence(sender, false, hs, out.is_sctp(conn));
                     out.send_enrp(conn, &reply, now);
                 }
-                self.choose_mentor(i, out, now);
+                self.choose_mentor(i, hs, out, now);
                 if let Some(c) = checksum {
                     self.check_audit(i, c, hs, out, now);
                 }
@@ -965,13 +965,26 @@ impl Enrp {
     }
 
     /// Start-up: the first peer heard becomes the mentor; ask it for its peers and handlespace.
-    fn choose_mentor(&mut self, i: usize, out: &mut Conns, now: Instant) {
+    fn choose_mentor(
+        &mut self,
+        i: usize,
+        hs: &impl HandlespaceView,
+        out: &mut Conns,
+        now: Instant,
+    ) {
         if self.starting.is_none() || self.mentor.is_some() {
             return;
         }
         let id = self.peers[i].id;
         info!("synchronising the handlespace from mentor registrar {id:#010x}");
         self.mentor = Some(id);
+        if self.peers[i].conn.is_none() {
+            // Registrars started together: our connection to it failed (it was not
+            // listening yet) and is made again only at a later heartbeat. Without one the
+            // requests below went nowhere, and the start waited for their timeout (7.5 s for
+            // three registrars started at once, in a walkthrough).
+            self.connect_peer(i, hs, out, now);
+        }
         self.send_to_peer(id, EnrpBody::ListRequest, out, now);
         self.request_handle_table(i, false, out, now);
     }

@@ -152,7 +152,10 @@ async fn open(b: &Arc<Backend>, ctx: &Ctx) -> io::Result<(SendRequest<Bytes>, Sl
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "HTTP/2 handshake timed out"))?
         .map_err(io::Error::other)?;
-    let (dead, answered) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let (dead, answered) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
     let (pool, id, gone, said) = (b.pool.clone(), b.id, dead.clone(), conns.1.clone());
     let ever = answered.clone();
     tokio::spawn(async move {
