@@ -704,8 +704,9 @@ fn a_peers_pe_identifier_with_another_transport_is_refused() {
 }
 
 /// Registrars started together: the configured peer was not listening yet and refused this
-/// registrar's connection; its PRESENCE then comes over its own connection to us. The
-/// handle table is asked at once, over a new connection of ours. Before, the request went
+/// registrar's connection; its PRESENCE then comes over its own connection to us. It is
+/// answered over that connection, and the handle table is asked at once, over a new
+/// connection of ours. Before, the request went
 /// nowhere (no connection of ours to the peer) and the start waited for its timeout and the
 /// next heartbeat (three registrars started at once took 7.5 s to synchronise, found by an
 /// operator).
@@ -726,9 +727,22 @@ fn a_mentor_that_was_not_listening_yet_is_asked_at_once_when_it_speaks() {
             r.handle_closed_by_peer(id, at(5));
         }
     }
-    // It starts and speaks: its PRESENCE over its own connection.
+    // It starts and speaks: its PRESENCE, asking for ours, over its own connection. Ours
+    // goes back over that one at once (we have none to it).
     let theirs = r.accept_enrp(addr(2, 40_000), at(100)).unwrap();
-    r.handle_data(theirs, &presence_of_peer(), at(100));
+    let asking = enrp(EnrpBody::Presence {
+        reply_required: true,
+        checksum: None,
+        server_info: Some(ServerInformation {
+            server_id: PEER,
+            transport: TransportAddress::tcp(addr(2, 9901)),
+        }),
+    });
+    r.handle_data(theirs, &asking, at(100));
+    let answered = enrp_out(&mut r, theirs)
+        .into_iter()
+        .any(|m| matches!(m.body, EnrpBody::Presence { .. }));
+    assert!(answered, "no PRESENCE back to a peer that started after us");
     let ours = actions(&mut r)
         .into_iter()
         .find_map(|a| match a {

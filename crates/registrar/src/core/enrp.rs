@@ -749,7 +749,11 @@ impl Enrp {
                 ..
             } => {
                 self.peers[i].checksum = checksum;
-                if reply_required && let Some(conn) = self.peers[i].conn {
+                if reply_required {
+                    // Over our connection to it, or (ours failed: it started after us and was
+                    // not listening yet) over the one it came on, so that it need not wait a
+                    // heartbeat for us.
+                    let conn = self.peers[i].conn.unwrap_or(id);
                     let reply = self.presence(sender, false, hs, out.is_sctp(conn));
                     out.send_enrp(conn, &reply, now);
                 }
