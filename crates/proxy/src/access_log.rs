@@ -31,25 +31,45 @@ pub(crate) struct AccessLog {
 
 impl AccessLog {
     pub(crate) fn open(path: &std::path::Path) -> std::io::Result<Self> {
-        let out: Box<dyn Write + Send> = if path.as_os_str() == "-" {
-            Box::new(std::io::stdout())
-        } else {
-            Box::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?,
-            )
+        use std::os::unix::fs::FileTypeExt;
+        let name = path.display().to_string();
+        if path.as_os_str() == "-" {
+            return Self::to_writer(|| Ok(Box::new(std::io::stdout())), name, QUEUE_LINES);
+        }
+        let append = |p: &std::path::Path| -> std::io::Result<Box<dyn Write + Send>> {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)?;
+            Ok(Box::new(f))
         };
-        Self::to_writer(out, path.display().to_string(), QUEUE_LINES)
+        if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
+            // Opening a FIFO for writing waits for a reader: the writer thread does, and lines
+            // queue meanwhile (the proxy starts, serves, and stops when told to).
+            let p = path.to_owned();
+            return Self::to_writer(move || append(&p), name, QUEUE_LINES);
+        }
+        let f = append(path)?;
+        Self::to_writer(move || Ok(f), name, QUEUE_LINES)
     }
 
-    /// A log writing to `out` (named `name` in warnings), up to `queue` lines waiting.
-    fn to_writer(out: Box<dyn Write + Send>, name: String, queue: usize) -> std::io::Result<Self> {
+    /// A log writing to what `open` opens (named `name` in warnings), up to `queue` lines
+    /// waiting.
+    fn to_writer(
+        open: impl FnOnce() -> std::io::Result<Box<dyn Write + Send>> + Send + 'static,
+        name: String,
+        queue: usize,
+    ) -> std::io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<String>(queue);
         std::thread::Builder::new()
             .name("access-log".into())
             .spawn(move || {
+                let out = match open() {
+                    Ok(o) => o,
+                    Err(e) => {
+                        return tracing::warn!("proxy: access log {name}: {e}; no access log");
+                    }
+                };
                 let mut w = std::io::BufWriter::new(out);
                 let mut failed = false;
                 while let Ok(line) = rx.recv() {
@@ -120,10 +140,36 @@ mod tests {
         }
     }
 
+    /// A FIFO with no reader yet: opening it for writing would wait for one, and the proxy
+    /// hung at start, before its listeners, deaf to SIGTERM (found by a user). The log opens
+    /// at once; lines reach the reader once there is one.
+    #[test]
+    fn a_fifo_without_a_reader_does_not_hold_up_the_start() {
+        let dir = std::env::temp_dir().join(format!("rserpool-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("access.log");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let t = Instant::now();
+        let log = AccessLog::open(&fifo).unwrap();
+        log.write("first".into());
+        assert!(t.elapsed() < Duration::from_secs(1), "waited for a reader");
+        let mut reader = std::io::BufReader::new(std::fs::File::open(&fifo).unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut reader, &mut line).unwrap();
+        assert!(line.ends_with(" first\n"), "{line:?}");
+        drop(log);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     #[test]
     fn a_file_that_does_not_keep_up_loses_lines_instead_of_holding_them() {
         let gate = Gate::default();
-        let log = AccessLog::to_writer(Box::new(gate.clone()), "gate".into(), 100).unwrap();
+        let g = gate.clone();
+        let log = AccessLog::to_writer(move || Ok(Box::new(g)), "gate".into(), 100).unwrap();
         let before = dropped();
         let t = Instant::now();
         for i in 0..10_000 {
