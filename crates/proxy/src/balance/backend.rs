@@ -35,6 +35,9 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 use tracing::warn;
 
+/// A PE is reported unreachable to a registrar at most this often (per proxy).
+pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(1);
+
 /// Settings of passive health.
 #[derive(Debug, Clone)]
 pub struct HealthSettings {
@@ -58,6 +61,9 @@ pub struct Backend {
     /// without the lock.
     ejected_until_ms: AtomicU64,
     busy_until_ms: AtomicU64,
+    /// When the PE was last reported unreachable to a registrar, in ms of [`clock_ms`] (0:
+    /// never).
+    reported_ms: AtomicU64,
     /// 5xx answers in a row (503 aside).
     fives: std::sync::atomic::AtomicU32,
     /// Answers in the success-rate rule's current interval.
@@ -146,6 +152,7 @@ impl Backend {
             stats: BackendStats::default(),
             health: Mutex::new(Health::default()),
             ejected_until_ms: AtomicU64::new(0),
+            reported_ms: AtomicU64::new(0),
             busy_until_ms: AtomicU64::new(0),
             joined_ms: clock_ms(Instant::now()),
             fives: std::sync::atomic::AtomicU32::new(0),
@@ -317,6 +324,23 @@ impl Backend {
             .max(self.ejected_until_ms.load(Ordering::Relaxed));
         let since = clock_ms(now).saturating_sub(from) as f64;
         (since / window.as_millis() as f64).clamp(0.05, 1.0)
+    }
+
+    /// Whether to report the PE unreachable to a registrar now: at most once per
+    /// [`REPORT_EVERY`], however many requests fail (each failure of a burst was reported:
+    /// 63,000 ENDPOINT_UNREACHABLEs in 3 s, in a walkthrough).
+    pub(crate) fn report_due(&self) -> bool {
+        self.report_due_at(clock_ms(Instant::now()))
+    }
+
+    /// [`report_due`](Self::report_due) at `now` ms of [`clock_ms`].
+    fn report_due_at(&self, now: u64) -> bool {
+        let last = self.reported_ms.load(Ordering::Relaxed);
+        (last == 0 || now.saturating_sub(last) >= REPORT_EVERY.as_millis() as u64)
+            && self
+                .reported_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 
     /// The PE is overloaded, not dead: no new work for `back_off` while others have room.
@@ -558,5 +582,19 @@ mod tests {
             "doubled"
         );
         assert_eq!(b.stats.failures.load(Ordering::Relaxed), 41);
+    }
+
+    #[test]
+    fn a_pe_is_reported_unreachable_once_a_second_at_most() {
+        let pe = loopback_pe(
+            7,
+            rserpool_wire::Protocol::TCP,
+            9,
+            rserpool_wire::Policy::RoundRobin,
+        );
+        let b = Backend::new(&PoolHandle::from("P"), &pe);
+        assert_eq!((0..1000).filter(|i| b.report_due_at(50 + i)).count(), 1);
+        assert!(!b.report_due_at(1049));
+        assert!(b.report_due_at(1050), "due again a second on");
     }
 }

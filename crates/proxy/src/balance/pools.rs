@@ -724,10 +724,12 @@ impl Pools {
     pub fn unreachable(&self, b: &Backend) {
         b.stats.failovers.fetch_add(1, Ordering::Relaxed);
         self.failed(b);
-        let _ = self.reports.send(Unreachable {
-            pool: b.pool.clone(),
-            pe_id: b.id,
-        });
+        if b.report_due() {
+            let _ = self.reports.send(Unreachable {
+                pool: b.pool.clone(),
+                pe_id: b.id,
+            });
+        }
     }
 
     pub fn registrar_reachable(&self) -> bool {
