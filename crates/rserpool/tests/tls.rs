@@ -737,6 +737,28 @@ async fn a_registrar_takes_over_a_pe_over_tls() {
             .is_empty()
     })
     .await;
+    // `rserpool attack takeover` with the TLS options makes the same claim over TLS (it
+    // spoke plaintext to the takeover port before, which proved nothing): refused.
+    let mut attack: Vec<String> = [
+        "attack",
+        "takeover",
+        "--pool",
+        "Secure",
+        "--hold-ms",
+        "1000",
+        "--registrar",
+        &r1.asap.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    attack.extend(tls(&dir, "pe"));
+    let out = Command::new(BIN).args(&attack).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("Refused"),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(home_at(r1.status).await, id1, "the PE left its home");
     assert!(
         pe.lines_with("taken over by registrar 0xdeadbeef")

