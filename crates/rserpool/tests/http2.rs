@@ -1445,3 +1445,29 @@ async fn an_h2_pool_whose_pe_speaks_http1_only_is_said_once() {
     })
     .await;
 }
+
+/// A gRPC call whose deadline has passed when it arrives (`grpc-timeout: 0m`) gets
+/// DEADLINE_EXCEEDED without reaching a PE. Before, a PE quick enough answered it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_deadline_is_not_sent_to_a_pe() {
+    let (pe, _resets) = cancel_pe().await;
+    let bed = H2Bed::start("deadline0", "Deadline0", pe).await;
+    let send = bed.client().await;
+    bed.warm(&send).await;
+    let mut s = send.clone().ready().await.unwrap();
+    let mut req = grpc_request(bed.front, "/t.E/Warm");
+    req.headers_mut()
+        .insert("grpc-timeout", http::HeaderValue::from_static("0m"));
+    let (resp, mut body) = s.send_request(req, false).unwrap();
+    body.send_data(bytes::Bytes::from_static(b"\0\0\0\0\x04ping"), true)
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(5), resp)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        resp.headers().get("grpc-status").map(|v| v.as_bytes()),
+        Some(&b"4"[..]),
+        "{resp:?}"
+    );
+}

@@ -59,6 +59,19 @@ pub(crate) async fn forward(
     pool: &Arc<Pool>,
     ctx: &Ctx,
 ) -> bool {
+    if d.expired() {
+        // Its deadline passed before it was sent (`grpc-timeout: 0m`, or while it queued): no
+        // PE is asked for work nobody waits for.
+        return Box::pin(give_up(
+            d,
+            r,
+            504,
+            Some("deadline exceeded"),
+            (pool, None),
+            ctx,
+        ))
+        .await;
+    }
     let replayable = d.held().is_some();
     // A request that cannot be sent again only goes on a connection just made or just used.
     let fresh_only = !idempotent_here(r, pool);
