@@ -550,18 +550,22 @@ pub(crate) fn plain_socket(addr: SocketAddr) -> std::io::Result<tokio::net::TcpS
 mod tests {
     use super::*;
 
-    /// A burst of requests sent before the PE failed all fail at once: one ejection, not one
-    /// per request with the back-off doubled each time (1 s to 30 s and a warning each, in a
-    /// walkthrough); once the ejection is over, the next failure doubles it.
-    #[test]
-    fn a_burst_of_failures_ejects_a_pe_once() {
+    fn a_backend() -> Backend {
         let pe = loopback_pe(
             7,
             rserpool_wire::Protocol::TCP,
             9,
             rserpool_wire::Policy::RoundRobin,
         );
-        let b = Backend::new(&PoolHandle::from("P"), &pe);
+        Backend::new(&PoolHandle::from("P"), &pe)
+    }
+
+    /// A burst of requests sent before the PE failed all fail at once: one ejection, not one
+    /// per request with the back-off doubled each time (1 s to 30 s and a warning each, in a
+    /// walkthrough); once the ejection is over, the next failure doubles it.
+    #[test]
+    fn a_burst_of_failures_ejects_a_pe_once() {
+        let b = a_backend();
         let s = HealthSettings {
             max_fails: 1,
             eject: Duration::from_millis(50),
@@ -586,13 +590,7 @@ mod tests {
 
     #[test]
     fn a_pe_is_reported_unreachable_once_a_second_at_most() {
-        let pe = loopback_pe(
-            7,
-            rserpool_wire::Protocol::TCP,
-            9,
-            rserpool_wire::Policy::RoundRobin,
-        );
-        let b = Backend::new(&PoolHandle::from("P"), &pe);
+        let b = a_backend();
         assert_eq!((0..1000).filter(|i| b.report_due_at(50 + i)).count(), 1);
         assert!(!b.report_due_at(1049));
         assert!(b.report_due_at(1050), "due again a second on");
