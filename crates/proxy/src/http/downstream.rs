@@ -121,16 +121,22 @@ impl<'a> Downstream<'a> {
         }
     }
 
-    /// Resolves when the client has given the request up while it waits for a PE: an HTTP/2
-    /// client reset its stream (a cancelled gRPC call). The PE's side is then dropped, which
-    /// cancels the request there too. (An HTTP/1.1 client's close is found when its answer
-    /// is written.)
-    pub(crate) async fn gone(&mut self) {
+    /// Waits for `wait` (a PE's answer) unless the client gives the request up meanwhile: an
+    /// HTTP/2 client resets its stream (a cancelled gRPC call), and `None` comes back; the
+    /// caller then drops the PE's side, which cancels the request there too. An HTTP/1.1
+    /// client's close is found when its answer is written: `wait` is awaited as it is, with
+    /// nothing beside it on that path.
+    pub(crate) async fn unless_gone<T>(&mut self, wait: impl Future<Output = T>) -> Option<T> {
         match self {
             Self::H2(s) => {
-                let _ = std::future::poll_fn(|cx| s.respond.poll_reset(cx)).await;
+                let gone = std::future::poll_fn(|cx| s.respond.poll_reset(cx));
+                tokio::select! {
+                    biased;
+                    v = wait => Some(v),
+                    _ = gone => None,
+                }
             }
-            Self::H1(_) => std::future::pending().await,
+            Self::H1(_) => Some(wait.await),
         }
     }
 

@@ -333,10 +333,12 @@ pub(crate) async fn exchange(
     let mut relayed = false;
     let resp = loop {
         let timeout = attempt.head_timeout(ctx.request_timeout());
-        let waited = tokio::select! {
-            h = read_response_head(&mut bc, timeout, ctx) => h,
-            // Dropping the PE's connection cancels the request there.
-            () = d.gone() => return Err(Failure::Client),
+        // The client gone: dropping the PE's connection cancels the request there.
+        let Some(waited) = d
+            .unless_gone(read_response_head(&mut bc, timeout, ctx))
+            .await
+        else {
+            return Err(Failure::Client);
         };
         let head = match waited {
             Ok(h) => h,

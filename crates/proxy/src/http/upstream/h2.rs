@@ -337,9 +337,8 @@ pub(crate) async fn exchange(
     if let Some(deadline) = d.deadline() {
         limit = limit.min(deadline);
     }
-    let waited = tokio::select! {
-        w = tokio::time::timeout_at(limit, resp) => w,
-        () = d.gone() => return Err(Failure::Client),
+    let Some(waited) = d.unless_gone(tokio::time::timeout_at(limit, resp)).await else {
+        return Err(Failure::Client);
     };
     let resp = match waited {
         Err(_) if d.expired() => return Err(Failure::Deadline),
@@ -348,7 +347,10 @@ pub(crate) async fn exchange(
         Ok(Ok(resp)) => resp,
     };
     b.note_latency(attempt.rif, attempt.sent.elapsed());
-    slot.0.answered.store(true, Ordering::Relaxed);
+    if !slot.0.answered.load(Ordering::Relaxed) {
+        // Once per connection: no write to the shared flag on every call.
+        slot.0.answered.store(true, Ordering::Relaxed);
+    }
     let (parts, body) = resp.into_parts();
     let code = parts.status.as_u16();
     let end = body.is_end_stream();
