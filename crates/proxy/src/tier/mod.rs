@@ -418,21 +418,19 @@ impl Tier {
             let mut c = tier.closed.subscribe();
             async move { until_set(&mut c).await }
         };
-        let (closed, accepting) = (until_closed(&tier), accept_loop(weak.clone(), tcp));
-        spawn(Box::pin(async move {
-            tokio::select! {
-                () = accepting => {}
-                () = closed => {}
-            }
-        }));
-        let closed = until_closed(&tier);
-        let heartbeats = ports.is_some().then(|| heartbeat_loop(weak.clone(), udp));
-        spawn(Box::pin(async move {
-            tokio::select! {
-                () = async { if let Some(h) = heartbeats { h.await } } => {}
-                () = closed => {}
-            }
-        }));
+        let spawn_open = |task: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>| {
+            let closed = until_closed(&tier);
+            spawn(Box::pin(async move {
+                tokio::select! {
+                    () = task => {}
+                    () = closed => {}
+                }
+            }));
+        };
+        spawn_open(Box::pin(accept_loop(weak.clone(), tcp)));
+        if ports.is_some() {
+            spawn_open(Box::pin(heartbeat_loop(weak.clone(), udp)));
+        }
         spawn(Box::pin(discovery_loop(weak.clone(), registrars)));
         spawn(Box::pin(timer_loop(weak)));
         Ok(tier)
