@@ -43,6 +43,16 @@ pub fn run(args: RegistrarArgs) -> Result<()> {
         1,
         "max-connections",
     );
+    // Signals are caught before the listeners open, as the proxy's are: a SIGTERM that
+    // comes right after the registrar says it listens (a supervisor stopping it as it
+    // starts) stops it, instead of falling between the start and a watch begun later.
+    let rt = super::runtime()?;
+    let (mut shutdown, mut usr2) = {
+        let _in = rt.enter();
+        let usr2 = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())
+            .context("cannot watch SIGUSR2")?;
+        (super::Shutdown::watch()?, usr2)
+    };
     let at = handover_address(&args, &cfg)?;
     // A registrar running with these settings hands everything over: no PE registers again.
     let inherited = match at.as_ref().map(Inherited::take).transpose() {
@@ -83,22 +93,14 @@ pub fn run(args: RegistrarArgs) -> Result<()> {
             .context("cannot start the xDS thread")?;
     }
     let stop = server.stop_handle();
-    let rt = super::runtime()?;
     let successor = super::service::Successor::here();
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
             rt.block_on(async {
-                let Ok(mut usr2) =
-                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())
-                else {
-                    return super::shutdown_signal().await;
-                };
-                let shutdown = super::shutdown_signal();
-                tokio::pin!(shutdown);
                 loop {
                     tokio::select! {
-                        () = &mut shutdown => return,
+                        () = shutdown.recv() => return,
                         _ = usr2.recv() => match (&successor, &at) {
                             (Some(s), Some(_)) => s.start(),
                             _ => warn!("SIGUSR2 ignored: no hand-over socket"),
